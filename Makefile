@@ -1,0 +1,28 @@
+# Two commands do everything: `make run` (set-up + the main job on the embedded default)
+# and `make test` (set-up + the test suite). Set-up is a project virtualenv in .venv,
+# refreshed whenever pyproject.toml changes; torch is installed first, pinned, so pip
+# takes the local CPU build instead of pulling CUDA wheels.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(BIN)/distflow train examples/arith_grpo.yaml $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q src tests $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs

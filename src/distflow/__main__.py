@@ -1,0 +1,5 @@
+import sys
+
+from distflow.cli import main
+
+sys.exit(main())

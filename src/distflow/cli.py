@@ -1,0 +1,104 @@
+"""The `distflow` command: train, plan.
+
+    distflow train CONFIG [key=value ...] [--nproc N]
+    torchrun --nproc_per_node N -m distflow train CONFIG [key=value ...]
+    distflow plan CONFIG [key=value ...] --world-size N
+
+The configuration (and the stage graph) is validated before any rank starts; a user
+error prints one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from distflow.config import Config, ConfigError, load_config
+
+USER_ERROR = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="distflow", description="Fully distributed RL post-training of LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a policy (one process, --nproc N, or under torchrun)")
+    train.add_argument("config", help="YAML config file")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=50")
+    train.add_argument("--nproc", type=int, default=1, help="number of ranks to start on this machine")
+    plan = sub.add_parser("plan", help="print the execution plan without launching anything")
+    plan.add_argument("config")
+    plan.add_argument("overrides", nargs="*")
+    plan.add_argument("--world-size", type=int, required=True)
+    return parser
+
+
+def _validate(config: Config, world_size: int) -> None:
+    """Everything that can be checked without a model: layout arithmetic, graph, paths."""
+    from distflow.dag.pipelines import build_graph
+
+    config.check_world_size(world_size)
+    build_graph(config)
+    if config.model.path is not None:
+        for key, value in (("model.path", config.model.path), ("model.tokenizer_path", config.model.tokenizer_path)):
+            if value is not None and not (Path(value).expanduser() / "config.json").is_file() and key == "model.path":
+                raise ConfigError(f"{key}={value!r} is not a Hugging Face model directory (no config.json)")
+            if value is not None and not Path(value).expanduser().is_dir():
+                raise ConfigError(f"{key}={value!r} does not exist")
+
+
+def _run_dir(config: Config) -> Path:
+    name = config.trainer.run_name or os.environ.get("DISTFLOW_RUN_NAME") or time.strftime("%Y%m%d-%H%M%S")
+    return Path(config.trainer.output_dir) / name
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+        if args.command == "plan":
+            return _plan(config, args.world_size)
+        under_launcher = "RANK" in os.environ
+        world_size = int(os.environ.get("WORLD_SIZE", 1)) if under_launcher else args.nproc
+        if args.nproc < 1:
+            raise ConfigError(f"--nproc must be >= 1 (got {args.nproc})")
+        _validate(config, world_size)
+        if args.nproc > 1 and not under_launcher:
+            from distflow.runtime.launcher import launch
+
+            # One run directory for all ranks, chosen before they start.
+            os.environ.setdefault("DISTFLOW_RUN_NAME", _run_dir(config).name)
+            return launch(args.nproc, _strip_nproc(argv))
+        from distflow.runtime.executor import run
+
+        run(config, _run_dir(config))
+        return 0
+    except ConfigError as err:
+        print(f"distflow: error: {err}", file=sys.stderr)
+        return USER_ERROR
+
+
+def _strip_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
+def _plan(config: Config, world_size: int) -> int:
+    from distflow.dag.pipelines import LOADER_FIELDS, build_graph
+    from distflow.planner.plan import make_plan
+
+    if world_size < 1:
+        raise ConfigError(f"--world-size must be >= 1 (got {world_size})")
+    config.check_world_size(world_size)
+    print(make_plan(build_graph(config), world_size, LOADER_FIELDS).describe())
+    return 0

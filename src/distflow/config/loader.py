@@ -1,0 +1,133 @@
+"""YAML + dotted overrides → typed `Config`, with one clear error per mistake."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from distflow.config.schema import Config, ConfigError
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}".replace("\n", " ")) from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+    for item in overrides:
+        apply_override(data, item)
+    return build(Config, data, "")
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply `a.b.c=value`; the value is parsed as YAML (so 1e-4, true, [1, 2] work)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw else None
+    except yaml.YAMLError:
+        value = raw
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'} must be a mapping (got {type(data).__name__})")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean {_join(where, close[0])!r}?" if close else f"; valid keys: {', '.join(fields)}"
+            raise ConfigError(f"unknown config key {_join(where, key)!r}{hint}")
+    kwargs = {name: convert(hints[name], value, _join(where, name)) for name, value in data.items()}
+    missing = [
+        name for name, f in fields.items()
+        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"missing config key {_join(where, missing[0])!r}")
+    return cls(**kwargs)
+
+
+def convert(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return convert(option, value, where)
+            except ConfigError as err:
+                errors.append(err)
+        raise errors[0]
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list (got {value!r})")
+        (item_tp,) = typing.get_args(tp)
+        return [convert(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple:
+        item_tps = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(item_tps):
+            raise ConfigError(f"{where} must be a list of {len(item_tps)} values (got {value!r})")
+        return tuple(convert(t, v, f"{where}[{i}]") for i, (t, v) in enumerate(zip(item_tps, value)))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise TypeError(f"unsupported config type {tp!r} at {where}")
+    raise ConfigError(f"{where} must be {_type_name(tp)} (got {value!r})")
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    def plain(value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+
+    return plain(dataclasses.asdict(config))
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else str(key)
+
+
+def _type_name(tp: Any) -> str:
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))

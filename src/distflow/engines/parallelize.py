@@ -1,0 +1,16 @@
+"""Applies data parallelism to a model from the outside (the model file stays plain)."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from distflow.runtime.dist import Comm
+
+
+def data_parallel(model: torch.nn.Module, comm: Comm) -> torch.nn.Module:
+    """DDP over all ranks when there are several; the model itself otherwise."""
+    if not comm.distributed:
+        return model
+    device_ids = [comm.device.index] if comm.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)

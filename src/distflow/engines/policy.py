@@ -1,0 +1,84 @@
+"""The trainable policy: a model, its data-parallel wrapper, optimizer and schedule.
+
+The engine knows nothing about RL algorithms: `update` receives a loss function that
+maps (micro-batch, log-probs, entropies) to a *sum* of per-token losses, and the
+number of loss tokens in the whole mini-batch across all ranks. Dividing every
+micro-batch's sum by that global count (and multiplying by the world size, because
+DDP averages gradients over ranks) makes the gradient independent of how the
+mini-batch is split over ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+
+import torch
+
+from distflow.config.schema import OptimConfig
+from distflow.data.batch import Batch
+from distflow.engines.logprobs import response_logprobs
+from distflow.engines.parallelize import data_parallel
+from distflow.runtime.dist import Comm
+
+# (micro-batch, logp_BR, entropy_BR) -> (sum of token losses, {stat name: sum over tokens})
+LossFn = Callable[[Batch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+class PolicyEngine:
+    def __init__(self, model: torch.nn.Module, comm: Comm, optim: OptimConfig) -> None:
+        self.model = model
+        self.comm = comm
+        self.wrapped = data_parallel(model, comm)
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
+        )
+        warmup = optim.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+        )
+        self.grad_clip = optim.grad_clip
+        self.version = 0  # optimizer steps taken; rollout reads it to know its weights are current
+
+    @torch.no_grad()
+    def logprobs(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+        self.model.eval()
+        chunks = batch.split(math.ceil(len(batch) / micro_batch_size))
+        out = [
+            response_logprobs(self.model, c["input_ids"], c["attention_mask"], c["response_start"])[0]
+            for c in chunks
+        ]
+        return torch.cat(out)
+
+    def update(
+        self, mini_batch: Batch, loss_fn: LossFn, num_loss_tokens_global: float, micro_batch_size: int
+    ) -> dict[str, float]:
+        """One optimizer step over `mini_batch` (this rank's share); returns local stat sums."""
+        self.model.train()
+        micros = mini_batch.split(math.ceil(len(mini_batch) / micro_batch_size))
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        for i, micro in enumerate(micros):
+            last = i == len(micros) - 1
+            sync = contextlib.nullcontext() if last or not self.comm.distributed else self.wrapped.no_sync()
+            with sync:
+                logp_BR, entropy_BR = response_logprobs(
+                    self.wrapped, micro["input_ids"], micro["attention_mask"], micro["response_start"],
+                    with_entropy=True,
+                )
+                loss_sum, stats = loss_fn(micro, logp_BR, entropy_BR)
+                (loss_sum * self.comm.world_size / num_loss_tokens_global).backward()
+            for name, value in stats.items():
+                totals[name] = totals.get(name, 0.0) + float(value)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+            self.scheduler.step()
+            self.version += 1
+            totals["nonfinite_grad_steps"] = 0.0
+        else:  # every rank sees the same all-reduced gradient, so every rank skips alike
+            totals["nonfinite_grad_steps"] = 1.0
+        totals["grad_norm"] = float(grad_norm)
+        totals["lr"] = self.scheduler.get_last_lr()[0]
+        return totals

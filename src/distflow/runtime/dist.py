@@ -1,0 +1,76 @@
+"""The process group, and the few collectives the rest of the code may ask for.
+
+Every rank is an identical controller; this module is where a rank learns who it is.
+Launched by `torchrun` (or `distflow train --nproc N`), RANK/WORLD_SIZE are in the
+environment; launched plainly, the run is a world of one and no process group exists.
+Code elsewhere calls `Comm` methods and never imports `torch.distributed`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Comm:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In-place sum over ranks (returns the same tensor for chaining)."""
+        if self.distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+def init_comm(*, device: str, timeout_s: int) -> Comm:
+    """Join the process group (if launched as several ranks) and pick this rank's device."""
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        torch_device = torch.device("cuda", local_rank)
+    else:
+        torch_device = torch.device("cpu")
+        # Ranks on one machine share its cores; oversubscribing threads slows all of them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if use_cuda else "gloo",
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=torch_device if use_cuda else None,
+        )
+    return Comm(rank, world_size, local_rank, local_world_size, torch_device)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
