@@ -44,15 +44,25 @@ class TaskConfig:
 
 @dataclass(kw_only=True)
 class WarmstartConfig:
-    steps: int = 420
-    """Supervised steps on the training split before RL (embedded model only; 0 disables)."""
+    target_accuracy: float = 0.25
+    """Stop the supervised warm-start once validation accuracy at the rollout temperature
+    reaches this (embedded model only; 0 skips the warm-start)."""
+    max_steps: int = 2000
+    """Give up (and fail) if the target is not reached within this many steps."""
+    check_every: int = 10
+    num_validation: int = 300
+    """Training-split problems held back from the warm-start to measure its progress."""
     batch_size: int = 128
     lr: float = 3e-3
     cache_dir: str = "~/.cache/distflow/warmstart"
     """Warm-started checkpoints are kept here, keyed by everything that shapes them."""
 
     def __post_init__(self) -> None:
-        _check(self.steps >= 0, f"warmstart.steps must be >= 0 (got {self.steps})")
+        _check(0 <= self.target_accuracy < 1,
+               f"warmstart.target_accuracy must be in [0, 1) (got {self.target_accuracy})")
+        _check(self.max_steps >= 1, f"warmstart.max_steps must be >= 1 (got {self.max_steps})")
+        _check(self.check_every >= 1, f"warmstart.check_every must be >= 1 (got {self.check_every})")
+        _check(self.num_validation >= 10, f"warmstart.num_validation must be >= 10 (got {self.num_validation})")
         _check(self.batch_size >= 1, f"warmstart.batch_size must be >= 1 (got {self.batch_size})")
         _check(self.lr > 0, f"warmstart.lr must be > 0 (got {self.lr})")
 

@@ -72,9 +72,9 @@ def old_logprob(batch: Batch, ctx: StageContext) -> Batch:
 @torch.no_grad()
 def reference_logprob(batch: Batch, ctx: StageContext) -> Batch:
     assert ctx.reference is not None, "the pipeline builder adds this stage only with a reference model"
-    start = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
+    width = batch["response_mask"].shape[1]
     chunks = batch.split(max(1, -(-len(batch) // ctx.config.trainer.micro_batch_size)))
-    ref = [response_logprobs(ctx.reference, c["input_ids"], c["attention_mask"], start)[0] for c in chunks]
+    ref = [response_logprobs(ctx.reference, c["input_ids"], c["attention_mask"], width)[0] for c in chunks]
     return batch.updated(ref_logp=torch.cat(ref))
 
 

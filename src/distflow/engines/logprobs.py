@@ -11,14 +11,15 @@ def response_logprobs(
     model: torch.nn.Module,
     input_ids_BT: torch.Tensor,
     attention_mask_BT: torch.Tensor,
-    response_start: int,
+    response_width: int,
     *,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of each response token (columns `response_start:`), shape [B, R].
+    """Log-prob of each response token (the last R = `response_width` columns), shape [B, R].
 
     The logits at column t predict token t+1, hence the shift by one.
     """
+    response_start = input_ids_BT.shape[1] - response_width
     logits_BTV = model(
         input_ids=input_ids_BT,
         attention_mask=attention_mask_BT,

@@ -46,7 +46,7 @@ class PolicyEngine:
         self.model.eval()
         chunks = batch.split(math.ceil(len(batch) / micro_batch_size))
         out = [
-            response_logprobs(self.model, c["input_ids"], c["attention_mask"], c["response_start"])[0]
+            response_logprobs(self.model, c["input_ids"], c["attention_mask"], c["response_mask"].shape[1])[0]
             for c in chunks
         ]
         return torch.cat(out)
@@ -64,7 +64,7 @@ class PolicyEngine:
             sync = contextlib.nullcontext() if last or not self.comm.distributed else self.wrapped.no_sync()
             with sync:
                 logp_BR, entropy_BR = response_logprobs(
-                    self.wrapped, micro["input_ids"], micro["attention_mask"], micro["response_start"],
+                    self.wrapped, micro["input_ids"], micro["attention_mask"], micro["response_mask"].shape[1],
                     with_entropy=True,
                 )
                 loss_sum, stats = loss_fn(micro, logp_BR, entropy_BR)

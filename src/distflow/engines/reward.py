@@ -1,19 +1,20 @@
 """Scoring completions with plain Python reward functions.
 
-A reward function is `fn(prompt, completion, sample) -> float | dict`; a dict must hold
-"reward" and may hold more named values (logged as metrics). An exception inside a
-reward function does not stop training: that sample gets `default_reward` and the
-failure is counted (`reward/errors` in the metrics), never hidden.
+A reward function is `fn(prompt, completion, sample) -> float`, where `sample` is the
+dataset row the prompt came from (ground truth and all). An exception inside a reward
+function, or a value that is not a finite number, does not stop training: that sample
+gets `default_reward` and the failure is counted (`reward/errors` in the metrics).
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Sequence
 
 import torch
 
-RewardFn = Callable[[str, str, dict], "float | dict"]
+RewardFn = Callable[[str, str, dict], float]
 
 
 def import_callable(spec: str) -> Callable:
@@ -36,24 +37,17 @@ def score(
     samples: Sequence[dict],
     *,
     default_reward: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, list[float]], int]:
-    """(reward_B, extra named values per sample, number of failed calls)."""
+) -> tuple[torch.Tensor, int]:
+    """(reward_B, number of failed calls)."""
     rewards: list[float] = []
-    extras: dict[str, list[float]] = {}
     errors = 0
     for prompt, completion, sample in zip(prompts, completions, samples):
         try:
-            value = reward_fn(prompt, completion, sample)
-            if isinstance(value, dict):
-                extra = {k: float(v) for k, v in value.items() if k != "reward"}
-                value = value["reward"]
-            else:
-                extra = {}
-            value = float(value)
+            value = float(reward_fn(prompt, completion, sample))
+            if not math.isfinite(value):
+                raise ValueError(f"reward {value} is not finite")
         except Exception:  # contained on purpose: counted in the metrics, see module doc
             errors += 1
-            value, extra = default_reward, {}
+            value = default_reward
         rewards.append(value)
-        for name, v in extra.items():
-            extras.setdefault(name, []).append(v)
-    return torch.tensor(rewards, dtype=torch.float32), extras, errors
+    return torch.tensor(rewards, dtype=torch.float32), errors

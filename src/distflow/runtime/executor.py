@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -57,6 +59,10 @@ def evaluate(ctx: StageContext, heldout: list[dict], *, tag: int) -> Evaluation:
     return Evaluation(sampled=(totals[0] / totals[1]).item(), greedy=(totals[2] / totals[3]).item())
 
 
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
 def load_model_and_tokenizer(config: Config, comm: Comm, log) -> tuple[torch.nn.Module, object]:
     if config.model.path is None:
         model_dir = ensure_embedded_model(config, is_main=comm.is_main, barrier=comm.barrier, log=log)
@@ -84,13 +90,11 @@ def run(config: Config, run_dir: Path) -> dict:
 def _train(config: Config, run_dir: Path, comm: Comm, started: float) -> dict:
     trainer = config.trainer
     config.check_world_size(comm.world_size)
-    writer = None
+    transformers.utils.logging.disable_progress_bar()
     if comm.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-        writer = RunWriter(run_dir, total_steps=trainer.total_steps, tensorboard=trainer.tensorboard,
-                           progress_bar=trainer.progress_bar)
-    log = writer.message if writer else (lambda text: None)
+    log = _stderr if comm.is_main else (lambda text: None)
 
     graph = build_graph(config)
     plan = make_plan(graph, comm.world_size, LOADER_FIELDS)
@@ -112,6 +116,11 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float) -> dict:
                        reference=reference, reward_fn=reward_fn, metrics=StepMetrics())
     torch.manual_seed(trainer.seed * 1_000_003 + comm.rank)  # rollout sampling stream of this rank
 
+    writer = None
+    if comm.is_main:
+        writer = RunWriter(run_dir, total_steps=trainer.total_steps, tensorboard=trainer.tensorboard,
+                           progress_bar=trainer.progress_bar)
+        log = writer.message
     before = evaluate(ctx, heldout_rows, tag=0)
     log(f"held-out accuracy before RL: {before.sampled:.3f} (T={config.rollout.temperature}), greedy {before.greedy:.3f}")
     if writer:

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-from distflow.config.schema import Config
+from distflow.config import Config, to_dict
+from distflow.engines.evaluation import count_correct
+from distflow.engines.reward import import_callable
 from distflow.engines.sft import supervised_warmstart
 from distflow.tasks.arithmetic import make_splits
 from distflow.tasks.tiny_model import build_tiny_model
@@ -32,7 +34,9 @@ def cache_key(config: Config) -> str:
     shaping = {
         "version": FORMAT_VERSION,
         "task": {"num_digits": config.task.num_digits, "num_heldout": config.task.num_heldout},
-        "warmstart": {k: getattr(config.warmstart, k) for k in ("steps", "batch_size", "lr")},
+        "warmstart": to_dict(config)["warmstart"] | {"cache_dir": None},
+        "temperature": config.rollout.temperature,
+        "max_new_tokens": config.rollout.max_new_tokens,
         "seed": config.trainer.seed,
     }
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
@@ -50,12 +54,36 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     model = build_tiny_model(tokenizer, seed=seed)
     train, _ = make_splits(num_digits=config.task.num_digits, num_heldout=config.task.num_heldout, seed=seed)
     ws = config.warmstart
-    log(f"warm-start: {ws.steps} supervised steps on {len(train)} training problems (cached afterwards)")
-    losses = supervised_warmstart(
-        model, tokenizer, [p.prompt for p in train], [p.answer for p in train],
-        steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=seed,
-    )
-    info = {"steps": ws.steps, "final_loss": losses[-1] if losses else None, "seconds": time.time() - start}
+    validation = [{"prompt": p.prompt, "answer": p.answer} for p in train[-ws.num_validation :]]
+    train = train[: -ws.num_validation]
+    reward_fn = import_callable(config.task.reward)
+    accuracy = [0.0]
+
+    def reached_target(step: int) -> bool:
+        correct, total = count_correct(
+            model, tokenizer, validation, reward_fn, num_samples=2, greedy=False,
+            temperature=config.rollout.temperature, top_p=config.rollout.top_p,
+            max_new_tokens=config.rollout.max_new_tokens,
+        )
+        accuracy[0] = correct / total
+        return accuracy[0] >= ws.target_accuracy
+
+    log(f"warm-start: supervised training on {len(train)} problems until validation accuracy "
+        f">= {ws.target_accuracy} (cached afterwards)")
+    losses = []
+    if ws.target_accuracy > 0:
+        losses = supervised_warmstart(
+            model, tokenizer, [p.prompt for p in train], [p.answer for p in train],
+            max_steps=ws.max_steps, batch_size=ws.batch_size, lr=ws.lr, seed=seed,
+            should_stop=reached_target, check_every=ws.check_every,
+        )
+        if accuracy[0] < ws.target_accuracy:
+            raise RuntimeError(
+                f"warm-start reached validation accuracy {accuracy[0]:.3f} < warmstart.target_accuracy="
+                f"{ws.target_accuracy} in {ws.max_steps} steps; raise warmstart.max_steps or lower the target"
+            )
+    info = {"steps": len(losses), "validation_accuracy": accuracy[0],
+            "final_loss": losses[-1] if losses else None, "seconds": time.time() - start}
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -66,7 +94,8 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
         tmp.rename(target)
     except OSError:  # another run finished the same checkpoint first; theirs is identical
         shutil.rmtree(tmp, ignore_errors=True)
-    log(f"warm-start done in {info['seconds']:.0f}s (final loss {info['final_loss']:.3f}) → {target}")
+    log(f"warm-start done: {info['steps']} steps, {info['seconds']:.0f}s, validation accuracy "
+        f"{info['validation_accuracy']:.3f} → {target}")
     return info
 
 
