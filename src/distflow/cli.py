@@ -41,12 +41,11 @@ def _validate(config: Config, world_size: int) -> None:
 
     config.check_world_size(world_size)
     build_graph(config)
-    if config.model.path is not None:
-        for key, value in (("model.path", config.model.path), ("model.tokenizer_path", config.model.tokenizer_path)):
-            if value is not None and not (Path(value).expanduser() / "config.json").is_file() and key == "model.path":
-                raise ConfigError(f"{key}={value!r} is not a Hugging Face model directory (no config.json)")
-            if value is not None and not Path(value).expanduser().is_dir():
-                raise ConfigError(f"{key}={value!r} does not exist")
+    if config.model.path is not None and not (Path(config.model.path).expanduser() / "config.json").is_file():
+        raise ConfigError(f"model.path={config.model.path!r} is not a Hugging Face model directory (no config.json)")
+    tokenizer_path = config.model.tokenizer_path
+    if tokenizer_path is not None and not Path(tokenizer_path).expanduser().is_dir():
+        raise ConfigError(f"model.tokenizer_path={tokenizer_path!r} is not a directory")
 
 
 def _run_dir(config: Config) -> Path:

@@ -1,0 +1,243 @@
+"""GRPO training throughput: distflow (1 and 2 processes) vs Hugging Face TRL, on CPU.
+
+    .venv/bin/python benchmarks/throughput.py            # 16 prompts x 8 samples, 8 new tokens, 20 steps
+    .venv/bin/python benchmarks/throughput.py --quick    # 3 steps, a smoke test
+
+What runs, one after another (never at the same time: they would share the cores):
+  (a) `distflow train` in one process, (b) `distflow train --nproc 2`,
+  (c) `trl.GRPOTrainer` (benchmarks/trl_worker.py) in .venv-bench, a virtualenv this
+      script creates on first use (torch==2.13.0 first, then benchmarks/requirements-trl.txt
+      under a torch==2.13.0 constraint, so pip never swaps the local CPU torch).
+
+Identical settings for all three: the embedded tiny Llama (`build_tiny_model(seed=0)`,
+untrained, saved once and loaded by each system from the same directory), distflow's
+character tokenizer, the same addition prompts in the same order, P prompts x G samples
+per optimizer step, temperature 1, top-p 1, no KL, one optimizer step per batch, AdamW
+(betas 0.9/0.99) at a constant learning rate, and distflow's `correctness_reward`.
+
+What is measured: wall seconds per optimizer step (rollout + reward + advantages + loss,
+backward and update), in steady state: the first 2 steps of each run are dropped, and
+start-up and evaluation are outside the timed region. distflow reports `time/step_s` and
+`tokens/generated` per step in metrics.jsonl; TRL is timed by a TrainerCallback
+(on_step_begin..on_step_end) and its generated tokens counted by the reward function.
+    completions/s = P*G / median step seconds
+    tokens/s      = mean generated tokens per step / median step seconds
+Generated tokens include EOS. The table goes to stdout and the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_VENV = ROOT / ".venv-bench"
+REQUIREMENTS = ROOT / "benchmarks" / "requirements-trl.txt"
+TORCH_PIN = "torch==2.13.0"
+WARMUP_STEPS = 2  # dropped from every run: allocator warm-up, first-call overheads
+SYSTEMS = ("distflow_1proc", "distflow_2proc", "trl")
+
+
+def log(text: str) -> None:
+    print(f"[bench] {text}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="GRPO throughput: distflow (1 and 2 processes) vs TRL.")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per optimizer step")
+    parser.add_argument("--generations", type=int, default=8, help="completions per prompt (group size)")
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per system")
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--quick", action="store_true", help="smoke test: 3 steps")
+    parser.add_argument("--skip-trl", action="store_true", help="only the two distflow runs")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps = 3
+    if args.steps <= WARMUP_STEPS:
+        parser.error(f"--steps must be > {WARMUP_STEPS} (the first {WARMUP_STEPS} steps are not timed)")
+    if args.prompts % 2:
+        parser.error("--prompts must be even (the 2-process run splits them over the ranks)")
+    return args
+
+
+# --- set-up -----------------------------------------------------------------------------
+
+
+def run_checked(cmd: list, *, env: dict | None = None, what: str) -> str:
+    """Run a command; on failure show its output and stop. Returns stdout."""
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, cwd=ROOT)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-5000:] + proc.stderr[-5000:])
+        raise SystemExit(f"[bench] {what} failed (exit {proc.returncode}): {' '.join(map(str, cmd))}")
+    return proc.stdout
+
+
+def ensure_bench_venv() -> Path:
+    """.venv-bench with TRL; rebuilt only when requirements-trl.txt changes."""
+    python = BENCH_VENV / "bin" / "python"
+    stamp = BENCH_VENV / ".installed"
+    wanted = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
+    if stamp.is_file() and stamp.read_text() == wanted:
+        return python
+    log(f"setting up {BENCH_VENV.name} (TRL baseline; first run only)")
+    if not python.exists():
+        run_checked(["python3", "-m", "venv", BENCH_VENV], what="creating the benchmark venv")
+    # torch first and alone, so pip picks the local CPU wheel; the constraint then stops
+    # TRL's dependencies from pulling in any other torch build.
+    run_checked([python, "-m", "pip", "install", "--quiet", TORCH_PIN], what="installing torch")
+    constraints = BENCH_VENV / "constraints.txt"
+    constraints.write_text(TORCH_PIN + "\n")
+    run_checked([python, "-m", "pip", "install", "--quiet", "-c", constraints, "-r", REQUIREMENTS],
+                what="installing TRL")
+    stamp.write_text(wanted)
+    return python
+
+
+def save_tiny_model(directory: Path) -> Path:
+    """The embedded tiny model, untrained, as a local Hugging Face directory."""
+    from distflow.tasks.tiny_model import build_tiny_model
+    from distflow.tasks.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    build_tiny_model(tokenizer, seed=0).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def write_prompts(path: Path, args: argparse.Namespace) -> Path:
+    """Every prompt of the run, in the order distflow's loader serves them (so TRL, with
+    shuffling off, trains on the same prompts at the same steps)."""
+    from distflow.data.loader import PromptLoader
+    from distflow.tasks.arithmetic import make_splits
+
+    train, _ = make_splits(num_digits=2, num_heldout=100, seed=0)
+    loader = PromptLoader(lambda i: {"prompt": train[i].prompt, "answer": train[i].answer}, len(train),
+                          prompts_per_step=args.prompts, seed=0, rank=0, world_size=1)
+    rows = [row for _ in range(args.steps) for row in loader.next_batch()["sample"]]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+# --- the three systems ------------------------------------------------------------------
+
+
+def distflow_config(path: Path, model_dir: Path, args: argparse.Namespace) -> Path:
+    batch = args.prompts * args.generations
+    config = {
+        "model": {"path": str(model_dir)},
+        "task": {"num_heldout": 100},
+        "rollout": {"num_samples": args.generations, "temperature": 1.0, "top_p": 1.0,
+                    "max_new_tokens": args.max_new_tokens},
+        "algorithm": {"name": "grpo", "kl_coef": 0.0, "ppo_epochs": 1, "num_mini_batches": 1},
+        "optim": {"lr": args.lr, "betas": [0.9, 0.99], "weight_decay": 0.0, "warmup_steps": 0, "grad_clip": 1.0},
+        # One micro-batch per step, like TRL's single forward/backward over the batch.
+        "trainer": {"total_steps": args.steps, "prompts_per_step": args.prompts, "micro_batch_size": batch,
+                    "seed": 0, "eval_every": 0, "eval_samples": 1, "tensorboard": False,
+                    "progress_bar": False, "device": "cpu"},
+    }
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def run_distflow(nproc: int, config: Path, work: Path) -> list[tuple[float, float]]:
+    """(step seconds, generated tokens) of every step after the warm-up ones."""
+    name = f"distflow_{nproc}proc"
+    cmd = [ROOT / ".venv" / "bin" / "distflow", "train", config, "--nproc", nproc,
+           f"trainer.output_dir={work}", f"trainer.run_name={name}"]
+    run_checked(cmd, what=f"distflow --nproc {nproc}")
+    rows = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
+    steps = sorted((r for r in rows if r["step"] >= 1 and "time/step_s" in r), key=lambda r: r["step"])
+    return [(r["time/step_s"], r["tokens/generated"]) for r in steps[WARMUP_STEPS:]]
+
+
+def run_trl(python: Path, model_dir: Path, data: Path, work: Path,
+            args: argparse.Namespace) -> list[tuple[float, float]]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+    cmd = [python, ROOT / "benchmarks" / "trl_worker.py", "--model-dir", model_dir, "--data", data,
+           "--output-dir", work / "trl", "--prompts", args.prompts, "--generations", args.generations,
+           "--max-new-tokens", args.max_new_tokens, "--steps", args.steps, "--lr", args.lr]
+    result = json.loads(run_checked(cmd, env=env, what="TRL worker").strip().splitlines()[-1])
+    return list(zip(result["step_s"], result["tokens"]))[WARMUP_STEPS:]
+
+
+# --- report -----------------------------------------------------------------------------
+
+
+def summarize(steps: list[tuple[float, float]], completions_per_step: int, wall_s: float) -> dict:
+    step_s = statistics.median(s for s, _ in steps)
+    tokens = statistics.fmean(t for _, t in steps)
+    return {
+        "step_s": round(step_s, 4),
+        "completions_per_s": round(completions_per_step / step_s, 1),
+        "tokens_per_s": round(tokens / step_s, 1),
+        "tokens_per_step": round(tokens, 1),
+        "timed_steps": len(steps),
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def print_table(results: dict) -> None:
+    print(f"{'system':<16}{'step s (median)':>17}{'completions/s':>15}{'tokens/s':>11}{'tokens/step':>13}{'wall s':>9}")
+    for name in SYSTEMS:
+        if name in results:
+            r = results[name]
+            print(f"{name:<16}{r['step_s']:>17.4f}{r['completions_per_s']:>15.1f}{r['tokens_per_s']:>11.1f}"
+                  f"{r['tokens_per_step']:>13.1f}{r['wall_s']:>9.1f}")
+
+
+def ratios(results: dict) -> dict:
+    """distflow / TRL: above 1 means distflow is faster."""
+    if "trl" not in results:
+        return {}
+    out = {}
+    for nproc in (1, 2):
+        ours, trl = results[f"distflow_{nproc}proc"], results["trl"]
+        out[f"ratio_completions_{nproc}proc_vs_trl"] = round(ours["completions_per_s"] / trl["completions_per_s"], 2)
+        out[f"ratio_tokens_{nproc}proc_vs_trl"] = round(ours["tokens_per_s"] / trl["tokens_per_s"], 2)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    settings = {"prompts_per_step": args.prompts, "generations": args.generations,
+                "max_new_tokens": args.max_new_tokens, "steps": args.steps, "timed_steps": args.steps - WARMUP_STEPS,
+                "lr": args.lr, "temperature": 1.0, "top_p": 1.0, "kl": 0.0, "device": "cpu",
+                "cpu_count": os.cpu_count()}
+    bench_python = None if args.skip_trl else ensure_bench_venv()
+    completions = args.prompts * args.generations
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="distflow-bench-") as tmp:
+        work = Path(tmp)
+        model_dir = save_tiny_model(work / "model")
+        config = distflow_config(work / "grpo.yaml", model_dir, args)
+        for nproc in (1, 2):
+            log(f"distflow, {nproc} process(es), {args.steps} steps")
+            start = time.perf_counter()
+            steps = run_distflow(nproc, config, work)
+            results[f"distflow_{nproc}proc"] = summarize(steps, completions, time.perf_counter() - start)
+        if bench_python is not None:
+            log(f"TRL GRPOTrainer, {args.steps} steps")
+            start = time.perf_counter()
+            steps = run_trl(bench_python, model_dir, write_prompts(work / "prompts.jsonl", args), work, args)
+            results["trl"] = summarize(steps, completions, time.perf_counter() - start)
+    if bench_python is not None:
+        settings["trl_version"] = run_checked(
+            [bench_python, "-c", "import trl; print(trl.__version__)"], what="reading the TRL version").strip()
+    print_table(results)
+    print(json.dumps({"settings": settings, **results, **ratios(results)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

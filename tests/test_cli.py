@@ -1,0 +1,40 @@
+"""The real command line: user errors give one line and exit code 2, never a traceback."""
+
+import pytest
+
+from conftest import REPO, run_cli
+
+BAD = [
+    (["trainer.total_step=5"], "unknown config key 'trainer.total_step'; did you mean 'trainer.total_steps'?"),
+    (["trainer.total_steps=five"], "trainer.total_steps must be an integer"),
+    (["rollout.top_p=1.5"], "rollout.top_p must be in (0, 1]"),
+    (["pipeline.custom_stages=[{name: loop, fn: 'distflow.dag.stages:weight_sync', after: [policy_update], "
+      "before: [rollout]}]"], "cycle"),
+    (["pipeline.custom_stages=[{name: x, fn: 'distflow.dag.stages:weight_sync', after: [rewrd]}]"],
+     "stage 'x' depends on unknown stage 'rewrd'"),
+    (["model.path=/nonexistent/model"], "model.path='/nonexistent/model' is not a Hugging Face model directory"),
+    (["trainer.prompts_per_step=3", "--nproc", "2"], "must be divisible by the number of processes (2)"),
+]
+
+
+@pytest.mark.parametrize("args, needle", BAD, ids=[b[1][:30] for b in BAD])
+def test_bad_config_is_one_line_exit_2(args, needle):
+    result = run_cli("train", "examples/arith_grpo.yaml", *args, cwd=REPO, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distflow: error: "), result.stderr
+    assert needle in lines[0]
+
+
+def test_missing_config_file():
+    result = run_cli("train", "nope.yaml", cwd=REPO, timeout=60)
+    assert result.returncode == 2 and "config file 'nope.yaml' does not exist" in result.stderr
+
+
+def test_plan_prints_stage_order_without_launching():
+    result = run_cli("plan", "examples/arith_grpo.yaml", "--world-size", "4096",
+                     "trainer.prompts_per_step=4096", cwd=REPO, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "world size 4096" in result.stdout
+    assert "rollout → reward → advantage → policy_update → weight_sync" in result.stdout
