@@ -106,9 +106,12 @@ def ensure_bench_venv() -> Path:
 
 def save_tiny_model(directory: Path) -> Path:
     """The embedded tiny model, untrained, as a local Hugging Face directory."""
+    import transformers
+
     from distflow.tasks.tiny_model import build_tiny_model
     from distflow.tasks.tokenizer import build_char_tokenizer
 
+    transformers.utils.logging.disable_progress_bar()
     tokenizer = build_char_tokenizer()
     build_tiny_model(tokenizer, seed=0).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
@@ -153,8 +156,9 @@ def distflow_config(path: Path, model_dir: Path, args: argparse.Namespace) -> Pa
 def run_distflow(nproc: int, config: Path, work: Path) -> list[tuple[float, float]]:
     """(step seconds, generated tokens) of every step after the warm-up ones."""
     name = f"distflow_{nproc}proc"
-    cmd = [ROOT / ".venv" / "bin" / "distflow", "train", config, "--nproc", nproc,
-           f"trainer.output_dir={work}", f"trainer.run_name={name}"]
+    # Overrides before --nproc: argparse does not collect positionals that follow an option.
+    cmd = [ROOT / ".venv" / "bin" / "distflow", "train", config,
+           f"trainer.output_dir={work}", f"trainer.run_name={name}", "--nproc", nproc]
     run_checked(cmd, what=f"distflow --nproc {nproc}")
     rows = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
     steps = sorted((r for r in rows if r["step"] >= 1 and "time/step_s" in r), key=lambda r: r["step"])
@@ -215,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
                 "lr": args.lr, "temperature": 1.0, "top_p": 1.0, "kl": 0.0, "device": "cpu",
                 "cpu_count": os.cpu_count()}
     bench_python = None if args.skip_trl else ensure_bench_venv()
+    settings["load_avg_1min_at_start"] = round(os.getloadavg()[0], 2)
+    if settings["load_avg_1min_at_start"] > 0.5:
+        # Other busy processes share the cores (and torch's threads spin-wait), so timings are inflated.
+        log(f"warning: load average {settings['load_avg_1min_at_start']} before starting; timings may be noisy")
     completions = args.prompts * args.generations
     results = {}
     with tempfile.TemporaryDirectory(prefix="distflow-bench-") as tmp:

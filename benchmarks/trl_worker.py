@@ -24,8 +24,10 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-# The reward is distflow's own function (a pure-Python module), not a re-implementation.
+# The reward is distflow's own code (torch and the standard library only), not a copy:
+# `score` also gives 0 to a completion whose reward function raises, as distflow does.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from distflow.engines.reward import score  # noqa: E402
 from distflow.tasks.arithmetic import correctness_reward  # noqa: E402
 
 
@@ -40,7 +42,8 @@ class TokenCountingReward:
 
     def __call__(self, prompts, completions, completion_ids, answer, **kwargs) -> list[float]:
         self.tokens += sum(len(ids) for ids in completion_ids)
-        return [correctness_reward(p, c, {"answer": a}) for p, c, a in zip(prompts, completions, answer)]
+        rewards, _ = score(correctness_reward, prompts, completions, [{"answer": a} for a in answer])
+        return rewards.tolist()
 
 
 class StepTimer(TrainerCallback):

@@ -55,7 +55,13 @@ def _run_dir(config: Config) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # Overrides may come before or after options: `train C --nproc 2 a.b=1` works too.
+    args, extra = parser.parse_known_args(argv)
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = args.overrides + extra
     try:
         config = load_config(args.config, args.overrides)
         if args.command == "plan":

@@ -44,7 +44,7 @@ class Evaluation:
     greedy: float
 
 
-def evaluate(ctx: StageContext, heldout: list[dict], *, tag: int) -> Evaluation:
+def evaluate(ctx: StageContext, heldout: list[dict]) -> Evaluation:
     """Accuracy at the rollout temperature (mean over eval_samples) and greedy, on all ranks' slices."""
     comm, cfg = ctx.comm, ctx.config
     mine = heldout[comm.rank :: comm.world_size]
@@ -121,7 +121,7 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float) -> dict:
         writer = RunWriter(run_dir, total_steps=trainer.total_steps, tensorboard=trainer.tensorboard,
                            progress_bar=trainer.progress_bar)
         log = writer.message
-    before = evaluate(ctx, heldout_rows, tag=0)
+    before = evaluate(ctx, heldout_rows)
     log(f"held-out accuracy before RL: {before.sampled:.3f} (T={config.rollout.temperature}), greedy {before.greedy:.3f}")
     if writer:
         writer.log(0, {"eval/accuracy": before.sampled, "eval/greedy_accuracy": before.greedy})
@@ -140,11 +140,11 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float) -> dict:
         metrics["throughput/trained_tokens_per_s"] = (
             metrics.get("tokens/trained", 0.0) / metrics["time/policy_update_s"])
         if trainer.eval_every and step % trainer.eval_every == 0 and step != trainer.total_steps:
-            mid = evaluate(ctx, heldout_rows, tag=step)
+            mid = evaluate(ctx, heldout_rows)
             metrics.update({"eval/accuracy": mid.sampled, "eval/greedy_accuracy": mid.greedy})
             log(f"step {step}: held-out accuracy {mid.sampled:.3f}, greedy {mid.greedy:.3f}")
         if step == trainer.total_steps:
-            after = evaluate(ctx, heldout_rows, tag=step)
+            after = evaluate(ctx, heldout_rows)
             metrics.update({"eval/accuracy": after.sampled, "eval/greedy_accuracy": after.greedy})
         if writer:
             writer.log(step, metrics)

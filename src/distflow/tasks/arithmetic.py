@@ -42,9 +42,14 @@ def parse_answer(completion: str) -> int | None:
     True
     >>> parse_answer("") is None
     True
+    >>> parse_answer("-7")
+    -7
+    >>> parse_answer("--7") is None
+    True
     """
     text = completion.strip()
-    if not text or not text.lstrip("-").isdigit():
+    digits = text[1:] if text.startswith("-") else text
+    if not digits.isascii() or not digits.isdigit():
         return None
     return int(text)
 
