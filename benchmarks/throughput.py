@@ -122,11 +122,11 @@ def write_prompts(path: Path, args: argparse.Namespace) -> Path:
     """Every prompt of the run, in the order distflow's loader serves them (so TRL, with
     shuffling off, trains on the same prompts at the same steps)."""
     from distflow.data.loader import PromptLoader
-    from distflow.tasks.arithmetic import make_splits
+    from distflow.tasks.arithmetic import ArithmeticTask
 
-    train, _ = make_splits(num_digits=2, num_heldout=100, seed=0)
-    loader = PromptLoader(lambda i: {"prompt": train[i].prompt, "answer": train[i].answer}, len(train),
-                          prompts_per_step=args.prompts, seed=0, rank=0, world_size=1)
+    task = ArithmeticTask.build(num_digits=2, num_heldout=100, seed=0)
+    loader = PromptLoader(task.train.__getitem__, len(task.train), prompts_per_step=args.prompts, seed=0, rank=0,
+                          world_size=1)
     rows = [row for _ in range(args.steps) for row in loader.next_batch()["sample"]]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path

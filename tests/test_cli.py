@@ -14,7 +14,15 @@ BAD = [
      "stage 'x' depends on unknown stage 'rewrd'"),
     (["model.path=/nonexistent/model"], "model.path='/nonexistent/model' is not a Hugging Face model directory"),
     (["trainer.prompts_per_step=3", "--nproc", "2"], "must be divisible by the number of processes (2)"),
+    (["task.num_digits=1"], "task.num_heldout=1000 (+ warmstart.num_validation=300 for the warm-start) leaves none"),
+    (["task.num_digits=4"], "task.num_digits must be in 1..3"),
+    (["task.reward=distflow.tasks.arithmetic:nope"], "task.reward: module 'distflow.tasks.arithmetic' has no function"),
+    (["task.reward=no_such_module:fn"], "task.reward: cannot import module 'no_such_module'"),
+    (["algorithm.num_mini_batches=1000", "trainer.prompts_per_step=4", "rollout.num_samples=4"],
+     "algorithm.num_mini_batches=1000 exceeds the 16 samples"),
 ]
+if not __import__("torch").cuda.is_available():
+    BAD.append((["trainer.device=cuda"], "trainer.device=cuda but no CUDA device is visible"))
 
 
 @pytest.mark.parametrize("args, needle", BAD, ids=[b[1][:30] for b in BAD])
@@ -38,3 +46,23 @@ def test_plan_prints_stage_order_without_launching():
     assert result.returncode == 0, result.stderr
     assert "world size 4096" in result.stdout
     assert "rollout → reward → advantage → policy_update → weight_sync" in result.stdout
+
+
+def test_existing_run_directory_is_not_overwritten(tmp_path):
+    run_dir = tmp_path / "taken"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), f"trainer.output_dir={tmp_path}",
+                     "trainer.run_name=taken", cwd=tmp_path, timeout=60)
+    assert result.returncode == 2 and "already holds a run; choose another trainer.run_name" in result.stderr
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_warmstart_that_misses_its_target_is_a_user_error(tmp_path):
+    result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), f"warmstart.cache_dir={tmp_path}",
+                     "warmstart.max_steps=10", "warmstart.check_every=5", "warmstart.target_accuracy=0.9",
+                     f"trainer.output_dir={tmp_path}", cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert "< warmstart.target_accuracy=0.9 in warmstart.max_steps=10 steps" in result.stderr
+    assert not list(tmp_path.glob("*/config.json")), "a warm-start that missed its target must not be cached"

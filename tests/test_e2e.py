@@ -6,7 +6,7 @@ import torch
 
 from conftest import REPO, run_cli
 from distflow.engines.sft import supervised_warmstart
-from distflow.tasks.arithmetic import make_splits
+from distflow.tasks.arithmetic import ArithmeticTask
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
 
@@ -60,8 +60,8 @@ def test_local_model_directory(tmp_path, cache_dir):
     """Any local HF model + tokenizer works like the embedded one (here: a briefly trained tiny model)."""
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, seed=5)
-    train_set, _ = make_splits(num_digits=1, num_heldout=20, seed=0)
-    supervised_warmstart(model, tok, [p.prompt for p in train_set], [p.answer for p in train_set],
+    train_set = ArithmeticTask.build(num_digits=1, num_heldout=20, seed=0).train
+    supervised_warmstart(model, tok, [p["prompt"] for p in train_set], [p["answer"] for p in train_set],
                          max_steps=5, batch_size=16, lr=1e-3, seed=0)
     model_dir = tmp_path / "my-model"
     model.save_pretrained(model_dir)
@@ -81,3 +81,20 @@ def test_warmstart_stops_at_target():
     assert checks == [10, 20] and len(losses) == 20
     assert losses[-1] < losses[0]
     assert not model.training and torch.is_grad_enabled()
+
+
+def test_grpo_improves_held_out_accuracy(tmp_path, cache_dir):
+    """The behaviour users judge first: from the embedded warm-start, GRPO raises held-out accuracy.
+
+    The full default run gains ~0.2 in 150 steps; 40 steps of the same recipe gain ~0.1 here.
+    """
+    summary, run_dir = train(
+        tmp_path, cache_dir, "trainer.total_steps=40", "trainer.prompts_per_step=32", "rollout.num_samples=16",
+        "task.num_heldout=1000", "trainer.eval_samples=4", "trainer.eval_every=0",
+    )
+    assert 0.1 <= summary["warmstart_accuracy"] <= 0.45  # partly competent: room to improve
+    assert summary["final_accuracy"] >= summary["warmstart_accuracy"] + 0.05, summary
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    early = sum(r["reward/mean"] for r in records[1:11]) / 10
+    late = sum(r["reward/mean"] for r in records[-10:]) / 10
+    assert late > early, (early, late)

@@ -1,6 +1,6 @@
 import pytest
 
-from distflow.config import load_config
+from distflow.config import ConfigError, load_config
 from distflow.dag.graph import Graph, GraphError, Stage
 from distflow.dag.pipelines import LOADER_FIELDS, build_graph
 from distflow.planner.plan import make_plan
@@ -66,7 +66,7 @@ def test_custom_stage_is_inserted(tmp_path):
 
 
 def test_custom_stage_errors():
-    with pytest.raises(GraphError, match="custom stage 'x': cannot import module 'no_such_pkg.m'"):
+    with pytest.raises(ConfigError, match="custom stage .x.: cannot import module .no_such_pkg.m."):
         build_graph(load_config(None, ["pipeline.custom_stages=[{name: x, fn: 'no_such_pkg.m:f'}]"]))
     with pytest.raises(GraphError, match="runs before unknown stage 'rewrd'"):
         build_graph(load_config(None, [

@@ -41,7 +41,7 @@ def loss_fn(micro, logp_BR, entropy_BR):
 
 def grads_after_update(comm: Comm, batch: Batch, micro_batch_size: int) -> list[torch.Tensor]:
     model = build_tiny_model(build_char_tokenizer(), seed=0)
-    engine = PolicyEngine(model, comm, OptimConfig(lr=1e-3, grad_clip=1e9, warmup_steps=0))
+    engine = PolicyEngine(model, comm, OptimConfig(lr=1e-3, grad_clip=1e9, warmup_steps=0), temperature=1.0)
     tokens_global = float(make_batch()["response_mask"].sum())
     engine.update(batch, loss_fn, tokens_global, micro_batch_size)
     return [p.grad.clone() for p in model.parameters()]

@@ -1,9 +1,10 @@
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from distflow.engines.generation import generate
-from distflow.engines.sequences import response_mask_from_ids
-from distflow.tasks.arithmetic import correctness_reward, make_splits
+from distflow.engines.logprobs import response_logprobs
+from distflow.engines.sequences import encode_prompts, left_pad, response_mask_from_ids
+from distflow.tasks.arithmetic import ArithmeticTask, correctness_reward
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
 
@@ -22,12 +23,13 @@ def test_tokenizer_round_trip_and_reload(tmp_path):
 
 
 def test_splits_are_disjoint_deterministic_and_complete():
-    train, held = make_splits(num_digits=1, num_heldout=20, seed=3)
+    task = ArithmeticTask.build(num_digits=1, num_heldout=20, seed=3)
+    train, held = task.train, task.heldout
     assert len(held) == 20 and len(train) == 80
-    assert not {p.prompt for p in train} & {p.prompt for p in held}
-    assert make_splits(num_digits=1, num_heldout=20, seed=3) == (train, held)
-    assert make_splits(num_digits=1, num_heldout=20, seed=4)[1] != held
-    assert all(int(p.answer) == sum(map(int, p.prompt[:-1].split("+"))) for p in train)
+    assert not {p["prompt"] for p in train} & {p["prompt"] for p in held}
+    assert ArithmeticTask.build(num_digits=1, num_heldout=20, seed=3) == task
+    assert ArithmeticTask.build(num_digits=1, num_heldout=20, seed=4).heldout != held
+    assert all(int(p["answer"]) == sum(map(int, p["prompt"][:-1].split("+"))) for p in train)
 
 
 def test_reward_reads_ground_truth():
@@ -36,10 +38,31 @@ def test_reward_reads_ground_truth():
     assert correctness_reward("9+9=", "", {"answer": "18"}) == 0.0
 
 
-def test_response_mask_stops_after_eos():
-    ids = torch.tensor([[5, 6, 2, 7, 0], [5, 0, 0, 0, 0], [5, 6, 7, 8, 9]])
-    mask = response_mask_from_ids(ids, eos_id=2, pad_id=0)
-    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
+def test_response_mask_stops_after_first_eos_only():
+    ids = torch.tensor([[5, 6, 2, 7, 0], [5, 2, 2, 0, 0], [5, 6, 7, 8, 9], [5, 0, 7, 2, 0]])
+    mask = response_mask_from_ids(ids, eos_id=2)
+    # A pad id sampled mid-response (row 4) is a real token: only EOS ends a response.
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+
+
+def test_training_logprobs_match_the_sampling_distribution():
+    """The training forward pass gives the log-probs of the distribution generate sampled from (T != 1)."""
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, seed=1).eval()
+    ids_BP, mask_BP = left_pad(encode_prompts(tok, ["1+2=", "33+44=", "5+67="]), tok.pad_token_id)
+    cfg = GenerationConfig(max_new_tokens=5, do_sample=True, temperature=0.7, top_p=1.0, top_k=0, pad_token_id=0,
+                           eos_token_id=tok.eos_token_id, output_scores=True, return_dict_in_generate=True)
+    torch.manual_seed(0)
+    res = model.generate(input_ids=ids_BP, attention_mask=mask_BP, generation_config=cfg)
+    response_BR = res.sequences[:, ids_BP.shape[1]:]
+    # generate's scores are the processed (temperature-scaled) logits it sampled from.
+    expected_BR = torch.stack([torch.log_softmax(s, -1).gather(-1, response_BR[:, i:i + 1]).squeeze(-1)
+                               for i, s in enumerate(res.scores)], dim=1)
+    full_mask_BT = torch.cat([mask_BP, torch.ones_like(response_BR)], dim=1)
+    logp_BR, _ = response_logprobs(model, res.sequences, full_mask_BT, response_BR.shape[1], temperature=0.7)
+    torch.testing.assert_close(logp_BR, expected_BR, rtol=1e-4, atol=1e-4)
+    untempered_BR, _ = response_logprobs(model, res.sequences, full_mask_BT, response_BR.shape[1])
+    assert (untempered_BR - expected_BR).abs().max() > 1e-2
 
 
 def test_tiny_model_saves_loads_and_generates(tmp_path):
@@ -54,7 +77,7 @@ def test_tiny_model_saves_loads_and_generates(tmp_path):
     assert out.input_ids_BT.shape == (2, out.prompt_width + 4)
     assert out.prompt_width == len("33+44=") + 1
     # Padding in the response is masked out and decodes to nothing.
-    for row, mask, text in zip(out.response_ids_BR, out.response_mask_BR, out.completions):
+    for row, mask, text in zip(out.input_ids_BT[:, out.prompt_width:], out.response_mask_BR, out.completions):
         kept = row[mask.bool()]
         assert tok.decode(kept, skip_special_tokens=True) == text
     greedy_a = generate(loaded, tok, ["1+2="], max_new_tokens=4, temperature=1.0, greedy=True)

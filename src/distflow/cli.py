@@ -35,17 +35,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _validate(config: Config, world_size: int) -> None:
-    """Everything that can be checked without a model: layout arithmetic, graph, paths."""
+def _validate(config: Config, world_size: int, *, check_run_dir: bool) -> None:
+    """Everything that can be checked before a rank starts: layout arithmetic, graph, paths, imports."""
+    import torch
+
+    from distflow.config.callables import import_callable
     from distflow.dag.pipelines import build_graph
 
     config.check_world_size(world_size)
     build_graph(config)
+    import_callable(config.task.reward, key="task.reward")
+    if config.trainer.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=auto or cpu")
     if config.model.path is not None and not (Path(config.model.path).expanduser() / "config.json").is_file():
         raise ConfigError(f"model.path={config.model.path!r} is not a Hugging Face model directory (no config.json)")
     tokenizer_path = config.model.tokenizer_path
     if tokenizer_path is not None and not Path(tokenizer_path).expanduser().is_dir():
         raise ConfigError(f"model.tokenizer_path={tokenizer_path!r} is not a directory")
+    if check_run_dir and (_run_dir(config) / "metrics.jsonl").exists():
+        raise ConfigError(f"run directory {str(_run_dir(config))!r} already holds a run; "
+                          "choose another trainer.run_name")
 
 
 def _run_dir(config: Config) -> Path:
@@ -70,12 +79,19 @@ def main(argv: list[str] | None = None) -> int:
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if under_launcher else args.nproc
         if args.nproc < 1:
             raise ConfigError(f"--nproc must be >= 1 (got {args.nproc})")
-        _validate(config, world_size)
+        os.environ.setdefault("DISTFLOW_STARTED", str(time.time()))
+        # One run directory for all ranks, chosen before they start.
+        os.environ.setdefault("DISTFLOW_RUN_NAME", _run_dir(config).name)
+        # Under a launcher only rank 0 checks the run directory (rank 0 is about to write into it).
+        _validate(config, world_size, check_run_dir=os.environ.get("RANK", "0") == "0")
+        if config.model.path is None and not under_launcher:
+            # Prepare the embedded model here, once, before any rank waits on it.
+            from distflow.tasks.embedded import ensure_embedded_model
+
+            ensure_embedded_model(config, builder=True, log=lambda text: print(text, file=sys.stderr, flush=True))
         if args.nproc > 1 and not under_launcher:
             from distflow.runtime.launcher import launch
 
-            # One run directory for all ranks, chosen before they start.
-            os.environ.setdefault("DISTFLOW_RUN_NAME", _run_dir(config).name)
             return launch(args.nproc, _strip_nproc(argv))
         from distflow.runtime.executor import run
 

@@ -30,14 +30,14 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class TaskConfig:
     num_digits: int = 2
-    """Operands of the embedded addition task have up to this many digits."""
+    """Operands of the embedded addition task have up to this many digits (1..3)."""
     num_heldout: int = 1000
     """Problems held out of training for evaluation."""
     reward: str = "distflow.tasks.arithmetic:correctness_reward"
     """Reward function as `package.module:function`, called as fn(prompt, completion, sample)."""
 
     def __post_init__(self) -> None:
-        _check(1 <= self.num_digits <= 4, f"task.num_digits must be in 1..4 (got {self.num_digits})")
+        _check(1 <= self.num_digits <= 3, f"task.num_digits must be in 1..3 (got {self.num_digits})")
         _check(self.num_heldout >= 1, f"task.num_heldout must be >= 1 (got {self.num_heldout})")
         _check(":" in self.reward, f"task.reward must look like 'package.module:function' (got {self.reward!r})")
 
@@ -194,10 +194,29 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
+    def __post_init__(self) -> None:
+        num_problems = 10 ** (2 * self.task.num_digits)
+        held_back = self.task.num_heldout
+        if self.model.path is None and self.warmstart.target_accuracy > 0:
+            held_back += self.warmstart.num_validation
+        _check(
+            held_back < num_problems,
+            f"task.num_heldout={self.task.num_heldout} (+ warmstart.num_validation="
+            f"{self.warmstart.num_validation} for the warm-start) leaves none of the {num_problems} problems "
+            f"with task.num_digits={self.task.num_digits} for training; lower them or raise task.num_digits",
+        )
+
     def check_world_size(self, world_size: int) -> None:
         """Checks that need the number of processes; run before any rank starts."""
+        trainer = self.trainer
         _check(
-            self.trainer.prompts_per_step % world_size == 0,
-            f"trainer.prompts_per_step={self.trainer.prompts_per_step} must be divisible by the "
+            trainer.prompts_per_step % world_size == 0,
+            f"trainer.prompts_per_step={trainer.prompts_per_step} must be divisible by the "
             f"number of processes ({world_size}); change one of them",
+        )
+        samples_per_rank = trainer.prompts_per_step // world_size * self.rollout.num_samples
+        _check(
+            self.algorithm.num_mini_batches <= samples_per_rank,
+            f"algorithm.num_mini_batches={self.algorithm.num_mini_batches} exceeds the {samples_per_rank} samples "
+            f"each of the {world_size} processes holds per step; lower it or raise trainer.prompts_per_step",
         )

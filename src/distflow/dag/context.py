@@ -1,4 +1,4 @@
-"""What a stage function may use besides the batch: engines, config, metrics."""
+"""What a stage function may use besides the batch: engines, the task, config, metrics."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from distflow.config.schema import Config
+from distflow.engines.evaluation import Verifier
 from distflow.engines.policy import PolicyEngine
 from distflow.engines.reward import RewardFn
 from distflow.observability.metrics import StepMetrics
@@ -24,7 +25,8 @@ class StageContext:
     """The model rollout samples from; colocated, it is the policy's own module."""
     reference: torch.nn.Module | None
     reward_fn: RewardFn
+    is_correct: Verifier
+    """The task's verifier: what the `accuracy` metric counts."""
     metrics: StepMetrics
     step: int = 0
-    rollout_version: int = 0
-    """Policy version (optimizer steps) the rollout weights correspond to."""
+    """The current RL step (1-based); custom stages may use it for schedules."""

@@ -10,10 +10,10 @@ penalty. Custom stages from the config are inserted by `build_graph`.
 
 from __future__ import annotations
 
+from distflow.config.callables import import_callable
 from distflow.config.schema import Config
 from distflow.dag import stages
 from distflow.dag.graph import Graph, GraphError, Stage
-from distflow.engines.reward import import_callable
 
 LOADER_FIELDS = ("uid", "prompt", "sample")
 
@@ -50,10 +50,7 @@ def build_graph(config: Config) -> Graph:
     """The configured built-in pipeline plus the config's custom stages."""
     graph = PIPELINES[config.algorithm.name](config)
     for spec in config.pipeline.custom_stages:
-        try:
-            fn = import_callable(spec.fn)
-        except ValueError as err:
-            raise GraphError(f"custom stage {spec.name!r}: {err}") from None
+        fn = import_callable(spec.fn, key=f"custom stage {spec.name!r}")
         graph.add(Stage(spec.name, fn, "custom", tuple(spec.after), tuple(spec.reads), tuple(spec.writes)))
     for spec in config.pipeline.custom_stages:
         for later in spec.before:

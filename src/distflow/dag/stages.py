@@ -14,7 +14,7 @@ from distflow.algorithms.losses import kl_k3, ppo_clip_loss
 from distflow.dag.context import StageContext
 from distflow.data.batch import Batch
 from distflow.engines.generation import generate
-from distflow.engines.logprobs import response_logprobs
+from distflow.engines.logprobs import batch_logprobs
 from distflow.engines.reward import score
 
 
@@ -47,16 +47,17 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
 
 def reward(batch: Batch, ctx: StageContext) -> Batch:
     reward_B, errors = score(ctx.reward_fn, batch["prompt"], batch["completion"], batch["sample"])
+    num_correct = sum(ctx.is_correct(c, s) for c, s in zip(batch["completion"], batch["sample"]))
     ctx.metrics.mean("reward/mean", float(reward_B.sum()), len(batch))
-    ctx.metrics.mean("accuracy", float((reward_B >= 1.0).sum()), len(batch))
+    ctx.metrics.mean("accuracy", float(num_correct), len(batch))
     ctx.metrics.total("reward/errors", float(errors))
-    return batch.updated(reward=reward_B)
+    return batch.updated(reward=reward_B.to(ctx.comm.device))
 
 
 def grpo_advantage(batch: Batch, ctx: StageContext) -> Batch:
     algo = ctx.config.algorithm
     advantage_B, zero_variance_B = grpo_advantages(
-        batch["reward"], batch["group"].cpu(), norm_by_std=algo.norm_adv_by_std
+        batch["reward"].cpu(), batch["group"].cpu(), norm_by_std=algo.norm_adv_by_std
     )
     keep_B = ~zero_variance_B if algo.skip_zero_variance_groups else torch.ones_like(zero_variance_B)
     ctx.metrics.mean("advantage/zero_variance_fraction", float(zero_variance_B.sum()), len(batch))
@@ -69,13 +70,11 @@ def old_logprob(batch: Batch, ctx: StageContext) -> Batch:
     return batch.updated(old_logp=ctx.policy.logprobs(batch, ctx.config.trainer.micro_batch_size))
 
 
-@torch.no_grad()
 def reference_logprob(batch: Batch, ctx: StageContext) -> Batch:
     assert ctx.reference is not None, "the pipeline builder adds this stage only with a reference model"
-    width = batch["response_mask"].shape[1]
-    chunks = batch.split(max(1, -(-len(batch) // ctx.config.trainer.micro_batch_size)))
-    ref = [response_logprobs(ctx.reference, c["input_ids"], c["attention_mask"], width)[0] for c in chunks]
-    return batch.updated(ref_logp=torch.cat(ref))
+    ref_logp = batch_logprobs(ctx.reference, batch, micro_batch_size=ctx.config.trainer.micro_batch_size,
+                              temperature=ctx.config.rollout.temperature)
+    return batch.updated(ref_logp=ref_logp)
 
 
 def policy_update(batch: Batch, ctx: StageContext) -> Batch:
@@ -105,7 +104,7 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
             local_tokens = (mini["response_mask"].float() * mini["sample_mask"].unsqueeze(-1)).sum()
             num_tokens = float(ctx.comm.all_reduce_sum(local_tokens.reshape(1).clone()).item())
             if num_tokens == 0:  # every group of this mini-batch had equal rewards: no signal
-                ctx.metrics.total("train/skipped_empty_steps", 1.0)
+                ctx.metrics.total("train/skipped_empty_steps", 1.0 / ctx.comm.world_size)
                 continue
             stats = ctx.policy.update(mini, loss_fn, num_tokens, trainer.micro_batch_size)
             for name in ("clip_fraction", "entropy", "pg_loss", "kl"):
@@ -119,8 +118,10 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
 
 
 def weight_sync(batch: Batch, ctx: StageContext) -> Batch:
-    """Colocated: rollout samples from the policy's own parameters, so nothing is copied."""
+    """Colocated: rollout samples from the policy's own parameters, so nothing is copied.
+
+    (A disaggregated placement replaces this with a broadcast from trainer to rollout ranks.)
+    """
     if ctx.rollout_model is not ctx.policy.model:
         raise RuntimeError("colocated weight sync expects rollout to share the policy module")
-    ctx.rollout_version = ctx.policy.version
     return batch

@@ -1,6 +1,6 @@
 """Partitioned prompt loader: every rank reads only its own rows.
 
-    global order of epoch e = permutation(len(dataset), seed + e)   (same on every rank)
+    global order of epoch e = permutation(len(dataset), seed, e)    (same on every rank)
     step s takes the next `prompts_per_step` positions of that order
     rank r keeps the r-th contiguous slice of them and reads only those rows
 
@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from distflow.data.batch import Batch
+from distflow.seeding import derive_seed
 
 RowReader = Callable[[int], dict]
 
@@ -43,7 +44,7 @@ class PromptLoader:
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list[int]:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        generator = torch.Generator().manual_seed(derive_seed(self.seed, "loader-epoch", epoch))
         return torch.randperm(self.num_rows, generator=generator).tolist()
 
     def _next_positions(self) -> list[tuple[int, int]]:

@@ -1,9 +1,17 @@
-"""Per-token log-probabilities (and entropies) of response tokens under a model."""
+"""Per-token log-probabilities (and entropies) of response tokens under a model.
+
+Log-probs are taken under the *sampling* distribution: logits divided by the rollout
+temperature, exactly as generation scaled them, so PPO ratios and KL terms compare the
+distribution the samples came from.
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from distflow.data.batch import Batch
 from distflow.engines.sequences import position_ids_from_mask
 
 
@@ -13,6 +21,7 @@ def response_logprobs(
     attention_mask_BT: torch.Tensor,
     response_width: int,
     *,
+    temperature: float = 1.0,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each response token (the last R = `response_width` columns), shape [B, R].
@@ -26,7 +35,7 @@ def response_logprobs(
         position_ids=position_ids_from_mask(attention_mask_BT),
         use_cache=False,
     ).logits
-    logits_BRV = logits_BTV[:, response_start - 1 : -1, :].float()
+    logits_BRV = logits_BTV[:, response_start - 1 : -1, :].float() / temperature
     targets_BR = input_ids_BT[:, response_start:]
     logz_BR = torch.logsumexp(logits_BRV, dim=-1)
     logp_BR = torch.gather(logits_BRV, -1, targets_BR.unsqueeze(-1)).squeeze(-1) - logz_BR
@@ -36,3 +45,17 @@ def response_logprobs(
             probs_BRV = torch.softmax(logits_BRV, dim=-1)
             entropy_BR = logz_BR - (probs_BRV * logits_BRV).sum(-1)
     return logp_BR, entropy_BR
+
+
+@torch.no_grad()
+def batch_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int, temperature: float) -> torch.Tensor:
+    """Response log-probs of a whole batch, `micro_batch_size` sequences per forward pass."""
+    was_training = model.training
+    model.eval()
+    width = batch["response_mask"].shape[1]
+    out = [
+        response_logprobs(model, mb["input_ids"], mb["attention_mask"], width, temperature=temperature)[0]
+        for mb in batch.split(math.ceil(len(batch) / micro_batch_size))
+    ]
+    model.train(was_training)
+    return torch.cat(out)

@@ -18,7 +18,7 @@ import torch
 
 from distflow.config.schema import OptimConfig
 from distflow.data.batch import Batch
-from distflow.engines.logprobs import response_logprobs
+from distflow.engines.logprobs import batch_logprobs, response_logprobs
 from distflow.engines.parallelize import data_parallel
 from distflow.runtime.dist import Comm
 
@@ -27,8 +27,9 @@ LossFn = Callable[[Batch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[
 
 
 class PolicyEngine:
-    def __init__(self, model: torch.nn.Module, comm: Comm, optim: OptimConfig) -> None:
+    def __init__(self, model: torch.nn.Module, comm: Comm, optim: OptimConfig, *, temperature: float) -> None:
         self.model = model
+        self.temperature = temperature  # log-probs are taken under the sampling distribution
         self.comm = comm
         self.wrapped = data_parallel(model, comm)
         self.optimizer = torch.optim.AdamW(
@@ -39,17 +40,9 @@ class PolicyEngine:
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
         )
         self.grad_clip = optim.grad_clip
-        self.version = 0  # optimizer steps taken; rollout reads it to know its weights are current
 
-    @torch.no_grad()
     def logprobs(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
-        self.model.eval()
-        chunks = batch.split(math.ceil(len(batch) / micro_batch_size))
-        out = [
-            response_logprobs(self.model, c["input_ids"], c["attention_mask"], c["response_mask"].shape[1])[0]
-            for c in chunks
-        ]
-        return torch.cat(out)
+        return batch_logprobs(self.model, batch, micro_batch_size=micro_batch_size, temperature=self.temperature)
 
     def update(
         self, mini_batch: Batch, loss_fn: LossFn, num_loss_tokens_global: float, micro_batch_size: int
@@ -65,7 +58,7 @@ class PolicyEngine:
             with sync:
                 logp_BR, entropy_BR = response_logprobs(
                     self.wrapped, micro["input_ids"], micro["attention_mask"], micro["response_mask"].shape[1],
-                    with_entropy=True,
+                    temperature=self.temperature, with_entropy=True,
                 )
                 loss_sum, stats = loss_fn(micro, logp_BR, entropy_BR)
                 (loss_sum * self.comm.world_size / num_loss_tokens_global).backward()
@@ -75,7 +68,6 @@ class PolicyEngine:
         if torch.isfinite(grad_norm):
             self.optimizer.step()
             self.scheduler.step()
-            self.version += 1
             totals["nonfinite_grad_steps"] = 0.0
         else:  # every rank sees the same all-reduced gradient, so every rank skips alike
             totals["nonfinite_grad_steps"] = 1.0

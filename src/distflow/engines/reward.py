@@ -8,26 +8,12 @@ gets `default_reward` and the failure is counted (`reward/errors` in the metrics
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Sequence
 
 import torch
 
 RewardFn = Callable[[str, str, dict], float]
-
-
-def import_callable(spec: str) -> Callable:
-    """`package.module:function` → the function; ValueError with the fix otherwise."""
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"cannot import module {module_name!r} of {spec!r}: {err}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"{spec!r}: module {module_name!r} has no callable {attr!r}")
-    return fn
 
 
 def score(

@@ -32,12 +32,12 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> li
     return [list(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]]
 
 
-def response_mask_from_ids(response_ids_BR: torch.Tensor, eos_id: int, pad_id: int) -> torch.Tensor:
-    """1 for generated tokens up to and including the first EOS, 0 after it."""
-    is_eos_BR = response_ids_BR == eos_id
-    # Tokens strictly after the first EOS: the running count of EOS seen before them is > 0.
-    eos_before_BR = torch.cumsum(is_eos_BR.long(), dim=-1) - is_eos_BR.long()
-    mask_BR = (eos_before_BR == 0).long()
-    if pad_id != eos_id:
-        mask_BR = mask_BR * (response_ids_BR != pad_id).long()
-    return mask_BR
+def response_mask_from_ids(response_ids_BR: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """1 for generated tokens up to and including the first EOS, 0 after it.
+
+    Only EOS ends a response: a pad id the model happened to sample mid-response is a
+    real token (generation attended to it), so it stays inside the mask.
+    """
+    is_eos_BR = (response_ids_BR == eos_id).long()
+    eos_before_BR = torch.cumsum(is_eos_BR, dim=-1) - is_eos_BR  # EOS tokens strictly before t
+    return (eos_before_BR == 0).long()

@@ -23,11 +23,12 @@ class RunWriter:
                         disable=not progress_bar)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": step, **{k: (None if math.isnan(v) else v) for k, v in metrics.items()}}
+        # JSON has no NaN/Infinity: a metric with nothing to average, or a non-finite grad norm, is null.
+        record = {"step": step, **{k: (v if math.isfinite(v) else None) for k, v in metrics.items()}}
         self.jsonl.write(json.dumps(record) + "\n")
         if self.tb is not None:
             for name, value in metrics.items():
-                if not math.isnan(value):
+                if math.isfinite(value):
                     self.tb.add_scalar(name, value, step)
 
     def progress(self, metrics: dict[str, float]) -> None:

@@ -4,6 +4,9 @@ A prompt is ``"a+b="`` and the expected completion is the decimal sum followed b
 end-of-sequence. The full problem set (every pair of operands with up to
 `num_digits` digits) is split by a seeded permutation into a held-out set and a
 training set, so evaluation never sees a training prompt.
+
+`is_correct` is the task's verifier: accuracy (training metric, evaluation, the
+warm-start's stopping rule) is always measured with it, whatever reward trains the policy.
 """
 
 from __future__ import annotations
@@ -11,24 +14,34 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from distflow.seeding import derive_seed
+
 
 @dataclass(frozen=True)
-class Problem:
-    prompt: str
-    answer: str
+class ArithmeticTask:
+    train: list[dict]
+    """Rows {"prompt", "answer"}; the loader reads them by index."""
+    heldout: list[dict]
 
+    @classmethod
+    def build(cls, *, num_digits: int, num_heldout: int, seed: int) -> ArithmeticTask:
+        limit = 10**num_digits
+        rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(limit) for b in range(limit)]
+        if num_heldout >= len(rows):
+            raise ValueError(f"num_heldout={num_heldout} leaves no training problems ({len(rows)} exist)")
+        random.Random(derive_seed(seed, "task-split")).shuffle(rows)
+        return cls(train=rows[num_heldout:], heldout=rows[:num_heldout])
 
-def make_splits(*, num_digits: int, num_heldout: int, seed: int) -> tuple[list[Problem], list[Problem]]:
-    """Return (train, heldout) problem lists; deterministic in `seed`."""
-    limit = 10**num_digits
-    problems = [Problem(f"{a}+{b}=", str(a + b)) for a in range(limit) for b in range(limit)]
-    if num_heldout >= len(problems):
-        raise ValueError(
-            f"task.num_heldout={num_heldout} leaves no training problems "
-            f"(only {len(problems)} exist with num_digits={num_digits}); lower it"
-        )
-    random.Random(seed).shuffle(problems)
-    return problems[num_heldout:], problems[:num_heldout]
+    @staticmethod
+    def is_correct(completion: str, sample: dict) -> bool:
+        """
+        >>> ArithmeticTask.is_correct(" 12", {"answer": "12"})
+        True
+        >>> ArithmeticTask.is_correct("12+", {"answer": "12"})
+        False
+        """
+        value = parse_answer(completion)
+        return value is not None and value == int(sample["answer"])
 
 
 def parse_answer(completion: str) -> int | None:
@@ -64,5 +77,4 @@ def correctness_reward(prompt: str, completion: str, sample: dict) -> float:
     >>> correctness_reward("2+3=", "5+", {"answer": "5"})
     0.0
     """
-    value = parse_answer(completion)
-    return 1.0 if value is not None and value == int(sample["answer"]) else 0.0
+    return 1.0 if ArithmeticTask.is_correct(completion, sample) else 0.0

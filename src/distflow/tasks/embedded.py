@@ -1,11 +1,14 @@
 """The embedded default: tiny model + char tokenizer + addition task + cached warm-start.
 
-    rank 0: cache hit? ──no──► build tokenizer & model → supervised warm-start →
-            save_pretrained into a temp dir → rename into the cache (atomic)
-    all ranks: barrier, then from_pretrained(cache dir) like any local model
+    cache hit? ──no──► build tokenizer & model → supervised warm-start until the
+                       validation accuracy target → save_pretrained into a temp dir →
+                       rename into the cache (atomic: readers never see half a checkpoint)
+    then: from_pretrained(cache dir), like any local model
 
-The cache key hashes everything that shapes the checkpoint (task, warm-start, seed,
-format version), so a changed setting never reuses a stale checkpoint.
+`distflow train` prepares it in the launching process before any rank starts; under a
+bare `torchrun`, local rank 0 of every node prepares it while the node's other ranks wait.
+The build is deterministic, and the cache key hashes everything that shapes the checkpoint
+(task, warm-start settings, sampling settings of the stopping rule, seed, format version).
 """
 
 from __future__ import annotations
@@ -19,15 +22,15 @@ from pathlib import Path
 
 import torch
 
-from distflow.config import Config, to_dict
-from distflow.engines.evaluation import count_correct
-from distflow.engines.reward import import_callable
+from distflow.config import Config, ConfigError, to_dict
+from distflow.engines.evaluation import SamplingSpec, count_correct
 from distflow.engines.sft import supervised_warmstart
-from distflow.tasks.arithmetic import make_splits
+from distflow.seeding import derive_seed
+from distflow.tasks.arithmetic import ArithmeticTask
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def cache_key(config: Config) -> str:
@@ -35,8 +38,7 @@ def cache_key(config: Config) -> str:
         "version": FORMAT_VERSION,
         "task": {"num_digits": config.task.num_digits, "num_heldout": config.task.num_heldout},
         "warmstart": to_dict(config)["warmstart"] | {"cache_dir": None},
-        "temperature": config.rollout.temperature,
-        "max_new_tokens": config.rollout.max_new_tokens,
+        "sampling": [config.rollout.temperature, config.rollout.top_p, config.rollout.max_new_tokens],
         "seed": config.trainer.seed,
     }
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
@@ -51,39 +53,36 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     start = time.time()
     seed = config.trainer.seed
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tokenizer, seed=seed)
-    train, _ = make_splits(num_digits=config.task.num_digits, num_heldout=config.task.num_heldout, seed=seed)
+    model = build_tiny_model(tokenizer, seed=derive_seed(seed, "model-init"))
+    task = ArithmeticTask.build(num_digits=config.task.num_digits, num_heldout=config.task.num_heldout, seed=seed)
     ws = config.warmstart
-    validation = [{"prompt": p.prompt, "answer": p.answer} for p in train[-ws.num_validation :]]
-    train = train[: -ws.num_validation]
-    reward_fn = import_callable(config.task.reward)
+    validation, train = task.train[-ws.num_validation :], task.train[: -ws.num_validation]
+    sampling = SamplingSpec(config.rollout.temperature, config.rollout.top_p, config.rollout.max_new_tokens)
     accuracy = [0.0]
 
     def reached_target(step: int) -> bool:
-        correct, total = count_correct(
-            model, tokenizer, validation, reward_fn, num_samples=2, greedy=False,
-            temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-            max_new_tokens=config.rollout.max_new_tokens,
-        )
+        correct, total = count_correct(model, tokenizer, validation, task.is_correct, sampling,
+                                       num_samples=2, greedy=False)
         accuracy[0] = correct / total
         return accuracy[0] >= ws.target_accuracy
 
-    log(f"warm-start: supervised training on {len(train)} problems until validation accuracy "
-        f">= {ws.target_accuracy} (cached afterwards)")
-    losses = []
+    losses: list[float] = []
     if ws.target_accuracy > 0:
+        log(f"warm-start: supervised training on {len(train)} problems until validation accuracy "
+            f">= {ws.target_accuracy} (cached afterwards)")
+        torch.manual_seed(derive_seed(seed, "warmstart-sampling"))
         losses = supervised_warmstart(
-            model, tokenizer, [p.prompt for p in train], [p.answer for p in train],
-            max_steps=ws.max_steps, batch_size=ws.batch_size, lr=ws.lr, seed=seed,
+            model, tokenizer, [r["prompt"] for r in train], [r["answer"] for r in train],
+            max_steps=ws.max_steps, batch_size=ws.batch_size, lr=ws.lr, seed=derive_seed(seed, "warmstart-order"),
             should_stop=reached_target, check_every=ws.check_every,
         )
         if accuracy[0] < ws.target_accuracy:
-            raise RuntimeError(
-                f"warm-start reached validation accuracy {accuracy[0]:.3f} < warmstart.target_accuracy="
-                f"{ws.target_accuracy} in {ws.max_steps} steps; raise warmstart.max_steps or lower the target"
+            raise ConfigError(
+                f"the warm-start reached validation accuracy {accuracy[0]:.3f} < warmstart.target_accuracy="
+                f"{ws.target_accuracy} in warmstart.max_steps={ws.max_steps} steps; raise max_steps or lower the target"
             )
     info = {"steps": len(losses), "validation_accuracy": accuracy[0],
-            "final_loss": losses[-1] if losses else None, "seconds": time.time() - start}
+            "final_loss": losses[-1] if losses else None, "seconds": round(time.time() - start, 1)}
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -92,17 +91,17 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     (tmp / "distflow_warmstart.json").write_text(json.dumps(info, indent=1))
     try:
         tmp.rename(target)
-    except OSError:  # another run finished the same checkpoint first; theirs is identical
+    except OSError:  # another process finished the same (deterministic) checkpoint first
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"warm-start done: {info['steps']} steps, {info['seconds']:.0f}s, validation accuracy "
         f"{info['validation_accuracy']:.3f} → {target}")
     return info
 
 
-def ensure_embedded_model(config: Config, *, is_main: bool, barrier, log=print) -> Path:
+def ensure_embedded_model(config: Config, *, builder: bool, log=print) -> Path:
+    """The cached model directory, built first if this process is the `builder` and it is missing."""
     target = embedded_model_dir(config)
-    if is_main and not (target / "config.json").is_file():
+    if builder and not (target / "config.json").is_file():
         with torch.random.fork_rng():
             build_embedded_model(config, target, log)
-    barrier()
     return target
