@@ -66,10 +66,21 @@ def test_local_model_directory(tmp_path, cache_dir):
     model_dir = tmp_path / "my-model"
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
-    summary, _ = train(tmp_path, cache_dir, f"model.path={model_dir}", "task.num_digits=1", "task.num_heldout=20",
-                       "algorithm.kl_coef=0.01", "algorithm.ppo_epochs=2")
+    # A reward that differs between samples, so every group carries signal and updates happen.
+    (tmp_path / "length_reward.py").write_text("def reward(prompt, completion, sample):\n"
+                                               "    return float(len(completion))\n")
+    summary, run_dir = train(tmp_path, cache_dir, f"model.path={model_dir}", "task.num_digits=1",
+                             "task.num_heldout=20", "algorithm.kl_coef=0.01", "algorithm.ppo_epochs=2",
+                             "task.reward=length_reward:reward")
     assert summary["steps"] == 3
-    assert not (cache_dir / "should-not-exist").exists()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r in records[1:]:
+        assert "time/old_logprob_s" in r and "time/reference_logprob_s" in r
+        if r.get("train/kl") is not None:  # absent when every group had equal rewards
+            assert r["train/kl"] >= 0.0
+    # First step, first epoch: policy == reference, so the first update's KL is 0; after it, > 0.
+    kls = [r["train/kl"] for r in records[1:] if r.get("train/kl") is not None]
+    assert kls and max(kls) > 0
 
 
 def test_warmstart_stops_at_target():
@@ -98,3 +109,27 @@ def test_grpo_improves_held_out_accuracy(tmp_path, cache_dir):
     early = sum(r["reward/mean"] for r in records[1:11]) / 10
     late = sum(r["reward/mean"] for r in records[-10:]) / 10
     assert late > early, (early, late)
+
+
+USER_CODE = '''
+def half(prompt, completion, sample):
+    return 0.5
+
+
+def shift_reward(batch, ctx):
+    return batch.updated(reward=batch["reward"] - 0.25 * batch["response_mask"][:, 0])
+'''
+
+
+def test_user_reward_and_custom_stage_from_the_working_directory(tmp_path, cache_dir):
+    (tmp_path / "my_code.py").write_text(USER_CODE)
+    stage = ("pipeline.custom_stages=[{name: shift, fn: 'my_code:shift_reward', after: [reward], "
+             "before: [advantage], reads: [reward, response_mask], writes: [reward]}]")
+    summary, run_dir = train(tmp_path, cache_dir, "warmstart.target_accuracy=0", "task.reward=my_code:half", stage)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward/mean"] for r in records[1:]] == [0.5, 0.5, 0.5]  # the reward stage's own view
+    assert "time/shift_s" in records[1]  # the custom stage ran, between reward and advantage
+    # Every group has equal rewards (0.25 after the shift: each response has a first token), so no update.
+    assert all(r["advantage/zero_variance_fraction"] == 1.0 for r in records[1:])
+    assert all(r["train/skipped_empty_steps"] == 1.0 for r in records[1:])
+    assert summary["steps"] == 3

@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = args.overrides + extra
+    # User rewards and stages (`my_module:fn`) are importable from the working directory,
+    # as under `python -m` / torchrun, also when started through the `distflow` script.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         config = load_config(args.config, args.overrides)
         if args.command == "plan":
