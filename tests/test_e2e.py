@@ -133,3 +133,20 @@ def test_user_reward_and_custom_stage_from_the_working_directory(tmp_path, cache
     assert all(r["advantage/zero_variance_fraction"] == 1.0 for r in records[1:])
     assert all(r["train/skipped_empty_steps"] == 1.0 for r in records[1:])
     assert summary["steps"] == 3
+
+
+def test_torchrun_builds_the_embedded_model_on_local_rank_0(tmp_path):
+    """Under a bare torchrun no launching distflow process exists: local rank 0 builds, the others wait."""
+    import subprocess
+    import sys
+
+    cache = tmp_path / "fresh-cache"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "distflow", "train", str(REPO / "examples/arith_grpo.yaml"), *TINY,
+           "warmstart.target_accuracy=0", f"warmstart.cache_dir={cache}", f"trainer.output_dir={tmp_path}",
+           "trainer.run_name=run"]
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["world_size"] == 2
+    assert len(list(cache.glob("*/config.json"))) == 1
