@@ -62,3 +62,13 @@ def test_kl_k3_by_hand():
     assert kl_k3(logp, ref).tolist()[0] == pytest.approx(expected)
     assert kl_k3(logp, ref)[0, 0] == 0.0
     assert expected[1] == pytest.approx(math.exp(-1) + 1 - 1)
+
+
+def test_extreme_log_ratios_stay_finite_under_a_zero_mask():
+    logp = torch.tensor([[0.0, -1e4]], requires_grad=True)  # second token: a masked, absurd position
+    old = torch.tensor([[0.0, 0.0]])
+    mask = torch.tensor([[1.0, 0.0]])
+    loss, _ = ppo_clip_loss(logp, old, torch.tensor([-1.0]), clip_low=0.2, clip_high=0.2)
+    total = (loss * mask).sum() + (kl_k3(logp, old + 1e4) * mask).sum()
+    total.backward()
+    assert torch.isfinite(logp.grad).all()

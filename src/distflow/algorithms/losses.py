@@ -3,11 +3,16 @@
 Aggregation is left to the caller: the trainer sums `loss_BR * mask_BR` and divides by
 the number of loss tokens of the whole step across every rank and micro-batch
 ("token-mean"), so the gradient does not depend on how the batch was split.
+
+Log-ratios are clamped to ±20 before `exp` (as verl does for the PPO ratio): masked
+positions are multiplied by 0 afterwards, and 0 · inf would turn the whole gradient NaN.
 """
 
 from __future__ import annotations
 
 import torch
+
+MAX_LOG_RATIO = 20.0
 
 
 def ppo_clip_loss(
@@ -22,7 +27,7 @@ def ppo_clip_loss(
 
     Returns (loss_BR, clipped_BR) where clipped marks tokens whose clipped term won.
     """
-    ratio_BR = torch.exp(logp_BR - old_logp_BR)
+    ratio_BR = torch.exp((logp_BR - old_logp_BR).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     adv_BR = advantage_B.unsqueeze(-1)
     unclipped_BR = -adv_BR * ratio_BR
     clipped_term_BR = -adv_BR * torch.clamp(ratio_BR, 1.0 - clip_low, 1.0 + clip_high)
@@ -35,5 +40,5 @@ def kl_k3(logp_BR: torch.Tensor, ref_logp_BR: torch.Tensor) -> torch.Tensor:
 
     Always >= 0, and 0 where the two log-probs agree.
     """
-    delta_BR = ref_logp_BR - logp_BR
+    delta_BR = (ref_logp_BR - logp_BR).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return torch.exp(delta_BR) - delta_BR - 1.0

@@ -16,6 +16,7 @@ from distflow.data.batch import Batch
 from distflow.engines.generation import generate
 from distflow.engines.logprobs import batch_logprobs
 from distflow.engines.reward import score
+from distflow.seeding import derive_seed
 
 
 def rollout(batch: Batch, ctx: StageContext) -> Batch:
@@ -99,7 +100,11 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
             stats["kl"] = (kl_BR.detach() * mask_BR).sum()
         return (loss_BR * mask_BR).sum(), stats
 
-    for _ in range(algo.ppo_epochs):
+    for epoch in range(algo.ppo_epochs):
+        if algo.ppo_epochs > 1:  # a fresh mini-batch split every epoch, the same on a rerun
+            order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(
+                derive_seed(ctx.config.trainer.seed, "minibatch", ctx.step, epoch, ctx.comm.rank)))
+            batch = batch.select(order.tolist())
         for mini in batch.split(algo.num_mini_batches):
             local_tokens = (mini["response_mask"].float() * mini["sample_mask"].unsqueeze(-1)).sum()
             num_tokens = float(ctx.comm.all_reduce_sum(local_tokens.reshape(1).clone()).item())

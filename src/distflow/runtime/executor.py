@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import transformers
 import yaml
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from distflow.config import Config, ConfigError, to_dict
 from distflow.config.callables import import_callable
@@ -54,7 +54,13 @@ def load_model_and_tokenizer(config: Config, comm: Comm, log) -> tuple[torch.nn.
         tokenizer_dir = Path(config.model.tokenizer_path or model_dir).expanduser()
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model_config = AutoConfig.from_pretrained(model_dir)
+        # Dropout would make the log-probs of one policy differ between passes (and the
+        # PPO ratio != 1 on-policy); RL fine-tuning turns it off, as verl and TRL do.
+        for name, value in model_config.to_dict().items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(model_config, name, 0.0)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, config=model_config, dtype=torch.float32)
     except (OSError, ValueError, KeyError) as err:
         raise ConfigError(f"cannot load the model/tokenizer from {str(model_dir)!r}: "
                           f"{type(err).__name__}: {err}".replace("\n", " ")) from None
