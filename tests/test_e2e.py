@@ -18,6 +18,10 @@ SUMMARY_KEYS = {"warmstart_accuracy", "final_accuracy", "warmstart_greedy_accura
                 "steps", "world_size", "wall_seconds"}
 
 
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def train(tmp_path, cache_dir, *extra):
     result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *TINY, f"warmstart.cache_dir={cache_dir}",
                      f"trainer.output_dir={tmp_path}", "trainer.run_name=run", *extra, cwd=tmp_path)
@@ -34,7 +38,7 @@ def test_single_process_run_writes_everything(tmp_path, cache_dir):
         assert 0.0 <= summary[key] <= 1.0
     info = json.loads(next(cache_dir.glob("*/distflow_warmstart.json")).read_text())
     assert info["validation_accuracy"] >= 0.02 and info["steps"] % 20 == 0
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     step = records[1]
     assert step["tokens/generated"] > 0 and step["time/rollout_s"] > 0
@@ -51,7 +55,7 @@ def test_single_process_run_writes_everything(tmp_path, cache_dir):
 def test_two_processes(tmp_path, cache_dir):
     summary, run_dir = train(tmp_path, cache_dir, "warmstart.target_accuracy=0", "--nproc", "2")
     assert summary["world_size"] == 2 and summary["steps"] == 3
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)
     # Metrics are reduced over both ranks: 16 completions per step in total.
     assert records[1]["tokens/generated"] == records[1]["response/length"] * 16
 
@@ -73,7 +77,7 @@ def test_local_model_directory(tmp_path, cache_dir):
                              "task.num_heldout=20", "algorithm.kl_coef=0.01", "algorithm.ppo_epochs=2",
                              "task.reward=length_reward:reward")
     assert summary["steps"] == 3
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)
     for r in records[1:]:
         assert "time/old_logprob_s" in r and "time/reference_logprob_s" in r
         if r.get("train/kl") is not None:  # absent when every group had equal rewards
@@ -105,7 +109,7 @@ def test_grpo_improves_held_out_accuracy(tmp_path, cache_dir):
     )
     assert 0.1 <= summary["warmstart_accuracy"] <= 0.45  # partly competent: room to improve
     assert summary["final_accuracy"] >= summary["warmstart_accuracy"] + 0.05, summary
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)
     early = sum(r["reward/mean"] for r in records[1:11]) / 10
     late = sum(r["reward/mean"] for r in records[-10:]) / 10
     assert late > early, (early, late)
@@ -126,7 +130,7 @@ def test_user_reward_and_custom_stage_from_the_working_directory(tmp_path, cache
     stage = ("pipeline.custom_stages=[{name: shift, fn: 'my_code:shift_reward', after: [reward], "
              "before: [advantage], reads: [reward, response_mask], writes: [reward]}]")
     summary, run_dir = train(tmp_path, cache_dir, "warmstart.target_accuracy=0", "task.reward=my_code:half", stage)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)
     assert [r["reward/mean"] for r in records[1:]] == [0.5, 0.5, 0.5]  # the reward stage's own view
     assert "time/shift_s" in records[1]  # the custom stage ran, between reward and advantage
     # Every group has equal rewards (0.25 after the shift: each response has a first token), so no update.

@@ -78,13 +78,18 @@ def reference_logprob(batch: Batch, ctx: StageContext) -> Batch:
     return batch.updated(ref_logp=ref_logp)
 
 
+def _loss_mask_BR(batch: Batch) -> torch.Tensor:
+    """Response tokens of the samples that carry signal (zero-variance groups excluded)."""
+    return batch["response_mask"].float() * batch["sample_mask"].unsqueeze(-1)
+
+
 def policy_update(batch: Batch, ctx: StageContext) -> Batch:
     """PPO-clip (+ k3 KL) over `ppo_epochs` × `num_mini_batches` optimizer steps, token-mean."""
     algo, trainer = ctx.config.algorithm, ctx.config.trainer
     has_old = "old_logp" in batch.fields()
 
     def loss_fn(micro: Batch, logp_BR: torch.Tensor, entropy_BR: torch.Tensor):
-        mask_BR = micro["response_mask"].float() * micro["sample_mask"].unsqueeze(-1)
+        mask_BR = _loss_mask_BR(micro)
         old_BR = micro["old_logp"] if has_old else logp_BR.detach()
         loss_BR, clipped_BR = ppo_clip_loss(
             logp_BR, old_BR, micro["advantage"], clip_low=algo.clip_low, clip_high=algo.clip_high
@@ -106,7 +111,7 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
                 derive_seed(ctx.config.trainer.seed, "minibatch", ctx.step, epoch, ctx.comm.rank)))
             batch = batch.select(order.tolist())
         for mini in batch.split(algo.num_mini_batches):
-            local_tokens = (mini["response_mask"].float() * mini["sample_mask"].unsqueeze(-1)).sum()
+            local_tokens = _loss_mask_BR(mini).sum()
             num_tokens = float(ctx.comm.all_reduce_sum(local_tokens.reshape(1).clone()).item())
             if num_tokens == 0:  # every group of this mini-batch had equal rewards: no signal
                 ctx.metrics.total("train/skipped_empty_steps", 1.0 / ctx.comm.world_size)

@@ -127,8 +127,7 @@ def _step(ctx: StageContext, plan: Plan, loader: PromptLoader) -> dict[str, floa
 
 
 def _train(config: Config, run_dir: Path, comm: Comm, started: float) -> dict:
-    trainer = config.trainer
-    config.check_world_size(comm.world_size)
+    trainer = config.trainer  # the CLI validated config and world size before this rank started
     transformers.utils.logging.disable_progress_bar()
     log = _stderr if comm.is_main else (lambda text: None)
     ctx, plan, loader, task = _build(config, comm, log)
