@@ -1,14 +1,35 @@
-"""Advantage estimators (pure tensor code, no process groups).
+"""Outcome-reward advantage estimators over prompt groups (pure tensor code, no process groups).
+
+Every sample has one scalar reward `reward_B` and the id of its prompt group `group_B`
+(all completions of one prompt share an id). A group must lie whole on one rank, which the
+planner guarantees by never splitting a group across ranks.
 
 Group statistics are computed in float64: in float32 a group of equal non-round rewards
 leaves a rounding residue that, divided by a tiny std + eps, becomes a large bogus
 advantage. Groups whose rewards are all equal get advantage exactly 0 and are reported
 in `zero_variance_B` so the caller can exclude them from the loss.
+
+Token-level estimators (GAE with a critic, REINFORCE++ return-to-go) are in `returns.py`.
 """
 
 from __future__ import annotations
 
 import torch
+
+from distflow.algorithms.whitening import masked_whiten
+
+
+def _group_stats(reward_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """float64 (reward_B, inverse_B, count_G, mean_G, zero_variance_B) of the groups in `group_B`."""
+    reward_B = reward_B.double()
+    _, inverse_B, count_G = torch.unique(group_B, return_inverse=True, return_counts=True)
+    num_groups = count_G.shape[0]
+    sum_G = torch.zeros(num_groups, dtype=torch.float64, device=reward_B.device).index_add_(0, inverse_B, reward_B)
+    mean_G = sum_G / count_G
+    max_G = torch.full_like(mean_G, -torch.inf).scatter_reduce(0, inverse_B, reward_B, "amax")
+    min_G = torch.full_like(mean_G, torch.inf).scatter_reduce(0, inverse_B, reward_B, "amin")
+    zero_variance_B = (max_G == min_G)[inverse_B]
+    return reward_B, inverse_B, count_G, mean_G, zero_variance_B
 
 
 def grpo_advantages(
@@ -23,18 +44,50 @@ def grpo_advantages(
     With `norm_by_std=False` this is Dr.GRPO's centred reward. Returns
     (advantage_B float32, zero_variance_B bool).
     """
-    reward_B = reward_B.double()
-    _, inverse_B, counts_G = torch.unique(group_B, return_inverse=True, return_counts=True)
-    num_groups = counts_G.shape[0]
-    sum_G = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, inverse_B, reward_B)
-    mean_G = sum_G / counts_G
+    reward_B, inverse_B, count_G, mean_G, zero_variance_B = _group_stats(reward_B, group_B)
     centred_B = reward_B - mean_G[inverse_B]
-    sq_G = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, inverse_B, centred_B**2)
+    sq_G = torch.zeros_like(mean_G).index_add_(0, inverse_B, centred_B**2)
     # Unbiased variance (Bessel), as verl and TRL use; a group of one has no spread.
-    std_G = torch.sqrt(sq_G / (counts_G - 1).clamp(min=1))
-    max_G = torch.full((num_groups,), -torch.inf, dtype=torch.float64).scatter_reduce(0, inverse_B, reward_B, "amax")
-    min_G = torch.full((num_groups,), torch.inf, dtype=torch.float64).scatter_reduce(0, inverse_B, reward_B, "amin")
-    zero_variance_B = (max_G == min_G)[inverse_B]
+    std_G = torch.sqrt(sq_G / (count_G - 1).clamp(min=1))
     advantage_B = centred_B / (std_G[inverse_B] + eps) if norm_by_std else centred_B
     advantage_B = torch.where(zero_variance_B, torch.zeros_like(advantage_B), advantage_B)
     return advantage_B.float(), zero_variance_B
+
+
+def rloo_advantages(reward_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO: r_i - mean of the *other* rewards of its group = n/(n-1) · (r_i - group mean).
+
+    A group of one has no other sample: its baseline is 0 and its advantage is r (as verl
+    does), and it is not flagged. Returns (advantage_B float32, zero_variance_B bool), where
+    zero_variance marks groups of two or more with all-equal rewards (advantage exactly 0).
+    """
+    reward_B, inverse_B, count_G, mean_G, equal_B = _group_stats(reward_B, group_B)
+    count_B = count_G[inverse_B].double()
+    loo_B = count_B / (count_B - 1).clamp(min=1) * (reward_B - mean_G[inverse_B])
+    advantage_B = torch.where(count_B > 1, loo_B, reward_B)
+    zero_variance_B = equal_B & (count_B > 1)
+    advantage_B = torch.where(zero_variance_B, torch.zeros_like(advantage_B), advantage_B)
+    return advantage_B.float(), zero_variance_B
+
+
+def reinforce_pp_baseline_advantages(
+    reward_B: torch.Tensor,
+    group_B: torch.Tensor,
+    mask_BR: torch.Tensor,
+    *,
+    whiten: bool = True,
+) -> torch.Tensor:
+    """REINFORCE++-baseline: (r - group mean) on every valid token, then whitened over valid tokens.
+
+    The whitening is token-weighted (a long response counts once per token), as in verl.
+    A group of one keeps its raw reward (baseline 0, as verl does). With `whiten=False` this
+    returns the centred rewards: for statistics global across ranks, all-reduce
+    `masked_sums(advantage_BR, mask_BR)` and call `masked_whiten(..., sums=...)` yourself.
+    Returns advantage_BR (float32, 0 on masked tokens).
+    """
+    reward_B, inverse_B, count_G, mean_G, _ = _group_stats(reward_B, group_B)
+    baseline_B = torch.where(count_G[inverse_B] > 1, mean_G[inverse_B], torch.zeros_like(reward_B))
+    valid_BR = mask_BR.bool()
+    centred_BR = torch.where(valid_BR, (reward_B - baseline_B).unsqueeze(-1), 0.0)
+    advantage_BR = masked_whiten(centred_BR, valid_BR) if whiten else centred_BR
+    return advantage_BR.float()

@@ -1,18 +1,30 @@
-"""Policy-loss terms, per token (pure tensor code).
+"""Policy, value and entropy loss terms, per token (pure tensor code).
 
-Aggregation is left to the caller: the trainer sums `loss_BR * mask_BR` and divides by
-the number of loss tokens of the whole step across every rank and micro-batch
-("token-mean"), so the gradient does not depend on how the batch was split.
+Every function returns an unreduced `loss_BR`; reducing it to a scalar is `aggregation.py`'s
+job, which keeps the normaliser global over ranks and micro-batches so the gradient does not
+depend on how the batch was split. Policy losses also return a `clipped_BR` mask for the
+clip-fraction metrics.
 
-Log-ratios are clamped to ±20 before `exp` (as verl does for the PPO ratio): masked
-positions are multiplied by 0 afterwards, and 0 · inf would turn the whole gradient NaN.
+Log-ratios are clamped to ±MAX_LOG_RATIO before `exp` (as verl does for the PPO ratio):
+masked positions are multiplied by 0 afterwards, and 0 · inf would turn the whole gradient NaN.
 """
 
 from __future__ import annotations
 
 import torch
 
-MAX_LOG_RATIO = 20.0
+# Re-exported: the KL estimators used to live here.
+from distflow.algorithms.kl import MAX_LOG_RATIO as MAX_LOG_RATIO
+from distflow.algorithms.kl import kl_k3 as kl_k3
+
+
+def _clipped_surrogate(
+    ratio_BR: torch.Tensor, adv_BR: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    unclipped_BR = -adv_BR * ratio_BR
+    clipped_term_BR = -adv_BR * torch.clamp(ratio_BR, 1.0 - clip_low, 1.0 + clip_high)
+    loss_BR = torch.maximum(unclipped_BR, clipped_term_BR)
+    return loss_BR, (clipped_term_BR > unclipped_BR)
 
 
 def ppo_clip_loss(
@@ -28,17 +40,78 @@ def ppo_clip_loss(
     Returns (loss_BR, clipped_BR) where clipped marks tokens whose clipped term won.
     """
     ratio_BR = torch.exp((logp_BR - old_logp_BR).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-    adv_BR = advantage_B.unsqueeze(-1)
-    unclipped_BR = -adv_BR * ratio_BR
-    clipped_term_BR = -adv_BR * torch.clamp(ratio_BR, 1.0 - clip_low, 1.0 + clip_high)
-    loss_BR = torch.maximum(unclipped_BR, clipped_term_BR)
-    return loss_BR, (clipped_term_BR > unclipped_BR)
+    return _clipped_surrogate(ratio_BR, advantage_B.unsqueeze(-1), clip_low, clip_high)
 
 
-def kl_k3(logp_BR: torch.Tensor, ref_logp_BR: torch.Tensor) -> torch.Tensor:
-    """Schulman's low-variance unbiased KL(π‖π_ref) estimator: e^d - d - 1, d = ref - logp.
+def dual_clip_ppo_loss(
+    logp_BR: torch.Tensor,
+    old_logp_BR: torch.Tensor,
+    advantage_B: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    clip_ratio_c: float = 3.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dual-clip PPO (Ye et al. 2020): for A < 0 the PPO loss is also capped at -A·c.
 
-    Always >= 0, and 0 where the two log-probs agree.
+    Without the cap a token with A < 0 and a huge ratio r gets an unbounded loss -A·r.
+    Returns (loss_BR, clipped_BR, dual_clipped_BR); the cap carries no gradient.
     """
-    delta_BR = (ref_logp_BR - logp_BR).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    return torch.exp(delta_BR) - delta_BR - 1.0
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (verl's default is 3.0), got {clip_ratio_c}")
+    loss_BR, clipped_BR = ppo_clip_loss(logp_BR, old_logp_BR, advantage_B, clip_low=clip_low, clip_high=clip_high)
+    adv_BR = advantage_B.unsqueeze(-1)
+    cap_BR = -adv_BR * clip_ratio_c
+    dual_clipped_BR = (adv_BR < 0) & (loss_BR > cap_BR)
+    return torch.where(dual_clipped_BR, cap_BR, loss_BR), clipped_BR, dual_clipped_BR
+
+
+def gspo_loss(
+    logp_BR: torch.Tensor,
+    old_logp_BR: torch.Tensor,
+    advantage_B: torch.Tensor,
+    mask_BR: torch.Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO (Zheng et al. 2025): PPO's clip on the sequence ratio s_i = exp(mean_t(logp - old)).
+
+    Per token s_i,t = sg[s_i]·exp(logp_t - sg[logp_t]): its value is s_i and its gradient
+    s_i·∇logp_t, so with "seq-mean-token-mean" aggregation the gradient is
+    s_i·A_i·mean_t ∇logp_t, GSPO's sequence-level gradient. The bounds are tiny (3e-4/4e-4)
+    because s_i is a geometric mean. Returns (loss_BR, clipped_BR), clipped per sequence.
+    """
+    valid_BR = mask_BR.bool()
+    log_ratio_BR = torch.where(valid_BR, logp_BR - old_logp_BR, 0.0)
+    log_seq_ratio_B = log_ratio_BR.sum(-1) / valid_BR.sum(-1).clamp(min=1)
+    log_token_ratio_BR = log_seq_ratio_B.detach().unsqueeze(-1) + (logp_BR - logp_BR.detach())
+    ratio_BR = torch.exp(log_token_ratio_BR.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    return _clipped_surrogate(ratio_BR, advantage_B.unsqueeze(-1), clip_low, clip_high)
+
+
+def value_clip_loss(
+    value_BR: torch.Tensor,
+    old_value_BR: torch.Tensor,
+    return_BR: torch.Tensor,
+    *,
+    clip: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped value loss: ½·max((V - R)², (clip(V, V_old - ε, V_old + ε) - R)²).
+
+    Returns (loss_BR, clipped_BR) where clipped marks tokens whose clipped term won.
+    """
+    clipped_value_BR = old_value_BR + (value_BR - old_value_BR).clamp(-clip, clip)
+    unclipped_BR = (value_BR - return_BR) ** 2
+    clipped_term_BR = (clipped_value_BR - return_BR) ** 2
+    return 0.5 * torch.maximum(unclipped_BR, clipped_term_BR), (clipped_term_BR > unclipped_BR)
+
+
+def entropy_from_logits(logits_BRV: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax over the vocabulary: H = logsumexp(z) - Σ softmax(z)·z."""
+    return torch.logsumexp(logits_BRV, dim=-1) - (torch.softmax(logits_BRV, dim=-1) * logits_BRV).sum(-1)
+
+
+def entropy_bonus(entropy_BR: torch.Tensor, *, coef: float) -> torch.Tensor:
+    """Entropy bonus as a loss term to add to the policy loss: -coef·H per token."""
+    return -coef * entropy_BR

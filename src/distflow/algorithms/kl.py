@@ -1,0 +1,85 @@
+"""KL(π‖π_ref) estimators per token, KL-in-reward, and the KL coefficient controllers.
+
+Each estimator takes the sampled token's log-prob under the policy and the reference and
+returns a per-token estimate (Schulman, "Approximating KL Divergence", 2020):
+
+    k1 = logp - ref              unbiased, high variance, can be negative
+    k2 = ½ (logp - ref)²         biased, low variance, >= 0
+    k3 = e^d - d - 1, d = ref - logp   unbiased, low variance, >= 0
+
+Used either as a loss term (aggregate it like the policy loss, times β) or folded into the
+reward (`kl_penalized_reward`, then an estimator of `returns.py`), with β from a
+`FixedKLController` or an `AdaptiveKLController`.
+
+Log-ratios are clamped to ±MAX_LOG_RATIO before `exp`: masked positions are multiplied by
+0 afterwards, and 0 · inf would turn the whole gradient NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_LOG_RATIO = 20.0
+
+
+def kl_k1(logp_BR: torch.Tensor, ref_logp_BR: torch.Tensor) -> torch.Tensor:
+    """k1 = logp - ref: the naive log-ratio estimator."""
+    return logp_BR - ref_logp_BR
+
+
+def kl_k2(logp_BR: torch.Tensor, ref_logp_BR: torch.Tensor) -> torch.Tensor:
+    """k2 = ½ (logp - ref)²."""
+    return 0.5 * (logp_BR - ref_logp_BR) ** 2
+
+
+def kl_k3(logp_BR: torch.Tensor, ref_logp_BR: torch.Tensor) -> torch.Tensor:
+    """Schulman's low-variance unbiased KL(π‖π_ref) estimator: e^d - d - 1, d = ref - logp.
+
+    Always >= 0, and 0 where the two log-probs agree.
+    """
+    delta_BR = (ref_logp_BR - logp_BR).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.exp(delta_BR) - delta_BR - 1.0
+
+
+def kl_penalized_reward(
+    reward_BR: torch.Tensor,
+    kl_BR: torch.Tensor,
+    mask_BR: torch.Tensor,
+    *,
+    beta: float,
+) -> torch.Tensor:
+    """KL-in-reward: r_t - β·kl_t on valid tokens (masked tokens keep their reward, normally 0)."""
+    return reward_BR - beta * torch.where(mask_BR.bool(), kl_BR, 0.0)
+
+
+class FixedKLController:
+    """A constant KL coefficient; `update` does nothing."""
+
+    def __init__(self, kl_coef: float):
+        if kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+        self.value = kl_coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+
+class AdaptiveKLController:
+    """Ziegler et al. 2019: steer the observed KL towards `target_kl`.
+
+    e = clip(KL / target - 1, -0.2, 0.2),   β ← β · (1 + e · n_steps / horizon),
+    where `n_steps` is the number of samples the KL was measured on (verl passes the batch size).
+    """
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: float):
+        if init_kl_coef < 0:
+            raise ValueError(f"init_kl_coef must be >= 0, got {init_kl_coef}")
+        if target_kl <= 0 or horizon <= 0:
+            raise ValueError(f"target_kl and horizon must be > 0, got {target_kl} and {horizon}")
+        self.value = init_kl_coef
+        self.target_kl = target_kl
+        self.horizon = horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
