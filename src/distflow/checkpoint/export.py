@@ -1,0 +1,51 @@
+"""Turn a training checkpoint into a Hugging Face model directory.
+
+    checkpoint/step-N  --(DCP load, one process, no process group)-->  model built from its config
+                       --save_pretrained(safetensors)-->  out_dir  (+ tokenizer files)
+
+The architecture comes from `model_config.json`, which `save_checkpoint` writes for any
+`transformers.PreTrainedModel`; passing `model_dir_or_config` (a model directory or a
+`PretrainedConfig`) overrides it, and is required for checkpoints of other modules.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+
+from distflow.checkpoint.store import MODEL_CONFIG, CheckpointError, checkpoint_dtype, load_model_weights, read_meta
+
+
+def export_hf(
+    checkpoint: Path,
+    out_dir: Path,
+    *,
+    model_dir_or_config: str | Path | PretrainedConfig | None = None,
+    tokenizer_dir: str | Path | None = None,
+) -> Path:
+    """Write `out_dir` so that `AutoModelForCausalLM.from_pretrained(out_dir)` has the checkpoint's weights."""
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    read_meta(checkpoint)  # a clear error for a missing or incomplete checkpoint, before anything is built
+    config = _model_config(checkpoint, model_dir_or_config)
+    model = AutoModelForCausalLM.from_config(config).to(checkpoint_dtype(checkpoint))
+    load_model_weights(checkpoint, model)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer_dir is not None:
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
+    return out_dir
+
+
+def _model_config(checkpoint: Path, given: str | Path | PretrainedConfig | None) -> PretrainedConfig:
+    if isinstance(given, PretrainedConfig):
+        return given
+    if given is not None:
+        return AutoConfig.from_pretrained(given)
+    saved = checkpoint / MODEL_CONFIG
+    if not saved.is_file():
+        raise CheckpointError(
+            f"checkpoint {checkpoint} has no {MODEL_CONFIG} (not saved from a Hugging Face model): "
+            "pass the model directory or config it was trained from"
+        )
+    # from_pretrained on the file itself: the saved JSON names its model type
+    return AutoConfig.from_pretrained(saved)

@@ -1,0 +1,304 @@
+"""Atomic, reshardable checkpoints: DCP shards for tensors, JSON for the rest.
+
+    every rank                                   rank 0
+    ----------                                   ------
+                                                 rm root/.tmp-*  (leftovers of crashed saves)
+                                                 mkdir root/.tmp-step-000050
+    ---------------------------- barrier ----------------------------
+    DCP shards of model + optimizer -> .tmp-step-000050/__{r}_0.distcp (+ .metadata)
+    own RNG states                  -> .tmp-step-000050/rng-rank{r}.pt
+    ---------------------------- barrier ----------------------------
+                                                 meta.json, model_config.json, COMPLETE (fsynced)
+                                                 os.replace(.tmp-step-000050, step-000050)
+                                                 prune to the last `keep_last`
+    ------------------ all-reduce of rank 0's failure flag ------------------
+
+Invariants: a directory named `step-N` only ever appears by an atomic rename of a
+directory that already holds `COMPLETE`, and is only ever removed by renaming it back to
+a `.tmp-*` name first. So every `step-N` with `COMPLETE` is whole, a crash at any point
+leaves the previous one usable, and `.tmp-*` directories are garbage.
+
+The state is taken from the plain model (never the DDP wrapper) through
+`torch.distributed.checkpoint.state_dict`, so its keys are the model's parameter names
+and a checkpoint saved by N ranks loads on M ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from transformers import PreTrainedModel
+
+from distflow.checkpoint.rng import capture_rng
+from distflow.config.schema import ConfigError
+from distflow.runtime.dist import Comm
+
+FORMAT_VERSION = 1
+COMPLETE = "COMPLETE"
+META = "meta.json"
+MODEL_CONFIG = "model_config.json"  # the Hugging Face config, when the model is a PreTrainedModel
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used: missing, incomplete, or not this model's."""
+
+
+def step_dir_name(step: int) -> str:
+    """
+    >>> step_dir_name(50)
+    'step-000050'
+    """
+    return f"step-{step:06d}"
+
+
+def save_checkpoint(
+    root: Path, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler, extra: dict, comm: Comm, keep_last: int,
+) -> Path:
+    """Save on every rank (collective); returns `root/step-{step:06d}` once it is complete.
+
+    `model` is the plain module, not its DDP wrapper. `extra` (config, loader state, ...)
+    must be JSON-serialisable; it round-trips through JSON (tuples come back as lists).
+    `root` must be one filesystem that every rank sees (DCP writes one file per rank).
+    If rank 0 fails to finish, every rank raises; a rank that dies mid-save leaves the
+    others blocked in a collective until the process-group timeout, like any collective.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (got {keep_last})")
+    root = Path(root)
+    meta = {"format": FORMAT_VERSION, "step": step, "world_size": comm.world_size,
+            "scheduler": scheduler.state_dict(), "extra": extra}
+    try:  # fail before any rank writes anything
+        meta_text = json.dumps(meta, indent=2)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"checkpoint extra and scheduler state must be JSON-serialisable: {err}") from err
+    tmp = root / f".tmp-{step_dir_name(step)}"
+    if comm.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(root)
+        tmp.mkdir()
+    comm.barrier()
+
+    torch.save(capture_rng(comm.device), tmp / f"rng-rank{comm.rank}.pt")
+    _fsync(tmp / f"rng-rank{comm.rank}.pt")
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    with _single_process_quiet():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not comm.distributed)
+    comm.barrier()
+
+    final = root / step_dir_name(step)
+    failed = torch.zeros(1, device=comm.device)  # NCCL reduces only device tensors
+    error: Exception | None = None
+    if comm.is_main:
+        try:
+            _write_durably(tmp / META, meta_text)
+            if isinstance(model, PreTrainedModel):
+                _write_durably(tmp / MODEL_CONFIG, model.config.to_json_string())
+            _write_durably(tmp / COMPLETE, f"step {step}\n")
+            _publish(tmp, final)
+            prune_checkpoints(root, keep_last, keep=final)
+        except Exception as err:  # re-raised below, after telling the other ranks
+            failed += 1
+            error = err
+    comm.all_reduce_max(failed)
+    if error is not None:
+        raise error
+    if failed.item():
+        raise CheckpointError(f"rank 0 failed to finish checkpoint {final}; see its log")
+    return final
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The complete checkpoint with the highest step under `root`, or None."""
+    complete = _complete_checkpoints(Path(root))
+    return complete[-1][1] if complete else None
+
+
+def load_checkpoint(
+    path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler, comm: Comm,
+) -> dict[str, Any]:
+    """Restore model, optimizer and scheduler in place (collective when distributed).
+
+    Returns the saved metadata: {"step", "world_size" (at save time), "scheduler",
+    "extra", "rng"}, where "rng" is this rank's saved RNG state, or None when the
+    checkpoint was saved by fewer ranks (see `distflow.checkpoint.rng.restore_rng`).
+    A checkpoint that does not match the model raises CheckpointError before the model
+    changes (a fresh optimizer may have had its empty state created by then, which is harmless).
+    """
+    path = Path(path)
+    meta = read_meta(path)
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    model_state = get_model_state_dict(model)
+    _check_matches(metadata, "model", model_state, path)
+    optimizer_state = get_optimizer_state_dict(model, optimizer)  # creates empty optimizer state if needed
+    _check_matches(metadata, "optimizer", optimizer_state.get("state", {}), path, ("state",))
+    state = {"model": model_state, "optimizer": optimizer_state}
+    with _single_process_quiet():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=not comm.distributed)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    scheduler.load_state_dict(meta["scheduler"])
+    rng_file = path / f"rng-rank{comm.rank}.pt"
+    meta["rng"] = torch.load(rng_file, weights_only=True) if rng_file.exists() else None
+    return meta
+
+
+def load_model_weights(path: Path, model: torch.nn.Module) -> dict[str, Any]:
+    """Load only the model's tensors, in this process alone (export, evaluation); returns the metadata."""
+    path = Path(path)
+    meta = read_meta(path)
+    model_state = get_model_state_dict(model)
+    _check_matches(dcp.FileSystemReader(path).read_metadata(), "model", model_state, path)
+    with _single_process_quiet():
+        dcp.load({"model": model_state}, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    set_model_state_dict(model, model_state)
+    return meta
+
+
+def checkpoint_dtype(path: Path) -> torch.dtype:
+    """The dtype the model's tensors were saved in (the first one's)."""
+    metadata = dcp.FileSystemReader(Path(path)).read_metadata()
+    for key, (top, *_) in _tensor_paths(metadata):
+        if top == "model":
+            return metadata.state_dict_metadata[key].properties.dtype
+    raise CheckpointError(f"checkpoint {path} holds no model tensors")
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """The JSON metadata of a complete checkpoint; CheckpointError for anything else."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not (path / COMPLETE).is_file():
+        if _complete_checkpoints(path):
+            raise CheckpointError(f"{path} is a checkpoint root, not a checkpoint: pass one of its step-* directories")
+        raise CheckpointError(f"checkpoint {path} is incomplete (no {COMPLETE} marker): its save was interrupted")
+    meta = json.loads((path / META).read_text())
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format {meta.get('format')}, this distflow reads format {FORMAT_VERSION}"
+        )
+    return meta
+
+
+def prune_checkpoints(root: Path, keep_last: int, *, keep: Path | None = None) -> None:
+    """Remove all but the `keep_last` highest-step complete checkpoints (never `keep`)."""
+    complete = [path for _, path in _complete_checkpoints(root)]
+    for path in complete[: max(0, len(complete) - keep_last)]:
+        if keep is not None and path == keep:
+            continue
+        doomed = root / f".tmp-pruned-{path.name}"
+        os.replace(path, doomed)  # out of sight atomically; a crash mid-rmtree leaves only .tmp garbage
+        shutil.rmtree(doomed)
+
+
+def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.fullmatch(child.name)
+        if match and (child / COMPLETE).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def _check_matches(
+    metadata: Metadata, top: str, state: dict[str, Any], path: Path, prefix: tuple[str, ...] = ()
+) -> None:
+    """Every tensor of `state` is in the checkpoint under (top, *prefix, ...) with the same shape, and vice versa."""
+    wanted = {}
+    for name, value in state.items():
+        if isinstance(value, dict):  # optimizer state: {param name: {"exp_avg": tensor, ...}}
+            wanted.update({(name, sub): v.shape for sub, v in value.items() if isinstance(v, torch.Tensor)})
+        elif isinstance(value, torch.Tensor):
+            wanted[(name,)] = value.shape
+    saved = {}
+    for key, (saved_top, *rest) in _tensor_paths(metadata):
+        if saved_top == top and tuple(rest[: len(prefix)]) == prefix:
+            saved[tuple(str(part) for part in rest[len(prefix):])] = metadata.state_dict_metadata[key].size
+    for key in wanted:  # in the model's order, so the first mismatch named is the outermost
+        shown = ".".join(key)
+        if key not in saved:
+            raise CheckpointError(f"checkpoint {path} has no {top} entry {shown!r}: it was saved from another model")
+        if tuple(saved[key]) != tuple(wanted[key]):
+            raise CheckpointError(
+                f"checkpoint {path}: {top} entry {shown!r} has shape {tuple(saved[key])} in the checkpoint "
+                f"but {tuple(wanted[key])} in the model"
+            )
+    unexpected = sorted(set(saved) - set(wanted))
+    if unexpected:
+        raise CheckpointError(
+            f"checkpoint {path} has {top} entry {'.'.join(unexpected[0])!r} that the model lacks "
+            f"({len(unexpected)} such entries): it was saved from another model"
+        )
+
+
+def _tensor_paths(metadata: Metadata) -> list[tuple[str, tuple]]:
+    """(flat DCP key, original nested path) of every tensor in the checkpoint."""
+    return [
+        (key, metadata.planner_data[key])
+        for key, item in metadata.state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata)
+    ]
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Make the finished temp directory visible under its final name, atomically."""
+    _fsync(tmp)
+    if final.exists():  # the same step saved again (a resumed run): move the old one out of sight first
+        old = final.with_name(f".tmp-replaced-{final.name}")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    _fsync(final.parent)
+
+
+def _remove_leftovers(root: Path) -> None:
+    for child in root.iterdir():
+        if child.name.startswith(".tmp-") and child.is_dir():
+            shutil.rmtree(child)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(path: Path) -> None:
+    """fsync a file, or a directory so that the names in it are durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns on every single-process save/load that it assumes one process; that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
