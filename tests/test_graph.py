@@ -61,7 +61,7 @@ def test_custom_stage_is_inserted(tmp_path):
         "pipeline.custom_stages=[{name: shape, fn: 'distflow.dag.stages:weight_sync', after: [reward], "
         "before: [advantage], reads: [reward], writes: [reward]}]"
     ])
-    order = [s.name for s in make_plan(build_graph(cfg), 2, LOADER_FIELDS).stages_for(1)]
+    order = [item.stage.name for item in make_plan(build_graph(cfg), cfg, 2, LOADER_FIELDS).stages_for(1)]
     assert order.index("reward") < order.index("shape") < order.index("advantage")
 
 
@@ -77,7 +77,8 @@ def test_custom_stage_errors():
 
 
 def test_plan_rejects_bad_rank():
-    plan = make_plan(build_graph(load_config(None)), 4, LOADER_FIELDS)
+    cfg = load_config(None)
+    plan = make_plan(build_graph(cfg), cfg, 4, LOADER_FIELDS)
     assert len(plan.stages_for(3)) == 5
     with pytest.raises(ValueError):
         plan.stages_for(4)

@@ -40,10 +40,10 @@ def _validate(config: Config, world_size: int, *, check_run_dir: bool) -> None:
     import torch
 
     from distflow.config.callables import import_callable
-    from distflow.dag.pipelines import build_graph
+    from distflow.dag.pipelines import LOADER_FIELDS, build_graph
+    from distflow.planner.plan import make_plan
 
-    config.check_world_size(world_size)
-    build_graph(config)
+    make_plan(build_graph(config), config, world_size, LOADER_FIELDS)
     import_callable(config.task.reward, key="task.reward")
     if config.trainer.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=auto or cpu")
@@ -124,6 +124,5 @@ def _plan(config: Config, world_size: int) -> int:
 
     if world_size < 1:
         raise ConfigError(f"--world-size must be >= 1 (got {world_size})")
-    config.check_world_size(world_size)
-    print(make_plan(build_graph(config), world_size, LOADER_FIELDS).describe())
+    print(make_plan(build_graph(config), config, world_size, LOADER_FIELDS).describe())
     return 0

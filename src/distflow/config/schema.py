@@ -148,6 +148,10 @@ class TrainerConfig:
     """auto (CUDA when present, else CPU), cpu or cuda."""
     timeout_s: int = 1800
     """Collective timeout: a rank waiting longer than this on its peers fails the job."""
+    prefetch: bool = True
+    """Prepare the next step's prompts in the background while the current step runs."""
+    micro_batch_tokens: int = 0
+    """If > 0, micro-batches are packed by this token budget instead of micro_batch_size."""
 
     def __post_init__(self) -> None:
         _check(self.total_steps >= 1, f"trainer.total_steps must be >= 1 (got {self.total_steps})")
@@ -157,6 +161,32 @@ class TrainerConfig:
         _check(self.eval_samples >= 1, f"trainer.eval_samples must be >= 1 (got {self.eval_samples})")
         _check(self.device in ("auto", "cpu", "cuda"), f"trainer.device must be auto, cpu or cuda (got {self.device!r})")
         _check(self.timeout_s >= 10, f"trainer.timeout_s must be >= 10 (got {self.timeout_s})")
+        _check(self.micro_batch_tokens >= 0, f"trainer.micro_batch_tokens must be >= 0 (got {self.micro_batch_tokens})")
+
+
+@dataclass(kw_only=True)
+class LayoutSpec:
+    """Where a worker group runs and how it splits the batch."""
+
+    ranks: str | int | list[int] = "all"
+    """all, first:K, last:K, first:P%, last:P%, a range A-B, a rank, or a list like 0,2,5 / [0, 2, 5]."""
+    ranks_per_replica: int = 1
+    """Ranks that hold one model replica (a tensor-parallel group); its data-parallel
+    size is len(ranks) / ranks_per_replica. Every rank of a replica holds the replica's data."""
+
+    def __post_init__(self) -> None:
+        _check(self.ranks_per_replica >= 1, f"ranks_per_replica must be >= 1 (got {self.ranks_per_replica})")
+
+
+@dataclass(kw_only=True)
+class PlacementConfig:
+    """Which ranks run which stages (see `distflow plan`)."""
+
+    rollout: LayoutSpec = field(default_factory=LayoutSpec)
+    """Generation. Ranks outside `train` get their own copy of the policy, refreshed
+    by a broadcast after every update (disaggregated placement)."""
+    train: LayoutSpec = field(default_factory=LayoutSpec)
+    """Every other stage: reward, advantage, log-probs, the policy update."""
 
 
 @dataclass(kw_only=True)
@@ -172,9 +202,13 @@ class StageSpec:
     """Stages that must run after this one."""
     reads: list[str] = field(default_factory=list)
     writes: list[str] = field(default_factory=list)
+    placement: str = "train"
+    """Worker group that runs it: train or rollout."""
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "pipeline.custom_stages[].name must not be empty")
+        _check(self.placement in ("train", "rollout"),
+               f"stage {self.name!r}: placement must be train or rollout (got {self.placement!r})")
         _check(":" in self.fn, f"stage {self.name!r}: fn must look like 'package.module:function' (got {self.fn!r})")
 
 
@@ -193,6 +227,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self) -> None:
         num_problems = 10 ** (2 * self.task.num_digits)
@@ -204,19 +239,4 @@ class Config:
             f"task.num_heldout={self.task.num_heldout} (+ warmstart.num_validation="
             f"{self.warmstart.num_validation} for the warm-start) leaves none of the {num_problems} problems "
             f"with task.num_digits={self.task.num_digits} for training; lower them or raise task.num_digits",
-        )
-
-    def check_world_size(self, world_size: int) -> None:
-        """Checks that need the number of processes; run before any rank starts."""
-        trainer = self.trainer
-        _check(
-            trainer.prompts_per_step % world_size == 0,
-            f"trainer.prompts_per_step={trainer.prompts_per_step} must be divisible by the "
-            f"number of processes ({world_size}); change one of them",
-        )
-        samples_per_rank = trainer.prompts_per_step // world_size * self.rollout.num_samples
-        _check(
-            self.algorithm.num_mini_batches <= samples_per_rank,
-            f"algorithm.num_mini_batches={self.algorithm.num_mini_batches} exceeds the {samples_per_rank} samples "
-            f"each of the {world_size} processes holds per step; lower it or raise trainer.prompts_per_step",
         )

@@ -3,30 +3,38 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from distflow.config.schema import Config
-from distflow.engines.evaluation import Verifier
-from distflow.engines.policy import PolicyEngine
-from distflow.engines.reward import RewardFn
-from distflow.observability.metrics import StepMetrics
-from distflow.runtime.dist import Comm
+
+if TYPE_CHECKING:  # engines import torch/transformers; building a graph must not
+    import torch
+
+    from distflow.engines.evaluation import Verifier
+    from distflow.engines.policy import PolicyEngine
+    from distflow.engines.reward import RewardFn
+    from distflow.engines.weight_sync import WeightBroadcast
+    from distflow.observability.metrics import StepMetrics
+    from distflow.runtime.dist import Comm
 
 
 @dataclass
 class StageContext:
     config: Config
     comm: Comm
+    """The communicator of the running stage's worker group (set by the executor per stage)."""
+    world: Comm
     tokenizer: Any
-    policy: PolicyEngine
-    rollout_model: torch.nn.Module
+    policy: PolicyEngine | None
+    """None on ranks that only roll out (disaggregated placement)."""
+    rollout_model: torch.nn.Module | None
     """The model rollout samples from; colocated, it is the policy's own module."""
     reference: torch.nn.Module | None
     reward_fn: RewardFn
     is_correct: Verifier
     """The task's verifier: what the `accuracy` metric counts."""
     metrics: StepMetrics
+    weight_sync: WeightBroadcast | None = None
+    """Set when some rollout ranks are not train ranks."""
     step: int = 0
     """The current RL step (1-based); custom stages may use it for schedules."""

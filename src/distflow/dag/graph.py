@@ -8,6 +8,7 @@ deterministic topological order that every rank executes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,8 @@ class Stage:
     deps: tuple[str, ...] = ()
     reads: tuple[str, ...] = ()
     writes: tuple[str, ...] = ()
+    group: str = "train"
+    """Worker group that runs it (`placement.<group>`): rollout, train, or sync (both)."""
 
 
 @dataclass
@@ -48,7 +51,7 @@ class Graph:
             if name not in self.stages:
                 raise GraphError(f"unknown stage {name!r}; stages are: {', '.join(self.stages)}")
         old = self.stages[stage]
-        self.stages[stage] = Stage(old.name, old.fn, old.role, old.deps + (depends_on,), old.reads, old.writes)
+        self.stages[stage] = dataclasses.replace(old, deps=old.deps + (depends_on,))
 
     def validate(self, initial_fields: Iterable[str]) -> list[Stage]:
         """Topological order (ties broken by insertion order), or a GraphError."""

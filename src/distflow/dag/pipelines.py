@@ -15,14 +15,14 @@ from distflow.config.schema import Config
 from distflow.dag import stages
 from distflow.dag.graph import Graph, GraphError, Stage
 
-LOADER_FIELDS = ("uid", "prompt", "sample")
+LOADER_FIELDS = ("uid", "prompt", "prompt_ids", "sample")
 
 
 def grpo(config: Config) -> Graph:
     algo = config.algorithm
     graph = Graph()
-    graph.add(Stage("rollout", stages.rollout, "rollout", (), ("uid", "prompt"),
-                    ("input_ids", "attention_mask", "response_mask", "completion", "group")))
+    graph.add(Stage("rollout", stages.rollout, "rollout", (), ("uid", "prompt", "prompt_ids"),
+                    ("input_ids", "attention_mask", "response_mask", "completion", "group"), group="rollout"))
     graph.add(Stage("reward", stages.reward, "reward", ("rollout",), ("prompt", "completion", "sample"), ("reward",)))
     graph.add(Stage("advantage", stages.grpo_advantage, "advantage", ("reward",), ("reward", "group"),
                     ("advantage", "sample_mask")))
@@ -39,7 +39,7 @@ def grpo(config: Config) -> Graph:
         previous = "reference_logprob"
         update_reads.append("ref_logp")
     graph.add(Stage("policy_update", stages.policy_update, "train", (previous,), tuple(update_reads), ()))
-    graph.add(Stage("weight_sync", stages.weight_sync, "sync", ("policy_update",), (), ()))
+    graph.add(Stage("weight_sync", stages.weight_sync, "sync", ("policy_update",), (), (), group="sync"))
     return graph
 
 
@@ -51,7 +51,8 @@ def build_graph(config: Config) -> Graph:
     graph = PIPELINES[config.algorithm.name](config)
     for spec in config.pipeline.custom_stages:
         fn = import_callable(spec.fn, key=f"custom stage {spec.name!r}")
-        graph.add(Stage(spec.name, fn, "custom", tuple(spec.after), tuple(spec.reads), tuple(spec.writes)))
+        graph.add(Stage(spec.name, fn, "custom", tuple(spec.after), tuple(spec.reads), tuple(spec.writes),
+                        group=spec.placement))
     for spec in config.pipeline.custom_stages:
         for later in spec.before:
             if later not in graph.stages:

@@ -2,29 +2,40 @@
 
 Each takes (batch, ctx) and returns a new batch with the fields it declares in the
 pipeline builder. They run on this rank's share of the step and talk to peers only
-through `ctx.comm` (the global token count of the loss) and `ctx.metrics`.
+through `ctx.comm` (the communicator of the stage's worker group) and `ctx.metrics`.
+
+Engines (torch, transformers) are imported inside the functions: building the graph —
+and so `distflow plan` — must not pay for importing them.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from distflow.algorithms.advantages import grpo_advantages
-from distflow.algorithms.losses import kl_k3, ppo_clip_loss
-from distflow.dag.context import StageContext
-from distflow.data.batch import Batch
-from distflow.engines.generation import generate
-from distflow.engines.logprobs import batch_logprobs
-from distflow.engines.reward import score
 from distflow.seeding import derive_seed
+
+if TYPE_CHECKING:
+    from distflow.dag.context import StageContext
+    from distflow.data.batch import Batch
 
 
 def rollout(batch: Batch, ctx: StageContext) -> Batch:
-    """n samples per prompt; each sample gets its own uid and its prompt's uid as group."""
+    """n samples per prompt; each sample gets its own uid and its prompt's uid as group.
+
+    Sample uid u is drawn with the key (seed, u) and prompts are padded to the widest
+    prompt of the whole worker group, so a sample is the same on any rank and layout.
+    """
+    import torch
+
+    from distflow.engines.generation import generate
+
     n = ctx.config.rollout.num_samples
     expanded = batch.repeat_interleave(n)
     prompt_uids = expanded["uid"]
     uids = [u * n + k % n for k, u in enumerate(prompt_uids)]
+    prompt_ids = expanded["prompt_ids"]
+    width = torch.tensor([max(len(ids) for ids in prompt_ids)], device=ctx.comm.device)
+    width = int(ctx.comm.all_reduce_max(width).item())
     out = generate(
         ctx.rollout_model,
         ctx.tokenizer,
@@ -32,6 +43,9 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
         max_new_tokens=ctx.config.rollout.max_new_tokens,
         temperature=ctx.config.rollout.temperature,
         top_p=ctx.config.rollout.top_p,
+        sample_keys=[derive_seed(ctx.config.trainer.seed, "rollout", uid) for uid in uids],
+        prompt_ids=prompt_ids,
+        prompt_width=width,
     )
     num_generated = float(out.response_mask_BR.sum())
     ctx.metrics.mean("response/length", num_generated, len(expanded))
@@ -47,6 +61,8 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
 
 
 def reward(batch: Batch, ctx: StageContext) -> Batch:
+    from distflow.engines.reward import score
+
     reward_B, errors = score(ctx.reward_fn, batch["prompt"], batch["completion"], batch["sample"])
     num_correct = sum(ctx.is_correct(c, s) for c, s in zip(batch["completion"], batch["sample"]))
     ctx.metrics.mean("reward/mean", float(reward_B.sum()), len(batch))
@@ -56,6 +72,10 @@ def reward(batch: Batch, ctx: StageContext) -> Batch:
 
 
 def grpo_advantage(batch: Batch, ctx: StageContext) -> Batch:
+    import torch
+
+    from distflow.algorithms.advantages import grpo_advantages
+
     algo = ctx.config.algorithm
     advantage_B, zero_variance_B = grpo_advantages(
         batch["reward"].cpu(), batch["group"].cpu(), norm_by_std=algo.norm_adv_by_std
@@ -72,23 +92,29 @@ def old_logprob(batch: Batch, ctx: StageContext) -> Batch:
 
 
 def reference_logprob(batch: Batch, ctx: StageContext) -> Batch:
+    from distflow.engines.logprobs import batch_logprobs
+
     assert ctx.reference is not None, "the pipeline builder adds this stage only with a reference model"
     ref_logp = batch_logprobs(ctx.reference, batch, micro_batch_size=ctx.config.trainer.micro_batch_size,
                               temperature=ctx.config.rollout.temperature)
     return batch.updated(ref_logp=ref_logp)
 
 
-def _loss_mask_BR(batch: Batch) -> torch.Tensor:
+def _loss_mask_BR(batch: Batch):
     """Response tokens of the samples that carry signal (zero-variance groups excluded)."""
     return batch["response_mask"].float() * batch["sample_mask"].unsqueeze(-1)
 
 
 def policy_update(batch: Batch, ctx: StageContext) -> Batch:
     """PPO-clip (+ k3 KL) over `ppo_epochs` × `num_mini_batches` optimizer steps, token-mean."""
+    import torch
+
+    from distflow.algorithms.losses import kl_k3, ppo_clip_loss
+
     algo, trainer = ctx.config.algorithm, ctx.config.trainer
     has_old = "old_logp" in batch.fields()
 
-    def loss_fn(micro: Batch, logp_BR: torch.Tensor, entropy_BR: torch.Tensor):
+    def loss_fn(micro: Batch, logp_BR, entropy_BR):
         mask_BR = _loss_mask_BR(micro)
         old_BR = micro["old_logp"] if has_old else logp_BR.detach()
         loss_BR, clipped_BR = ppo_clip_loss(
@@ -116,7 +142,8 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
             if num_tokens == 0:  # every group of this mini-batch had equal rewards: no signal
                 ctx.metrics.total("train/skipped_empty_steps", 1.0 / ctx.comm.world_size)
                 continue
-            stats = ctx.policy.update(mini, loss_fn, num_tokens, trainer.micro_batch_size)
+            stats = ctx.policy.update(mini, loss_fn, num_tokens, trainer.micro_batch_size,
+                                      micro_batch_tokens=trainer.micro_batch_tokens)
             for name in ("clip_fraction", "entropy", "pg_loss", "kl"):
                 if name in stats:
                     ctx.metrics.mean(f"train/{name}", stats[name], local_tokens.item())
@@ -128,10 +155,16 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
 
 
 def weight_sync(batch: Batch, ctx: StageContext) -> Batch:
-    """Colocated: rollout samples from the policy's own parameters, so nothing is copied.
+    """After the update, the rollout engines must sample from the new policy.
 
-    (A disaggregated placement replaces this with a broadcast from trainer to rollout ranks.)
+    Colocated, rollout samples from the policy's own module: nothing to copy. With rollout
+    on other ranks (disaggregated), the first train rank broadcasts the parameters to them.
     """
-    if ctx.rollout_model is not ctx.policy.model:
-        raise RuntimeError("colocated weight sync expects rollout to share the policy module")
+    if ctx.weight_sync is None:
+        if ctx.rollout_model is not ctx.policy.model:
+            raise RuntimeError("colocated weight sync expects rollout to share the policy module")
+        return batch
+    model = ctx.policy.model if ctx.policy is not None else ctx.rollout_model
+    num_bytes = ctx.weight_sync.broadcast(model)
+    ctx.metrics.maximum("sync/bytes_per_rank", num_bytes)
     return batch

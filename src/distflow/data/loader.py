@@ -2,10 +2,11 @@
 
     global order of epoch e = permutation(len(dataset), seed, e)    (same on every rank)
     step s takes the next `prompts_per_step` positions of that order
-    rank r keeps the r-th contiguous slice of them and reads only those rows
+    shard k (a replica of the first stage's layout) keeps the k-th contiguous slice
+    and reads and tokenizes only those rows; ranks outside that layout read nothing
 
-So the multiset of prompts in a step does not depend on the number of ranks, and the
-loader's whole state is (epoch, cursor) — independent of the world size.
+So the multiset of prompts in a step does not depend on the number of ranks or on the
+placement, and the loader's whole state is (epoch, cursor) — independent of the world size.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from distflow.data.batch import Batch
 from distflow.seeding import derive_seed
 
 RowReader = Callable[[int], dict]
+Tokenize = Callable[[list[str]], list[list[int]]]
 
 
 class PromptLoader:
@@ -28,9 +30,11 @@ class PromptLoader:
         *,
         prompts_per_step: int,
         seed: int,
-        rank: int,
+        rank: int | None,
         world_size: int,
+        tokenize: Tokenize | None = None,
     ) -> None:
+        """`rank` / `world_size`: this process's shard and the number of shards (None: no shard)."""
         if prompts_per_step % world_size:
             raise ValueError(f"prompts_per_step={prompts_per_step} is not divisible by world size {world_size}")
         self.read_row = read_row
@@ -39,6 +43,7 @@ class PromptLoader:
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
+        self.tokenize = tokenize
         self.epoch = 0
         self.cursor = 0  # position inside the current epoch's order
         self._order = self._permutation(0)
@@ -62,10 +67,16 @@ class PromptLoader:
 
     def next_batch(self) -> Batch:
         positions = self._next_positions()
+        if self.rank is None:
+            return Batch()
         per_rank = self.prompts_per_step // self.world_size
         mine = positions[self.rank * per_rank : (self.rank + 1) * per_rank]
         rows = [self.read_row(index) for _, index in mine]
-        return Batch(meta={"uid": [uid for uid, _ in mine], "prompt": [r["prompt"] for r in rows], "sample": rows})
+        prompts = [r["prompt"] for r in rows]
+        meta = {"uid": [uid for uid, _ in mine], "prompt": prompts, "sample": rows}
+        if self.tokenize is not None:
+            meta["prompt_ids"] = self.tokenize(prompts)
+        return Batch(meta=meta)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "cursor": self.cursor}

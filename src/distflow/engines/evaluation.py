@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from distflow.engines.generation import generate
 from distflow.runtime.dist import Comm
+from distflow.seeding import derive_seed
 
 Verifier = Callable[[str, dict], bool]  # (completion, sample) -> correct?
 
@@ -39,20 +40,19 @@ def count_correct(
     is_correct: Verifier,
     sampling: SamplingSpec,
     *,
-    num_samples: int,
-    greedy: bool,
+    sample_keys: Sequence[int] | None,
     chunk_size: int = 1024,
 ) -> tuple[float, int]:
-    """(number of correct completions, number of completions) on this process."""
-    repeats = 1 if greedy else num_samples
-    expanded = [s for s in samples for _ in range(repeats)]
+    """(number of correct completions, number of completions): one completion per sample,
+    drawn with its key, or greedy when `sample_keys` is None."""
     correct = 0
-    for start in range(0, len(expanded), chunk_size):
-        chunk = expanded[start : start + chunk_size]
+    for start in range(0, len(samples), chunk_size):
+        chunk = samples[start : start + chunk_size]
+        keys = None if sample_keys is None else list(sample_keys[start : start + chunk_size])
         out = generate(model, tokenizer, [s["prompt"] for s in chunk], max_new_tokens=sampling.max_new_tokens,
-                       temperature=sampling.temperature, top_p=sampling.top_p, greedy=greedy)
+                       temperature=sampling.temperature, top_p=sampling.top_p, sample_keys=keys)
         correct += sum(is_correct(c, s) for s, c in zip(chunk, out.completions))
-    return float(correct), len(expanded)
+    return float(correct), len(samples)
 
 
 def evaluate(
@@ -68,14 +68,15 @@ def evaluate(
 ) -> Evaluation:
     """Sampled and greedy accuracy over all of `heldout`; every rank gets the same answer.
 
-    The sampling noise is re-seeded from `seed` each time (and the caller's RNG state
-    restored), so two evaluations of the same policy give the same numbers.
+    Sample k of held-out prompt i is drawn with the key (seed, i, k): two evaluations of
+    the same policy give the same numbers, at any world size.
     """
-    mine = list(heldout[comm.rank :: comm.world_size])
-    with torch.random.fork_rng(devices=[comm.device] if comm.device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        sampled = count_correct(model, tokenizer, mine, is_correct, sampling, num_samples=num_samples, greedy=False)
-        greedy = count_correct(model, tokenizer, mine, is_correct, sampling, num_samples=1, greedy=True)
+    indices = range(comm.rank, len(heldout), comm.world_size)
+    mine = [heldout[i] for i in indices]
+    expanded = [s for s in mine for _ in range(num_samples)]
+    keys = [derive_seed(seed, "eval", i, k) for i in indices for k in range(num_samples)]
+    sampled = count_correct(model, tokenizer, expanded, is_correct, sampling, sample_keys=keys)
+    greedy = count_correct(model, tokenizer, mine, is_correct, sampling, sample_keys=None)
     totals = torch.tensor([*sampled, *greedy], dtype=torch.float64, device=comm.device)
     totals = comm.all_reduce_sum(totals).cpu()
     return Evaluation(sampled=(totals[0] / totals[1]).item(), greedy=(totals[2] / totals[3]).item())

@@ -2,7 +2,9 @@
 
 The sampling settings are passed as a complete `GenerationConfig`, so nothing from a
 model directory's own `generation_config.json` (repetition penalties, top-k, ...) can
-change the distribution behind the log-probs that training computes.
+change the distribution behind the log-probs that training computes. Sampling draws each
+row's tokens from that row's key (`engines.sampling`), so a sample does not depend on
+the batch it was generated in.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, PreTrainedTokenizerBase
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedTokenizerBase
 
+from distflow.engines.sampling import KeyedSampler
 from distflow.engines.sequences import encode_prompts, left_pad, response_mask_from_ids
 
 
@@ -33,17 +36,30 @@ def generate(
     max_new_tokens: int,
     temperature: float,
     top_p: float = 1.0,
-    greedy: bool = False,
+    sample_keys: list[int] | None = None,
+    prompt_ids: list[list[int]] | None = None,
+    prompt_width: int | None = None,
 ) -> Generation:
-    """One completion per prompt (repeat a prompt to get several samples of it)."""
+    """One completion per prompt (repeat a prompt to get several samples of it).
+
+    With `sample_keys` (one per prompt) tokens are sampled from each row's key; without
+    them decoding is greedy. `prompt_ids` skips tokenization; `prompt_width` left-pads
+    prompts to at least this many columns (a width shared by a whole worker group).
+    """
     device = next(model.parameters()).device
-    prompt_ids_BP, prompt_mask_BP = left_pad(encode_prompts(tokenizer, prompts), tokenizer.pad_token_id)
+    rows = prompt_ids if prompt_ids is not None else encode_prompts(tokenizer, prompts)
+    prompt_ids_BP, prompt_mask_BP = left_pad(rows, tokenizer.pad_token_id, width=prompt_width)
     prompt_ids_BP, prompt_mask_BP = prompt_ids_BP.to(device), prompt_mask_BP.to(device)
+    width = prompt_ids_BP.shape[1]
+    processors = LogitsProcessorList()
+    if sample_keys is not None:
+        if len(sample_keys) != len(rows):
+            raise ValueError(f"{len(sample_keys)} sample keys for {len(rows)} prompts")
+        keys_B = torch.tensor(sample_keys, dtype=torch.long, device=device)
+        processors.append(KeyedSampler(keys_B, width, temperature=temperature, top_p=top_p))
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
-        do_sample=not greedy,
-        temperature=1.0 if greedy else temperature,
-        top_p=1.0 if greedy else top_p,
+        do_sample=False,  # the keyed sampler (if any) has already drawn the token
         top_k=0,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -52,9 +68,9 @@ def generate(
     )
     was_training = model.training
     model.eval()
-    out_BT = model.generate(input_ids=prompt_ids_BP, attention_mask=prompt_mask_BP, generation_config=config)
+    out_BT = model.generate(input_ids=prompt_ids_BP, attention_mask=prompt_mask_BP, generation_config=config,
+                            logits_processor=processors)
     model.train(was_training)
-    width = prompt_ids_BP.shape[1]
     response_BR = out_BT[:, width:]
     if response_BR.shape[1] < max_new_tokens:  # generate stops early when every row hit EOS
         pad_BR = response_BR.new_full((response_BR.shape[0], max_new_tokens - response_BR.shape[1]),

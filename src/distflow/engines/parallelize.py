@@ -9,8 +9,8 @@ from distflow.runtime.dist import Comm
 
 
 def data_parallel(model: torch.nn.Module, comm: Comm) -> torch.nn.Module:
-    """DDP over all ranks when there are several; the model itself otherwise."""
+    """DDP over the ranks of `comm` (the train group) when there are several; the model itself otherwise."""
     if not comm.distributed:
         return model
     device_ids = [comm.device.index] if comm.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=comm.group)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from distflow.config.schema import OptimConfig
+from distflow.data.balance import token_budget_micro_batches
 from distflow.data.batch import Batch
 from distflow.engines.logprobs import batch_logprobs, response_logprobs
 from distflow.engines.parallelize import data_parallel
@@ -45,11 +46,21 @@ class PolicyEngine:
         return batch_logprobs(self.model, batch, micro_batch_size=micro_batch_size, temperature=self.temperature)
 
     def update(
-        self, mini_batch: Batch, loss_fn: LossFn, num_loss_tokens_global: float, micro_batch_size: int
+        self, mini_batch: Batch, loss_fn: LossFn, num_loss_tokens_global: float, micro_batch_size: int,
+        *, micro_batch_tokens: int = 0,
     ) -> dict[str, float]:
-        """One optimizer step over `mini_batch` (this rank's share); returns local stat sums."""
+        """One optimizer step over `mini_batch` (this rank's share); returns local stat sums.
+
+        Micro-batches hold `micro_batch_size` sequences, or with `micro_batch_tokens` > 0 are
+        packed by that token budget (first-fit decreasing, columns of pure padding dropped).
+        """
         self.model.train()
-        micros = mini_batch.split(math.ceil(len(mini_batch) / micro_batch_size))
+        if micro_batch_tokens > 0:
+            lengths = mini_batch["attention_mask"].sum(-1).tolist()
+            micros = [_trim_left_padding(mini_batch.select(index))
+                      for index in token_budget_micro_batches(lengths, micro_batch_tokens)]
+        else:
+            micros = mini_batch.split(math.ceil(len(mini_batch) / micro_batch_size))
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
         for i, micro in enumerate(micros):
@@ -74,3 +85,11 @@ class PolicyEngine:
         totals["grad_norm"] = float(grad_norm)
         totals["lr"] = self.scheduler.get_last_lr()[0]
         return totals
+
+
+def _trim_left_padding(micro: Batch) -> Batch:
+    """Drop leading columns that are padding in every row (full-sequence fields only)."""
+    first = int(micro["attention_mask"].any(dim=0).long().argmax())
+    if first == 0:
+        return micro
+    return micro.updated(input_ids=micro["input_ids"][:, first:], attention_mask=micro["attention_mask"][:, first:])

@@ -16,9 +16,9 @@ def position_ids_from_mask(attention_mask_BT: torch.Tensor) -> torch.Tensor:
     return (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token id lists; returns (ids_BT, mask_BT)."""
-    width = max(len(r) for r in rows)
+def left_pad(rows: list[list[int]], pad_id: int, *, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token id lists to the longest row (or `width` if larger); returns (ids_BT, mask_BT)."""
+    width = max([len(r) for r in rows] + [width or 0])
     ids_BT = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask_BT = torch.zeros((len(rows), width), dtype=torch.long)
     for i, row in enumerate(rows):

@@ -2,13 +2,14 @@
 
     every rank: stages call mean / total / maximum
     reduce():   all_reduce(MAX) of a fingerprint of the metric names (4 numbers)
+                [names differ: all_gather_object of the names, every rank pads to the union]
                 all_reduce(SUM) of [sums, counts, totals]  +  all_reduce(MAX) of maxima
     rank 0:     writes the reduced dict (JSONL, TensorBoard, progress bar)
 
-Invariant: in a given step every rank records the same names in the same order (stages
-are identical on every rank and branch only on globally agreed values). The fingerprint
-check turns a violation — e.g. a custom stage logging a metric on some ranks only — into
-a clear error instead of silently mixing up values.
+Ranks record different names when they run different stages (rollout ranks and train
+ranks of a disaggregated placement): the fingerprint check detects it and the names are
+merged once, in a deterministic (sorted) order; a name a rank did not record counts as
+nothing on that rank (sum 0, count 0, max -inf). Colocated runs take the fast path.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import zlib
 
 import torch
+import torch.distributed as dist
 
 from distflow.runtime.dist import Comm
 
@@ -39,20 +41,24 @@ class StepMetrics:
     def maximum(self, name: str, value: float) -> None:
         self._maxes[name] = max(self._maxes.get(name, float("-inf")), float(value))
 
-    def _check_aligned(self, comm: Comm) -> None:
+    def _aligned(self, comm: Comm) -> bool:
         names = "\0".join([*self._means, "|", *self._totals, "|", *self._maxes])
         mine = [float(len(names)), float(zlib.crc32(names.encode()))]
         probe = torch.tensor([*mine, *(-x for x in mine)], dtype=torch.float64, device=comm.device)
         probe = comm.all_reduce_max(probe).cpu().tolist()
-        if probe[:2] != mine or [-x for x in probe[2:]] != mine:
-            raise RuntimeError(
-                f"rank {comm.rank}: ranks recorded different metric names this step; a stage must record "
-                "the same metrics on every rank (record 0 with count 0 instead of skipping)"
-            )
+        return probe[:2] == mine and [-x for x in probe[2:]] == mine
+
+    def _pad_to_union(self) -> None:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (list(self._means), list(self._totals), list(self._maxes)))
+        means, totals, maxes = (sorted(set().union(*(names[k] for names in everyone))) for k in range(3))
+        self._means = {n: self._means.get(n, [0.0, 0.0]) for n in means}
+        self._totals = {n: self._totals.get(n, 0.0) for n in totals}
+        self._maxes = {n: self._maxes.get(n, float("-inf")) for n in maxes}
 
     def reduce(self, comm: Comm) -> dict[str, float]:
-        if comm.distributed:
-            self._check_aligned(comm)
+        if comm.distributed and not self._aligned(comm):
+            self._pad_to_union()
         flat = torch.tensor([x for acc in self._means.values() for x in acc] + list(self._totals.values()),
                             dtype=torch.float64)
         maxes = torch.tensor(list(self._maxes.values()), dtype=torch.float64)

@@ -1,30 +1,203 @@
-"""The per-rank execution plan, computed identically on every rank from (graph, world size).
+"""The execution plan, computed identically on every rank from (graph, config, world size).
 
-Today every stage is colocated on all ranks with data-parallel size = world size, so
-every rank runs the whole graph in topological order on its own share of the batch.
+    graph (topological order)   placement config          world size
+            └──────────────┬──────────┴──────────────────────┘
+                       make_plan
+                           │
+    items: [stage@layout | transition(src layout → dst layout) | ...]   (one global order)
+
+Every rank walks the same item list: it runs a stage when it is in the stage's layout,
+and every rank takes part in every transition (a collective over the world). A
+transition sits wherever two consecutive stages have different layouts; between stages
+with the same layout the batch stays in memory. Nothing here touches a process group,
+so `distflow plan --world-size 4096` runs on a laptop.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from distflow.config.schema import Config, ConfigError
 from distflow.dag.graph import Graph, Stage
+from distflow.planner.layout import Layout, format_ranks, parse_ranks
+
+# Bytes per sample of known tensor fields, for the plan's traffic estimate:
+# (width: "T" full sequence, "R" response, "1" one value; bytes per element).
+FIELD_SIZES = {
+    "input_ids": ("T", 8), "attention_mask": ("T", 8), "response_mask": ("R", 8), "group": ("1", 8),
+    "reward": ("1", 4), "advantage": ("1", 4), "sample_mask": ("1", 4), "old_logp": ("R", 4),
+    "ref_logp": ("R", 4), "values": ("R", 4), "returns": ("R", 4),
+}
+META_BYTES_PER_FIELD = 64  # pickled per-sample Python values (prompt text, uid, ...), a rough mean
+
+
+@dataclass(frozen=True)
+class PlannedStage:
+    stage: Stage
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class Transition:
+    """Moves the batch from `src` to `dst` (all_gather lengths → balance → all_to_all)."""
+
+    before: str
+    """Name of the stage that needs the data on `dst`."""
+    src: Layout
+    dst: Layout
+    keep_groups: bool
+    """Whole prompt groups go to one rank (a later stage computes group statistics)."""
+    fields: tuple[str, ...]
+
+
+Item = PlannedStage | Transition
 
 
 @dataclass(frozen=True)
 class Plan:
     world_size: int
-    order: tuple[Stage, ...]
+    items: tuple[Item, ...]
+    input_layout: Layout
+    """Where the loader's prompts go: the first stage's layout."""
+    groups: dict[str, Layout]
+    samples_per_step: dict[str, int]
+    """Global number of samples each transition moves, by the name of the stage after it."""
+    bytes_per_sample: dict[str, int]
 
-    def stages_for(self, rank: int) -> tuple[Stage, ...]:
+    def stages_for(self, rank: int) -> list[Item]:
+        """This rank's ordered work: its stages, and every transition."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
-        return self.order
+        return [item for item in self.items if isinstance(item, Transition) or rank in item.layout]
+
+    @property
+    def transitions(self) -> list[Transition]:
+        return [item for item in self.items if isinstance(item, Transition)]
 
     def describe(self) -> str:
-        names = " → ".join(s.name for s in self.order)
-        return f"world size {self.world_size}, all stages colocated on ranks 0..{self.world_size - 1}: {names}"
+        lines = [f"world size {self.world_size}"]
+        for name, layout in self.groups.items():
+            lines.append(f"  group {name}: {layout.describe()}")
+        lines.append(f"  loader: {self.input_layout.dp_size} shards, one per {self.groups['rollout'].describe()} replica")
+        lines.append("worker groups (ranks with the same stage list):")
+        for ranks, names in self._worker_groups():
+            lines.append(f"  ranks {format_ranks(ranks)}: {' → '.join(names)}")
+        lines.append("transitions:" if self.transitions else "transitions: none (every hand-over stays in memory)")
+        for t in self.transitions:
+            samples = self.samples_per_step[t.before]
+            per_rank = samples // t.dst.dp_size * self.bytes_per_sample[t.before]
+            lines.append(
+                f"  before {t.before}: [{t.src.describe()}] → [{t.dst.describe()}], {samples} samples/step, "
+                f"{'whole prompt groups, ' if t.keep_groups else ''}≈{_human(per_rank)} received per destination rank"
+            )
+        return "\n".join(lines)
+
+    def _worker_groups(self) -> list[tuple[tuple[int, ...], list[str]]]:
+        by_signature: dict[tuple[str, ...], list[int]] = {}
+        for rank in range(self.world_size):
+            names = []
+            for item in self.items:
+                if isinstance(item, Transition):
+                    role = ("send" if rank in item.src else "") + ("+" if rank in item.src and rank in item.dst else "")
+                    role += "recv" if rank in item.dst else ""
+                    names.append(f"[{role or 'pass'} → {item.before}]")
+                elif rank in item.layout:
+                    names.append(item.stage.name)
+            by_signature.setdefault(tuple(names), []).append(rank)
+        return [(tuple(ranks), list(names)) for names, ranks in by_signature.items()]
 
 
-def make_plan(graph: Graph, world_size: int, initial_fields: tuple[str, ...]) -> Plan:
-    return Plan(world_size, tuple(graph.validate(initial_fields)))
+def _human(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if num_bytes < 1024 or unit == "GiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def make_groups(config: Config, world_size: int) -> dict[str, Layout]:
+    placement = config.placement
+    groups = {}
+    for name in ("rollout", "train"):
+        spec = getattr(placement, name)
+        ranks = parse_ranks(spec.ranks, world_size, key=f"placement.{name}.ranks")
+        if spec.ranks_per_replica < 1 or len(ranks) % spec.ranks_per_replica:
+            raise ConfigError(f"placement.{name}.ranks_per_replica={spec.ranks_per_replica} must divide the "
+                              f"{len(ranks)} ranks of the {name} group")
+        groups[name] = Layout(ranks, spec.ranks_per_replica)
+    rollout, train = set(groups["rollout"].ranks), set(groups["train"].ranks)
+    if groups["train"].ranks_per_replica != 1:
+        raise ConfigError("placement.train.ranks_per_replica must be 1: training is data-parallel "
+                          "(every train rank holds a full replica)")
+    if rollout != train and rollout & train:
+        raise ConfigError(f"placement.rollout.ranks ({format_ranks(groups['rollout'].ranks)}) and placement.train.ranks "
+                          f"({format_ranks(groups['train'].ranks)}) overlap partly; make them the same ranks or disjoint")
+    idle = sorted(set(range(world_size)) - rollout - train)
+    if idle:
+        raise ConfigError(f"rank {idle[0]} is in no worker group; include every rank in placement.rollout.ranks "
+                          f"or placement.train.ranks")
+    groups["sync"] = Layout(tuple(sorted(rollout | train)))
+    return groups
+
+
+def make_plan(graph: Graph, config: Config, world_size: int, initial_fields: tuple[str, ...]) -> Plan:
+    if world_size < 1:
+        raise ConfigError(f"the world size must be >= 1 (got {world_size})")
+    order = graph.validate(initial_fields)
+    groups = make_groups(config, world_size)
+    planned = [PlannedStage(stage, groups[stage.group]) for stage in order]
+    prompts, n = config.trainer.prompts_per_step, config.rollout.num_samples
+    seq_len = config.rollout.max_new_tokens + _prompt_tokens_estimate(config)
+
+    items: list[Item] = []
+    samples_per_step: dict[str, int] = {}
+    bytes_per_sample: dict[str, int] = {}
+    fields, samples, current = set(initial_fields), prompts, planned[0].layout
+    for i, p in enumerate(planned):
+        if p.stage.group != "sync" and p.layout != current:
+            later = [q.stage for q in planned[i:] if q.layout == p.layout]
+            keep_groups = any("group" in s.reads for s in later)
+            _check_divisible(samples, n if keep_groups else 1, p.layout, p.stage.name)
+            items.append(Transition(p.stage.name, current, p.layout, keep_groups, tuple(sorted(fields))))
+            samples_per_step[p.stage.name] = samples
+            bytes_per_sample[p.stage.name] = _bytes_per_sample(fields, seq_len, config.rollout.max_new_tokens)
+            current = p.layout
+        items.append(p)
+        fields.update(p.stage.writes)
+        if p.stage.role == "rollout":
+            samples = prompts * n
+    _check_divisible(prompts, 1, planned[0].layout, planned[0].stage.name)
+    train_dp = groups["train"].dp_size
+    if prompts % train_dp:
+        raise ConfigError(f"trainer.prompts_per_step={prompts} must be divisible by the train group's data-parallel "
+                          f"size ({train_dp}) so every train rank gets whole prompt groups; change one of them")
+    per_rank = prompts * n // train_dp
+    if config.algorithm.num_mini_batches > per_rank:
+        raise ConfigError(f"algorithm.num_mini_batches={config.algorithm.num_mini_batches} exceeds the {per_rank} "
+                          f"samples each of the {train_dp} train ranks holds per step; lower it or raise "
+                          f"trainer.prompts_per_step")
+    return Plan(world_size, tuple(items), planned[0].layout, groups, samples_per_step, bytes_per_sample)
+
+
+def _check_divisible(samples: int, unit: int, layout: Layout, stage: str) -> None:
+    if (samples // unit) % layout.dp_size:
+        what = "prompts" if unit == 1 else "prompt groups"
+        raise ConfigError(
+            f"stage {stage!r} runs with data-parallel size {layout.dp_size} ({layout.describe()}), which does not "
+            f"divide its {samples // unit} {what} per step; change trainer.prompts_per_step or the placement")
+
+
+def _bytes_per_sample(fields: set[str], seq_len: int, response_len: int) -> int:
+    total = 0
+    for name in fields:
+        width, itemsize = FIELD_SIZES.get(name, (None, 0))
+        if width is None:
+            total += META_BYTES_PER_FIELD
+        else:
+            total += itemsize * {"T": seq_len, "R": response_len, "1": 1}[width]
+    return total
+
+
+def _prompt_tokens_estimate(config: Config) -> int:
+    """Prompt length for the traffic estimate: exact for the embedded task ('a+b=' plus BOS)."""
+    return 2 * config.task.num_digits + 3

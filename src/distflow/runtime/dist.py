@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,11 +19,32 @@ import torch.distributed as dist
 
 @dataclass
 class Comm:
+    """This rank's view of one process group: the world, or a worker group's ranks."""
+
     rank: int
+    """Rank inside this group."""
     world_size: int
+    """Ranks in this group."""
     local_rank: int
     local_world_size: int
     device: torch.device
+    group: Any = None
+    """The torch process group; None is the default (whole world) group."""
+    global_ranks: tuple[int, ...] | None = None
+    """World ranks of this group's members (None: every rank)."""
+
+    def subgroup(self, ranks: tuple[int, ...]) -> Comm | None:
+        """The communicator of `ranks` (world ranks); every rank of the world must call this,
+        in the same order. Returns None on ranks outside the group."""
+        if self.group is not None:
+            raise ValueError("subgroups are made from the world communicator")
+        if tuple(ranks) == tuple(range(self.world_size)):
+            return self
+        group = dist.new_group(ranks=list(ranks)) if self.distributed else None
+        if self.rank not in ranks:
+            return None
+        return Comm(ranks.index(self.rank), len(ranks), self.local_rank, self.local_world_size, self.device,
+                    group, tuple(ranks))
 
     @property
     def distributed(self) -> bool:
@@ -35,17 +57,17 @@ class Comm:
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place sum over ranks (returns the same tensor for chaining)."""
         if self.distributed:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return tensor
 
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.distributed:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return tensor
 
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
 
 def init_comm(*, device: str, timeout_s: int) -> Comm:

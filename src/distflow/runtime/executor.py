@@ -1,10 +1,12 @@
 """One rank's whole run. Every rank executes this same code: there is no driver.
 
-    init process group → model (embedded: cached warm-start) → engines, task, loader, plan
+    init process group → plan (same on every rank) → worker-group communicators
+    model(s): policy on train ranks, a rollout copy on rollout-only ranks, reference if KL
     evaluate held-out accuracy (each rank its slice, summed)
-    for step: batch = loader.next_batch()           # this rank's prompts only
-              for stage in plan.stages_for(rank):   # same order on every rank
-                  batch = stage.fn(batch, ctx)
+    for step: batch = prefetcher.next()             # this rank's prompts only (prepared in the background)
+              for item in plan.stages_for(rank):     # same global order on every rank
+                  stage      → batch = stage.fn(batch, ctx)    (ctx.comm = the stage's group)
+                  transition → batch = redistribute(batch, ...) (rank to rank, balanced)
               metrics.reduce() → rank 0 logs
     evaluate again → rank 0 prints the summary JSON as the last line of stdout
 """
@@ -12,10 +14,12 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,12 +31,17 @@ from distflow.config import Config, ConfigError, to_dict
 from distflow.config.callables import import_callable
 from distflow.dag.context import StageContext
 from distflow.dag.pipelines import LOADER_FIELDS, build_graph
+from distflow.data.batch import Batch
 from distflow.data.loader import PromptLoader
+from distflow.data.prefetch import Prefetcher
+from distflow.data.redistribute import redistribute
 from distflow.engines.evaluation import Evaluation, SamplingSpec, evaluate
 from distflow.engines.policy import PolicyEngine
+from distflow.engines.sequences import encode_prompts
+from distflow.engines.weight_sync import WeightBroadcast
 from distflow.observability.metrics import StepMetrics
 from distflow.observability.writer import RunWriter
-from distflow.planner.plan import Plan, make_plan
+from distflow.planner.plan import Plan, Transition, make_plan
 from distflow.runtime.dist import Comm, init_comm, shutdown
 from distflow.seeding import derive_seed
 from distflow.tasks.arithmetic import ArithmeticTask
@@ -81,57 +90,129 @@ def run(config: Config, run_dir: Path) -> dict:
         shutdown()
 
 
-def _build(config: Config, comm: Comm, log) -> tuple[StageContext, Plan, PromptLoader, ArithmeticTask]:
-    trainer = config.trainer
+@dataclass
+class Worker:
+    """Everything one rank needs to run steps."""
+
+    ctx: StageContext
+    plan: Plan
+    comms: dict[str, Comm | None]
+    """Communicator of each worker group (None on ranks outside it)."""
+    prefetcher: Prefetcher
+    task: ArithmeticTask
+    eval_model: torch.nn.Module
+
+
+def _group_comms(plan: Plan, world: Comm) -> dict[str, Comm | None]:
+    """Every rank creates every group, in the same order (group creation is collective)."""
+    made: dict[tuple[int, ...], Comm | None] = {}
+    comms = {}
+    for name, layout in plan.groups.items():
+        if layout.ranks not in made:
+            made[layout.ranks] = world.subgroup(layout.ranks)
+        comms[name] = made[layout.ranks]
+    return comms
+
+
+def _build(config: Config, world: Comm, log) -> Worker:
+    trainer, rank = config.trainer, world.rank
     graph = build_graph(config)
-    plan = make_plan(graph, comm.world_size, LOADER_FIELDS)
-    log(f"plan: {plan.describe()}")
-    model, tokenizer = load_model_and_tokenizer(config, comm, log)
-    reference = copy.deepcopy(model).eval().requires_grad_(False) if "reference_logprob" in graph.stages else None
+    plan = make_plan(graph, config, world.world_size, LOADER_FIELDS)
+    for line in plan.describe().splitlines():
+        log(f"plan: {line}")
+    comms = _group_comms(plan, world)
+    rollout, train = plan.groups["rollout"], plan.groups["train"]
+    receivers = tuple(r for r in rollout.ranks if r not in train)
+    weight_sync = WeightBroadcast(world, train.ranks[0], receivers) if receivers else None
+
+    model, tokenizer = load_model_and_tokenizer(config, world, log)
+    policy = None
+    if rank in train:
+        policy = PolicyEngine(model, comms["train"], config.optim, temperature=config.rollout.temperature)
+    else:
+        model.requires_grad_(False)
+    reference = None
+    if "reference_logprob" in graph.stages and rank in train:
+        reference = copy.deepcopy(model).eval().requires_grad_(False)
     task = ArithmeticTask.build(num_digits=config.task.num_digits, num_heldout=config.task.num_heldout,
                                 seed=trainer.seed)
+    # The prefetch thread tokenizes with its own tokenizer: fast tokenizers are not
+    # safe to share with the main thread's decoding.
     loader = PromptLoader(task.train.__getitem__, len(task.train), prompts_per_step=trainer.prompts_per_step,
-                          seed=trainer.seed, rank=comm.rank, world_size=comm.world_size)
+                          seed=trainer.seed, rank=plan.input_layout.replica_of(rank),
+                          world_size=plan.input_layout.dp_size,
+                          tokenize=functools.partial(encode_prompts, copy.deepcopy(tokenizer)))
     ctx = StageContext(
-        config=config, comm=comm, tokenizer=tokenizer,
-        policy=PolicyEngine(model, comm, config.optim, temperature=config.rollout.temperature),
-        rollout_model=model, reference=reference,
+        config=config, comm=world, world=world, tokenizer=tokenizer, policy=policy,
+        rollout_model=model if rank in rollout else None, reference=reference,
         reward_fn=import_callable(config.task.reward, key="task.reward"), is_correct=task.is_correct,
-        metrics=StepMetrics(),
+        metrics=StepMetrics(), weight_sync=weight_sync,
     )
-    return ctx, plan, loader, task
+    prefetcher = Prefetcher(loader.next_batch, loader.state_dict, enabled=trainer.prefetch)
+    return Worker(ctx, plan, comms, prefetcher, task, model)
 
 
-def _evaluate(ctx: StageContext, task: ArithmeticTask) -> Evaluation:
-    cfg = ctx.config
+def _evaluate(worker: Worker) -> Evaluation:
+    cfg, ctx = worker.ctx.config, worker.ctx
     return evaluate(
-        ctx.rollout_model, ctx.tokenizer, task.heldout, task.is_correct,
+        worker.eval_model, ctx.tokenizer, worker.task.heldout, worker.task.is_correct,
         SamplingSpec(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens),
-        num_samples=cfg.trainer.eval_samples, comm=ctx.comm,
-        seed=derive_seed(cfg.trainer.seed, "eval", ctx.comm.rank),  # same noise at every evaluation
+        num_samples=cfg.trainer.eval_samples, comm=ctx.world, seed=cfg.trainer.seed,
     )
 
 
-def _step(ctx: StageContext, plan: Plan, loader: PromptLoader) -> dict[str, float]:
+def _step(worker: Worker, previous: Batch | None) -> tuple[dict[str, float], Batch]:
+    ctx, rank = worker.ctx, worker.ctx.world.rank
     step_start = time.time()
-    batch = loader.next_batch()
-    for stage in plan.stages_for(ctx.comm.rank):
+    batch, waited = worker.prefetcher.next(release=previous)
+    previous = None
+    ctx.metrics.maximum("time/loader_wait_s", waited)
+    peak_bytes, moved = batch.tensor_bytes(), {"sent": 0, "received": 0, "local": 0}
+    for item in worker.plan.stages_for(rank):
         stage_start = time.time()
-        batch = stage.fn(batch, ctx)
-        ctx.metrics.maximum(f"time/{stage.name}_s", time.time() - stage_start)
+        if isinstance(item, Transition):
+            batch, stats = redistribute(batch, item.src, item.dst, ctx.world, keep_groups=item.keep_groups)
+            name = f"redistribute_{item.before}"
+            moved = {"sent": moved["sent"] + stats.bytes_sent, "received": moved["received"] + stats.bytes_received,
+                     "local": moved["local"] + stats.bytes_local}
+            ctx.metrics.maximum(f"data/imbalance_before_{item.before}", stats.imbalance_before)
+            ctx.metrics.maximum(f"data/imbalance_after_{item.before}", stats.imbalance_after)
+        else:
+            name = item.stage.name
+            ctx.comm = worker.comms[item.stage.group]
+            step_metrics = ctx.metrics
+            if item.layout.member_of(rank) != 0:  # a replica's other ranks repeat its leader's work
+                ctx.metrics = StepMetrics()
+            batch = item.stage.fn(batch, ctx)
+            ctx.metrics = step_metrics
+        ctx.metrics.maximum(f"time/{name}_s", time.time() - stage_start)
+        peak_bytes = max(peak_bytes, batch.tensor_bytes())
+    if worker.plan.transitions:
+        ctx.metrics.maximum("data/bytes_sent", moved["sent"])
+        ctx.metrics.maximum("data/bytes_received", moved["received"])
+        ctx.metrics.maximum("data/bytes_local", moved["local"])
+    ctx.metrics.maximum("data/peak_batch_bytes", peak_bytes)
+    if rank in worker.plan.groups["train"] and "attention_mask" in batch.tensors:
+        tokens = float(batch["attention_mask"].sum())
+        ctx.metrics.mean("data/train_tokens_per_rank", tokens, 1)
+        ctx.metrics.maximum("data/train_tokens_per_rank_max", tokens)
     ctx.metrics.maximum("time/step_s", time.time() - step_start)
-    metrics = ctx.metrics.reduce(ctx.comm)
+    metrics = ctx.metrics.reduce(ctx.world)
     metrics["throughput/generated_tokens_per_s"] = metrics["tokens/generated"] / metrics["time/rollout_s"]
     metrics["throughput/trained_tokens_per_s"] = metrics.get("tokens/trained", 0.0) / metrics["time/policy_update_s"]
-    return metrics
+    if metrics.get("data/train_tokens_per_rank", 0) > 0:
+        metrics["data/train_token_imbalance"] = (metrics.pop("data/train_tokens_per_rank_max")
+                                                 / metrics["data/train_tokens_per_rank"])
+    return metrics, batch
 
 
 def _train(config: Config, run_dir: Path, comm: Comm, started: float) -> dict:
     trainer = config.trainer  # the CLI validated config and world size before this rank started
     transformers.utils.logging.disable_progress_bar()
     log = _stderr if comm.is_main else (lambda text: None)
-    ctx, plan, loader, task = _build(config, comm, log)
-    torch.manual_seed(derive_seed(trainer.seed, "rollout", comm.rank))
+    worker = _build(config, comm, log)
+    ctx = worker.ctx
+    torch.manual_seed(derive_seed(trainer.seed, "torch", comm.rank))  # sampling itself is keyed per sample
 
     writer = None
     if comm.is_main:
@@ -140,17 +221,18 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float) -> dict:
         writer = RunWriter(run_dir, total_steps=trainer.total_steps, tensorboard=trainer.tensorboard,
                            progress_bar=trainer.progress_bar)
         log = writer.message
-    before = after = _evaluate(ctx, task)
+    before = after = _evaluate(worker)
     log(f"held-out accuracy before RL: {before.sampled:.3f} (T={config.rollout.temperature}), "
         f"greedy {before.greedy:.3f}")
     if writer:
         writer.log(0, {"eval/accuracy": before.sampled, "eval/greedy_accuracy": before.greedy})
+    previous = None
     for step in range(1, trainer.total_steps + 1):
         ctx.step, ctx.metrics = step, StepMetrics()
-        metrics = _step(ctx, plan, loader)
+        metrics, previous = _step(worker, previous)
         last = step == trainer.total_steps
         if last or (trainer.eval_every and step % trainer.eval_every == 0):
-            result = _evaluate(ctx, task)
+            result = _evaluate(worker)
             metrics.update({"eval/accuracy": result.sampled, "eval/greedy_accuracy": result.greedy})
             log(f"step {step}: held-out accuracy {result.sampled:.3f}, greedy {result.greedy:.3f}")
             after = result if last else after
@@ -168,6 +250,7 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float) -> dict:
         "wall_seconds": round(time.time() - started, 1),
         "run_dir": str(run_dir),
     }
+    worker.prefetcher.close()
     if writer:
         writer.close()
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -12,25 +12,49 @@ warm-start's stopping rule) is always measured with it, whatever reward trains t
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from distflow.seeding import derive_seed
 
 
+class ProblemRows(Sequence):
+    """Rows {"prompt", "answer"} made on demand from problem ids (id = a * 10^d + b).
+
+    Only the ids are held, so a rank materializes just the rows it reads.
+    """
+
+    def __init__(self, ids: list[int], limit: int) -> None:
+        self.ids = ids
+        self.limit = limit
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return ProblemRows(self.ids[index], self.limit)
+        a, b = divmod(self.ids[index], self.limit)
+        return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ProblemRows) and (self.ids, self.limit) == (other.ids, other.limit)
+
+
 @dataclass(frozen=True)
 class ArithmeticTask:
-    train: list[dict]
+    train: ProblemRows
     """Rows {"prompt", "answer"}; the loader reads them by index."""
-    heldout: list[dict]
+    heldout: ProblemRows
 
     @classmethod
     def build(cls, *, num_digits: int, num_heldout: int, seed: int) -> ArithmeticTask:
         limit = 10**num_digits
-        rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(limit) for b in range(limit)]
-        if num_heldout >= len(rows):
-            raise ValueError(f"num_heldout={num_heldout} leaves no training problems ({len(rows)} exist)")
-        random.Random(derive_seed(seed, "task-split")).shuffle(rows)
-        return cls(train=rows[num_heldout:], heldout=rows[:num_heldout])
+        ids = list(range(limit * limit))
+        if num_heldout >= len(ids):
+            raise ValueError(f"num_heldout={num_heldout} leaves no training problems ({len(ids)} exist)")
+        random.Random(derive_seed(seed, "task-split")).shuffle(ids)
+        return cls(train=ProblemRows(ids[num_heldout:], limit), heldout=ProblemRows(ids[:num_heldout], limit))
 
     @staticmethod
     def is_correct(completion: str, sample: dict) -> bool:

@@ -30,7 +30,7 @@ from distflow.tasks.arithmetic import ArithmeticTask
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: keyed sampling in the validation check
 
 
 def cache_key(config: Config) -> str:
@@ -61,8 +61,9 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     accuracy = [0.0]
 
     def reached_target(step: int) -> bool:
-        correct, total = count_correct(model, tokenizer, validation, task.is_correct, sampling,
-                                       num_samples=2, greedy=False)
+        expanded = [row for row in validation for _ in range(2)]
+        keys = [derive_seed(seed, "warmstart-validation", step, j) for j in range(len(expanded))]
+        correct, total = count_correct(model, tokenizer, expanded, task.is_correct, sampling, sample_keys=keys)
         accuracy[0] = correct / total
         return accuracy[0] >= ws.target_accuracy
 
@@ -70,7 +71,6 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     if ws.target_accuracy > 0:
         log(f"warm-start: supervised training on {len(train)} problems until validation accuracy "
             f">= {ws.target_accuracy} (cached afterwards)")
-        torch.manual_seed(derive_seed(seed, "warmstart-sampling"))
         losses = supervised_warmstart(
             model, tokenizer, [r["prompt"] for r in train], [r["answer"] for r in train],
             max_steps=ws.max_steps, batch_size=ws.batch_size, lr=ws.lr, seed=derive_seed(seed, "warmstart-order"),

@@ -1,0 +1,106 @@
+"""Deterministic load balancing: which sample goes to which rank, and micro-batches.
+
+Every rank calls these with the same inputs (gathered token counts) and gets the same
+answer, so no rank has to decide for the others (no coordinator).
+
+`balanced_assignment` is constrained LPT (longest processing time first): units (single
+samples, or whole prompt groups when the next stage needs group statistics) are taken
+heaviest first and each goes to the least-loaded bin that still has room, so every bin
+ends with exactly the same number of samples. With many units per bin the heaviest bin
+is within one unit's weight of the mean (Graham's bound for LPT); ties are broken by
+unit id, never by arrival order, so the answer does not depend on who held what.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+
+def balanced_assignment(
+    weights: Sequence[int],
+    num_bins: int,
+    *,
+    units: Sequence[int] | None = None,
+) -> list[int]:
+    """The bin of each item: equal item counts per bin, total weight balanced (LPT).
+
+    `units[i]` names the unit of item i (e.g. its prompt group): the items of one unit
+    always land in the same bin. Every unit must hold the same number of items and the
+    number of units must divide by `num_bins`.
+
+    >>> balanced_assignment([5, 1, 4, 2], 2)
+    [0, 0, 1, 1]
+    >>> balanced_assignment([5, 1, 4, 2], 2, units=[7, 7, 3, 3])
+    [1, 1, 0, 0]
+    """
+    if num_bins < 1:
+        raise ValueError(f"num_bins must be >= 1 (got {num_bins})")
+    unit_of = list(units) if units is not None else list(range(len(weights)))
+    if len(unit_of) != len(weights):
+        raise ValueError("weights and units must have the same length")
+    members: dict[int, list[int]] = {}
+    for item, unit in enumerate(unit_of):
+        members.setdefault(unit, []).append(item)
+    sizes = {len(items) for items in members.values()}
+    if len(sizes) > 1:
+        raise ValueError(f"units must all hold the same number of items (sizes: {sorted(sizes)})")
+    if len(members) % num_bins:
+        raise ValueError(f"{len(members)} units cannot be split evenly over {num_bins} bins")
+    capacity = len(members) // num_bins
+    unit_weight = {unit: sum(weights[i] for i in items) for unit, items in members.items()}
+    order = sorted(members, key=lambda unit: (-unit_weight[unit], unit))
+    heap = [(0, b) for b in range(num_bins)]  # (load, bin): least loaded first, lowest bin on ties
+    filled = [0] * num_bins
+    bin_of = [0] * len(weights)
+    for unit in order:
+        load, b = heapq.heappop(heap)
+        for item in members[unit]:
+            bin_of[item] = b
+        filled[b] += 1
+        if filled[b] < capacity:
+            heapq.heappush(heap, (load + unit_weight[unit], b))
+    return bin_of
+
+
+def bin_loads(weights: Sequence[int], bin_of: Sequence[int], num_bins: int) -> list[int]:
+    loads = [0] * num_bins
+    for weight, b in zip(weights, bin_of):
+        loads[b] += weight
+    return loads
+
+
+def imbalance(loads: Sequence[float]) -> float:
+    """max / mean of the loads (1.0 is perfect; an all-zero load counts as balanced).
+
+    >>> imbalance([3, 1])
+    1.5
+    """
+    mean = sum(loads) / len(loads)
+    return max(loads) / mean if mean > 0 else 1.0
+
+
+def token_budget_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices grouped into micro-batches of at most `budget` tokens (first-fit decreasing).
+
+    A sample longer than the budget gets a micro-batch of its own. Micro-batches come out
+    in a fixed order (by their first sample), and samples inside one by decreasing length.
+
+    >>> token_budget_micro_batches([5, 3, 4, 2], 7)
+    [[0, 3], [2, 1]]
+    """
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1 (got {budget})")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for b, left in enumerate(room):
+            if lengths[i] <= left:
+                batches[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            batches.append([i])
+            room.append(budget - lengths[i])
+    return batches

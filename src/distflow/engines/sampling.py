@@ -1,0 +1,95 @@
+"""Per-sample keyed sampling: a sample's randomness depends on its key, not on its batch.
+
+    u[b, t] = hash(key[b], t) ∈ (0, 1)         counter-based, no generator state
+    token   = inverse CDF of softmax(logits / T) (after top-p) at u[b, t]
+
+This is exact categorical sampling, and because the noise of sample b at response
+position t is a pure function of (key[b], t), the same seed gives the same completions
+whichever rank generates a sample, with whatever batch-mates and padding — the basis of
+distflow's layout invariance (1 rank, N ranks, any placement: same samples).
+
+Plugged into Hugging Face `generate` as a logits processor under greedy decoding: the
+processor leaves one finite score per row (the sampled token), so argmax picks it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """(h * c) mod 2^32 without int64 overflow (split h into 16-bit halves)."""
+    low = (h & 0xFFFF) * c
+    high = (((h >> 16) * c) & 0xFFFF) << 16
+    return (low + high) & _MASK32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finalizer: every input bit affects every output bit."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _hash32(salt: int, *words: torch.Tensor) -> torch.Tensor:
+    h = _fmix32(torch.as_tensor(salt, dtype=torch.long))
+    for word in words:
+        h = _fmix32(_mul32(h ^ (word & _MASK32), 0x9E3779B1) ^ ((word >> 32) & _MASK32))
+    return h
+
+
+def keyed_uniform(keys_B: torch.Tensor, position: int) -> torch.Tensor:
+    """One uniform in (0, 1) per key for this position, float64 with 52 random bits.
+
+    >>> u = keyed_uniform(torch.arange(4), 0)
+    >>> bool(((u > 0) & (u < 1)).all()), torch.equal(u, keyed_uniform(torch.arange(4), 0))
+    (True, True)
+    """
+    keys_B = keys_B.long()
+    pos_B = torch.full_like(keys_B, position)
+    high_B = _hash32(0x5EED1, keys_B, pos_B)
+    low_B = _hash32(0x5EED2, keys_B, pos_B)
+    bits_B = high_B * (1 << 20) + (low_B >> 12)  # 52 bits
+    return (bits_B.double() + 0.5) / float(1 << 52)
+
+
+def sample_from_logits(
+    logits_BV: torch.Tensor, keys_B: torch.Tensor, position: int, *, temperature: float, top_p: float = 1.0
+) -> torch.Tensor:
+    """Token ids drawn from softmax(logits / T) restricted to the top-p nucleus."""
+    probs_BV = torch.softmax(logits_BV.double() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
+        before_BV = sorted_BV.cumsum(-1) - sorted_BV  # mass of strictly more likely tokens
+        sorted_BV = torch.where(before_BV < top_p, sorted_BV, torch.zeros_like(sorted_BV))
+        probs_BV = torch.zeros_like(probs_BV).scatter(-1, order_BV, sorted_BV)
+    cdf_BV = probs_BV.cumsum(-1)
+    u_B1 = keyed_uniform(keys_B.to(cdf_BV.device), position).to(cdf_BV.device).unsqueeze(-1) * cdf_BV[:, -1:]
+    token_B = torch.searchsorted(cdf_BV, u_B1, right=True).squeeze(-1)
+    # Rounding can put u past the last non-zero bin; step back to a token with mass.
+    token_B = token_B.clamp(max=logits_BV.shape[-1] - 1)
+    while True:
+        empty_B = probs_BV.gather(-1, token_B.unsqueeze(-1)).squeeze(-1) == 0
+        if not empty_B.any():
+            return token_B
+        token_B = torch.where(empty_B, token_B - 1, token_B)
+
+
+class KeyedSampler:
+    """Logits processor for `generate(do_sample=False)` that samples with per-row keys."""
+
+    def __init__(self, keys_B: torch.Tensor, prompt_width: int, *, temperature: float, top_p: float) -> None:
+        self.keys_B = keys_B
+        self.prompt_width = prompt_width
+        self.temperature = temperature
+        self.top_p = top_p
+
+    def __call__(self, input_ids_BT: torch.Tensor, scores_BV: torch.Tensor) -> torch.Tensor:
+        position = input_ids_BT.shape[1] - self.prompt_width  # index of the response token being drawn
+        token_B = sample_from_logits(scores_BV, self.keys_B, position, temperature=self.temperature, top_p=self.top_p)
+        out_BV = torch.full_like(scores_BV, float("-inf"))
+        return out_BV.scatter(-1, token_B.unsqueeze(-1), 0.0)
