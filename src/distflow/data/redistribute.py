@@ -107,8 +107,15 @@ def redistribute(batch: Batch, src: Layout, dst: Layout, comm: Comm, *, keep_gro
         members = src.replica(r)
         count = sizes[members[0]][0]
         for m in members[1:]:
-            if sizes[m][0] != count or gathered[m][:count] != gathered[members[0]][:count]:
-                raise RuntimeError(f"ranks {members[0]} and {m} of one replica hold different samples")
+            # Pickles of equal values may differ in length (object sharing), so meta bytes are not compared.
+            same = [row[:3] for row in gathered[m][:count]] == [row[:3] for row in gathered[members[0]][:count]]
+            if sizes[m][0] != count or not same:
+                diff = next((p for p in range(count) if gathered[m][p][:3] != gathered[members[0]][p][:3]), None)
+                detail = "" if diff is None else (f"; item {diff}: [uid, group, tokens] = "
+                                                  f"{gathered[members[0]][diff][:3]} vs {gathered[m][diff][:3]}")
+                raise RuntimeError(f"ranks {members[0]} and {m} of one replica hold different samples "
+                                   f"({sizes[members[0]][0]} vs {sizes[m][0]} items{detail}); the ranks of a "
+                                   f"replica must compute identical results")
         items.extend((r, p, gathered[members[0]][p]) for p in range(count))
     total = len(items)
     unit = [row[1] for _, _, row in items] if keep_groups else None
@@ -129,8 +136,12 @@ def redistribute(batch: Batch, src: Layout, dst: Layout, comm: Comm, *, keep_gro
     for i in range(total):
         for q in dst.replica(bin_of[i]):
             pairs.setdefault((sender_of[(i, q)], q), []).append(i)
-    send_sizes = [sum(item_bytes[i] for i in pairs.get((rank, q), ())) for q in range(world)]
-    recv_sizes = [sum(item_bytes[i] for i in pairs.get((s, rank), ())) for s in range(world)]
+
+    def meta_size(i: int, sender: int) -> int:  # the sender's own pickle of item i
+        return gathered[sender][items[i][1]][3]
+
+    send_sizes = [sum(row_bytes + meta_size(i, rank) for i in pairs.get((rank, q), ())) for q in range(world)]
+    recv_sizes = [sum(row_bytes + meta_size(i, s) for i in pairs.get((s, rank), ())) for s in range(world)]
     host = {name: t.cpu() for name, t in batch.tensors.items()} if holds else {}
     chunks = [_pack(host, tensor_schema, [items[i][1] for i in pairs.get((rank, q), ())], metas) for q in range(world)]
     send_buf = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
@@ -148,7 +159,7 @@ def redistribute(batch: Batch, src: Layout, dst: Layout, comm: Comm, *, keep_gro
         index = pairs.get((sender, rank), [])
         if index:
             parts.append(_unpack(recv_buf[offset : offset + recv_sizes[sender]], tensor_schema,
-                                 [items[i][2][3] for i in index]))
+                                 [meta_size(i, sender) for i in index]))
             uids.extend(items[i][2][0] for i in index)
         offset += recv_sizes[sender]
     expected = total // dst.dp_size if rank in dst else 0

@@ -60,7 +60,6 @@ def generate(
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=False,  # the keyed sampler (if any) has already drawn the token
-        top_k=0,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,

@@ -78,7 +78,8 @@ class Plan:
         lines = [f"world size {self.world_size}"]
         for name, layout in self.groups.items():
             lines.append(f"  group {name}: {layout.describe()}")
-        lines.append(f"  loader: {self.input_layout.dp_size} shards, one per {self.groups['rollout'].describe()} replica")
+        shards = self.input_layout.dp_size
+        lines.append(f"  loader: {shards} shard{'s' if shards > 1 else ''}, one per replica of the first stage's group")
         lines.append("worker groups (ranks with the same stage list):")
         for ranks, names in self._worker_groups():
             lines.append(f"  ranks {format_ranks(ranks)}: {' → '.join(names)}")
