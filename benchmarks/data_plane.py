@@ -14,6 +14,7 @@ attention_mask, response_mask int64; old_logp, ref_logp, advantages float32), `g
     p2p-disjoint  ranks 0..W/2-1 (DP W/2)         ──all_to_all──▶  ranks W/2..W-1 (DP W/2)
     local         the batch stays where it is (consecutive stages share a layout): no move
     central       replica leaders ──▶ rank 0 (unpickle, balance, pickle) ──▶ every rank
+    central-disjoint  the same, for p2p-disjoint's source and destination layouts
 
 p2p modes call distflow's `redistribute(..., keep_groups=True)`. `central` is an ablation
 that exists only here: the hybrid-controller pattern, where one process collects the
@@ -58,7 +59,7 @@ from distflow.runtime.dist import Comm
 
 GROUP_SIZE = 8  # samples per prompt
 WARMUP_STEPS = 1
-MODES = ("p2p", "p2p-disjoint", "local", "central")
+MODES = ("p2p", "p2p-disjoint", "local", "central", "central-disjoint")
 
 
 @dataclass
@@ -72,7 +73,7 @@ class Moved:
 
 def layouts(mode: str, world: int) -> tuple[Layout, Layout]:
     everyone = tuple(range(world))
-    if mode == "p2p-disjoint":
+    if mode in ("p2p-disjoint", "central-disjoint"):
         return Layout(everyone[: world // 2]), Layout(everyone[world // 2 :])
     if mode == "local":
         return Layout(everyone), Layout(everyone)
@@ -191,7 +192,8 @@ def move_central(batch: Batch, src: Layout, dst: Layout, comm: Comm) -> Moved:
     return Moved(handled, wire, seconds, before, after)
 
 
-MOVES = {"p2p": move_p2p, "p2p-disjoint": move_p2p, "local": move_local, "central": move_central}
+MOVES = {"p2p": move_p2p, "p2p-disjoint": move_p2p, "local": move_local, "central": move_central,
+         "central-disjoint": move_central}
 
 
 def measure(mode: str, comm: Comm, args: argparse.Namespace) -> dict[str, float]:
@@ -257,14 +259,14 @@ def main() -> None:
             results[mode][str(world)] = row
     print("handled = busiest rank's bytes into + out of the exchange (own chunk counted both ways); "
           "wire = busiest rank's bytes to + from other ranks; seconds = slowest rank; batch = the step's tensor bytes; MB = 1e6 B")
-    print(f"{'mode':<13} {'W':>2} {'batch MB':>9} {'handled MB':>11} {'wire MB':>9} {'seconds':>8}  imbalance before → after")
+    print(f"{'mode':<16} {'W':>2} {'batch MB':>9} {'handled MB':>11} {'wire MB':>9} {'seconds':>8}  imbalance before → after")
     for mode in MODES:
         for world, r in results[mode].items():
-            print(f"{mode:<13} {world:>2} {r['batch_MB']:>9.1f} {r['handled_MB']:>11.1f} {r['wire_MB']:>9.1f} "
+            print(f"{mode:<16} {world:>2} {r['batch_MB']:>9.1f} {r['handled_MB']:>11.1f} {r['wire_MB']:>9.1f} "
                   f"{r['seconds']:>8.3f}  {r['imbalance_before']:.3f} → {r['imbalance_after']:.3f}")
     low, high = str(min(args.world_sizes)), str(max(args.world_sizes))
     ratios = {}
-    for mode in ("p2p", "p2p-disjoint", "central"):
+    for mode in ("p2p", "p2p-disjoint", "central", "central-disjoint"):
         for key in ("handled_MB", "wire_MB"):
             base = results[mode][low][key]
             ratios[f"{mode}/{key.removesuffix('_MB')}/W{high}_over_W{low}"] = (
