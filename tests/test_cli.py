@@ -13,7 +13,7 @@ BAD = [
     (["pipeline.custom_stages=[{name: x, fn: 'distflow.dag.stages:weight_sync', after: [rewrd]}]"],
      "stage 'x' depends on unknown stage 'rewrd'"),
     (["model.path=/nonexistent/model"], "model.path='/nonexistent/model' is not a Hugging Face model directory"),
-    (["trainer.prompts_per_step=3", "--nproc", "2"], "must be divisible by the number of processes (2)"),
+    (["trainer.prompts_per_step=3", "--nproc", "2"], "data-parallel size 2 (ranks 0-1, DP 2), which does not divide"),
     (["task.num_digits=1"], "task.num_heldout=1000 (+ warmstart.num_validation=300 for the warm-start) leaves none"),
     (["task.num_digits=4"], "task.num_digits must be in 1..3"),
     (["task.reward=distflow.tasks.arithmetic:nope"], "task.reward: module 'distflow.tasks.arithmetic' has no function"),

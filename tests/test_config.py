@@ -49,13 +49,6 @@ def test_missing_file():
         load_config("/nonexistent/config.yaml")
 
 
-def test_world_size_must_divide_prompts():
-    cfg = Config()
-    cfg.check_world_size(4)
-    with pytest.raises(ConfigError, match="divisible by the number of processes"):
-        cfg.check_world_size(3)
-
-
 def test_custom_stages_parse(tmp_path):
     cfg = load_config(write(tmp_path, """
 pipeline:

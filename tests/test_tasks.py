@@ -72,14 +72,16 @@ def test_tiny_model_saves_loads_and_generates(tmp_path):
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
-    torch.manual_seed(0)
-    out = generate(loaded, tok, ["1+2=", "33+44="], max_new_tokens=4, temperature=1.0)
+    out = generate(loaded, tok, ["1+2=", "33+44="], max_new_tokens=4, temperature=1.0, sample_keys=[7, 8])
     assert out.input_ids_BT.shape == (2, out.prompt_width + 4)
     assert out.prompt_width == len("33+44=") + 1
     # Padding in the response is masked out and decodes to nothing.
     for row, mask, text in zip(out.input_ids_BT[:, out.prompt_width:], out.response_mask_BR, out.completions):
         kept = row[mask.bool()]
         assert tok.decode(kept, skip_special_tokens=True) == text
-    greedy_a = generate(loaded, tok, ["1+2="], max_new_tokens=4, temperature=1.0, greedy=True)
-    greedy_b = generate(loaded, tok, ["1+2="], max_new_tokens=4, temperature=1.0, greedy=True)
+    greedy_a = generate(loaded, tok, ["1+2="], max_new_tokens=4, temperature=1.0)
+    greedy_b = generate(loaded, tok, ["1+2="], max_new_tokens=4, temperature=1.0)
     assert torch.equal(greedy_a.input_ids_BT, greedy_b.input_ids_BT)
+    # A keyed sample does not depend on its batch-mates or on the prompt padding.
+    again = generate(loaded, tok, ["33+44="], max_new_tokens=4, temperature=1.0, sample_keys=[8], prompt_width=9)
+    assert again.completions == out.completions[1:]
