@@ -23,8 +23,10 @@ def read_metrics(run_dir):
 
 
 def train(tmp_path, cache_dir, *extra):
+    # Generous timeout: the first run of a session also builds the warm-start (~1 min alone,
+    # several on a loaded machine).
     result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *TINY, f"warmstart.cache_dir={cache_dir}",
-                     f"trainer.output_dir={tmp_path}", "trainer.run_name=run", *extra, cwd=tmp_path)
+                     f"trainer.output_dir={tmp_path}", "trainer.run_name=run", *extra, cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     return summary, tmp_path / "run"
