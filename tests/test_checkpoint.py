@@ -223,3 +223,24 @@ def test_checkpoints_move_between_one_process_and_two_ranks(tmp_path):
     meta = load(latest_checkpoint(tmp_path / "two"), back)  # 2 ranks -> 1 process
     assert_same(snapshot(back), ranks[0]["trained"])
     assert meta["world_size"] == 2 and meta["rng"] is not None
+
+
+def test_other_trained_modules_round_trip(tmp_path):
+    """A second trained module (the critic) is saved and restored next to the policy."""
+    policy, critic = make_engine(SINGLE, seed=0), make_engine(SINGLE, seed=5)
+    train_step(policy, 0)
+    train_step(critic, 1)
+    others = {"critic": (critic.model, critic.optimizer, critic.scheduler)}
+    path = save_checkpoint(tmp_path, 1, model=policy.model, optimizer=policy.optimizer, scheduler=policy.scheduler,
+                           extra={}, comm=SINGLE, keep_last=1, others=others)
+    fresh_policy, fresh_critic = make_engine(SINGLE, seed=1), make_engine(SINGLE, seed=2)
+    load_checkpoint(path, model=fresh_policy.model, optimizer=fresh_policy.optimizer,
+                    scheduler=fresh_policy.scheduler, comm=SINGLE,
+                    others={"critic": (fresh_critic.model, fresh_critic.optimizer, fresh_critic.scheduler)})
+    assert_same(snapshot(fresh_policy), snapshot(policy))
+    assert_same(snapshot(fresh_critic), snapshot(critic))
+    without = save(tmp_path / "plain", 1, policy)
+    with pytest.raises(CheckpointError, match="holds no critic"):
+        load_checkpoint(without, model=fresh_policy.model, optimizer=fresh_policy.optimizer,
+                        scheduler=fresh_policy.scheduler, comm=SINGLE,
+                        others={"critic": (fresh_critic.model, fresh_critic.optimizer, fresh_critic.scheduler)})

@@ -55,6 +55,7 @@ def test_existing_run_directory_is_not_overwritten(tmp_path):
     result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), f"trainer.output_dir={tmp_path}",
                      "trainer.run_name=taken", cwd=tmp_path, timeout=60)
     assert result.returncode == 2 and "already holds a run; choose another trainer.run_name" in result.stderr
+    assert "or continue it with --resume" in result.stderr
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
@@ -66,3 +67,11 @@ def test_warmstart_that_misses_its_target_is_a_user_error(tmp_path):
     assert "Traceback" not in result.stderr
     assert "< warmstart.target_accuracy=0.9 in warmstart.max_steps=10 steps" in result.stderr
     assert not list(tmp_path.glob("*/config.json")), "a warm-start that missed its target must not be cached"
+
+
+def test_resume_flag_is_optional_before_overrides(tmp_path):
+    """`--resume key=value` is a bare --resume followed by an override, not a checkpoint named key=value."""
+    result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), "--resume", f"trainer.output_dir={tmp_path}",
+                     "trainer.run_name=nothing-here", cwd=tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert f"no complete checkpoint in {tmp_path}/nothing-here/checkpoints" in result.stderr

@@ -1,16 +1,19 @@
-"""The `distflow` command: train, plan.
+"""The `distflow` command: train, plan, export.
 
-    distflow train CONFIG [key=value ...] [--nproc N]
+    distflow train CONFIG [key=value ...] [--nproc N] [--resume [CHECKPOINT]]
     torchrun --nproc_per_node N -m distflow train CONFIG [key=value ...]
     distflow plan CONFIG [key=value ...] --world-size N
+    distflow export CHECKPOINT --out DIR
 
-The configuration (and the stage graph) is validated before any rank starts; a user
-error prints one line and exits with status 2.
+The configuration (and the stage graph, the reward functions, the checkpoint to resume
+from) is validated before any rank starts; a user error prints one line and exits with
+status 2. Exit status 1 is a failed or aborted run, 3 a stalled one (runtime/faults.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import time
@@ -19,6 +22,7 @@ from pathlib import Path
 from distflow.config import Config, ConfigError, load_config
 
 USER_ERROR = 2
+LATEST = "latest"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,38 +32,87 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="YAML config file")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=50")
     train.add_argument("--nproc", type=int, default=1, help="number of ranks to start on this machine")
+    train.add_argument("--resume", nargs="?", const=LATEST, default=None, metavar="CHECKPOINT",
+                       help="continue from a checkpoint (a step-N directory, a checkpoint directory or a run "
+                            "directory); alone: the latest complete checkpoint of trainer.run_name's run")
     plan = sub.add_parser("plan", help="print the execution plan without launching anything")
     plan.add_argument("config")
     plan.add_argument("overrides", nargs="*")
     plan.add_argument("--world-size", type=int, required=True)
+    export = sub.add_parser("export", help="write a Hugging Face model directory (safetensors) from a checkpoint")
+    export.add_argument("checkpoint", help="a step-N checkpoint, a checkpoint directory or a run directory (latest)")
+    export.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     return parser
 
 
-def _validate(config: Config, world_size: int, *, check_run_dir: bool) -> None:
-    """Everything that can be checked before a rank starts: layout arithmetic, graph, paths, imports."""
-    import torch
-
+def _check_reward_signature(spec: str, key: str) -> None:
+    """A reward is called as fn(prompt, completion, sample): say so now, not as an error count later."""
     from distflow.config.callables import import_callable
+
+    fn = import_callable(spec, key=key)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: let the call decide
+        return
+    try:
+        signature.bind("prompt", "completion", {})
+    except TypeError as err:
+        raise ConfigError(f"{key}: {spec!r} must accept (prompt, completion, sample), but its signature is "
+                          f"{fn.__name__}{signature} ({err})") from None
+
+
+def _validate(config: Config, world_size: int, *, check_run_dir: bool, resuming: bool) -> None:
+    """Everything that can be checked before a rank starts: layout arithmetic, graph, paths, imports.
+    (Without importing torch, which alone takes seconds: a config error shows up at once.)"""
     from distflow.dag.pipelines import LOADER_FIELDS, build_graph
     from distflow.planner.plan import make_plan
 
     make_plan(build_graph(config), config, world_size, LOADER_FIELDS)
-    import_callable(config.task.reward, key="task.reward")
-    if config.trainer.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=auto or cpu")
+    _check_reward_signature(config.task.reward, "task.reward")
+    for i, spec in enumerate(getattr(config.task, "rewards", None) or []):
+        _check_reward_signature(spec.fn, f"task.rewards[{i}].fn")
+    if config.trainer.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=auto or cpu")
     if config.model.path is not None and not (Path(config.model.path).expanduser() / "config.json").is_file():
         raise ConfigError(f"model.path={config.model.path!r} is not a Hugging Face model directory (no config.json)")
     tokenizer_path = config.model.tokenizer_path
     if tokenizer_path is not None and not Path(tokenizer_path).expanduser().is_dir():
         raise ConfigError(f"model.tokenizer_path={tokenizer_path!r} is not a directory")
-    if check_run_dir and (_run_dir(config) / "metrics.jsonl").exists():
+    if check_run_dir and not resuming and (_run_dir(config) / "metrics.jsonl").exists():
         raise ConfigError(f"run directory {str(_run_dir(config))!r} already holds a run; "
-                          "choose another trainer.run_name")
+                          "choose another trainer.run_name, or continue it with --resume")
 
 
 def _run_dir(config: Config) -> Path:
+    if os.environ.get("DISTFLOW_RUN_DIR"):  # chosen by the launching process (a resumed run's own directory)
+        return Path(os.environ["DISTFLOW_RUN_DIR"])
     name = config.trainer.run_name or os.environ.get("DISTFLOW_RUN_NAME") or time.strftime("%Y%m%d-%H%M%S")
     return Path(config.trainer.output_dir) / name
+
+
+def _resume_target(config: Config, value: str) -> tuple[Path, Path]:
+    """(checkpoint to resume from, run directory to continue writing into)."""
+    from distflow.checkpoint.store import latest_checkpoint, read_meta
+    from distflow.runtime.checkpointing import checkpoint_root, resolve
+
+    if value == LATEST:
+        if not config.trainer.run_name and not os.environ.get("DISTFLOW_RUN_DIR"):
+            raise ConfigError("--resume without a checkpoint continues trainer.run_name's run: set "
+                              "trainer.run_name=NAME, or pass the checkpoint or run directory to --resume")
+        run_dir = _run_dir(config)
+        latest = latest_checkpoint(checkpoint_root(config, run_dir))
+        if latest is None:
+            raise ConfigError(f"no complete checkpoint in {checkpoint_root(config, run_dir)} to resume from; "
+                              "start the run without --resume")
+        return latest, run_dir
+    checkpoint = resolve(Path(value))
+    if config.trainer.run_name or os.environ.get("DISTFLOW_RUN_DIR"):
+        return checkpoint, _run_dir(config)
+    saved = read_meta(checkpoint)["extra"].get("run_dir")
+    return checkpoint, Path(saved) if saved else _run_dir(config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [a for a in extra if a.startswith("-") or "=" not in a]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command == "export":
+        return _export(args.checkpoint, args.out)
     args.overrides = args.overrides + extra
+    if args.command == "train" and args.resume and "=" in args.resume and not Path(args.resume).exists():
+        args.overrides.append(args.resume)  # `--resume key=value`: a bare --resume, then an override
+        args.resume = LATEST
     # User rewards and stages (`my_module:fn`) are importable from the working directory,
     # as under `python -m` / torchrun, also when started through the `distflow` script.
     if os.getcwd() not in sys.path:
@@ -79,31 +137,45 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
         if args.command == "plan":
             return _plan(config, args.world_size)
-        under_launcher = "RANK" in os.environ
-        world_size = int(os.environ.get("WORLD_SIZE", 1)) if under_launcher else args.nproc
-        if args.nproc < 1:
-            raise ConfigError(f"--nproc must be >= 1 (got {args.nproc})")
-        os.environ.setdefault("DISTFLOW_STARTED", str(time.time()))
-        # One run directory for all ranks, chosen before they start.
-        os.environ.setdefault("DISTFLOW_RUN_NAME", _run_dir(config).name)
-        # Under a launcher only rank 0 checks the run directory (rank 0 is about to write into it).
-        _validate(config, world_size, check_run_dir=os.environ.get("RANK", "0") == "0")
-        if config.model.path is None and not under_launcher:
-            # Prepare the embedded model here, once, before any rank waits on it.
-            from distflow.tasks.embedded import ensure_embedded_model
-
-            ensure_embedded_model(config, builder=True, log=lambda text: print(text, file=sys.stderr, flush=True))
-        if args.nproc > 1 and not under_launcher:
-            from distflow.runtime.launcher import launch
-
-            return launch(args.nproc, _strip_nproc(argv))
-        from distflow.runtime.executor import run
-
-        run(config, _run_dir(config))
-        return 0
+        return _train(config, args, argv)
     except ConfigError as err:
         print(f"distflow: error: {err}", file=sys.stderr)
         return USER_ERROR
+
+
+def _train(config: Config, args: argparse.Namespace, argv: list[str]) -> int:
+    under_launcher = "RANK" in os.environ
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if under_launcher else args.nproc
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1 (got {args.nproc})")
+    os.environ.setdefault("DISTFLOW_STARTED", str(time.time()))
+    resume = None
+    if args.resume is not None:
+        from distflow.checkpoint.store import read_meta
+
+        resume, run_dir = _resume_target(config, os.environ.get("DISTFLOW_RESUME", args.resume))
+        step = read_meta(resume)["step"]
+        if step >= config.trainer.total_steps:
+            raise ConfigError(f"checkpoint {resume} is at step {step} >= trainer.total_steps="
+                              f"{config.trainer.total_steps}: nothing left to do; raise trainer.total_steps")
+        os.environ.setdefault("DISTFLOW_RESUME", str(resume))
+        os.environ.setdefault("DISTFLOW_RUN_DIR", str(run_dir))
+    # One run directory for all ranks, chosen before they start.
+    os.environ.setdefault("DISTFLOW_RUN_NAME", _run_dir(config).name)
+    # Under a launcher only rank 0 checks the run directory (rank 0 is about to write into it).
+    _validate(config, world_size, check_run_dir=os.environ.get("RANK", "0") == "0", resuming=resume is not None)
+    if config.model.path is None and not under_launcher:
+        # Prepare the embedded model here, once, before any rank waits on it.
+        from distflow.tasks.embedded import ensure_embedded_model
+
+        ensure_embedded_model(config, builder=True, log=lambda text: print(text, file=sys.stderr, flush=True))
+    if args.nproc > 1 and not under_launcher:
+        from distflow.runtime.launcher import launch
+
+        return launch(args.nproc, _strip_nproc(argv))
+    from distflow.runtime.executor import run
+
+    return run(config, _run_dir(config), resume)
 
 
 def _strip_nproc(argv: list[str]) -> list[str]:
@@ -125,4 +197,21 @@ def _plan(config: Config, world_size: int) -> int:
     if world_size < 1:
         raise ConfigError(f"--world-size must be >= 1 (got {world_size})")
     print(make_plan(build_graph(config), config, world_size, LOADER_FIELDS).describe())
+    return 0
+
+
+def _export(checkpoint: str, out: str) -> int:
+    try:
+        from distflow.checkpoint import export_hf
+        from distflow.runtime.checkpointing import resolve
+
+        out_dir = Path(out)
+        if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+            raise ConfigError(f"--out {out!r} exists and is not an empty directory; choose a new one")
+        path = resolve(Path(checkpoint))
+        export_hf(path, out_dir)
+    except ConfigError as err:
+        print(f"distflow: error: {err}", file=sys.stderr)
+        return USER_ERROR
+    print(f"exported {path} -> {out_dir}", file=sys.stderr)
     return 0

@@ -83,3 +83,7 @@ class AdaptiveKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
+
+
+KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+"""`algorithm.kl_estimator` → estimator."""

@@ -18,6 +18,11 @@ from distflow.algorithms.kl import MAX_LOG_RATIO as MAX_LOG_RATIO
 from distflow.algorithms.kl import kl_k3 as kl_k3
 
 
+def per_token(advantage: torch.Tensor) -> torch.Tensor:
+    """An advantage per sequence `[B]` as a column `[B, 1]` (broadcast over tokens); `[B, R]` as is."""
+    return advantage.unsqueeze(-1) if advantage.dim() == 1 else advantage
+
+
 def _clipped_surrogate(
     ratio_BR: torch.Tensor, adv_BR: torch.Tensor, clip_low: float, clip_high: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,10 +42,11 @@ def ppo_clip_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate, negated to a loss: max(-A·r, -A·clip(r, 1-εl, 1+εh)).
 
-    Returns (loss_BR, clipped_BR) where clipped marks tokens whose clipped term won.
+    The advantage is per sequence `[B]` or per token `[B, R]`. Returns (loss_BR, clipped_BR)
+    where clipped marks tokens whose clipped term won.
     """
     ratio_BR = torch.exp((logp_BR - old_logp_BR).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-    return _clipped_surrogate(ratio_BR, advantage_B.unsqueeze(-1), clip_low, clip_high)
+    return _clipped_surrogate(ratio_BR, per_token(advantage_B), clip_low, clip_high)
 
 
 def dual_clip_ppo_loss(
@@ -60,7 +66,7 @@ def dual_clip_ppo_loss(
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 (verl's default is 3.0), got {clip_ratio_c}")
     loss_BR, clipped_BR = ppo_clip_loss(logp_BR, old_logp_BR, advantage_B, clip_low=clip_low, clip_high=clip_high)
-    adv_BR = advantage_B.unsqueeze(-1)
+    adv_BR = per_token(advantage_B)
     cap_BR = -adv_BR * clip_ratio_c
     dual_clipped_BR = (adv_BR < 0) & (loss_BR > cap_BR)
     return torch.where(dual_clipped_BR, cap_BR, loss_BR), clipped_BR, dual_clipped_BR
@@ -87,7 +93,7 @@ def gspo_loss(
     log_seq_ratio_B = log_ratio_BR.sum(-1) / valid_BR.sum(-1).clamp(min=1)
     log_token_ratio_BR = log_seq_ratio_B.detach().unsqueeze(-1) + (logp_BR - logp_BR.detach())
     ratio_BR = torch.exp(log_token_ratio_BR.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-    return _clipped_surrogate(ratio_BR, advantage_B.unsqueeze(-1), clip_low, clip_high)
+    return _clipped_surrogate(ratio_BR, per_token(advantage_B), clip_low, clip_high)
 
 
 def value_clip_loss(

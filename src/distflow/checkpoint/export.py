@@ -6,6 +6,8 @@
 The architecture comes from `model_config.json`, which `save_checkpoint` writes for any
 `transformers.PreTrainedModel`; passing `model_dir_or_config` (a model directory or a
 `PretrainedConfig`) overrides it, and is required for checkpoints of other modules.
+The tokenizer comes from `tokenizer_dir`, else from the checkpoint's own copy (saved by
+`distflow train`), else it is left out.
 """
 
 from __future__ import annotations
@@ -14,7 +16,14 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from distflow.checkpoint.store import MODEL_CONFIG, CheckpointError, checkpoint_dtype, load_model_weights, read_meta
+from distflow.checkpoint.store import (
+    MODEL_CONFIG,
+    TOKENIZER_DIR,
+    CheckpointError,
+    checkpoint_dtype,
+    load_model_weights,
+    read_meta,
+)
 
 
 def export_hf(
@@ -31,6 +40,8 @@ def export_hf(
     model = AutoModelForCausalLM.from_config(config).to(checkpoint_dtype(checkpoint))
     load_model_weights(checkpoint, model)
     model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer_dir is None and (checkpoint / TOKENIZER_DIR).is_dir():
+        tokenizer_dir = checkpoint / TOKENIZER_DIR
     if tokenizer_dir is not None:
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
     return out_dir

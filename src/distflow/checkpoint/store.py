@@ -6,9 +6,11 @@
                                                  mkdir root/.tmp-step-000050
     ---------------------------- barrier ----------------------------
     DCP shards of model + optimizer -> .tmp-step-000050/__{r}_0.distcp (+ .metadata)
+      (+ "<name>_model"/"<name>_optimizer" of other trained modules, e.g. the critic)
     own RNG states                  -> .tmp-step-000050/rng-rank{r}.pt
     ---------------------------- barrier ----------------------------
-                                                 meta.json, model_config.json, COMPLETE (fsynced)
+                                                 meta.json, model_config.json, tokenizer/,
+                                                 COMPLETE (fsynced)
                                                  os.replace(.tmp-step-000050, step-000050)
                                                  prune to the last `keep_last`
     ------------------ all-reduce of rank 0's failure flag ------------------
@@ -54,7 +56,11 @@ FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"
 META = "meta.json"
 MODEL_CONFIG = "model_config.json"  # the Hugging Face config, when the model is a PreTrainedModel
+TOKENIZER_DIR = "tokenizer"  # the tokenizer's files, when one is given
 _STEP_DIR = re.compile(r"step-(\d+)")
+
+
+Trainable = tuple  # (module, its optimizer, its LR scheduler)
 
 
 class CheckpointError(ConfigError):
@@ -72,10 +78,15 @@ def step_dir_name(step: int) -> str:
 def save_checkpoint(
     root: Path, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler, extra: dict, comm: Comm, keep_last: int,
+    tokenizer: Any = None, others: dict[str, Trainable] | None = None,
 ) -> Path:
-    """Save on every rank (collective); returns `root/step-{step:06d}` once it is complete.
+    """Save on every rank of `comm` (collective); returns `root/step-{step:06d}` once it is complete.
 
-    `model` is the plain module, not its DDP wrapper. `extra` (config, loader state, ...)
+    `model` is the plain module, not its DDP wrapper. `comm` may be a subgroup (the ranks
+    that hold the model); only its ranks take part. A `tokenizer` (anything with
+    `save_pretrained`) is saved alongside, so that `export_hf` needs nothing else. `others`:
+    more trained modules by name (e.g. {"critic": (model, optimizer, scheduler)}), saved
+    under "<name>_model" / "<name>_optimizer". `extra` (config, loader state, ...)
     must be JSON-serialisable; it round-trips through JSON (tuples come back as lists).
     `root` must be one filesystem that every rank sees (DCP writes one file per rank).
     If rank 0 fails to finish, every rank raises; a rank that dies mid-save leaves the
@@ -84,8 +95,10 @@ def save_checkpoint(
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (got {keep_last})")
     root = Path(root)
+    others = others or {}
     meta = {"format": FORMAT_VERSION, "step": step, "world_size": comm.world_size,
-            "scheduler": scheduler.state_dict(), "extra": extra}
+            "scheduler": scheduler.state_dict(), "extra": extra,
+            "others": {name: {"scheduler": sched.state_dict()} for name, (_, _, sched) in others.items()}}
     try:  # fail before any rank writes anything
         meta_text = json.dumps(meta, indent=2)
     except (TypeError, ValueError) as err:
@@ -100,8 +113,12 @@ def save_checkpoint(
     torch.save(capture_rng(comm.device), tmp / f"rng-rank{comm.rank}.pt")
     _fsync(tmp / f"rng-rank{comm.rank}.pt")
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    for name, (other, other_optimizer, _) in others.items():
+        state[f"{name}_model"] = get_model_state_dict(other)
+        state[f"{name}_optimizer"] = get_optimizer_state_dict(other, other_optimizer)
     with _single_process_quiet():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not comm.distributed)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=comm.group,
+                 no_dist=not comm.distributed)
     comm.barrier()
 
     final = root / step_dir_name(step)
@@ -112,6 +129,8 @@ def save_checkpoint(
             _write_durably(tmp / META, meta_text)
             if isinstance(model, PreTrainedModel):
                 _write_durably(tmp / MODEL_CONFIG, model.config.to_json_string())
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
             _write_durably(tmp / COMPLETE, f"step {step}\n")
             _publish(tmp, final)
             prune_checkpoints(root, keep_last, keep=final)
@@ -134,9 +153,9 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 def load_checkpoint(
     path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler, comm: Comm,
+    scheduler: torch.optim.lr_scheduler.LRScheduler, comm: Comm, others: dict[str, Trainable] | None = None,
 ) -> dict[str, Any]:
-    """Restore model, optimizer and scheduler in place (collective when distributed).
+    """Restore model, optimizer and scheduler (and `others`, as saved) in place (collective when distributed).
 
     Returns the saved metadata: {"step", "world_size" (at save time), "scheduler",
     "extra", "rng"}, where "rng" is this rank's saved RNG state, or None when the
@@ -152,11 +171,24 @@ def load_checkpoint(
     optimizer_state = get_optimizer_state_dict(model, optimizer)  # creates empty optimizer state if needed
     _check_matches(metadata, "optimizer", optimizer_state.get("state", {}), path, ("state",))
     state = {"model": model_state, "optimizer": optimizer_state}
+    others = others or {}
+    for name, (other, other_optimizer, _) in others.items():
+        if name not in meta.get("others", {}):
+            raise CheckpointError(f"checkpoint {path} holds no {name} (it was saved by a run without one)")
+        state[f"{name}_model"] = get_model_state_dict(other)
+        _check_matches(metadata, f"{name}_model", state[f"{name}_model"], path)
+        state[f"{name}_optimizer"] = get_optimizer_state_dict(other, other_optimizer)
+        _check_matches(metadata, f"{name}_optimizer", state[f"{name}_optimizer"].get("state", {}), path, ("state",))
     with _single_process_quiet():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=not comm.distributed)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=comm.group,
+                 no_dist=not comm.distributed)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     scheduler.load_state_dict(meta["scheduler"])
+    for name, (other, other_optimizer, other_scheduler) in others.items():
+        set_model_state_dict(other, state[f"{name}_model"])
+        set_optimizer_state_dict(other, other_optimizer, state[f"{name}_optimizer"])
+        other_scheduler.load_state_dict(meta["others"][name]["scheduler"])
     rng_file = path / f"rng-rank{comm.rank}.pt"
     meta["rng"] = torch.load(rng_file, weights_only=True) if rng_file.exists() else None
     return meta

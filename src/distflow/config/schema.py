@@ -28,18 +28,49 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
+class RewardSpec:
+    """One term of a weighted sum of reward functions (`task.rewards`)."""
+
+    fn: str
+    """`package.module:function`, called as fn(prompt, completion, sample) -> float, or a dict
+    with a "score" and other numbers (logged as `reward/<name>/<key>`)."""
+    weight: float = 1.0
+    name: str | None = None
+    """Metric name (`reward/<name>`); defaults to the function's name."""
+
+    def __post_init__(self) -> None:
+        _check(":" in self.fn, f"task.rewards[].fn must look like 'package.module:function' (got {self.fn!r})")
+
+
+@dataclass(kw_only=True)
 class TaskConfig:
     num_digits: int = 2
     """Operands of the embedded addition task have up to this many digits (1..3)."""
     num_heldout: int = 1000
-    """Problems held out of training for evaluation."""
+    """Problems held out of training for evaluation (embedded task; with `heldout_file`, a
+    cap on the rows of that file that are evaluated)."""
     reward: str = "distflow.tasks.arithmetic:correctness_reward"
     """Reward function as `package.module:function`, called as fn(prompt, completion, sample)."""
+    rewards: list[RewardSpec] = field(default_factory=list)
+    """Several reward functions summed with weights; when set, replaces `reward`."""
+    default_reward: float = 0.0
+    """What a reward function that raises, times out or returns a non-finite value scores
+    (counted in `reward/errors` and `reward/timeouts`)."""
+    reward_timeout_s: float = 10.0
+    """Longest a reward call may take (run on a helper thread); 0: call inline, no deadline."""
+    train_file: str | None = None
+    """A verl-format dataset (.jsonl / .parquet rows with `prompt` as chat messages and
+    `reward_model.ground_truth`); null: the embedded addition task. Needs `model.path`."""
+    heldout_file: str | None = None
+    """Held-out rows in the same format (evaluation); required with `train_file`."""
 
     def __post_init__(self) -> None:
         _check(1 <= self.num_digits <= 3, f"task.num_digits must be in 1..3 (got {self.num_digits})")
         _check(self.num_heldout >= 1, f"task.num_heldout must be >= 1 (got {self.num_heldout})")
         _check(":" in self.reward, f"task.reward must look like 'package.module:function' (got {self.reward!r})")
+        _check(self.reward_timeout_s >= 0, f"task.reward_timeout_s must be >= 0 (got {self.reward_timeout_s})")
+        _check((self.train_file is None) == (self.heldout_file is None),
+               "task.train_file and task.heldout_file go together: set both (a dataset task) or neither")
 
 
 @dataclass(kw_only=True)
@@ -82,31 +113,125 @@ class RolloutConfig:
         _check(self.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1 (got {self.max_new_tokens})")
 
 
+ALGORITHMS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "ppo")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+POLICY_LOSSES = ("ppo", "gspo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+# The settings in which the built-in algorithms differ. A field of `AlgorithmConfig` left
+# unset (null) takes its algorithm's value here, else the common one.
+COMMON_SETTINGS = {
+    "clip_low": 0.2, "clip_high": 0.2, "policy_loss": "ppo", "loss_agg": "token-mean",
+    "norm_adv_by_std": True, "skip_zero_variance_groups": True, "dynamic_sampling": False,
+}
+ALGORITHM_SETTINGS = {
+    "grpo": {},
+    # Dr.GRPO (Liu et al. 2025): no std division, and a constant normaliser (sequences x
+    # max length, zero-variance groups included) so no length or difficulty bias.
+    "dr_grpo": {"norm_adv_by_std": False, "loss_agg": "seq-mean-token-sum-norm", "skip_zero_variance_groups": False},
+    # DAPO (Yu et al. 2025): clip-higher, token-mean, dynamic sampling (+ overlong penalty, opt-in).
+    "dapo": {"clip_high": 0.28, "dynamic_sampling": True},
+    "rloo": {},
+    "reinforce_pp": {},
+    "reinforce_pp_baseline": {},
+    # GSPO (Zheng et al. 2025): the ratio is per sequence (a geometric mean), hence tiny bounds.
+    "gspo": {"clip_low": 3e-4, "clip_high": 4e-4, "policy_loss": "gspo", "loss_agg": "seq-mean-token-mean"},
+    "ppo": {},
+}
+
+
 @dataclass(kw_only=True)
 class AlgorithmConfig:
     name: str = "grpo"
-    """Built-in pipeline to run. Available: grpo."""
-    clip_low: float = 0.2
-    """PPO ratio lower bound is 1 - clip_low."""
-    clip_high: float = 0.2
-    """PPO ratio upper bound is 1 + clip_high."""
+    """Built-in pipeline: grpo, dr_grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, gspo, ppo."""
+    clip_low: float | None = None
+    """PPO ratio lower bound is 1 - clip_low (null: the algorithm's, 0.2; GSPO 3e-4)."""
+    clip_high: float | None = None
+    """PPO ratio upper bound is 1 + clip_high (null: 0.2; DAPO's clip-higher 0.28; GSPO 4e-4)."""
+    dual_clip_c: float = 0.0
+    """> 1: dual-clip PPO, the loss of a token with A < 0 is capped at -A·c (verl uses 3); 0: off."""
+    policy_loss: str | None = None
+    """ppo (token ratio) or gspo (sequence ratio); null: the algorithm's."""
+    loss_agg: str | None = None
+    """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm; the
+    normaliser is global over ranks and micro-batches. null: the algorithm's."""
+    norm_adv_by_std: bool | None = None
+    """GRPO/DAPO/GSPO: divide group-centred rewards by the group's (unbiased) std (Dr.GRPO: false)."""
+    skip_zero_variance_groups: bool | None = None
+    """Exclude groups whose rewards are all equal from the loss and its normaliser
+    (group-baseline estimators; Dr.GRPO keeps them)."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL penalty to the frozen reference; 0 drops the reference stage."""
-    norm_adv_by_std: bool = True
-    """Divide group-centred rewards by the group's (unbiased) std."""
-    skip_zero_variance_groups: bool = True
-    """Exclude groups whose rewards are all equal from the loss and its token count."""
+    """β of the KL to the frozen reference; 0 drops the reference stage."""
+    kl_estimator: str = "k3"
+    """k1, k2 or k3 (Schulman's estimators)."""
+    kl_in_reward: bool = False
+    """false: β·KL is a loss term; true: -β·KL is added to every token's reward before the advantage."""
+    kl_controller: str = "fixed"
+    """fixed or adaptive (Ziegler et al.: β steered towards `kl_target`; needs kl_in_reward)."""
+    kl_target: float = 0.1
+    kl_horizon: float = 10000.0
+    entropy_coef: float = 0.0
+    """Entropy bonus: -entropy_coef·H is added to the per-token loss."""
+    gamma: float = 1.0
+    """Discount (PPO's GAE, REINFORCE++'s return-to-go)."""
+    lam: float = 1.0
+    """GAE's λ (PPO)."""
     ppo_epochs: int = 1
     num_mini_batches: int = 1
     """Optimizer steps per epoch over one rollout batch; >1 turns on the old-log-prob stage."""
+    dynamic_sampling: bool | None = None
+    """DAPO: drop groups with equal rewards and sample more prompts until the step has
+    `trainer.prompts_per_step` groups with signal (over all ranks). null: on for dapo."""
+    max_sampling_rounds: int = 4
+    """Dynamic sampling draws at most this many batches per step (then trains on what it has)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong penalty: responses longer than max_new_tokens - this lose up to
+    `overlong_penalty` linearly; 0: off."""
+    overlong_penalty: float = 1.0
+    critic_lr: float = 1e-3
+    """PPO: the critic's learning rate (its other optimizer settings are `optim`'s)."""
+    value_clip: float = 0.5
+    """PPO: the new value may move at most this far from the old one in the clipped value loss."""
+    critic_warmup_steps: int = 0
+    """PPO: train only the critic for this many steps first."""
 
     def __post_init__(self) -> None:
-        _check(self.name in ("grpo",), f"algorithm.name must be one of: grpo (got {self.name!r})")
+        _check(self.name in ALGORITHMS, f"algorithm.name must be one of: {', '.join(ALGORITHMS)} (got {self.name!r})")
+        for key, value in {**COMMON_SETTINGS, **ALGORITHM_SETTINGS[self.name]}.items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
         _check(0 < self.clip_low < 1, f"algorithm.clip_low must be in (0, 1) (got {self.clip_low})")
         _check(self.clip_high > 0, f"algorithm.clip_high must be > 0 (got {self.clip_high})")
+        _check(self.dual_clip_c == 0 or self.dual_clip_c > 1,
+               f"algorithm.dual_clip_c must be 0 (off) or > 1 (got {self.dual_clip_c})")
+        _check(self.policy_loss in POLICY_LOSSES,
+               f"algorithm.policy_loss must be one of: {', '.join(POLICY_LOSSES)} (got {self.policy_loss!r})")
+        _check(self.loss_agg in LOSS_AGG_MODES,
+               f"algorithm.loss_agg must be one of: {', '.join(LOSS_AGG_MODES)} (got {self.loss_agg!r})")
         _check(self.kl_coef >= 0, f"algorithm.kl_coef must be >= 0 (got {self.kl_coef})")
+        _check(self.kl_estimator in KL_ESTIMATORS,
+               f"algorithm.kl_estimator must be one of: {', '.join(KL_ESTIMATORS)} (got {self.kl_estimator!r})")
+        _check(self.kl_controller in ("fixed", "adaptive"),
+               f"algorithm.kl_controller must be fixed or adaptive (got {self.kl_controller!r})")
+        _check(self.kl_controller == "fixed" or (self.kl_in_reward and self.kl_coef > 0),
+               "algorithm.kl_controller=adaptive steers an in-reward KL: set algorithm.kl_in_reward=true "
+               "and algorithm.kl_coef > 0 (the initial coefficient)")
+        _check(self.kl_target > 0 and self.kl_horizon > 0, "algorithm.kl_target and algorithm.kl_horizon must be > 0")
+        _check(self.entropy_coef >= 0, f"algorithm.entropy_coef must be >= 0 (got {self.entropy_coef})")
+        _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1,
+               f"algorithm.gamma and algorithm.lam must be in [0, 1] (got {self.gamma}, {self.lam})")
         _check(self.ppo_epochs >= 1, f"algorithm.ppo_epochs must be >= 1 (got {self.ppo_epochs})")
         _check(self.num_mini_batches >= 1, f"algorithm.num_mini_batches must be >= 1 (got {self.num_mini_batches})")
+        _check(self.max_sampling_rounds >= 1,
+               f"algorithm.max_sampling_rounds must be >= 1 (got {self.max_sampling_rounds})")
+        _check(self.overlong_buffer >= 0, f"algorithm.overlong_buffer must be >= 0 (got {self.overlong_buffer})")
+        _check(self.overlong_penalty >= 0, f"algorithm.overlong_penalty must be >= 0 (got {self.overlong_penalty})")
+        _check(self.critic_lr > 0, f"algorithm.critic_lr must be > 0 (got {self.critic_lr})")
+        _check(self.value_clip > 0, f"algorithm.value_clip must be > 0 (got {self.value_clip})")
+        _check(self.critic_warmup_steps >= 0,
+               f"algorithm.critic_warmup_steps must be >= 0 (got {self.critic_warmup_steps})")
+        _check(self.critic_warmup_steps == 0 or self.name == "ppo",
+               "algorithm.critic_warmup_steps needs a critic: only algorithm.name=ppo has one")
 
 
 @dataclass(kw_only=True)
@@ -152,6 +277,12 @@ class TrainerConfig:
     """Prepare the next step's prompts in the background while the current step runs."""
     micro_batch_tokens: int = 0
     """If > 0, micro-batches are packed by this token budget instead of micro_batch_size."""
+    stage_timeout_s: float = 1800
+    """A rank that spends longer than this in one stage (or in set-up, evaluation, a
+    checkpoint) prints its Python stacks and ends the job; 0 turns the watchdog off."""
+    max_nonfinite_steps: int = 5
+    """Abort after this many consecutive optimizer steps skipped for a NaN/inf loss or
+    gradient (each skip is counted in train/nonfinite_grad_steps); 0 never aborts."""
 
     def __post_init__(self) -> None:
         _check(self.total_steps >= 1, f"trainer.total_steps must be >= 1 (got {self.total_steps})")
@@ -162,6 +293,47 @@ class TrainerConfig:
         _check(self.device in ("auto", "cpu", "cuda"), f"trainer.device must be auto, cpu or cuda (got {self.device!r})")
         _check(self.timeout_s >= 10, f"trainer.timeout_s must be >= 10 (got {self.timeout_s})")
         _check(self.micro_batch_tokens >= 0, f"trainer.micro_batch_tokens must be >= 0 (got {self.micro_batch_tokens})")
+        _check(self.stage_timeout_s == 0 or self.stage_timeout_s >= 1,
+               f"trainer.stage_timeout_s must be 0 (off) or >= 1 (got {self.stage_timeout_s})")
+        _check(self.max_nonfinite_steps >= 0,
+               f"trainer.max_nonfinite_steps must be >= 0 (got {self.max_nonfinite_steps})")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Training checkpoints (policy, optimizer, schedule, loader, RNG, step, config); see `--resume`."""
+
+    every: int = 50
+    """Save every this many steps (0: only at the end)."""
+    at_end: bool = True
+    """Save after the last step."""
+    keep_last: int = 2
+    """Complete checkpoints kept; older ones are deleted once a newer one is complete."""
+    dir: str | None = None
+    """Where checkpoints go; defaults to <run dir>/checkpoints. Every rank must see it."""
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, f"checkpoint.every must be >= 0 (got {self.every})")
+        _check(self.keep_last >= 1, f"checkpoint.keep_last must be >= 1 (got {self.keep_last})")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """What a valid training row is, and what to do with the others (checked when the run starts)."""
+
+    required_fields: list[str] = field(default_factory=list)
+    """Fields every row must have, not null (dotted for nested ones: `reward_model.ground_truth`);
+    the prompt is always required and must not be empty."""
+    max_prompt_tokens: int = 0
+    """Rows whose prompt is longer than this many tokens are invalid (0: no limit)."""
+    on_invalid_row: str = "error"
+    """error: stop before training, naming the first invalid row; skip: leave invalid rows
+    out of the epoch order (counted by reason in the log and in `data/skipped_rows`)."""
+
+    def __post_init__(self) -> None:
+        _check(self.on_invalid_row in ("error", "skip"),
+               f"data.on_invalid_row must be error or skip (got {self.on_invalid_row!r})")
+        _check(self.max_prompt_tokens >= 0, f"data.max_prompt_tokens must be >= 0 (got {self.max_prompt_tokens})")
 
 
 @dataclass(kw_only=True)
@@ -226,6 +398,8 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
 

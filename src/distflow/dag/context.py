@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -10,9 +11,12 @@ from distflow.config.schema import Config
 if TYPE_CHECKING:  # engines import torch/transformers; building a graph must not
     import torch
 
+    from distflow.algorithms.kl import AdaptiveKLController, FixedKLController
+    from distflow.data.batch import Batch
+    from distflow.engines.critic import CriticEngine
     from distflow.engines.evaluation import Verifier
     from distflow.engines.policy import PolicyEngine
-    from distflow.engines.reward import RewardFn
+    from distflow.engines.reward import Rewards
     from distflow.engines.weight_sync import WeightBroadcast
     from distflow.observability.metrics import StepMetrics
     from distflow.runtime.dist import Comm
@@ -30,7 +34,7 @@ class StageContext:
     rollout_model: torch.nn.Module | None
     """The model rollout samples from; colocated, it is the policy's own module."""
     reference: torch.nn.Module | None
-    reward_fn: RewardFn
+    rewards: Rewards
     is_correct: Verifier
     """The task's verifier: what the `accuracy` metric counts."""
     metrics: StepMetrics
@@ -38,3 +42,9 @@ class StageContext:
     """Set when some rollout ranks are not train ranks."""
     step: int = 0
     """The current RL step (1-based); custom stages may use it for schedules."""
+    critic: CriticEngine | None = None
+    """The value model (PPO) on train ranks."""
+    next_prompts: Callable[[], Batch] | None = None
+    """This rank's share of the loader's next prompts (dynamic sampling draws extra batches)."""
+    kl_controller: FixedKLController | AdaptiveKLController | None = None
+    """The in-reward KL coefficient; made by the first stage that needs it, kept across steps."""

@@ -27,7 +27,7 @@ class Stage:
     name: str
     fn: StageFn
     role: str = "custom"
-    """rollout, reward, advantage, logprob, train, sync, filter or custom."""
+    """rollout, reward, filter, logprob, value, advantage, train, sync or custom."""
     deps: tuple[str, ...] = ()
     reads: tuple[str, ...] = ()
     writes: tuple[str, ...] = ()

@@ -1,53 +1,162 @@
 """Built-in pipelines as short builder functions; copy one to write your own.
 
-GRPO:  rollout → reward → advantage → [old_logprob] → [reference_logprob] → policy_update → weight_sync
+Every built-in is the same skeleton with a different advantage estimator (and, for PPO, a
+critic); the rest is chosen by the algorithm settings (`config.schema.ALGORITHM_SETTINGS`):
 
-`old_logprob` runs only when one rollout batch feeds several optimizer steps (with a
-single step the sampling policy *is* the current policy, so the ratio's denominator is
-the detached current log-prob, bit for bit). `reference_logprob` runs only with a KL
-penalty. Custom stages from the config are inserted by `build_graph`.
+    rollout → reward → [overlong_penalty] → [dynamic_sampling]
+            → [old_logprob → reference_logprob → kl_reward]      (KL in the reward)
+            → [values]                                           (PPO)
+            → advantage
+            → [old_logprob] → [reference_logprob]                (several updates per batch / KL loss)
+            → policy_update → [critic_update] → weight_sync
+
+    grpo, dr_grpo, dapo, gspo   group advantages (std-normalised or not); the loss, its
+                                aggregation, clip bounds and dynamic sampling differ by settings
+    rloo                        leave-one-out baseline
+    reinforce_pp(_baseline)     return-to-go (group-mean baseline), whitened over the step
+    ppo                         GAE with a critic; the critic is trained after the policy
+
+`old_logprob` runs only when one rollout batch feeds several optimizer steps or the KL
+is folded into the reward (with a single on-policy step the ratio's denominator is the
+detached current log-prob, bit for bit). `reference_logprob` runs only with a KL term.
+Custom stages from the config are inserted by `build_graph`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from pathlib import Path
+
 from distflow.config.callables import import_callable
-from distflow.config.schema import Config
-from distflow.dag import stages
+from distflow.config.schema import ALGORITHMS, Config
+from distflow.dag import stages, update_stages
+from distflow.dag.advantage_stages import ESTIMATORS, Estimator
+from distflow.dag.dynamic_sampling import dynamic_sampling
 from distflow.dag.graph import Graph, GraphError, Stage
 
 LOADER_FIELDS = ("uid", "prompt", "prompt_ids", "sample")
+SEQUENCE = ("input_ids", "attention_mask", "response_mask")
+
+
+class _Chain:
+    """Adds stages one after another, each depending on the previous one."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.last: str | None = None
+
+    def add(self, name, fn, role, reads=(), writes=(), group="train") -> None:
+        deps = (self.last,) if self.last else ()
+        self.graph.add(Stage(name, fn, role, deps, tuple(reads), tuple(writes), group=group))
+        self.last = name
+
+
+def policy_gradient(config: Config, estimator: Estimator, *, critic: bool = False) -> Graph:
+    """The skeleton above with `estimator` as the advantage stage."""
+    algo = config.algorithm
+    chain = _Chain(Graph())
+    chain.add("rollout", stages.rollout, "rollout", ("uid", "prompt", "prompt_ids"),
+              ("input_ids", "attention_mask", "response_mask", "completion", "group"), group="rollout")
+    chain.add("reward", stages.reward, "reward", ("prompt", "completion", "sample"), ("reward",))
+    if algo.overlong_buffer > 0:
+        chain.add("overlong_penalty", stages.overlong_penalty, "reward", ("reward", "response_mask"), ("reward",))
+    if algo.dynamic_sampling:
+        chain.add("dynamic_sampling", dynamic_sampling, "filter", ("reward", "group"))
+    kl_in_reward = algo.kl_coef > 0 and algo.kl_in_reward
+    old_logprob = algo.ppo_epochs * algo.num_mini_batches > 1 or kl_in_reward
+    update_reads = [*SEQUENCE, "advantage", "sample_mask"] + (["old_logp"] if old_logprob else [])
+
+    def logprob_stages() -> None:
+        if old_logprob:
+            chain.add("old_logprob", stages.old_logprob, "logprob", SEQUENCE, ("old_logp",))
+        if algo.kl_coef > 0:
+            chain.add("reference_logprob", stages.reference_logprob, "logprob", SEQUENCE, ("ref_logp",))
+
+    if kl_in_reward:
+        logprob_stages()
+        chain.add("kl_reward", stages.kl_reward, "reward", ("old_logp", "ref_logp", "response_mask"),
+                  ("kl_penalty",))
+    if critic:
+        chain.add("values", stages.values, "value", SEQUENCE, ("values",))
+    extra = ("kl_penalty",) if kl_in_reward else ()
+    chain.add("advantage", estimator.fn, "advantage", estimator.reads + extra, estimator.writes)
+    if not kl_in_reward:
+        logprob_stages()
+        if algo.kl_coef > 0:
+            update_reads.append("ref_logp")
+    chain.add("policy_update", update_stages.policy_update, "train", update_reads)
+    if critic:
+        chain.add("critic_update", update_stages.critic_update, "train", (*SEQUENCE, "values", "returns"))
+    chain.graph.add(Stage("weight_sync", stages.weight_sync, "sync", ("policy_update",), group="sync"))
+    return chain.graph
 
 
 def grpo(config: Config) -> Graph:
-    algo = config.algorithm
-    graph = Graph()
-    graph.add(Stage("rollout", stages.rollout, "rollout", (), ("uid", "prompt", "prompt_ids"),
-                    ("input_ids", "attention_mask", "response_mask", "completion", "group"), group="rollout"))
-    graph.add(Stage("reward", stages.reward, "reward", ("rollout",), ("prompt", "completion", "sample"), ("reward",)))
-    graph.add(Stage("advantage", stages.grpo_advantage, "advantage", ("reward",), ("reward", "group"),
-                    ("advantage", "sample_mask")))
-    previous = "advantage"
-    update_reads = ["input_ids", "attention_mask", "response_mask", "advantage", "sample_mask"]
-    if algo.ppo_epochs * algo.num_mini_batches > 1:
-        graph.add(Stage("old_logprob", stages.old_logprob, "logprob", (previous,),
-                        ("input_ids", "attention_mask", "response_mask"), ("old_logp",)))
-        previous = "old_logprob"
-        update_reads.append("old_logp")
-    if algo.kl_coef > 0:
-        graph.add(Stage("reference_logprob", stages.reference_logprob, "logprob", (previous,),
-                        ("input_ids", "attention_mask", "response_mask"), ("ref_logp",)))
-        previous = "reference_logprob"
-        update_reads.append("ref_logp")
-    graph.add(Stage("policy_update", stages.policy_update, "train", (previous,), tuple(update_reads), ()))
-    graph.add(Stage("weight_sync", stages.weight_sync, "sync", ("policy_update",), (), (), group="sync"))
-    return graph
+    """GRPO, and Dr.GRPO / DAPO / GSPO, which differ from it only in settings."""
+    return policy_gradient(config, ESTIMATORS["grpo"])
 
 
-PIPELINES = {"grpo": grpo}
+def rloo(config: Config) -> Graph:
+    return policy_gradient(config, ESTIMATORS["rloo"])
+
+
+def reinforce_pp(config: Config) -> Graph:
+    return policy_gradient(config, ESTIMATORS["reinforce_pp"])
+
+
+def reinforce_pp_baseline(config: Config) -> Graph:
+    return policy_gradient(config, ESTIMATORS["reinforce_pp_baseline"])
+
+
+def ppo(config: Config) -> Graph:
+    return policy_gradient(config, ESTIMATORS["gae"], critic=True)
+
+
+PIPELINES = {
+    "grpo": grpo, "dr_grpo": grpo, "dapo": grpo, "gspo": grpo,
+    "rloo": rloo, "reinforce_pp": reinforce_pp, "reinforce_pp_baseline": reinforce_pp_baseline, "ppo": ppo,
+}
+assert set(PIPELINES) == set(ALGORITHMS), "every algorithm.name has a builder"
+
+
+def _check_settings(config: Config) -> None:
+    """Settings that involve more than the algorithm section."""
+    algo, placement = config.algorithm, config.placement
+    if algo.overlong_buffer >= config.rollout.max_new_tokens:
+        raise GraphError(f"algorithm.overlong_buffer={algo.overlong_buffer} must be below rollout.max_new_tokens="
+                         f"{config.rollout.max_new_tokens}")
+    for i, spec in enumerate(config.task.rewards):  # imported again by each rank; here to fail before launch
+        import_callable(spec.fn, key=f"task.rewards[{i}].fn")
+    for key in ("train_file", "heldout_file"):
+        path = getattr(config.task, key)
+        if path is not None and not Path(path).expanduser().is_file():
+            raise GraphError(f"task.{key}={path!r} is not a file")
+    if config.task.train_file is not None and config.model.path is None:
+        raise GraphError("task.train_file needs a model that reads text: set model.path (the embedded model "
+                         "only knows the addition task's characters)")
+    if algo.dynamic_sampling and (placement.rollout != placement.train or placement.rollout.ranks_per_replica != 1):
+        raise GraphError("algorithm.dynamic_sampling draws extra batches inside the step and needs rollout and "
+                         "training on the same ranks: leave placement.rollout and placement.train at their defaults")
+
+
+def _bind_upstream(graph: Graph, name: str, initial_fields) -> None:
+    """Give stage `name` the functions of every stage it depends on, in execution order."""
+    order = graph.validate(initial_fields)
+    ancestors, frontier = set(), list(graph.stages[name].deps)
+    while frontier:
+        dep = frontier.pop()
+        if dep not in ancestors:
+            ancestors.add(dep)
+            frontier.extend(graph.stages[dep].deps)
+    upstream = tuple(s.fn for s in order if s.name in ancestors)
+    stage = graph.stages[name]
+    graph.stages[name] = dataclasses.replace(stage, fn=functools.partial(stage.fn, upstream=upstream))
 
 
 def build_graph(config: Config) -> Graph:
     """The configured built-in pipeline plus the config's custom stages."""
+    _check_settings(config)
     graph = PIPELINES[config.algorithm.name](config)
     for spec in config.pipeline.custom_stages:
         fn = import_callable(spec.fn, key=f"custom stage {spec.name!r}")
@@ -60,4 +169,6 @@ def build_graph(config: Config) -> Graph:
                                  f"stages are: {', '.join(graph.stages)}")
             graph.add_dependency(later, spec.name)
     graph.validate(LOADER_FIELDS)
+    if "dynamic_sampling" in graph.stages:
+        _bind_upstream(graph, "dynamic_sampling", LOADER_FIELDS)
     return graph

@@ -1,5 +1,10 @@
 """Built-in stage functions: thin adapters between a `Batch` and engines/algorithms.
 
+This module holds the stages that produce data (rollout, rewards and their shaping,
+log-probs, values, the in-reward KL penalty) and the weight sync; advantage estimators are
+in `advantage_stages.py`, the policy and critic updates in `update_stages.py`, DAPO's
+filter in `dynamic_sampling.py`.
+
 Each takes (batch, ctx) and returns a new batch with the fields it declares in the
 pipeline builder. They run on this rank's share of the step and talk to peers only
 through `ctx.comm` (the communicator of the stage's worker group) and `ctx.metrics`.
@@ -61,30 +66,28 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
 
 
 def reward(batch: Batch, ctx: StageContext) -> Batch:
-    from distflow.engines.reward import score
-
-    reward_B, errors = score(ctx.reward_fn, batch["prompt"], batch["completion"], batch["sample"])
+    """The weighted reward functions (`task.reward` / `task.rewards`); failures are counted."""
+    scores = ctx.rewards.score(batch["prompt"], batch["completion"], batch["sample"])
     num_correct = sum(ctx.is_correct(c, s) for c, s in zip(batch["completion"], batch["sample"]))
-    ctx.metrics.mean("reward/mean", float(reward_B.sum()), len(batch))
+    ctx.metrics.mean("reward/mean", float(scores.reward_B.sum()), len(batch))
+    for name, total in scores.term_sums.items():
+        ctx.metrics.mean(f"reward/{name}", total, len(batch))
     ctx.metrics.mean("accuracy", float(num_correct), len(batch))
-    ctx.metrics.total("reward/errors", float(errors))
-    return batch.updated(reward=reward_B.to(ctx.comm.device))
+    ctx.metrics.total("reward/errors", float(scores.errors))
+    ctx.metrics.total("reward/timeouts", float(scores.timeouts))
+    return batch.updated(reward=scores.reward_B.to(ctx.comm.device))
 
 
-def grpo_advantage(batch: Batch, ctx: StageContext) -> Batch:
-    import torch
-
-    from distflow.algorithms.advantages import grpo_advantages
+def overlong_penalty(batch: Batch, ctx: StageContext) -> Batch:
+    """DAPO's soft overlong punishment added to the reward (`algorithm.overlong_buffer` > 0)."""
+    from distflow.algorithms.shaping import overlong_penalty as penalty_of
 
     algo = ctx.config.algorithm
-    advantage_B, zero_variance_B = grpo_advantages(
-        batch["reward"].cpu(), batch["group"].cpu(), norm_by_std=algo.norm_adv_by_std
-    )
-    keep_B = ~zero_variance_B if algo.skip_zero_variance_groups else torch.ones_like(zero_variance_B)
-    ctx.metrics.mean("advantage/zero_variance_fraction", float(zero_variance_B.sum()), len(batch))
-    return batch.updated(
-        advantage=advantage_B.to(ctx.comm.device), sample_mask=keep_B.float().to(ctx.comm.device)
-    )
+    length_B = batch["response_mask"].sum(-1)
+    penalty_B = penalty_of(length_B, max_length=ctx.config.rollout.max_new_tokens, buffer=algo.overlong_buffer,
+                           penalty=algo.overlong_penalty).to(batch["reward"].dtype)
+    ctx.metrics.mean("reward/overlong_penalty", float(penalty_B.sum()), len(batch))
+    return batch.updated(reward=batch["reward"] + penalty_B)
 
 
 def old_logprob(batch: Batch, ctx: StageContext) -> Batch:
@@ -100,58 +103,40 @@ def reference_logprob(batch: Batch, ctx: StageContext) -> Batch:
     return batch.updated(ref_logp=ref_logp)
 
 
-def _loss_mask_BR(batch: Batch):
-    """Response tokens of the samples that carry signal (zero-variance groups excluded)."""
-    return batch["response_mask"].float() * batch["sample_mask"].unsqueeze(-1)
+def values(batch: Batch, ctx: StageContext) -> Batch:
+    """The critic's V(s_t) before each response token (PPO)."""
+    assert ctx.critic is not None, "the pipeline builder adds this stage only with a critic"
+    values_BR = ctx.critic.values(batch, ctx.config.trainer.micro_batch_size)
+    mask_BR = batch["response_mask"].float()
+    ctx.metrics.mean("critic/values", float((values_BR * mask_BR).sum()), float(mask_BR.sum()))
+    return batch.updated(values=values_BR)
 
 
-def policy_update(batch: Batch, ctx: StageContext) -> Batch:
-    """PPO-clip (+ k3 KL) over `ppo_epochs` × `num_mini_batches` optimizer steps, token-mean."""
+def kl_reward(batch: Batch, ctx: StageContext) -> Batch:
+    """KL-in-reward: the per-token penalty β·KL(old ‖ ref) that the advantage stage subtracts.
+
+    β comes from `ctx.kl_controller` (fixed, or adaptive towards `algorithm.kl_target`); the
+    adaptive update uses the KL of the whole step over all ranks, so β is the same everywhere.
+    """
     import torch
 
-    from distflow.algorithms.losses import kl_k3, ppo_clip_loss
+    from distflow.algorithms.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController
 
-    algo, trainer = ctx.config.algorithm, ctx.config.trainer
-    has_old = "old_logp" in batch.fields()
-
-    def loss_fn(micro: Batch, logp_BR, entropy_BR):
-        mask_BR = _loss_mask_BR(micro)
-        old_BR = micro["old_logp"] if has_old else logp_BR.detach()
-        loss_BR, clipped_BR = ppo_clip_loss(
-            logp_BR, old_BR, micro["advantage"], clip_low=algo.clip_low, clip_high=algo.clip_high
-        )
-        stats = {
-            "clip_fraction": (clipped_BR.float() * mask_BR).sum(),
-            "entropy": (entropy_BR * mask_BR).sum(),
-            "pg_loss": (loss_BR.detach() * mask_BR).sum(),
-        }
-        if algo.kl_coef > 0:
-            kl_BR = kl_k3(logp_BR, micro["ref_logp"])
-            loss_BR = loss_BR + algo.kl_coef * kl_BR
-            stats["kl"] = (kl_BR.detach() * mask_BR).sum()
-        return (loss_BR * mask_BR).sum(), stats
-
-    for epoch in range(algo.ppo_epochs):
-        if algo.ppo_epochs > 1:  # a fresh mini-batch split every epoch, the same on a rerun
-            order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(
-                derive_seed(ctx.config.trainer.seed, "minibatch", ctx.step, epoch, ctx.comm.rank)))
-            batch = batch.select(order.tolist())
-        for mini in batch.split(algo.num_mini_batches):
-            local_tokens = _loss_mask_BR(mini).sum()
-            num_tokens = float(ctx.comm.all_reduce_sum(local_tokens.reshape(1).clone()).item())
-            if num_tokens == 0:  # every group of this mini-batch had equal rewards: no signal
-                ctx.metrics.total("train/skipped_empty_steps", 1.0 / ctx.comm.world_size)
-                continue
-            stats = ctx.policy.update(mini, loss_fn, num_tokens, trainer.micro_batch_size,
-                                      micro_batch_tokens=trainer.micro_batch_tokens)
-            for name in ("clip_fraction", "entropy", "pg_loss", "kl"):
-                if name in stats:
-                    ctx.metrics.mean(f"train/{name}", stats[name], local_tokens.item())
-            ctx.metrics.maximum("train/grad_norm", stats["grad_norm"])
-            ctx.metrics.maximum("train/lr", stats["lr"])
-            ctx.metrics.total("train/nonfinite_grad_steps", stats["nonfinite_grad_steps"] / ctx.comm.world_size)
-            ctx.metrics.total("tokens/trained", float(mini["attention_mask"].sum()))
-    return batch
+    algo = ctx.config.algorithm
+    if ctx.kl_controller is None:
+        ctx.kl_controller = (FixedKLController(algo.kl_coef) if algo.kl_controller == "fixed"
+                             else AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon))
+    mask_BR = batch["response_mask"].float()
+    kl_BR = KL_ESTIMATORS[algo.kl_estimator](batch["old_logp"], batch["ref_logp"]) * mask_BR
+    beta = ctx.kl_controller.value
+    # Step KL: mean over sequences of each sequence's token-mean KL (verl's convention).
+    kl_B = kl_BR.sum(-1) / mask_BR.sum(-1).clamp(min=1)
+    sums = ctx.comm.all_reduce_sum(torch.tensor([float(kl_B.sum()), float(len(batch))], dtype=torch.float64,
+                                                device=ctx.comm.device)).cpu()
+    ctx.kl_controller.update(float(sums[0] / sums[1].clamp(min=1)), int(sums[1]))
+    ctx.metrics.mean("kl/in_reward", float(kl_B.sum()), len(batch))
+    ctx.metrics.maximum("kl/coef", beta)
+    return batch.updated(kl_penalty=beta * kl_BR)
 
 
 def weight_sync(batch: Batch, ctx: StageContext) -> Batch:

@@ -23,10 +23,12 @@ def response_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each response token (the last R = `response_width` columns), shape [B, R].
 
-    The logits at column t predict token t+1, hence the shift by one.
+    The logits at column t predict token t+1, hence the shift by one. The entropy is a
+    constant unless `entropy_grad` (an entropy bonus back-propagates through it).
     """
     response_start = input_ids_BT.shape[1] - response_width
     logits_BTV = model(
@@ -41,7 +43,7 @@ def response_logprobs(
     logp_BR = torch.gather(logits_BRV, -1, targets_BR.unsqueeze(-1)).squeeze(-1) - logz_BR
     entropy_BR = None
     if with_entropy:
-        with torch.no_grad():
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             probs_BRV = torch.softmax(logits_BRV, dim=-1)
             entropy_BR = logz_BR - (probs_BRV * logits_BRV).sum(-1)
     return logp_BR, entropy_BR

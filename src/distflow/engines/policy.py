@@ -41,13 +41,23 @@ class PolicyEngine:
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
         )
         self.grad_clip = optim.grad_clip
+        self.consecutive_nonfinite = 0
+        """Optimizer steps skipped in a row for a non-finite loss or gradient (the executor aborts past a limit)."""
 
     def logprobs(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
         return batch_logprobs(self.model, batch, micro_batch_size=micro_batch_size, temperature=self.temperature)
 
+    def forward(self, micro: Batch, *, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logp_BR, entropy_BR) of a micro-batch's response tokens through the data-parallel
+        wrapper (`CriticEngine` overrides this to return values instead)."""
+        return response_logprobs(
+            self.wrapped, micro["input_ids"], micro["attention_mask"], micro["response_mask"].shape[1],
+            temperature=self.temperature, with_entropy=True, entropy_grad=entropy_grad,
+        )
+
     def update(
         self, mini_batch: Batch, loss_fn: LossFn, num_loss_tokens_global: float, micro_batch_size: int,
-        *, micro_batch_tokens: int = 0,
+        *, micro_batch_tokens: int = 0, entropy_grad: bool = False,
     ) -> dict[str, float]:
         """One optimizer step over `mini_batch` (this rank's share); returns local stat sums.
 
@@ -63,25 +73,32 @@ class PolicyEngine:
             micros = mini_batch.split(math.ceil(len(mini_batch) / micro_batch_size))
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
+        loss_finite = True
         for i, micro in enumerate(micros):
             last = i == len(micros) - 1
             sync = contextlib.nullcontext() if last or not self.comm.distributed else self.wrapped.no_sync()
             with sync:
-                logp_BR, entropy_BR = response_logprobs(
-                    self.wrapped, micro["input_ids"], micro["attention_mask"], micro["response_mask"].shape[1],
-                    temperature=self.temperature, with_entropy=True,
-                )
-                loss_sum, stats = loss_fn(micro, logp_BR, entropy_BR)
+                out_BR, entropy_BR = self.forward(micro, entropy_grad=entropy_grad)
+                loss_sum, stats = loss_fn(micro, out_BR, entropy_BR)
+                loss_finite = loss_finite and bool(torch.isfinite(loss_sum.detach()))
                 (loss_sum * self.comm.world_size / num_loss_tokens_global).backward()
             for name, value in stats.items():
                 totals[name] = totals.get(name, 0.0) + float(value)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        if torch.isfinite(grad_norm):
+        # A NaN loss usually poisons the all-reduced gradient too, but not always (e.g. NaN
+        # only where the mask is 0), so the ranks also agree on the losses: one tiny all-reduce.
+        bad = torch.tensor([0.0 if loss_finite else 1.0], device=grad_norm.device)
+        if self.comm.distributed:
+            self.comm.all_reduce_max(bad)
+        if torch.isfinite(grad_norm) and not bad.item():
             self.optimizer.step()
             self.scheduler.step()
             totals["nonfinite_grad_steps"] = 0.0
-        else:  # every rank sees the same all-reduced gradient, so every rank skips alike
+            self.consecutive_nonfinite = 0
+        else:  # the same decision on every rank (all-reduced gradient and flag), so replicas stay equal
+            self.optimizer.zero_grad(set_to_none=True)
             totals["nonfinite_grad_steps"] = 1.0
+            self.consecutive_nonfinite += 1
         totals["grad_norm"] = float(grad_norm)
         totals["lr"] = self.scheduler.get_last_lr()[0]
         return totals

@@ -1,19 +1,151 @@
-"""Scoring completions with plain Python reward functions.
+"""Scoring completions with plain Python reward functions: weighted, contained, time-limited.
 
-A reward function is `fn(prompt, completion, sample) -> float`, where `sample` is the
-dataset row the prompt came from (ground truth and all). An exception inside a reward
-function, or a value that is not a finite number, does not stop training: that sample
-gets `default_reward` and the failure is counted (`reward/errors` in the metrics).
+A reward function is `fn(prompt, completion, sample) -> float | dict`, where `sample` is the
+dataset row the prompt came from (ground truth and all). A dict return carries the reward
+under "score"; its other numeric entries are logged as `reward/<name>/<key>`. Several
+functions combine as a weighted sum (`task.rewards`).
+
+Nothing a reward function does stops training: an exception, a non-finite or missing
+value, or a call that exceeds its deadline scores `default_reward` for that term, and the
+failure is counted (`reward/errors`, `reward/timeouts`).
+
+    main thread:  put(fn, args) ─► wait ≤ timeout_s ─► result   (or: abandon the worker, start another)
+    worker thread (daemon, one per rank):   get ─► fn(prompt, completion, sample) ─► put
+
+Deadlines use a helper *thread*, not a process (the project runs no process besides its N
+ranks). Python cannot kill a thread: a call that never returns keeps its (abandoned) thread
+and whatever CPU it burns until the process exits; after `MAX_ABANDONED` such threads are
+alive at once the run fails rather than leaking more. A call stuck in C code that holds the
+GIL blocks the main thread too, and no deadline can fire. Library-level time-outs built on
+`signal.alarm` (math-verify's) only work in the main thread, so turn them off in a reward
+that runs on the helper thread and rely on this deadline instead.
 """
 
 from __future__ import annotations
 
 import math
+import queue
+import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-RewardFn = Callable[[str, str, dict], float]
+RewardFn = Callable[[str, str, dict], "float | dict"]
+MAX_ABANDONED = 8
+
+
+class RewardTimeout(Exception):
+    """A reward call did not return within its deadline."""
+
+
+def _serve(inbox: queue.SimpleQueue, outbox: queue.SimpleQueue) -> None:
+    while (job := inbox.get()) is not None:
+        fn, args = job
+        try:
+            outbox.put((True, fn(*args)))
+        except BaseException as err:  # handed to the caller, who counts it
+            outbox.put((False, err))
+
+
+class DeadlineCaller:
+    """Calls functions on one daemon worker thread and waits for each at most `timeout_s`."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._abandoned: list[threading.Thread] = []
+        self._start()
+
+    def _start(self) -> None:
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=_serve, args=(self._inbox, self._outbox), daemon=True,
+                                        name="distflow-reward")
+        self._thread.start()
+
+    def __call__(self, fn: Callable, *args):
+        self._inbox.put((fn, args))
+        try:
+            ok, value = self._outbox.get(timeout=self.timeout_s)
+        except queue.Empty:
+            self._inbox.put(None)  # the stuck worker exits if its call ever returns
+            self._abandoned = [t for t in self._abandoned if t.is_alive()] + [self._thread]
+            self._start()
+            if len(self._abandoned) > MAX_ABANDONED:
+                raise RuntimeError(f"{len(self._abandoned)} reward calls are stuck past their "
+                                   f"{self.timeout_s}s deadline; fix the reward function") from None
+            raise RewardTimeout(f"no result within {self.timeout_s}s") from None
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        self._inbox.put(None)
+
+
+@dataclass(frozen=True)
+class RewardTerm:
+    name: str
+    fn: RewardFn
+    weight: float = 1.0
+
+
+@dataclass
+class Scores:
+    reward_B: torch.Tensor
+    """float32 weighted sum per sample."""
+    errors: int = 0
+    """Term calls that raised or returned no finite number."""
+    timeouts: int = 0
+    term_sums: dict[str, float] = field(default_factory=dict)
+    """Sum over samples of each term's (unweighted) value, and of each extra dict entry."""
+
+
+class Rewards:
+    """The weighted reward functions of a run, with a shared default and deadline."""
+
+    def __init__(self, terms: Sequence[RewardTerm], *, default_reward: float = 0.0, timeout_s: float = 0.0) -> None:
+        if not terms:
+            raise ValueError("at least one reward function is needed")
+        names = [t.name for t in terms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"reward names must be unique (got {names}); set task.rewards[].name")
+        self.terms = list(terms)
+        self.default_reward = default_reward
+        self._call = DeadlineCaller(timeout_s) if timeout_s > 0 else (lambda fn, *args: fn(*args))
+
+    def _one(self, term: RewardTerm, args: tuple, scores: Scores) -> float:
+        try:
+            value = self._call(term.fn, *args)
+            if isinstance(value, dict):
+                extras = {k: v for k, v in value.items() if k != "score" and isinstance(v, (int, float))}
+                for key, extra in extras.items():
+                    name = f"{term.name}/{key}"
+                    scores.term_sums[name] = scores.term_sums.get(name, 0.0) + float(extra)
+                value = value["score"]
+            value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(f"reward {value} is not finite")
+            return value
+        except RewardTimeout:
+            scores.timeouts += 1
+        except Exception:  # contained on purpose: counted in the metrics, see module doc
+            scores.errors += 1
+        return self.default_reward
+
+    def score(self, prompts: Sequence[str], completions: Sequence[str], samples: Sequence[dict]) -> Scores:
+        scores = Scores(torch.zeros(len(prompts)))
+        scores.term_sums = {t.name: 0.0 for t in self.terms}
+        totals = []
+        for args in zip(prompts, completions, samples):
+            total = 0.0
+            for term in self.terms:
+                value = self._one(term, args, scores)
+                scores.term_sums[term.name] += value
+                total += term.weight * value
+            totals.append(total)
+        scores.reward_B = torch.tensor(totals, dtype=torch.float32)
+        return scores
 
 
 def score(
@@ -24,16 +156,25 @@ def score(
     *,
     default_reward: float = 0.0,
 ) -> tuple[torch.Tensor, int]:
-    """(reward_B, number of failed calls)."""
-    rewards: list[float] = []
-    errors = 0
-    for prompt, completion, sample in zip(prompts, completions, samples):
-        try:
-            value = float(reward_fn(prompt, completion, sample))
-            if not math.isfinite(value):
-                raise ValueError(f"reward {value} is not finite")
-        except Exception:  # contained on purpose: counted in the metrics, see module doc
-            errors += 1
-            value = default_reward
-        rewards.append(value)
-    return torch.tensor(rewards, dtype=torch.float32), errors
+    """One reward function, inline: (reward_B, number of failed calls)."""
+    scores = Rewards([RewardTerm("reward", reward_fn)], default_reward=default_reward).score(
+        prompts, completions, samples)
+    return scores.reward_B, scores.errors
+
+
+def build_rewards(task) -> Rewards:
+    """The `Rewards` of a `TaskConfig`: `task.rewards`, or the single `task.reward`."""
+    from distflow.config.callables import import_callable
+
+    if task.rewards:
+        terms = [RewardTerm(spec.name or spec.fn.partition(":")[2],
+                            import_callable(spec.fn, key=f"task.rewards[{i}].fn"), spec.weight)
+                 for i, spec in enumerate(task.rewards)]
+    else:
+        terms = [RewardTerm(task.reward.partition(":")[2], import_callable(task.reward, key="task.reward"))]
+    try:
+        return Rewards(terms, default_reward=task.default_reward, timeout_s=task.reward_timeout_s)
+    except ValueError as err:
+        from distflow.config.schema import ConfigError
+
+        raise ConfigError(str(err)) from None

@@ -11,16 +11,20 @@ from tqdm import tqdm
 
 
 class RunWriter:
-    def __init__(self, run_dir: Path, *, total_steps: int, tensorboard: bool, progress_bar: bool) -> None:
+    def __init__(self, run_dir: Path, *, total_steps: int, tensorboard: bool, progress_bar: bool,
+                 name: str = "train", resumed_step: int | None = None) -> None:
+        """`resumed_step`: the run continues after this step; TensorBoard drops the events of
+        later steps written before (the run redoes them), so curves have no duplicates."""
         self.run_dir = run_dir
         self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        self.bar = tqdm(total=total_steps, desc="grpo", file=sys.stderr, dynamic_ncols=True,
-                        disable=not progress_bar)
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
+                                    purge_step=None if resumed_step is None else resumed_step + 1)
+        self.bar = tqdm(total=total_steps, initial=resumed_step or 0, desc=name, file=sys.stderr,
+                        dynamic_ncols=True, disable=not progress_bar)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         # JSON has no NaN/Infinity: a metric with nothing to average, or a non-finite grad norm, is null.

@@ -69,6 +69,23 @@ class Comm:
         if self.distributed:
             dist.barrier(group=self.group)
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order (small, picklable values only)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """`obj` as the group's rank `src` has it (small, picklable values only)."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        source = src if self.global_ranks is None else self.global_ranks[src]
+        dist.broadcast_object_list(box, src=source, group=self.group)
+        return box[0]
+
 
 def init_comm(*, device: str, timeout_s: int) -> Comm:
     """Join the process group (if launched as several ranks) and pick this rank's device."""

@@ -8,7 +8,12 @@
                   stage      → batch = stage.fn(batch, ctx)    (ctx.comm = the stage's group)
                   transition → batch = redistribute(batch, ...) (rank to rank, balanced)
               metrics.reduce() → rank 0 logs
+              every checkpoint.every steps and at the end: checkpoint (runtime/checkpointing.py)
     evaluate again → rank 0 prints the summary JSON as the last line of stdout
+
+`--resume` restores a checkpoint after the build and continues from its step. Each rank
+records the stage it is in (runtime/faults.py): a failure names its rank and stage, and a
+stage that outlives trainer.stage_timeout_s ends the job with every thread's stack.
 """
 
 from __future__ import annotations
@@ -27,12 +32,12 @@ import transformers
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from distflow.checkpoint.store import step_dir_name
 from distflow.config import Config, ConfigError, to_dict
-from distflow.config.callables import import_callable
 from distflow.dag.context import StageContext
 from distflow.dag.pipelines import LOADER_FIELDS, build_graph
 from distflow.data.batch import Batch
-from distflow.data.loader import PromptLoader
+from distflow.data.loader import PromptLoader, RowRules, ValidRows
 from distflow.data.prefetch import Prefetcher
 from distflow.data.redistribute import redistribute
 from distflow.engines.evaluation import Evaluation, SamplingSpec, evaluate
@@ -42,7 +47,9 @@ from distflow.engines.weight_sync import WeightBroadcast
 from distflow.observability.metrics import StepMetrics
 from distflow.observability.writer import RunWriter
 from distflow.planner.plan import Plan, Transition, make_plan
+from distflow.runtime import checkpointing
 from distflow.runtime.dist import Comm, init_comm, shutdown
+from distflow.runtime.faults import RankStatus, TrainingAborted, die_with_parent
 from distflow.seeding import derive_seed
 from distflow.tasks.arithmetic import ArithmeticTask
 from distflow.tasks.embedded import ensure_embedded_model
@@ -81,13 +88,29 @@ def load_model_and_tokenizer(config: Config, comm: Comm, log) -> tuple[torch.nn.
     return model.to(comm.device), tokenizer
 
 
-def run(config: Config, run_dir: Path) -> dict:
+def run(config: Config, run_dir: Path, resume: Path | None = None) -> int:
+    """This rank's whole run; returns its exit code. A failure is reported here, once."""
     started = float(os.environ.get("DISTFLOW_STARTED", time.time()))  # set by the CLI before any set-up
-    comm = init_comm(device=config.trainer.device, timeout_s=config.trainer.timeout_s)
+    status = RankStatus.from_env(stage_timeout_s=config.trainer.stage_timeout_s)
+    if "RANK" in os.environ:  # started by torch's launcher: do not outlive it
+        die_with_parent()
+    comm = None
     try:
-        return _train(config, run_dir, comm, started)
-    finally:
-        shutdown()
+        status.enter("init")
+        comm = init_comm(device=config.trainer.device, timeout_s=config.trainer.timeout_s)
+        run_dir = Path(comm.broadcast_object(str(run_dir)))  # one run directory, whichever clock named it
+        _train(config, run_dir, comm, started, status, resume)
+    except BaseException as err:  # noqa: BLE001 — reported once, here, with rank and stage
+        code = status.fail(err)
+        if comm is not None and comm.distributed:
+            # Peers may be dead or stuck: no process-group teardown, no waiting on threads.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
+    status.done()
+    shutdown()
+    return 0
 
 
 @dataclass
@@ -101,6 +124,10 @@ class Worker:
     prefetcher: Prefetcher
     task: ArithmeticTask
     eval_model: torch.nn.Module
+    loader: PromptLoader | None = None
+    """The prefetcher's loader (a checkpoint restores its state)."""
+    num_skipped_rows: int = 0
+    """Invalid training rows left out (data.on_invalid_row=skip)."""
 
 
 def _group_comms(plan: Plan, world: Comm) -> dict[str, Comm | None]:
@@ -115,6 +142,10 @@ def _group_comms(plan: Plan, world: Comm) -> dict[str, Comm | None]:
 
 
 def _build(config: Config, world: Comm, log) -> Worker:
+    from distflow.engines.critic import build_critic
+    from distflow.engines.reward import build_rewards
+    from distflow.tasks.build import build_task
+
     trainer, rank = config.trainer, world.rank
     graph = build_graph(config)
     plan = make_plan(graph, config, world.world_size, LOADER_FIELDS)
@@ -134,22 +165,39 @@ def _build(config: Config, world: Comm, log) -> Worker:
     reference = None
     if "reference_logprob" in graph.stages and rank in train:
         reference = copy.deepcopy(model).eval().requires_grad_(False)
-    task = ArithmeticTask.build(num_digits=config.task.num_digits, num_heldout=config.task.num_heldout,
-                                seed=trainer.seed)
+    critic = None
+    if "critic_update" in graph.stages and rank in train:
+        critic = build_critic(model, comms["train"], config.optim, lr=config.algorithm.critic_lr)
+    task = build_task(config, tokenizer)  # the embedded addition task, or verl-format rows (task.train_file)
     # The prefetch thread tokenizes with its own tokenizer: fast tokenizers are not
     # safe to share with the main thread's decoding.
-    loader = PromptLoader(task.train.__getitem__, len(task.train), prompts_per_step=trainer.prompts_per_step,
+    tokenize = functools.partial(encode_prompts, copy.deepcopy(tokenizer))
+    rows = _valid_rows(config, task.train, tokenize, world, log)
+    loader = PromptLoader(rows.__getitem__, len(rows), prompts_per_step=trainer.prompts_per_step,
                           seed=trainer.seed, rank=plan.input_layout.replica_of(rank),
-                          world_size=plan.input_layout.dp_size,
-                          tokenize=functools.partial(encode_prompts, copy.deepcopy(tokenizer)))
+                          world_size=plan.input_layout.dp_size, tokenize=tokenize)
     ctx = StageContext(
         config=config, comm=world, world=world, tokenizer=tokenizer, policy=policy,
         rollout_model=model if rank in rollout else None, reference=reference,
-        reward_fn=import_callable(config.task.reward, key="task.reward"), is_correct=task.is_correct,
-        metrics=StepMetrics(), weight_sync=weight_sync,
+        rewards=build_rewards(config.task), is_correct=task.is_correct,
+        metrics=StepMetrics(), weight_sync=weight_sync, critic=critic,
     )
     prefetcher = Prefetcher(loader.next_batch, loader.state_dict, enabled=trainer.prefetch)
-    return Worker(ctx, plan, comms, prefetcher, task, model)
+    ctx.next_prompts = lambda: prefetcher.next()[0]  # dynamic sampling draws extra batches mid-step
+    return Worker(ctx, plan, comms, prefetcher, task, model, loader=loader, num_skipped_rows=sum(rows.skipped.values()))
+
+
+def _valid_rows(config: Config, rows, tokenize, world: Comm, log) -> ValidRows:
+    """The training rows that pass `data.*`: each rank checks 1/N of them, all keep the same."""
+    data = config.data
+    rules = RowRules(required_fields=tuple(data.required_fields), max_prompt_tokens=data.max_prompt_tokens,
+                     skip_invalid=data.on_invalid_row == "skip")
+    where = getattr(config.task, "train_file", None) or "the task's training rows"
+    valid = ValidRows(rows.__getitem__, len(rows), rules, tokenize=tokenize, where=where,
+                      shard=(world.rank, world.world_size), gather=world.all_gather_object)
+    if valid.skipped:
+        log(f"data: skipped {sum(valid.skipped.values())} of {len(rows)} rows of {where} ({valid.describe_skipped()})")
+    return valid
 
 
 def _evaluate(worker: Worker) -> Evaluation:
@@ -161,24 +209,28 @@ def _evaluate(worker: Worker) -> Evaluation:
     )
 
 
-def _step(worker: Worker, previous: Batch | None) -> tuple[dict[str, float], Batch]:
+def _step(worker: Worker, previous: Batch | None, status: RankStatus) -> tuple[dict[str, float], Batch]:
     ctx, rank = worker.ctx, worker.ctx.world.rank
     step_start = time.time()
+    status.enter("load", ctx.step)
     batch, waited = worker.prefetcher.next(release=previous)
     previous = None
     ctx.metrics.maximum("time/loader_wait_s", waited)
     peak_bytes, moved = batch.tensor_bytes(), {"sent": 0, "received": 0, "local": 0}
     for item in worker.plan.stages_for(rank):
         stage_start = time.time()
+        position = worker.plan.items.index(item) + 1  # comparable between worker groups (faults.py)
         if isinstance(item, Transition):
-            batch, stats = redistribute(batch, item.src, item.dst, ctx.world, keep_groups=item.keep_groups)
             name = f"redistribute_{item.before}"
+            status.enter(name, ctx.step, position)
+            batch, stats = redistribute(batch, item.src, item.dst, ctx.world, keep_groups=item.keep_groups)
             moved = {"sent": moved["sent"] + stats.bytes_sent, "received": moved["received"] + stats.bytes_received,
                      "local": moved["local"] + stats.bytes_local}
             ctx.metrics.maximum(f"data/imbalance_before_{item.before}", stats.imbalance_before)
             ctx.metrics.maximum(f"data/imbalance_after_{item.before}", stats.imbalance_after)
         else:
             name = item.stage.name
+            status.enter(name, ctx.step, position)
             ctx.comm = worker.comms[item.stage.group]
             step_metrics = ctx.metrics
             if item.layout.member_of(rank) != 0:  # a replica's other ranks repeat its leader's work
@@ -196,7 +248,10 @@ def _step(worker: Worker, previous: Batch | None) -> tuple[dict[str, float], Bat
         tokens = float(batch["attention_mask"].sum())
         ctx.metrics.mean("data/train_tokens_per_rank", tokens, 1)
         ctx.metrics.maximum("data/train_tokens_per_rank_max", tokens)
+    if ctx.policy is not None:
+        ctx.metrics.maximum("train/consecutive_nonfinite_steps", ctx.policy.consecutive_nonfinite)
     ctx.metrics.maximum("time/step_s", time.time() - step_start)
+    status.enter("metrics", ctx.step, len(worker.plan.items) + 1)
     metrics = ctx.metrics.reduce(ctx.world)
     metrics["throughput/generated_tokens_per_s"] = metrics["tokens/generated"] / metrics["time/rollout_s"]
     metrics["throughput/trained_tokens_per_s"] = metrics.get("tokens/trained", 0.0) / metrics["time/policy_update_s"]
@@ -206,32 +261,53 @@ def _step(worker: Worker, previous: Batch | None) -> tuple[dict[str, float], Bat
     return metrics, batch
 
 
-def _train(config: Config, run_dir: Path, comm: Comm, started: float) -> dict:
+def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: RankStatus,
+           resume: Path | None) -> dict:
     trainer = config.trainer  # the CLI validated config and world size before this rank started
     transformers.utils.logging.disable_progress_bar()
     log = _stderr if comm.is_main else (lambda text: None)
+    status.enter("setup")
     worker = _build(config, comm, log)
     ctx = worker.ctx
     torch.manual_seed(derive_seed(trainer.seed, "torch", comm.rank))  # sampling itself is keyed per sample
+    root = checkpointing.checkpoint_root(config, run_dir)
+    first_step, run_state = 1, {}
+    if resume is not None:
+        status.enter("resume")
+        resumed = checkpointing.restore(worker, resume)
+        first_step, run_state = resumed.step + 1, resumed.state
+        log(f"resumed from {resume} (step {resumed.step})")
+        for change in resumed.changes:
+            log(f"warning: changed since the checkpoint: {change}")
 
     writer = None
     if comm.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-        writer = RunWriter(run_dir, total_steps=trainer.total_steps, tensorboard=trainer.tensorboard,
-                           progress_bar=trainer.progress_bar)
+        writer = _open_writer(config, run_dir, resumed_step=first_step - 1 if resume is not None else None)
         log = writer.message
-    before = after = _evaluate(worker)
-    log(f"held-out accuracy before RL: {before.sampled:.3f} (T={config.rollout.temperature}), "
-        f"greedy {before.greedy:.3f}")
-    if writer:
-        writer.log(0, {"eval/accuracy": before.sampled, "eval/greedy_accuracy": before.greedy})
-    previous = None
-    for step in range(1, trainer.total_steps + 1):
+    if "eval_before" in run_state:
+        before = Evaluation(**run_state["eval_before"])
+    else:
+        status.enter("evaluate", 0)
+        before = _evaluate(worker)
+        log(f"held-out accuracy before RL: {before.sampled:.3f} (T={config.rollout.temperature}), "
+            f"greedy {before.greedy:.3f}")
+        if writer:
+            writer.log(0, {"eval/accuracy": before.sampled, "eval/greedy_accuracy": before.greedy,
+                           "data/skipped_rows": worker.num_skipped_rows})
+    run_state = {"eval_before": {"sampled": before.sampled, "greedy": before.greedy}, "run_dir": str(run_dir)}
+    after, last_checkpoint, previous = before, None, None
+    for step in range(first_step, trainer.total_steps + 1):
         ctx.step, ctx.metrics = step, StepMetrics()
-        metrics, previous = _step(worker, previous)
+        metrics, previous = _step(worker, previous, status)
+        try:
+            _check_numerics(metrics, trainer.max_nonfinite_steps)
+        except TrainingAborted:
+            if writer:
+                writer.log(step, metrics)
+            raise
         last = step == trainer.total_steps
         if last or (trainer.eval_every and step % trainer.eval_every == 0):
+            status.enter("evaluate", step, len(worker.plan.items) + 2)
             result = _evaluate(worker)
             metrics.update({"eval/accuracy": result.sampled, "eval/greedy_accuracy": result.greedy})
             log(f"step {step}: held-out accuracy {result.sampled:.3f}, greedy {result.greedy:.3f}")
@@ -239,6 +315,13 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float) -> dict:
         if writer:
             writer.log(step, metrics)
             writer.progress(metrics)
+        every = config.checkpoint.every
+        if (every and step % every == 0) or (last and config.checkpoint.at_end):
+            status.enter("checkpoint", step, len(worker.plan.items) + 3)
+            checkpointing.save(worker, root, step, run_state)
+            last_checkpoint = root / step_dir_name(step)
+            log(f"checkpoint saved: {last_checkpoint}")
+    status.enter("finish")
     summary = {
         "warmstart_accuracy": round(before.sampled, 4),
         "final_accuracy": round(after.sampled, 4),
@@ -246,9 +329,11 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float) -> dict:
         "final_greedy_accuracy": round(after.greedy, 4),
         "accuracy_gain": round(after.sampled - before.sampled, 4),
         "steps": trainer.total_steps,
+        "resumed_from_step": first_step - 1 if resume is not None else None,
         "world_size": comm.world_size,
         "wall_seconds": round(time.time() - started, 1),
         "run_dir": str(run_dir),
+        "last_checkpoint": str(last_checkpoint) if last_checkpoint else None,
     }
     worker.prefetcher.close()
     if writer:
@@ -256,3 +341,32 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float) -> dict:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         print(json.dumps(summary), flush=True)
     return summary
+
+
+def _open_writer(config: Config, run_dir: Path, *, resumed_step: int | None) -> RunWriter:
+    """Rank 0's outputs. A resumed run first drops the records of the steps it is about to redo."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    if resumed_step is not None:
+        _drop_records_after(run_dir / "metrics.jsonl", resumed_step)
+    trainer = config.trainer
+    return RunWriter(run_dir, total_steps=trainer.total_steps, tensorboard=trainer.tensorboard,
+                     progress_bar=trainer.progress_bar, name=config.algorithm.name, resumed_step=resumed_step)
+
+
+def _check_numerics(metrics: dict[str, float], limit: int) -> None:
+    """Every rank sees the same reduced metrics, so every rank aborts alike."""
+    streak = int(metrics.get("train/consecutive_nonfinite_steps", 0))
+    if limit and streak >= limit:
+        raise TrainingAborted(
+            f"{streak} optimizer steps in a row had a non-finite loss or gradient and were skipped "
+            f"(trainer.max_nonfinite_steps={limit}); lower optim.lr, check the reward and custom stages, "
+            "or resume from an earlier checkpoint")
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Keep the metrics of steps <= `step` only (a resumed run redoes the later ones)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))

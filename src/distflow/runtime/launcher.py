@@ -2,17 +2,27 @@
 
 This is what `torchrun --standalone --nproc_per_node N -m distflow train ...` does; the
 launcher's agent only starts and watches the ranks (no data passes through it). If a
-rank fails, the agent stops the others and the command exits non-zero.
+rank fails, the agent stops the others at once (SIGTERM to each rank's process group,
+SIGKILL 30 s later), and this command prints one line naming the failed rank and the
+stage it was in (from the ranks' status files, runtime/faults.py) and exits non-zero.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 import socket
 import sys
+import tempfile
+import time
 import uuid
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from distflow.runtime.faults import LAUNCHED_ENV, STATUS_DIR_ENV, diagnose
 
 
 def _free_port() -> int:
@@ -33,10 +43,20 @@ def launch(nproc: int, argv: list[str]) -> int:
         max_restarts=0,
         monitor_interval=0.5,
     )
+    status_dir = Path(tempfile.mkdtemp(prefix="distflow-status-"))
+    os.environ[STATUS_DIR_ENV] = str(status_dir)
+    os.environ[LAUNCHED_ENV] = "1"
+    # The agent's own warnings ("Sending process ... closing signal SIGTERM", the failure
+    # table) repeat what the one line below says.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(config, sys.executable)("-m", "distflow", *argv)
     except ChildFailedError as err:
-        first_rank, failure = next(iter(err.failures.items()))
-        print(f"distflow: rank {first_rank} failed with exit code {failure.exitcode}", file=sys.stderr)
-        return failure.exitcode if failure.exitcode > 0 else 1
+        seen = time.time()
+        failures = {rank: (failure.exitcode, failure.timestamp or seen) for rank, failure in err.failures.items()}
+        report = diagnose(status_dir, failures)
+        print(report.line, file=sys.stderr, flush=True)
+        return report.exit_code
+    finally:
+        shutil.rmtree(status_dir, ignore_errors=True)
     return 0 if results is not None else 1

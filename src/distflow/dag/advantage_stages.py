@@ -1,0 +1,146 @@
+"""Advantage stages: one per estimator, each a thin adapter around a pure function.
+
+Every stage writes `advantage` (per sequence `[B]` for group estimators, per token `[B, R]`
+for token-level ones; the policy losses take either) and `sample_mask` (1 for samples that
+enter the loss). Rewards are the reward stage's scalar `reward`; with KL-in-reward the
+`kl_reward` stage's per-token `kl_penalty` is subtracted: summed over the sequence for
+outcome estimators (as verl does), token by token for return-based ones.
+
+Group statistics need whole prompt groups on one rank (the planner keeps them together).
+Whitening (REINFORCE++, PPO's GAE) uses statistics over every rank's tokens: one
+all-reduce of three numbers, so the advantage of a sample does not depend on the world size.
+
+`ESTIMATORS` lists each stage with the fields it reads and writes, for the pipeline builders.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from distflow.dag.graph import StageFn
+
+if TYPE_CHECKING:
+    import torch
+
+    from distflow.dag.context import StageContext
+    from distflow.data.batch import Batch
+
+
+def _sequence_reward_B(batch: Batch) -> torch.Tensor:
+    reward_B = batch["reward"]
+    if "kl_penalty" in batch.fields():
+        reward_B = reward_B - batch["kl_penalty"].sum(-1)
+    return reward_B
+
+
+def _token_reward_BR(batch: Batch) -> torch.Tensor:
+    from distflow.algorithms.returns import outcome_to_token_rewards
+
+    reward_BR = outcome_to_token_rewards(batch["reward"].float(), batch["response_mask"])
+    if "kl_penalty" in batch.fields():
+        reward_BR = reward_BR - batch["kl_penalty"]
+    return reward_BR
+
+
+def _signal_mask_B(zero_variance_B: torch.Tensor, ctx: StageContext) -> torch.Tensor:
+    """Which samples enter the loss: all, or only groups whose rewards differ."""
+    import torch
+
+    ctx.metrics.mean("advantage/zero_variance_fraction", float(zero_variance_B.sum()), len(zero_variance_B))
+    keep_B = ~zero_variance_B if ctx.config.algorithm.skip_zero_variance_groups else torch.ones_like(zero_variance_B)
+    return keep_B.float()
+
+
+def _whiten_global(value_BR: torch.Tensor, mask_BR: torch.Tensor, ctx: StageContext) -> torch.Tensor:
+    from distflow.algorithms.whitening import masked_sums, masked_whiten
+
+    sums = ctx.comm.all_reduce_sum(masked_sums(value_BR, mask_BR).to(ctx.comm.device)).cpu()
+    return masked_whiten(value_BR.cpu(), mask_BR.cpu(), sums=sums).to(value_BR.device)
+
+
+def _record(ctx: StageContext, advantage, mask_BR) -> None:
+    adv_BR = advantage.unsqueeze(-1) if advantage.dim() == 1 else advantage
+    ctx.metrics.mean("advantage/mean", float((adv_BR * mask_BR).sum()), float(mask_BR.sum()))
+
+
+def grpo_advantage(batch: Batch, ctx: StageContext) -> Batch:
+    """GRPO (std-normalised) or Dr.GRPO (`norm_adv_by_std=false`: centred) group advantages."""
+    from distflow.algorithms.advantages import grpo_advantages
+
+    advantage_B, zero_variance_B = grpo_advantages(
+        _sequence_reward_B(batch).cpu(), batch["group"].cpu(), norm_by_std=ctx.config.algorithm.norm_adv_by_std)
+    keep_B = _signal_mask_B(zero_variance_B, ctx)
+    _record(ctx, advantage_B, batch["response_mask"].cpu() * keep_B.unsqueeze(-1))
+    device = ctx.comm.device
+    return batch.updated(advantage=advantage_B.to(device), sample_mask=keep_B.to(device))
+
+
+def rloo_advantage(batch: Batch, ctx: StageContext) -> Batch:
+    """RLOO: each reward minus the mean of the other rewards of its group."""
+    from distflow.algorithms.advantages import rloo_advantages
+
+    advantage_B, zero_variance_B = rloo_advantages(_sequence_reward_B(batch).cpu(), batch["group"].cpu())
+    keep_B = _signal_mask_B(zero_variance_B, ctx)
+    _record(ctx, advantage_B, batch["response_mask"].cpu() * keep_B.unsqueeze(-1))
+    device = ctx.comm.device
+    return batch.updated(advantage=advantage_B.to(device), sample_mask=keep_B.to(device))
+
+
+def reinforce_pp_advantage(batch: Batch, ctx: StageContext) -> Batch:
+    """REINFORCE++: discounted return-to-go of the token rewards, whitened over the step's tokens."""
+    from distflow.algorithms.returns import reinforce_pp_advantages
+
+    mask_BR = batch["response_mask"]
+    _, return_BR = reinforce_pp_advantages(_token_reward_BR(batch), mask_BR, gamma=ctx.config.algorithm.gamma,
+                                           whiten=False)
+    advantage_BR = _whiten_global(return_BR, mask_BR, ctx)
+    _record(ctx, advantage_BR, mask_BR)
+    return batch.updated(advantage=advantage_BR, sample_mask=mask_BR.new_ones(len(batch)).float())
+
+
+def reinforce_pp_baseline_advantage(batch: Batch, ctx: StageContext) -> Batch:
+    """REINFORCE++-baseline: the group-mean baseline, then whitened over the step's tokens."""
+    import torch
+
+    from distflow.algorithms.advantages import grpo_advantages, reinforce_pp_baseline_advantages
+
+    reward_B, group_B = _sequence_reward_B(batch).cpu(), batch["group"].cpu()
+    _, zero_variance_B = grpo_advantages(reward_B, group_B, norm_by_std=False)
+    keep_B = _signal_mask_B(zero_variance_B, ctx)
+    mask_BR = batch["response_mask"].cpu() * keep_B.unsqueeze(-1).long()
+    centred_BR = reinforce_pp_baseline_advantages(reward_B, group_B, mask_BR, whiten=False)
+    advantage_BR = _whiten_global(centred_BR, mask_BR, ctx)
+    _record(ctx, advantage_BR, mask_BR)
+    device = ctx.comm.device
+    return batch.updated(advantage=advantage_BR.to(device), sample_mask=keep_B.to(torch.float32).to(device))
+
+
+def gae_advantage(batch: Batch, ctx: StageContext) -> Batch:
+    """PPO: GAE on the token rewards and the critic's values; returns are the critic's targets."""
+    from distflow.algorithms.returns import gae_advantages
+
+    algo, mask_BR = ctx.config.algorithm, batch["response_mask"]
+    advantage_BR, return_BR = gae_advantages(_token_reward_BR(batch), batch["values"], mask_BR, gamma=algo.gamma,
+                                             lam=algo.lam, whiten=False)
+    advantage_BR = _whiten_global(advantage_BR, mask_BR, ctx)
+    _record(ctx, advantage_BR, mask_BR)
+    ctx.metrics.mean("critic/returns", float((return_BR * mask_BR).sum()), float(mask_BR.sum()))
+    return batch.updated(advantage=advantage_BR, returns=return_BR,
+                         sample_mask=mask_BR.new_ones(len(batch)).float())
+
+
+@dataclass(frozen=True)
+class Estimator:
+    fn: StageFn
+    reads: tuple[str, ...]
+    writes: tuple[str, ...] = ("advantage", "sample_mask")
+
+
+ESTIMATORS = {
+    "grpo": Estimator(grpo_advantage, ("reward", "group", "response_mask")),
+    "rloo": Estimator(rloo_advantage, ("reward", "group", "response_mask")),
+    "reinforce_pp": Estimator(reinforce_pp_advantage, ("reward", "response_mask")),
+    "reinforce_pp_baseline": Estimator(reinforce_pp_baseline_advantage, ("reward", "group", "response_mask")),
+    "gae": Estimator(gae_advantage, ("reward", "response_mask", "values"), ("advantage", "returns", "sample_mask")),
+}

@@ -1,0 +1,125 @@
+"""DAPO's dynamic sampling: keep only prompt groups whose rewards differ, and draw more
+prompts until the step has its full number of such groups — over all ranks, with no
+central process.
+
+    every rank (same loop, same decisions: they depend only on all-reduced counts)
+    ────────────────────────────────────────────────────────────────────────────────
+    keep my groups with reward variance > 0
+    loop: all_reduce [kept groups, drawn groups]           2 numbers
+          enough (≥ prompts_per_step) or max_sampling_rounds drawn?  → stop
+          next loader batch (my share) → rollout → reward → ... (the stages this one
+          depends on, rerun as they ran on the first batch) → keep my signal groups
+    K = min(prompts_per_step, kept rounded down to a multiple of the data-parallel size)
+    all_reduce of every rank's kept group ids (padded table)  → all ranks know the same list
+    keep the K smallest ids (the earliest drawn: uid order is loader order)
+    redistribute (all_gather lengths → balance → all_to_all) so every rank holds K / DP groups
+
+Invariants: the chosen groups depend only on the loader order and the seed, not on the
+world size (each round draws the same global prompts; ids are global); every rank ends
+with the same number of whole groups, so the train layout divides the batch. If no group
+has signal after `max_sampling_rounds`, the first batch goes on unchanged (its advantages
+are all zero and the update is skipped). Needs rollout and training on the same ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from distflow.dag.graph import StageFn
+
+if TYPE_CHECKING:
+    import torch
+
+    from distflow.dag.context import StageContext
+    from distflow.data.batch import Batch
+    from distflow.runtime.dist import Comm
+
+
+def _signal_groups(batch: Batch) -> Batch:
+    from distflow.algorithms.advantages import grpo_advantages
+
+    _, zero_variance_B = grpo_advantages(batch["reward"].cpu(), batch["group"].cpu())
+    return batch.select((~zero_variance_B).nonzero().flatten().tolist())
+
+
+def _num_groups(batch: Batch) -> int:
+    return len(set(batch["group"].tolist()))
+
+
+def _left_pad(tensor_BT: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    import torch
+
+    if tensor_BT.shape[1] == width:
+        return tensor_BT
+    pad_BP = tensor_BT.new_full((tensor_BT.shape[0], width - tensor_BT.shape[1]), value)
+    return torch.cat([pad_BP, tensor_BT], dim=1)
+
+
+def concat(batches: Sequence[Batch], *, width: int, pad_id: int) -> Batch:
+    """Batches of one schema in a row; full sequences left-padded to `width` columns."""
+    import torch
+
+    from distflow.data.batch import Batch
+
+    tensors = {}
+    for name in batches[0].tensors:
+        parts = [b.tensors[name] for b in batches]
+        if name in ("input_ids", "attention_mask"):
+            parts = [_left_pad(t, width, pad_id if name == "input_ids" else 0) for t in parts]
+        tensors[name] = torch.cat(parts)
+    meta = {name: [x for b in batches for x in b.meta[name]] for name in batches[0].meta}
+    return Batch(tensors, meta)
+
+
+def first_groups_globally(group_ids: list[int], count: int, comm: Comm) -> set[int]:
+    """The `count` smallest group ids over every rank's `group_ids` (the same set on every rank)."""
+    import torch
+
+    longest = int(comm.all_reduce_max(torch.tensor([len(group_ids)], device=comm.device)).item())
+    table = torch.zeros((comm.world_size, max(longest, 1)), dtype=torch.long)
+    table[comm.rank, : len(group_ids)] = torch.tensor(group_ids, dtype=torch.long) + 1  # 0 marks padding
+    table = comm.all_reduce_sum(table.to(comm.device)).cpu()
+    everyone = sorted(x - 1 for x in table.flatten().tolist() if x > 0)
+    return set(everyone[:count])
+
+
+def dynamic_sampling(batch: Batch, ctx: StageContext, *, upstream: tuple[StageFn, ...] = ()) -> Batch:
+    """`upstream`: the stages that produced `batch`, in order (bound by `build_graph`)."""
+    import torch
+
+    from distflow.data.redistribute import redistribute
+    from distflow.planner.layout import Layout
+
+    algo, comm = ctx.config.algorithm, ctx.comm
+    target = ctx.config.trainer.prompts_per_step
+    if ctx.next_prompts is None or not upstream:
+        raise RuntimeError("dynamic sampling needs ctx.next_prompts and its upstream stages (see build_graph)")
+    rounds = [batch]
+    kept = [_signal_groups(batch)]
+    while True:
+        local = [sum(_num_groups(k) for k in kept), sum(_num_groups(b) for b in rounds)]
+        num_kept, num_drawn = comm.all_reduce_sum(torch.tensor(local, device=comm.device)).tolist()
+        if num_kept >= target or len(rounds) >= algo.max_sampling_rounds:
+            break
+        extra = ctx.next_prompts()
+        for stage_fn in upstream:
+            extra = stage_fn(extra, ctx)
+        rounds.append(extra)
+        kept.append(_signal_groups(extra))
+    final = min(target, num_kept // comm.world_size * comm.world_size)
+    ctx.metrics.maximum("dynamic_sampling/rounds", len(rounds))
+    ctx.metrics.maximum("dynamic_sampling/kept_groups", final)
+    ctx.metrics.maximum("dynamic_sampling/signal_fraction", num_kept / max(num_drawn, 1))
+    ctx.metrics.total("dynamic_sampling/short_steps", float(final < target) / comm.world_size)
+    if final == 0:
+        return batch
+    width = max(b["input_ids"].shape[1] for b in rounds)
+    mine = concat(kept, width=width, pad_id=ctx.tokenizer.pad_token_id)
+    chosen = first_groups_globally(sorted(set(mine["group"].tolist())), final, comm)
+    mine = mine.select([i for i, g in enumerate(mine["group"].tolist()) if g in chosen])
+    if comm.world_size > 1:
+        layout = Layout(tuple(range(ctx.world.world_size)))
+        mine, stats = redistribute(mine, layout, layout, ctx.world, keep_groups=True)
+        ctx.metrics.maximum("data/bytes_sent_dynamic_sampling", stats.bytes_sent)
+    return mine

@@ -1,0 +1,151 @@
+"""Update stages: the policy step (any policy loss, KL, entropy, aggregation) and the critic step.
+
+    for epoch in ppo_epochs:  (reshuffled per epoch)
+      for mini-batch in num_mini_batches:
+        N = all_reduce(Σ loss_normalizer(mask of my rows))        one number per optimizer step
+        engine.update: for each micro-batch: backward(loss_sum(per-token loss) / N)   (DDP averages)
+
+The per-token loss of the policy is
+
+    policy_loss(logp, old_logp, advantage)  [+ β·KL(logp ‖ ref) unless KL is in the reward]
+                                            [- entropy_coef·H]
+
+with `policy_loss` picked from `POLICY_LOSSES` by `algorithm.policy_loss`, reduced by
+`algorithm.loss_agg` with a normaliser global over ranks and micro-batches, so the gradient
+does not depend on how the mini-batch is split (tested). The loss mask is the response
+tokens of the samples whose `sample_mask` is 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from distflow.seeding import derive_seed
+
+if TYPE_CHECKING:
+    import torch
+
+    from distflow.config.schema import AlgorithmConfig
+    from distflow.dag.context import StageContext
+    from distflow.data.batch import Batch
+
+
+def _ppo(logp_BR, old_logp_BR, advantage, mask_BR, algo: AlgorithmConfig):
+    from distflow.algorithms.losses import dual_clip_ppo_loss, ppo_clip_loss
+
+    if algo.dual_clip_c > 0:
+        loss_BR, clipped_BR, _ = dual_clip_ppo_loss(logp_BR, old_logp_BR, advantage, clip_low=algo.clip_low,
+                                                    clip_high=algo.clip_high, clip_ratio_c=algo.dual_clip_c)
+        return loss_BR, clipped_BR
+    return ppo_clip_loss(logp_BR, old_logp_BR, advantage, clip_low=algo.clip_low, clip_high=algo.clip_high)
+
+
+def _gspo(logp_BR, old_logp_BR, advantage, mask_BR, algo: AlgorithmConfig):
+    from distflow.algorithms.losses import gspo_loss
+
+    return gspo_loss(logp_BR, old_logp_BR, advantage, mask_BR, clip_low=algo.clip_low, clip_high=algo.clip_high)
+
+
+POLICY_LOSSES = {"ppo": _ppo, "gspo": _gspo}
+"""`algorithm.policy_loss` → (logp_BR, old_logp_BR, advantage, mask_BR, algo) -> (loss_BR, clipped_BR)."""
+
+
+def loss_mask_BR(batch: Batch) -> torch.Tensor:
+    """Response tokens of the samples that carry signal."""
+    return batch["response_mask"].float() * batch["sample_mask"].unsqueeze(-1)
+
+
+def mini_batches(batch: Batch, ctx: StageContext) -> Iterator[Batch]:
+    """`ppo_epochs` passes of `num_mini_batches` mini-batches; a fresh split every epoch, the same on a rerun."""
+    import torch
+
+    algo = ctx.config.algorithm
+    for epoch in range(algo.ppo_epochs):
+        if algo.ppo_epochs > 1:
+            order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(
+                derive_seed(ctx.config.trainer.seed, "minibatch", ctx.step, epoch, ctx.comm.rank)))
+            batch = batch.select(order.tolist())
+        yield from batch.split(algo.num_mini_batches)
+
+
+def global_normalizer(mask_BR: torch.Tensor, mode: str, ctx: StageContext) -> float:
+    """Σ over every rank of this mini-batch's `loss_normalizer` (one all-reduce)."""
+    from distflow.algorithms.aggregation import loss_normalizer
+
+    local = loss_normalizer(mask_BR, mode, horizon=ctx.config.rollout.max_new_tokens).double()
+    return float(ctx.comm.all_reduce_sum(local.reshape(1).to(ctx.comm.device)).item())
+
+
+def _record_update(ctx: StageContext, prefix: str, stats: dict[str, float], num_tokens: float) -> None:
+    for name, value in stats.items():
+        if name not in ("grad_norm", "lr", "nonfinite_grad_steps"):
+            ctx.metrics.mean(f"{prefix}/{name}", value, num_tokens)
+    ctx.metrics.maximum(f"{prefix}/grad_norm", stats["grad_norm"])
+    ctx.metrics.maximum(f"{prefix}/lr", stats["lr"])
+    ctx.metrics.total(f"{prefix}/nonfinite_grad_steps", stats["nonfinite_grad_steps"] / ctx.comm.world_size)
+
+
+def policy_update(batch: Batch, ctx: StageContext) -> Batch:
+    from distflow.algorithms.aggregation import loss_sum
+    from distflow.algorithms.kl import KL_ESTIMATORS
+    from distflow.algorithms.losses import entropy_bonus
+
+    algo, trainer = ctx.config.algorithm, ctx.config.trainer
+    if ctx.step <= algo.critic_warmup_steps:  # PPO: let the critic learn the values first
+        ctx.metrics.total("train/critic_warmup_steps", 1.0 / ctx.comm.world_size)
+        return batch
+    policy_loss = POLICY_LOSSES[algo.policy_loss]
+    kl_loss = algo.kl_coef > 0 and not algo.kl_in_reward
+    has_old = "old_logp" in batch.fields()
+
+    def loss_fn(micro: Batch, logp_BR, entropy_BR):
+        mask_BR = loss_mask_BR(micro)
+        old_BR = micro["old_logp"] if has_old else logp_BR.detach()  # on-policy: the ratio is 1, bit for bit
+        loss_BR, clipped_BR = policy_loss(logp_BR, old_BR, micro["advantage"], mask_BR, algo)
+        stats = {
+            "clip_fraction": (clipped_BR.float() * mask_BR).sum(),
+            "entropy": (entropy_BR.detach() * mask_BR).sum(),
+            "pg_loss": (loss_BR.detach() * mask_BR).sum(),
+        }
+        if kl_loss:
+            kl_BR = KL_ESTIMATORS[algo.kl_estimator](logp_BR, micro["ref_logp"])
+            loss_BR = loss_BR + algo.kl_coef * kl_BR
+            stats["kl"] = (kl_BR.detach() * mask_BR).sum()
+        if algo.entropy_coef > 0:
+            loss_BR = loss_BR + entropy_bonus(entropy_BR, coef=algo.entropy_coef)
+        return loss_sum(loss_BR, mask_BR, algo.loss_agg), stats
+
+    for mini in mini_batches(batch, ctx):
+        mask_BR = loss_mask_BR(mini)
+        normalizer = global_normalizer(mask_BR, algo.loss_agg, ctx)
+        if normalizer == 0:  # every group of this mini-batch had equal rewards: no signal
+            ctx.metrics.total("train/skipped_empty_steps", 1.0 / ctx.comm.world_size)
+            continue
+        stats = ctx.policy.update(mini, loss_fn, normalizer, trainer.micro_batch_size,
+                                  micro_batch_tokens=trainer.micro_batch_tokens, entropy_grad=algo.entropy_coef > 0)
+        _record_update(ctx, "train", stats, float(mask_BR.sum()))
+        ctx.metrics.total("tokens/trained", float(mini["attention_mask"].sum()))
+    return batch
+
+
+def critic_update(batch: Batch, ctx: StageContext) -> Batch:
+    """PPO's critic: clipped value loss towards the GAE returns, token-mean over the step."""
+    from distflow.algorithms.aggregation import loss_sum
+    from distflow.algorithms.losses import value_clip_loss
+
+    algo, trainer = ctx.config.algorithm, ctx.config.trainer
+
+    def loss_fn(micro: Batch, values_BR, _):
+        mask_BR = micro["response_mask"].float()
+        loss_BR, clipped_BR = value_clip_loss(values_BR, micro["values"], micro["returns"], clip=algo.value_clip)
+        stats = {"value_loss": (loss_BR.detach() * mask_BR).sum(), "clip_fraction": (clipped_BR * mask_BR).sum()}
+        return loss_sum(loss_BR, mask_BR, "token-mean"), stats
+
+    for mini in mini_batches(batch, ctx):
+        mask_BR = mini["response_mask"].float()
+        normalizer = global_normalizer(mask_BR, "token-mean", ctx)
+        stats = ctx.critic.update(mini, loss_fn, normalizer, trainer.micro_batch_size,
+                                  micro_batch_tokens=trainer.micro_batch_tokens)
+        _record_update(ctx, "critic", stats, float(mask_BR.sum()))
+    return batch

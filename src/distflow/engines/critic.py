@@ -1,0 +1,83 @@
+"""The critic (PPO's value model): the policy's architecture with a scalar value head.
+
+    policy (any HF causal LM) ── deepcopy of its decoder (`model.base_model`) ──► backbone
+    last hidden state h_t ──► Linear(hidden, 1) ──► V(s_t)
+
+It starts from the policy's weights (as verl and OpenRLHF initialise the critic from the
+actor when no reward model is given) with a zero-initialised head, so its first
+predictions are 0. The value of response token t is read at the column that predicts it
+(t - 1), the same alignment as the log-probs. Training is `PolicyEngine`'s: the same
+data-parallel wrapper, micro-batching, global normaliser, AdamW and clipping; only the
+forward pass differs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import torch
+
+from distflow.config.schema import OptimConfig
+from distflow.data.batch import Batch
+from distflow.engines.policy import PolicyEngine
+from distflow.engines.sequences import position_ids_from_mask
+from distflow.runtime.dist import Comm
+
+
+class ValueModel(torch.nn.Module):
+    def __init__(self, backbone: torch.nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """values_BT: one scalar per position."""
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+        hidden_BTH = out.last_hidden_state
+        return self.value_head(hidden_BTH.float()).squeeze(-1)
+
+
+def response_values(model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
+                    response_width: int) -> torch.Tensor:
+    """V of the state before each response token: values_BR."""
+    response_start = input_ids_BT.shape[1] - response_width
+    values_BT = model(input_ids_BT, attention_mask_BT)
+    return values_BT[:, response_start - 1 : -1]
+
+
+class CriticEngine(PolicyEngine):
+    """`PolicyEngine` whose forward pass returns values; `update`'s loss_fn gets (micro, values_BR, zeros)."""
+
+    def __init__(self, model: ValueModel, comm: Comm, optim: OptimConfig) -> None:
+        super().__init__(model, comm, optim, temperature=1.0)
+
+    def forward(self, micro: Batch, *, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        values_BR = response_values(self.wrapped, micro["input_ids"], micro["attention_mask"],
+                                    micro["response_mask"].shape[1])
+        return values_BR, torch.zeros_like(values_BR.detach())
+
+    @torch.no_grad()
+    def values(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+        was_training = self.model.training
+        self.model.eval()
+        width = batch["response_mask"].shape[1]
+        out = [response_values(self.model, mb["input_ids"], mb["attention_mask"], width)
+               for mb in batch.split(math.ceil(len(batch) / micro_batch_size))]
+        self.model.train(was_training)
+        return torch.cat(out)
+
+    def logprobs(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+        raise TypeError("a critic has values, not log-probs")
+
+
+def build_critic(policy_model: torch.nn.Module, comm: Comm, optim: OptimConfig, *, lr: float) -> CriticEngine:
+    """A critic initialised from the policy's current weights, trained with `optim` at `lr`."""
+    backbone = copy.deepcopy(policy_model.base_model)
+    backbone.requires_grad_(True)
+    value_model = ValueModel(backbone, policy_model.config.hidden_size).to(next(policy_model.parameters()).device)
+    return CriticEngine(value_model, comm, dataclasses.replace(optim, lr=lr))

@@ -1,0 +1,151 @@
+"""A run's checkpoints: what one holds, when it is written, and how a run resumes from it.
+
+    after step s (every checkpoint.every steps, and after the last):
+        train ranks only (collective over the train group; the others hold no optimizer state):
+            save_checkpoint(root, s, policy model + optimizer + schedule, this rank's RNG,
+                            extra = {config, loader state after batch s, run dir, the evaluation
+                                     before RL, the non-finite streak}, tokenizer)
+    resume from step-s, at any world size and placement:
+        every rank:        meta.json → step, loader (epoch, cursor), evaluation before RL
+        train ranks:       load_checkpoint (DCP reshards onto the new train group) + their RNG
+        rollout-only ranks: the policy's weights by broadcast from train rank 0, before the
+                           first rollout (they have no policy of their own to load into)
+
+Because the loader state is (epoch, cursor) and every sample's randomness is keyed by
+(seed, uid), a resumed run draws exactly the samples the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from distflow.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
+from distflow.checkpoint.store import COMPLETE, read_meta
+from distflow.config import Config, to_dict
+
+if TYPE_CHECKING:
+    from distflow.runtime.executor import Worker
+
+# Keys that may change between a run and its resumption without changing what it computes
+# next (where it runs, how long, how it reports); any other change is reported in the log.
+FREE_TO_CHANGE = ("trainer.total_steps", "trainer.output_dir", "trainer.run_name", "trainer.eval_every",
+                  "trainer.tensorboard", "trainer.progress_bar", "trainer.device", "trainer.timeout_s",
+                  "trainer.stage_timeout_s", "trainer.prefetch", "trainer.micro_batch_size",
+                  "trainer.micro_batch_tokens", "checkpoint.", "placement.", "warmstart.cache_dir")
+
+
+def checkpoint_root(config: Config, run_dir: Path) -> Path:
+    return Path(config.checkpoint.dir).expanduser() if config.checkpoint.dir else run_dir / "checkpoints"
+
+
+def resolve(path: Path) -> Path:
+    """A complete checkpoint from a checkpoint, a checkpoint root, or a run directory (their latest)."""
+    path = Path(path)
+    if (path / COMPLETE).is_file():
+        return path
+    for root in (path, path / "checkpoints"):
+        latest = latest_checkpoint(root)
+        if latest is not None:
+            return latest
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.name.startswith("step-"):
+        read_meta(path)  # names what is wrong with it (incomplete, ...)
+    raise CheckpointError(f"no complete checkpoint in {path} (nor in {path / 'checkpoints'})")
+
+
+def config_changes(saved: dict, current: dict) -> list[str]:
+    """`key: old -> new` for every setting that differs and is not free to change."""
+    flat_saved, flat_current = _flatten(saved), _flatten(current)
+    changes = []
+    for key in sorted(flat_saved.keys() | flat_current.keys()):
+        if key.startswith(FREE_TO_CHANGE) or key in FREE_TO_CHANGE:
+            continue
+        old, new = flat_saved.get(key, "<unset>"), flat_current.get(key, "<unset>")
+        if old != new:
+            changes.append(f"{key}: {old!r} -> {new!r}")
+    return changes
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flatten(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}"))
+    return out
+
+
+def save(worker: Worker, root: Path, step: int, state: dict) -> Path | None:
+    """Save after `step` (train ranks; the others return None at once). `state`: run-level
+    JSON values to keep (evaluation, counters)."""
+    ctx = worker.ctx
+    if ctx.policy is None:
+        return None
+    kl_controller = getattr(ctx, "kl_controller", None)
+    extra = {"config": to_dict(ctx.config), "loader": worker.prefetcher.state, "world_size": ctx.world.world_size,
+             "consecutive_nonfinite": ctx.policy.consecutive_nonfinite,
+             "kl_coef": kl_controller.value if kl_controller is not None else None, **state}
+    return save_checkpoint(root, step, model=ctx.policy.model, optimizer=ctx.policy.optimizer,
+                           scheduler=ctx.policy.scheduler, extra=extra, comm=worker.comms["train"],
+                           keep_last=ctx.config.checkpoint.keep_last, tokenizer=ctx.tokenizer, others=_others(worker))
+
+
+def _restore_kl_controller(worker: Worker, value: float) -> None:
+    """The in-reward KL coefficient as it was (the stage that owns it makes it with the initial value)."""
+    from distflow.algorithms.kl import AdaptiveKLController, FixedKLController
+
+    algo = worker.ctx.config.algorithm
+    worker.ctx.kl_controller = (FixedKLController(value) if algo.kl_controller == "fixed"
+                                else AdaptiveKLController(value, algo.kl_target, algo.kl_horizon))
+
+
+def _others(worker: Worker) -> dict:
+    """Trained modules besides the policy: the critic (PPO) when there is one."""
+    critic = getattr(worker.ctx, "critic", None)
+    return {"critic": (critic.model, critic.optimizer, critic.scheduler)} if critic is not None else {}
+
+
+@dataclass(frozen=True)
+class Resumed:
+    step: int
+    state: dict
+    """What `save` was given as `state`."""
+    changes: list[str]
+    """Settings that differ from the checkpoint's (see FREE_TO_CHANGE)."""
+
+
+def restore(worker: Worker, path: Path) -> Resumed:
+    """Put every rank where the checkpoint's run was after its step (collective)."""
+    ctx, rank = worker.ctx, worker.ctx.world.rank
+    config = ctx.config
+    meta = read_meta(path)
+    extra, step = meta["extra"], meta["step"]
+    missing = [key for key in ("config", "loader") if key not in extra]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} was not written by `distflow train` (it has no {missing[0]} "
+                              "state); `distflow export` can still read its weights")
+    if ctx.policy is not None:
+        loaded = load_checkpoint(path, model=ctx.policy.model, optimizer=ctx.policy.optimizer,
+                                 scheduler=ctx.policy.scheduler, comm=worker.comms["train"], others=_others(worker))
+        rng = loaded["rng"]
+    else:
+        rng = None
+    restore_rng(rng, seed=config.trainer.seed, step=step, rank=rank, device=ctx.world.device)
+    worker.loader.load_state_dict(extra["loader"])
+    worker.prefetcher.state = worker.loader.state_dict()
+    if ctx.weight_sync is not None:  # rollout-only ranks sample from the restored policy
+        ctx.weight_sync.broadcast(ctx.policy.model if ctx.policy is not None else ctx.rollout_model)
+    if ctx.policy is not None:
+        ctx.policy.consecutive_nonfinite = int(extra.get("consecutive_nonfinite", 0))
+    if extra.get("kl_coef") is not None and ctx.policy is not None:
+        _restore_kl_controller(worker, float(extra["kl_coef"]))
+    return Resumed(step, extra, config_changes(extra["config"], to_dict(config)))

@@ -1,0 +1,300 @@
+"""Fail fast, never hang: every rank says what it is doing, and a failure names who and where.
+
+    rank r ── status.enter(stage, step, position) ──► STATUS_DIR/rank{r}.json
+       │                                       {rank, pid, stage, step, position, since, state}
+       │      watchdog thread: one stage older than trainer.stage_timeout_s, and no live peer
+       │          behind this rank (an earlier step, or an earlier position in the plan)
+       │          → "rank r stalled in stage S" + every thread's Python stack (faulthandler) → exit 3
+       └─ exception → status.fail(): state "failed" + one line naming rank, stage and step
+                      (user errors: exit 2, no traceback; crashes: traceback, then exit 1)
+    launcher (distflow train --nproc N): torch elastic's agent stops every rank (SIGTERM to
+       each rank's process group) as soon as one exits non-zero; `diagnose` then reads the
+       status files and prints one line naming the first failed rank, its stage and step.
+    a rank whose launcher dies gets SIGKILL from the kernel (PR_SET_PDEATHSIG): no orphans.
+
+Invariants: a status file is replaced atomically (readers never see half a file); a rank
+writes only its own; the files outlive a `kill -9`, so a killed rank's last stage is known.
+Collectives themselves time out after trainer.timeout_s (the process group's timeout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import faulthandler
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from distflow.config.schema import ConfigError
+
+EXIT_FAILED = 1
+EXIT_USER_ERROR = 2
+EXIT_STALLED = 3
+EXIT_INTERRUPTED = 130
+MAX_DEFER_S = 20.0
+"""How long a timed-out rank waits for a peer stuck longer than itself to report first."""
+STATUS_DIR_ENV = "DISTFLOW_STATUS_DIR"
+LAUNCHED_ENV = "DISTFLOW_LAUNCHED"
+"""Set by `distflow train --nproc`: the launcher prints the one summary line, ranks stay quiet."""
+
+
+class TrainingAborted(RuntimeError):
+    """Training cannot usefully go on (e.g. every step's gradient is NaN); one line, exit 1."""
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).replace("\n", " ").strip()
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _is_comm_error(err: BaseException) -> bool:
+    """Errors that a rank gets because a *peer* failed (its connections closed, a collective timed out)."""
+    import torch.distributed as dist
+
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err)
+    from_backend = isinstance(err, RuntimeError) and any(s in text for s in ("gloo", "NCCL", "c10d"))
+    return from_backend and any(s in text for s in ("Connection closed by peer", "Connection reset by peer",
+                                                    "Broken pipe", "Timed out", "timed out", "Timeout"))
+
+
+class RankStatus:
+    """This rank's current stage, on disk for the launcher and in memory for the watchdog."""
+
+    def __init__(self, rank: int, *, status_dir: Path | None, stage_timeout_s: float) -> None:
+        self.rank = rank
+        self.status_dir = status_dir
+        self.stage_timeout_s = stage_timeout_s
+        self.stage, self.step, self.position, self.since = "start", None, 0, time.time()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        if status_dir is not None:
+            status_dir.mkdir(parents=True, exist_ok=True)
+            self._write("running")
+        if stage_timeout_s > 0:
+            threading.Thread(target=self._watch, name="distflow-watchdog", daemon=True).start()
+
+    @classmethod
+    def from_env(cls, *, stage_timeout_s: float) -> RankStatus:
+        """Status files go where `distflow train --nproc` says; under a bare torchrun, to a
+        directory named after its run (the same for the ranks of one machine)."""
+        status_dir = os.environ.get(STATUS_DIR_ENV)
+        if not status_dir and "TORCHELASTIC_RUN_ID" in os.environ:
+            run = f"{os.environ['TORCHELASTIC_RUN_ID']}-{os.environ.get('MASTER_PORT', '')}"
+            status_dir = str(Path(tempfile.gettempdir()) / f"distflow-status-{os.getuid()}-{run}")
+        return cls(int(os.environ.get("RANK", 0)), status_dir=Path(status_dir) if status_dir else None,
+                   stage_timeout_s=stage_timeout_s)
+
+    def where(self) -> str:
+        return _where({"stage": self.stage, "step": self.step})
+
+    def enter(self, stage: str, step: int | None = None, position: int = 0) -> None:
+        """`position`: where `stage` comes in a step (the plan's global order), so that ranks
+        of different worker groups can tell which of them is behind."""
+        with self._lock:
+            self.stage, self.step, self.position, self.since = stage, step, position, time.time()
+        self._arm_backstop()
+        if self.status_dir is not None:
+            self._write("running")
+
+    def done(self) -> None:
+        """A clean finish: the status file is no longer needed (the launcher removes its directory)."""
+        self._stop.set()
+        faulthandler.cancel_dump_traceback_later()
+        if self.status_dir is not None:
+            (self.status_dir / f"rank{self.rank}.json").unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # the last rank out removes a bare torchrun's directory
+                self.status_dir.rmdir()
+
+    def fail(self, err: BaseException) -> int:
+        """Report `err` (one line; a traceback too for crashes) and return the exit code."""
+        self._stop.set()
+        faulthandler.cancel_dump_traceback_later()
+        code, comm_error = EXIT_FAILED, False
+        if isinstance(err, ConfigError):
+            code, line = EXIT_USER_ERROR, f"distflow: error: {str(err).replace(chr(10), ' ')}"
+            if int(os.environ.get("WORLD_SIZE", 1)) > 1 and os.environ.get(LAUNCHED_ENV) != "1":
+                line = line.replace("distflow: error:", f"distflow: rank {self.rank}: error:", 1)
+        elif isinstance(err, TrainingAborted):
+            line = f"distflow: aborted at step {self.step}: {err}"  # a decision every rank takes alike
+        elif isinstance(err, KeyboardInterrupt):
+            code, line = EXIT_INTERRUPTED, f"distflow: rank {self.rank} interrupted in {self.where()}"
+        elif _is_comm_error(err):  # a consequence: some peer failed first
+            comm_error = True
+            line = f"distflow: rank {self.rank} lost its peers in {self.where()}: " + (
+                self._dead_peers() or _one_line(err).split(". ")[0][:160])
+        else:
+            traceback.print_exception(err, file=sys.stderr)  # a crash: where exactly, for whoever fixes it
+            line = f"distflow: rank {self.rank} failed in {self.where()}: {_one_line(err)}"
+        if os.environ.get(LAUNCHED_ENV) != "1":  # under `distflow train --nproc` the launcher prints it
+            print(line, file=sys.stderr, flush=True)
+        if self.status_dir is not None:
+            self._write("failed", error=line, exit_code=code, comm_error=comm_error)
+        return code
+
+    def _dead_peers(self) -> str:
+        """Under a bare torchrun: which peers are gone, and where they were (from their status files)."""
+        gone = [s for s in read_statuses(self.status_dir) if s["state"] == "running" and not _alive(s["pid"])]
+        return "; ".join(f"rank {s['rank']} (pid {s['pid']}) died in {_where(s)}" for s in gone)
+
+    def _write(self, state: str, **extra) -> None:
+        record = {"rank": self.rank, "pid": os.getpid(), "stage": self.stage, "step": self.step,
+                  "position": self.position, "since": self.since, "state": state, "time": time.time(),
+                  "stage_timeout_s": self.stage_timeout_s, **extra}
+        path = self.status_dir / f"rank{self.rank}.json"
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+
+    def _watch(self) -> None:
+        """Fire when this rank's stage is older than the timeout, but let a peer that is behind
+        fire first: ranks waiting in a collective for a stuck peer time out too (often sooner:
+        they entered the collective's stage while the stuck one was still in an earlier one),
+        and the stuck one is the one to report (and whose stacks matter)."""
+        poll = min(1.0, self.stage_timeout_s / 10)
+        deferred_since = None
+        while not self._stop.wait(poll):
+            with self._lock:
+                since, me = self.since, _progress({"step": self.step, "position": self.position, "since": self.since})
+            now = time.time()
+            if now - since <= self.stage_timeout_s:
+                deferred_since = None
+                continue
+            if self._peer_behind(me) and (deferred_since is None or now - deferred_since < MAX_DEFER_S):
+                deferred_since = deferred_since or now
+                continue
+            self._stalled(now - since)
+
+    def _peer_behind(self, me: tuple) -> bool:
+        return any(s["rank"] != self.rank and s["state"] in ("running", "stalled") and _progress(s) < me
+                   and _alive(s["pid"]) for s in read_statuses(self.status_dir))
+
+    def _arm_backstop(self) -> None:
+        """If this rank holds the GIL forever, the watchdog thread never runs; faulthandler's
+        C-level timer still dumps every thread's stack and exits (code 1)."""
+        if self.stage_timeout_s > 0:
+            faulthandler.dump_traceback_later(self.stage_timeout_s + MAX_DEFER_S + 10, exit=True)
+
+    def _stalled(self, elapsed: float) -> None:
+        line = (f"distflow: rank {self.rank} stalled: {self.where()} has run for {elapsed:.0f}s "
+                f"> trainer.stage_timeout_s={self.stage_timeout_s:g}")
+        print(f"{line}; Python stacks of its threads:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if os.environ.get(LAUNCHED_ENV) != "1":
+            print(line, file=sys.stderr, flush=True)
+        if self.status_dir is not None:
+            self._write("stalled", error=line, exit_code=EXIT_STALLED)
+        sys.stderr.flush()
+        os._exit(EXIT_STALLED)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie (exited, not yet reaped by the launcher) is dead too
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _progress(status: dict) -> tuple:
+    """How far a rank has got: (step, position in the step, -time in it). Smaller is behind;
+    between ranks at the same place, the one that has waited longer is behind."""
+    step = status.get("step")
+    return (-1 if step is None else step, status.get("position", 0), status["since"])
+
+
+def _where(status: dict) -> str:
+    step = status.get("step")
+    return f"stage {status['stage']!r}" + (f" at step {step}" if step is not None else "")
+
+
+def read_statuses(status_dir: Path | None) -> list[dict]:
+    if status_dir is None or not status_dir.is_dir():
+        return []
+    out = []
+    for path in sorted(status_dir.glob("rank*.json")):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    line: str
+    exit_code: int
+
+
+def diagnose(status_dir: Path, failures: dict[int, tuple[int, float]]) -> Diagnosis:
+    """One line about the job's root failure, from the launcher's view and the ranks' status files.
+
+    `failures`: {rank: (exit code or -signal, time it was seen)} for the ranks that ended on
+    their own (not the ones the launcher stopped afterwards). The root cause is, in order:
+    a rank that died without reporting (a signal, e.g. kill -9), a rank that stalled, a rank
+    that raised something other than a lost connection, and else the first failure seen.
+    """
+    statuses = {s["rank"]: s for s in read_statuses(status_dir)}
+    # A rank that reported a stall may have been stopped before the launcher saw it exit.
+    failures = {**{r: (EXIT_STALLED, s["time"]) for r, s in statuses.items() if s["state"] == "stalled"}, **failures}
+
+    def priority(rank: int) -> tuple:
+        code, seen = failures[rank]
+        status = statuses.get(rank, {})
+        state = status.get("state")
+        if state not in ("failed", "stalled"):
+            return (0, seen, rank)
+        if state == "stalled":  # the rank furthest behind is the stuck one; the others waited on it
+            return (1, *_progress(status), rank)
+        return (2 if not status.get("comm_error") else 3, status.get("time", seen), rank)
+
+    rank = min(failures, key=priority)
+    code, seen = failures[rank]
+    status = statuses.get(rank)
+    if status and status.get("state") in ("failed", "stalled"):
+        return Diagnosis(status["error"], status.get("exit_code", EXIT_FAILED))
+    timeout = (status or {}).get("stage_timeout_s") or 0
+    if status and code == EXIT_FAILED and timeout and seen - status["since"] > timeout:
+        return Diagnosis(f"distflow: rank {rank} stalled: {_where(status)} ran for {seen - status['since']:.0f}s "
+                         f"> trainer.stage_timeout_s={timeout:g} (faulthandler's stacks above)", EXIT_STALLED)
+    if code == EXIT_USER_ERROR and not status:  # a user error found before the rank's run began (printed above)
+        return Diagnosis(f"distflow: rank {rank} stopped on the user error above", EXIT_USER_ERROR)
+    how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+    where = f"in {_where(status)}" if status else "before it started"
+    return Diagnosis(f"distflow: rank {rank} {how} {where}; the other ranks were stopped", EXIT_FAILED)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def die_with_parent() -> None:
+    """Linux: the kernel sends this process SIGKILL when its parent (the launcher) dies."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the line above took effect
+        os._exit(EXIT_FAILED)

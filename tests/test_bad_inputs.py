@@ -1,0 +1,338 @@
+"""The bad-input corpus: configs, reward functions, checkpoints and data that users get wrong.
+
+Each case runs the real `distflow` command and checks its exit code and its message: a
+user error is exit 2 and one line `distflow: error: ...` with no traceback, and most fail
+before any rank starts (well under a second). A few cases need a rank to find the problem
+(a checkpoint of another model, invalid rows, NaN losses); data files are checked through
+the row sources the loader reads them with.
+"""
+
+import json
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, run_cli
+from distflow.checkpoint import save_checkpoint
+from distflow.config import ConfigError
+from distflow.config.schema import OptimConfig
+from distflow.data.loader import RowRules, ValidRows
+from distflow.data.sources import open_rows
+from distflow.engines.policy import PolicyEngine
+from distflow.runtime.dist import Comm
+from distflow.tasks.tiny_model import build_tiny_model
+from distflow.tasks.tokenizer import build_char_tokenizer
+from test_e2e import TINY, read_metrics
+
+CONFIG = str(REPO / "examples/arith_grpo.yaml")
+USER_FILES = {
+    "rewards_ok.py": "def one_arg(completion):\n    return 1.0\n\nNOT_A_FUNCTION = 3\n\n"
+                     "def always_raises(prompt, completion, sample):\n    return 1 / 0\n",
+    "rewards_syntax.py": "def reward(prompt, completion, sample)\n    return 1.0\n",
+    "rewards_crash.py": "raise RuntimeError('module crashed at import')\n",
+    "bad.yaml": "trainer: [1\n",
+    "list.yaml": "- a\n- b\n",
+    "nan_stage.py": "def poison(batch, ctx):\n    return batch.updated(advantage=batch['advantage'] * float('nan'))\n",
+}
+
+# (id, arguments after `distflow`, needle in the one error line). "{tmp}" is the test's directory.
+FAST = [
+    ("unknown key", ["checkpoint.evry=5"], "unknown config key 'checkpoint.evry'; did you mean 'checkpoint.every'?"),
+    ("unknown section", ["trainr.total_steps=5"], "did you mean 'trainer'?"),
+    ("wrong type", ["trainer.total_steps=five"], "trainer.total_steps must be an integer (got 'five')"),
+    ("bool type", ["checkpoint.at_end=maybe"], "checkpoint.at_end must be true or false"),
+    ("range top_p", ["rollout.top_p=1.5"], "rollout.top_p must be in (0, 1]"),
+    ("keep_last 0", ["checkpoint.keep_last=0"], "checkpoint.keep_last must be >= 1"),
+    ("every < 0", ["checkpoint.every=-1"], "checkpoint.every must be >= 0"),
+    ("stage timeout", ["trainer.stage_timeout_s=0.5"], "trainer.stage_timeout_s must be 0 (off) or >= 1"),
+    ("collective timeout", ["trainer.timeout_s=5"], "trainer.timeout_s must be >= 10"),
+    ("nonfinite limit", ["trainer.max_nonfinite_steps=-1"], "trainer.max_nonfinite_steps must be >= 0"),
+    ("row policy", ["data.on_invalid_row=ignore"], "data.on_invalid_row must be error or skip (got 'ignore')"),
+    ("max prompt tokens", ["data.max_prompt_tokens=-3"], "data.max_prompt_tokens must be >= 0"),
+    ("required fields type", ["data.required_fields=answer"], "data.required_fields must be a list"),
+    ("batch vs world size", ["trainer.prompts_per_step=3", "--nproc", "2"], "does not divide its 3 prompts per step"),
+    ("mini-batches", ["algorithm.num_mini_batches=1000", "trainer.prompts_per_step=4", "rollout.num_samples=4"],
+     "algorithm.num_mini_batches=1000 exceeds the 16 samples"),
+    ("group size", ["rollout.num_samples=1"], "rollout.num_samples must be >= 2"),
+    ("placement overlap", ["--nproc", "2", "placement.rollout.ranks=0-1", "placement.train.ranks=1"],
+     "overlap partly"),
+    ("idle rank", ["--nproc", "3", "trainer.prompts_per_step=3", "placement.rollout.ranks=0",
+                   "placement.train.ranks=1"], "rank 2 is in no worker group"),
+    ("model path", ["model.path=/nonexistent/model"], "model.path='/nonexistent/model' is not a Hugging Face model"),
+    ("tokenizer path", ["model.tokenizer_path=/nonexistent/tok"], "model.tokenizer_path='/nonexistent/tok' is not a dir"),
+    ("digits", ["task.num_digits=4"], "task.num_digits must be in 1..3"),
+    ("no training rows", ["task.num_digits=1"], "leaves none of the 100 problems"),
+    ("stage cycle", ["pipeline.custom_stages=[{name: loop, fn: 'distflow.dag.stages:weight_sync', "
+                     "after: [policy_update], before: [rollout]}]"], "cycle"),
+    ("stage dependency", ["pipeline.custom_stages=[{name: x, fn: 'distflow.dag.stages:weight_sync', after: [rewrd]}]"],
+     "stage 'x' depends on unknown stage 'rewrd'"),
+    ("nproc 0", ["--nproc", "0"], "--nproc must be >= 1"),
+    ("reward module", ["task.reward=no_such_module:fn"], "task.reward: cannot import module 'no_such_module'"),
+    ("reward function", ["task.reward=rewards_ok:nope"], "task.reward: module 'rewards_ok' has no function 'nope'"),
+    ("reward not callable", ["task.reward=rewards_ok:NOT_A_FUNCTION"], "has no function 'NOT_A_FUNCTION'"),
+    ("reward syntax", ["task.reward=rewards_syntax:reward"], "cannot import module 'rewards_syntax'"),
+    ("reward import crash", ["task.reward=rewards_crash:reward"], "RuntimeError: module crashed at import"),
+    ("reward signature", ["task.reward=rewards_ok:one_arg"],
+     "task.reward: 'rewards_ok:one_arg' must accept (prompt, completion, sample)"),
+    ("resume without run", ["--resume"], "--resume without a checkpoint continues trainer.run_name's run"),
+    ("resume missing", ["--resume", "/nonexistent/ckpt"], "checkpoint /nonexistent/ckpt does not exist"),
+    ("resume incomplete", ["--resume", "{tmp}/ckpt/step-000007"], "is incomplete (no COMPLETE marker)"),
+    ("resume empty run", ["--resume", "trainer.run_name=empty", "trainer.output_dir={tmp}"],
+     "no complete checkpoint in {tmp}/empty/checkpoints to resume from; start the run without --resume"),
+    ("resume finished", ["--resume", "{tmp}/done", "trainer.total_steps=3"],
+     "is at step 3 >= trainer.total_steps=3: nothing left to do"),
+    ("run dir taken", ["trainer.run_name=taken", "trainer.output_dir={tmp}"],
+     "already holds a run; choose another trainer.run_name, or continue it with --resume"),
+]
+if not torch.cuda.is_available():
+    FAST.append(("no cuda", ["trainer.device=cuda"], "trainer.device=cuda but no CUDA device is visible"))
+FILES = [  # (id, the whole command line, needle)
+    ("invalid yaml", ["train", "{tmp}/bad.yaml"], "is not valid YAML"),
+    ("yaml not a mapping", ["train", "{tmp}/list.yaml"], "must hold a mapping at the top level"),
+    ("missing config", ["train", "{tmp}/nope.yaml"], "does not exist"),
+    ("export missing", ["export", "{tmp}/nothing", "--out", "{tmp}/hf"], "checkpoint {tmp}/nothing does not exist"),
+    ("export over files", ["export", "{tmp}/done", "--out", "{tmp}/ckpt"], "exists and is not an empty directory"),
+]
+
+
+def tiny_checkpoint(root, step, *, hidden_size=32):
+    comm = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    engine = PolicyEngine(build_tiny_model(build_char_tokenizer(), seed=0, hidden_size=hidden_size, num_layers=1),
+                          comm, OptimConfig(), temperature=1.0)
+    extra = {"config": {}, "loader": {"epoch": 0, "cursor": 0, "num_rows": 9960}}
+    return save_checkpoint(root, step, model=engine.model, optimizer=engine.optimizer, scheduler=engine.scheduler,
+                           extra=extra, comm=comm, keep_last=1)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad-inputs")
+    for name, text in USER_FILES.items():
+        (tmp / name).write_text(text)
+    (tmp / "ckpt/step-000007").mkdir(parents=True)  # a save that never finished
+    (tmp / "empty").mkdir()
+    (tmp / "taken").mkdir()
+    (tmp / "taken/metrics.jsonl").write_text('{"step": 1}\n')
+    tiny_checkpoint(tmp / "done/checkpoints", 3)
+    return tmp
+
+
+def check_one_line_error(result, needle, *, code=2):
+    assert result.returncode == code, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("distflow: error: ") and needle in lines[-1], result.stderr[-3000:]
+    return lines
+
+
+@pytest.mark.parametrize("args, needle", [c[1:] for c in FAST], ids=[c[0] for c in FAST])
+def test_config_errors_stop_before_any_rank(workdir, args, needle):
+    args = [a.replace("{tmp}", str(workdir)) for a in args]
+    start = time.perf_counter()
+    result = run_cli("train", CONFIG, *args, cwd=workdir, timeout=60)
+    elapsed = time.perf_counter() - start
+    lines = check_one_line_error(result, needle.replace("{tmp}", str(workdir)))
+    assert len(lines) == 1
+    # Checkpoint checks import torch (seconds); the rest fail before any heavy import.
+    assert elapsed < (30 if "--resume" in args else 5), f"took {elapsed:.1f}s"
+
+
+@pytest.mark.parametrize("args, needle", [c[1:] for c in FILES], ids=[c[0] for c in FILES])
+def test_file_errors(workdir, args, needle):
+    result = run_cli(*[a.replace("{tmp}", str(workdir)) for a in args], cwd=workdir, timeout=60)
+    assert len(check_one_line_error(result, needle.replace("{tmp}", str(workdir)))) == 1
+
+
+# ---- errors that a rank finds (each a short real run) ------------------------------------------
+
+
+def train(workdir, cache_dir, name, *extra):
+    return run_cli("train", CONFIG, *TINY, "warmstart.target_accuracy=0", f"warmstart.cache_dir={cache_dir}",
+                   f"trainer.output_dir={workdir}", f"trainer.run_name={name}", *extra, cwd=workdir)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["data.max_prompt_tokens=3"], "the task's training rows: row 1 of 9960: prompt has"),
+    (["data.required_fields=[solution]"], "the task's training rows: row 1 of 9960: missing field 'solution'"),
+], ids=["overlong prompts", "missing field"])
+def test_invalid_rows_are_rejected_with_their_number(workdir, cache_dir, extra, needle, request):
+    check_one_line_error(train(workdir, cache_dir, request.node.callspec.id.replace(" ", "-"), *extra), needle)
+
+
+def test_invalid_rows_can_be_skipped_and_counted(workdir, cache_dir):
+    # Prompts "a+b=" with two 2-digit operands are the longest (7 tokens with BOS): skip those.
+    result = train(workdir, cache_dir, "skip", "data.max_prompt_tokens=6", "data.on_invalid_row=skip")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "data: skipped 8064 of 9960 rows of the task's training rows (8064 overlong prompt)" in result.stderr
+    assert read_metrics(workdir / "skip")[0]["data/skipped_rows"] == 8064
+
+
+@pytest.fixture(scope="module")
+def text_model(workdir):
+    """A local model directory, as `task.train_file` needs one."""
+    tokenizer = build_char_tokenizer()
+    build_tiny_model(tokenizer, seed=0, hidden_size=32, num_layers=1).save_pretrained(workdir / "model")
+    tokenizer.save_pretrained(workdir / "model")
+    return workdir / "model"
+
+
+CHAT_ROW = {"prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"}}
+
+
+@pytest.mark.parametrize("bad_line, needle", [
+    (json.dumps({"prompt": [{"role": "user", "content": "2+2="}], "reward_model": {}}),
+     "row 2 of 3: missing field 'reward_model.ground_truth'"),
+    ('{"prompt": [{"role": "user", "content": "2+', "row 2 of 3: {path}:2 is not valid JSON"),
+    (json.dumps({"prompt": [{"role": "user", "content": " "}], "reward_model": {"ground_truth": "4"}}),
+     "row 2 of 3: empty prompt"),
+], ids=["missing ground truth", "invalid json line", "empty chat prompt"])
+def test_invalid_rows_of_a_dataset_file_stop_the_run(workdir, cache_dir, text_model, bad_line, needle, request):
+    name = request.node.callspec.id.replace(" ", "-")
+    path = jsonl(workdir, json.dumps(CHAT_ROW), bad_line, json.dumps(CHAT_ROW), name=f"{name}.jsonl")
+    result = train(workdir, cache_dir, name, f"model.path={text_model}", f"task.train_file={path}",
+                   f"task.heldout_file={path}", "data.required_fields=[reward_model.ground_truth]",
+                   "trainer.prompts_per_step=2", "task.num_heldout=2")
+    check_one_line_error(result, f"{path}: " + needle.replace("{path}", str(path)))
+
+
+def test_checkpoint_of_another_model_is_rejected(workdir, cache_dir):
+    checkpoint = tiny_checkpoint(workdir / "other-model", 1, hidden_size=48)
+    result = train(workdir, cache_dir, "incompatible", "--resume", str(checkpoint))
+    check_one_line_error(result, "'model.embed_tokens.weight' has shape (21, 48) in the checkpoint but (21, 128)")
+
+
+def test_reward_that_always_raises_is_contained_and_counted(workdir, cache_dir):
+    result = train(workdir, cache_dir, "raising-reward", "task.reward=rewards_ok:always_raises")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["reward/errors"] for r in read_metrics(workdir / "raising-reward")[1:]] == [16.0, 16.0, 16.0]
+
+
+def test_nan_losses_are_skipped_then_abort(workdir, cache_dir):
+    stage = ("pipeline.custom_stages=[{name: poison, fn: 'nan_stage:poison', after: [advantage], "
+             "before: [policy_update], reads: [advantage], writes: [advantage]}]")
+    result = train(workdir, cache_dir, "nan", stage, "trainer.max_nonfinite_steps=2",
+                   "algorithm.skip_zero_variance_groups=false")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "distflow: aborted at step 2: 2 optimizer steps in a row had a non-finite loss "
+        "or gradient and were skipped (trainer.max_nonfinite_steps=2); lower optim.lr, check the reward and custom "
+        "stages, or resume from an earlier checkpoint")
+    records = read_metrics(workdir / "nan")
+    assert [r["train/nonfinite_grad_steps"] for r in records[1:]] == [1.0, 1.0]
+
+
+# ---- data files, through the row sources and the loader's validation ---------------------------
+
+
+def rows_of(path, **rules):
+    source = open_rows(path)  # left open: the view reads kept rows from it later
+    return ValidRows(source.__getitem__, len(source), RowRules(**rules),
+                     tokenize=lambda prompts: [list(p) for p in prompts], where=str(path))
+
+
+def jsonl(tmp_path, *lines, name="train.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+GOOD = json.dumps({"prompt": "1+1=", "answer": "2", "reward_model": {"ground_truth": "2"}})
+DATA = [  # (id, lines after one good row, rules, needle)
+    ("invalid json", ['{"prompt": "1+'], {}, "row 2 of 2: {path}:2 is not valid JSON"),
+    ("not an object", ['["1+1="]'], {}, "must hold one JSON object per line (got list)"),
+    ("missing prompt", ['{"answer": "2"}'], {}, "row 2 of 2: missing field 'prompt'"),
+    ("empty prompt", ['{"prompt": "   ", "answer": "2"}'], {}, "row 2 of 2: empty prompt"),
+    ("empty chat prompt", ['{"prompt": [{"role": "user", "content": ""}]}'], {}, "row 2 of 2: empty prompt"),
+    ("prompt type", ['{"prompt": 12}'], {}, "row 2 of 2: prompt is of type int, not text or chat messages"),
+    ("missing required", ['{"prompt": "2+2="}'], {"required_fields": ("answer",)}, "row 2 of 2: missing field 'answer'"),
+    ("missing nested", ['{"prompt": "2+2=", "reward_model": {}}'], {"required_fields": ("reward_model.ground_truth",)},
+     "row 2 of 2: missing field 'reward_model.ground_truth'"),
+    ("null required", ['{"prompt": "2+2=", "answer": null}'], {"required_fields": ("answer",)},
+     "missing field 'answer'"),
+    ("overlong", ['{"prompt": "12345678+1=", "answer": "2"}'], {"max_prompt_tokens": 5},
+     "row 2 of 2: prompt has 11 tokens > data.max_prompt_tokens=5"),
+]
+
+
+@pytest.mark.parametrize("lines, rules, needle", [c[1:] for c in DATA], ids=[c[0] for c in DATA])
+def test_invalid_data_rows_name_the_row(tmp_path, lines, rules, needle):
+    path = jsonl(tmp_path, GOOD, *lines)
+    with pytest.raises(ConfigError) as err:
+        rows_of(path, **rules)
+    assert needle.replace("{path}", str(path)) in str(err.value)
+    assert "data.on_invalid_row=skip" in str(err.value) or "JSON" in str(err.value)
+    kept = rows_of(path, **rules, skip_invalid=True)
+    assert len(kept) == 1 and kept[0]["prompt"] == "1+1=" and sum(kept.skipped.values()) == 1
+
+
+@pytest.mark.parametrize("name, text, needle", [
+    ("empty.jsonl", "\n\n", "dataset file has no rows"),
+    ("train.csv", "prompt\n1+1=\n", "the extension must be one of"),
+], ids=["empty file", "unsupported format"])
+def test_unusable_data_files(tmp_path, name, text, needle):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=needle):
+        rows_of(tmp_path / name)
+    with pytest.raises(ConfigError, match="dataset file not found"):
+        rows_of(tmp_path / "missing.jsonl")
+
+
+def test_parquet_rows_are_validated_too(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"prompt": ["1+1=", "", "2+2="], "answer": ["2", "0", None]}), path, row_group_size=2)
+    with pytest.raises(ConfigError, match="row 2 of 3: empty prompt"):
+        rows_of(path)
+    kept = rows_of(path, required_fields=("answer",), skip_invalid=True)
+    assert kept.kept == [0] and kept.skipped == {"empty prompt": 1, "missing 'answer'": 1}
+    assert kept.describe_skipped() == "1 empty prompt, 1 missing 'answer'"
+
+
+def test_loader_state_of_another_dataset_is_rejected():
+    from distflow.data.loader import PromptLoader
+
+    rows = [{"prompt": f"{i}+1="} for i in range(12)]
+    saved = PromptLoader(rows.__getitem__, 10, prompts_per_step=4, seed=0, rank=0, world_size=1)
+    saved.next_batch()
+    other = PromptLoader(rows.__getitem__, 12, prompts_per_step=4, seed=0, rank=0, world_size=1)
+    with pytest.raises(ConfigError, match=r"does not fit this dataset of 12 valid rows"):
+        other.load_state_dict(saved.state_dict())
+
+
+def _validate_shard(comm, path, skip):
+    """Each rank checks its 1/N of the rows; returns what it keeps (or the error it raises)."""
+    source = open_rows(path)
+    read = []
+
+    def read_row(i):
+        read.append(i)
+        return source[i]
+
+    try:
+        view = ValidRows(read_row, len(source), RowRules(skip_invalid=skip), where=str(path),
+                         shard=(comm.rank, comm.world_size), gather=comm.all_gather_object)
+    except ConfigError as err:
+        return {"error": str(err), "read": read}
+    return {"kept": view.kept, "skipped": view.skipped, "read": read}
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["error", "skip"])
+def test_rows_are_validated_by_shards_with_one_outcome(tmp_path, skip):
+    from gloo import run_on_ranks
+
+    lines = [json.dumps({"prompt": f"{i}+1="}) for i in range(9)]
+    lines[4] = json.dumps({"prompt": ""})  # checked by rank 0 of 2
+    lines[7] = json.dumps({"answer": "1"})  # checked by rank 1 of 2
+    path = jsonl(tmp_path, *lines)
+    results = run_on_ranks(_validate_shard, 2, path, skip)
+    assert [sorted(r["read"]) for r in results] == [[0, 2, 4, 6, 8], [1, 3, 5, 7]]  # each row read once
+    if skip:
+        assert results[0]["kept"] == results[1]["kept"] == [0, 1, 2, 3, 5, 6, 8]
+        assert results[0]["skipped"] == results[1]["skipped"] == {"empty prompt": 1, "missing 'prompt'": 1}
+    else:  # both ranks stop on the same (first) invalid row, though only rank 0 read it
+        assert results[0]["error"] == results[1]["error"]
+        assert "row 5 of 9: empty prompt" in results[0]["error"]

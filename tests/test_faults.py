@@ -1,0 +1,225 @@
+"""Fail fast, never hang: a rank killed with -9, a rank that raises, a stalled stage and a
+killed launcher each end the whole job quickly, naming the rank and stage, with no
+process left behind; a NaN loss skips the step and is counted."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from distflow.config.schema import OptimConfig
+from distflow.data.batch import Batch
+from distflow.engines.policy import PolicyEngine
+from distflow.runtime.dist import Comm
+from distflow.runtime.faults import diagnose
+from distflow.tasks.tiny_model import build_tiny_model
+from distflow.tasks.tokenizer import build_char_tokenizer
+
+EXIT_DEADLINE_S = 60
+CHAOS = '''
+import json, os, signal, time
+
+
+def _mark(name):
+    with open(name, "w") as f:
+        json.dump({"time": time.time(), "pid": os.getpid()}, f)
+
+
+def chaos(batch, ctx):
+    """FAULT=kill|raise|stall|sleep_all on rank FAULT_RANK at step 1."""
+    fault, rank = os.environ["FAULT"], int(os.environ.get("FAULT_RANK", 1))
+    if ctx.step != 1 or (ctx.world.rank != rank and fault != "sleep_all"):
+        return batch
+    _mark(f"fault-rank{ctx.world.rank}.json")
+    if fault == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault == "raise":
+        raise ValueError("injected failure")
+    time.sleep(3600)  # stall / sleep_all
+'''
+ARGS = [
+    "trainer.total_steps=2", "trainer.prompts_per_step=4", "rollout.num_samples=4", "trainer.eval_every=0",
+    "trainer.eval_samples=1", "task.num_heldout=40", "trainer.progress_bar=false", "warmstart.target_accuracy=0",
+    "checkpoint.every=0", "checkpoint.at_end=false",
+    "pipeline.custom_stages=[{name: chaos, fn: 'chaos:chaos', after: [reward], before: [advantage]}]",
+]
+MEASURED: list[str] = []
+
+
+def start(tmp_path, cache_dir, fault, *extra, torchrun=False, fault_rank=1):
+    (tmp_path / "chaos.py").write_text(CHAOS)
+    train = ["train", str(REPO / "examples/arith_grpo.yaml"), *ARGS, f"warmstart.cache_dir={cache_dir}",
+             f"trainer.output_dir={tmp_path}", "trainer.run_name=run", *extra]
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "distflow", *train]
+    else:
+        cmd = [sys.executable, "-m", "distflow", *train]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", FAULT=fault, FAULT_RANK=str(fault_rank))
+    return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc, tmp_path, marker="fault-rank1.json"):
+    """(exit code, stderr, seconds from the injected fault to the job's exit)."""
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("the job hung")
+    ended = time.time()
+    fault = json.loads((tmp_path / marker).read_text())
+    return proc.returncode, stderr, ended - fault["time"]
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live (non-zombie) processes whose command line mentions `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def assert_no_orphans(tmp_path, within_s=10.0):
+    deadline = time.time() + within_s
+    while processes_mentioning(str(tmp_path)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not processes_mentioning(str(tmp_path)), "processes of the run outlived it"
+
+
+def last_line(stderr: str) -> str:
+    return stderr.strip().splitlines()[-1]
+
+
+def record(name, latency):
+    MEASURED.append(f"{name}: exit {latency:.1f}s after the fault")
+    print(MEASURED[-1])
+
+
+def test_kill_9_of_one_rank_ends_the_job_naming_it(tmp_path, cache_dir):
+    code, stderr, latency = finish(start(tmp_path, cache_dir, "kill", "--nproc", "2"), tmp_path)
+    record("kill -9, --nproc 2", latency)
+    assert code != 0 and latency < EXIT_DEADLINE_S
+    assert last_line(stderr) == ("distflow: rank 1 was killed by SIGKILL in stage 'chaos' at step 1; "
+                                 "the other ranks were stopped")
+    assert "Traceback" not in stderr
+    assert_no_orphans(tmp_path)
+
+
+def test_kill_9_under_bare_torchrun(tmp_path, cache_dir):
+    code, stderr, latency = finish(start(tmp_path, cache_dir, "kill", torchrun=True), tmp_path)
+    record("kill -9, bare torchrun", latency)
+    assert code != 0 and latency < EXIT_DEADLINE_S
+    # The surviving rank names the dead one and where it was; torchrun's summary names it too.
+    assert "rank 1 (pid " in stderr and "died in stage 'chaos' at step 1" in stderr
+    assert_no_orphans(tmp_path)
+
+
+def test_a_rank_that_raises_ends_the_job_with_one_line(tmp_path, cache_dir):
+    code, stderr, latency = finish(start(tmp_path, cache_dir, "raise", "--nproc", "2"), tmp_path)
+    record("exception, --nproc 2", latency)
+    assert code == 1 and latency < EXIT_DEADLINE_S
+    assert last_line(stderr) == "distflow: rank 1 failed in stage 'chaos' at step 1: ValueError: injected failure"
+    assert 'chaos.py", line' in stderr  # the failing rank's traceback, for whoever fixes it
+    assert_no_orphans(tmp_path)
+
+
+def test_a_stalled_stage_is_reported_with_stacks(tmp_path, cache_dir):
+    proc = start(tmp_path, cache_dir, "stall", "--nproc", "2", "trainer.stage_timeout_s=5")
+    code, stderr, latency = finish(proc, tmp_path)
+    record("stall (stage_timeout_s=5), --nproc 2", latency)
+    assert code == 3 and latency < 5 + EXIT_DEADLINE_S
+    assert last_line(stderr).startswith("distflow: rank 1 stalled: stage 'chaos' at step 1 has run for")
+    assert "trainer.stage_timeout_s=5" in last_line(stderr)
+    assert "Python stacks of its threads" in stderr and 'chaos.py", line' in stderr  # faulthandler's dump
+    assert_no_orphans(tmp_path)
+
+
+def test_single_process_stall(tmp_path, cache_dir):
+    proc = start(tmp_path, cache_dir, "stall", "trainer.stage_timeout_s=3", fault_rank=0)
+    code, stderr, latency = finish(proc, tmp_path, marker="fault-rank0.json")
+    record("stall (stage_timeout_s=3), 1 process", latency)
+    assert code == 3 and latency < 3 + EXIT_DEADLINE_S
+    assert last_line(stderr).startswith("distflow: rank 0 stalled: stage 'chaos' at step 1 has run for")
+
+
+def test_killing_the_launcher_leaves_no_orphan_ranks(tmp_path, cache_dir):
+    proc = start(tmp_path, cache_dir, "sleep_all", "--nproc", "2")
+    deadline = time.time() + 300
+    while not all((tmp_path / f"fault-rank{r}.json").exists() for r in (0, 1)):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    assert len(processes_mentioning(str(tmp_path))) == 3  # the launcher and its 2 ranks
+    killed = time.time()
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert_no_orphans(tmp_path, within_s=EXIT_DEADLINE_S)
+    record("launcher kill -9 -> ranks gone", time.time() - killed)
+
+
+def test_diagnose_prefers_the_root_cause(tmp_path):
+    def status(rank, state, **extra):
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(
+            {"rank": rank, "pid": 1, "stage": "rollout", "step": 4, "since": 0.0, "state": state, "time": 5.0,
+             **extra}))
+
+    status(0, "failed", error="distflow: rank 0 lost its peers", exit_code=1, comm_error=True)
+    status(1, "running")
+    report = diagnose(tmp_path, {0: (1, 10.0), 1: (-9, 11.0)})
+    assert report.line == "distflow: rank 1 was killed by SIGKILL in stage 'rollout' at step 4; the other ranks were stopped"
+    status(1, "failed", error="distflow: error: bad row", exit_code=2, comm_error=False)
+    assert diagnose(tmp_path, {0: (1, 10.0), 1: (2, 11.0)}).exit_code == 2
+    assert diagnose(tmp_path, {3: (-15, 1.0)}).line.endswith("was killed by SIGTERM before it started; "
+                                                             "the other ranks were stopped")
+    # Both ranks report a stall: the one behind in the step is the stuck one, though the other
+    # (waiting in the next stage's collective) entered its stage earlier.
+    status(0, "stalled", stage="policy_update", position=5, since=1.0, error="rank 0 stalled", exit_code=3)
+    status(1, "stalled", stage="chaos", position=4, since=2.0, error="rank 1 stalled", exit_code=3)
+    assert diagnose(tmp_path, {}).line == "rank 1 stalled"
+    status(1, "stalled", stage="chaos", step=3, position=6, since=0.5, error="rank 1 stalled", exit_code=3)
+    assert diagnose(tmp_path, {}).line == "rank 1 stalled"  # an earlier step is behind, whatever the stage
+
+
+# ---- numerical guard (unit level; the abort after K skips is in tests/test_bad_inputs.py) --------
+
+
+def test_nonfinite_loss_skips_the_step_and_is_counted():
+    comm = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    tokenizer = build_char_tokenizer()
+    engine = PolicyEngine(build_tiny_model(tokenizer, seed=0, hidden_size=32, num_layers=1), comm,
+                          OptimConfig(lr=1e-2, warmup_steps=0), temperature=1.0)
+    ids = torch.randint(4, 20, (2, 6), generator=torch.Generator().manual_seed(0))
+    batch = Batch(tensors={"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                           "response_mask": torch.ones(2, 3, dtype=torch.long)})
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+
+    def loss(scale):
+        return lambda micro, logp, entropy: ((logp * scale).sum(), {})
+
+    for streak in (1, 2):
+        stats = engine.update(batch, loss(float("nan")), 6.0, 8)
+        assert stats["nonfinite_grad_steps"] == 1.0 and engine.consecutive_nonfinite == streak
+        torch.testing.assert_close(engine.model.state_dict(), before, rtol=0, atol=0)  # untouched
+    stats = engine.update(batch, loss(1.0), 6.0, 8)
+    assert stats["nonfinite_grad_steps"] == 0.0 and engine.consecutive_nonfinite == 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_measurements():
+    yield
+    if MEASURED:
+        print("\nfault injection:", "; ".join(MEASURED))

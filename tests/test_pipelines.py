@@ -1,0 +1,120 @@
+"""Built-in pipelines: the stages each algorithm runs, its settings, and the errors before launch."""
+
+import pytest
+import yaml
+
+from distflow.config import ConfigError, load_config, to_dict
+from distflow.config.schema import ALGORITHMS
+from distflow.dag import stages
+from distflow.dag.pipelines import LOADER_FIELDS, PIPELINES, build_graph
+from distflow.planner.plan import make_plan
+
+HEAD, TAIL = ["rollout", "reward"], ["policy_update", "weight_sync"]
+ORDERS = {
+    "grpo": HEAD + ["advantage"] + TAIL,
+    "dr_grpo": HEAD + ["advantage"] + TAIL,
+    "dapo": HEAD + ["dynamic_sampling", "advantage"] + TAIL,
+    "rloo": HEAD + ["advantage"] + TAIL,
+    "reinforce_pp": HEAD + ["advantage"] + TAIL,
+    "reinforce_pp_baseline": HEAD + ["advantage"] + TAIL,
+    "gspo": HEAD + ["advantage"] + TAIL,
+    "ppo": HEAD + ["values", "advantage", "policy_update", "critic_update", "weight_sync"],
+}
+
+
+def order(*overrides):
+    return [s.name for s in build_graph(load_config(None, list(overrides))).validate(LOADER_FIELDS)]
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_every_algorithm_has_a_pipeline_that_plans(name):
+    assert order(f"algorithm.name={name}") == ORDERS[name]
+    config = load_config(None, [f"algorithm.name={name}"])
+    assert "policy_update" in make_plan(build_graph(config), config, 4, LOADER_FIELDS).describe()
+    assert load_config(None, [f"algorithm.name={name}"]) == config
+    # The resolved settings round-trip through the run directory's config.yaml.
+    assert load_config(None, _overrides(to_dict(config))) == config
+
+
+def _overrides(data, prefix=""):
+    out = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out += _overrides(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...')}")
+    return [o.strip() for o in out]
+
+
+def test_pipeline_table_covers_every_name():
+    assert set(PIPELINES) == set(ALGORITHMS)
+
+
+def test_algorithm_settings_and_user_overrides():
+    dapo = load_config(None, ["algorithm.name=dapo"]).algorithm
+    assert (dapo.clip_low, dapo.clip_high, dapo.dynamic_sampling, dapo.loss_agg) == (0.2, 0.28, True, "token-mean")
+    gspo = load_config(None, ["algorithm.name=gspo"]).algorithm
+    assert (gspo.clip_low, gspo.clip_high, gspo.policy_loss, gspo.loss_agg) == (
+        3e-4, 4e-4, "gspo", "seq-mean-token-mean")
+    dr = load_config(None, ["algorithm.name=dr_grpo"]).algorithm
+    assert (dr.norm_adv_by_std, dr.loss_agg, dr.skip_zero_variance_groups) == (
+        False, "seq-mean-token-sum-norm", False)
+    grpo = load_config(None).algorithm
+    assert (grpo.clip_high, grpo.norm_adv_by_std, grpo.dynamic_sampling) == (0.2, True, False)
+    mine = load_config(None, ["algorithm.name=dapo", "algorithm.clip_high=0.3", "algorithm.dynamic_sampling=false"])
+    assert (mine.algorithm.clip_high, mine.algorithm.dynamic_sampling) == (0.3, False)
+    assert "dynamic_sampling" not in order("algorithm.name=dapo", "algorithm.dynamic_sampling=false")
+
+
+def test_optional_stages_follow_the_settings():
+    assert order("algorithm.name=dapo", "algorithm.overlong_buffer=2") == (
+        HEAD + ["overlong_penalty", "dynamic_sampling", "advantage"] + TAIL)
+    assert order("algorithm.kl_coef=0.1", "algorithm.ppo_epochs=2") == (
+        HEAD + ["advantage", "old_logprob", "reference_logprob"] + TAIL)
+    in_reward = HEAD + ["old_logprob", "reference_logprob", "kl_reward", "advantage"] + TAIL
+    assert order("algorithm.name=reinforce_pp", "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true") == in_reward
+    assert order("algorithm.name=ppo", "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true",
+                 "algorithm.kl_controller=adaptive") == (
+        HEAD + ["old_logprob", "reference_logprob", "kl_reward", "values", "advantage", "policy_update",
+                "critic_update", "weight_sync"])
+
+
+def test_dynamic_sampling_reruns_its_upstream_stages_including_user_stages():
+    graph = build_graph(load_config(None, [
+        "algorithm.name=dapo",
+        "pipeline.custom_stages=[{name: shape, fn: 'distflow.dag.stages:weight_sync', after: [reward], "
+        "before: [dynamic_sampling], reads: [reward], writes: [reward]}]"]))
+    upstream = graph.stages["dynamic_sampling"].fn.keywords["upstream"]
+    assert upstream == (stages.rollout, stages.reward, stages.weight_sync)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["algorithm.name=ppo-ish"], "algorithm.name must be one of"),
+        (["algorithm.loss_agg=mean"], "algorithm.loss_agg must be one of"),
+        (["algorithm.kl_estimator=k4"], "algorithm.kl_estimator must be one of"),
+        (["algorithm.kl_controller=adaptive", "algorithm.kl_coef=0.1"], "kl_in_reward=true"),
+        (["algorithm.dual_clip_c=1"], "dual_clip_c must be 0 (off) or > 1"),
+        (["algorithm.critic_warmup_steps=3"], "only algorithm.name=ppo has one"),
+        (["task.train_file=x.jsonl"], "task.train_file and task.heldout_file go together"),
+    ],
+)
+def test_config_errors(overrides, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["algorithm.overlong_buffer=6"], "must be below rollout.max_new_tokens"),
+        (["algorithm.name=dapo", "placement.rollout.ranks=0", "placement.train.ranks=1"], "same ranks"),
+        (["algorithm.name=dapo", "placement.rollout.ranks_per_replica=2"], "same ranks"),
+        (["task.rewards=[{fn: 'no_such_module:f'}]"], r"task.rewards\[0\].fn: cannot import"),
+        (["task.train_file=/nonexistent.jsonl", "task.heldout_file=/nonexistent.jsonl"], "is not a file"),
+    ],
+)
+def test_graph_errors(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        build_graph(load_config(None, overrides))

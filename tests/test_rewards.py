@@ -1,0 +1,102 @@
+"""Reward functions: weights, dict returns, and contained failures and time-outs."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from distflow.config import ConfigError, load_config
+from distflow.engines import reward as reward_module
+from distflow.engines.reward import DeadlineCaller, Rewards, RewardTerm, RewardTimeout, build_rewards, score
+
+
+def right(prompt, completion, sample):
+    return float(completion == sample["answer"])
+
+
+def short(prompt, completion, sample):
+    return {"score": -0.1 * len(completion), "length": len(completion)}
+
+
+def flaky(prompt, completion, sample):
+    if completion == "boom":
+        raise ValueError("boom")
+    if completion == "nan":
+        return float("nan")
+    if completion == "slow":
+        time.sleep(2)
+    if completion == "dict":
+        return {"no score": 1.0}
+    return 1.0
+
+
+ARGS = (["q"] * 3, ["12", "7", "123"], [{"answer": "12"}] * 3)
+
+
+def test_weighted_sum_and_dict_extras():
+    scores = Rewards([RewardTerm("right", right, 1.0), RewardTerm("short", short, 2.0)]).score(*ARGS)
+    assert scores.reward_B.tolist() == pytest.approx([1 - 0.4, -0.2, -0.6])
+    assert scores.term_sums["right"] == 1.0
+    assert scores.term_sums["short"] == pytest.approx(-0.6)
+    assert scores.term_sums["short/length"] == 6.0
+    assert scores.errors == scores.timeouts == 0
+
+
+def test_failures_and_timeouts_score_the_default_and_are_counted():
+    completions = ["ok", "boom", "nan", "slow", "dict", "ok"]
+    rewards = Rewards([RewardTerm("flaky", flaky, 2.0)], default_reward=-1.0, timeout_s=0.3)
+    start = time.perf_counter()
+    scores = rewards.score(["q"] * 6, completions, [{}] * 6)
+    assert time.perf_counter() - start < 1.5  # the slow call was not waited for
+    assert scores.reward_B.tolist() == [2.0, -2.0, -2.0, -2.0, -2.0, 2.0]
+    assert (scores.errors, scores.timeouts) == (3, 1)
+
+
+def test_inline_rewards_contain_errors_too():
+    reward_B, errors = score(flaky, ["q", "q"], ["ok", "boom"], [{}, {}], default_reward=0.5)
+    assert reward_B.tolist() == [1.0, 0.5] and errors == 1
+
+
+def test_stuck_calls_are_capped(monkeypatch):
+    monkeypatch.setattr(reward_module, "MAX_ABANDONED", 1)
+    release = threading.Event()
+    caller = DeadlineCaller(0.05)
+    with pytest.raises(RewardTimeout):
+        caller(release.wait)
+    with pytest.raises(RuntimeError, match="stuck past their"):
+        caller(release.wait)
+    release.set()
+    assert caller(lambda: 3) == 3  # a fresh worker serves later calls
+
+
+def test_build_rewards_from_config():
+    config = load_config(None, ["task.rewards=[{fn: 'distflow.tasks.arithmetic:correctness_reward', weight: 2}, "
+                                "{fn: 'distflow.tasks.arithmetic:correctness_reward', name: again}]"])
+    rewards = build_rewards(config.task)
+    assert [(t.name, t.weight) for t in rewards.terms] == [("correctness_reward", 2.0), ("again", 1.0)]
+    assert rewards.score(["1+1="], ["2"], [{"answer": "2"}]).reward_B.tolist() == [3.0]
+    single = build_rewards(load_config(None).task)
+    assert [t.name for t in single.terms] == ["correctness_reward"]
+    with pytest.raises(ConfigError, match="unique"):
+        build_rewards(load_config(None, ["task.rewards=[{fn: 'distflow.tasks.arithmetic:correctness_reward'}, "
+                                           "{fn: 'distflow.tasks.arithmetic:correctness_reward'}]"]).task)
+
+
+def test_reward_stage_reports_counts():
+    from distflow.dag.stages import reward
+    from distflow.data.batch import Batch
+    from distflow.observability.metrics import StepMetrics
+    from distflow.runtime.dist import Comm
+
+    comm = Comm(0, 1, 0, 1, torch.device("cpu"))
+    ctx = type("Ctx", (), {})()
+    ctx.rewards = Rewards([RewardTerm("flaky", flaky)], default_reward=0.0, timeout_s=1.0)
+    ctx.is_correct = lambda completion, sample: completion == "ok"
+    ctx.metrics, ctx.comm = StepMetrics(), comm
+    batch = Batch(meta={"prompt": ["q"] * 3, "completion": ["ok", "boom", "ok"], "sample": [{}] * 3})
+    out = reward(batch, ctx)
+    assert out["reward"].tolist() == [1.0, 0.0, 1.0]
+    metrics = ctx.metrics.reduce(comm)
+    assert metrics["reward/errors"] == 1 and metrics["reward/timeouts"] == 0
+    assert metrics["accuracy"] == pytest.approx(2 / 3) and metrics["reward/flaky"] == pytest.approx(2 / 3)

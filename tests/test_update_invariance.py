@@ -1,0 +1,115 @@
+"""The update stages' gradient does not depend on how a step's samples are split.
+
+For every loss aggregation mode, both policy losses (token-ratio PPO and sequence-ratio
+GSPO), a KL loss term with an entropy bonus and dual-clip, token-level advantages, and the
+critic's value loss: 1 micro-batch of 8 == 8 micro-batches of 1 == 2 ranks of 4.
+"""
+
+import pytest
+import torch
+
+from distflow.config import load_config
+from distflow.dag.context import StageContext
+from distflow.dag.update_stages import critic_update, policy_update
+from distflow.data.batch import Batch
+from distflow.engines.critic import build_critic
+from distflow.engines.policy import PolicyEngine
+from distflow.observability.metrics import StepMetrics
+from distflow.runtime.dist import Comm
+from distflow.tasks.tiny_model import build_tiny_model
+from distflow.tasks.tokenizer import build_char_tokenizer
+from gloo import run_on_ranks
+
+SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+NO_CLIP = ["optim.grad_clip=1e9", "optim.warmup_steps=0"]
+CASES = {
+    "token-mean": ["algorithm.loss_agg=token-mean"],
+    "seq-mean-token-sum": ["algorithm.loss_agg=seq-mean-token-sum"],
+    "seq-mean-token-mean": ["algorithm.loss_agg=seq-mean-token-mean"],
+    "seq-mean-token-sum-norm (Dr.GRPO)": ["algorithm.name=dr_grpo"],
+    "gspo": ["algorithm.name=gspo"],
+    "dapo clip-higher, dual-clip, k2 KL loss, entropy": [
+        "algorithm.name=dapo", "algorithm.dual_clip_c=3", "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k2",
+        "algorithm.entropy_coef=0.01"],
+    "token-level advantages (REINFORCE++)": ["algorithm.name=reinforce_pp", "algorithm.kl_coef=0.05"],
+}
+
+
+def make_batch(token_level: bool = False) -> Batch:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 20, (8, 9), generator=g)
+    attention = torch.ones_like(ids)
+    attention[:3, :2] = 0  # left padding on some prompts
+    response_mask = torch.ones(8, 4, dtype=torch.long)
+    response_mask[::2, 2:] = 0  # different response lengths
+    response_mask[5, 1:] = 0
+    attention[:, 5:] = response_mask
+    advantage = torch.randn(8, 4, generator=g) * response_mask if token_level else torch.randn(8, generator=g)
+    return Batch({
+        "input_ids": ids, "attention_mask": attention, "response_mask": response_mask, "advantage": advantage,
+        "sample_mask": torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0]),
+        # Off-policy log-probs, so ratios differ from 1 and some tokens are clipped.
+        "old_logp": -2.0 + 0.3 * torch.randn(8, 4, generator=g),
+        "ref_logp": -2.0 + 0.3 * torch.randn(8, 4, generator=g),
+        "values": 0.1 * torch.randn(8, 4, generator=g),
+        "returns": torch.randn(8, 4, generator=g),
+    })
+
+
+def _context(comm: Comm, overrides: list[str], micro_batch_size: int, *, critic: bool = False) -> StageContext:
+    config = load_config(None, [*overrides, *NO_CLIP, f"trainer.micro_batch_size={micro_batch_size}"])
+    model = build_tiny_model(build_char_tokenizer(), seed=0)
+    policy = PolicyEngine(model, comm, config.optim, temperature=1.0)
+    ctx = StageContext(config=config, comm=comm, world=comm, tokenizer=None, policy=policy, rollout_model=None,
+                       reference=None, rewards=None, is_correct=None, metrics=StepMetrics(), step=1)
+    if critic:
+        ctx.critic = build_critic(model, comm, config.optim, lr=1e-3)
+        torch.nn.init.normal_(ctx.critic.model.value_head.weight, std=0.1, generator=torch.Generator().manual_seed(1))
+    return ctx
+
+
+def policy_grads(comm: Comm, overrides: list[str], micro_batch_size: int, rows: list[int]) -> list[torch.Tensor]:
+    ctx = _context(comm, overrides, micro_batch_size)
+    token_level = any("reinforce_pp" in o for o in overrides)
+    policy_update(make_batch(token_level).select(rows), ctx)
+    return [p.grad.clone() for p in ctx.policy.model.parameters()]
+
+
+def critic_grads(comm: Comm, micro_batch_size: int, rows: list[int]) -> list[torch.Tensor]:
+    ctx = _context(comm, ["algorithm.name=ppo", "algorithm.value_clip=0.05"], micro_batch_size, critic=True)
+    critic_update(make_batch().select(rows), ctx)
+    return [p.grad.clone() for p in ctx.critic.model.parameters()]
+
+
+def _assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert any(g.abs().sum() > 0 for g in a), "the test batch must produce a gradient"
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_policy_gradient_is_the_same_for_8x1_and_1x8_micro_batches(case):
+    whole = policy_grads(SINGLE, CASES[case], 8, list(range(8)))
+    _assert_same(whole, policy_grads(SINGLE, CASES[case], 1, list(range(8))))
+
+
+def test_critic_gradient_is_the_same_for_8x1_and_1x8_micro_batches():
+    _assert_same(critic_grads(SINGLE, 8, list(range(8))), critic_grads(SINGLE, 1, list(range(8))))
+
+
+def _two_rank_grads(comm: Comm) -> dict[str, list[torch.Tensor]]:
+    rows = list(range(comm.rank * 4, comm.rank * 4 + 4))
+    out = {case: policy_grads(comm, overrides, 2, rows) for case, overrides in CASES.items()}
+    out["critic"] = critic_grads(comm, 2, rows)
+    return out
+
+
+def test_two_ranks_match_one_rank():
+    per_rank = run_on_ranks(_two_rank_grads, 2)
+    for case, overrides in CASES.items():
+        single = policy_grads(SINGLE, overrides, 8, list(range(8)))
+        for rank in (0, 1):
+            _assert_same(single, per_rank[rank][case])
+    single = critic_grads(SINGLE, 8, list(range(8)))
+    for rank in (0, 1):
+        _assert_same(single, per_rank[rank]["critic"])
