@@ -59,6 +59,11 @@ def test_pipeline_runs_on_one_and_two_processes(tmp_path_factory, cache_dir, nam
     if name == "dapo":
         assert first["dynamic_sampling/rounds"] == first_two["dynamic_sampling/rounds"]
         assert "reward/overlong_penalty" in first
+        for r in one[1:]:  # the throughput counts the time of every round's rollout
+            resampled = r.get("time/resample_rollout_s", 0.0)
+            assert (resampled > 0) == (r["dynamic_sampling/rounds"] > 1)
+            assert r["throughput/generated_tokens_per_s"] == pytest.approx(
+                r["tokens/generated"] / (r["time/rollout_s"] + resampled), rel=1e-6)
 
 
 def test_the_custom_example_runs_from_its_directory(tmp_path, cache_dir):

@@ -23,6 +23,7 @@ are all zero and the update is skipped). Needs rollout and training on the same 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -97,6 +98,7 @@ def dynamic_sampling(batch: Batch, ctx: StageContext, *, upstream: tuple[StageFn
         raise RuntimeError("dynamic sampling needs ctx.next_prompts and its upstream stages (see build_graph)")
     rounds = [batch]
     kept = [_signal_groups(batch)]
+    seconds: dict[str, float] = {}  # time in each upstream stage over the extra rounds
     while True:
         local = [sum(_num_groups(k) for k in kept), sum(_num_groups(b) for b in rounds)]
         num_kept, num_drawn = comm.all_reduce_sum(torch.tensor(local, device=comm.device)).tolist()
@@ -104,10 +106,15 @@ def dynamic_sampling(batch: Batch, ctx: StageContext, *, upstream: tuple[StageFn
             break
         extra = ctx.next_prompts()
         for stage_fn in upstream:
+            start = time.time()
             extra = stage_fn(extra, ctx)
+            name = getattr(stage_fn, "__name__", "stage")
+            seconds[name] = seconds.get(name, 0.0) + time.time() - start
         rounds.append(extra)
         kept.append(_signal_groups(extra))
     final = min(target, num_kept // comm.world_size * comm.world_size)
+    for name, spent in seconds.items():  # e.g. time/resample_rollout_s: the throughput counts it
+        ctx.metrics.maximum(f"time/resample_{name}_s", spent)
     ctx.metrics.maximum("dynamic_sampling/rounds", len(rounds))
     ctx.metrics.maximum("dynamic_sampling/kept_groups", final)
     ctx.metrics.maximum("dynamic_sampling/signal_fraction", num_kept / max(num_drawn, 1))

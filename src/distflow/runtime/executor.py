@@ -253,7 +253,8 @@ def _step(worker: Worker, previous: Batch | None, status: RankStatus) -> tuple[d
     ctx.metrics.maximum("time/step_s", time.time() - step_start)
     status.enter("metrics", ctx.step, len(worker.plan.items) + 1)
     metrics = ctx.metrics.reduce(ctx.world)
-    metrics["throughput/generated_tokens_per_s"] = metrics["tokens/generated"] / metrics["time/rollout_s"]
+    rollout_s = metrics["time/rollout_s"] + metrics.get("time/resample_rollout_s", 0.0)  # + dynamic sampling's
+    metrics["throughput/generated_tokens_per_s"] = metrics["tokens/generated"] / rollout_s
     metrics["throughput/trained_tokens_per_s"] = metrics.get("tokens/trained", 0.0) / metrics["time/policy_update_s"]
     if metrics.get("data/train_tokens_per_rank", 0) > 0:
         metrics["data/train_token_imbalance"] = (metrics.pop("data/train_tokens_per_rank_max")
