@@ -18,7 +18,7 @@ from distflow.config.schema import OptimConfig
 from distflow.data.batch import Batch
 from distflow.engines.policy import PolicyEngine
 from distflow.runtime.dist import Comm
-from distflow.runtime.faults import diagnose
+from distflow.runtime.faults import diagnose, remove_stale_status_dirs
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
 
@@ -192,6 +192,26 @@ def test_diagnose_prefers_the_root_cause(tmp_path):
     assert diagnose(tmp_path, {}).line == "rank 1 stalled"
     status(1, "stalled", stage="chaos", step=3, position=6, since=0.5, error="rank 1 stalled", exit_code=3)
     assert diagnose(tmp_path, {}).line == "rank 1 stalled"  # an earlier step is behind, whatever the stage
+
+
+def test_stale_status_dirs_of_failed_runs_are_removed(tmp_path):
+    def run_dir(name, pid, age_s):
+        path = tmp_path / f"distflow-status-0-{name}"
+        path.mkdir()
+        (path / "rank0.json").write_text(json.dumps({"rank": 0, "pid": pid, "stage": "rollout", "since": 0.0,
+                                                     "state": "failed"}))
+        os.utime(path, (time.time() - age_s, time.time() - age_s))
+        return path
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    old_dead = run_dir("old-dead", int(dead), 3600)
+    old_alive = run_dir("old-alive", os.getpid(), 3600)  # a live rank: a run still going
+    recent = run_dir("recent", int(dead), 5)
+    mine = run_dir("mine", int(dead), 3600)
+    removed = remove_stale_status_dirs(tmp_path, "distflow-status-0-", keep=mine)
+    assert removed == [old_dead]
+    assert not old_dead.exists() and old_alive.exists() and recent.exists() and mine.exists()
 
 
 # ---- numerical guard (unit level; the abort after K skips is in tests/test_bad_inputs.py) --------

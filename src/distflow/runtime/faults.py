@@ -90,7 +90,10 @@ class RankStatus:
         status_dir = os.environ.get(STATUS_DIR_ENV)
         if not status_dir and "TORCHELASTIC_RUN_ID" in os.environ:
             run = f"{os.environ['TORCHELASTIC_RUN_ID']}-{os.environ.get('MASTER_PORT', '')}"
-            status_dir = str(Path(tempfile.gettempdir()) / f"distflow-status-{os.getuid()}-{run}")
+            prefix = f"distflow-status-{os.getuid()}-"
+            status_dir = str(Path(tempfile.gettempdir()) / f"{prefix}{run}")
+            if os.environ.get("LOCAL_RANK", "0") == "0":  # a failed run's directory stays for diagnosis
+                remove_stale_status_dirs(Path(tempfile.gettempdir()), prefix, keep=Path(status_dir))
         return cls(int(os.environ.get("RANK", 0)), status_dir=Path(status_dir) if status_dir else None,
                    stage_timeout_s=stage_timeout_s)
 
@@ -217,6 +220,26 @@ def _progress(status: dict) -> tuple:
     between ranks at the same place, the one that has waited longer is behind."""
     step = status.get("step")
     return (-1 if step is None else step, status.get("position", 0), status["since"])
+
+
+def remove_stale_status_dirs(parent: Path, prefix: str, *, keep: Path, min_age_s: float = 600) -> list[Path]:
+    """Remove the status directories of earlier bare-torchrun runs that failed (a failed run
+    keeps its own so that its ranks can name each other): those untouched for `min_age_s`
+    whose every rank process is gone. Returns what was removed."""
+    import shutil
+
+    removed = []
+    for path in parent.glob(f"{prefix}*"):
+        try:
+            if path == keep or not path.is_dir() or time.time() - path.stat().st_mtime < min_age_s:
+                continue
+        except OSError:
+            continue
+        if any(_alive(s["pid"]) for s in read_statuses(path) if "pid" in s):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 def _where(status: dict) -> str:
