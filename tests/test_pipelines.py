@@ -59,6 +59,8 @@ def test_algorithm_settings_and_user_overrides():
     dr = load_config(None, ["algorithm.name=dr_grpo"]).algorithm
     assert (dr.norm_adv_by_std, dr.loss_agg, dr.skip_zero_variance_groups) == (
         False, "seq-mean-token-sum-norm", False)
+    baseline = load_config(None, ["algorithm.name=reinforce_pp_baseline"]).algorithm
+    assert baseline.skip_zero_variance_groups is False  # whitened over every token, as verl/OpenRLHF
     grpo = load_config(None).algorithm
     assert (grpo.clip_high, grpo.norm_adv_by_std, grpo.dynamic_sampling) == (0.2, True, False)
     mine = load_config(None, ["algorithm.name=dapo", "algorithm.clip_high=0.3", "algorithm.dynamic_sampling=false"])
@@ -68,7 +70,7 @@ def test_algorithm_settings_and_user_overrides():
 
 def test_optional_stages_follow_the_settings():
     assert order("algorithm.name=dapo", "algorithm.overlong_buffer=2") == (
-        HEAD + ["overlong_penalty", "dynamic_sampling", "advantage"] + TAIL)
+        HEAD + ["dynamic_sampling", "overlong_penalty", "advantage"] + TAIL)  # filter on the task reward
     assert order("algorithm.kl_coef=0.1", "algorithm.ppo_epochs=2") == (
         HEAD + ["advantage", "old_logprob", "reference_logprob"] + TAIL)
     in_reward = HEAD + ["old_logprob", "reference_logprob", "kl_reward", "advantage"] + TAIL

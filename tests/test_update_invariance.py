@@ -113,3 +113,31 @@ def test_two_ranks_match_one_rank():
     single = critic_grads(SINGLE, 8, list(range(8)))
     for rank in (0, 1):
         _assert_same(single, per_rank[rank]["critic"])
+
+
+KL_LOSS = ["algorithm.kl_coef=0.1", "algorithm.entropy_coef=0.01"]
+
+
+def _grads_of(batch: Batch, overrides: list[str]) -> list[torch.Tensor]:
+    ctx = _context(SINGLE, overrides, 8)
+    policy_update(batch, ctx)
+    return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in ctx.policy.model.parameters()]
+
+
+def test_kl_loss_and_entropy_bonus_cover_groups_without_signal():
+    """Groups with equal rewards leave the policy-gradient term but are still held to the
+    reference (as verl applies the KL loss to every response token)."""
+    batch = make_batch()
+    moved = batch.updated(ref_logp=batch["ref_logp"].clone().index_fill_(0, torch.tensor([2]), -5.0))
+    assert batch["sample_mask"][2] == 0
+    # Changing the reference of a sample without signal changes the gradient with a KL loss...
+    with_kl = _grads_of(batch, KL_LOSS)
+    assert any(not torch.allclose(a, b) for a, b in zip(with_kl, _grads_of(moved, KL_LOSS)))
+    # ...and not without one.
+    for a, b in zip(_grads_of(batch, []), _grads_of(moved, [])):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # A step without any signal still regularises, normalised by every response token: the same
+    # gradient as a step where every sample counts but all advantages are 0.
+    none = batch.updated(sample_mask=torch.zeros(8))
+    flat = batch.updated(advantage=torch.zeros(8), sample_mask=torch.ones(8))
+    _assert_same(_grads_of(none, KL_LOSS), _grads_of(flat, KL_LOSS))

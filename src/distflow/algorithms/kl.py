@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 
 MAX_LOG_RATIO = 20.0
+MAX_K3 = 10.0
+"""k3 is clamped to [0, MAX_K3] (as verl's low_var_kl): one outlier token cannot dominate the loss."""
 
 
 def kl_k1(logp_BR: torch.Tensor, ref_logp_BR: torch.Tensor) -> torch.Tensor:
@@ -35,10 +37,10 @@ def kl_k2(logp_BR: torch.Tensor, ref_logp_BR: torch.Tensor) -> torch.Tensor:
 def kl_k3(logp_BR: torch.Tensor, ref_logp_BR: torch.Tensor) -> torch.Tensor:
     """Schulman's low-variance unbiased KL(π‖π_ref) estimator: e^d - d - 1, d = ref - logp.
 
-    Always >= 0, and 0 where the two log-probs agree.
+    Always >= 0, and 0 where the two log-probs agree; clamped at MAX_K3 (no gradient beyond).
     """
     delta_BR = (ref_logp_BR - logp_BR).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    return torch.exp(delta_BR) - delta_BR - 1.0
+    return (torch.exp(delta_BR) - delta_BR - 1.0).clamp(max=MAX_K3)
 
 
 def kl_penalized_reward(

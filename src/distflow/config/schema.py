@@ -133,7 +133,9 @@ ALGORITHM_SETTINGS = {
     "dapo": {"clip_high": 0.28, "dynamic_sampling": True},
     "rloo": {},
     "reinforce_pp": {},
-    "reinforce_pp_baseline": {},
+    # REINFORCE++-baseline (verl, OpenRLHF): whitened over every response token of the step,
+    # groups with equal rewards included (their centred advantage is 0 before whitening).
+    "reinforce_pp_baseline": {"skip_zero_variance_groups": False},
     # GSPO (Zheng et al. 2025): the ratio is per sequence (a geometric mean), hence tiny bounds.
     "gspo": {"clip_low": 3e-4, "clip_high": 4e-4, "policy_loss": "gspo", "loss_agg": "seq-mean-token-mean"},
     "ppo": {},

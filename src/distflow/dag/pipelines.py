@@ -3,7 +3,7 @@
 Every built-in is the same skeleton with a different advantage estimator (and, for PPO, a
 critic); the rest is chosen by the algorithm settings (`config.schema.ALGORITHM_SETTINGS`):
 
-    rollout → reward → [overlong_penalty] → [dynamic_sampling]
+    rollout → reward → [dynamic_sampling] → [overlong_penalty]
             → [old_logprob → reference_logprob → kl_reward]      (KL in the reward)
             → [values]                                           (PPO)
             → advantage
@@ -59,10 +59,10 @@ def policy_gradient(config: Config, estimator: Estimator, *, critic: bool = Fals
     chain.add("rollout", stages.rollout, "rollout", ("uid", "prompt", "prompt_ids"),
               ("input_ids", "attention_mask", "response_mask", "completion", "group"), group="rollout")
     chain.add("reward", stages.reward, "reward", ("prompt", "completion", "sample"), ("reward",))
+    if algo.dynamic_sampling:  # on the task's reward, before length shaping (DAPO keeps 0 < #correct < G)
+        chain.add("dynamic_sampling", dynamic_sampling, "filter", ("reward", "group"))
     if algo.overlong_buffer > 0:
         chain.add("overlong_penalty", stages.overlong_penalty, "reward", ("reward", "response_mask"), ("reward",))
-    if algo.dynamic_sampling:
-        chain.add("dynamic_sampling", dynamic_sampling, "filter", ("reward", "group"))
     kl_in_reward = algo.kl_coef > 0 and algo.kl_in_reward
     old_logprob = algo.ppo_epochs * algo.num_mini_batches > 1 or kl_in_reward
     update_reads = [*SEQUENCE, "advantage", "sample_mask"] + (["old_logp"] if old_logprob else [])

@@ -5,15 +5,16 @@
         N = all_reduce(Σ loss_normalizer(mask of my rows))        one number per optimizer step
         engine.update: for each micro-batch: backward(loss_sum(per-token loss) / N)   (DDP averages)
 
-The per-token loss of the policy is
+The loss of the policy is
 
-    policy_loss(logp, old_logp, advantage)  [+ β·KL(logp ‖ ref) unless KL is in the reward]
-                                            [- entropy_coef·H]
+    agg(policy_loss(logp, old_logp, advantage), signal tokens)
+      [+ agg(β·KL(logp ‖ ref) - entropy_coef·H, every response token)]   (KL loss / entropy bonus)
 
-with `policy_loss` picked from `POLICY_LOSSES` by `algorithm.policy_loss`, reduced by
-`algorithm.loss_agg` with a normaliser global over ranks and micro-batches, so the gradient
-does not depend on how the mini-batch is split (tested). The loss mask is the response
-tokens of the samples whose `sample_mask` is 1.
+with `policy_loss` picked from `POLICY_LOSSES` by `algorithm.policy_loss` and `agg` the
+`algorithm.loss_agg` reduction with a normaliser global over ranks and micro-batches, so the
+gradient does not depend on how the mini-batch is split (tested). Signal tokens are the
+response tokens of the samples whose `sample_mask` is 1; the regularisers hold every
+response to the reference, groups without signal included (as verl does).
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def _record_update(ctx: StageContext, prefix: str, stats: dict[str, float], num_
 
 
 def policy_update(batch: Batch, ctx: StageContext) -> Batch:
+    import torch
+
     from distflow.algorithms.aggregation import loss_sum
     from distflow.algorithms.kl import KL_ESTIMATORS
     from distflow.algorithms.losses import entropy_bonus
@@ -97,7 +100,11 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
         return batch
     policy_loss = POLICY_LOSSES[algo.policy_loss]
     kl_loss = algo.kl_coef > 0 and not algo.kl_in_reward
+    regularised = kl_loss or algo.entropy_coef > 0
     has_old = "old_logp" in batch.fields()
+    # Per mini-batch: the engine divides the loss by `normalizer`; the regularisers have their
+    # own normaliser (every response token), so they are scaled by normalizer / reg_normalizer.
+    scale = {"reg": 0.0}
 
     def loss_fn(micro: Batch, logp_BR, entropy_BR):
         mask_BR = loss_mask_BR(micro)
@@ -108,17 +115,26 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
             "entropy": (entropy_BR.detach() * mask_BR).sum(),
             "pg_loss": (loss_BR.detach() * mask_BR).sum(),
         }
-        if kl_loss:
-            kl_BR = KL_ESTIMATORS[algo.kl_estimator](logp_BR, micro["ref_logp"])
-            loss_BR = loss_BR + algo.kl_coef * kl_BR
-            stats["kl"] = (kl_BR.detach() * mask_BR).sum()
-        if algo.entropy_coef > 0:
-            loss_BR = loss_BR + entropy_bonus(entropy_BR, coef=algo.entropy_coef)
-        return loss_sum(loss_BR, mask_BR, algo.loss_agg), stats
+        total = loss_sum(loss_BR, mask_BR, algo.loss_agg)
+        if regularised:
+            response_BR = micro["response_mask"].float()
+            reg_BR = torch.zeros_like(logp_BR)
+            if kl_loss:
+                kl_BR = KL_ESTIMATORS[algo.kl_estimator](logp_BR, micro["ref_logp"])
+                reg_BR = reg_BR + algo.kl_coef * kl_BR
+                stats["kl"] = (kl_BR.detach() * mask_BR).sum()
+            if algo.entropy_coef > 0:
+                reg_BR = reg_BR + entropy_bonus(entropy_BR, coef=algo.entropy_coef)
+            total = total + loss_sum(reg_BR, response_BR, algo.loss_agg) * scale["reg"]
+        return total, stats
 
     for mini in mini_batches(batch, ctx):
         mask_BR = loss_mask_BR(mini)
         normalizer = global_normalizer(mask_BR, algo.loss_agg, ctx)
+        if regularised:
+            reg_normalizer = global_normalizer(mini["response_mask"].float(), algo.loss_agg, ctx)
+            normalizer = normalizer or reg_normalizer  # no signal: the step only regularises
+            scale["reg"] = normalizer / reg_normalizer if reg_normalizer else 0.0
         if normalizer == 0:  # every group of this mini-batch had equal rewards: no signal
             ctx.metrics.total("train/skipped_empty_steps", 1.0 / ctx.comm.world_size)
             continue
