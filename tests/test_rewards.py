@@ -8,7 +8,7 @@ import torch
 
 from distflow.config import ConfigError, load_config
 from distflow.engines import reward as reward_module
-from distflow.engines.reward import DeadlineCaller, Rewards, RewardTerm, RewardTimeout, build_rewards, score
+from distflow.engines.reward import DeadlineCaller, Rewards, RewardTerm, RewardTimeout, build_rewards
 
 
 def right(prompt, completion, sample):
@@ -54,7 +54,8 @@ def test_failures_and_timeouts_score_the_default_and_are_counted():
 
 
 def test_inline_rewards_contain_errors_too():
-    reward_B, errors = score(flaky, ["q", "q"], ["ok", "boom"], [{}, {}], default_reward=0.5)
+    scores = Rewards([RewardTerm("reward", flaky)], default_reward=0.5).score(["q", "q"], ["ok", "boom"], [{}, {}])
+    reward_B, errors = scores.reward_B, scores.errors
     assert reward_B.tolist() == [1.0, 0.5] and errors == 1
 
 

@@ -15,6 +15,7 @@ all-reduce of three numbers, so the advantage of a sample does not depend on the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -64,27 +65,28 @@ def _record(ctx: StageContext, advantage, mask_BR) -> None:
     ctx.metrics.mean("advantage/mean", float((adv_BR * mask_BR).sum()), float(mask_BR.sum()))
 
 
-def grpo_advantage(batch: Batch, ctx: StageContext) -> Batch:
-    """GRPO (std-normalised) or Dr.GRPO (`norm_adv_by_std=false`: centred) group advantages."""
-    from distflow.algorithms.advantages import grpo_advantages
-
-    advantage_B, zero_variance_B = grpo_advantages(
-        _sequence_reward_B(batch).cpu(), batch["group"].cpu(), norm_by_std=ctx.config.algorithm.norm_adv_by_std)
+def _group_advantage(batch: Batch, ctx: StageContext, advantages_fn) -> Batch:
+    """A group estimator's `(advantage_B, zero_variance_B)` with its sample mask and metrics."""
+    advantage_B, zero_variance_B = advantages_fn(_sequence_reward_B(batch).cpu(), batch["group"].cpu())
     keep_B = _signal_mask_B(zero_variance_B, ctx)
     _record(ctx, advantage_B, batch["response_mask"].cpu() * keep_B.unsqueeze(-1))
     device = ctx.comm.device
     return batch.updated(advantage=advantage_B.to(device), sample_mask=keep_B.to(device))
+
+
+def grpo_advantage(batch: Batch, ctx: StageContext) -> Batch:
+    """GRPO (std-normalised) or Dr.GRPO (`norm_adv_by_std=false`: centred) group advantages."""
+    from distflow.algorithms.advantages import grpo_advantages
+
+    return _group_advantage(batch, ctx, functools.partial(grpo_advantages,
+                                                          norm_by_std=ctx.config.algorithm.norm_adv_by_std))
 
 
 def rloo_advantage(batch: Batch, ctx: StageContext) -> Batch:
     """RLOO: each reward minus the mean of the other rewards of its group."""
     from distflow.algorithms.advantages import rloo_advantages
 
-    advantage_B, zero_variance_B = rloo_advantages(_sequence_reward_B(batch).cpu(), batch["group"].cpu())
-    keep_B = _signal_mask_B(zero_variance_B, ctx)
-    _record(ctx, advantage_B, batch["response_mask"].cpu() * keep_B.unsqueeze(-1))
-    device = ctx.comm.device
-    return batch.updated(advantage=advantage_B.to(device), sample_mask=keep_B.to(device))
+    return _group_advantage(batch, ctx, rloo_advantages)
 
 
 def reinforce_pp_advantage(batch: Batch, ctx: StageContext) -> Batch:

@@ -148,20 +148,6 @@ class Rewards:
         return scores
 
 
-def score(
-    reward_fn: RewardFn,
-    prompts: Sequence[str],
-    completions: Sequence[str],
-    samples: Sequence[dict],
-    *,
-    default_reward: float = 0.0,
-) -> tuple[torch.Tensor, int]:
-    """One reward function, inline: (reward_B, number of failed calls)."""
-    scores = Rewards([RewardTerm("reward", reward_fn)], default_reward=default_reward).score(
-        prompts, completions, samples)
-    return scores.reward_B, scores.errors
-
-
 def build_rewards(task) -> Rewards:
     """The `Rewards` of a `TaskConfig`: `task.rewards`, or the single `task.reward`."""
     from distflow.config.callables import import_callable
