@@ -69,7 +69,7 @@ def _on_ranks(comm: Comm, cases: list[tuple]) -> list[dict]:
     return [run_filter(comm, *case) for case in cases]
 
 
-CASES = [(8, 4), (8, 1), (4, 4, tuple(range(0, 100)))]
+CASES = [(8, 4), (8, 1), (4, 4, tuple(range(0, 100))), (4, 1, tuple(u for u in range(100) if u != 2))]
 
 
 @pytest.fixture(scope="module")
@@ -93,18 +93,32 @@ def test_two_ranks_keep_the_same_groups_balanced(two_ranks):
     assert sorted(ranks[0]["uids"] + ranks[1]["uids"]) == sorted(single["uids"])
     for index in (0, 1):
         ranks = [two_ranks[r][index] for r in (0, 1)]
-        assert len(ranks[0]["groups"]) == len(ranks[1]["groups"])  # whole groups, balanced
+        if index == 0:  # a full step (the short one is split 3 + 2 below)
+            assert len(ranks[0]["groups"]) == len(ranks[1]["groups"])  # whole groups, balanced
         assert not set(ranks[0]["groups"]) & set(ranks[1]["groups"])
         assert ranks[0]["width"] == ranks[1]["width"]
         assert ranks[0]["metrics"] == ranks[1]["metrics"]
 
 
-def test_short_step_rounds_down_to_the_data_parallel_size(two_ranks):
-    # One round of 8 prompts: uids 0..7 hold 5 signal groups; 2 ranks can share 4 evenly.
+def test_short_step_keeps_every_signal_group_at_any_world_size(two_ranks):
+    # One round of 8 prompts: uids 0..7 hold 5 signal groups; 2 ranks hold 3 and 2 of them,
+    # exactly the groups (and samples) that 1 rank keeps.
     ranks = [two_ranks[r][1] for r in (0, 1)]
-    assert sorted(set(ranks[0]["groups"] + ranks[1]["groups"])) == [0, 2, 3, 5]
-    assert ranks[0]["metrics"]["dynamic_sampling/short_steps"] == 1.0
-    assert run_filter(SINGLE, 8, 1)["metrics"]["dynamic_sampling/kept_groups"] == 5
+    single = run_filter(SINGLE, 8, 1)
+    assert sorted(set(ranks[0]["groups"] + ranks[1]["groups"])) == sorted(set(single["groups"])) == [0, 2, 3, 5, 6]
+    assert sorted(ranks[0]["uids"] + ranks[1]["uids"]) == sorted(single["uids"])
+    assert sorted(len(set(r["groups"])) for r in ranks) == [2, 3]
+    assert not set(ranks[0]["groups"]) & set(ranks[1]["groups"])  # whole groups on one rank
+    for result in (*ranks, single):
+        assert result["metrics"]["dynamic_sampling/short_steps"] == 1.0
+        assert result["metrics"]["dynamic_sampling/kept_groups"] == 5
+
+
+def test_fewer_signal_groups_than_ranks_leaves_a_rank_empty(two_ranks):
+    ranks = [two_ranks[r][3] for r in (0, 1)]
+    assert sorted(len(r["groups"]) for r in ranks) == [0, N]
+    assert ranks[0]["groups"] + ranks[1]["groups"] == [2] * N
+    assert ranks[0]["width"] == ranks[1]["width"]  # the empty share keeps the batch's schema
 
 
 def test_no_signal_at_all_passes_the_first_batch_on(two_ranks):

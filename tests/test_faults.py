@@ -48,14 +48,17 @@ ARGS = [
     "trainer.total_steps=2", "trainer.prompts_per_step=4", "rollout.num_samples=4", "trainer.eval_every=0",
     "trainer.eval_samples=1", "task.num_heldout=40", "trainer.progress_bar=false", "warmstart.target_accuracy=0",
     "checkpoint.every=0", "checkpoint.at_end=false",
-    "pipeline.custom_stages=[{name: chaos, fn: 'chaos:chaos', after: [reward], before: [advantage]}]",
 ]
+CHAOS_STAGE = "pipeline.custom_stages=[{name: chaos, fn: 'chaos:chaos', after: [reward], before: [advantage]%s}]"
 MEASURED: list[str] = []
 
 
-def start(tmp_path, cache_dir, fault, *extra, torchrun=False, fault_rank=1):
+def start(tmp_path, cache_dir, fault, *extra, torchrun=False, fault_rank=1, chaos_timeout_s=0):
+    """`chaos_timeout_s`: the chaos stage's own stall limit (the other stages keep the default
+    limits, so a loaded machine cannot make them time out first)."""
     (tmp_path / "chaos.py").write_text(CHAOS)
-    train = ["train", str(REPO / "examples/arith_grpo.yaml"), *ARGS, f"warmstart.cache_dir={cache_dir}",
+    stage = CHAOS_STAGE % (f", timeout_s: {chaos_timeout_s}" if chaos_timeout_s else "")
+    train = ["train", str(REPO / "examples/arith_grpo.yaml"), *ARGS, stage, f"warmstart.cache_dir={cache_dir}",
              f"trainer.output_dir={tmp_path}", "trainer.run_name=run", *extra]
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -139,20 +142,20 @@ def test_a_rank_that_raises_ends_the_job_with_one_line(tmp_path, cache_dir):
 
 
 def test_a_stalled_stage_is_reported_with_stacks(tmp_path, cache_dir):
-    proc = start(tmp_path, cache_dir, "stall", "--nproc", "2", "trainer.stage_timeout_s=5")
+    proc = start(tmp_path, cache_dir, "stall", "--nproc", "2", chaos_timeout_s=5)
     code, stderr, latency = finish(proc, tmp_path)
-    record("stall (stage_timeout_s=5), --nproc 2", latency)
+    record("stall (chaos timeout_s=5), --nproc 2", latency)
     assert code == 3 and latency < 5 + EXIT_DEADLINE_S
     assert last_line(stderr).startswith("distflow: rank 1 stalled: stage 'chaos' at step 1 has run for")
-    assert "trainer.stage_timeout_s=5" in last_line(stderr)
+    assert "> 5s (pipeline.custom_stages[chaos].timeout_s=5)" in last_line(stderr)
     assert "Python stacks of its threads" in stderr and 'chaos.py", line' in stderr  # faulthandler's dump
     assert_no_orphans(tmp_path)
 
 
 def test_single_process_stall(tmp_path, cache_dir):
-    proc = start(tmp_path, cache_dir, "stall", "trainer.stage_timeout_s=3", fault_rank=0)
+    proc = start(tmp_path, cache_dir, "stall", fault_rank=0, chaos_timeout_s=3)
     code, stderr, latency = finish(proc, tmp_path, marker="fault-rank0.json")
-    record("stall (stage_timeout_s=3), 1 process", latency)
+    record("stall (chaos timeout_s=3), 1 process", latency)
     assert code == 3 and latency < 3 + EXIT_DEADLINE_S
     assert last_line(stderr).startswith("distflow: rank 0 stalled: stage 'chaos' at step 1 has run for")
 
@@ -243,3 +246,31 @@ def _report_measurements():
     yield
     if MEASURED:
         print("\nfault injection:", "; ".join(MEASURED))
+
+
+def test_a_stage_limit_adapts_to_its_own_earlier_runs(tmp_path):
+    from distflow.runtime.faults import RankStatus, StageTimeouts
+
+    timeouts = StageTimeouts(ceiling_s=1800, factor=10, floor_s=60, fixed={"chaos": 3})
+    assert timeouts.limit("rollout") == (1800, "trainer.stage_timeout_s=1800")  # first run: the ceiling
+    assert timeouts.limit("chaos") == (3, "pipeline.custom_stages[chaos].timeout_s=3")  # fixed from the start
+    timeouts.record("rollout", 100.0)
+    assert timeouts.limit("rollout") == (1000.0, "10 x its longest earlier run (100.0s)")
+    timeouts.record("rollout", 2.0)  # the longest run counts, not the last
+    assert timeouts.limit("rollout")[0] == 1000.0
+    timeouts.record("evaluate", 500.0)
+    assert timeouts.limit("evaluate")[0] == 1800  # capped by the ceiling
+    assert StageTimeouts(ceiling_s=1800, factor=0, longest={"x": 1.0}).limit("x")[0] == 1800  # factor 0: off
+    assert StageTimeouts(ceiling_s=0).limit("x")[0] == 0 and not StageTimeouts(ceiling_s=0).active
+
+    status = RankStatus(0, status_dir=tmp_path, timeouts=StageTimeouts(ceiling_s=1800, factor=10, floor_s=60))
+    try:
+        status.enter("reward", 1)
+        assert status.limit_s == 1800
+        status.enter("advantage", 1)
+        status.enter("reward", 2)  # its first run took far less than 6 s: the floor applies
+        assert status.limit_s == 60 and status.limit_source.startswith("trainer.stage_timeout_floor_s=60")
+        written = json.loads((tmp_path / "rank0.json").read_text())
+        assert (written["stage"], written["stage_timeout_s"]) == ("reward", 60)
+    finally:
+        status.done()

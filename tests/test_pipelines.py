@@ -6,7 +6,7 @@ import yaml
 from distflow.config import ConfigError, load_config, to_dict
 from distflow.config.schema import ALGORITHMS
 from distflow.dag import stages
-from distflow.dag.pipelines import LOADER_FIELDS, PIPELINES, build_graph
+from distflow.dag.pipelines import LOADER_FIELDS, build_graph
 from distflow.planner.plan import make_plan
 
 HEAD, TAIL = ["rollout", "reward"], ["policy_update", "weight_sync"]
@@ -44,10 +44,6 @@ def _overrides(data, prefix=""):
         else:
             out.append(f"{prefix}{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...')}")
     return [o.strip() for o in out]
-
-
-def test_pipeline_table_covers_every_name():
-    assert set(PIPELINES) == set(ALGORITHMS)
 
 
 def test_algorithm_settings_and_user_overrides():

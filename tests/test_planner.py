@@ -98,3 +98,20 @@ def test_plan_command_for_4096_ranks_needs_neither_torch_nor_a_launch():
     assert result.returncode == 0, result.stderr
     assert "ranks 0-1023: rollout → [send → reward] → weight_sync" in result.stdout
     assert "ranks 1024-4095: [recv → reward] → reward" in result.stdout
+
+
+def test_a_stage_that_needs_every_rank_cannot_run_on_a_subset():
+    """A user stage that enters a world collective (here the weight broadcast) placed on the
+    rollout ranks only would wait forever for the train ranks: rejected before launch."""
+    from distflow.config import ConfigError, load_config
+    from distflow.dag.pipelines import LOADER_FIELDS, build_graph
+    from distflow.planner.plan import make_plan
+
+    stage = ("pipeline.custom_stages=[{name: sync_again, fn: 'distflow.dag.stages:weight_sync', "
+             "placement: rollout, after: [rollout], before: [reward]}]")
+    disaggregated = load_config(None, [stage, "placement.rollout.ranks=0", "placement.train.ranks=1-3",
+                                       "trainer.prompts_per_step=3"])
+    with pytest.raises(ConfigError, match="'sync_again' enters collectives over every rank.*ranks 0 of 0-3"):
+        make_plan(build_graph(disaggregated), disaggregated, 4, LOADER_FIELDS)
+    colocated = load_config(None, [stage])  # every rank runs the rollout group: fine
+    make_plan(build_graph(colocated), colocated, 4, LOADER_FIELDS)

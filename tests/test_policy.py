@@ -94,3 +94,15 @@ def test_metrics_reduce_single_process():
     empty = StepMetrics()
     empty.mean("x", 0, 0)
     assert empty.reduce(SINGLE)["x"] != empty.reduce(SINGLE)["x"]  # NaN when nothing was counted
+
+
+def test_an_empty_share_has_empty_logprobs_and_values():
+    """A short dynamic-sampling step can leave a rank without samples; its stages still run."""
+    from distflow.engines.critic import build_critic
+    from distflow.engines.logprobs import batch_logprobs
+
+    model = build_tiny_model(build_char_tokenizer(), seed=0)
+    empty = make_batch().select([])
+    assert batch_logprobs(model, empty, micro_batch_size=4, temperature=1.0).shape == (0, 4)
+    critic = build_critic(model, SINGLE, OptimConfig(), lr=1e-3)
+    assert critic.values(empty, 4).shape == (0, 4)

@@ -104,6 +104,26 @@ def _two_rank_grads(comm: Comm) -> dict[str, list[torch.Tensor]]:
     return out
 
 
+def _uneven_grads(comm: Comm) -> dict[str, list[torch.Tensor]]:
+    """Shares of 7 + 1 and of 8 + 0 rows (a short dynamic-sampling step can leave a rank empty)."""
+    out = {}
+    for name, split in (("7+1", 7), ("8+0", 8)):
+        rows = list(range(split)) if comm.rank == 0 else list(range(split, 8))
+        out[name] = policy_grads(comm, CASES["token-mean"], 2, rows)
+        out[f"critic {name}"] = critic_grads(comm, 2, rows)
+    return out
+
+
+def test_unequal_and_empty_shares_match_one_rank():
+    per_rank = run_on_ranks(_uneven_grads, 2)
+    single = policy_grads(SINGLE, CASES["token-mean"], 8, list(range(8)))
+    single_critic = critic_grads(SINGLE, 8, list(range(8)))
+    for rank in (0, 1):
+        for name in ("7+1", "8+0"):
+            _assert_same(single, per_rank[rank][name])
+            _assert_same(single_critic, per_rank[rank][f"critic {name}"])
+
+
 def test_two_ranks_match_one_rank():
     per_rank = run_on_ranks(_two_rank_grads, 2)
     for case, overrides in CASES.items():

@@ -281,7 +281,14 @@ class TrainerConfig:
     """If > 0, micro-batches are packed by this token budget instead of micro_batch_size."""
     stage_timeout_s: float = 1800
     """A rank that spends longer than this in one stage (or in set-up, evaluation, a
-    checkpoint) prints its Python stacks and ends the job; 0 turns the watchdog off."""
+    checkpoint) prints its Python stacks and ends the job; 0 turns the watchdog off. It is
+    the limit of a stage's first run and the cap of the adaptive limit below."""
+    stage_timeout_factor: float = 10.0
+    """Once a stage has completed, its limit becomes this many times its longest run so far
+    (at least stage_timeout_floor_s, at most stage_timeout_s): a stage that normally takes
+    seconds is declared stuck within minutes, not after stage_timeout_s. 0: always stage_timeout_s."""
+    stage_timeout_floor_s: float = 120.0
+    """The adaptive limit never goes below this (load spikes, the occasional slow step)."""
     max_nonfinite_steps: int = 5
     """Abort after this many consecutive optimizer steps skipped for a NaN/inf loss or
     gradient (each skip is counted in train/nonfinite_grad_steps); 0 never aborts."""
@@ -297,6 +304,10 @@ class TrainerConfig:
         _check(self.micro_batch_tokens >= 0, f"trainer.micro_batch_tokens must be >= 0 (got {self.micro_batch_tokens})")
         _check(self.stage_timeout_s == 0 or self.stage_timeout_s >= 1,
                f"trainer.stage_timeout_s must be 0 (off) or >= 1 (got {self.stage_timeout_s})")
+        _check(self.stage_timeout_factor == 0 or self.stage_timeout_factor >= 2,
+               f"trainer.stage_timeout_factor must be 0 (off) or >= 2 (got {self.stage_timeout_factor})")
+        _check(self.stage_timeout_floor_s >= 1,
+               f"trainer.stage_timeout_floor_s must be >= 1 (got {self.stage_timeout_floor_s})")
         _check(self.max_nonfinite_steps >= 0,
                f"trainer.max_nonfinite_steps must be >= 0 (got {self.max_nonfinite_steps})")
 
@@ -378,9 +389,12 @@ class StageSpec:
     writes: list[str] = field(default_factory=list)
     placement: str = "train"
     """Worker group that runs it: train or rollout."""
+    timeout_s: float = 0
+    """> 0: a fixed stall limit for this stage instead of the trainer's (trainer.stage_timeout_*)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "pipeline.custom_stages[].name must not be empty")
+        _check(self.timeout_s >= 0, f"stage {self.name!r}: timeout_s must be >= 0 (got {self.timeout_s})")
         _check(self.placement in ("train", "rollout"),
                f"stage {self.name!r}: placement must be train or rollout (got {self.placement!r})")
         _check(":" in self.fn, f"stage {self.name!r}: fn must look like 'package.module:function' (got {self.fn!r})")

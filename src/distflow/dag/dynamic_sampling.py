@@ -9,14 +9,16 @@ central process.
           enough (≥ prompts_per_step) or max_sampling_rounds drawn?  → stop
           next loader batch (my share) → rollout → reward → ... (the stages this one
           depends on, rerun as they ran on the first batch) → keep my signal groups
-    K = min(prompts_per_step, kept rounded down to a multiple of the data-parallel size)
+    K = min(prompts_per_step, kept)
     all_reduce of every rank's kept group ids (padded table)  → all ranks know the same list
     keep the K smallest ids (the earliest drawn: uid order is loader order)
-    redistribute (all_gather lengths → balance → all_to_all) so every rank holds K / DP groups
+    redistribute (all_gather lengths → balance → all_to_all): every rank holds K // DP whole
+    groups, the first K % DP ranks one more (a short step may leave a rank with none)
 
 Invariants: the chosen groups depend only on the loader order and the seed, not on the
-world size (each round draws the same global prompts; ids are global); every rank ends
-with the same number of whole groups, so the train layout divides the batch. If no group
+world size (each round draws the same global prompts; ids are global), so neither do the
+trained samples and tokens of a short step; whole groups stay on one rank. The update
+stages accept unequal (even empty) shares: their normalisers are global. If no group
 has signal after `max_sampling_rounds`, the first batch goes on unchanged (its advantages
 are all zero and the update is skipped). Needs rollout and training on the same ranks.
 """
@@ -27,7 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from distflow.dag.graph import StageFn
+from distflow.dag.graph import StageFn, every_rank
 
 if TYPE_CHECKING:
     import torch
@@ -85,6 +87,7 @@ def first_groups_globally(group_ids: list[int], count: int, comm: Comm) -> set[i
     return set(everyone[:count])
 
 
+@every_rank
 def dynamic_sampling(batch: Batch, ctx: StageContext, *, upstream: tuple[StageFn, ...] = ()) -> Batch:
     """`upstream`: the stages that produced `batch`, in order (bound by `build_graph`)."""
     import torch
@@ -112,7 +115,7 @@ def dynamic_sampling(batch: Batch, ctx: StageContext, *, upstream: tuple[StageFn
             seconds[name] = seconds.get(name, 0.0) + time.time() - start
         rounds.append(extra)
         kept.append(_signal_groups(extra))
-    final = min(target, num_kept // comm.world_size * comm.world_size)
+    final = min(target, num_kept)
     for name, spent in seconds.items():  # e.g. time/resample_rollout_s: the throughput counts it
         ctx.metrics.maximum(f"time/resample_{name}_s", spent)
     ctx.metrics.maximum("dynamic_sampling/rounds", len(rounds))
@@ -127,6 +130,6 @@ def dynamic_sampling(batch: Batch, ctx: StageContext, *, upstream: tuple[StageFn
     mine = mine.select([i for i, g in enumerate(mine["group"].tolist()) if g in chosen])
     if comm.world_size > 1:
         layout = Layout(tuple(range(ctx.world.world_size)))
-        mine, stats = redistribute(mine, layout, layout, ctx.world, keep_groups=True)
+        mine, stats = redistribute(mine, layout, layout, ctx.world, keep_groups=True, uneven=True)
         ctx.metrics.maximum("data/bytes_sent_dynamic_sampling", stats.bytes_sent)
     return mine

@@ -22,6 +22,20 @@ class GraphError(ConfigError):
     """The graph cannot run as declared."""
 
 
+def every_rank(fn: StageFn) -> StageFn:
+    """Mark a stage function that enters collectives over every rank of the world (e.g. the
+    weight broadcast): the planner rejects placing it on a subset, where it would wait
+    forever for ranks that never join."""
+    fn.needs_every_rank = True
+    return fn
+
+
+def needs_every_rank(fn: StageFn) -> bool:
+    while hasattr(fn, "func"):  # functools.partial, as `build_graph` binds some stages
+        fn = fn.func
+    return getattr(fn, "needs_every_rank", False)
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str

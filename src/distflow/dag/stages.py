@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from distflow.dag.graph import every_rank
 from distflow.seeding import derive_seed
 
 if TYPE_CHECKING:
@@ -139,6 +140,7 @@ def kl_reward(batch: Batch, ctx: StageContext) -> Batch:
     return batch.updated(kl_penalty=beta * kl_BR)
 
 
+@every_rank
 def weight_sync(batch: Batch, ctx: StageContext) -> Batch:
     """After the update, the rollout engines must sample from the new policy.
 

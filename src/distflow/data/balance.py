@@ -22,17 +22,21 @@ def balanced_assignment(
     num_bins: int,
     *,
     units: Sequence[int] | None = None,
+    uneven: bool = False,
 ) -> list[int]:
     """The bin of each item: equal item counts per bin, total weight balanced (LPT).
 
     `units[i]` names the unit of item i (e.g. its prompt group): the items of one unit
     always land in the same bin. Every unit must hold the same number of items and the
-    number of units must divide by `num_bins`.
+    number of units must divide by `num_bins` — unless `uneven`, where the first
+    `units % num_bins` bins take one unit more than the others (some bins may stay empty).
 
     >>> balanced_assignment([5, 1, 4, 2], 2)
     [0, 0, 1, 1]
     >>> balanced_assignment([5, 1, 4, 2], 2, units=[7, 7, 3, 3])
     [1, 1, 0, 0]
+    >>> balanced_assignment([5, 1, 4], 2, uneven=True)  # bin 0 has room for 2
+    [0, 0, 1]
     """
     if num_bins < 1:
         raise ValueError(f"num_bins must be >= 1 (got {num_bins})")
@@ -45,12 +49,13 @@ def balanced_assignment(
     sizes = {len(items) for items in members.values()}
     if len(sizes) > 1:
         raise ValueError(f"units must all hold the same number of items (sizes: {sorted(sizes)})")
-    if len(members) % num_bins:
+    if len(members) % num_bins and not uneven:
         raise ValueError(f"{len(members)} units cannot be split evenly over {num_bins} bins")
-    capacity = len(members) // num_bins
+    capacity = bin_capacities(len(members), num_bins)
     unit_weight = {unit: sum(weights[i] for i in items) for unit, items in members.items()}
     order = sorted(members, key=lambda unit: (-unit_weight[unit], unit))
-    heap = [(0, b) for b in range(num_bins)]  # (load, bin): least loaded first, lowest bin on ties
+    # (load, bin): least loaded first, lowest bin on ties; bins without room never enter
+    heap = [(0, b) for b in range(num_bins) if capacity[b]]
     filled = [0] * num_bins
     bin_of = [0] * len(weights)
     for unit in order:
@@ -58,9 +63,19 @@ def balanced_assignment(
         for item in members[unit]:
             bin_of[item] = b
         filled[b] += 1
-        if filled[b] < capacity:
+        if filled[b] < capacity[b]:
             heapq.heappush(heap, (load + unit_weight[unit], b))
     return bin_of
+
+
+def bin_capacities(num_units: int, num_bins: int) -> list[int]:
+    """Units per bin, as equal as possible: the first `num_units % num_bins` bins take one more.
+
+    >>> bin_capacities(5, 2), bin_capacities(1, 3)
+    ([3, 2], [1, 0, 0])
+    """
+    size, extra = divmod(num_units, num_bins)
+    return [size + (1 if b < extra else 0) for b in range(num_bins)]
 
 
 def bin_loads(weights: Sequence[int], bin_of: Sequence[int], num_bins: int) -> list[int]:

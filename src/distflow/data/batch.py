@@ -77,5 +77,9 @@ class Batch:
             start = stop
         return chunks
 
+    def micro_batches(self, size: int) -> list[Batch]:
+        """Chunks of at most `size` samples, as equal as possible; none for an empty batch."""
+        return self.split(-(-len(self) // size)) if len(self) else []
+
     def tensor_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())

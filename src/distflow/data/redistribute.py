@@ -12,7 +12,8 @@
     6 unpack, order by uid                  the destination's batch is independent of the source layout
 
 Invariants (checked, not assumed): every sample arrives exactly once at every rank of its
-destination replica; every destination receives exactly total / dp samples; the ranks of
+destination replica; every destination receives exactly total / dp samples (or, `uneven`, its
+bin's count from the shared assignment table); the ranks of
 one source replica hold identical item lists; every source rank has the same fields.
 Tensor rows are packed as raw bytes, per-sample Python values (prompt text, uid, ...)
 are pickled, so contents arrive bit-identical.
@@ -70,8 +71,13 @@ def _all_gather(tensor: torch.Tensor, comm: Comm) -> torch.Tensor:
     return torch.stack(parts)
 
 
-def redistribute(batch: Batch, src: Layout, dst: Layout, comm: Comm, *, keep_groups: bool) -> tuple[Batch, MoveStats]:
-    """This rank's share of the batch on `dst`. `comm` is the world communicator."""
+def redistribute(batch: Batch, src: Layout, dst: Layout, comm: Comm, *, keep_groups: bool,
+                 uneven: bool = False) -> tuple[Batch, MoveStats]:
+    """This rank's share of the batch on `dst`. `comm` is the world communicator.
+
+    `uneven`: the units (samples, or whole groups) need not divide by the destination's
+    data-parallel size; the first replicas then take one unit more (see `bin_capacities`).
+    """
     start = time.perf_counter()
     rank, world = comm.rank, comm.world_size
     holds = rank in src
@@ -121,7 +127,7 @@ def redistribute(batch: Batch, src: Layout, dst: Layout, comm: Comm, *, keep_gro
     unit = [row[1] for _, _, row in items] if keep_groups else None
     tokens = [row[2] for _, _, row in items]
     try:
-        bin_of = balanced_assignment(tokens, dst.dp_size, units=unit)
+        bin_of = balanced_assignment(tokens, dst.dp_size, units=unit, uneven=uneven)
     except ValueError as err:
         raise RuntimeError(f"cannot split {total} samples over {dst.describe()}: {err}") from None
     naive = [i * dst.dp_size // max(total, 1) for i in range(total)]
@@ -162,7 +168,7 @@ def redistribute(batch: Batch, src: Layout, dst: Layout, comm: Comm, *, keep_gro
                                  [meta_size(i, sender) for i in index]))
             uids.extend(items[i][2][0] for i in index)
         offset += recv_sizes[sender]
-    expected = total // dst.dp_size if rank in dst else 0
+    expected = bin_of.count(dst.replica_of(rank)) if rank in dst else 0
     if len(uids) != expected:
         raise RuntimeError(f"rank {rank} received {len(uids)} samples, expected its share of {expected}")
     order = sorted(range(len(uids)), key=uids.__getitem__)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 
 import torch
 
@@ -67,9 +66,9 @@ class CriticEngine(PolicyEngine):
         self.model.eval()
         width = batch["response_mask"].shape[1]
         out = [response_values(self.model, mb["input_ids"], mb["attention_mask"], width)
-               for mb in batch.split(math.ceil(len(batch) / micro_batch_size))]
+               for mb in batch.micro_batches(micro_batch_size)]
         self.model.train(was_training)
-        return torch.cat(out)
+        return torch.cat(out) if out else torch.zeros((0, width), device=batch["input_ids"].device)
 
     def logprobs(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
         raise TypeError("a critic has values, not log-probs")

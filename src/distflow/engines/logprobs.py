@@ -7,7 +7,6 @@ distribution the samples came from.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -57,7 +56,7 @@ def batch_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: in
     width = batch["response_mask"].shape[1]
     out = [
         response_logprobs(model, mb["input_ids"], mb["attention_mask"], width, temperature=temperature)[0]
-        for mb in batch.split(math.ceil(len(batch) / micro_batch_size))
+        for mb in batch.micro_batches(micro_batch_size)
     ]
     model.train(was_training)
-    return torch.cat(out)
+    return torch.cat(out) if out else torch.zeros((0, width), device=batch["input_ids"].device)

@@ -11,7 +11,6 @@ mini-batch is split over ranks and micro-batches.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 
 import torch
@@ -63,6 +62,8 @@ class PolicyEngine:
 
         Micro-batches hold `micro_batch_size` sequences, or with `micro_batch_tokens` > 0 are
         packed by that token budget (first-fit decreasing, columns of pure padding dropped).
+        A rank whose share is empty (a short dynamic-sampling step) still joins the gradient
+        all-reduce, with a zero gradient, so its peers' step is unchanged.
         """
         self.model.train()
         if micro_batch_tokens > 0:
@@ -70,7 +71,7 @@ class PolicyEngine:
             micros = [_trim_left_padding(mini_batch.select(index))
                       for index in token_budget_micro_batches(lengths, micro_batch_tokens)]
         else:
-            micros = mini_batch.split(math.ceil(len(mini_batch) / micro_batch_size))
+            micros = mini_batch.micro_batches(micro_batch_size)
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
         loss_finite = True
@@ -84,6 +85,8 @@ class PolicyEngine:
                 (loss_sum * self.comm.world_size / num_loss_tokens_global).backward()
             for name, value in stats.items():
                 totals[name] = totals.get(name, 0.0) + float(value)
+        if not micros and self.comm.distributed:
+            self._join_with_zero_gradient()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         # A NaN loss usually poisons the all-reduced gradient too, but not always (e.g. NaN
         # only where the mask is 0), so the ranks also agree on the losses: one tiny all-reduce.
@@ -102,6 +105,16 @@ class PolicyEngine:
         totals["grad_norm"] = float(grad_norm)
         totals["lr"] = self.scheduler.get_last_lr()[0]
         return totals
+
+
+    def _join_with_zero_gradient(self) -> None:
+        """One backward of 0 x (a one-token forward): every parameter gets a zero gradient
+        and the data-parallel wrapper all-reduces it with the peers' real ones."""
+        ids = torch.zeros((1, 2), dtype=torch.long, device=self.comm.device)
+        dummy = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                       "response_mask": torch.ones((1, 1), dtype=torch.long, device=ids.device)})
+        out_BR, _ = self.forward(dummy)
+        (out_BR.sum() * 0.0).backward()
 
 
 def _trim_left_padding(micro: Batch) -> Batch:

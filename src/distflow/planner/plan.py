@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distflow.config.schema import Config, ConfigError
-from distflow.dag.graph import Graph, Stage
+from distflow.dag.graph import Graph, Stage, needs_every_rank
 from distflow.planner.layout import Layout, format_ranks, parse_ranks
 
 # Bytes per sample of known tensor fields, for the plan's traffic estimate:
@@ -147,6 +147,13 @@ def make_plan(graph: Graph, config: Config, world_size: int, initial_fields: tup
     order = graph.validate(initial_fields)
     groups = make_groups(config, world_size)
     planned = [PlannedStage(stage, groups[stage.group]) for stage in order]
+    for p in planned:
+        if needs_every_rank(p.stage.fn) and len(p.layout.ranks) != world_size:
+            raise ConfigError(
+                f"stage {p.stage.name!r} enters collectives over every rank, but its placement "
+                f"({p.stage.group}) runs it on ranks {format_ranks(p.layout.ranks)} of 0-{world_size - 1} only: "
+                f"it would wait forever for the others (a custom stage runs on one worker group: its collectives "
+                f"must use ctx.comm, the group's communicator)")
     prompts, n = config.trainer.prompts_per_step, config.rollout.num_samples
     seq_len = config.rollout.max_new_tokens + _prompt_tokens_estimate(config)
 

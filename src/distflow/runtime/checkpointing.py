@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 # next (where it runs, how long, how it reports); any other change is reported in the log.
 FREE_TO_CHANGE = ("trainer.total_steps", "trainer.output_dir", "trainer.run_name", "trainer.eval_every",
                   "trainer.tensorboard", "trainer.progress_bar", "trainer.device", "trainer.timeout_s",
-                  "trainer.stage_timeout_s", "trainer.prefetch", "trainer.micro_batch_size",
+                  "trainer.stage_timeout_", "trainer.prefetch", "trainer.micro_batch_size",
                   "trainer.micro_batch_tokens", "checkpoint.", "placement.", "warmstart.cache_dir")
 
 

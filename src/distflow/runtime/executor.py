@@ -13,7 +13,7 @@
 
 `--resume` restores a checkpoint after the build and continues from its step. Each rank
 records the stage it is in (runtime/faults.py): a failure names its rank and stage, and a
-stage that outlives trainer.stage_timeout_s ends the job with every thread's stack.
+stage that outlives its limit (faults.StageTimeouts) ends the job with every thread's stack.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from distflow.observability.writer import RunWriter
 from distflow.planner.plan import Plan, Transition, make_plan
 from distflow.runtime import checkpointing
 from distflow.runtime.dist import Comm, init_comm, shutdown
-from distflow.runtime.faults import RankStatus, TrainingAborted, die_with_parent
+from distflow.runtime.faults import RankStatus, StageTimeouts, TrainingAborted, die_with_parent
 from distflow.seeding import derive_seed
 from distflow.tasks.arithmetic import ArithmeticTask
 from distflow.tasks.embedded import ensure_embedded_model
@@ -91,7 +91,7 @@ def load_model_and_tokenizer(config: Config, comm: Comm, log) -> tuple[torch.nn.
 def run(config: Config, run_dir: Path, resume: Path | None = None) -> int:
     """This rank's whole run; returns its exit code. A failure is reported here, once."""
     started = float(os.environ.get("DISTFLOW_STARTED", time.time()))  # set by the CLI before any set-up
-    status = RankStatus.from_env(stage_timeout_s=config.trainer.stage_timeout_s)
+    status = RankStatus.from_env(timeouts=StageTimeouts.from_config(config))
     if "RANK" in os.environ:  # started by torch's launcher: do not outlive it
         die_with_parent()
     comm = None

@@ -2,7 +2,7 @@
 
     rank r ── status.enter(stage, step, position) ──► STATUS_DIR/rank{r}.json
        │                                       {rank, pid, stage, step, position, since, state}
-       │      watchdog thread: one stage older than trainer.stage_timeout_s, and no live peer
+       │      watchdog thread: one stage older than its limit (StageTimeouts), and no live peer
        │          behind this rank (an earlier step, or an earlier position in the plan)
        │          → "rank r stalled in stage S" + every thread's Python stack (faulthandler) → exit 3
        └─ exception → status.fail(): state "failed" + one line naming rank, stage and step
@@ -30,10 +30,10 @@ import tempfile
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from distflow.config.schema import ConfigError
+from distflow.config.schema import Config, ConfigError
 
 EXIT_FAILED = 1
 EXIT_USER_ERROR = 2
@@ -67,24 +67,77 @@ def _is_comm_error(err: BaseException) -> bool:
                                                     "Broken pipe", "Timed out", "timed out", "Timeout"))
 
 
+@dataclass
+class StageTimeouts:
+    """How long a stage may run before its rank is declared stuck.
+
+    A stage's first run may take up to `ceiling_s` (start-up, first compilation, a first
+    checkpoint). Once it has completed, its limit is `factor` × its longest run so far, at
+    least `floor_s` and at most `ceiling_s`: a stage that takes a second is reported
+    stuck after `floor_s`, not after the ceiling. `fixed` holds per-stage limits set by the
+    user (a custom stage's `timeout_s`), used from the first run on.
+
+    >>> t = StageTimeouts(ceiling_s=1800, factor=10, floor_s=120)
+    >>> t.limit("rollout")[0], t.record("rollout", 3.0), t.limit("rollout")[0]
+    (1800, None, 120)
+    >>> t.record("rollout", 40.0), t.limit("rollout")
+    (None, (400.0, '10 x its longest earlier run (40.0s)'))
+    """
+
+    ceiling_s: float
+    factor: float = 10.0
+    floor_s: float = 120.0
+    fixed: dict[str, float] = field(default_factory=dict)
+    longest: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: Config) -> StageTimeouts:
+        trainer = config.trainer
+        return cls(ceiling_s=trainer.stage_timeout_s, factor=trainer.stage_timeout_factor,
+                   floor_s=trainer.stage_timeout_floor_s,
+                   fixed={s.name: s.timeout_s for s in config.pipeline.custom_stages if s.timeout_s > 0})
+
+    @property
+    def active(self) -> bool:
+        return self.ceiling_s > 0 or bool(self.fixed)
+
+    def record(self, stage: str, seconds: float) -> None:
+        self.longest[stage] = max(seconds, self.longest.get(stage, 0.0))
+
+    def limit(self, stage: str) -> tuple[float, str]:
+        """(seconds, what set them) for `stage`'s current run; 0 seconds: no limit."""
+        if stage in self.fixed:
+            return self.fixed[stage], f"pipeline.custom_stages[{stage}].timeout_s={self.fixed[stage]:g}"
+        ceiling = (self.ceiling_s, f"trainer.stage_timeout_s={self.ceiling_s:g}")
+        seen = self.longest.get(stage)
+        if self.ceiling_s <= 0 or self.factor <= 0 or seen is None:
+            return ceiling
+        if self.factor * seen >= self.ceiling_s:
+            return ceiling
+        if self.factor * seen <= self.floor_s:
+            return self.floor_s, f"trainer.stage_timeout_floor_s={self.floor_s:g} (its longest earlier run: {seen:.1f}s)"
+        return self.factor * seen, f"{self.factor:g} x its longest earlier run ({seen:.1f}s)"
+
+
 class RankStatus:
     """This rank's current stage, on disk for the launcher and in memory for the watchdog."""
 
-    def __init__(self, rank: int, *, status_dir: Path | None, stage_timeout_s: float) -> None:
+    def __init__(self, rank: int, *, status_dir: Path | None, timeouts: StageTimeouts) -> None:
         self.rank = rank
         self.status_dir = status_dir
-        self.stage_timeout_s = stage_timeout_s
+        self.timeouts = timeouts
         self.stage, self.step, self.position, self.since = "start", None, 0, time.time()
+        self.limit_s, self.limit_source = timeouts.limit(self.stage)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         if status_dir is not None:
             status_dir.mkdir(parents=True, exist_ok=True)
             self._write("running")
-        if stage_timeout_s > 0:
+        if timeouts.active:
             threading.Thread(target=self._watch, name="distflow-watchdog", daemon=True).start()
 
     @classmethod
-    def from_env(cls, *, stage_timeout_s: float) -> RankStatus:
+    def from_env(cls, *, timeouts: StageTimeouts) -> RankStatus:
         """Status files go where `distflow train --nproc` says; under a bare torchrun, to a
         directory named after its run (the same for the ranks of one machine)."""
         status_dir = os.environ.get(STATUS_DIR_ENV)
@@ -95,7 +148,7 @@ class RankStatus:
             if os.environ.get("LOCAL_RANK", "0") == "0":  # a failed run's directory stays for diagnosis
                 remove_stale_status_dirs(Path(tempfile.gettempdir()), prefix, keep=Path(status_dir))
         return cls(int(os.environ.get("RANK", 0)), status_dir=Path(status_dir) if status_dir else None,
-                   stage_timeout_s=stage_timeout_s)
+                   timeouts=timeouts)
 
     def where(self) -> str:
         return _where({"stage": self.stage, "step": self.step})
@@ -103,8 +156,11 @@ class RankStatus:
     def enter(self, stage: str, step: int | None = None, position: int = 0) -> None:
         """`position`: where `stage` comes in a step (the plan's global order), so that ranks
         of different worker groups can tell which of them is behind."""
+        now = time.time()
         with self._lock:
-            self.stage, self.step, self.position, self.since = stage, step, position, time.time()
+            self.timeouts.record(self.stage, now - self.since)
+            self.stage, self.step, self.position, self.since = stage, step, position, now
+            self.limit_s, self.limit_source = self.timeouts.limit(stage)
         self._arm_backstop()
         if self.status_dir is not None:
             self._write("running")
@@ -152,7 +208,7 @@ class RankStatus:
     def _write(self, state: str, **extra) -> None:
         record = {"rank": self.rank, "pid": os.getpid(), "stage": self.stage, "step": self.step,
                   "position": self.position, "since": self.since, "state": state, "time": time.time(),
-                  "stage_timeout_s": self.stage_timeout_s, **extra}
+                  "stage_timeout_s": self.limit_s, "timeout_source": self.limit_source, **extra}
         path = self.status_dir / f"rank{self.rank}.json"
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(record))
@@ -163,13 +219,13 @@ class RankStatus:
         fire first: ranks waiting in a collective for a stuck peer time out too (often sooner:
         they entered the collective's stage while the stuck one was still in an earlier one),
         and the stuck one is the one to report (and whose stacks matter)."""
-        poll = min(1.0, self.stage_timeout_s / 10)
         deferred_since = None
-        while not self._stop.wait(poll):
+        while not self._stop.wait(min(1.0, max(self.limit_s, 1.0) / 10)):
             with self._lock:
-                since, me = self.since, _progress({"step": self.step, "position": self.position, "since": self.since})
+                since, limit = self.since, self.limit_s
+                me = _progress({"step": self.step, "position": self.position, "since": self.since})
             now = time.time()
-            if now - since <= self.stage_timeout_s:
+            if not limit or now - since <= limit:
                 deferred_since = None
                 continue
             if self._peer_behind(me) and (deferred_since is None or now - deferred_since < MAX_DEFER_S):
@@ -184,12 +240,14 @@ class RankStatus:
     def _arm_backstop(self) -> None:
         """If this rank holds the GIL forever, the watchdog thread never runs; faulthandler's
         C-level timer still dumps every thread's stack and exits (code 1)."""
-        if self.stage_timeout_s > 0:
-            faulthandler.dump_traceback_later(self.stage_timeout_s + MAX_DEFER_S + 10, exit=True)
+        if self.limit_s > 0:
+            faulthandler.dump_traceback_later(self.limit_s + MAX_DEFER_S + 10, exit=True)
+        else:
+            faulthandler.cancel_dump_traceback_later()
 
     def _stalled(self, elapsed: float) -> None:
         line = (f"distflow: rank {self.rank} stalled: {self.where()} has run for {elapsed:.0f}s "
-                f"> trainer.stage_timeout_s={self.stage_timeout_s:g}")
+                f"> {self.limit_s:g}s ({self.limit_source})")
         print(f"{line}; Python stacks of its threads:", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         if os.environ.get(LAUNCHED_ENV) != "1":
@@ -294,8 +352,9 @@ def diagnose(status_dir: Path, failures: dict[int, tuple[int, float]]) -> Diagno
         return Diagnosis(status["error"], status.get("exit_code", EXIT_FAILED))
     timeout = (status or {}).get("stage_timeout_s") or 0
     if status and code == EXIT_FAILED and timeout and seen - status["since"] > timeout:
+        source = status.get("timeout_source") or f"trainer.stage_timeout_s={timeout:g}"
         return Diagnosis(f"distflow: rank {rank} stalled: {_where(status)} ran for {seen - status['since']:.0f}s "
-                         f"> trainer.stage_timeout_s={timeout:g} (faulthandler's stacks above)", EXIT_STALLED)
+                         f"> {timeout:g}s ({source}; faulthandler's stacks above)", EXIT_STALLED)
     if code == EXIT_USER_ERROR and not status:  # a user error found before the rank's run began (printed above)
         return Diagnosis(f"distflow: rank {rank} stopped on the user error above", EXIT_USER_ERROR)
     how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
