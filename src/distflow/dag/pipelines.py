@@ -3,7 +3,7 @@
 Every built-in is the same skeleton with a different advantage estimator (and, for PPO, a
 critic); the rest is chosen by the algorithm settings (`config.schema.ALGORITHM_SETTINGS`):
 
-    rollout → reward → [dynamic_sampling] → [overlong_penalty]
+    rollout → [greedy_baseline] → reward → [reward_clip] → [dynamic_sampling] → [overlong_penalty]
             → [old_logprob → reference_logprob → kl_reward]      (KL in the reward)
             → [values]                                           (PPO)
             → advantage
@@ -59,6 +59,8 @@ def policy_gradient(config: Config, estimator: Estimator, *, critic: bool = Fals
     chain.add("rollout", stages.rollout, "rollout", ("uid", "prompt", "prompt_ids"),
               ("input_ids", "attention_mask", "response_mask", "completion", "group"), group="rollout")
     chain.add("reward", stages.reward, "reward", ("prompt", "completion", "sample"), ("reward",))
+    if algo.reward_clip > 0:  # the reward functions' score, before any shaping (as OpenRLHF clips the RM's)
+        chain.add("reward_clip", stages.reward_clip, "reward", ("reward",), ("reward",))
     if algo.dynamic_sampling:  # on the task's reward, before length shaping (DAPO keeps 0 < #correct < G)
         chain.add("dynamic_sampling", dynamic_sampling, "filter", ("reward", "group"))
     if algo.overlong_buffer > 0:

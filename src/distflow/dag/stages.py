@@ -90,6 +90,16 @@ def overlong_penalty(batch: Batch, ctx: StageContext) -> Batch:
     return batch.updated(reward=batch["reward"] + penalty_B)
 
 
+def reward_clip(batch: Batch, ctx: StageContext) -> Batch:
+    """Rewards clamped to ±`algorithm.reward_clip`; the share of clamped samples is logged."""
+    from distflow.algorithms.shaping import clip_reward
+
+    reward_B = batch["reward"]
+    clipped_B = clip_reward(reward_B, limit=ctx.config.algorithm.reward_clip)
+    ctx.metrics.mean("reward/clipped_fraction", float((clipped_B != reward_B).sum()), len(batch))
+    return batch.updated(reward=clipped_B)
+
+
 def old_logprob(batch: Batch, ctx: StageContext) -> Batch:
     return batch.updated(old_logp=ctx.policy.logprobs(batch, ctx.config.trainer.micro_batch_size))
 
