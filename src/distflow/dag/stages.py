@@ -1,9 +1,9 @@
 """Built-in stage functions: thin adapters between a `Batch` and engines/algorithms.
 
-This module holds the stages that produce data (rollout, ReMax's greedy baseline, rewards and their shaping,
-log-probs, values, the in-reward KL penalty) and the weight sync; advantage estimators are
-in `advantage_stages.py`, the policy and critic updates in `update_stages.py`, DAPO's
-filter in `dynamic_sampling.py`.
+This module holds the stages that produce data (rollout, ReMax's greedy baseline, rewards
+and their shaping, log-probs, values, the in-reward KL penalty) and the weight sync;
+advantage estimators are in `advantage_stages.py`, the policy and critic updates in
+`update_stages.py`, DAPO's filter in `dynamic_sampling.py`.
 
 Each takes (batch, ctx) and returns a new batch with the fields it declares in the
 pipeline builder. They run on this rank's share of the step and talk to peers only
