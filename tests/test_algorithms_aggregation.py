@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from distflow.algorithms.aggregation import LossAgg, aggregate_loss, loss_normalizer, loss_sum
+from distflow.algorithms.aggregation import LossAgg, aggregate_loss, finish_normalizer, loss_normalizer, loss_sum
 
 NAN = float("nan")
 
@@ -19,6 +19,7 @@ def _hand_batch():
     ("mode", "expected_sum", "expected_normalizer", "expected"),
     [
         (LossAgg.TOKEN_MEAN, 10.0, 4, 2.5),  # (1 + 2 + 3 + 4) / 4 tokens
+        (LossAgg.TOKEN_SUM, 10.0, 4, 10.0),  # 1 + 2 + 3 + 4, not divided (4 is only the share)
         (LossAgg.SEQ_MEAN_TOKEN_SUM, 10.0, 2, 5.0),  # (6 + 4) / 2 sequences
         (LossAgg.SEQ_MEAN_TOKEN_MEAN, 6.0, 2, 3.0),  # (6/3 + 4/1) / 2 sequences
         (LossAgg.SEQ_MEAN_TOKEN_SUM_NORM, 10.0, 8, 1.25),  # (6 + 4) / (2 sequences · horizon 4)
@@ -43,7 +44,21 @@ def test_sum_norm_needs_a_constant_horizon():
     with pytest.raises(ValueError, match="horizon"):
         loss_normalizer(torch.ones(2, 3), LossAgg.SEQ_MEAN_TOKEN_SUM_NORM)
     with pytest.raises(ValueError):
-        loss_normalizer(torch.ones(2, 3), "token-sum")
+        loss_normalizer(torch.ones(2, 3), "token-sums")
+
+
+def test_token_sum_normalizer_is_one_however_many_shards():
+    # Shares 3 + 4 + 0 over three shards: the whole mini-batch still divides by 1.
+    assert finish_normalizer(torch.tensor(7), LossAgg.TOKEN_SUM).item() == 1
+    assert finish_normalizer(torch.tensor(0), LossAgg.TOKEN_SUM).item() == 0  # empty: nothing to train
+    assert finish_normalizer(torch.tensor(7), LossAgg.TOKEN_MEAN).item() == 7
+
+
+def test_token_sum_gradient_is_one_per_valid_token():
+    loss, mask = _hand_batch()
+    loss.requires_grad_()
+    aggregate_loss(loss, mask, "token-sum").backward()
+    assert loss.grad.tolist() == [[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
 
 
 def test_empty_batch_aggregates_to_zero():
@@ -84,9 +99,9 @@ def test_split_invariance_of_value_and_gradient(mode, split):
     # Each micro-batch is padded only to its own longest row, as a packing collator would do.
     widths = [max(1, max(LENGTHS[r] for r in rows)) for rows in micro_batches]
     # Σ over micro-batches within a rank, then over ranks: what the caller's all-reduce computes.
-    normalizer = sum(
+    normalizer = finish_normalizer(sum(
         loss_normalizer(_mask_BR(rows, width), mode, horizon=HORIZON) for rows, width in zip(micro_batches, widths)
-    )
+    ), mode)
     total = torch.zeros((), dtype=torch.float64)
     for rows, width in zip(micro_batches, widths):
         part = loss_sum(_loss_BR(weight, rows, width), _mask_BR(rows, width), mode) / normalizer

@@ -26,6 +26,8 @@ EXTRA = {  # exercise the optional stages where they belong
     "ppo": ["algorithm.kl_coef=0.01", "algorithm.kl_in_reward=true", "algorithm.kl_controller=adaptive"],
     "rloo": ["algorithm.kl_coef=0.01", "algorithm.kl_estimator=k2", "algorithm.entropy_coef=0.001"],
     "gspo": ["algorithm.ppo_epochs=2"],
+    "remax": ["algorithm.reward_clip=1.2", "algorithm.kl_coef=0.01", "algorithm.kl_estimator=k3+",
+              "algorithm.loss_agg=token-sum"],
 }
 
 
@@ -53,6 +55,9 @@ def test_pipeline_runs_on_one_and_two_processes(tmp_path_factory, cache_dir, nam
     assert first["reward/mean"] == pytest.approx(first_two["reward/mean"], rel=1e-6)
     assert first["tokens/trained"] == first_two["tokens/trained"]
     assert first["train/pg_loss"] == pytest.approx(first_two["train/pg_loss"], rel=1e-4, abs=1e-6)
+    if name == "remax":  # the greedy baseline is decoded where the group is, the same on any layout
+        assert first["baseline/reward"] == pytest.approx(first_two["baseline/reward"], rel=1e-6)
+        assert all(r["baseline/errors"] == 0 and "reward/clipped_fraction" in r for r in one[1:])
     if name == "ppo":
         assert all("critic/value_loss" in r and r["kl/coef"] > 0 for r in one[1:])
         assert first["critic/value_loss"] == pytest.approx(first_two["critic/value_loss"], rel=1e-4)

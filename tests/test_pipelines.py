@@ -17,6 +17,7 @@ ORDERS = {
     "rloo": HEAD + ["advantage"] + TAIL,
     "reinforce_pp": HEAD + ["advantage"] + TAIL,
     "reinforce_pp_baseline": HEAD + ["advantage"] + TAIL,
+    "remax": ["rollout", "greedy_baseline", "reward", "advantage"] + TAIL,
     "gspo": HEAD + ["advantage"] + TAIL,
     "ppo": HEAD + ["values", "advantage", "policy_update", "critic_update", "weight_sync"],
 }
@@ -69,6 +70,10 @@ def test_optional_stages_follow_the_settings():
         HEAD + ["dynamic_sampling", "overlong_penalty", "advantage"] + TAIL)  # filter on the task reward
     assert order("algorithm.kl_coef=0.1", "algorithm.ppo_epochs=2") == (
         HEAD + ["advantage", "old_logprob", "reference_logprob"] + TAIL)
+    assert order("algorithm.name=dapo", "algorithm.overlong_buffer=2", "algorithm.reward_clip=1") == (
+        HEAD + ["reward_clip", "dynamic_sampling", "overlong_penalty", "advantage"] + TAIL)  # clip the functions' score
+    graph = build_graph(load_config(None, ["algorithm.name=remax"]))
+    assert graph.stages["greedy_baseline"].group == "rollout"  # decoded where the groups are
     in_reward = HEAD + ["old_logprob", "reference_logprob", "kl_reward", "advantage"] + TAIL
     assert order("algorithm.name=reinforce_pp", "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true") == in_reward
     assert order("algorithm.name=ppo", "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true",

@@ -24,6 +24,8 @@ SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=tor
 NO_CLIP = ["optim.grad_clip=1e9", "optim.warmup_steps=0"]
 CASES = {
     "token-mean": ["algorithm.loss_agg=token-mean"],
+    "token-sum, straight-through k3+ KL loss": ["algorithm.loss_agg=token-sum", "algorithm.kl_coef=0.1",
+                                                "algorithm.kl_estimator=k3+"],
     "seq-mean-token-sum": ["algorithm.loss_agg=seq-mean-token-sum"],
     "seq-mean-token-mean": ["algorithm.loss_agg=seq-mean-token-mean"],
     "seq-mean-token-sum-norm (Dr.GRPO)": ["algorithm.name=dr_grpo"],

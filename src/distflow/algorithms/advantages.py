@@ -6,8 +6,12 @@ planner guarantees by never splitting a group across ranks.
 
 Group statistics are computed in float64: in float32 a group of equal non-round rewards
 leaves a rounding residue that, divided by a tiny std + eps, becomes a large bogus
-advantage. Groups whose rewards are all equal get advantage exactly 0 and are reported
-in `zero_variance_B` so the caller can exclude them from the loss.
+advantage. Groups of two or more whose rewards are all equal get advantage exactly 0 and
+are reported in `zero_variance_B` so the caller can exclude them from the loss.
+
+A group of one (a custom stage may drop samples) has no baseline to compare with: every
+group estimator gives it baseline 0 (and GRPO std 1), so its advantage is its reward, and
+it is not flagged, as verl does for GRPO, Dr.GRPO, RLOO and REINFORCE++-baseline alike.
 
 Token-level estimators (GAE with a critic, REINFORCE++ return-to-go) are in `returns.py`.
 """
@@ -20,7 +24,8 @@ from distflow.algorithms.whitening import masked_whiten
 
 
 def _group_stats(reward_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """float64 (reward_B, inverse_B, count_G, mean_G, zero_variance_B) of the groups in `group_B`."""
+    """float64 (reward_B, inverse_B, count_G, mean_G, zero_variance_B) of the groups in `group_B`;
+    zero_variance marks groups of two or more with all-equal rewards."""
     reward_B = reward_B.double()
     _, inverse_B, count_G = torch.unique(group_B, return_inverse=True, return_counts=True)
     num_groups = count_G.shape[0]
@@ -28,7 +33,7 @@ def _group_stats(reward_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.T
     mean_G = sum_G / count_G
     max_G = torch.full_like(mean_G, -torch.inf).scatter_reduce(0, inverse_B, reward_B, "amax")
     min_G = torch.full_like(mean_G, torch.inf).scatter_reduce(0, inverse_B, reward_B, "amin")
-    zero_variance_B = (max_G == min_G)[inverse_B]
+    zero_variance_B = ((max_G == min_G) & (count_G > 1))[inverse_B]
     return reward_B, inverse_B, count_G, mean_G, zero_variance_B
 
 
@@ -41,14 +46,16 @@ def grpo_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO: (r - mean of its group) / (unbiased std of its group + eps).
 
-    With `norm_by_std=False` this is Dr.GRPO's centred reward. Returns
+    With `norm_by_std=False` this is Dr.GRPO's centred reward. A group of one keeps its
+    reward (mean 0, std 1, as verl: r / (1 + eps) with the std). Returns
     (advantage_B float32, zero_variance_B bool).
     """
     reward_B, inverse_B, count_G, mean_G, zero_variance_B = _group_stats(reward_B, group_B)
-    centred_B = reward_B - mean_G[inverse_B]
+    single_G = count_G == 1
+    centred_B = reward_B - torch.where(single_G, 0.0, mean_G)[inverse_B]
     sq_G = torch.zeros_like(mean_G).index_add_(0, inverse_B, centred_B**2)
-    # Unbiased variance (Bessel), as verl and TRL use; a group of one has no spread.
-    std_G = torch.sqrt(sq_G / (count_G - 1).clamp(min=1))
+    # Unbiased variance (Bessel), as verl and TRL use.
+    std_G = torch.where(single_G, 1.0, torch.sqrt(sq_G / (count_G - 1).clamp(min=1)))
     advantage_B = centred_B / (std_G[inverse_B] + eps) if norm_by_std else centred_B
     advantage_B = torch.where(zero_variance_B, torch.zeros_like(advantage_B), advantage_B)
     return advantage_B.float(), zero_variance_B
@@ -61,11 +68,10 @@ def rloo_advantages(reward_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torc
     does), and it is not flagged. Returns (advantage_B float32, zero_variance_B bool), where
     zero_variance marks groups of two or more with all-equal rewards (advantage exactly 0).
     """
-    reward_B, inverse_B, count_G, mean_G, equal_B = _group_stats(reward_B, group_B)
+    reward_B, inverse_B, count_G, mean_G, zero_variance_B = _group_stats(reward_B, group_B)
     count_B = count_G[inverse_B].double()
     loo_B = count_B / (count_B - 1).clamp(min=1) * (reward_B - mean_G[inverse_B])
     advantage_B = torch.where(count_B > 1, loo_B, reward_B)
-    zero_variance_B = equal_B & (count_B > 1)
     advantage_B = torch.where(zero_variance_B, torch.zeros_like(advantage_B), advantage_B)
     return advantage_B.float(), zero_variance_B
 
@@ -91,3 +97,20 @@ def reinforce_pp_baseline_advantages(
     centred_BR = torch.where(valid_BR, (reward_B - baseline_B).unsqueeze(-1), 0.0)
     advantage_BR = masked_whiten(centred_BR, valid_BR) if whiten else centred_BR
     return advantage_BR.float()
+
+
+def remax_advantages(
+    reward_B: torch.Tensor, group_B: torch.Tensor, baseline_B: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2023): r - b, where b is the reward of the greedy completion of the
+    sample's prompt (the same for every sample of a group). Not whitened, as in verl.
+
+    Returns (advantage_B float32, no_signal_B bool), where no_signal marks groups whose
+    every reward equals the baseline (every advantage exactly 0).
+    """
+    advantage_B = reward_B.double() - baseline_B.double()
+    _, inverse_B = torch.unique(group_B, return_inverse=True)
+    num_groups = int(inverse_B.max()) + 1 if len(inverse_B) else 0
+    largest_G = torch.zeros(num_groups, dtype=torch.float64, device=advantage_B.device)
+    largest_G = largest_G.scatter_reduce(0, inverse_B, advantage_B.abs(), "amax")
+    return advantage_B.float(), (largest_G == 0)[inverse_B]

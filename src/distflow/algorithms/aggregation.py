@@ -1,9 +1,10 @@
 """Reducing a per-token loss to the scalar that is back-propagated, split-invariantly.
 
-The modes are verl's `agg_loss` ones. Each is a sum of per-token contributions divided by a
-normaliser:
+The modes are verl's `agg_loss` ones plus "token-sum" (a plain sum, as Megatron-based
+trainers use). Each is a sum of per-token contributions divided by a normaliser:
 
     token-mean                Σ_i Σ_t l_it  /  number of valid tokens
+    token-sum                 Σ_i Σ_t l_it  (no normaliser: the gradient scales with the batch)
     seq-mean-token-sum        Σ_i Σ_t l_it  /  number of sequences
     seq-mean-token-mean       Σ_i (Σ_t l_it / n_i)  /  number of sequences
     seq-mean-token-sum-norm   Σ_i Σ_t l_it  /  (number of sequences · horizon)   (Dr.GRPO)
@@ -15,7 +16,7 @@ micro-batch by its *own* normaliser would make the gradient depend on the split.
 numerator and the normaliser are separate:
 
     rank r, micro-batch m:   loss_sum(l_BR, mask_BR, mode)     (local, differentiable)
-    whole mini-batch:        N = Σ_{r,m} loss_normalizer(mask_BR, mode, horizon=...)
+    whole mini-batch:        N = finish_normalizer(Σ_{r,m} loss_normalizer(mask_BR, mode, horizon=...), mode)
                              (caller: sum over its micro-batches, one all-reduce per mini-batch)
     backward on:             loss_sum(...) / N  for each micro-batch
 
@@ -40,9 +41,10 @@ import torch
 
 
 class LossAgg(str, enum.Enum):
-    """Loss aggregation mode; the values are verl's `loss_agg_mode` strings."""
+    """Loss aggregation mode; the values are verl's `loss_agg_mode` strings (and "token-sum")."""
 
     TOKEN_MEAN = "token-mean"
+    TOKEN_SUM = "token-sum"
     SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
     SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
     SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
@@ -59,14 +61,15 @@ def loss_sum(loss_BR: torch.Tensor, mask_BR: torch.Tensor, mode: LossAgg | str) 
 
 
 def loss_normalizer(mask_BR: torch.Tensor, mode: LossAgg | str, *, horizon: int | None = None) -> torch.Tensor:
-    """This shard's share of the normaliser (int64, sum it over every shard of the mini-batch).
+    """This shard's share of the normaliser (int64, sum it over every shard of the mini-batch,
+    then `finish_normalizer`).
 
-    Valid tokens for "token-mean", sequences with a valid token for "seq-mean-*", and those
-    times `horizon` for "seq-mean-token-sum-norm".
+    Valid tokens for "token-mean" and "token-sum", sequences with a valid token for
+    "seq-mean-*", and those times `horizon` for "seq-mean-token-sum-norm".
     """
     mode = LossAgg(mode)
     valid_BR = mask_BR.bool()
-    if mode is LossAgg.TOKEN_MEAN:
+    if mode in (LossAgg.TOKEN_MEAN, LossAgg.TOKEN_SUM):
         return valid_BR.sum()
     num_sequences = valid_BR.any(-1).sum()
     if mode is LossAgg.SEQ_MEAN_TOKEN_SUM_NORM:
@@ -78,6 +81,18 @@ def loss_normalizer(mask_BR: torch.Tensor, mode: LossAgg | str, *, horizon: int 
     return num_sequences
 
 
+def finish_normalizer(total: torch.Tensor, mode: LossAgg | str) -> torch.Tensor:
+    """The whole mini-batch's normaliser from `total`, the Σ of every shard's `loss_normalizer`.
+
+    That sum itself, except for "token-sum", which divides by nothing: 1, or 0 when the
+    mini-batch has no valid token (so a caller can still tell an empty mini-batch). A
+    constant cannot be a sum of shard shares, hence this second step.
+    """
+    if LossAgg(mode) is LossAgg.TOKEN_SUM:
+        return (total > 0).to(total.dtype)
+    return total
+
+
 def aggregate_loss(
     loss_BR: torch.Tensor, mask_BR: torch.Tensor, mode: LossAgg | str, *, horizon: int | None = None
 ) -> torch.Tensor:
@@ -85,4 +100,5 @@ def aggregate_loss(
 
     An empty mini-batch (normaliser 0) gives 0 rather than NaN.
     """
-    return loss_sum(loss_BR, mask_BR, mode) / loss_normalizer(mask_BR, mode, horizon=horizon).clamp(min=1)
+    normalizer = finish_normalizer(loss_normalizer(mask_BR, mode, horizon=horizon), mode)
+    return loss_sum(loss_BR, mask_BR, mode) / normalizer.clamp(min=1)

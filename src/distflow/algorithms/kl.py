@@ -6,6 +6,17 @@ returns a per-token estimate (Schulman, "Approximating KL Divergence", 2020):
     k1 = logp - ref              unbiased, high variance, can be negative
     k2 = ½ (logp - ref)²         biased, low variance, >= 0
     k3 = e^d - d - 1, d = ref - logp   unbiased, low variance, >= 0
+    abs = |logp - ref|           biased, >= 0 (verl's "abs")
+
+As a loss, only k2's gradient is the gradient of KL(π‖π_ref) in expectation (on-policy
+samples): E[∇k1] = 0, and E[∇k3] = ∇KL(π_ref‖π), the other direction. The straight-through
+variants `k1+` and `k3+` (verl's "k1+", "k3+" = "low_var_kl+") keep the value of k1 / k3 (what
+is logged and what the coefficient multiplies) with the gradient of k2:
+
+    kX+ = k2 - sg[k2] + sg[kX]
+
+OpenRLHF's `unbiased_gradient` (k3 weighted by the importance ratio) is not offered: `k3+`
+already gives an unbiased KL gradient.
 
 Used either as a loss term (aggregate it like the policy loss, times β) or folded into the
 reward (`kl_penalized_reward`, then an estimator of `returns.py`), with β from a
@@ -41,6 +52,27 @@ def kl_k3(logp_BR: torch.Tensor, ref_logp_BR: torch.Tensor) -> torch.Tensor:
     """
     delta_BR = (ref_logp_BR - logp_BR).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return (torch.exp(delta_BR) - delta_BR - 1.0).clamp(max=MAX_K3)
+
+
+def kl_abs(logp_BR: torch.Tensor, ref_logp_BR: torch.Tensor) -> torch.Tensor:
+    """|logp - ref|."""
+    return (logp_BR - ref_logp_BR).abs()
+
+
+def _with_k2_gradient(value_BR: torch.Tensor, logp_BR: torch.Tensor, ref_logp_BR: torch.Tensor) -> torch.Tensor:
+    """`value_BR`'s value with k2's gradient (straight-through)."""
+    k2_BR = kl_k2(logp_BR, ref_logp_BR)
+    return k2_BR - k2_BR.detach() + value_BR.detach()
+
+
+def kl_k1_plus(logp_BR: torch.Tensor, ref_logp_BR: torch.Tensor) -> torch.Tensor:
+    """k1's value, k2's gradient (verl's "k1+")."""
+    return _with_k2_gradient(kl_k1(logp_BR, ref_logp_BR), logp_BR, ref_logp_BR)
+
+
+def kl_k3_plus(logp_BR: torch.Tensor, ref_logp_BR: torch.Tensor) -> torch.Tensor:
+    """k3's value (clamped as k3), k2's gradient (verl's "k3+" / "low_var_kl+")."""
+    return _with_k2_gradient(kl_k3(logp_BR, ref_logp_BR), logp_BR, ref_logp_BR)
 
 
 def kl_penalized_reward(
@@ -87,5 +119,5 @@ class AdaptiveKLController:
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
-KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "abs": kl_abs, "k1+": kl_k1_plus, "k3+": kl_k3_plus}
 """`algorithm.kl_estimator` → estimator."""

@@ -7,6 +7,7 @@ clip-fraction metrics.
 
 Log-ratios are clamped to ±MAX_LOG_RATIO before `exp` (as verl does for the PPO ratio):
 masked positions are multiplied by 0 afterwards, and 0 · inf would turn the whole gradient NaN.
+GSPO's sequence log-ratio has its own bound, MAX_GSPO_LOG_RATIO.
 """
 
 from __future__ import annotations
@@ -16,6 +17,22 @@ import torch
 # Re-exported: the KL estimators used to live here.
 from distflow.algorithms.kl import MAX_LOG_RATIO as MAX_LOG_RATIO
 from distflow.algorithms.kl import kl_k3 as kl_k3
+
+MAX_GSPO_LOG_RATIO = 10.0
+"""GSPO's log s_i is clamped to at most this, from above only, as verl does (PPO's token
+log-ratio: ±MAX_LOG_RATIO = 20, also as verl). s_i is a mean of token log-ratios, so in
+practice it is tiny; 10 (s = e^10 ≈ 22,026) only guards `exp` against a corrupt old
+log-prob, and keeping verl's bound makes GSPO's loss equal verl's for every input. No lower
+bound: e^(very negative) is 0, not inf, and the tiny gradient there is verl's too."""
+
+
+def ppo_kl(logp_BR: torch.Tensor, old_logp_BR: torch.Tensor) -> torch.Tensor:
+    """Per-token -log(π/π_old), the `ppo_kl` metric's summand (verl's `actor/ppo_kl` is its
+    mean over the loss tokens), with the log-ratio clamped to ±MAX_LOG_RATIO as verl's PPO loss.
+
+    How far the policy moved from the one that sampled: 0 on the first update of a batch.
+    """
+    return -(logp_BR - old_logp_BR).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
 
 
 def per_token(advantage: torch.Tensor) -> torch.Tensor:
@@ -86,13 +103,14 @@ def gspo_loss(
     Per token s_i,t = sg[s_i]·exp(logp_t - sg[logp_t]): its value is s_i and its gradient
     s_i·∇logp_t, so with "seq-mean-token-mean" aggregation the gradient is
     s_i·A_i·mean_t ∇logp_t, GSPO's sequence-level gradient. The bounds are tiny (3e-4/4e-4)
-    because s_i is a geometric mean. Returns (loss_BR, clipped_BR), clipped per sequence.
+    because s_i is a geometric mean. log s_i is clamped from above at MAX_GSPO_LOG_RATIO (see
+    there). Returns (loss_BR, clipped_BR), clipped per sequence.
     """
     valid_BR = mask_BR.bool()
     log_ratio_BR = torch.where(valid_BR, logp_BR - old_logp_BR, 0.0)
     log_seq_ratio_B = log_ratio_BR.sum(-1) / valid_BR.sum(-1).clamp(min=1)
     log_token_ratio_BR = log_seq_ratio_B.detach().unsqueeze(-1) + (logp_BR - logp_BR.detach())
-    ratio_BR = torch.exp(log_token_ratio_BR.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    ratio_BR = torch.exp(log_token_ratio_BR.clamp(max=MAX_GSPO_LOG_RATIO))
     return _clipped_surrogate(ratio_BR, per_token(advantage_B), clip_low, clip_high)
 
 

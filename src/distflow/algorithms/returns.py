@@ -36,6 +36,25 @@ def outcome_to_token_rewards(reward_B: torch.Tensor, mask_BR: torch.Tensor) -> t
     return reward_BR
 
 
+def _gae_float64(
+    reward_BR: torch.Tensor, value_BR: torch.Tensor, valid_BR: torch.Tensor, *, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantage_BR, return_BR) in float64, 0 on masked tokens, not whitened."""
+    reward_BR, value_BR = reward_BR.double(), value_BR.double()
+    next_value_B = torch.zeros(reward_BR.shape[0], dtype=torch.float64, device=reward_BR.device)
+    next_advantage_B = torch.zeros_like(next_value_B)
+    advantage_BR = torch.zeros_like(reward_BR)
+    for t in reversed(range(reward_BR.shape[1])):
+        delta_B = reward_BR[:, t] + gamma * next_value_B - value_BR[:, t]
+        advantage_B = delta_B + gamma * lam * next_advantage_B
+        # A masked position carries the next valid token's value and advantage through.
+        next_value_B = torch.where(valid_BR[:, t], value_BR[:, t], next_value_B)
+        next_advantage_B = torch.where(valid_BR[:, t], advantage_B, next_advantage_B)
+        advantage_BR[:, t] = advantage_B
+    advantage_BR = torch.where(valid_BR, advantage_BR, 0.0)
+    return advantage_BR, torch.where(valid_BR, advantage_BR + value_BR, 0.0)
+
+
 def gae_advantages(
     reward_BR: torch.Tensor,
     value_BR: torch.Tensor,
@@ -52,19 +71,7 @@ def gae_advantages(
     before whitening. Returns (advantage_BR, return_BR), float32, 0 on masked tokens.
     """
     valid_BR = mask_BR.bool()
-    reward_BR, value_BR = reward_BR.double(), value_BR.double()
-    next_value_B = torch.zeros(reward_BR.shape[0], dtype=torch.float64, device=reward_BR.device)
-    next_advantage_B = torch.zeros_like(next_value_B)
-    advantage_BR = torch.zeros_like(reward_BR)
-    for t in reversed(range(reward_BR.shape[1])):
-        delta_B = reward_BR[:, t] + gamma * next_value_B - value_BR[:, t]
-        advantage_B = delta_B + gamma * lam * next_advantage_B
-        # A masked position carries the next valid token's value and advantage through.
-        next_value_B = torch.where(valid_BR[:, t], value_BR[:, t], next_value_B)
-        next_advantage_B = torch.where(valid_BR[:, t], advantage_B, next_advantage_B)
-        advantage_BR[:, t] = advantage_B
-    advantage_BR = torch.where(valid_BR, advantage_BR, 0.0)
-    return_BR = torch.where(valid_BR, advantage_BR + value_BR, 0.0)
+    advantage_BR, return_BR = _gae_float64(reward_BR, value_BR, valid_BR, gamma=gamma, lam=lam)
     if whiten:
         advantage_BR = masked_whiten(advantage_BR, valid_BR)
     return advantage_BR.float(), return_BR.float()
@@ -80,10 +87,11 @@ def reinforce_pp_advantages(
     """REINFORCE++ (Hu 2025): discounted return-to-go G_t = r_t + γ·G_{t+1}, whitened over valid tokens.
 
     No critic: this is GAE with V = 0 and λ = 1, so per-token KL penalties folded into
-    `reward_BR` accumulate into every earlier token's return. Returns
+    `reward_BR` accumulate into every earlier token's return. The returns are whitened in
+    float64, before rounding to float32 (as for GAE and the group estimators). Returns
     (advantage_BR, return_BR), float32, 0 on masked tokens.
     """
-    zero_value_BR = torch.zeros_like(reward_BR)
-    return_BR, _ = gae_advantages(reward_BR, zero_value_BR, mask_BR, gamma=gamma, lam=1.0, whiten=False)
-    advantage_BR = masked_whiten(return_BR, mask_BR) if whiten else return_BR
-    return advantage_BR, return_BR
+    valid_BR = mask_BR.bool()
+    return_BR, _ = _gae_float64(reward_BR, torch.zeros_like(reward_BR), valid_BR, gamma=gamma, lam=1.0)
+    advantage_BR = masked_whiten(return_BR, valid_BR) if whiten else return_BR
+    return advantage_BR.float(), return_BR.float()

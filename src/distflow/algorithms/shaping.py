@@ -20,3 +20,17 @@ def overlong_penalty(length_B: torch.Tensor, *, max_length: int, buffer: int, pe
         raise ValueError(f"the overlong buffer must be in (0, max_length={max_length}), got {buffer}")
     excess_B = (length_B.float() - (max_length - buffer)).clamp(min=0.0)
     return -excess_B / buffer * penalty + 0.0  # + 0.0 turns -0.0 into 0.0
+
+
+def clip_reward(reward_B: torch.Tensor, *, limit: float) -> torch.Tensor:
+    """Rewards clamped to [-limit, limit] (OpenRLHF's `reward_clip_range`, symmetric).
+
+    Bounds what one outlier reward (a buggy verifier, a reward model far off its data) can
+    do to the advantages, whose group statistics and whitening it would otherwise dominate.
+
+    >>> clip_reward(torch.tensor([-3.0, -0.5, 0.0, 2.5]), limit=1.0).tolist()
+    [-1.0, -0.5, 0.0, 1.0]
+    """
+    if not limit > 0:
+        raise ValueError(f"the reward clip must be > 0, got {limit}")
+    return reward_B.clamp(-limit, limit)

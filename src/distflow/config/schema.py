@@ -113,10 +113,11 @@ class RolloutConfig:
         _check(self.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1 (got {self.max_new_tokens})")
 
 
-ALGORITHMS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "ppo")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+ALGORITHMS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gspo", "ppo")
+# The names of the tables in `algorithms/` (importing those would import torch; a test checks they match).
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 POLICY_LOSSES = ("ppo", "gspo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+")
 
 # The settings in which the built-in algorithms differ. A field of `AlgorithmConfig` left
 # unset (null) takes its algorithm's value here, else the common one.
@@ -136,6 +137,9 @@ ALGORITHM_SETTINGS = {
     # REINFORCE++-baseline (verl, OpenRLHF): whitened over every response token of the step,
     # groups with equal rewards included (their centred advantage is 0 before whitening).
     "reinforce_pp_baseline": {"skip_zero_variance_groups": False},
+    # ReMax (Li et al. 2023): r - r(greedy completion of the prompt), not whitened (as verl).
+    # A group whose rewards all equal the greedy one has no signal; kept like verl does.
+    "remax": {"skip_zero_variance_groups": False},
     # GSPO (Zheng et al. 2025): the ratio is per sequence (a geometric mean), hence tiny bounds.
     "gspo": {"clip_low": 3e-4, "clip_high": 4e-4, "policy_loss": "gspo", "loss_agg": "seq-mean-token-mean"},
     "ppo": {},
@@ -145,7 +149,7 @@ ALGORITHM_SETTINGS = {
 @dataclass(kw_only=True)
 class AlgorithmConfig:
     name: str = "grpo"
-    """Built-in pipeline: grpo, dr_grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, gspo, ppo."""
+    """Built-in pipeline: grpo, dr_grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, remax, gspo, ppo."""
     clip_low: float | None = None
     """PPO ratio lower bound is 1 - clip_low (null: the algorithm's, 0.2; GSPO 3e-4)."""
     clip_high: float | None = None
@@ -155,17 +159,22 @@ class AlgorithmConfig:
     policy_loss: str | None = None
     """ppo (token ratio) or gspo (sequence ratio); null: the algorithm's."""
     loss_agg: str | None = None
-    """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm; the
-    normaliser is global over ranks and micro-batches. null: the algorithm's."""
+    """token-mean, token-sum (no normaliser), seq-mean-token-sum, seq-mean-token-mean or
+    seq-mean-token-sum-norm; the normaliser is global over ranks and micro-batches. null: the algorithm's."""
     norm_adv_by_std: bool | None = None
     """GRPO/DAPO/GSPO: divide group-centred rewards by the group's (unbiased) std (Dr.GRPO: false)."""
     skip_zero_variance_groups: bool | None = None
     """Exclude groups whose rewards are all equal from the loss and its normaliser
-    (group-baseline estimators; Dr.GRPO keeps them)."""
+    (group-baseline estimators; Dr.GRPO keeps them; ReMax: groups whose rewards all equal
+    the greedy baseline)."""
+    reward_clip: float = 0.0
+    """> 0: rewards are clamped to [-reward_clip, reward_clip] right after the reward functions
+    (before dynamic sampling, the overlong penalty, the KL penalty and the advantage); 0: off."""
     kl_coef: float = 0.0
     """β of the KL to the frozen reference; 0 drops the reference stage."""
     kl_estimator: str = "k3"
-    """k1, k2 or k3 (Schulman's estimators)."""
+    """k1, k2, k3 (Schulman's estimators), abs (|log-ratio|), or k1+ / k3+: the value of k1 / k3
+    with the gradient of k2 (verl's straight-through variants; k3+ is verl's low_var_kl+)."""
     kl_in_reward: bool = False
     """false: β·KL is a loss term; true: -β·KL is added to every token's reward before the advantage."""
     kl_controller: str = "fixed"
@@ -210,6 +219,7 @@ class AlgorithmConfig:
                f"algorithm.policy_loss must be one of: {', '.join(POLICY_LOSSES)} (got {self.policy_loss!r})")
         _check(self.loss_agg in LOSS_AGG_MODES,
                f"algorithm.loss_agg must be one of: {', '.join(LOSS_AGG_MODES)} (got {self.loss_agg!r})")
+        _check(self.reward_clip >= 0, f"algorithm.reward_clip must be >= 0 (0: off; got {self.reward_clip})")
         _check(self.kl_coef >= 0, f"algorithm.kl_coef must be >= 0 (got {self.kl_coef})")
         _check(self.kl_estimator in KL_ESTIMATORS,
                f"algorithm.kl_estimator must be one of: {', '.join(KL_ESTIMATORS)} (got {self.kl_estimator!r})")

@@ -89,6 +89,14 @@ def rloo_advantage(batch: Batch, ctx: StageContext) -> Batch:
     return _group_advantage(batch, ctx, rloo_advantages)
 
 
+def remax_advantage(batch: Batch, ctx: StageContext) -> Batch:
+    """ReMax: each reward minus the reward of the greedy completion of its prompt (`greedy_baseline`)."""
+    from distflow.algorithms.advantages import remax_advantages
+
+    baseline_B = batch["baseline_reward"].cpu()
+    return _group_advantage(batch, ctx, functools.partial(remax_advantages, baseline_B=baseline_B))
+
+
 def reinforce_pp_advantage(batch: Batch, ctx: StageContext) -> Batch:
     """REINFORCE++: discounted return-to-go of the token rewards, whitened over the step's tokens."""
     from distflow.algorithms.returns import reinforce_pp_advantages
@@ -142,6 +150,7 @@ class Estimator:
 ESTIMATORS = {
     "grpo": Estimator(grpo_advantage, ("reward", "group", "response_mask")),
     "rloo": Estimator(rloo_advantage, ("reward", "group", "response_mask")),
+    "remax": Estimator(remax_advantage, ("reward", "baseline_reward", "group", "response_mask")),
     "reinforce_pp": Estimator(reinforce_pp_advantage, ("reward", "response_mask")),
     "reinforce_pp_baseline": Estimator(reinforce_pp_baseline_advantage, ("reward", "group", "response_mask")),
     "gae": Estimator(gae_advantage, ("reward", "response_mask", "values"), ("advantage", "returns", "sample_mask")),

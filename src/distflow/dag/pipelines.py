@@ -3,7 +3,8 @@
 Every built-in is the same skeleton with a different advantage estimator (and, for PPO, a
 critic); the rest is chosen by the algorithm settings (`config.schema.ALGORITHM_SETTINGS`):
 
-    rollout → reward → [dynamic_sampling] → [overlong_penalty]
+    rollout → [greedy_baseline] → reward → [reward_clip] → [dynamic_sampling] → [overlong_penalty]
+              (ReMax)           (algorithm.reward_clip > 0)
             → [old_logprob → reference_logprob → kl_reward]      (KL in the reward)
             → [values]                                           (PPO)
             → advantage
@@ -13,6 +14,7 @@ critic); the rest is chosen by the algorithm settings (`config.schema.ALGORITHM_
     grpo, dr_grpo, dapo, gspo   group advantages (std-normalised or not); the loss, its
                                 aggregation, clip bounds and dynamic sampling differ by settings
     rloo                        leave-one-out baseline
+    remax                       baseline: the reward of a greedy completion of the prompt
     reinforce_pp(_baseline)     return-to-go (group-mean baseline), whitened over the step
     ppo                         GAE with a critic; the critic is trained after the policy
 
@@ -52,13 +54,19 @@ class _Chain:
         self.last = name
 
 
-def policy_gradient(config: Config, estimator: Estimator, *, critic: bool = False) -> Graph:
+def policy_gradient(config: Config, estimator: Estimator, *, critic: bool = False,
+                    greedy_baseline: bool = False) -> Graph:
     """The skeleton above with `estimator` as the advantage stage."""
     algo = config.algorithm
     chain = _Chain(Graph())
     chain.add("rollout", stages.rollout, "rollout", ("uid", "prompt", "prompt_ids"),
               ("input_ids", "attention_mask", "response_mask", "completion", "group"), group="rollout")
+    if greedy_baseline:  # ReMax: on the rollout ranks, where each group's prompt already is
+        chain.add("greedy_baseline", stages.greedy_baseline, "rollout", ("prompt", "prompt_ids", "group", "sample"),
+                  ("baseline_reward",), group="rollout")
     chain.add("reward", stages.reward, "reward", ("prompt", "completion", "sample"), ("reward",))
+    if algo.reward_clip > 0:  # the reward functions' score, before any shaping (as OpenRLHF clips the RM's)
+        chain.add("reward_clip", stages.reward_clip, "reward", ("reward",), ("reward",))
     if algo.dynamic_sampling:  # on the task's reward, before length shaping (DAPO keeps 0 < #correct < G)
         chain.add("dynamic_sampling", dynamic_sampling, "filter", ("reward", "group"))
     if algo.overlong_buffer > 0:
@@ -101,6 +109,10 @@ def rloo(config: Config) -> Graph:
     return policy_gradient(config, ESTIMATORS["rloo"])
 
 
+def remax(config: Config) -> Graph:
+    return policy_gradient(config, ESTIMATORS["remax"], greedy_baseline=True)
+
+
 def reinforce_pp(config: Config) -> Graph:
     return policy_gradient(config, ESTIMATORS["reinforce_pp"])
 
@@ -115,7 +127,8 @@ def ppo(config: Config) -> Graph:
 
 PIPELINES = {
     "grpo": grpo, "dr_grpo": grpo, "dapo": grpo, "gspo": grpo,
-    "rloo": rloo, "reinforce_pp": reinforce_pp, "reinforce_pp_baseline": reinforce_pp_baseline, "ppo": ppo,
+    "rloo": rloo, "reinforce_pp": reinforce_pp, "reinforce_pp_baseline": reinforce_pp_baseline, "remax": remax,
+    "ppo": ppo,
 }
 assert set(PIPELINES) == set(ALGORITHMS), "every algorithm.name has a builder"
 

@@ -1,9 +1,9 @@
 """Built-in stage functions: thin adapters between a `Batch` and engines/algorithms.
 
-This module holds the stages that produce data (rollout, rewards and their shaping,
-log-probs, values, the in-reward KL penalty) and the weight sync; advantage estimators are
-in `advantage_stages.py`, the policy and critic updates in `update_stages.py`, DAPO's
-filter in `dynamic_sampling.py`.
+This module holds the stages that produce data (rollout, ReMax's greedy baseline, rewards
+and their shaping, log-probs, values, the in-reward KL penalty) and the weight sync;
+advantage estimators are in `advantage_stages.py`, the policy and critic updates in
+`update_stages.py`, DAPO's filter in `dynamic_sampling.py`.
 
 Each takes (batch, ctx) and returns a new batch with the fields it declares in the
 pipeline builder. They run on this rank's share of the step and talk to peers only
@@ -66,6 +66,46 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
     )
 
 
+def greedy_baseline(batch: Batch, ctx: StageContext) -> Batch:
+    """ReMax's baseline: the reward of a greedy completion of each prompt, on every sample of its group.
+
+    One greedy completion per group, decoded on the rank that holds the group with prompts
+    padded to the worker group's widest prompt (as `rollout`), so a group's baseline does not
+    depend on the world size. Scored by the task's reward functions (failures counted in
+    `baseline/errors`, `baseline/timeouts`) and clipped like the sampled rewards; the shaping
+    terms (overlong penalty, in-reward KL) apply to the sampled rewards only.
+    """
+    import torch
+
+    from distflow.algorithms.shaping import clip_reward
+    from distflow.engines.generation import generate
+
+    groups = batch["group"].tolist()
+    first_row = {}  # group id → its first row, which holds the group's prompt
+    for row, group in enumerate(groups):
+        first_row.setdefault(group, row)
+    rows = list(first_row.values())
+    prompt_ids = [batch["prompt_ids"][i] for i in rows]
+    width = torch.tensor([max((len(ids) for ids in prompt_ids), default=0)], device=ctx.comm.device)
+    width = int(ctx.comm.all_reduce_max(width).item())  # every rank joins, even one without prompts
+    baseline_G = torch.zeros(len(rows))
+    if rows:
+        prompts, samples = [batch["prompt"][i] for i in rows], [batch["sample"][i] for i in rows]
+        out = generate(ctx.rollout_model, ctx.tokenizer, prompts, max_new_tokens=ctx.config.rollout.max_new_tokens,
+                       temperature=ctx.config.rollout.temperature, prompt_ids=prompt_ids, prompt_width=width)
+        scores = ctx.rewards.score(prompts, out.completions, samples)
+        baseline_G = scores.reward_B.float().cpu()
+        ctx.metrics.total("baseline/errors", float(scores.errors))
+        ctx.metrics.total("baseline/timeouts", float(scores.timeouts))
+        ctx.metrics.mean("baseline/length", float(out.response_mask_BR.sum()), len(rows))
+    if ctx.config.algorithm.reward_clip > 0:
+        baseline_G = clip_reward(baseline_G, limit=ctx.config.algorithm.reward_clip)
+    ctx.metrics.mean("baseline/reward", float(baseline_G.sum()), len(rows))
+    position = {group: k for k, group in enumerate(first_row)}
+    baseline_B = baseline_G[[position[group] for group in groups]]
+    return batch.updated(baseline_reward=baseline_B.to(ctx.comm.device))
+
+
 def reward(batch: Batch, ctx: StageContext) -> Batch:
     """The weighted reward functions (`task.reward` / `task.rewards`); failures are counted."""
     scores = ctx.rewards.score(batch["prompt"], batch["completion"], batch["sample"])
@@ -89,6 +129,16 @@ def overlong_penalty(batch: Batch, ctx: StageContext) -> Batch:
                            penalty=algo.overlong_penalty).to(batch["reward"].dtype)
     ctx.metrics.mean("reward/overlong_penalty", float(penalty_B.sum()), len(batch))
     return batch.updated(reward=batch["reward"] + penalty_B)
+
+
+def reward_clip(batch: Batch, ctx: StageContext) -> Batch:
+    """Rewards clamped to ±`algorithm.reward_clip`; the share of clamped samples is logged."""
+    from distflow.algorithms.shaping import clip_reward
+
+    reward_B = batch["reward"]
+    clipped_B = clip_reward(reward_B, limit=ctx.config.algorithm.reward_clip)
+    ctx.metrics.mean("reward/clipped_fraction", float((clipped_B != reward_B).sum()), len(batch))
+    return batch.updated(reward=clipped_B)
 
 
 def old_logprob(batch: Batch, ctx: StageContext) -> Batch:

@@ -2,7 +2,7 @@
 
     for epoch in ppo_epochs:  (reshuffled per epoch)
       for mini-batch in num_mini_batches:
-        N = all_reduce(Σ loss_normalizer(mask of my rows))        one number per optimizer step
+        N = finish(all_reduce(Σ loss_normalizer(mask of my rows)))  one number per optimizer step
         engine.update: for each micro-batch: backward(loss_sum(per-token loss) / N)   (DDP averages)
 
 The loss of the policy is
@@ -71,11 +71,12 @@ def mini_batches(batch: Batch, ctx: StageContext) -> Iterator[Batch]:
 
 
 def global_normalizer(mask_BR: torch.Tensor, mode: str, ctx: StageContext) -> float:
-    """Σ over every rank of this mini-batch's `loss_normalizer` (one all-reduce)."""
-    from distflow.algorithms.aggregation import loss_normalizer
+    """This mini-batch's normaliser from every rank's `loss_normalizer` (one all-reduce)."""
+    from distflow.algorithms.aggregation import finish_normalizer, loss_normalizer
 
     local = loss_normalizer(mask_BR, mode, horizon=ctx.config.rollout.max_new_tokens).double()
-    return float(ctx.comm.all_reduce_sum(local.reshape(1).to(ctx.comm.device)).item())
+    total = ctx.comm.all_reduce_sum(local.reshape(1).to(ctx.comm.device)).cpu()
+    return float(finish_normalizer(total, mode).item())
 
 
 def _record_update(ctx: StageContext, prefix: str, stats: dict[str, float], num_tokens: float) -> None:
@@ -92,7 +93,7 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
 
     from distflow.algorithms.aggregation import loss_sum
     from distflow.algorithms.kl import KL_ESTIMATORS
-    from distflow.algorithms.losses import entropy_bonus
+    from distflow.algorithms.losses import entropy_bonus, ppo_kl
 
     algo, trainer = ctx.config.algorithm, ctx.config.trainer
     if ctx.step <= algo.critic_warmup_steps:  # PPO: let the critic learn the values first
@@ -114,6 +115,7 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
             "clip_fraction": (clipped_BR.float() * mask_BR).sum(),
             "entropy": (entropy_BR.detach() * mask_BR).sum(),
             "pg_loss": (loss_BR.detach() * mask_BR).sum(),
+            "ppo_kl": (ppo_kl(logp_BR.detach(), old_BR) * mask_BR).sum(),
         }
         total = loss_sum(loss_BR, mask_BR, algo.loss_agg)
         if regularised:
