@@ -28,7 +28,7 @@ def train(tmp_path, cache_dir, *extra):
     # Generous timeout: the first run of a session also builds the warm-start (~1 min alone,
     # several on a loaded machine).
     result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *TINY, f"warmstart.cache_dir={cache_dir}",
-                     f"trainer.output_dir={tmp_path}", "trainer.run_name=run", *extra, cwd=tmp_path, timeout=900)
+                     f"trainer.output_dir={tmp_path}", "trainer.run_name=run", *extra, cwd=tmp_path, timeout=1800)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     return summary, tmp_path / "run"
@@ -158,7 +158,7 @@ def test_torchrun_builds_the_embedded_model_on_local_rank_0(tmp_path):
            "-m", "distflow", "train", str(REPO / "examples/arith_grpo.yaml"), *TINY,
            "warmstart.target_accuracy=0", f"warmstart.cache_dir={cache}", f"trainer.output_dir={tmp_path}",
            "trainer.run_name=run"]
-    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["world_size"] == 2

@@ -72,7 +72,7 @@ def start(tmp_path, cache_dir, fault, *extra, torchrun=False, fault_rank=1, chao
 def finish(proc, tmp_path, marker="fault-rank1.json"):
     """(exit code, stderr, seconds from the injected fault to the job's exit)."""
     try:
-        _, stderr = proc.communicate(timeout=300)
+        _, stderr = proc.communicate(timeout=1800)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise AssertionError("the job hung")

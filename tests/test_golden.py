@@ -34,7 +34,7 @@ GOLDEN = {
 def test_first_steps_of_a_seeded_run_match_the_golden_values(tmp_path):
     (tmp_path / "shaping.py").write_text(SHAPING)
     result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *ARGS, f"warmstart.cache_dir={tmp_path / 'cache'}",
-                     f"trainer.output_dir={tmp_path}", "trainer.run_name=run", cwd=tmp_path, timeout=900)
+                     f"trainer.output_dir={tmp_path}", "trainer.run_name=run", cwd=tmp_path, timeout=1800)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     actual = {r["step"]: {key: r[key] for key in KEYS} for r in records[1:]}

@@ -40,7 +40,7 @@ def runs(tmp_path_factory, cache_dir):
         cwd = tmp_path_factory.mktemp("layout")
         (cwd / "recorder.py").write_text(RECORDER)
         result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *ARGS, f"warmstart.cache_dir={cache_dir}",
-                         f"trainer.output_dir={cwd}", "trainer.run_name=run", *extra, cwd=cwd, timeout=900)
+                         f"trainer.output_dir={cwd}", "trainer.run_name=run", *extra, cwd=cwd, timeout=1800)
         assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
         metrics = [json.loads(line) for line in (cwd / "run/metrics.jsonl").read_text().splitlines()]
         samples = {}
