@@ -55,7 +55,7 @@ def test_disaggregated_placement_gives_unique_execution_flows():
 
 def test_custom_stage_on_the_rollout_group_moves_the_transition():
     plan = plan_for(2, "placement.rollout.ranks=0", "placement.train.ranks=1", "pipeline.custom_stages=[{name: "
-                    "shape, fn: 'distflow.dag.stages:weight_sync', after: [reward], before: [advantage], "
+                    "shape, fn: 'distflow.dag.stages:reward_clip', after: [reward], before: [advantage], "
                     "placement: rollout}]")
     order = [item.before if isinstance(item, Transition) else item.stage.name for item in plan.items]
     # rollout → [→reward] → reward (train) → [→shape] → shape (rollout) → [→advantage] → advantage ...
