@@ -42,6 +42,7 @@ from distflow.data.prefetch import Prefetcher
 from distflow.data.redistribute import redistribute
 from distflow.engines.evaluation import Evaluation, SamplingSpec, evaluate
 from distflow.engines.policy import PolicyEngine
+from distflow.engines.reward import private_copy
 from distflow.engines.sequences import encode_prompts
 from distflow.engines.weight_sync import WeightBroadcast
 from distflow.observability.metrics import StepMetrics
@@ -235,6 +236,10 @@ def _step(worker: Worker, previous: Batch | None, status: RankStatus) -> tuple[d
             step_metrics = ctx.metrics
             if item.layout.member_of(rank) != 0:  # a replica's other ranks repeat its leader's work
                 ctx.metrics = StepMetrics()
+            if item.stage.role == "custom" and "sample" in batch.meta:
+                # Rows are shared by a group's samples and by the loader: a user stage that
+                # edits one in place must not edit the others (what it returns is what counts).
+                batch = batch.updated(sample=[private_copy(row) for row in batch["sample"]])
             batch = item.stage.fn(batch, ctx)
             ctx.metrics = step_metrics
         ctx.metrics.maximum(f"time/{name}_s", time.time() - stage_start)
