@@ -8,6 +8,7 @@ the row sources the loader reads them with.
 """
 
 import json
+import math
 
 import pytest
 import torch
@@ -331,3 +332,58 @@ def test_rows_are_validated_by_shards_with_one_outcome(tmp_path, skip):
     else:  # both ranks stop on the same (first) invalid row, though only rank 0 read it
         assert results[0]["error"] == results[1]["error"]
         assert "row 5 of 9: empty prompt" in results[0]["error"]
+
+
+# ---- user code that misbehaves, and inputs checked before the first rank starts -----------------
+# (Issue 15, items 4, 5, 7, 8.) Self-contained: its files, fixtures and cases are all below.
+
+MORE_USER_FILES = {
+    "rewards_misbehave.py": '''
+import threading
+import time
+
+
+def forgets_answer(prompt, completion, sample):
+    del sample["answer"]  # the verifier and the next reward read it after this call
+    return 0.0
+
+
+def huge(prompt, completion, sample):
+    return 1e308 if "1" in completion else float(len(completion))  # 1e308: finite in Python, inf in float32
+
+
+def leaves_thread(prompt, completion, sample):
+    if not any(t.name == "user-poller" for t in threading.enumerate()):
+        threading.Thread(target=time.sleep, args=(3600,), name="user-poller").start()  # never ends
+    return 0.0
+''',
+}
+
+
+@pytest.fixture(scope="module")
+def userdir(workdir):
+    for name, text in MORE_USER_FILES.items():
+        (workdir / name).write_text(text)
+    return workdir
+
+
+def test_rewards_that_edit_the_row_or_overflow_float32_are_contained(userdir, cache_dir):
+    rewards = "task.rewards=[{fn: 'rewards_misbehave:forgets_answer'}, {fn: 'rewards_misbehave:huge'}]"
+    result = train(userdir, cache_dir, "misbehaving-rewards", rewards)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(userdir / "misbehaving-rewards")[1:]
+    assert sum(r["reward/errors"] for r in records) > 0  # the 1e308s, and nothing else failed
+    assert all(r["train/consecutive_nonfinite_steps"] == 0 and math.isfinite(r["reward/mean"]) for r in records)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_threads_left_by_a_reward_do_not_keep_the_run_alive(userdir, cache_dir, nproc):
+    # Without the fix the process waits for the thread (an hour): the subprocess timeout fails the test.
+    result = run_cli("train", CONFIG, *TINY, "trainer.total_steps=1", "warmstart.target_accuracy=0",
+                     f"warmstart.cache_dir={cache_dir}", f"trainer.output_dir={userdir}",
+                     f"trainer.run_name=thread-{nproc}", "task.reward=rewards_misbehave:leaves_thread",
+                     "task.reward_timeout_s=0", "--nproc", str(nproc), cwd=userdir, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1])["steps"] == 1
+    warnings = [line for line in result.stderr.splitlines() if "non-daemon thread" in line]
+    assert len(warnings) == nproc and all("'user-poller'" in line for line in warnings)

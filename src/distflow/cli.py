@@ -8,6 +8,8 @@
 The configuration (and the stage graph, the reward functions, the checkpoint to resume
 from) is validated before any rank starts; a user error prints one line and exits with
 status 2. Exit status 1 is a failed or aborted run, 3 a stalled one (runtime/faults.py).
+The process ends when the run is done even if user code (a reward, a stage) left threads
+running: see `exit_process`.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import argparse
 import inspect
 import os
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from distflow.config import Config, ConfigError, load_config
 
@@ -141,6 +145,21 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"distflow: error: {err}", file=sys.stderr)
         return USER_ERROR
+
+
+def exit_process(code: int) -> NoReturn:
+    """Exit with `code` now. Python's own exit waits for every non-daemon thread, so one that
+    a reward or stage started and never ended would keep a finished run (and under
+    `--nproc`, the whole job) alive forever: name such threads, then leave without them."""
+    left = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if not left:
+        sys.exit(code)
+    rank = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
+    print(f"distflow: {rank}warning: exiting although user code left {len(left)} non-daemon thread(s) running: "
+          f"{', '.join(repr(t.name) for t in left)}; end them before returning, or start them with daemon=True",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
 
 
 def _train(config: Config, args: argparse.Namespace, argv: list[str]) -> int:
