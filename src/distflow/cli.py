@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
+from distflow import preflight
 from distflow.config import Config, ConfigError, load_config
+from distflow.runtime.faults import LAUNCHED_ENV
 
 USER_ERROR = 2
 LATEST = "latest"
@@ -80,11 +82,10 @@ def _validate(config: Config, world_size: int, *, check_run_dir: bool, resuming:
 
         if not torch.cuda.is_available():
             raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=auto or cpu")
-    if config.model.path is not None and not (Path(config.model.path).expanduser() / "config.json").is_file():
-        raise ConfigError(f"model.path={config.model.path!r} is not a Hugging Face model directory (no config.json)")
-    tokenizer_path = config.model.tokenizer_path
-    if tokenizer_path is not None and not Path(tokenizer_path).expanduser().is_dir():
-        raise ConfigError(f"model.tokenizer_path={tokenizer_path!r} is not a directory")
+    preflight.check_data_files(config)
+    preflight.check_directories(config, _run_dir(config))
+    if os.environ.get(LAUNCHED_ENV) != "1":  # else `distflow train --nproc` checked it before starting the ranks
+        preflight.check_model_dir(config)
     if check_run_dir and not resuming and (_run_dir(config) / "metrics.jsonl").exists():
         raise ConfigError(f"run directory {str(_run_dir(config))!r} already holds a run; "
                           "choose another trainer.run_name, or continue it with --resume")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -104,13 +105,19 @@ def convert(tp: Any, value: Any, where: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            # No setting means anything at inf or NaN: they only turn into NaN losses later.
+            if not math.isfinite(number):
+                raise ConfigError(f"{where} must be a finite number (got {value!r})")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value
