@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import signal
 import sys
 import threading
 import time
@@ -190,12 +191,29 @@ def _train(config: Config, args: argparse.Namespace, argv: list[str]) -> int:
 
         ensure_embedded_model(config, builder=True, log=lambda text: print(text, file=sys.stderr, flush=True))
     if args.nproc > 1 and not under_launcher:
-        from distflow.runtime.launcher import launch
+        from distflow.runtime.launcher import Stopped, launch
 
-        return launch(args.nproc, _strip_nproc(argv))
+        try:
+            return launch(args.nproc, _strip_nproc(argv))
+        except Stopped as stop:
+            return _report_stopped(config, stop.signum)
     from distflow.runtime.executor import run
 
     return run(config, _run_dir(config), resume)
+
+
+def _report_stopped(config: Config, signum: int) -> int:
+    """One line for a run stopped from outside (Ctrl-C, `kill`): what stopped it and what to resume from."""
+    from distflow.checkpoint.store import latest_checkpoint
+    from distflow.runtime.checkpointing import checkpoint_root
+
+    root = checkpoint_root(config, _run_dir(config))
+    latest = latest_checkpoint(root) if root.is_dir() else None
+    where = (f"last complete checkpoint: {latest} (continue with --resume {latest})" if latest
+             else f"no complete checkpoint in {root} yet")
+    print(f"distflow: run stopped by {signal.Signals(signum).name}; the ranks were stopped; {where}",
+          file=sys.stderr, flush=True)
+    return 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
 
 
 def _strip_nproc(argv: list[str]) -> list[str]:
