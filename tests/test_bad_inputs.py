@@ -387,3 +387,133 @@ def test_threads_left_by_a_reward_do_not_keep_the_run_alive(userdir, cache_dir, 
     assert json.loads(result.stdout.strip().splitlines()[-1])["steps"] == 1
     warnings = [line for line in result.stderr.splitlines() if "non-daemon thread" in line]
     assert len(warnings) == nproc and all("'user-poller'" in line for line in warnings)
+
+
+@pytest.fixture(scope="module")
+def bad_models(userdir, text_model):
+    """Model directories broken the ways downloads and copies break them."""
+    import shutil
+
+    def variant(name):
+        shutil.copytree(text_model, userdir / name)
+        return userdir / name
+
+    weights = variant("truncated") / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a copy cut short
+    big = build_char_tokenizer("0123456789+-*=() abcdefghijklmnopqrstuvwxyz")  # 47 ids, the model embeds 21
+    big.save_pretrained(variant("big-vocab"))
+    (variant("bad-config") / "config.json").write_text('{"model_type": "llama", ')
+    (variant("no-weights") / "model.safetensors").unlink()
+    (userdir / "data.csv").write_text("prompt\n1+1=\n")
+    return userdir
+
+
+# (id, arguments, needle in the one error line); "{tmp}" is the test's directory. No rank starts.
+BEFORE_ANY_RANK = [
+    ("inf lr", ["optim.lr=.inf"], "optim.lr must be a finite number (got inf)"),
+    ("nan default reward", ["task.default_reward=.nan"], "task.default_reward must be a finite number (got nan)"),
+    ("nan as text", ["rollout.temperature=nan"], "rollout.temperature must be a finite number (got 'nan')"),
+    ("inf in a list", ["optim.betas=[0.9, .inf]"], "optim.betas[1] must be a finite number (got inf)"),
+    ("default reward past float32", ["task.default_reward=1e300"], "task.default_reward must fit in float32"),
+    ("run name escapes", ["trainer.run_name=../../x"], "trainer.run_name must be a plain directory name"),
+    ("run name with slash", ["trainer.run_name=a/b"], "trainer.run_name must be a plain directory name"),
+    ("checkpoint dir is a file", ["checkpoint.dir={tmp}/rewards_ok.py"],
+     "checkpoint.dir: '{tmp}/rewards_ok.py' is a file; point it at a directory"),
+    ("output dir is a file", ["trainer.output_dir={tmp}/rewards_ok.py"], "trainer.output_dir: '{tmp}/rewards_ok.py' is a file"),
+    ("output dir under a file", ["trainer.output_dir={tmp}/rewards_ok.py/runs"],
+     "'{tmp}/rewards_ok.py', a parent of '{tmp}/rewards_ok.py/runs', is a file"),
+    ("run dir is a file", ["trainer.output_dir={tmp}", "trainer.run_name=rewards_ok.py"], "is a file"),
+    ("cache dir is a file", ["warmstart.cache_dir={tmp}/rewards_ok.py"], "warmstart.cache_dir: '{tmp}/rewards_ok.py' is a file"),
+    ("truncated safetensors", ["model.path={tmp}/truncated"], "model.safetensors' is damaged: it is truncated"),
+    ("tokenizer past the embeddings", ["model.path={tmp}/big-vocab"],
+     "has 47 token ids but the model in '{tmp}/big-vocab' has embeddings for 21"),
+    ("config.json not json", ["model.path={tmp}/bad-config"], "config.json' is not valid JSON"),
+    ("no weights", ["model.path={tmp}/no-weights"], "has no weights (*.safetensors or pytorch_model*.bin)"),
+    ("data file of another kind", ["model.path={tmp}/model", "task.train_file={tmp}/data.csv",
+                                   "task.heldout_file={tmp}/data.csv"], "the extension must be one of .parquet"),
+    ("data file is a directory", ["model.path={tmp}/model", "task.train_file={tmp}", "task.heldout_file={tmp}"],
+     "is not a file"),
+]
+
+
+@pytest.mark.parametrize("args, needle", [c[1:] for c in BEFORE_ANY_RANK], ids=[c[0] for c in BEFORE_ANY_RANK])
+def test_inputs_checked_before_any_rank(bad_models, args, needle):
+    args = [a.replace("{tmp}", str(bad_models)) for a in args]
+    result = run_cli("train", CONFIG, *args, cwd=bad_models, timeout=120)
+    assert len(check_one_line_error(result, needle.replace("{tmp}", str(bad_models)))) == 1
+
+
+SURROGATE_ROW = '{"prompt": [{"role": "user", "content": "2+2=\\ud800"}], "reward_model": {"ground_truth": "4"}}'
+NO_TRUTH_ROW = json.dumps({"prompt": [{"role": "user", "content": "2+2="}], "extra": 1})
+
+
+@pytest.mark.parametrize("train_line, heldout_line, needle", [
+    (NO_TRUTH_ROW, None, "train: row 2 of 3: missing field 'reward_model.ground_truth' or 'answer', which the task's "
+                         "verifier reads"),
+    (SURROGATE_ROW, None, "train: row 2 of 3: prompt holds a lone UTF-16 surrogate"),
+    (None, SURROGATE_ROW, "heldout: row 2 of 3: prompt holds a lone UTF-16 surrogate"),
+    (None, NO_TRUTH_ROW, "heldout: row 2 of 3: missing field 'reward_model.ground_truth' or 'answer'"),
+], ids=["train row without ground truth", "train prompt surrogate", "heldout prompt surrogate",
+        "heldout row without ground truth"])
+def test_rows_the_task_cannot_use_stop_the_run_before_training(userdir, cache_dir, text_model, train_line,
+                                                                heldout_line, needle, request):
+    name = request.node.callspec.id.replace(" ", "-")
+    good = json.dumps(CHAT_ROW)
+    train_path = jsonl(userdir, good, train_line or good, good, name=f"{name}-train.jsonl")
+    heldout_path = jsonl(userdir, good, heldout_line or good, good, name=f"{name}-heldout.jsonl")
+    result = train(userdir, cache_dir, name, f"model.path={text_model}", f"task.train_file={train_path}",
+                   f"task.heldout_file={heldout_path}", "trainer.prompts_per_step=2", "task.num_heldout=3")
+    check_one_line_error(result, f"{name}-{needle}")
+    assert "held-out accuracy before RL" not in result.stderr  # stopped before any step or evaluation
+
+
+def test_rows_the_task_cannot_use_can_be_skipped(tmp_path):
+    path = jsonl(tmp_path, GOOD, NO_TRUTH_ROW, SURROGATE_ROW.replace("reward_model", "x"))
+    kept = rows_of(path, task_fields=(("reward_model.ground_truth", "answer"),), skip_invalid=True)
+    assert kept.kept == [0] and kept.skipped == {"missing 'reward_model.ground_truth'": 1, "prompt not UTF-8": 1}
+
+
+def _alive_with(marker):
+    """Pids of live processes whose command line holds `marker`."""
+    import os
+
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.parametrize("signum, code", [(15, 143), (2, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_launcher_stops_the_run_with_one_line(userdir, cache_dir, signum, code):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    name = f"stopped-{signum}"
+    command = [sys.executable, "-m", "distflow", "train", CONFIG, *TINY, "trainer.total_steps=10000",
+               "checkpoint.every=1", "warmstart.target_accuracy=0", f"warmstart.cache_dir={cache_dir}",
+               f"trainer.output_dir={userdir}", f"trainer.run_name={name}", "--nproc", "2"]
+    launcher = subprocess.Popen(command, cwd=userdir, stderr=subprocess.PIPE, text=True,
+                                stdout=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        first = userdir / name / "checkpoints/step-000001/COMPLETE"
+        while not first.exists():
+            assert launcher.poll() is None, launcher.stderr.read()[-3000:]
+            time.sleep(0.2)
+        launcher.send_signal(signum)
+        _, stderr = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == code, stderr[-3000:]
+    assert "Traceback" not in stderr and "SignalException" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith(f"distflow: run stopped by {'SIGTERM' if signum == 15 else 'SIGINT'}; the ranks were "
+                           f"stopped; last complete checkpoint: {userdir / name / 'checkpoints'}/step-"), stderr[-3000:]
+    assert last.endswith(")") and "continue with --resume" in last
+    assert _alive_with(f"trainer.run_name={name}") == []  # no rank outlives the launcher

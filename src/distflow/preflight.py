@@ -76,6 +76,9 @@ def _check_readable(path: Path, key: str) -> None:
 
 def check_model_dir(config: Config) -> None:
     """A local model directory that loads: config, complete weights, tokenizer within the vocabulary."""
+    tokenizer_path = config.model.tokenizer_path
+    if tokenizer_path is not None and not Path(tokenizer_path).expanduser().is_dir():
+        raise ConfigError(f"model.tokenizer_path={tokenizer_path!r} is not a directory")
     if config.model.path is None:
         return
     model_dir = Path(config.model.path).expanduser()
@@ -93,9 +96,6 @@ def check_model_dir(config: Config) -> None:
         raise ConfigError(f"model.path={config.model.path!r} has no weights (*.safetensors or pytorch_model*.bin)")
     for path in weights:
         _check_safetensors(path)
-    tokenizer_path = config.model.tokenizer_path
-    if tokenizer_path is not None and not Path(tokenizer_path).expanduser().is_dir():
-        raise ConfigError(f"model.tokenizer_path={tokenizer_path!r} is not a directory")
     _check_vocabulary(model_config, model_dir, Path(tokenizer_path or model_dir).expanduser())
 
 
