@@ -448,11 +448,11 @@ NO_TRUTH_ROW = json.dumps({"prompt": [{"role": "user", "content": "2+2="}], "ext
 
 
 @pytest.mark.parametrize("train_line, heldout_line, needle", [
-    (NO_TRUTH_ROW, None, "train: row 2 of 3: missing field 'reward_model.ground_truth' or 'answer', which the task's "
+    (NO_TRUTH_ROW, None, "train.jsonl: row 2 of 3: missing field 'reward_model.ground_truth' or 'answer', which the task's "
                          "verifier reads"),
-    (SURROGATE_ROW, None, "train: row 2 of 3: prompt holds a lone UTF-16 surrogate"),
-    (None, SURROGATE_ROW, "heldout: row 2 of 3: prompt holds a lone UTF-16 surrogate"),
-    (None, NO_TRUTH_ROW, "heldout: row 2 of 3: missing field 'reward_model.ground_truth' or 'answer'"),
+    (SURROGATE_ROW, None, "train.jsonl: row 2 of 3: prompt holds a lone UTF-16 surrogate"),
+    (None, SURROGATE_ROW, "heldout.jsonl: row 2 of 3: prompt holds a lone UTF-16 surrogate"),
+    (None, NO_TRUTH_ROW, "heldout.jsonl: row 2 of 3: missing field 'reward_model.ground_truth' or 'answer'"),
 ], ids=["train row without ground truth", "train prompt surrogate", "heldout prompt surrogate",
         "heldout row without ground truth"])
 def test_rows_the_task_cannot_use_stop_the_run_before_training(userdir, cache_dir, text_model, train_line,
