@@ -352,6 +352,10 @@ def huge(prompt, completion, sample):
     return 1e308 if "1" in completion else float(len(completion))  # 1e308: finite in Python, inf in float32
 
 
+def returns_nothing(batch, ctx):
+    batch.meta["seen"] = [1] * len(batch)  # edits in place and forgets to return it
+
+
 def leaves_thread(prompt, completion, sample):
     if not any(t.name == "user-poller" for t in threading.enumerate()):
         threading.Thread(target=time.sleep, args=(3600,), name="user-poller").start()  # never ends
@@ -517,3 +521,10 @@ def test_a_signal_to_the_launcher_stops_the_run_with_one_line(userdir, cache_dir
                            f"stopped; last complete checkpoint: {userdir / name / 'checkpoints'}/step-"), stderr[-3000:]
     assert last.endswith(")") and "continue with --resume" in last
     assert _alive_with(f"trainer.run_name={name}") == []  # no rank outlives the launcher
+
+
+def test_a_stage_that_returns_no_batch_is_named(userdir, cache_dir):
+    stage = ("pipeline.custom_stages=[{name: forgetful, fn: 'rewards_misbehave:returns_nothing', after: [reward], "
+             "before: [advantage]}]")
+    result = train(userdir, cache_dir, "stage-returns-none", stage)
+    check_one_line_error(result, "stage 'forgetful' returned NoneType, not a Batch")

@@ -149,3 +149,10 @@ def test_weights_and_sums_past_float32_are_errors():
     summed = Rewards([RewardTerm("a", constant(3e38)), RewardTerm("b", constant(3e38))], default_reward=0.25)
     scores = summed.score(["q"], ["a"], [{}])
     assert scores.reward_B.tolist() == [0.5] and scores.errors == 1  # each term fits, their sum does not
+
+
+def test_a_reward_that_calls_sys_exit_is_a_counted_error():
+    import sys
+
+    scores = Rewards([RewardTerm("exits", lambda p, c, s: sys.exit(3))], default_reward=0.5).score(["q"], ["a"], [{}])
+    assert scores.reward_B.tolist() == [0.5] and scores.errors == 1

@@ -152,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
 def exit_process(code: int) -> NoReturn:
     """Exit with `code` now. Python's own exit waits for every non-daemon thread, so one that
     a reward or stage started and never ended would keep a finished run (and under
-    `--nproc`, the whole job) alive forever: name such threads, then leave without them."""
-    left = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    `--nproc`, the whole job) alive forever: name such threads, then leave without them.
+    (distflow's own, named `distflow-*`, such as the prefetch pool's, end at exit by themselves.)"""
+    left = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()
+            and not t.name.startswith("distflow-")]
     if not left:
         sys.exit(code)
     rank = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""

@@ -168,7 +168,7 @@ class Rewards:
             return value
         except RewardTimeout:
             scores.timeouts += 1
-        except Exception:  # contained on purpose: counted in the metrics, see module doc
+        except (Exception, SystemExit):  # contained on purpose (a library's sys.exit too): counted, see module doc
             scores.errors += 1
         return self.default_reward
 

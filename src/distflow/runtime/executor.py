@@ -252,6 +252,9 @@ def _step(worker: Worker, previous: Batch | None, status: RankStatus) -> tuple[d
                 # edits one in place must not edit the others (what it returns is what counts).
                 batch = batch.updated(sample=[private_copy(row) for row in batch["sample"]])
             batch = item.stage.fn(batch, ctx)
+            if not isinstance(batch, Batch):
+                raise ConfigError(f"stage {name!r} returned {type(batch).__name__}, not a Batch; a stage returns "
+                                  "the batch it was given, or batch.updated(field=...)")
             ctx.metrics = step_metrics
         ctx.metrics.maximum(f"time/{name}_s", time.time() - stage_start)
         peak_bytes = max(peak_bytes, batch.tensor_bytes())
