@@ -447,6 +447,21 @@ def test_inputs_checked_before_any_rank(bad_models, args, needle):
     assert len(check_one_line_error(result, needle.replace("{tmp}", str(bad_models)))) == 1
 
 
+@pytest.mark.parametrize("content, needle", [
+    (b"trainer:\n  total_steps: \xff\n", "is not UTF-8 text (invalid start byte at byte 26)"),
+    (None, "config file '{tmp}/config-dir' is a directory"),
+], ids=["config not utf-8", "config is a directory"])
+def test_unreadable_config_files(userdir, content, needle):
+    path = userdir / "config-dir"
+    if content is None:
+        path.mkdir(exist_ok=True)
+    else:
+        path = userdir / "latin1.yaml"
+        path.write_bytes(content)
+    result = run_cli("train", str(path), cwd=userdir, timeout=60)
+    assert len(check_one_line_error(result, needle.replace("{tmp}", str(userdir)))) == 1
+
+
 SURROGATE_ROW = '{"prompt": [{"role": "user", "content": "2+2=\\ud800"}], "reward_model": {"ground_truth": "4"}}'
 NO_TRUTH_ROW = json.dumps({"prompt": [{"role": "user", "content": "2+2="}], "extra": 1})
 

@@ -20,9 +20,13 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
+            raise ConfigError(f"config file {str(path)!r} " + ("is a directory" if path.is_dir() else "does not exist"))
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+        except OSError as err:
+            raise ConfigError(f"config file {str(path)!r} cannot be read: {err.strerror or err}") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}".replace("\n", " ")) from None
         if not isinstance(data, dict):
