@@ -448,7 +448,7 @@ def test_inputs_checked_before_any_rank(bad_models, args, needle):
 
 
 @pytest.mark.parametrize("content, needle", [
-    (b"trainer:\n  total_steps: \xff\n", "is not UTF-8 text (invalid start byte at byte 26)"),
+    (b"trainer:\n  total_steps: \xff\n", "is not UTF-8 text (invalid start byte at byte 24)"),
     (None, "config file '{tmp}/config-dir' is a directory"),
 ], ids=["config not utf-8", "config is a directory"])
 def test_unreadable_config_files(userdir, content, needle):
