@@ -423,11 +423,13 @@ BEFORE_ANY_RANK = [
     ("run name with slash", ["trainer.run_name=a/b"], "trainer.run_name must be a plain directory name"),
     ("checkpoint dir is a file", ["checkpoint.dir={tmp}/rewards_ok.py"],
      "checkpoint.dir: '{tmp}/rewards_ok.py' is a file; point it at a directory"),
-    ("output dir is a file", ["trainer.output_dir={tmp}/rewards_ok.py"], "trainer.output_dir: '{tmp}/rewards_ok.py' is a file"),
+    ("output dir is a file", ["trainer.output_dir={tmp}/rewards_ok.py"],
+     "trainer.output_dir: '{tmp}/rewards_ok.py' is a file"),
     ("output dir under a file", ["trainer.output_dir={tmp}/rewards_ok.py/runs"],
      "'{tmp}/rewards_ok.py', a parent of '{tmp}/rewards_ok.py/runs', is a file"),
     ("run dir is a file", ["trainer.output_dir={tmp}", "trainer.run_name=rewards_ok.py"], "is a file"),
-    ("cache dir is a file", ["warmstart.cache_dir={tmp}/rewards_ok.py"], "warmstart.cache_dir: '{tmp}/rewards_ok.py' is a file"),
+    ("cache dir is a file", ["warmstart.cache_dir={tmp}/rewards_ok.py"],
+     "warmstart.cache_dir: '{tmp}/rewards_ok.py' is a file"),
     ("truncated safetensors", ["model.path={tmp}/truncated"], "model.safetensors' is damaged: it is truncated"),
     ("tokenizer past the embeddings", ["model.path={tmp}/big-vocab"],
      "has 47 token ids but the model in '{tmp}/big-vocab' has embeddings for 21"),
@@ -467,8 +469,8 @@ NO_TRUTH_ROW = json.dumps({"prompt": [{"role": "user", "content": "2+2="}], "ext
 
 
 @pytest.mark.parametrize("train_line, heldout_line, needle", [
-    (NO_TRUTH_ROW, None, "train.jsonl: row 2 of 3: missing field 'reward_model.ground_truth' or 'answer', which the task's "
-                         "verifier reads"),
+    (NO_TRUTH_ROW, None,
+     "train.jsonl: row 2 of 3: missing field 'reward_model.ground_truth' or 'answer', which the task's verifier reads"),
     (SURROGATE_ROW, None, "train.jsonl: row 2 of 3: prompt holds a lone UTF-16 surrogate"),
     (None, SURROGATE_ROW, "heldout.jsonl: row 2 of 3: prompt holds a lone UTF-16 surrogate"),
     (None, NO_TRUTH_ROW, "heldout.jsonl: row 2 of 3: missing field 'reward_model.ground_truth' or 'answer'"),

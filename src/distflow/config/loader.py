@@ -24,7 +24,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except UnicodeDecodeError as err:
-            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text "
+                              f"({err.reason} at byte {err.start})") from None
         except OSError as err:
             raise ConfigError(f"config file {str(path)!r} cannot be read: {err.strerror or err}") from None
         except yaml.YAMLError as err:
