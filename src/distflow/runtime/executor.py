@@ -192,8 +192,8 @@ def _build(config: Config, world: Comm, log) -> Worker:
 
 
 def _valid_rows(config: Config, task, tokenize, world: Comm, log) -> tuple[ValidRows, ValidRows]:
-    """The training rows that pass `data.*` and hold what the task's reward reads, and the
-    held-out rows that hold what its verifier reads: each rank checks 1/N, all keep the same."""
+    """The training rows that pass `data.*` and hold what the task's verifier reads, and the
+    held-out rows that hold it too: each rank checks 1/N of them, all keep the same."""
     data = config.data
     skip = data.on_invalid_row == "skip"
     rules = RowRules(required_fields=tuple(data.required_fields), task_fields=task.required_fields,
