@@ -101,3 +101,58 @@ def test_reward_stage_reports_counts():
     metrics = ctx.metrics.reduce(comm)
     assert metrics["reward/errors"] == 1 and metrics["reward/timeouts"] == 0
     assert metrics["accuracy"] == pytest.approx(2 / 3) and metrics["reward/flaky"] == pytest.approx(2 / 3)
+
+
+def forgetful(prompt, completion, sample):
+    """A reward that edits the row it is given."""
+    answer = sample.pop("answer")
+    sample.setdefault("seen", []).append(completion)
+    return float(completion == answer)
+
+
+def test_no_call_sees_another_calls_edits_of_the_sample():
+    from distflow.dag.stages import reward
+    from distflow.data.batch import Batch
+    from distflow.observability.metrics import StepMetrics
+    from distflow.runtime.dist import Comm
+    from distflow.tasks.arithmetic import ArithmeticTask
+
+    row = {"prompt": "5+7=", "answer": "12"}
+    ctx = type("Ctx", (), {})()
+    ctx.rewards = Rewards([RewardTerm("forgetful", forgetful), RewardTerm("right", right)])
+    ctx.is_correct = ArithmeticTask.is_correct  # reads sample["answer"] after both rewards
+    ctx.metrics, ctx.comm = StepMetrics(), Comm(0, 1, 0, 1, torch.device("cpu"))
+    batch = Batch(meta={"prompt": ["5+7="] * 3, "completion": ["12", "7", "12"], "sample": [row] * 3})  # one group
+    out = reward(batch, ctx)
+    assert out["reward"].tolist() == [2.0, 0.0, 2.0]
+    metrics = ctx.metrics.reduce(ctx.comm)
+    assert metrics["reward/errors"] == 0 and metrics["accuracy"] == pytest.approx(2 / 3)
+    assert row == {"prompt": "5+7=", "answer": "12"}  # the loader's row is untouched
+
+
+def constant(value):
+    return lambda prompt, completion, sample: value
+
+
+@pytest.mark.parametrize("value", [1e308, -1e39, float("inf"), {"score": 1e300}, "nan"],
+                         ids=["1e308", "-1e39", "inf", "dict 1e300", "text nan"])
+def test_rewards_float32_cannot_hold_are_errors(value):
+    scores = Rewards([RewardTerm("big", constant(value)), RewardTerm("one", constant(1.0))],
+                     default_reward=-0.5).score(["q"] * 2, ["a", "b"], [{}] * 2)
+    assert scores.reward_B.tolist() == [0.5, 0.5] and scores.errors == 2
+    assert torch.isfinite(scores.reward_B).all()
+
+
+def test_weights_and_sums_past_float32_are_errors():
+    weighted = Rewards([RewardTerm("big", constant(1e30), weight=1e10)], default_reward=1.0)
+    assert weighted.score(["q"], ["a"], [{}]).reward_B.tolist() == [1e10]  # the default, weighted
+    summed = Rewards([RewardTerm("a", constant(3e38)), RewardTerm("b", constant(3e38))], default_reward=0.25)
+    scores = summed.score(["q"], ["a"], [{}])
+    assert scores.reward_B.tolist() == [0.5] and scores.errors == 1  # each term fits, their sum does not
+
+
+def test_a_reward_that_calls_sys_exit_is_a_counted_error():
+    import sys
+
+    scores = Rewards([RewardTerm("exits", lambda p, c, s: sys.exit(3))], default_reward=0.5).score(["q"], ["a"], [{}])
+    assert scores.reward_B.tolist() == [0.5] and scores.errors == 1

@@ -1,5 +1,3 @@
-import sys
+from distflow.cli import exit_process, main
 
-from distflow.cli import main
-
-sys.exit(main())
+exit_process(main())

@@ -8,6 +8,8 @@
 The configuration (and the stage graph, the reward functions, the checkpoint to resume
 from) is validated before any rank starts; a user error prints one line and exits with
 status 2. Exit status 1 is a failed or aborted run, 3 a stalled one (runtime/faults.py).
+The process ends when the run is done even if user code (a reward, a stage) left threads
+running: see `exit_process`.
 """
 
 from __future__ import annotations
@@ -15,11 +17,16 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
+from distflow import preflight
 from distflow.config import Config, ConfigError, load_config
+from distflow.runtime.faults import LAUNCHED_ENV
 
 USER_ERROR = 2
 LATEST = "latest"
@@ -76,11 +83,10 @@ def _validate(config: Config, world_size: int, *, check_run_dir: bool, resuming:
 
         if not torch.cuda.is_available():
             raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=auto or cpu")
-    if config.model.path is not None and not (Path(config.model.path).expanduser() / "config.json").is_file():
-        raise ConfigError(f"model.path={config.model.path!r} is not a Hugging Face model directory (no config.json)")
-    tokenizer_path = config.model.tokenizer_path
-    if tokenizer_path is not None and not Path(tokenizer_path).expanduser().is_dir():
-        raise ConfigError(f"model.tokenizer_path={tokenizer_path!r} is not a directory")
+    preflight.check_data_files(config)
+    preflight.check_directories(config, _run_dir(config))
+    if os.environ.get(LAUNCHED_ENV) != "1":  # else `distflow train --nproc` checked it before starting the ranks
+        preflight.check_model_dir(config)
     if check_run_dir and not resuming and (_run_dir(config) / "metrics.jsonl").exists():
         raise ConfigError(f"run directory {str(_run_dir(config))!r} already holds a run; "
                           "choose another trainer.run_name, or continue it with --resume")
@@ -143,6 +149,23 @@ def main(argv: list[str] | None = None) -> int:
         return USER_ERROR
 
 
+def exit_process(code: int) -> NoReturn:
+    """Exit with `code` now. Python's own exit waits for every non-daemon thread, so one that
+    a reward or stage started and never ended would keep a finished run (and under
+    `--nproc`, the whole job) alive forever: name such threads, then leave without them.
+    (distflow's own, named `distflow-*`, such as the prefetch pool's, end at exit by themselves.)"""
+    left = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()
+            and not t.name.startswith("distflow-")]
+    if not left:
+        sys.exit(code)
+    rank = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
+    print(f"distflow: {rank}warning: exiting although user code left {len(left)} non-daemon thread(s) running: "
+          f"{', '.join(repr(t.name) for t in left)}; end them before returning, or start them with daemon=True",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
 def _train(config: Config, args: argparse.Namespace, argv: list[str]) -> int:
     under_launcher = "RANK" in os.environ
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if under_launcher else args.nproc
@@ -170,12 +193,29 @@ def _train(config: Config, args: argparse.Namespace, argv: list[str]) -> int:
 
         ensure_embedded_model(config, builder=True, log=lambda text: print(text, file=sys.stderr, flush=True))
     if args.nproc > 1 and not under_launcher:
-        from distflow.runtime.launcher import launch
+        from distflow.runtime.launcher import Stopped, launch
 
-        return launch(args.nproc, _strip_nproc(argv))
+        try:
+            return launch(args.nproc, _strip_nproc(argv))
+        except Stopped as stop:
+            return _report_stopped(config, stop.signum)
     from distflow.runtime.executor import run
 
     return run(config, _run_dir(config), resume)
+
+
+def _report_stopped(config: Config, signum: int) -> int:
+    """One line for a run stopped from outside (Ctrl-C, `kill`): what stopped it and what to resume from."""
+    from distflow.checkpoint.store import latest_checkpoint
+    from distflow.runtime.checkpointing import checkpoint_root
+
+    root = checkpoint_root(config, _run_dir(config))
+    latest = latest_checkpoint(root) if root.is_dir() else None
+    where = (f"last complete checkpoint: {latest} (continue with --resume {latest})" if latest
+             else f"no complete checkpoint in {root} yet")
+    print(f"distflow: run stopped by {signal.Signals(signum).name}; the ranks were stopped; {where}",
+          file=sys.stderr, flush=True)
+    return 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
 
 
 def _strip_nproc(argv: list[str]) -> list[str]:

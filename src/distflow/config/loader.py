@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -19,9 +20,14 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
+            raise ConfigError(f"config file {str(path)!r} " + ("is a directory" if path.is_dir() else "does not exist"))
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text "
+                              f"({err.reason} at byte {err.start})") from None
+        except OSError as err:
+            raise ConfigError(f"config file {str(path)!r} cannot be read: {err.strerror or err}") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}".replace("\n", " ")) from None
         if not isinstance(data, dict):
@@ -104,13 +110,19 @@ def convert(tp: Any, value: Any, where: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            # No setting means anything at inf or NaN: they only turn into NaN losses later.
+            if not math.isfinite(number):
+                raise ConfigError(f"{where} must be a finite number (got {value!r})")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value

@@ -14,6 +14,10 @@ class ConfigError(ValueError):
     """A user error in the configuration; the CLI prints it on one line and exits 2."""
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""Rewards are float32 tensors: a larger default reward would be inf there."""
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -54,8 +58,8 @@ class TaskConfig:
     rewards: list[RewardSpec] = field(default_factory=list)
     """Several reward functions summed with weights; when set, replaces `reward`."""
     default_reward: float = 0.0
-    """What a reward function that raises, times out or returns a non-finite value scores
-    (counted in `reward/errors` and `reward/timeouts`)."""
+    """What a reward function that raises, times out or returns a value float32 cannot hold
+    (NaN, inf, |x| > 3.4e38) scores (counted in `reward/errors` and `reward/timeouts`)."""
     reward_timeout_s: float = 10.0
     """Longest a reward call may take (run on a helper thread); 0: call inline, no deadline."""
     train_file: str | None = None
@@ -69,6 +73,8 @@ class TaskConfig:
         _check(self.num_heldout >= 1, f"task.num_heldout must be >= 1 (got {self.num_heldout})")
         _check(":" in self.reward, f"task.reward must look like 'package.module:function' (got {self.reward!r})")
         _check(self.reward_timeout_s >= 0, f"task.reward_timeout_s must be >= 0 (got {self.reward_timeout_s})")
+        _check(abs(self.default_reward) <= FLOAT32_MAX,
+               f"task.default_reward must fit in float32, |x| <= 3.4e38 (got {self.default_reward})")
         _check((self.train_file is None) == (self.heldout_file is None),
                "task.train_file and task.heldout_file go together: set both (a dataset task) or neither")
 
@@ -278,7 +284,7 @@ class TrainerConfig:
     """Samples per held-out prompt at the rollout temperature."""
     output_dir: str = "runs"
     run_name: str | None = None
-    """Run directory name under output_dir; defaults to a timestamp."""
+    """Run directory name under output_dir (one path component); defaults to a timestamp."""
     tensorboard: bool = True
     progress_bar: bool = True
     device: str = "auto"
@@ -320,6 +326,10 @@ class TrainerConfig:
                f"trainer.stage_timeout_floor_s must be >= 1 (got {self.stage_timeout_floor_s})")
         _check(self.max_nonfinite_steps >= 0,
                f"trainer.max_nonfinite_steps must be >= 0 (got {self.max_nonfinite_steps})")
+        _check(self.run_name is None or (self.run_name.strip() not in ("", ".", "..")
+                                         and not any(c in self.run_name for c in "/\\\0")),
+               f"trainer.run_name must be a plain directory name, without '/' and not '..' (got {self.run_name!r}); "
+               "to write elsewhere, set trainer.output_dir")
 
 
 @dataclass(kw_only=True)

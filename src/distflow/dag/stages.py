@@ -107,9 +107,12 @@ def greedy_baseline(batch: Batch, ctx: StageContext) -> Batch:
 
 
 def reward(batch: Batch, ctx: StageContext) -> Batch:
-    """The weighted reward functions (`task.reward` / `task.rewards`); failures are counted."""
+    """The weighted reward functions (`task.reward` / `task.rewards`); failures are counted.
+    Each reward call and each verifier call gets its own copy of the sample's row."""
+    from distflow.engines.reward import private_copy
+
     scores = ctx.rewards.score(batch["prompt"], batch["completion"], batch["sample"])
-    num_correct = sum(ctx.is_correct(c, s) for c, s in zip(batch["completion"], batch["sample"]))
+    num_correct = sum(ctx.is_correct(c, private_copy(s)) for c, s in zip(batch["completion"], batch["sample"]))
     ctx.metrics.mean("reward/mean", float(scores.reward_B.sum()), len(batch))
     for name, total in scores.term_sums.items():
         ctx.metrics.mean(f"reward/{name}", total, len(batch))

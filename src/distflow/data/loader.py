@@ -103,6 +103,9 @@ class RowRules:
 
     required_fields: tuple[str, ...] = ()
     """Fields besides the prompt that must be present and not null; dotted for nested ones."""
+    task_fields: tuple[tuple[str, ...], ...] = ()
+    """What the task's verifier (and default reward) reads: each entry lists fields of which a row
+    needs at least one (e.g. `reward_model.ground_truth` or `answer`)."""
     max_prompt_tokens: int = 0
     """0: no limit."""
     skip_invalid: bool = False
@@ -122,12 +125,25 @@ def _prompt_problem(prompt: object) -> str | None:
     if prompt is None:
         return "missing 'prompt'"
     if isinstance(prompt, str):
-        return "empty prompt" if not prompt.strip() else None
+        if not prompt.strip():
+            return "empty prompt"
+        return None if _encodable(prompt) else "prompt not UTF-8"
     if isinstance(prompt, list):  # chat messages
         if not any(isinstance(m, dict) and str(m.get("content") or "").strip() for m in prompt):
             return "empty prompt"
+        if not all(_encodable(str(m.get("content") or "")) for m in prompt if isinstance(m, dict)):
+            return "prompt not UTF-8"
         return None
     return "prompt not text"
+
+
+def _encodable(text: str) -> bool:
+    """False for text no tokenizer takes: a lone UTF-16 surrogate (JSON's "\\ud800" escape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class ValidRows:
@@ -194,11 +210,17 @@ class ValidRows:
             problem = _prompt_problem(row["messages"])
         if problem is not None:
             detail = {"missing 'prompt'": "missing field 'prompt'",
-                      "prompt not text": f"prompt is of type {type(row.get('prompt')).__name__}, not text or chat messages"}
+                      "prompt not text": f"prompt is of type {type(row.get('prompt')).__name__}, not text or chat messages",
+                      "prompt not UTF-8": "prompt holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+                                          "which is not text"}
             return problem, detail.get(problem, problem)
         for name in rules.required_fields:
             if _field(row, name) is None:
                 return f"missing {name!r}", f"missing field {name!r}"
+        for names in rules.task_fields:
+            if all(_field(row, name) is None for name in names):
+                return (f"missing {names[0]!r}",
+                        f"missing field {' or '.join(repr(n) for n in names)}, which the task's verifier reads")
         return None
 
     def describe_skipped(self) -> str:

@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from distflow.engines.generation import generate
+from distflow.engines.reward import private_copy
 from distflow.runtime.dist import Comm
 from distflow.seeding import derive_seed
 
@@ -51,7 +52,7 @@ def count_correct(
         keys = None if sample_keys is None else list(sample_keys[start : start + chunk_size])
         out = generate(model, tokenizer, [s["prompt"] for s in chunk], max_new_tokens=sampling.max_new_tokens,
                        temperature=sampling.temperature, top_p=sampling.top_p, sample_keys=keys)
-        correct += sum(is_correct(c, s) for s, c in zip(chunk, out.completions))
+        correct += sum(is_correct(c, private_copy(s)) for s, c in zip(chunk, out.completions))
     return float(correct), len(samples)
 
 

@@ -5,9 +5,15 @@ dataset row the prompt came from (ground truth and all). A dict return carries t
 under "score"; its other numeric entries are logged as `reward/<name>/<key>`. Several
 functions combine as a weighted sum (`task.rewards`).
 
-Nothing a reward function does stops training: an exception, a non-finite or missing
-value, or a call that exceeds its deadline scores `default_reward` for that term, and the
-failure is counted (`reward/errors`, `reward/timeouts`).
+Nothing a reward function does stops training: an exception, a missing value, a value the
+reward dtype (float32) cannot hold (NaN, inf, or beyond ±3.4e38 such as 1e308), or a call
+that exceeds its deadline scores `default_reward` for that term, and the failure is counted
+(`reward/errors`, `reward/timeouts`).
+
+Each call gets its own copy of `sample` (`private_copy`, also for the task's verifier): a
+function that edits the row it is given cannot change what the next function, the next
+sample of the group or a later epoch sees. The copy costs about 1 µs for an addition row and
+7 µs for a GSM8K row (dicts and lists copied, strings shared).
 
     main thread:  put(fn, args) ─► wait ≤ timeout_s ─► result   (or: abandon the worker, start another)
     worker thread (daemon, one per rank):   get ─► fn(prompt, completion, sample) ─► put
@@ -23,6 +29,7 @@ that runs on the helper thread and rely on this deadline instead.
 
 from __future__ import annotations
 
+import copy
 import math
 import queue
 import threading
@@ -33,6 +40,37 @@ import torch
 
 RewardFn = Callable[[str, str, dict], "float | dict"]
 MAX_ABANDONED = 8
+REWARD_DTYPE = torch.float32
+REWARD_MAX = torch.finfo(REWARD_DTYPE).max
+"""The largest reward magnitude the reward tensor holds; anything larger becomes inf there."""
+
+
+def private_copy(value):
+    """A copy of a dataset row that shares nothing mutable with it (strings and numbers are
+    shared: they cannot change). Faster than `copy.deepcopy` on JSON-like rows.
+
+    >>> row = {"reward_model": {"ground_truth": "72"}, "tags": ["a"]}
+    >>> mine = private_copy(row)
+    >>> del mine["reward_model"]["ground_truth"]; mine["tags"].append("b")
+    >>> row
+    {'reward_model': {'ground_truth': '72'}, 'tags': ['a']}
+    """
+    if isinstance(value, dict):
+        return {key: private_copy(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [private_copy(item) for item in value]
+    if isinstance(value, (str, int, float, bool, bytes, type(None))):
+        return value
+    return copy.deepcopy(value)
+
+
+def representable(value: float) -> bool:
+    """Whether `value` survives the conversion to the reward dtype as a finite number.
+
+    >>> representable(1e38), representable(1e308), representable(float("nan"))
+    (True, False, False)
+    """
+    return math.isfinite(value) and abs(value) <= REWARD_MAX
 
 
 class RewardTimeout(Exception):
@@ -95,7 +133,8 @@ class Scores:
     reward_B: torch.Tensor
     """float32 weighted sum per sample."""
     errors: int = 0
-    """Term calls that raised or returned no finite number."""
+    """Term calls that raised or returned no number representable in float32 (and samples
+    whose weighted sum is not)."""
     timeouts: int = 0
     term_sums: dict[str, float] = field(default_factory=dict)
     """Sum over samples of each term's (unweighted) value, and of each extra dict entry."""
@@ -124,12 +163,12 @@ class Rewards:
                     scores.term_sums[name] = scores.term_sums.get(name, 0.0) + float(extra)
                 value = value["score"]
             value = float(value)
-            if not math.isfinite(value):
-                raise ValueError(f"reward {value} is not finite")
+            if not representable(value) or not representable(term.weight * value):
+                raise ValueError(f"reward {value} (weight {term.weight}) does not fit in {REWARD_DTYPE}")
             return value
         except RewardTimeout:
             scores.timeouts += 1
-        except Exception:  # contained on purpose: counted in the metrics, see module doc
+        except (Exception, SystemExit):  # contained on purpose (a library's sys.exit too): counted, see module doc
             scores.errors += 1
         return self.default_reward
 
@@ -137,14 +176,18 @@ class Rewards:
         scores = Scores(torch.zeros(len(prompts)))
         scores.term_sums = {t.name: 0.0 for t in self.terms}
         totals = []
-        for args in zip(prompts, completions, samples):
+        fallback = sum(term.weight * self.default_reward for term in self.terms)
+        for prompt, completion, sample in zip(prompts, completions, samples):
             total = 0.0
             for term in self.terms:
-                value = self._one(term, args, scores)
+                value = self._one(term, (prompt, completion, private_copy(sample)), scores)
                 scores.term_sums[term.name] += value
                 total += term.weight * value
+            if not representable(total):  # terms that each fit but whose sum does not
+                scores.errors += 1
+                total = fallback
             totals.append(total)
-        scores.reward_B = torch.tensor(totals, dtype=torch.float32)
+        scores.reward_B = torch.tensor(totals, dtype=REWARD_DTYPE)
         return scores
 
 

@@ -42,6 +42,7 @@ from distflow.data.prefetch import Prefetcher
 from distflow.data.redistribute import redistribute
 from distflow.engines.evaluation import Evaluation, SamplingSpec, evaluate
 from distflow.engines.policy import PolicyEngine
+from distflow.engines.reward import private_copy
 from distflow.engines.sequences import encode_prompts
 from distflow.engines.weight_sync import WeightBroadcast
 from distflow.observability.metrics import StepMetrics
@@ -126,6 +127,8 @@ class Worker:
     eval_model: torch.nn.Module
     loader: PromptLoader | None = None
     """The prefetcher's loader (a checkpoint restores its state)."""
+    heldout: ValidRows | None = None
+    """The task's held-out rows that its verifier can judge (None: all of `task.heldout`)."""
     num_skipped_rows: int = 0
     """Invalid training rows left out (data.on_invalid_row=skip)."""
 
@@ -172,7 +175,7 @@ def _build(config: Config, world: Comm, log) -> Worker:
     # The prefetch thread tokenizes with its own tokenizer: fast tokenizers are not
     # safe to share with the main thread's decoding.
     tokenize = functools.partial(encode_prompts, copy.deepcopy(tokenizer))
-    rows = _valid_rows(config, task.train, tokenize, world, log)
+    rows, heldout = _valid_rows(config, task, tokenize, world, log)
     loader = PromptLoader(rows.__getitem__, len(rows), prompts_per_step=trainer.prompts_per_step,
                           seed=trainer.seed, rank=plan.input_layout.replica_of(rank),
                           world_size=plan.input_layout.dp_size, tokenize=tokenize)
@@ -184,26 +187,35 @@ def _build(config: Config, world: Comm, log) -> Worker:
     )
     prefetcher = Prefetcher(loader.next_batch, loader.state_dict, enabled=trainer.prefetch)
     ctx.next_prompts = lambda: prefetcher.next()[0]  # dynamic sampling draws extra batches mid-step
-    return Worker(ctx, plan, comms, prefetcher, task, model, loader=loader, num_skipped_rows=sum(rows.skipped.values()))
+    return Worker(ctx, plan, comms, prefetcher, task, model, loader=loader, heldout=heldout,
+                  num_skipped_rows=sum(rows.skipped.values()))
 
 
-def _valid_rows(config: Config, rows, tokenize, world: Comm, log) -> ValidRows:
-    """The training rows that pass `data.*`: each rank checks 1/N of them, all keep the same."""
+def _valid_rows(config: Config, task, tokenize, world: Comm, log) -> tuple[ValidRows, ValidRows]:
+    """The training rows that pass `data.*` and hold what the task's verifier reads, and the
+    held-out rows that hold it too: each rank checks 1/N of them, all keep the same."""
     data = config.data
-    rules = RowRules(required_fields=tuple(data.required_fields), max_prompt_tokens=data.max_prompt_tokens,
-                     skip_invalid=data.on_invalid_row == "skip")
-    where = getattr(config.task, "train_file", None) or "the task's training rows"
-    valid = ValidRows(rows.__getitem__, len(rows), rules, tokenize=tokenize, where=where,
-                      shard=(world.rank, world.world_size), gather=world.all_gather_object)
-    if valid.skipped:
-        log(f"data: skipped {sum(valid.skipped.values())} of {len(rows)} rows of {where} ({valid.describe_skipped()})")
-    return valid
+    skip = data.on_invalid_row == "skip"
+    rules = RowRules(required_fields=tuple(data.required_fields), task_fields=task.required_fields,
+                     max_prompt_tokens=data.max_prompt_tokens, skip_invalid=skip)
+    checked = []
+    for rows, rules, where in [(task.train, rules, config.task.train_file or "the task's training rows"),
+                               (task.heldout, RowRules(task_fields=task.required_fields, skip_invalid=skip),
+                                config.task.heldout_file or "the task's held-out rows")]:
+        valid = ValidRows(rows.__getitem__, len(rows), rules, tokenize=tokenize, where=where,
+                          shard=(world.rank, world.world_size), gather=world.all_gather_object)
+        if valid.skipped:
+            log(f"data: skipped {sum(valid.skipped.values())} of {len(rows)} rows of {where} "
+                f"({valid.describe_skipped()})")
+        checked.append(valid)
+    return checked[0], checked[1]
 
 
 def _evaluate(worker: Worker) -> Evaluation:
     cfg, ctx = worker.ctx.config, worker.ctx
     return evaluate(
-        worker.eval_model, ctx.tokenizer, worker.task.heldout, worker.task.is_correct,
+        worker.eval_model, ctx.tokenizer, worker.heldout if worker.heldout is not None else worker.task.heldout,
+        worker.task.is_correct,
         SamplingSpec(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens),
         num_samples=cfg.trainer.eval_samples, comm=ctx.world, seed=cfg.trainer.seed,
     )
@@ -235,7 +247,14 @@ def _step(worker: Worker, previous: Batch | None, status: RankStatus) -> tuple[d
             step_metrics = ctx.metrics
             if item.layout.member_of(rank) != 0:  # a replica's other ranks repeat its leader's work
                 ctx.metrics = StepMetrics()
+            if item.stage.role == "custom" and "sample" in batch.meta:
+                # Rows are shared by a group's samples and by the loader: a user stage that
+                # edits one in place must not edit the others (what it returns is what counts).
+                batch = batch.updated(sample=[private_copy(row) for row in batch["sample"]])
             batch = item.stage.fn(batch, ctx)
+            if not isinstance(batch, Batch):
+                raise ConfigError(f"stage {name!r} returned {type(batch).__name__}, not a Batch; a stage returns "
+                                  "the batch it was given, or batch.updated(field=...)")
             ctx.metrics = step_metrics
         ctx.metrics.maximum(f"time/{name}_s", time.time() - stage_start)
         peak_bytes = max(peak_bytes, batch.tensor_bytes())

@@ -46,6 +46,8 @@ class ArithmeticTask:
     train: ProblemRows
     """Rows {"prompt", "answer"}; the loader reads them by index."""
     heldout: ProblemRows
+    required_fields = (("answer",),)
+    """What the verifier reads (each entry: fields of which a row needs one)."""
 
     @classmethod
     def build(cls, *, num_digits: int, num_heldout: int, seed: int) -> ArithmeticTask:

@@ -105,6 +105,8 @@ class ChatRows(Sequence):
 class MathTask:
     train: ChatRows
     heldout: ChatRows
+    required_fields = (("reward_model.ground_truth", "answer"),)
+    """What `ground_truth` reads; the loader rejects (or skips) rows without either."""
 
     @classmethod
     def build(cls, *, train_file: str, heldout_file: str, tokenizer: Any, num_heldout: int) -> MathTask:

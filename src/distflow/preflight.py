@@ -1,0 +1,140 @@
+"""Checks of the files and directories a run will use, made before any rank starts.
+
+A rank that meets a bad input mid-run fails with a traceback, after minutes of work, on
+every rank at once; the CLI meets it here first and prints one line naming the setting
+and the fix. What is checked:
+
+    directories   trainer.output_dir (and the run directory), checkpoint.dir,
+                  warmstart.cache_dir: each is, or can be created as, a writable directory
+    data files    task.train_file / task.heldout_file: readable files of a supported kind
+    model         model.path: a readable config.json, weight files that are complete
+                  (safetensors headers against file sizes), and a tokenizer whose ids all
+                  fit in the model's embeddings
+
+Only the headers of weight files are read: this costs milliseconds, not a model load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from distflow.config.schema import Config, ConfigError
+
+SAFETENSORS_HEADER_LIMIT = 100 * 2**20
+"""safetensors refuses headers larger than this; a larger length means a damaged file."""
+
+
+def check_directories(config: Config, run_dir: Path) -> None:
+    """Every directory the run writes into exists as a directory or can be created."""
+    check_writable_dir(Path(config.trainer.output_dir), "trainer.output_dir")
+    check_writable_dir(run_dir, "the run directory (trainer.output_dir/trainer.run_name)")
+    if config.checkpoint.dir:
+        check_writable_dir(Path(config.checkpoint.dir), "checkpoint.dir")
+    if config.model.path is None:
+        check_writable_dir(Path(config.warmstart.cache_dir), "warmstart.cache_dir")
+
+
+def check_writable_dir(path: Path, key: str) -> None:
+    path = path.expanduser()
+    existing = path
+    while not existing.exists() and not existing.is_symlink() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing.is_file() else "is not a directory"
+        where = f"{str(path)!r} {what}" if existing == path else f"{str(existing)!r}, a parent of {str(path)!r}, {what}"
+        raise ConfigError(f"{key}: {where}; point it at a directory (or a path that can become one)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: cannot write into {str(existing)!r} (permission denied); choose a writable place")
+
+
+def check_data_files(config: Config) -> None:
+    from distflow.data.sources import JSONL_SUFFIXES, PARQUET_SUFFIXES
+
+    for key in ("train_file", "heldout_file"):
+        value = getattr(config.task, key)
+        if value is None:
+            continue
+        path = Path(value).expanduser()
+        if not path.is_file():
+            what = "is a directory" if path.is_dir() else "does not exist"
+            raise ConfigError(f"task.{key}={value!r} {what}; point it at a .jsonl or .parquet file")
+        if path.suffix.lower() not in PARQUET_SUFFIXES + JSONL_SUFFIXES:
+            raise ConfigError(f"task.{key}={value!r}: unsupported dataset file, the extension must be one of "
+                              f"{', '.join(PARQUET_SUFFIXES + JSONL_SUFFIXES)}")
+        _check_readable(path, f"task.{key}")
+
+
+def _check_readable(path: Path, key: str) -> None:
+    try:
+        with path.open("rb") as f:
+            f.read(1)
+    except OSError as err:
+        raise ConfigError(f"{key}: cannot read {str(path)!r}: {err.strerror or err}") from None
+
+
+def check_model_dir(config: Config) -> None:
+    """A local model directory that loads: config, complete weights, tokenizer within the vocabulary."""
+    tokenizer_path = config.model.tokenizer_path
+    if tokenizer_path is not None and not Path(tokenizer_path).expanduser().is_dir():
+        raise ConfigError(f"model.tokenizer_path={tokenizer_path!r} is not a directory")
+    if config.model.path is None:
+        return
+    model_dir = Path(config.model.path).expanduser()
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"model.path={config.model.path!r} is not a Hugging Face model directory (no config.json)")
+    _check_readable(model_dir / "config.json", "model.path")
+    try:
+        model_config = json.loads((model_dir / "config.json").read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError(f"model.path: {str(model_dir / 'config.json')!r} is not valid JSON ({err})") from None
+    if not isinstance(model_config, dict):
+        raise ConfigError(f"model.path: {str(model_dir / 'config.json')!r} must hold a JSON object")
+    weights = sorted(model_dir.glob("*.safetensors"))
+    if not weights and not any(model_dir.glob("pytorch_model*.bin")):
+        raise ConfigError(f"model.path={config.model.path!r} has no weights (*.safetensors or pytorch_model*.bin)")
+    for path in weights:
+        _check_safetensors(path)
+    _check_vocabulary(model_config, model_dir, Path(tokenizer_path or model_dir).expanduser())
+
+
+def _check_safetensors(path: Path) -> None:
+    """The header is intact and the file holds every byte it announces (a copy cut short does not)."""
+    _check_readable(path, "model.path")
+    size = path.stat().st_size
+    problem = None
+    with path.open("rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if size < 8 or length > min(size - 8, SAFETENSORS_HEADER_LIMIT):
+            problem = f"its header is cut short ({size} bytes in all)"
+        else:
+            try:
+                header = json.loads(f.read(length))
+                end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
+                          default=0)
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+                header, problem = None, "its header is not valid safetensors JSON"
+            if header is not None and 8 + length + end > size:
+                problem = f"it is truncated: {size} bytes, its header describes {8 + length + end}"
+    if problem:
+        raise ConfigError(f"model.path: weight file {str(path)!r} is damaged: {problem}; copy or download it again")
+
+
+def _check_vocabulary(model_config: dict, model_dir: Path, tokenizer_dir: Path) -> None:
+    """Every token id the tokenizer can produce must index the model's embedding matrix."""
+    vocab_size = model_config.get("vocab_size") or (model_config.get("text_config") or {}).get("vocab_size")
+    if not isinstance(vocab_size, int):
+        return  # the model's own loader decides
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    except Exception as err:  # noqa: BLE001 — any failure to load a user's tokenizer is a user error
+        raise ConfigError(f"cannot load the tokenizer from {str(tokenizer_dir)!r}: "
+                          f"{type(err).__name__}: {err}".replace("\n", " ")) from None
+    num_ids = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+    if num_ids > vocab_size:
+        raise ConfigError(f"the tokenizer in {str(tokenizer_dir)!r} has {num_ids} token ids but the model in "
+                          f"{str(model_dir)!r} has embeddings for {vocab_size} (vocab_size in its config.json); "
+                          "use the tokenizer the model was trained with, or resize the model's embeddings")
