@@ -160,6 +160,19 @@ def test_single_process_stall(tmp_path, cache_dir):
     assert last_line(stderr).startswith("distflow: rank 0 stalled: stage 'chaos' at step 1 has run for")
 
 
+def test_sigterm_to_a_single_process_run_is_one_line(tmp_path, cache_dir):
+    proc = start(tmp_path, cache_dir, "sleep_all")
+    deadline = time.time() + 1800
+    while not (tmp_path / "fault-rank0.json").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert last_line(stderr) == "distflow: rank 0 stopped by SIGTERM in stage 'chaos' at step 1"
+    assert "Traceback" not in stderr
+
+
 def test_killing_the_launcher_leaves_no_orphan_ranks(tmp_path, cache_dir):
     proc = start(tmp_path, cache_dir, "sleep_all", "--nproc", "2")
     deadline = time.time() + 300

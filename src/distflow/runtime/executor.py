@@ -50,7 +50,8 @@ from distflow.observability.writer import RunWriter
 from distflow.planner.plan import Plan, Transition, make_plan
 from distflow.runtime import checkpointing
 from distflow.runtime.dist import Comm, init_comm, shutdown
-from distflow.runtime.faults import RankStatus, StageTimeouts, TrainingAborted, die_with_parent
+from distflow.runtime.faults import (RankStatus, StageTimeouts, TrainingAborted, die_with_parent,
+                                     raise_on_sigterm)
 from distflow.seeding import derive_seed
 from distflow.tasks.arithmetic import ArithmeticTask
 from distflow.tasks.embedded import ensure_embedded_model
@@ -95,6 +96,7 @@ def run(config: Config, run_dir: Path, resume: Path | None = None) -> int:
     status = RankStatus.from_env(timeouts=StageTimeouts.from_config(config))
     if "RANK" in os.environ:  # started by torch's launcher: do not outlive it
         die_with_parent()
+    raise_on_sigterm()
     comm = None
     try:
         status.enter("init")

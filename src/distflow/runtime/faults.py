@@ -50,6 +50,24 @@ class TrainingAborted(RuntimeError):
     """Training cannot usefully go on (e.g. every step's gradient is NaN); one line, exit 1."""
 
 
+class Terminated(BaseException):
+    """SIGTERM to a rank: its launcher stops the job (often because a peer died first)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_on_sigterm() -> None:
+    """Turn SIGTERM into `Terminated` in the main thread, so a rank that is stopped reports
+    where it was and which peer died — whether its launcher's SIGTERM or the broken
+    connection to the dead peer reaches it first. Call from the main thread."""
+    def handler(signum: int, frame) -> None:
+        raise Terminated(signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def _one_line(err: BaseException) -> str:
     text = str(err).replace("\n", " ").strip()
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
@@ -187,6 +205,10 @@ class RankStatus:
             line = f"distflow: aborted at step {self.step}: {err}"  # a decision every rank takes alike
         elif isinstance(err, KeyboardInterrupt):
             code, line = EXIT_INTERRUPTED, f"distflow: rank {self.rank} interrupted in {self.where()}"
+        elif isinstance(err, Terminated):  # stopped from outside: a consequence, like a lost peer
+            code, comm_error = 128 + err.signum, True
+            dead = self._dead_peers()
+            line = f"distflow: rank {self.rank} stopped by {err} in {self.where()}" + (f": {dead}" if dead else "")
         elif _is_comm_error(err):  # a consequence: some peer failed first
             comm_error = True
             line = f"distflow: rank {self.rank} lost its peers in {self.where()}: " + (
