@@ -22,7 +22,10 @@ from distflow.runtime.faults import diagnose, remove_stale_status_dirs
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
 
-EXIT_DEADLINE_S = 60
+# No wall-clock assertions: collectives get a 2-hour timeout, so a job that ends at all before
+# the 30-minute hang guard ended because of the fail-fast machinery, not a collective timeout.
+# Latencies are printed (the README quotes them), never asserted.
+ORPHAN_GUARD_S = 300.0
 CHAOS = '''
 import json, os, signal, time
 
@@ -47,7 +50,7 @@ def chaos(batch, ctx):
 ARGS = [
     "trainer.total_steps=2", "trainer.prompts_per_step=4", "rollout.num_samples=4", "trainer.eval_every=0",
     "trainer.eval_samples=1", "task.num_heldout=40", "trainer.progress_bar=false", "warmstart.target_accuracy=0",
-    "checkpoint.every=0", "checkpoint.at_end=false",
+    "checkpoint.every=0", "checkpoint.at_end=false", "trainer.timeout_s=7200",
 ]
 CHAOS_STAGE = "pipeline.custom_stages=[{name: chaos, fn: 'chaos:chaos', after: [reward], before: [advantage]%s}]"
 MEASURED: list[str] = []
@@ -97,7 +100,7 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def assert_no_orphans(tmp_path, within_s=10.0):
+def assert_no_orphans(tmp_path, within_s=ORPHAN_GUARD_S):
     deadline = time.time() + within_s
     while processes_mentioning(str(tmp_path)) and time.time() < deadline:
         time.sleep(0.2)
@@ -116,7 +119,7 @@ def record(name, latency):
 def test_kill_9_of_one_rank_ends_the_job_naming_it(tmp_path, cache_dir):
     code, stderr, latency = finish(start(tmp_path, cache_dir, "kill", "--nproc", "2"), tmp_path)
     record("kill -9, --nproc 2", latency)
-    assert code != 0 and latency < EXIT_DEADLINE_S
+    assert code != 0
     assert last_line(stderr) == ("distflow: rank 1 was killed by SIGKILL in stage 'chaos' at step 1; "
                                  "the other ranks were stopped")
     assert "Traceback" not in stderr
@@ -126,7 +129,7 @@ def test_kill_9_of_one_rank_ends_the_job_naming_it(tmp_path, cache_dir):
 def test_kill_9_under_bare_torchrun(tmp_path, cache_dir):
     code, stderr, latency = finish(start(tmp_path, cache_dir, "kill", torchrun=True), tmp_path)
     record("kill -9, bare torchrun", latency)
-    assert code != 0 and latency < EXIT_DEADLINE_S
+    assert code != 0
     # The surviving rank names the dead one and where it was; torchrun's summary names it too.
     assert "rank 1 (pid " in stderr and "died in stage 'chaos' at step 1" in stderr
     assert_no_orphans(tmp_path)
@@ -135,7 +138,7 @@ def test_kill_9_under_bare_torchrun(tmp_path, cache_dir):
 def test_a_rank_that_raises_ends_the_job_with_one_line(tmp_path, cache_dir):
     code, stderr, latency = finish(start(tmp_path, cache_dir, "raise", "--nproc", "2"), tmp_path)
     record("exception, --nproc 2", latency)
-    assert code == 1 and latency < EXIT_DEADLINE_S
+    assert code == 1
     assert last_line(stderr) == "distflow: rank 1 failed in stage 'chaos' at step 1: ValueError: injected failure"
     assert 'chaos.py", line' in stderr  # the failing rank's traceback, for whoever fixes it
     assert_no_orphans(tmp_path)
@@ -145,7 +148,7 @@ def test_a_stalled_stage_is_reported_with_stacks(tmp_path, cache_dir):
     proc = start(tmp_path, cache_dir, "stall", "--nproc", "2", chaos_timeout_s=5)
     code, stderr, latency = finish(proc, tmp_path)
     record("stall (chaos timeout_s=5), --nproc 2", latency)
-    assert code == 3 and latency < 5 + EXIT_DEADLINE_S
+    assert code == 3
     assert last_line(stderr).startswith("distflow: rank 1 stalled: stage 'chaos' at step 1 has run for")
     assert "> 5s (pipeline.custom_stages[chaos].timeout_s=5)" in last_line(stderr)
     assert "Python stacks of its threads" in stderr and 'chaos.py", line' in stderr  # faulthandler's dump
@@ -156,7 +159,7 @@ def test_single_process_stall(tmp_path, cache_dir):
     proc = start(tmp_path, cache_dir, "stall", fault_rank=0, chaos_timeout_s=3)
     code, stderr, latency = finish(proc, tmp_path, marker="fault-rank0.json")
     record("stall (chaos timeout_s=3), 1 process", latency)
-    assert code == 3 and latency < 3 + EXIT_DEADLINE_S
+    assert code == 3
     assert last_line(stderr).startswith("distflow: rank 0 stalled: stage 'chaos' at step 1 has run for")
 
 
@@ -183,7 +186,7 @@ def test_killing_the_launcher_leaves_no_orphan_ranks(tmp_path, cache_dir):
     killed = time.time()
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
-    assert_no_orphans(tmp_path, within_s=EXIT_DEADLINE_S)
+    assert_no_orphans(tmp_path)
     record("launcher kill -9 -> ranks gone", time.time() - killed)
 
 
@@ -276,14 +279,15 @@ def test_a_stage_limit_adapts_to_its_own_earlier_runs(tmp_path):
     assert StageTimeouts(ceiling_s=1800, factor=0, longest={"x": 1.0}).limit("x")[0] == 1800  # factor 0: off
     assert StageTimeouts(ceiling_s=0).limit("x")[0] == 0 and not StageTimeouts(ceiling_s=0).active
 
-    status = RankStatus(0, status_dir=tmp_path, timeouts=StageTimeouts(ceiling_s=1800, factor=10, floor_s=60))
+    # Limits far above any test's duration: the floor applies unless a step between two lines took a day.
+    status = RankStatus(0, status_dir=tmp_path, timeouts=StageTimeouts(ceiling_s=1e9, factor=10, floor_s=1e6))
     try:
         status.enter("reward", 1)
-        assert status.limit_s == 1800
+        assert status.limit_s == 1e9
         status.enter("advantage", 1)
-        status.enter("reward", 2)  # its first run took far less than 6 s: the floor applies
-        assert status.limit_s == 60 and status.limit_source.startswith("trainer.stage_timeout_floor_s=60")
+        status.enter("reward", 2)  # its first run is known now: the floor applies
+        assert status.limit_s == 1e6 and status.limit_source.startswith("trainer.stage_timeout_floor_s=1e+06")
         written = json.loads((tmp_path / "rank0.json").read_text())
-        assert (written["stage"], written["stage_timeout_s"]) == ("reward", 60)
+        assert (written["stage"], written["stage_timeout_s"]) == ("reward", 1e6)
     finally:
         status.done()

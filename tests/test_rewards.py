@@ -19,13 +19,17 @@ def short(prompt, completion, sample):
     return {"score": -0.1 * len(completion), "length": len(completion)}
 
 
+RELEASE_SLOW = threading.Event()
+"""A "slow" call blocks until the test sets this: it cannot finish in time, however loaded the machine."""
+
+
 def flaky(prompt, completion, sample):
     if completion == "boom":
         raise ValueError("boom")
     if completion == "nan":
         return float("nan")
     if completion == "slow":
-        time.sleep(2)
+        RELEASE_SLOW.wait(600)
     if completion == "dict":
         return {"no score": 1.0}
     return 1.0
@@ -45,10 +49,13 @@ def test_weighted_sum_and_dict_extras():
 
 def test_failures_and_timeouts_score_the_default_and_are_counted():
     completions = ["ok", "boom", "nan", "slow", "dict", "ok"]
-    rewards = Rewards([RewardTerm("flaky", flaky, 2.0)], default_reward=-1.0, timeout_s=0.3)
-    start = time.perf_counter()
-    scores = rewards.score(["q"] * 6, completions, [{}] * 6)
-    assert time.perf_counter() - start < 1.5  # the slow call was not waited for
+    # A deadline generous enough for the quick calls on a loaded machine; the slow one never returns
+    # by itself, so `score` coming back at all shows that it was not waited for.
+    rewards = Rewards([RewardTerm("flaky", flaky, 2.0)], default_reward=-1.0, timeout_s=5)
+    try:
+        scores = rewards.score(["q"] * 6, completions, [{}] * 6)
+    finally:
+        RELEASE_SLOW.set()
     assert scores.reward_B.tolist() == [2.0, -2.0, -2.0, -2.0, -2.0, 2.0]
     assert (scores.errors, scores.timeouts) == (3, 1)
 
@@ -62,7 +69,7 @@ def test_inline_rewards_contain_errors_too():
 def test_stuck_calls_are_capped(monkeypatch):
     monkeypatch.setattr(reward_module, "MAX_ABANDONED", 1)
     release = threading.Event()
-    caller = DeadlineCaller(0.05)
+    caller = DeadlineCaller(3.0)  # the quick call at the end must fit its deadline on a loaded machine
     with pytest.raises(RewardTimeout):
         caller(release.wait)
     with pytest.raises(RuntimeError, match="stuck past their"):
@@ -92,7 +99,7 @@ def test_reward_stage_reports_counts():
 
     comm = Comm(0, 1, 0, 1, torch.device("cpu"))
     ctx = type("Ctx", (), {})()
-    ctx.rewards = Rewards([RewardTerm("flaky", flaky)], default_reward=0.0, timeout_s=1.0)
+    ctx.rewards = Rewards([RewardTerm("flaky", flaky)], default_reward=0.0, timeout_s=10.0)
     ctx.is_correct = lambda completion, sample: completion == "ok"
     ctx.metrics, ctx.comm = StepMetrics(), comm
     batch = Batch(meta={"prompt": ["q"] * 3, "completion": ["ok", "boom", "ok"], "sample": [{}] * 3})
