@@ -157,7 +157,8 @@ def run_distflow(nproc: int, config: Path, work: Path) -> list[tuple[float, floa
     """(step seconds, generated tokens) of every step after the warm-up ones."""
     name = f"distflow_{nproc}proc"
     # Overrides before --nproc: argparse does not collect positionals that follow an option.
-    cmd = [ROOT / ".venv" / "bin" / "distflow", "train", config,
+    # This interpreter's distflow (the project venv that runs the benchmark).
+    cmd = [sys.executable, "-m", "distflow", "train", config,
            f"trainer.output_dir={work}", f"trainer.run_name={name}", "--nproc", nproc]
     run_checked(cmd, what=f"distflow --nproc {nproc}")
     rows = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]

@@ -25,9 +25,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 # The reward is distflow's own code (torch and the standard library only), not a copy:
-# `score` also gives 0 to a completion whose reward function raises, as distflow does.
+# `Rewards` also gives 0 to a completion whose reward function raises, as distflow does.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from distflow.engines.reward import score  # noqa: E402
+from distflow.engines.reward import Rewards, RewardTerm  # noqa: E402
 from distflow.tasks.arithmetic import correctness_reward  # noqa: E402
 
 
@@ -39,11 +39,12 @@ class TokenCountingReward:
 
     def __init__(self) -> None:
         self.tokens = 0
+        self.rewards = Rewards([RewardTerm(self.__name__, correctness_reward)])
 
     def __call__(self, prompts, completions, completion_ids, answer, **kwargs) -> list[float]:
         self.tokens += sum(len(ids) for ids in completion_ids)
-        rewards, _ = score(correctness_reward, prompts, completions, [{"answer": a} for a in answer])
-        return rewards.tolist()
+        scores = self.rewards.score(prompts, completions, [{"answer": a} for a in answer])
+        return scores.reward_B.tolist()
 
 
 class StepTimer(TrainerCallback):
