@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+import trl
 from trl import GRPOConfig, GRPOTrainer
 
 # The reward is distflow's own code (torch and the standard library only), not a copy:
@@ -127,7 +128,8 @@ def main() -> None:
         callbacks=[timer],
     )
     trainer.train()
-    print(json.dumps({"step_s": timer.step_s, "tokens": timer.tokens, "torch_threads": torch.get_num_threads()}),
+    print(json.dumps({"step_s": timer.step_s, "tokens": timer.tokens, "torch_threads": torch.get_num_threads(),
+                      "trl_version": trl.__version__}),
           flush=True)
 
 
