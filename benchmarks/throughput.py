@@ -13,7 +13,17 @@ Identical settings for all three: the embedded tiny Llama (`build_tiny_model(see
 untrained, saved once and loaded by each system from the same directory), distflow's
 character tokenizer, the same addition prompts in the same order, P prompts x G samples
 per optimizer step, temperature 1, top-p 1, no KL, one optimizer step per batch, AdamW
-(betas 0.9/0.99) at a constant learning rate, and distflow's `correctness_reward`.
+(betas 0.9/0.99) at a constant learning rate, and distflow's `correctness_reward`. Every
+step trains on all its samples: the untrained model earns reward 0 almost everywhere, and
+TRL updates on zero advantages while distflow would skip a step without signal, so distflow
+runs with `algorithm.skip_zero_variance_groups: false` (a timed distflow step that trained
+no token stops the benchmark). Threads: one process (distflow or TRL) uses torch's default,
+every core; `--nproc 2` gives each rank half of them (runtime/dist.py).
+
+Load matters more than usual: with other busy processes on the machine, a process whose
+torch threads cover every core loses its OpenMP threads to the scheduler at each parallel
+region and can run 10x slower or worse, while 1-thread ranks are barely touched. Compare
+numbers only from runs with a low `load_avg_1min_at_start`.
 
 What is measured: wall seconds per optimizer step (rollout + reward + advantages + loss,
 backward and update), in steady state: the first 2 steps of each run are dropped, and
@@ -146,7 +156,11 @@ def distflow_config(path: Path, model_dir: Path, args: argparse.Namespace) -> Pa
         "task": {"num_heldout": 100},
         "rollout": {"num_samples": args.generations, "temperature": 1.0, "top_p": 1.0,
                     "max_new_tokens": args.max_new_tokens},
-        "algorithm": {"name": "grpo", "kl_coef": 0.0, "ppo_epochs": 1, "num_mini_batches": 1},
+        # The untrained model scores 0 on (almost) every completion, so every group has equal
+        # rewards; distflow would skip the update of such a step, TRL still runs it (with zero
+        # advantages). Keep those samples so both systems do the same forward/backward/update.
+        "algorithm": {"name": "grpo", "kl_coef": 0.0, "ppo_epochs": 1, "num_mini_batches": 1,
+                      "skip_zero_variance_groups": False},
         "optim": {"lr": args.lr, "betas": [0.9, 0.99], "weight_decay": 0.0, "warmup_steps": 0, "grad_clip": 1.0},
         # One micro-batch per step, like TRL's single forward/backward over the batch.
         "trainer": {"total_steps": args.steps, "prompts_per_step": args.prompts, "micro_batch_size": batch,
@@ -166,8 +180,11 @@ def run_distflow(nproc: int, config: Path, work: Path) -> list[tuple[float, floa
            f"trainer.output_dir={work}", f"trainer.run_name={name}", "--nproc", nproc]
     run_checked(cmd, what=f"distflow --nproc {nproc}")
     rows = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
-    steps = sorted((r for r in rows if r["step"] >= 1 and "time/step_s" in r), key=lambda r: r["step"])
-    return [(r["time/step_s"], r["tokens/generated"]) for r in steps[WARMUP_STEPS:]]
+    steps = sorted((r for r in rows if r["step"] >= 1 and "time/step_s" in r), key=lambda r: r["step"])[WARMUP_STEPS:]
+    untrained = [r["step"] for r in steps if not r.get("tokens/trained")]
+    if untrained:  # a step without an update would be timed as rollout only
+        raise SystemExit(f"[bench] {name}: steps {untrained} ran no policy update; the comparison would be unfair")
+    return [(r["time/step_s"], r["tokens/generated"]) for r in steps]
 
 
 def run_trl(python: Path, model_dir: Path, data: Path, work: Path,
