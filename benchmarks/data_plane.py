@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/data_plane.py                  # W = 2 4 8, 5 steps after 1 warm-up
     .venv/bin/python benchmarks/data_plane.py --steps 3        # lighter
+    .venv/bin/python benchmarks/data_plane.py --quick          # smoke test (the test suite runs it)
 
 W gloo ranks on loopback (spawned, 1 torch thread each) move synthetic batches of realistic
 size: per step, 64 samples per source rank, lognormal lengths (mu 5.5, sigma 1, clipped to
@@ -247,7 +248,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help=f"measured steps per mode (after {WARMUP_STEPS} warm-up)")
     parser.add_argument("--samples-per-rank", type=int, default=64, help="samples each destination rank receives")
     parser.add_argument("--max-len", type=int, default=2048)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: W = 2 4, 1 measured step, 16 samples per rank, lengths <= 256")
     args = parser.parse_args()
+    if args.quick:
+        args.world_sizes, args.steps, args.samples_per_rank, args.max_len = [2, 4], 1, 16, 256
     if any(w < 2 or w % 2 for w in args.world_sizes):
         parser.error("--world-sizes must be even and >= 2 (replicas of 2 ranks; disjoint halves)")
     if args.samples_per_rank % GROUP_SIZE or args.steps < 1:

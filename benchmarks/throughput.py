@@ -1,7 +1,7 @@
 """GRPO training throughput: distflow (1 and 2 processes) vs Hugging Face TRL, on CPU.
 
     .venv/bin/python benchmarks/throughput.py            # 16 prompts x 8 samples, 8 new tokens, 20 steps
-    .venv/bin/python benchmarks/throughput.py --quick    # 3 steps, a smoke test
+    .venv/bin/python benchmarks/throughput.py --quick    # smoke test: 3 steps of 4 prompts x 4, 4 new tokens
 
 What runs, one after another (never at the same time: they would share the cores):
   (a) `distflow train` in one process, (b) `distflow train --nproc 2`,
@@ -13,7 +13,17 @@ Identical settings for all three: the embedded tiny Llama (`build_tiny_model(see
 untrained, saved once and loaded by each system from the same directory), distflow's
 character tokenizer, the same addition prompts in the same order, P prompts x G samples
 per optimizer step, temperature 1, top-p 1, no KL, one optimizer step per batch, AdamW
-(betas 0.9/0.99) at a constant learning rate, and distflow's `correctness_reward`.
+(betas 0.9/0.99) at a constant learning rate, and distflow's `correctness_reward`. Every
+step trains on all its samples: the untrained model earns reward 0 almost everywhere, and
+TRL updates on zero advantages while distflow would skip a step without signal, so distflow
+runs with `algorithm.skip_zero_variance_groups: false` (a timed distflow step that trained
+no token stops the benchmark). Threads: one process (distflow or TRL) uses torch's default,
+every core; `--nproc 2` gives each rank half of them (runtime/dist.py).
+
+Load matters more than usual: with other busy processes on the machine, a process whose
+torch threads cover every core loses its OpenMP threads to the scheduler at each parallel
+region and can run 10x slower or worse, while 1-thread ranks are barely touched. Compare
+numbers only from runs with a low `load_avg_1min_at_start`.
 
 What is measured: wall seconds per optimizer step (rollout + reward + advantages + loss,
 backward and update), in steady state: the first 2 steps of each run are dropped, and
@@ -54,16 +64,20 @@ def log(text: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="GRPO throughput: distflow (1 and 2 processes) vs TRL.")
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per optimizer step")
-    parser.add_argument("--generations", type=int, default=8, help="completions per prompt (group size)")
-    parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per system")
+    # Defaults are (full run, --quick); a value given on the command line wins in both.
+    defaults = {"prompts": (16, 4), "generations": (8, 4), "max_new_tokens": (8, 4), "steps": (20, 3)}
+    parser.add_argument("--prompts", type=int, help="prompts per optimizer step (default 16)")
+    parser.add_argument("--generations", type=int, help="completions per prompt, the group size (default 8)")
+    parser.add_argument("--max-new-tokens", type=int, help="(default 8)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per system (default 20)")
     parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--quick", action="store_true", help="smoke test: 3 steps")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test (the test suite runs it): 3 steps of 4 prompts x 4, <= 4 new tokens")
     parser.add_argument("--skip-trl", action="store_true", help="only the two distflow runs")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.steps = 3
+    for name, (full, quick) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must be > {WARMUP_STEPS} (the first {WARMUP_STEPS} steps are not timed)")
     if args.prompts % 2:
@@ -142,7 +156,11 @@ def distflow_config(path: Path, model_dir: Path, args: argparse.Namespace) -> Pa
         "task": {"num_heldout": 100},
         "rollout": {"num_samples": args.generations, "temperature": 1.0, "top_p": 1.0,
                     "max_new_tokens": args.max_new_tokens},
-        "algorithm": {"name": "grpo", "kl_coef": 0.0, "ppo_epochs": 1, "num_mini_batches": 1},
+        # The untrained model scores 0 on (almost) every completion, so every group has equal
+        # rewards; distflow would skip the update of such a step, TRL still runs it (with zero
+        # advantages). Keep those samples so both systems do the same forward/backward/update.
+        "algorithm": {"name": "grpo", "kl_coef": 0.0, "ppo_epochs": 1, "num_mini_batches": 1,
+                      "skip_zero_variance_groups": False},
         "optim": {"lr": args.lr, "betas": [0.9, 0.99], "weight_decay": 0.0, "warmup_steps": 0, "grad_clip": 1.0},
         # One micro-batch per step, like TRL's single forward/backward over the batch.
         "trainer": {"total_steps": args.steps, "prompts_per_step": args.prompts, "micro_batch_size": batch,
@@ -157,12 +175,16 @@ def run_distflow(nproc: int, config: Path, work: Path) -> list[tuple[float, floa
     """(step seconds, generated tokens) of every step after the warm-up ones."""
     name = f"distflow_{nproc}proc"
     # Overrides before --nproc: argparse does not collect positionals that follow an option.
-    cmd = [ROOT / ".venv" / "bin" / "distflow", "train", config,
+    # This interpreter's distflow (the project venv that runs the benchmark).
+    cmd = [sys.executable, "-m", "distflow", "train", config,
            f"trainer.output_dir={work}", f"trainer.run_name={name}", "--nproc", nproc]
     run_checked(cmd, what=f"distflow --nproc {nproc}")
     rows = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
-    steps = sorted((r for r in rows if r["step"] >= 1 and "time/step_s" in r), key=lambda r: r["step"])
-    return [(r["time/step_s"], r["tokens/generated"]) for r in steps[WARMUP_STEPS:]]
+    steps = sorted((r for r in rows if r["step"] >= 1 and "time/step_s" in r), key=lambda r: r["step"])[WARMUP_STEPS:]
+    untrained = [r["step"] for r in steps if not r.get("tokens/trained")]
+    if untrained:  # a step without an update would be timed as rollout only
+        raise SystemExit(f"[bench] {name}: steps {untrained} ran no policy update; the comparison would be unfair")
+    return [(r["time/step_s"], r["tokens/generated"]) for r in steps]
 
 
 def run_trl(python: Path, model_dir: Path, data: Path, work: Path,
@@ -172,6 +194,7 @@ def run_trl(python: Path, model_dir: Path, data: Path, work: Path,
            "--output-dir", work / "trl", "--prompts", args.prompts, "--generations", args.generations,
            "--max-new-tokens", args.max_new_tokens, "--steps", args.steps, "--lr", args.lr]
     result = json.loads(run_checked(cmd, env=env, what="TRL worker").strip().splitlines()[-1])
+    args.trl_version = result["trl_version"]
     return list(zip(result["step_s"], result["tokens"]))[WARMUP_STEPS:]
 
 
@@ -240,8 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             steps = run_trl(bench_python, model_dir, write_prompts(work / "prompts.jsonl", args), work, args)
             results["trl"] = summarize(steps, completions, time.perf_counter() - start)
     if bench_python is not None:
-        settings["trl_version"] = run_checked(
-            [bench_python, "-c", "import trl; print(trl.__version__)"], what="reading the TRL version").strip()
+        settings["trl_version"] = args.trl_version
     print_table(results)
     print(json.dumps({"settings": settings, **results, **ratios(results)}))
     return 0

@@ -22,12 +22,13 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+import trl
 from trl import GRPOConfig, GRPOTrainer
 
 # The reward is distflow's own code (torch and the standard library only), not a copy:
-# `score` also gives 0 to a completion whose reward function raises, as distflow does.
+# `Rewards` also gives 0 to a completion whose reward function raises, as distflow does.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from distflow.engines.reward import score  # noqa: E402
+from distflow.engines.reward import Rewards, RewardTerm  # noqa: E402
 from distflow.tasks.arithmetic import correctness_reward  # noqa: E402
 
 
@@ -39,11 +40,12 @@ class TokenCountingReward:
 
     def __init__(self) -> None:
         self.tokens = 0
+        self.rewards = Rewards([RewardTerm(self.__name__, correctness_reward)])
 
     def __call__(self, prompts, completions, completion_ids, answer, **kwargs) -> list[float]:
         self.tokens += sum(len(ids) for ids in completion_ids)
-        rewards, _ = score(correctness_reward, prompts, completions, [{"answer": a} for a in answer])
-        return rewards.tolist()
+        scores = self.rewards.score(prompts, completions, [{"answer": a} for a in answer])
+        return scores.reward_B.tolist()
 
 
 class StepTimer(TrainerCallback):
@@ -126,7 +128,8 @@ def main() -> None:
         callbacks=[timer],
     )
     trainer.train()
-    print(json.dumps({"step_s": timer.step_s, "tokens": timer.tokens, "torch_threads": torch.get_num_threads()}),
+    print(json.dumps({"step_s": timer.step_s, "tokens": timer.tokens, "torch_threads": torch.get_num_threads(),
+                      "trl_version": trl.__version__}),
           flush=True)
 
 

@@ -87,6 +87,20 @@ class Comm:
         return box[0]
 
 
+def cpu_threads_per_rank(local_world_size: int) -> int:
+    """torch threads for one of `local_world_size` CPU ranks on this machine.
+
+    The ranks share the cores this process may run on (its affinity, which `taskset` or a
+    container narrows; `os.cpu_count()` would count the whole machine): more threads than
+    cores make OpenMP threads spin-wait for each other and slow every rank. A user's
+    OMP_NUM_THREADS wins (torch has already read it).
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # macOS
+    return max(1, cores // local_world_size)
+
+
 def init_comm(*, device: str, timeout_s: int) -> Comm:
     """Join the process group (if launched as several ranks) and pick this rank's device."""
     rank = int(os.environ.get("RANK", 0))
@@ -99,8 +113,7 @@ def init_comm(*, device: str, timeout_s: int) -> Comm:
         torch_device = torch.device("cuda", local_rank)
     else:
         torch_device = torch.device("cpu")
-        # Ranks on one machine share its cores; oversubscribing threads slows all of them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+        torch.set_num_threads(cpu_threads_per_rank(local_world_size))
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(
             backend="nccl" if use_cuda else "gloo",

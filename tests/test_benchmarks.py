@@ -1,0 +1,98 @@
+"""Every benchmark under benchmarks/ runs in the default suite, in its `--quick` mode.
+
+A benchmark is a script nobody runs until someone wants its numbers; these tests keep it
+runnable: each `--quick` run is a subprocess of the real script that must exit 0 and end
+with its JSON line. Values are checked for sanity (present, positive, within what the
+settings allow), never against a speed.
+
+The TRL side of throughput.py runs in .venv-bench, which the script builds on first use
+(torch==2.13.0, then benchmarks/requirements-trl.txt from PyPI; ~2 minutes once, reused
+while requirements-trl.txt is unchanged). It is not skipped when that install fails: the
+test fails and shows the script's "[bench] installing TRL failed" message, because a
+TRL worker nobody runs is how benchmarks/trl_worker.py rotted before.
+"""
+
+import ast
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+BENCHMARKS = REPO / "benchmarks"
+THROUGHPUT_SYSTEMS = ("distflow_1proc", "distflow_2proc", "trl")
+DATA_PLANE_MODES = ("p2p", "p2p-disjoint", "local", "central", "central-disjoint")
+
+
+def run_quick(script: str, timeout: float) -> dict:
+    """Run `benchmarks/<script> --quick`; return its last stdout line, parsed."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    result = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{script} --quick exited {result.returncode}:\n{result.stderr[-4000:]}"
+    lines = result.stdout.strip().splitlines()
+    assert lines, f"{script} --quick printed nothing on stdout:\n{result.stderr[-2000:]}"
+    return json.loads(lines[-1])
+
+
+def distflow_imports(path) -> list[tuple[str, str]]:
+    """(module, name) for every `from distflow... import name` in a file."""
+    tree = ast.parse(path.read_text())
+    return [(node.module, alias.name) for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("distflow")
+            for alias in node.names]
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.py")))
+def test_benchmark_imports_of_distflow_exist(script):
+    # Fast and without TRL: names the missing symbol when a refactor breaks a benchmark
+    # (trl_worker.py cannot be imported here, its TRL imports live in .venv-bench).
+    imports = distflow_imports(BENCHMARKS / script)
+    missing = [f"{module}.{name}" for module, name in imports
+               if not hasattr(importlib.import_module(module), name)]
+    assert not missing, f"benchmarks/{script} imports names distflow no longer has: {missing}"
+
+
+def test_every_benchmark_has_a_quick_test():
+    scripts = {p.name for p in BENCHMARKS.glob("*.py")} - {"trl_worker.py"}  # run by throughput.py
+    assert scripts == {"throughput.py", "data_plane.py"}, (
+        f"benchmarks/ now holds {sorted(scripts)}: give each a --quick mode and a test here")
+
+
+def test_throughput_quick():
+    # 3 steps per system (2 warm-up, 1 timed) at 16 prompts x 8 samples, <= 8 new tokens.
+    out = run_quick("throughput.py", timeout=1200)
+    settings = out["settings"]
+    assert settings["timed_steps"] == 1 and settings["trl_version"]
+    completions = settings["prompts_per_step"] * settings["generations"]
+    for system in THROUGHPUT_SYSTEMS:
+        result = out[system]
+        assert result["timed_steps"] == 1
+        assert result["step_s"] > 0 and result["completions_per_s"] == pytest.approx(completions / result["step_s"],
+                                                                                   rel=0.01)
+        # Every completion has 1 to max_new_tokens tokens (EOS included).
+        assert completions <= result["tokens_per_step"] <= completions * settings["max_new_tokens"], system
+    for nproc in (1, 2):
+        assert out[f"ratio_completions_{nproc}proc_vs_trl"] > 0 and out[f"ratio_tokens_{nproc}proc_vs_trl"] > 0
+
+
+def test_data_plane_quick():
+    out = run_quick("data_plane.py", timeout=600)
+    results = out["data_plane"]
+    assert set(results) == set(DATA_PLANE_MODES)
+    for mode in DATA_PLANE_MODES:
+        assert set(results[mode]) == {"2", "4"}, mode
+        for row in results[mode].values():
+            assert row["batch_MB"] > 0 and row["seconds"] >= 0
+            assert row["imbalance_before"] >= 1.0 and row["imbalance_after"] >= 1.0
+    for world in ("2", "4"):
+        assert results["local"][world]["wire_MB"] == 0  # the batch stays where it is
+        assert results["p2p-disjoint"][world]["wire_MB"] > 0  # every sample changes ranks
+    assert results["p2p"]["2"]["wire_MB"] == 0  # one replica of 2 ranks: both already hold every sample
+    # The claim the benchmark exists for: p2p per-rank bytes do not grow with W, central's do.
+    assert out["ratios"]["p2p-disjoint/wire/W4_over_W2"] == pytest.approx(1.0, abs=0.05)
+    assert out["ratios"]["central-disjoint/wire/W4_over_W2"] > 1.5
