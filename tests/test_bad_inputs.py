@@ -9,6 +9,8 @@ the row sources the loader reads them with.
 
 import json
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -80,6 +82,12 @@ FAST = [
     ("resume incomplete", ["--resume", "{tmp}/ckpt/step-000007"], "is incomplete (no COMPLETE marker)"),
     ("resume empty run", ["--resume", "trainer.run_name=empty", "trainer.output_dir={tmp}"],
      "no complete checkpoint in {tmp}/empty/checkpoints to resume from; start the run without --resume"),
+    ("resume without meta.json", ["--resume", "{tmp}/nometa/step-000003"],
+     "checkpoint {tmp}/nometa/step-000003 has no meta.json: it was damaged after it was saved"),
+    ("resume truncated shard", ["--resume", "{tmp}/truncated/step-000003"],
+     "checkpoint {tmp}/truncated/step-000003: shard __0_0.distcp holds 1000 of its"),
+    ("resume empty shard", ["--resume", "{tmp}/emptied/step-000003"],
+     "checkpoint {tmp}/emptied/step-000003: shard __0_0.distcp holds 0 of its"),
     ("resume finished", ["--resume", "{tmp}/done", "trainer.total_steps=3"],
      "is at step 3 >= trainer.total_steps=3: nothing left to do"),
     ("run dir taken", ["trainer.run_name=taken", "trainer.output_dir={tmp}"],
@@ -114,7 +122,12 @@ def workdir(tmp_path_factory):
     (tmp / "empty").mkdir()
     (tmp / "taken").mkdir()
     (tmp / "taken/metrics.jsonl").write_text('{"step": 1}\n')
-    tiny_checkpoint(tmp / "done/checkpoints", 3)
+    done = tiny_checkpoint(tmp / "done/checkpoints", 3)
+    for damaged, damage in (("nometa", lambda c: (c / "meta.json").unlink()),
+                            ("truncated", lambda c: os.truncate(c / "__0_0.distcp", 1000)),
+                            ("emptied", lambda c: os.truncate(c / "__0_0.distcp", 0))):
+        shutil.copytree(done, tmp / damaged / done.name)
+        damage(tmp / damaged / done.name)
     return tmp
 
 
@@ -129,14 +142,14 @@ def check_one_line_error(result, needle, *, code=2):
 @pytest.mark.parametrize("args, needle", [c[1:] for c in FAST], ids=[c[0] for c in FAST])
 def test_config_errors_stop_before_any_rank(workdir, args, needle):
     args = [a.replace("{tmp}", str(workdir)) for a in args]
-    result = run_cli("train", CONFIG, *args, cwd=workdir, timeout=120)
+    result = run_cli("train", CONFIG, *args, cwd=workdir, timeout=600)
     lines = check_one_line_error(result, needle.replace("{tmp}", str(workdir)))
     assert len(lines) == 1  # nothing else printed: no rank started, no warm-start was built
 
 
 @pytest.mark.parametrize("args, needle", [c[1:] for c in FILES], ids=[c[0] for c in FILES])
 def test_file_errors(workdir, args, needle):
-    result = run_cli(*[a.replace("{tmp}", str(workdir)) for a in args], cwd=workdir, timeout=60)
+    result = run_cli(*[a.replace("{tmp}", str(workdir)) for a in args], cwd=workdir, timeout=600)
     assert len(check_one_line_error(result, needle.replace("{tmp}", str(workdir)))) == 1
 
 

@@ -28,6 +28,7 @@ and a checkpoint saved by N ranks loads on M ranks.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -39,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -110,15 +112,18 @@ def save_checkpoint(
         tmp.mkdir()
     comm.barrier()
 
-    torch.save(capture_rng(comm.device), tmp / f"rng-rank{comm.rank}.pt")
-    _fsync(tmp / f"rng-rank{comm.rank}.pt")
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     for name, (other, other_optimizer, _) in others.items():
         state[f"{name}_model"] = get_model_state_dict(other)
         state[f"{name}_optimizer"] = get_optimizer_state_dict(other, other_optimizer)
-    with _single_process_quiet():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=comm.group,
-                 no_dist=not comm.distributed)
+    try:
+        torch.save(capture_rng(comm.device), tmp / f"rng-rank{comm.rank}.pt")
+        _fsync(tmp / f"rng-rank{comm.rank}.pt")
+        with _single_process_quiet():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=comm.group,
+                     no_dist=not comm.distributed)
+    except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure: all ranks get here alike
+        raise _write_failed(err, tmp, root, step, needed_bytes=_state_bytes(state)) from None
     comm.barrier()
 
     final = root / step_dir_name(step)
@@ -136,13 +141,71 @@ def save_checkpoint(
             prune_checkpoints(root, keep_last, keep=final)
         except Exception as err:  # re-raised below, after telling the other ranks
             failed += 1
-            error = err
+            error = _write_failed(err, tmp, root, step, needed_bytes=0) if isinstance(err, OSError) else err
     comm.all_reduce_max(failed)
     if error is not None:
         raise error
     if failed.item():
         raise CheckpointError(f"rank 0 failed to finish checkpoint {final}; see its log")
     return final
+
+
+def _write_failed(err: BaseException, tmp: Path, root: Path, step: int, *, needed_bytes: int) -> CheckpointError:
+    """One line for a save that the filesystem refused (a full disk, a quota, permissions):
+    which path, what failed, the free space, and that the previous checkpoint is intact.
+    The half-written directory is removed (best effort) so that it does not hold the space.
+    torch's tensor writer reports a full disk as a RuntimeError ("unexpected pos"), not an
+    OSError, so a failure with less free space than the checkpoint's tensors is named as one."""
+    cause = _os_error_in(err)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        usage = shutil.disk_usage(root)
+        space = f"; {usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB"
+    except OSError:
+        usage, space = None, ""
+    if cause is not None:
+        what = f"{cause.strerror or cause} ({errno.errorcode.get(cause.errno, cause.errno)})"
+    elif usage is not None and usage.free < needed_bytes:
+        what = f"No space left on device (its tensors need ~{needed_bytes / 2**20:.1f} MiB)"
+    else:
+        what = _one_line(err)
+    previous = latest_checkpoint(root) if root.is_dir() else None
+    kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+    return CheckpointError(f"cannot write checkpoint step {step} under {root}: {what}{space}; {kept} "
+                           "(free space or set checkpoint.dir elsewhere, then --resume)")
+
+
+def _os_error_in(err: BaseException | None) -> OSError | None:
+    """The first OSError in `err`, its causes, or the per-rank failures DCP collected."""
+    seen = 0
+    while err is not None and seen < 20:
+        seen += 1
+        if isinstance(err, OSError):
+            return err
+        failures = getattr(err, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                found = _os_error_in(failure[0] if isinstance(failure, tuple) else failure)
+                if found is not None:
+                    return found
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
+
+
+def _state_bytes(state: dict) -> int:
+    """Bytes of the tensors in a (nested) state dict: what a checkpoint of it writes, roughly."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_bytes(v) for v in state)
+    return 0
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -223,12 +286,39 @@ def read_meta(path: Path) -> dict[str, Any]:
         if _complete_checkpoints(path):
             raise CheckpointError(f"{path} is a checkpoint root, not a checkpoint: pass one of its step-* directories")
         raise CheckpointError(f"checkpoint {path} is incomplete (no {COMPLETE} marker): its save was interrupted")
-    meta = json.loads((path / META).read_text())
-    if meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {path} has format {meta.get('format')}, this distflow reads format {FORMAT_VERSION}"
-        )
+    try:
+        meta = json.loads((path / META).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} has no {META}: it was damaged after it was saved; "
+                              "resume from another checkpoint") from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {path}: {META} is unreadable ({type(err).__name__}); "
+                              "resume from another checkpoint") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise CheckpointError(f"checkpoint {path} has format {found}, this distflow reads format {FORMAT_VERSION}")
+    _check_shards(path)
     return meta
+
+
+def _check_shards(path: Path) -> None:
+    """Every shard file DCP's metadata points into exists and is long enough (a truncated or
+    emptied `.distcp` file is named here, before any rank reads it)."""
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as err:  # noqa: BLE001 — any unreadable metadata is the same user-facing problem
+        raise CheckpointError(f"checkpoint {path}: its tensor metadata (.metadata) is unreadable "
+                              f"({type(err).__name__}); resume from another checkpoint") from None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        have = shard.stat().st_size if shard.is_file() else None
+        if have is None or have < size:
+            state = "is missing" if have is None else f"holds {have} of its {size} bytes"
+            raise CheckpointError(f"checkpoint {path}: shard {name} {state} (truncated or damaged after the "
+                                  "save); resume from another checkpoint")
 
 
 def prune_checkpoints(root: Path, keep_last: int, *, keep: Path | None = None) -> None:

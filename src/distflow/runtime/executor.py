@@ -35,6 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from distflow.checkpoint.store import step_dir_name
 from distflow.config import Config, ConfigError, to_dict
 from distflow.dag.context import StageContext
+from distflow.fileio import atomic_write_text
 from distflow.dag.pipelines import LOADER_FIELDS, build_graph
 from distflow.data.batch import Batch
 from distflow.data.loader import PromptLoader, RowRules, ValidRows
@@ -360,7 +361,7 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
     worker.prefetcher.close()
     if writer:
         writer.close()
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=1))
         print(json.dumps(summary), flush=True)
     return summary
 
@@ -368,7 +369,7 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
 def _open_writer(config: Config, run_dir: Path, *, resumed_step: int | None) -> RunWriter:
     """Rank 0's outputs. A resumed run first drops the records of the steps it is about to redo."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
     if resumed_step is not None:
         _drop_records_after(run_dir / "metrics.jsonl", resumed_step)
     trainer = config.trainer
@@ -387,8 +388,23 @@ def _check_numerics(metrics: dict[str, float], limit: int) -> None:
 
 
 def _drop_records_after(path: Path, step: int) -> None:
-    """Keep the metrics of steps <= `step` only (a resumed run redoes the later ones)."""
+    """Keep the metrics of steps <= `step` only (a resumed run redoes the later ones).
+
+    The last line may be torn (the process was killed while writing it): it is dropped, as
+    its step is redone. A damaged line before it is a damaged file, named with its line."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            record_step = int(record["step"])
+        except (ValueError, KeyError, TypeError):
+            if number == len(lines):
+                break  # torn by a crash mid-write
+            raise ConfigError(f"{path}: line {number} is not a metrics record; repair or remove that line, "
+                              "then resume") from None
+        if record_step <= step:
+            kept.append(line)
+    atomic_write_text(path, "".join(line + "\n" for line in kept))

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from distflow.config.schema import Config, ConfigError
+from distflow.fileio import atomic_write_text
 
 EXIT_FAILED = 1
 EXIT_USER_ERROR = 2
@@ -231,10 +232,8 @@ class RankStatus:
         record = {"rank": self.rank, "pid": os.getpid(), "stage": self.stage, "step": self.step,
                   "position": self.position, "since": self.since, "state": state, "time": time.time(),
                   "stage_timeout_s": self.limit_s, "timeout_source": self.limit_source, **extra}
-        path = self.status_dir / f"rank{self.rank}.json"
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)
+        # Not fsynced: status files only outlive a process, not a machine.
+        atomic_write_text(self.status_dir / f"rank{self.rank}.json", json.dumps(record), durable=False)
 
     def _watch(self) -> None:
         """Fire when this rank's stage is older than the timeout, but let a peer that is behind
