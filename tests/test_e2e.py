@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 import torch
 
 from conftest import REPO, run_cli
@@ -107,6 +109,7 @@ def test_warmstart_stops_at_target():
     assert not model.training and torch.is_grad_enabled()
 
 
+@pytest.mark.slow  # ~3 minutes on 2 cores: CI runs it (see the Makefile), `make test` skips it
 def test_grpo_improves_held_out_accuracy(tmp_path, cache_dir):
     """The behaviour users judge first: from the embedded warm-start, GRPO raises held-out accuracy.
 
