@@ -3,8 +3,8 @@
 Each case runs the real `distflow` command and checks its exit code and its message: a
 user error is exit 2 and one line `distflow: error: ...` with no traceback, and most fail
 before any rank starts (well under a second). A few cases need a rank to find the problem
-(a checkpoint of another model, invalid rows, NaN losses); data files are checked through
-the row sources the loader reads them with.
+(a checkpoint of another model, invalid rows, NaN losses). Data files checked through the
+row sources the loader reads them with are in tests/test_bad_data.py.
 """
 
 import json
@@ -17,14 +17,12 @@ import torch
 
 from conftest import REPO, run_cli
 from distflow.checkpoint import save_checkpoint
-from distflow.config import ConfigError
 from distflow.config.schema import OptimConfig
-from distflow.data.loader import RowRules, ValidRows
-from distflow.data.sources import open_rows
 from distflow.engines.policy import PolicyEngine
 from distflow.runtime.dist import Comm
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
+from test_bad_data import NO_TRUTH_ROW, SURROGATE_ROW, jsonl
 from test_e2e import TINY, read_metrics
 
 CONFIG = str(REPO / "examples/arith_grpo.yaml")
@@ -82,12 +80,12 @@ FAST = [
     ("resume incomplete", ["--resume", "{tmp}/ckpt/step-000007"], "is incomplete (no COMPLETE marker)"),
     ("resume empty run", ["--resume", "trainer.run_name=empty", "trainer.output_dir={tmp}"],
      "no complete checkpoint in {tmp}/empty/checkpoints to resume from; start the run without --resume"),
-    ("resume without meta.json", ["--resume", "{tmp}/nometa/step-000003"],
-     "checkpoint {tmp}/nometa/step-000003 has no meta.json: it was damaged after it was saved"),
-    ("resume truncated shard", ["--resume", "{tmp}/truncated/step-000003"],
-     "checkpoint {tmp}/truncated/step-000003: shard __0_0.distcp holds 1000 of its"),
-    ("resume empty shard", ["--resume", "{tmp}/emptied/step-000003"],
-     "checkpoint {tmp}/emptied/step-000003: shard __0_0.distcp holds 0 of its"),
+    ("resume without meta.json", ["--resume", "{tmp}/ckpt-nometa/step-000003"],
+     "checkpoint {tmp}/ckpt-nometa/step-000003 has no meta.json: it was damaged after it was saved"),
+    ("resume truncated shard", ["--resume", "{tmp}/ckpt-truncated/step-000003"],
+     "checkpoint {tmp}/ckpt-truncated/step-000003: shard __0_0.distcp holds 1000 of its"),
+    ("resume empty shard", ["--resume", "{tmp}/ckpt-emptied/step-000003"],
+     "checkpoint {tmp}/ckpt-emptied/step-000003: shard __0_0.distcp holds 0 of its"),
     ("resume finished", ["--resume", "{tmp}/done", "trainer.total_steps=3"],
      "is at step 3 >= trainer.total_steps=3: nothing left to do"),
     ("run dir taken", ["trainer.run_name=taken", "trainer.output_dir={tmp}"],
@@ -123,9 +121,9 @@ def workdir(tmp_path_factory):
     (tmp / "taken").mkdir()
     (tmp / "taken/metrics.jsonl").write_text('{"step": 1}\n')
     done = tiny_checkpoint(tmp / "done/checkpoints", 3)
-    for damaged, damage in (("nometa", lambda c: (c / "meta.json").unlink()),
-                            ("truncated", lambda c: os.truncate(c / "__0_0.distcp", 1000)),
-                            ("emptied", lambda c: os.truncate(c / "__0_0.distcp", 0))):
+    for damaged, damage in (("ckpt-nometa", lambda c: (c / "meta.json").unlink()),
+                            ("ckpt-truncated", lambda c: os.truncate(c / "__0_0.distcp", 1000)),
+                            ("ckpt-emptied", lambda c: os.truncate(c / "__0_0.distcp", 0))):
         shutil.copytree(done, tmp / damaged / done.name)
         damage(tmp / damaged / done.name)
     return tmp
@@ -230,121 +228,6 @@ def test_nan_losses_are_skipped_then_abort(workdir, cache_dir):
         "stages, or resume from an earlier checkpoint")
     records = read_metrics(workdir / "nan")
     assert [r["train/nonfinite_grad_steps"] for r in records[1:]] == [1.0, 1.0]
-
-
-# ---- data files, through the row sources and the loader's validation ---------------------------
-
-
-def rows_of(path, **rules):
-    source = open_rows(path)  # left open: the view reads kept rows from it later
-    return ValidRows(source.__getitem__, len(source), RowRules(**rules),
-                     tokenize=lambda prompts: [list(p) for p in prompts], where=str(path))
-
-
-def jsonl(tmp_path, *lines, name="train.jsonl"):
-    path = tmp_path / name
-    path.write_text("".join(line + "\n" for line in lines))
-    return path
-
-
-GOOD = json.dumps({"prompt": "1+1=", "answer": "2", "reward_model": {"ground_truth": "2"}})
-DATA = [  # (id, lines after one good row, rules, needle)
-    ("invalid json", ['{"prompt": "1+'], {}, "row 2 of 2: {path}:2 is not valid JSON"),
-    ("not an object", ['["1+1="]'], {}, "must hold one JSON object per line (got list)"),
-    ("missing prompt", ['{"answer": "2"}'], {}, "row 2 of 2: missing field 'prompt'"),
-    ("empty prompt", ['{"prompt": "   ", "answer": "2"}'], {}, "row 2 of 2: empty prompt"),
-    ("empty chat prompt", ['{"prompt": [{"role": "user", "content": ""}]}'], {}, "row 2 of 2: empty prompt"),
-    ("prompt type", ['{"prompt": 12}'], {}, "row 2 of 2: prompt is of type int, not text or chat messages"),
-    ("missing required", ['{"prompt": "2+2="}'], {"required_fields": ("answer",)}, "row 2 of 2: missing field 'answer'"),
-    ("missing nested", ['{"prompt": "2+2=", "reward_model": {}}'], {"required_fields": ("reward_model.ground_truth",)},
-     "row 2 of 2: missing field 'reward_model.ground_truth'"),
-    ("null required", ['{"prompt": "2+2=", "answer": null}'], {"required_fields": ("answer",)},
-     "missing field 'answer'"),
-    ("overlong", ['{"prompt": "12345678+1=", "answer": "2"}'], {"max_prompt_tokens": 5},
-     "row 2 of 2: prompt has 11 tokens > data.max_prompt_tokens=5"),
-]
-
-
-@pytest.mark.parametrize("lines, rules, needle", [c[1:] for c in DATA], ids=[c[0] for c in DATA])
-def test_invalid_data_rows_name_the_row(tmp_path, lines, rules, needle):
-    path = jsonl(tmp_path, GOOD, *lines)
-    with pytest.raises(ConfigError) as err:
-        rows_of(path, **rules)
-    assert needle.replace("{path}", str(path)) in str(err.value)
-    assert "data.on_invalid_row=skip" in str(err.value) or "JSON" in str(err.value)
-    kept = rows_of(path, **rules, skip_invalid=True)
-    assert len(kept) == 1 and kept[0]["prompt"] == "1+1=" and sum(kept.skipped.values()) == 1
-
-
-@pytest.mark.parametrize("name, text, needle", [
-    ("empty.jsonl", "\n\n", "dataset file has no rows"),
-    ("train.csv", "prompt\n1+1=\n", "the extension must be one of"),
-], ids=["empty file", "unsupported format"])
-def test_unusable_data_files(tmp_path, name, text, needle):
-    (tmp_path / name).write_text(text)
-    with pytest.raises(ConfigError, match=needle):
-        rows_of(tmp_path / name)
-    with pytest.raises(ConfigError, match="dataset file not found"):
-        rows_of(tmp_path / "missing.jsonl")
-
-
-def test_parquet_rows_are_validated_too(tmp_path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    path = tmp_path / "train.parquet"
-    pq.write_table(pa.table({"prompt": ["1+1=", "", "2+2="], "answer": ["2", "0", None]}), path, row_group_size=2)
-    with pytest.raises(ConfigError, match="row 2 of 3: empty prompt"):
-        rows_of(path)
-    kept = rows_of(path, required_fields=("answer",), skip_invalid=True)
-    assert kept.kept == [0] and kept.skipped == {"empty prompt": 1, "missing 'answer'": 1}
-    assert kept.describe_skipped() == "1 empty prompt, 1 missing 'answer'"
-
-
-def test_loader_state_of_another_dataset_is_rejected():
-    from distflow.data.loader import PromptLoader
-
-    rows = [{"prompt": f"{i}+1="} for i in range(12)]
-    saved = PromptLoader(rows.__getitem__, 10, prompts_per_step=4, seed=0, rank=0, world_size=1)
-    saved.next_batch()
-    other = PromptLoader(rows.__getitem__, 12, prompts_per_step=4, seed=0, rank=0, world_size=1)
-    with pytest.raises(ConfigError, match=r"does not fit this dataset of 12 valid rows"):
-        other.load_state_dict(saved.state_dict())
-
-
-def _validate_shard(comm, path, skip):
-    """Each rank checks its 1/N of the rows; returns what it keeps (or the error it raises)."""
-    source = open_rows(path)
-    read = []
-
-    def read_row(i):
-        read.append(i)
-        return source[i]
-
-    try:
-        view = ValidRows(read_row, len(source), RowRules(skip_invalid=skip), where=str(path),
-                         shard=(comm.rank, comm.world_size), gather=comm.all_gather_object)
-    except ConfigError as err:
-        return {"error": str(err), "read": read}
-    return {"kept": view.kept, "skipped": view.skipped, "read": read}
-
-
-@pytest.mark.parametrize("skip", [False, True], ids=["error", "skip"])
-def test_rows_are_validated_by_shards_with_one_outcome(tmp_path, skip):
-    from gloo import run_on_ranks
-
-    lines = [json.dumps({"prompt": f"{i}+1="}) for i in range(9)]
-    lines[4] = json.dumps({"prompt": ""})  # checked by rank 0 of 2
-    lines[7] = json.dumps({"answer": "1"})  # checked by rank 1 of 2
-    path = jsonl(tmp_path, *lines)
-    results = run_on_ranks(_validate_shard, 2, path, skip)
-    assert [sorted(r["read"]) for r in results] == [[0, 2, 4, 6, 8], [1, 3, 5, 7]]  # each row read once
-    if skip:
-        assert results[0]["kept"] == results[1]["kept"] == [0, 1, 2, 3, 5, 6, 8]
-        assert results[0]["skipped"] == results[1]["skipped"] == {"empty prompt": 1, "missing 'prompt'": 1}
-    else:  # both ranks stop on the same (first) invalid row, though only rank 0 read it
-        assert results[0]["error"] == results[1]["error"]
-        assert "row 5 of 9: empty prompt" in results[0]["error"]
 
 
 # ---- user code that misbehaves, and inputs checked before the first rank starts -----------------
@@ -477,10 +360,6 @@ def test_unreadable_config_files(userdir, content, needle):
     assert len(check_one_line_error(result, needle.replace("{tmp}", str(userdir)))) == 1
 
 
-SURROGATE_ROW = '{"prompt": [{"role": "user", "content": "2+2=\\ud800"}], "reward_model": {"ground_truth": "4"}}'
-NO_TRUTH_ROW = json.dumps({"prompt": [{"role": "user", "content": "2+2="}], "extra": 1})
-
-
 @pytest.mark.parametrize("train_line, heldout_line, needle", [
     (NO_TRUTH_ROW, None,
      "train.jsonl: row 2 of 3: missing field 'reward_model.ground_truth' or 'answer', which the task's verifier reads"),
@@ -499,12 +378,6 @@ def test_rows_the_task_cannot_use_stop_the_run_before_training(userdir, cache_di
                    f"task.heldout_file={heldout_path}", "trainer.prompts_per_step=2", "task.num_heldout=3")
     check_one_line_error(result, f"{name}-{needle}")
     assert "held-out accuracy before RL" not in result.stderr  # stopped before any step or evaluation
-
-
-def test_rows_the_task_cannot_use_can_be_skipped(tmp_path):
-    path = jsonl(tmp_path, GOOD, NO_TRUTH_ROW, SURROGATE_ROW.replace("reward_model", "x"))
-    kept = rows_of(path, task_fields=(("reward_model.ground_truth", "answer"),), skip_invalid=True)
-    assert kept.kept == [0] and kept.skipped == {"missing 'reward_model.ground_truth'": 1, "prompt not UTF-8": 1}
 
 
 def _alive_with(marker):
