@@ -268,7 +268,8 @@ CRASH_POINTS = {  # point: (step, extra arguments, checkpoint it resumes from)
 }
 
 
-@pytest.mark.parametrize("point", list(CRASH_POINTS))
+@pytest.mark.parametrize("point", [  # the torn metrics line broke resume before; the others run in CI (slow)
+    p if p == "metrics" else pytest.param(p, marks=pytest.mark.slow) for p in CRASH_POINTS])
 def test_a_crash_at_any_write_point_resumes_like_the_uninterrupted_run(tmp_path, cache_dir, uninterrupted, point):
     step, extra, resumed_from = CRASH_POINTS[point]
     hooks = tmp_path / "hooks"
