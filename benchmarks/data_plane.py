@@ -56,7 +56,7 @@ from distflow.data.balance import balanced_assignment, bin_loads, imbalance
 from distflow.data.batch import Batch
 from distflow.data.redistribute import redistribute
 from distflow.planner.layout import Layout
-from distflow.runtime.dist import Comm
+from distflow.comm import Comm
 
 GROUP_SIZE = 8  # samples per prompt
 WARMUP_STEPS = 1

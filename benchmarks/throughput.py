@@ -18,7 +18,7 @@ step trains on all its samples: the untrained model earns reward 0 almost everyw
 TRL updates on zero advantages while distflow would skip a step without signal, so distflow
 runs with `algorithm.skip_zero_variance_groups: false` (a timed distflow step that trained
 no token stops the benchmark). Threads: one process (distflow or TRL) uses torch's default,
-every core; `--nproc 2` gives each rank half of them (runtime/dist.py).
+every core; `--nproc 2` gives each rank half of them (comm.py).
 
 Load matters more than usual: with other busy processes on the machine, a process whose
 torch threads cover every core loses its OpenMP threads to the scheduler at each parallel

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from distflow.runtime.dist import Comm
+from distflow.comm import Comm
 
 
 def free_port() -> int:

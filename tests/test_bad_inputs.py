@@ -19,7 +19,7 @@ from conftest import REPO, run_cli
 from distflow.checkpoint import save_checkpoint
 from distflow.config.schema import OptimConfig
 from distflow.engines.policy import PolicyEngine
-from distflow.runtime.dist import Comm
+from distflow.comm import Comm
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
 from test_bad_data import NO_TRUTH_ROW, SURROGATE_ROW, jsonl

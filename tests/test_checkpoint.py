@@ -23,7 +23,7 @@ from distflow.checkpoint import (
 from distflow.checkpoint import store
 from distflow.config.schema import ConfigError, OptimConfig
 from distflow.engines.policy import PolicyEngine
-from distflow.runtime.dist import Comm
+from distflow.comm import Comm
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
 

@@ -15,7 +15,7 @@ from distflow.dag.context import StageContext
 from distflow.dag.dynamic_sampling import dynamic_sampling
 from distflow.data.batch import Batch
 from distflow.observability.metrics import StepMetrics
-from distflow.runtime.dist import Comm
+from distflow.comm import Comm
 from gloo import run_on_ranks
 
 SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))

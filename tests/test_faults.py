@@ -17,7 +17,7 @@ from conftest import REPO
 from distflow.config.schema import OptimConfig
 from distflow.data.batch import Batch
 from distflow.engines.policy import PolicyEngine
-from distflow.runtime.dist import Comm
+from distflow.comm import Comm
 from distflow.runtime.faults import diagnose, remove_stale_status_dirs
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer

@@ -10,7 +10,7 @@ from distflow.engines.generation import generate
 from distflow.engines.reward import build_rewards
 from distflow.engines.sequences import encode_prompts
 from distflow.observability.metrics import StepMetrics
-from distflow.runtime.dist import Comm
+from distflow.comm import Comm
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
 

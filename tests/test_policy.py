@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from distflow.config.schema import OptimConfig
 from distflow.data.batch import Batch
 from distflow.engines.policy import PolicyEngine
-from distflow.runtime.dist import Comm
+from distflow.comm import Comm
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
 

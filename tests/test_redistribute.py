@@ -101,7 +101,7 @@ def test_disjoint_move_sends_everything_and_keeps_nothing_local():
 
 
 def test_replica_to_data_parallel_on_one_world_moves_nothing_with_a_single_rank():
-    from distflow.runtime.dist import Comm
+    from distflow.comm import Comm
 
     comm = Comm(0, 1, 0, 1, torch.device("cpu"))
     result = move(comm, Layout((0,)), Layout((0,)), 8, True)

@@ -95,7 +95,7 @@ def test_reward_stage_reports_counts():
     from distflow.dag.stages import reward
     from distflow.data.batch import Batch
     from distflow.observability.metrics import StepMetrics
-    from distflow.runtime.dist import Comm
+    from distflow.comm import Comm
 
     comm = Comm(0, 1, 0, 1, torch.device("cpu"))
     ctx = type("Ctx", (), {})()
@@ -121,7 +121,7 @@ def test_no_call_sees_another_calls_edits_of_the_sample():
     from distflow.dag.stages import reward
     from distflow.data.batch import Batch
     from distflow.observability.metrics import StepMetrics
-    from distflow.runtime.dist import Comm
+    from distflow.comm import Comm
     from distflow.tasks.arithmetic import ArithmeticTask
 
     row = {"prompt": "5+7=", "answer": "12"}

@@ -15,7 +15,7 @@ from distflow.data.batch import Batch
 from distflow.engines.critic import build_critic
 from distflow.engines.policy import PolicyEngine
 from distflow.observability.metrics import StepMetrics
-from distflow.runtime.dist import Comm
+from distflow.comm import Comm
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
 from gloo import run_on_ranks

@@ -52,7 +52,7 @@ from transformers import PreTrainedModel
 
 from distflow.checkpoint.rng import capture_rng
 from distflow.config.schema import ConfigError
-from distflow.runtime.dist import Comm
+from distflow.comm import Comm
 
 FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"

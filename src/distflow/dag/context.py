@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # engines import torch/transformers; building a graph must no
     from distflow.engines.reward import Rewards
     from distflow.engines.weight_sync import WeightBroadcast
     from distflow.observability.metrics import StepMetrics
-    from distflow.runtime.dist import Comm
+    from distflow.comm import Comm
 
 
 @dataclass

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from distflow.dag.context import StageContext
     from distflow.data.batch import Batch
-    from distflow.runtime.dist import Comm
+    from distflow.comm import Comm
 
 
 def _signal_groups(batch: Batch) -> Batch:

@@ -27,12 +27,11 @@ import zlib
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from distflow.data.balance import balanced_assignment, bin_loads, imbalance
 from distflow.data.batch import Batch
 from distflow.planner.layout import Layout
-from distflow.runtime.dist import Comm
+from distflow.comm import Comm
 
 
 @dataclass
@@ -63,14 +62,6 @@ def _item_tokens(batch: Batch) -> list[int]:
     return [1] * len(batch)
 
 
-def _all_gather(tensor: torch.Tensor, comm: Comm) -> torch.Tensor:
-    if not comm.distributed:
-        return tensor.unsqueeze(0)
-    parts = [torch.empty_like(tensor) for _ in range(comm.world_size)]
-    dist.all_gather(parts, tensor.contiguous(), group=comm.group)
-    return torch.stack(parts)
-
-
 def redistribute(batch: Batch, src: Layout, dst: Layout, comm: Comm, *, keep_groups: bool,
                  uneven: bool = False) -> tuple[Batch, MoveStats]:
     """This rank's share of the batch on `dst`. `comm` is the world communicator.
@@ -85,13 +76,10 @@ def redistribute(batch: Batch, src: Layout, dst: Layout, comm: Comm, *, keep_gro
         raise RuntimeError(f"rank {rank} holds {len(batch)} samples but is not in the source layout {src.describe()}")
     schema = _schema(batch) if holds else None
     crc = zlib.crc32(repr(schema).encode()) if holds else 0
-    sizes = _all_gather(torch.tensor([len(batch) if holds else 0, crc], dtype=torch.long), comm).tolist()
+    sizes = comm.all_gather_tensor(torch.tensor([len(batch) if holds else 0, crc], dtype=torch.long)).tolist()
 
     leader = src.ranks[0]
-    box = [schema]
-    if comm.distributed:
-        dist.broadcast_object_list(box, src=leader)
-    schema = box[0]
+    schema = comm.broadcast_object(schema, src=leader)
     bad = [r for r in src.ranks if sizes[r][1] != sizes[leader][1]]
     if bad:
         raise RuntimeError(f"rank {bad[0]} holds different batch fields than rank {leader} before a layout change "
@@ -105,7 +93,7 @@ def redistribute(batch: Batch, src: Layout, dst: Layout, comm: Comm, *, keep_gro
         rows[: len(batch), 1] = batch.tensors["group"].cpu() if "group" in batch.tensors else rows[: len(batch), 0]
         rows[: len(batch), 2] = torch.tensor(_item_tokens(batch), dtype=torch.long)
         rows[: len(batch), 3] = torch.tensor([len(m) for m in metas], dtype=torch.long)
-    gathered = _all_gather(rows, comm).tolist()
+    gathered = comm.all_gather_tensor(rows).tolist()
 
     # Items in a global order: source replica by replica, position inside the replica.
     items: list[tuple[int, int, list[int]]] = []  # (source replica, position, [uid, group, tokens, meta bytes])
@@ -151,13 +139,7 @@ def redistribute(batch: Batch, src: Layout, dst: Layout, comm: Comm, *, keep_gro
     host = {name: t.cpu() for name, t in batch.tensors.items()} if holds else {}
     chunks = [_pack(host, tensor_schema, [items[i][1] for i in pairs.get((rank, q), ())], metas) for q in range(world)]
     send_buf = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
-    if comm.distributed:
-        recv_buf = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=comm.device)
-        dist.all_to_all_single(recv_buf, send_buf.to(comm.device), output_split_sizes=recv_sizes,
-                               input_split_sizes=send_sizes, group=comm.group)
-        recv_buf = recv_buf.cpu()
-    else:
-        recv_buf = send_buf
+    recv_buf = comm.all_to_all_bytes(send_buf, send_sizes, recv_sizes)
 
     # Unpack each sender's chunk, then order the batch by uid.
     parts, uids, offset = [], [], 0

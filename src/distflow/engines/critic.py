@@ -22,7 +22,7 @@ from distflow.config.schema import OptimConfig
 from distflow.data.batch import Batch
 from distflow.engines.policy import PolicyEngine
 from distflow.engines.sequences import position_ids_from_mask
-from distflow.runtime.dist import Comm
+from distflow.comm import Comm
 
 
 class ValueModel(torch.nn.Module):

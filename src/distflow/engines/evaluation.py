@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from distflow.engines.generation import generate
 from distflow.engines.reward import private_copy
-from distflow.runtime.dist import Comm
+from distflow.comm import Comm
 from distflow.seeding import derive_seed
 
 Verifier = Callable[[str, dict], bool]  # (completion, sample) -> correct?

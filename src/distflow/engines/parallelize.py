@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from distflow.runtime.dist import Comm
+from distflow.comm import Comm
 
 
 def data_parallel(model: torch.nn.Module, comm: Comm) -> torch.nn.Module:

@@ -20,7 +20,7 @@ from distflow.data.balance import token_budget_micro_batches
 from distflow.data.batch import Batch
 from distflow.engines.logprobs import batch_logprobs, response_logprobs
 from distflow.engines.parallelize import data_parallel
-from distflow.runtime.dist import Comm
+from distflow.comm import Comm
 
 # (micro-batch, logp_BR, entropy_BR) -> (sum of token losses, {stat name: sum over tokens})
 LossFn = Callable[[Batch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]

@@ -10,30 +10,28 @@ creation is collective). Synchronous: the next rollout starts after the copy lan
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from distflow.runtime.dist import Comm
+from distflow.comm import Comm
 
 BUCKET_BYTES = 64 * 1024 * 1024
 
 
 class WeightBroadcast:
     def __init__(self, world: Comm, source: int, receivers: tuple[int, ...]) -> None:
-        members = [source, *receivers]
-        self.source = source
-        self.group = dist.new_group(ranks=members) if world.distributed else None
-        self.active = world.rank in members
-        self.device = world.device
+        members = tuple(sorted((source, *receivers)))
+        self.group = world.subgroup(members)
+        """The source and the receivers; None on ranks outside it."""
+        self.source = members.index(source)
 
     def broadcast(self, model: torch.nn.Module) -> int:
         """Copy the source's parameters into `model` on every receiver; returns bytes moved per rank."""
-        if not self.active:
+        if self.group is None:
             return 0
         params = [p for p in model.parameters()]
         moved = 0
         for bucket in _buckets(params):
             flat = torch.cat([p.data.reshape(-1) for p in bucket])
-            dist.broadcast(flat, src=self.source, group=self.group)
+            self.group.broadcast_(flat, src=self.source)
             offset = 0
             for p in bucket:
                 p.data.copy_(flat[offset : offset + p.numel()].view_as(p))

@@ -17,9 +17,8 @@ from __future__ import annotations
 import zlib
 
 import torch
-import torch.distributed as dist
 
-from distflow.runtime.dist import Comm
+from distflow.comm import Comm
 
 
 class StepMetrics:
@@ -48,9 +47,8 @@ class StepMetrics:
         probe = comm.all_reduce_max(probe).cpu().tolist()
         return probe[:2] == mine and [-x for x in probe[2:]] == mine
 
-    def _pad_to_union(self) -> None:
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (list(self._means), list(self._totals), list(self._maxes)))
+    def _pad_to_union(self, comm: Comm) -> None:
+        everyone = comm.all_gather_object((list(self._means), list(self._totals), list(self._maxes)))
         means, totals, maxes = (sorted(set().union(*(names[k] for names in everyone))) for k in range(3))
         self._means = {n: self._means.get(n, [0.0, 0.0]) for n in means}
         self._totals = {n: self._totals.get(n, 0.0) for n in totals}
@@ -58,7 +56,7 @@ class StepMetrics:
 
     def reduce(self, comm: Comm) -> dict[str, float]:
         if comm.distributed and not self._aligned(comm):
-            self._pad_to_union()
+            self._pad_to_union(comm)
         flat = torch.tensor([x for acc in self._means.values() for x in acc] + list(self._totals.values()),
                             dtype=torch.float64)
         maxes = torch.tensor(list(self._maxes.values()), dtype=torch.float64)

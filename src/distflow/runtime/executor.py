@@ -50,7 +50,7 @@ from distflow.observability.metrics import StepMetrics
 from distflow.observability.writer import RunWriter
 from distflow.planner.plan import Plan, Transition, make_plan
 from distflow.runtime import checkpointing
-from distflow.runtime.dist import Comm, init_comm, shutdown
+from distflow.comm import Comm, init_comm, shutdown
 from distflow.runtime.faults import (RankStatus, StageTimeouts, TrainingAborted, die_with_parent,
                                      raise_on_sigterm)
 from distflow.seeding import derive_seed

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from distflow.config.schema import Config, ConfigError
+from distflow.comm import is_peer_failure
 from distflow.fileio import atomic_write_text
 
 EXIT_FAILED = 1
@@ -72,18 +73,6 @@ def raise_on_sigterm() -> None:
 def _one_line(err: BaseException) -> str:
     text = str(err).replace("\n", " ").strip()
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
-
-
-def _is_comm_error(err: BaseException) -> bool:
-    """Errors that a rank gets because a *peer* failed (its connections closed, a collective timed out)."""
-    import torch.distributed as dist
-
-    if isinstance(err, dist.DistError):
-        return True
-    text = str(err)
-    from_backend = isinstance(err, RuntimeError) and any(s in text for s in ("gloo", "NCCL", "c10d"))
-    return from_backend and any(s in text for s in ("Connection closed by peer", "Connection reset by peer",
-                                                    "Broken pipe", "Timed out", "timed out", "Timeout"))
 
 
 @dataclass
@@ -210,7 +199,7 @@ class RankStatus:
             code, comm_error = 128 + err.signum, True
             dead = self._dead_peers()
             line = f"distflow: rank {self.rank} stopped by {err} in {self.where()}" + (f": {dead}" if dead else "")
-        elif _is_comm_error(err):  # a consequence: some peer failed first
+        elif is_peer_failure(err):  # a consequence: some peer failed first
             comm_error = True
             line = f"distflow: rank {self.rank} lost its peers in {self.where()}: " + (
                 self._dead_peers() or _one_line(err).split(". ")[0][:160])

@@ -1,9 +1,20 @@
-"""The process group, and the few collectives the rest of the code may ask for.
+"""The process group, and every collective the rest of the code may ask for.
 
 Every rank is an identical controller; this module is where a rank learns who it is.
 Launched by `torchrun` (or `distflow train --nproc N`), RANK/WORLD_SIZE are in the
-environment; launched plainly, the run is a world of one and no process group exists.
-Code elsewhere calls `Comm` methods and never imports `torch.distributed`.
+environment; launched plainly, the run is a world of one and no process group exists, and
+every method below is then the one-rank identity (nothing to exchange).
+
+It sits on the ground floor: engines, data, checkpoint, observability and the DAG all take
+a `Comm` and call its methods. The modules that use `torch.distributed` (an import of it, or
+of DDP, which runs its own all-reduce) are exactly:
+
+    comm.py                      this module: process groups and collectives
+    engines/parallelize.py       DistributedDataParallel (the gradient all-reduce lives in DDP)
+    checkpoint/store.py          torch.distributed.checkpoint (sharded save/load, resharding)
+    runtime/launcher.py          torch's elastic launcher (`distflow train --nproc N`)
+
+`tests/test_comm.py` checks that this list matches the code.
 """
 
 from __future__ import annotations
@@ -38,6 +49,8 @@ class Comm:
         in the same order. Returns None on ranks outside the group."""
         if self.group is not None:
             raise ValueError("subgroups are made from the world communicator")
+        if list(ranks) != sorted(set(ranks)):
+            raise ValueError(f"subgroup ranks must be distinct and ascending (torch orders a group's ranks so), got {ranks}")
         if tuple(ranks) == tuple(range(self.world_size)):
             return self
         group = dist.new_group(ranks=list(ranks)) if self.distributed else None
@@ -65,6 +78,34 @@ class Comm:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return tensor
 
+    def all_gather_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` (same shape everywhere), stacked in rank order."""
+        if not self.distributed:
+            return tensor.unsqueeze(0)
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        return torch.stack(parts)
+
+    def all_to_all_bytes(self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
+        """One all_to_all of a flat uint8 buffer: `send_sizes[q]` bytes go to rank q, `recv_sizes[s]`
+        come from rank s (concatenated in rank order, on the CPU)."""
+        if not self.distributed:
+            return send
+        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
+        dist.all_to_all_single(recv, send.to(self.device), output_split_sizes=recv_sizes,
+                               input_split_sizes=send_sizes, group=self.group)
+        return recv.cpu()
+
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """In place: `tensor` as the group's rank `src` has it."""
+        if self.distributed:
+            dist.broadcast(tensor, src=self._global(src), group=self.group)
+        return tensor
+
+    def _global(self, rank: int) -> int:
+        """World rank of this group's rank `rank` (torch's collectives take world ranks)."""
+        return rank if self.global_ranks is None else self.global_ranks[rank]
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier(group=self.group)
@@ -82,8 +123,7 @@ class Comm:
         if not self.distributed:
             return obj
         box = [obj]
-        source = src if self.global_ranks is None else self.global_ranks[src]
-        dist.broadcast_object_list(box, src=source, group=self.group)
+        dist.broadcast_object_list(box, src=self._global(src), group=self.group)
         return box[0]
 
 
@@ -121,6 +161,16 @@ def init_comm(*, device: str, timeout_s: int) -> Comm:
             device_id=torch_device if use_cuda else None,
         )
     return Comm(rank, world_size, local_rank, local_world_size, torch_device)
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """Errors that a rank gets because a *peer* failed (its connections closed, a collective timed out)."""
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err)
+    from_backend = isinstance(err, RuntimeError) and any(s in text for s in ("gloo", "NCCL", "c10d"))
+    return from_backend and any(s in text for s in ("Connection closed by peer", "Connection reset by peer",
+                                                    "Broken pipe", "Timed out", "timed out", "Timeout"))
 
 
 def shutdown() -> None:
