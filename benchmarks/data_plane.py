@@ -55,7 +55,7 @@ import torch.multiprocessing as mp
 from distflow.data.balance import balanced_assignment, bin_loads, imbalance
 from distflow.data.batch import Batch
 from distflow.data.redistribute import redistribute
-from distflow.planner.layout import Layout
+from distflow.layout import Layout
 from distflow.comm import Comm
 
 GROUP_SIZE = 8  # samples per prompt

@@ -9,7 +9,7 @@ from conftest import REPO
 
 from distflow.config import ConfigError, load_config
 from distflow.dag.pipelines import LOADER_FIELDS, build_graph
-from distflow.planner.layout import Layout, parse_ranks
+from distflow.layout import Layout, parse_ranks
 from distflow.planner.plan import PlannedStage, Transition, make_plan
 
 

@@ -6,7 +6,7 @@ import torch
 
 from distflow.data.batch import Batch
 from distflow.data.redistribute import redistribute
-from distflow.planner.layout import Layout
+from distflow.layout import Layout
 
 GROUP = 4  # samples per prompt group
 

@@ -93,7 +93,7 @@ def dynamic_sampling(batch: Batch, ctx: StageContext, *, upstream: tuple[StageFn
     import torch
 
     from distflow.data.redistribute import redistribute
-    from distflow.planner.layout import Layout
+    from distflow.layout import Layout
 
     algo, comm = ctx.config.algorithm, ctx.comm
     target = ctx.config.trainer.prompts_per_step

@@ -47,6 +47,9 @@ class Stage:
     writes: tuple[str, ...] = ()
     group: str = "train"
     """Worker group that runs it (`placement.<group>`): rollout, train, or sync (both)."""
+    uses: tuple[str, ...] = ()
+    """Engines it needs on its ranks besides the rollout model: policy, reference, critic
+    (the runtime builds on a rank the engines that rank's stages use, and no others)."""
 
 
 @dataclass

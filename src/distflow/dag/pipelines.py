@@ -48,9 +48,9 @@ class _Chain:
         self.graph = graph
         self.last: str | None = None
 
-    def add(self, name, fn, role, reads=(), writes=(), group="train") -> None:
+    def add(self, name, fn, role, reads=(), writes=(), group="train", uses=()) -> None:
         deps = (self.last,) if self.last else ()
-        self.graph.add(Stage(name, fn, role, deps, tuple(reads), tuple(writes), group=group))
+        self.graph.add(Stage(name, fn, role, deps, tuple(reads), tuple(writes), group=group, uses=uses))
         self.last = name
 
 
@@ -77,25 +77,27 @@ def policy_gradient(config: Config, estimator: Estimator, *, critic: bool = Fals
 
     def logprob_stages() -> None:
         if old_logprob:
-            chain.add("old_logprob", stages.old_logprob, "logprob", SEQUENCE, ("old_logp",))
+            chain.add("old_logprob", stages.old_logprob, "logprob", SEQUENCE, ("old_logp",), uses=("policy",))
         if algo.kl_coef > 0:
-            chain.add("reference_logprob", stages.reference_logprob, "logprob", SEQUENCE, ("ref_logp",))
+            chain.add("reference_logprob", stages.reference_logprob, "logprob", SEQUENCE, ("ref_logp",),
+                      uses=("reference",))
 
     if kl_in_reward:
         logprob_stages()
         chain.add("kl_reward", stages.kl_reward, "reward", ("old_logp", "ref_logp", "response_mask"),
                   ("kl_penalty",))
     if critic:
-        chain.add("values", stages.values, "value", SEQUENCE, ("values",))
+        chain.add("values", stages.values, "value", SEQUENCE, ("values",), uses=("critic",))
     extra = ("kl_penalty",) if kl_in_reward else ()
     chain.add("advantage", estimator.fn, "advantage", estimator.reads + extra, estimator.writes)
     if not kl_in_reward:
         logprob_stages()
         if algo.kl_coef > 0:
             update_reads.append("ref_logp")
-    chain.add("policy_update", update_stages.policy_update, "train", update_reads)
+    chain.add("policy_update", update_stages.policy_update, "train", update_reads, uses=("policy",))
     if critic:
-        chain.add("critic_update", update_stages.critic_update, "train", (*SEQUENCE, "values", "returns"))
+        chain.add("critic_update", update_stages.critic_update, "train", (*SEQUENCE, "values", "returns"),
+                  uses=("critic",))
     chain.graph.add(Stage("weight_sync", stages.weight_sync, "sync", ("policy_update",), group="sync"))
     return chain.graph
 

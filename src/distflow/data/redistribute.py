@@ -30,7 +30,7 @@ import torch
 
 from distflow.data.balance import balanced_assignment, bin_loads, imbalance
 from distflow.data.batch import Batch
-from distflow.planner.layout import Layout
+from distflow.layout import Layout
 from distflow.comm import Comm
 
 

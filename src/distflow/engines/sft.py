@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from distflow.engines.sequences import encode_prompts, left_pad, position_ids_from_mask
+from distflow.seeding import derive_seed
 
 
 def supervised_batch(
@@ -82,3 +83,40 @@ def supervised_warmstart(
                 break
     model.eval()
     return losses
+
+
+def warm_start_to_target(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, train: Sequence[dict],
+                         validation: Sequence[dict], is_correct, sampling, settings, seed: int, log) -> dict:
+    """Supervised training on `train` rows ({"prompt", "answer"}) until the sampled accuracy on
+    `validation` (each row twice, keyed per (step, sample)) reaches `settings.target_accuracy`.
+
+    `settings` is the run's `warmstart` section; a target not reached in `settings.max_steps`
+    is a user error naming both. Returns {steps, validation_accuracy, final_loss}.
+    """
+    from distflow.config import ConfigError
+    from distflow.engines.evaluation import count_correct
+
+    accuracy = [0.0]
+
+    def reached_target(step: int) -> bool:
+        expanded = [row for row in validation for _ in range(2)]
+        keys = [derive_seed(seed, "warmstart-validation", step, j) for j in range(len(expanded))]
+        correct, total = count_correct(model, tokenizer, expanded, is_correct, sampling, sample_keys=keys)
+        accuracy[0] = correct / total
+        return accuracy[0] >= settings.target_accuracy
+
+    losses: list[float] = []
+    if settings.target_accuracy > 0:
+        log(f"warm-start: supervised training on {len(train)} problems until validation accuracy "
+            f">= {settings.target_accuracy} (cached afterwards)")
+        losses = supervised_warmstart(
+            model, tokenizer, [r["prompt"] for r in train], [r["answer"] for r in train],
+            max_steps=settings.max_steps, batch_size=settings.batch_size, lr=settings.lr,
+            seed=derive_seed(seed, "warmstart-order"), should_stop=reached_target, check_every=settings.check_every,
+        )
+        if accuracy[0] < settings.target_accuracy:
+            raise ConfigError(
+                f"the warm-start reached validation accuracy {accuracy[0]:.3f} < warmstart.target_accuracy="
+                f"{settings.target_accuracy} in warmstart.max_steps={settings.max_steps} steps; raise max_steps "
+                "or lower the target")
+    return {"steps": len(losses), "validation_accuracy": accuracy[0], "final_loss": losses[-1] if losses else None}

@@ -9,13 +9,19 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from distflow.config import ConfigError
+from distflow.fileio import atomic_write_text
+
 
 class RunWriter:
     def __init__(self, run_dir: Path, *, total_steps: int, tensorboard: bool, progress_bar: bool,
                  name: str = "train", resumed_step: int | None = None) -> None:
-        """`resumed_step`: the run continues after this step; TensorBoard drops the events of
-        later steps written before (the run redoes them), so curves have no duplicates."""
+        """`resumed_step`: the run continues after this step; the metrics records and TensorBoard
+        events of later steps written before are dropped (the run redoes them), so curves
+        have no duplicates."""
         self.run_dir = run_dir
+        if resumed_step is not None:
+            drop_records_after(run_dir / "metrics.jsonl", resumed_step)
         self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self.tb = None
         if tensorboard:
@@ -52,3 +58,26 @@ class RunWriter:
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def drop_records_after(path: Path, step: int) -> None:
+    """Keep the metrics of steps <= `step` only (a resumed run redoes the later ones).
+
+    The last line may be torn (the process was killed while writing it): it is dropped, as
+    its step is redone. A damaged line before it is a damaged file, named with its line."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            record_step = int(record["step"])
+        except (ValueError, KeyError, TypeError):
+            if number == len(lines):
+                break  # torn by a crash mid-write
+            raise ConfigError(f"{path}: line {number} is not a metrics record; repair or remove that line, "
+                              "then resume") from None
+        if record_step <= step:
+            kept.append(line)
+    atomic_write_text(path, "".join(line + "\n" for line in kept))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from distflow.config.schema import Config, ConfigError
 from distflow.dag.graph import Graph, Stage, needs_every_rank
-from distflow.planner.layout import Layout, format_ranks, parse_ranks
+from distflow.layout import Layout, format_ranks, parse_ranks
 
 # Bytes per sample of known tensor fields, for the plan's traffic estimate:
 # (width: "T" full sequence, "R" response, "1" one value; bytes per element).
@@ -69,6 +69,10 @@ class Plan:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
         return [item for item in self.items if isinstance(item, Transition) or rank in item.layout]
+
+    def engines_for(self, rank: int) -> set[str]:
+        """The engines this rank's stages declare they use (`Stage.uses`)."""
+        return {name for item in self.stages_for(rank) if isinstance(item, PlannedStage) for name in item.stage.uses}
 
     @property
     def transitions(self) -> list[Transition]:

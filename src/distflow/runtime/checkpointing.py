@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from distflow.checkpoint import (
     CheckpointError,
@@ -30,9 +30,7 @@ from distflow.checkpoint import (
 )
 from distflow.checkpoint.store import COMPLETE, read_meta
 from distflow.config import Config, to_dict
-
-if TYPE_CHECKING:
-    from distflow.runtime.executor import Worker
+from distflow.runtime.worker import Worker
 
 # Keys that may change between a run and its resumption without changing what it computes
 # next (where it runs, how long, how it reports); any other change is reported in the log.

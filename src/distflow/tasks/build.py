@@ -2,13 +2,39 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
 
 from distflow.config.schema import Config, ConfigError
 from distflow.tasks.arithmetic import ArithmeticTask
 
 
-def build_task(config: Config, tokenizer: Any):
+class Task(Protocol):
+    """What the runtime needs of a task, whichever it is."""
+
+    train: Sequence[dict]
+    """Rows with a "prompt" text; the loader reads them by index."""
+    heldout: Sequence[dict]
+    required_fields: tuple[tuple[str, ...], ...]
+    """What the verifier reads (each entry: fields of which a row needs one)."""
+
+    def is_correct(self, completion: str, sample: dict) -> bool: ...
+
+
+def model_dirs(config: Config, *, builder: bool, log: Callable[[str], None]) -> tuple[Path, Path]:
+    """(model directory, tokenizer directory): `model.path`, or the embedded model, warm-started
+    into its cache first when this process is the `builder` and the cache misses."""
+    if config.model.path is None:
+        from distflow.tasks.embedded import ensure_embedded_model
+
+        model_dir = ensure_embedded_model(config, builder=builder, log=log)
+        return model_dir, model_dir
+    model_dir = Path(config.model.path).expanduser()
+    return model_dir, Path(config.model.tokenizer_path or model_dir).expanduser()
+
+
+def build_task(config: Config, tokenizer: Any) -> Task:
     """The embedded addition task, or verl-format rows from `task.train_file` / `task.heldout_file`.
 
     Either has `train` and `heldout` (row sequences with a "prompt" text) and `is_correct`.

@@ -1,4 +1,5 @@
-"""The embedded default: tiny model + char tokenizer + addition task + cached warm-start.
+"""The embedded default: tiny model + char tokenizer + addition task + cached warm-start
+(the warm-start training itself is `engines/sft.py`).
 
     cache hit? ──no──► build tokenizer & model → supervised warm-start until the
                        validation accuracy target → save_pretrained into a temp dir →
@@ -22,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from distflow.config import Config, ConfigError, to_dict
-from distflow.engines.evaluation import SamplingSpec, count_correct
-from distflow.engines.sft import supervised_warmstart
+from distflow.config import Config, to_dict
+from distflow.engines.evaluation import SamplingSpec
+from distflow.engines.sft import warm_start_to_target
 from distflow.seeding import derive_seed
 from distflow.tasks.arithmetic import ArithmeticTask
 from distflow.tasks.tiny_model import build_tiny_model
@@ -58,31 +59,8 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     ws = config.warmstart
     validation, train = task.train[-ws.num_validation :], task.train[: -ws.num_validation]
     sampling = SamplingSpec(config.rollout.temperature, config.rollout.top_p, config.rollout.max_new_tokens)
-    accuracy = [0.0]
-
-    def reached_target(step: int) -> bool:
-        expanded = [row for row in validation for _ in range(2)]
-        keys = [derive_seed(seed, "warmstart-validation", step, j) for j in range(len(expanded))]
-        correct, total = count_correct(model, tokenizer, expanded, task.is_correct, sampling, sample_keys=keys)
-        accuracy[0] = correct / total
-        return accuracy[0] >= ws.target_accuracy
-
-    losses: list[float] = []
-    if ws.target_accuracy > 0:
-        log(f"warm-start: supervised training on {len(train)} problems until validation accuracy "
-            f">= {ws.target_accuracy} (cached afterwards)")
-        losses = supervised_warmstart(
-            model, tokenizer, [r["prompt"] for r in train], [r["answer"] for r in train],
-            max_steps=ws.max_steps, batch_size=ws.batch_size, lr=ws.lr, seed=derive_seed(seed, "warmstart-order"),
-            should_stop=reached_target, check_every=ws.check_every,
-        )
-        if accuracy[0] < ws.target_accuracy:
-            raise ConfigError(
-                f"the warm-start reached validation accuracy {accuracy[0]:.3f} < warmstart.target_accuracy="
-                f"{ws.target_accuracy} in warmstart.max_steps={ws.max_steps} steps; raise max_steps or lower the target"
-            )
-    info = {"steps": len(losses), "validation_accuracy": accuracy[0],
-            "final_loss": losses[-1] if losses else None, "seconds": round(time.time() - start, 1)}
+    info = warm_start_to_target(model, tokenizer, train, validation, task.is_correct, sampling, ws, seed, log)
+    info["seconds"] = round(time.time() - start, 1)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

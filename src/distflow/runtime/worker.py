@@ -1,0 +1,135 @@
+"""What one rank builds before its first step: plan, communicators, engines, task and loader.
+
+    build_graph(config) → make_plan (same on every rank) → a communicator per worker group
+    engines: what this rank's stages declare they use (`Stage.uses`), built on this rank only:
+        policy (train ranks) · reference (a frozen copy) · critic (value head)
+        the rollout model: the policy's own module where rollout and training share ranks
+    task (train + held-out rows, verifier) → rows checked by 1/N of the ranks each → loader
+    → prefetcher (the next step's prompts prepared in the background)
+
+Group creation is collective: every rank creates every group, in the plan's order, whether
+or not it belongs to it.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from distflow.comm import Comm
+from distflow.config import Config
+from distflow.dag.context import StageContext
+from distflow.dag.pipelines import LOADER_FIELDS, build_graph
+from distflow.data.loader import PromptLoader, RowRules, ValidRows
+from distflow.data.prefetch import Prefetcher
+from distflow.engines.models import load_model_and_tokenizer
+from distflow.engines.policy import PolicyEngine
+from distflow.engines.sequences import encode_prompts
+from distflow.engines.weight_sync import WeightBroadcast
+from distflow.observability.metrics import StepMetrics
+from distflow.planner.plan import Plan, make_plan
+from distflow.tasks.build import Task, build_task, model_dirs
+
+
+@dataclass
+class Worker:
+    """Everything one rank needs to run steps."""
+
+    ctx: StageContext
+    plan: Plan
+    comms: dict[str, Comm | None]
+    """Communicator of each worker group (None on ranks outside it)."""
+    prefetcher: Prefetcher
+    task: Task
+    eval_model: torch.nn.Module
+    loader: PromptLoader | None = None
+    """The prefetcher's loader (a checkpoint restores its state)."""
+    heldout: ValidRows | None = None
+    """The task's held-out rows that its verifier can judge (None: all of `task.heldout`)."""
+    num_skipped_rows: int = 0
+    """Invalid training rows left out (data.on_invalid_row=skip)."""
+
+
+def build_worker(config: Config, world: Comm, log) -> Worker:
+    from distflow.engines.reward import build_rewards
+
+    trainer, rank = config.trainer, world.rank
+    plan = make_plan(build_graph(config), config, world.world_size, LOADER_FIELDS)
+    for line in plan.describe().splitlines():
+        log(f"plan: {line}")
+    comms = _group_comms(plan, world)
+    rollout, train = plan.groups["rollout"], plan.groups["train"]
+    receivers = tuple(r for r in rollout.ranks if r not in train)
+    weight_sync = WeightBroadcast(world, train.ranks[0], receivers) if receivers else None
+
+    model_dir, tokenizer_dir = model_dirs(config, builder=world.local_rank == 0, log=log)
+    world.barrier()  # under a bare torchrun, local rank 0 may have just built the embedded model
+    model, tokenizer = load_model_and_tokenizer(model_dir, tokenizer_dir, world.device)
+    engines = _build_engines(config, plan.engines_for(rank), model, comms["train"])
+    task = build_task(config, tokenizer)  # the embedded addition task, or verl-format rows (task.train_file)
+    # The prefetch thread tokenizes with its own tokenizer: fast tokenizers are not
+    # safe to share with the main thread's decoding.
+    tokenize = functools.partial(encode_prompts, copy.deepcopy(tokenizer))
+    rows, heldout = _valid_rows(config, task, tokenize, world, log)
+    loader = PromptLoader(rows.__getitem__, len(rows), prompts_per_step=trainer.prompts_per_step,
+                          seed=trainer.seed, rank=plan.input_layout.replica_of(rank),
+                          world_size=plan.input_layout.dp_size, tokenize=tokenize)
+    ctx = StageContext(
+        config=config, comm=world, world=world, tokenizer=tokenizer, rollout_model=model if rank in rollout else None,
+        rewards=build_rewards(config.task), is_correct=task.is_correct, metrics=StepMetrics(),
+        weight_sync=weight_sync, **engines,
+    )
+    prefetcher = Prefetcher(loader.next_batch, loader.state_dict, enabled=trainer.prefetch)
+    ctx.next_prompts = lambda: prefetcher.next()[0]  # dynamic sampling draws extra batches mid-step
+    return Worker(ctx, plan, comms, prefetcher, task, model, loader=loader, heldout=heldout,
+                  num_skipped_rows=sum(rows.skipped.values()))
+
+
+def _build_engines(config: Config, uses: set[str], model: torch.nn.Module, train: Comm | None) -> dict:
+    """The policy, reference and critic this rank's stages use (None for the others)."""
+    from distflow.engines.critic import build_critic
+
+    engines = {"policy": None, "reference": None, "critic": None}
+    if "policy" in uses:
+        engines["policy"] = PolicyEngine(model, train, config.optim, temperature=config.rollout.temperature)
+    else:
+        model.requires_grad_(False)
+    if "reference" in uses:
+        engines["reference"] = copy.deepcopy(model).eval().requires_grad_(False)
+    if "critic" in uses:
+        engines["critic"] = build_critic(model, train, config.optim, lr=config.algorithm.critic_lr)
+    return engines
+
+
+def _group_comms(plan: Plan, world: Comm) -> dict[str, Comm | None]:
+    """Every rank creates every group, in the same order (group creation is collective)."""
+    made: dict[tuple[int, ...], Comm | None] = {}
+    comms = {}
+    for name, layout in plan.groups.items():
+        if layout.ranks not in made:
+            made[layout.ranks] = world.subgroup(layout.ranks)
+        comms[name] = made[layout.ranks]
+    return comms
+
+
+def _valid_rows(config: Config, task: Task, tokenize, world: Comm, log) -> tuple[ValidRows, ValidRows]:
+    """The training rows that pass `data.*` and hold what the task's verifier reads, and the
+    held-out rows that hold it too: each rank checks 1/N of them, all keep the same."""
+    data = config.data
+    skip = data.on_invalid_row == "skip"
+    rules = RowRules(required_fields=tuple(data.required_fields), task_fields=task.required_fields,
+                     max_prompt_tokens=data.max_prompt_tokens, skip_invalid=skip)
+    checked = []
+    for rows, rules, where in [(task.train, rules, config.task.train_file or "the task's training rows"),
+                               (task.heldout, RowRules(task_fields=task.required_fields, skip_invalid=skip),
+                                config.task.heldout_file or "the task's held-out rows")]:
+        valid = ValidRows(rows.__getitem__, len(rows), rules, tokenize=tokenize, where=where,
+                          shard=(world.rank, world.world_size), gather=world.all_gather_object)
+        if valid.skipped:
+            log(f"data: skipped {sum(valid.skipped.values())} of {len(rows)} rows of {where} "
+                f"({valid.describe_skipped()})")
+        checked.append(valid)
+    return checked[0], checked[1]

@@ -1,0 +1,88 @@
+"""The shape of the package: import direction, no import cycles, small files and functions.
+
+These are the rules ARCHITECTURE.md and STYLE.md state in prose; here they are checked, so
+a change that breaks one says so in the suite rather than in a later review.
+"""
+
+import ast
+from pathlib import Path
+
+import distflow
+
+PACKAGE = Path(distflow.__file__).parent
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def _modules() -> dict[str, ast.Module]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = ast.parse(path.read_text(), filename=str(path))
+    return out
+
+
+def _imports(tree: ast.Module, name: str) -> set[str]:
+    """distflow modules this module imports, anywhere in it (function-level imports count,
+    TYPE_CHECKING-only ones too: both are dependencies a reader follows)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("distflow"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("distflow"):
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: {m for m in _imports(tree, name) if m in modules and m != name} for name, tree in modules.items()}
+
+
+def test_no_import_cycles():
+    graph, state, cycles = _graph(), {}, []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            if dep == "distflow" or node == "distflow":
+                continue
+            if state.get(dep) == "open":
+                cycles.append(path[path.index(dep):] + [dep] if dep in path else [node, dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert cycles == []
+
+
+def test_only_the_cli_imports_the_runtime_and_the_runtime_imports_no_concrete_task():
+    graph = _graph()
+    outside = {name: sorted(dep for dep in deps if dep.startswith("distflow.runtime"))
+               for name, deps in graph.items() if not name.startswith(("distflow.runtime", "distflow.cli"))}
+    assert {name: deps for name, deps in outside.items() if deps} == {}
+    concrete = {name: sorted(dep for dep in deps if dep.startswith("distflow.tasks") and dep != "distflow.tasks.build")
+                for name, deps in graph.items() if name.startswith("distflow.runtime")}
+    assert {name: deps for name, deps in concrete.items() if deps} == {}
+
+
+def test_files_are_small():
+    lengths = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert {name: n for name, n in lengths.items() if n > MAX_FILE_LINES} == {}
+
+
+def test_functions_are_short_or_say_why():
+    long = {}
+    for name, tree in _modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                doc = ast.get_docstring(node) or ""
+                if length > MAX_FUNCTION_LINES and "long because" not in doc.lower():
+                    long[f"{name}.{node.name}"] = length
+    assert long == {}
