@@ -15,7 +15,6 @@ running: see `exit_process`.
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import signal
 import sys
@@ -52,32 +51,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_reward_signature(spec: str, key: str) -> None:
-    """A reward is called as fn(prompt, completion, sample): say so now, not as an error count later."""
-    from distflow.config.callables import import_callable
-
-    fn = import_callable(spec, key=key)
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # builtins without a signature: let the call decide
-        return
-    try:
-        signature.bind("prompt", "completion", {})
-    except TypeError as err:
-        raise ConfigError(f"{key}: {spec!r} must accept (prompt, completion, sample), but its signature is "
-                          f"{fn.__name__}{signature} ({err})") from None
-
-
 def _validate(config: Config, world_size: int, *, check_run_dir: bool, resuming: bool) -> None:
     """Everything that can be checked before a rank starts: layout arithmetic, graph, paths, imports.
     (Without importing torch, which alone takes seconds: a config error shows up at once.)"""
     from distflow.dag.pipelines import LOADER_FIELDS, build_graph
     from distflow.planner.plan import make_plan
 
+    from distflow.config.callables import reward_functions
+
     make_plan(build_graph(config), config, world_size, LOADER_FIELDS)
-    _check_reward_signature(config.task.reward, "task.reward")
-    for i, spec in enumerate(getattr(config.task, "rewards", None) or []):
-        _check_reward_signature(spec.fn, f"task.rewards[{i}].fn")
+    reward_functions(config.task)
     if config.trainer.device == "cuda":
         import torch
 

@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # engines import torch/transformers; building a graph must no
     from distflow.engines.evaluation import Verifier
     from distflow.engines.policy import PolicyEngine
     from distflow.engines.reward import Rewards
+    from distflow.engines.sampling import SamplingSpec
     from distflow.engines.weight_sync import WeightBroadcast
     from distflow.observability.metrics import StepMetrics
     from distflow.comm import Comm
@@ -38,6 +39,8 @@ class StageContext:
     is_correct: Verifier
     """The task's verifier: what the `accuracy` metric counts."""
     metrics: StepMetrics
+    sampling: SamplingSpec | None = None
+    """Temperature, top-p and length of sampling: rollout and every log-prob pass use it."""
     weight_sync: WeightBroadcast | None = None
     """Set when some rollout ranks are not train ranks."""
     step: int = 0

@@ -141,8 +141,6 @@ def _check_settings(config: Config) -> None:
     if algo.overlong_buffer >= config.rollout.max_new_tokens:
         raise GraphError(f"algorithm.overlong_buffer={algo.overlong_buffer} must be below rollout.max_new_tokens="
                          f"{config.rollout.max_new_tokens}")
-    for i, spec in enumerate(config.task.rewards):  # imported again by each rank; here to fail before launch
-        import_callable(spec.fn, key=f"task.rewards[{i}].fn")
     for key in ("train_file", "heldout_file"):
         path = getattr(config.task, key)
         if path is not None and not Path(path).expanduser().is_file():

@@ -15,16 +15,10 @@ from transformers import PreTrainedTokenizerBase
 from distflow.engines.generation import generate
 from distflow.engines.reward import private_copy
 from distflow.comm import Comm
+from distflow.engines.sampling import SamplingSpec
 from distflow.seeding import derive_seed
 
 Verifier = Callable[[str, dict], bool]  # (completion, sample) -> correct?
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    temperature: float
-    top_p: float
-    max_new_tokens: int
 
 
 @dataclass(frozen=True)

@@ -193,14 +193,9 @@ class Rewards:
 
 def build_rewards(task) -> Rewards:
     """The `Rewards` of a `TaskConfig`: `task.rewards`, or the single `task.reward`."""
-    from distflow.config.callables import import_callable
+    from distflow.config.callables import reward_functions
 
-    if task.rewards:
-        terms = [RewardTerm(spec.name or spec.fn.partition(":")[2],
-                            import_callable(spec.fn, key=f"task.rewards[{i}].fn"), spec.weight)
-                 for i, spec in enumerate(task.rewards)]
-    else:
-        terms = [RewardTerm(task.reward.partition(":")[2], import_callable(task.reward, key="task.reward"))]
+    terms = [RewardTerm(name, fn, weight) for name, fn, weight in reward_functions(task)]
     try:
         return Rewards(terms, default_reward=task.default_reward, timeout_s=task.reward_timeout_s)
     except ValueError as err:

@@ -14,9 +14,27 @@ processor leaves one finite score per row (the sampled token), so argmax picks i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 _MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How completions are sampled. The one object that carries the temperature: rollout,
+    evaluation and every log-prob pass (old, reference, training) use it, so PPO ratios and
+    KL terms are taken under exactly the sampling distribution."""
+
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+
+    @classmethod
+    def of(cls, rollout) -> SamplingSpec:
+        """From the run's `rollout` config section."""
+        return cls(rollout.temperature, rollout.top_p, rollout.max_new_tokens)
 
 
 def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:

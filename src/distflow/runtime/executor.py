@@ -33,7 +33,7 @@ from distflow.comm import Comm, init_comm, shutdown
 from distflow.config import Config, ConfigError, to_dict
 from distflow.data.batch import Batch
 from distflow.data.redistribute import redistribute
-from distflow.engines.evaluation import Evaluation, SamplingSpec, evaluate
+from distflow.engines.evaluation import Evaluation, evaluate
 from distflow.engines.reward import private_copy
 from distflow.fileio import atomic_write_text
 from distflow.observability.derived import add_derived
@@ -81,9 +81,8 @@ def _evaluate(worker: Worker) -> Evaluation:
     cfg, ctx = worker.ctx.config, worker.ctx
     return evaluate(
         worker.eval_model, ctx.tokenizer, worker.heldout if worker.heldout is not None else worker.task.heldout,
-        worker.task.is_correct,
-        SamplingSpec(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens),
-        num_samples=cfg.trainer.eval_samples, comm=ctx.world, seed=cfg.trainer.seed,
+        worker.task.is_correct, ctx.sampling, num_samples=cfg.trainer.eval_samples, comm=ctx.world,
+        seed=cfg.trainer.seed,
     )
 
 
@@ -244,7 +243,7 @@ def _evaluation_before(worker: Worker, run_state: dict, status: RankStatus, writ
         return Evaluation(**run_state["eval_before"])
     status.enter("evaluate", 0)
     before = _evaluate(worker)
-    log(f"held-out accuracy before RL: {before.sampled:.3f} (T={worker.ctx.config.rollout.temperature}), "
+    log(f"held-out accuracy before RL: {before.sampled:.3f} (T={worker.ctx.sampling.temperature}), "
         f"greedy {before.greedy:.3f}")
     if writer:
         writer.log(0, {"eval/accuracy": before.sampled, "eval/greedy_accuracy": before.greedy,

@@ -27,6 +27,7 @@ from distflow.data.loader import PromptLoader, RowRules, ValidRows
 from distflow.data.prefetch import Prefetcher
 from distflow.engines.models import load_model_and_tokenizer
 from distflow.engines.policy import PolicyEngine
+from distflow.engines.sampling import SamplingSpec
 from distflow.engines.sequences import encode_prompts
 from distflow.engines.weight_sync import WeightBroadcast
 from distflow.observability.metrics import StepMetrics
@@ -68,7 +69,8 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
     model_dir, tokenizer_dir = model_dirs(config, builder=world.local_rank == 0, log=log)
     world.barrier()  # under a bare torchrun, local rank 0 may have just built the embedded model
     model, tokenizer = load_model_and_tokenizer(model_dir, tokenizer_dir, world.device)
-    engines = _build_engines(config, plan.engines_for(rank), model, comms["train"])
+    sampling = SamplingSpec.of(config.rollout)
+    engines = _build_engines(config, plan.engines_for(rank), model, comms["train"], sampling)
     task = build_task(config, tokenizer)  # the embedded addition task, or verl-format rows (task.train_file)
     # The prefetch thread tokenizes with its own tokenizer: fast tokenizers are not
     # safe to share with the main thread's decoding.
@@ -79,7 +81,7 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
                           world_size=plan.input_layout.dp_size, tokenize=tokenize)
     ctx = StageContext(
         config=config, comm=world, world=world, tokenizer=tokenizer, rollout_model=model if rank in rollout else None,
-        rewards=build_rewards(config.task), is_correct=task.is_correct, metrics=StepMetrics(),
+        rewards=build_rewards(config.task), is_correct=task.is_correct, metrics=StepMetrics(), sampling=sampling,
         weight_sync=weight_sync, **engines,
     )
     prefetcher = Prefetcher(loader.next_batch, loader.state_dict, enabled=trainer.prefetch)
@@ -88,13 +90,14 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
                   num_skipped_rows=sum(rows.skipped.values()))
 
 
-def _build_engines(config: Config, uses: set[str], model: torch.nn.Module, train: Comm | None) -> dict:
+def _build_engines(config: Config, uses: set[str], model: torch.nn.Module, train: Comm | None,
+                   sampling: SamplingSpec) -> dict:
     """The policy, reference and critic this rank's stages use (None for the others)."""
     from distflow.engines.critic import build_critic
 
     engines = {"policy": None, "reference": None, "critic": None}
     if "policy" in uses:
-        engines["policy"] = PolicyEngine(model, train, config.optim, temperature=config.rollout.temperature)
+        engines["policy"] = PolicyEngine(model, train, config.optim, temperature=sampling.temperature)
     else:
         model.requires_grad_(False)
     if "reference" in uses:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from distflow.config import Config, to_dict
-from distflow.engines.evaluation import SamplingSpec
+from distflow.engines.sampling import SamplingSpec
 from distflow.engines.sft import warm_start_to_target
 from distflow.seeding import derive_seed
 from distflow.tasks.arithmetic import ArithmeticTask
@@ -58,7 +58,7 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     task = ArithmeticTask.build(num_digits=config.task.num_digits, num_heldout=config.task.num_heldout, seed=seed)
     ws = config.warmstart
     validation, train = task.train[-ws.num_validation :], task.train[: -ws.num_validation]
-    sampling = SamplingSpec(config.rollout.temperature, config.rollout.top_p, config.rollout.max_new_tokens)
+    sampling = SamplingSpec.of(config.rollout)
     info = warm_start_to_target(model, tokenizer, train, validation, task.is_correct, sampling, ws, seed, log)
     info["seconds"] = round(time.time() - start, 1)
     target.parent.mkdir(parents=True, exist_ok=True)
