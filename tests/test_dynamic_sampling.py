@@ -5,14 +5,16 @@ rollout gives each prompt 4 samples whose rewards differ unless uid % 3 == 1, wi
 prompt width that changes from round to round.
 """
 
+import functools
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from distflow.config import load_config
-from distflow.dag.context import StageContext
-from distflow.dag.dynamic_sampling import dynamic_sampling
+from distflow.dag.context import Engines, StageContext
+from distflow.dag.dynamic_sampling import DynamicSampling
+from distflow.dag.graph import Stage
 from distflow.data.batch import Batch
 from distflow.observability.metrics import StepMetrics
 from distflow.comm import Comm
@@ -38,11 +40,11 @@ def has_signal(uid: int) -> bool:
     return uid % 3 != 1
 
 
-def fake_rollout(batch: Batch, ctx) -> Batch:
+def fake_rollout(batch: Batch, ctx, *, no_signal: set[int]) -> Batch:
     expanded = batch.repeat_interleave(N)
     prompt_uids = expanded["uid"]
     width = 3 + (prompt_uids[0] // ctx.config.trainer.prompts_per_step) % 3  # the same on every rank per round
-    reward = [float(k % 2) if has_signal(u) and u not in ctx.no_signal else 1.0 for k, u in enumerate(prompt_uids)]
+    reward = [float(k % 2) if has_signal(u) and u not in no_signal else 1.0 for k, u in enumerate(prompt_uids)]
     ids = torch.full((len(expanded), width + 2), 7)
     return expanded.updated(
         uid=[u * N + k % N for k, u in enumerate(prompt_uids)], group=torch.tensor(prompt_uids),
@@ -55,12 +57,12 @@ def run_filter(comm: Comm, prompts_per_step: int, max_rounds: int, no_signal: tu
     config = load_config(None, ["algorithm.name=dapo", f"trainer.prompts_per_step={prompts_per_step}",
                                 f"algorithm.max_sampling_rounds={max_rounds}", f"rollout.num_samples={N}"])
     loader = FakeLoader(prompts_per_step, comm)
-    ctx = StageContext(config=config, comm=comm, world=comm, tokenizer=SimpleNamespace(pad_token_id=0),
-                       policy=None, rollout_model=None, reference=None, rewards=None, is_correct=None,
-                       metrics=StepMetrics(), next_prompts=loader.next_prompts)
-    ctx.no_signal = set(no_signal)
-    batch = fake_rollout(loader.next_prompts(), ctx)
-    out = dynamic_sampling(batch, ctx, upstream=(fake_rollout,))
+    engines = Engines(tokenizer=SimpleNamespace(pad_token_id=0), rewards=None, is_correct=None, sampling=None,
+                      next_prompts=loader.next_prompts)
+    ctx = StageContext(config, engines, comm=comm, world=comm, metrics=StepMetrics())
+    rollout = functools.partial(fake_rollout, no_signal=set(no_signal))
+    batch = rollout(loader.next_prompts(), ctx)
+    out = DynamicSampling((Stage("rollout", rollout, "rollout"),))(batch, ctx)
     return {"groups": out["group"].tolist(), "uids": out["uid"], "width": out["input_ids"].shape[1],
             "padding": int((out["attention_mask"] == 0).sum()), "metrics": ctx.metrics.reduce(comm)}
 

@@ -3,7 +3,8 @@
 import torch
 
 from distflow.config import load_config
-from distflow.dag.context import StageContext
+from distflow.dag.context import Engines, StageContext
+from distflow.engines.sampling import SamplingSpec
 from distflow.dag.stages import greedy_baseline
 from distflow.data.batch import Batch
 from distflow.engines.generation import generate
@@ -31,9 +32,9 @@ def test_one_greedy_completion_per_group_scored_and_clipped():
     prompts = ["1+2=", "1+2=", "17+45=", "17+45=", "17+45="]  # two groups, expanded as `rollout` leaves them
     batch = Batch({"group": torch.tensor([5, 5, 2, 2, 2])},
                   {"prompt": prompts, "prompt_ids": encode_prompts(tokenizer, prompts), "sample": [{}] * 5})
-    ctx = StageContext(config=config, comm=SINGLE, world=SINGLE, tokenizer=tokenizer, policy=None,
-                       rollout_model=model, reference=None, rewards=build_rewards(config.task), is_correct=None,
-                       metrics=StepMetrics())
+    engines = Engines(tokenizer=tokenizer, rewards=build_rewards(config.task), is_correct=None,
+                      sampling=SamplingSpec.of(config.rollout), rollout_model=model)
+    ctx = StageContext(config, engines, comm=SINGLE, world=SINGLE, metrics=StepMetrics())
     CALLS.clear()
     out = greedy_baseline(batch, ctx)
     assert CALLS == ["1+2=", "17+45="]  # once per group

@@ -87,8 +87,33 @@ def test_dynamic_sampling_reruns_its_upstream_stages_including_user_stages():
         "algorithm.name=dapo",
         "pipeline.custom_stages=[{name: shape, fn: 'distflow.dag.stages:weight_sync', after: [reward], "
         "before: [dynamic_sampling], reads: [reward], writes: [reward]}]"]))
-    upstream = graph.stages["dynamic_sampling"].fn.keywords["upstream"]
-    assert upstream == (stages.rollout, stages.reward, stages.weight_sync)
+    upstream = graph.stages["dynamic_sampling"].fn.upstream
+    assert tuple(stage.fn for stage in upstream) == (stages.rollout, stages.reward, stages.weight_sync)
+
+
+def test_the_kl_penalty_stage_owns_its_adaptive_coefficient_and_a_checkpoint_restores_it():
+    import torch
+
+    from distflow.comm import Comm
+    from distflow.dag.context import Engines, StageContext
+    from distflow.data.batch import Batch
+    from distflow.observability.metrics import StepMetrics
+
+    config = load_config(None, ["algorithm.name=ppo", "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true",
+                                "algorithm.kl_controller=adaptive", "algorithm.kl_target=0.01"])
+    comm = Comm(0, 1, 0, 1, torch.device("cpu"))
+    ctx = StageContext(config, Engines(tokenizer=None, rewards=None, is_correct=None, sampling=None), comm=comm,
+                       world=comm, metrics=StepMetrics())
+    g = torch.Generator().manual_seed(0)
+    batch = Batch({"old_logp": -1 + torch.randn(4, 3, generator=g), "ref_logp": -1 + torch.randn(4, 3, generator=g),
+                   "response_mask": torch.ones(4, 3)})
+    stage = build_graph(config).stages["kl_reward"].fn
+    first = stage(batch, ctx)["kl_penalty"]
+    assert stage.coef > 0.1  # the step's KL is far above the target: β grows (by at most 1 + 0.2·4/10000)
+    resumed = build_graph(config).stages["kl_reward"].fn
+    resumed.load_state_dict(stage.state_dict())
+    assert torch.equal(resumed(batch, ctx)["kl_penalty"], stage(batch, ctx)["kl_penalty"])
+    assert not torch.equal(first, stage(batch, ctx)["kl_penalty"])  # β moved again
 
 
 @pytest.mark.parametrize(
@@ -114,10 +139,16 @@ def test_config_errors(overrides, needle):
         (["algorithm.overlong_buffer=6"], "must be below rollout.max_new_tokens"),
         (["algorithm.name=dapo", "placement.rollout.ranks=0", "placement.train.ranks=1"], "same ranks"),
         (["algorithm.name=dapo", "placement.rollout.ranks_per_replica=2"], "same ranks"),
-        (["task.rewards=[{fn: 'no_such_module:f'}]"], r"task.rewards\[0\].fn: cannot import"),
         (["task.train_file=/nonexistent.jsonl", "task.heldout_file=/nonexistent.jsonl"], "is not a file"),
     ],
 )
 def test_graph_errors(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
         build_graph(load_config(None, overrides))
+
+
+def test_reward_functions_are_imported_before_launch():
+    from distflow.config.callables import reward_functions
+
+    with pytest.raises(ConfigError, match=r"task.rewards\[0\].fn: cannot import"):
+        reward_functions(load_config(None, ["task.rewards=[{fn: 'no_such_module:f'}]"]).task)

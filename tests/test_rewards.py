@@ -92,16 +92,16 @@ def test_build_rewards_from_config():
 
 
 def test_reward_stage_reports_counts():
+    from distflow.dag.context import Engines, StageContext
     from distflow.dag.stages import reward
     from distflow.data.batch import Batch
     from distflow.observability.metrics import StepMetrics
     from distflow.comm import Comm
 
     comm = Comm(0, 1, 0, 1, torch.device("cpu"))
-    ctx = type("Ctx", (), {})()
-    ctx.rewards = Rewards([RewardTerm("flaky", flaky)], default_reward=0.0, timeout_s=10.0)
-    ctx.is_correct = lambda completion, sample: completion == "ok"
-    ctx.metrics, ctx.comm = StepMetrics(), comm
+    engines = Engines(tokenizer=None, rewards=Rewards([RewardTerm("flaky", flaky)], default_reward=0.0, timeout_s=10.0),
+                      is_correct=lambda completion, sample: completion == "ok", sampling=None)
+    ctx = StageContext(None, engines, comm=comm, world=comm, metrics=StepMetrics())
     batch = Batch(meta={"prompt": ["q"] * 3, "completion": ["ok", "boom", "ok"], "sample": [{}] * 3})
     out = reward(batch, ctx)
     assert out["reward"].tolist() == [1.0, 0.0, 1.0]
@@ -118,6 +118,7 @@ def forgetful(prompt, completion, sample):
 
 
 def test_no_call_sees_another_calls_edits_of_the_sample():
+    from distflow.dag.context import Engines, StageContext
     from distflow.dag.stages import reward
     from distflow.data.batch import Batch
     from distflow.observability.metrics import StepMetrics
@@ -125,10 +126,11 @@ def test_no_call_sees_another_calls_edits_of_the_sample():
     from distflow.tasks.arithmetic import ArithmeticTask
 
     row = {"prompt": "5+7=", "answer": "12"}
-    ctx = type("Ctx", (), {})()
-    ctx.rewards = Rewards([RewardTerm("forgetful", forgetful), RewardTerm("right", right)])
-    ctx.is_correct = ArithmeticTask.is_correct  # reads sample["answer"] after both rewards
-    ctx.metrics, ctx.comm = StepMetrics(), Comm(0, 1, 0, 1, torch.device("cpu"))
+    comm = Comm(0, 1, 0, 1, torch.device("cpu"))
+    engines = Engines(tokenizer=None, rewards=Rewards([RewardTerm("forgetful", forgetful), RewardTerm("right", right)]),
+                      is_correct=ArithmeticTask.is_correct,  # reads sample["answer"] after both rewards
+                      sampling=None)
+    ctx = StageContext(None, engines, comm=comm, world=comm, metrics=StepMetrics())
     batch = Batch(meta={"prompt": ["5+7="] * 3, "completion": ["12", "7", "12"], "sample": [row] * 3})  # one group
     out = reward(batch, ctx)
     assert out["reward"].tolist() == [2.0, 0.0, 2.0]

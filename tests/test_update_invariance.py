@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from distflow.config import load_config
-from distflow.dag.context import StageContext
+from distflow.dag.context import Engines, StageContext
+from distflow.engines.sampling import SamplingSpec
 from distflow.dag.update_stages import critic_update, policy_update
 from distflow.data.batch import Batch
 from distflow.engines.critic import build_critic
@@ -62,25 +63,26 @@ def _context(comm: Comm, overrides: list[str], micro_batch_size: int, *, critic:
     config = load_config(None, [*overrides, *NO_CLIP, f"trainer.micro_batch_size={micro_batch_size}"])
     model = build_tiny_model(build_char_tokenizer(), seed=0)
     policy = PolicyEngine(model, comm, config.optim, temperature=1.0)
-    ctx = StageContext(config=config, comm=comm, world=comm, tokenizer=None, policy=policy, rollout_model=None,
-                       reference=None, rewards=None, is_correct=None, metrics=StepMetrics(), step=1)
+    value_model = None
     if critic:
-        ctx.critic = build_critic(model, comm, config.optim, lr=1e-3)
-        torch.nn.init.normal_(ctx.critic.model.value_head.weight, std=0.1, generator=torch.Generator().manual_seed(1))
-    return ctx
+        value_model = build_critic(model, comm, config.optim, lr=1e-3)
+        torch.nn.init.normal_(value_model.model.value_head.weight, std=0.1, generator=torch.Generator().manual_seed(1))
+    engines = Engines(tokenizer=None, rewards=None, is_correct=None, sampling=SamplingSpec.of(config.rollout),
+                      policy=policy, critic=value_model)
+    return StageContext(config, engines, comm=comm, world=comm, metrics=StepMetrics(), step=1)
 
 
 def policy_grads(comm: Comm, overrides: list[str], micro_batch_size: int, rows: list[int]) -> list[torch.Tensor]:
     ctx = _context(comm, overrides, micro_batch_size)
     token_level = any("reinforce_pp" in o for o in overrides)
     policy_update(make_batch(token_level).select(rows), ctx)
-    return [p.grad.clone() for p in ctx.policy.model.parameters()]
+    return [p.grad.clone() for p in ctx.engines.policy.model.parameters()]
 
 
 def critic_grads(comm: Comm, micro_batch_size: int, rows: list[int]) -> list[torch.Tensor]:
     ctx = _context(comm, ["algorithm.name=ppo", "algorithm.value_clip=0.05"], micro_batch_size, critic=True)
     critic_update(make_batch().select(rows), ctx)
-    return [p.grad.clone() for p in ctx.critic.model.parameters()]
+    return [p.grad.clone() for p in ctx.engines.critic.model.parameters()]
 
 
 def _assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
@@ -143,7 +145,7 @@ KL_LOSS = ["algorithm.kl_coef=0.1", "algorithm.entropy_coef=0.01"]
 def _grads_of(batch: Batch, overrides: list[str]) -> list[torch.Tensor]:
     ctx = _context(SINGLE, overrides, 8)
     policy_update(batch, ctx)
-    return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in ctx.policy.model.parameters()]
+    return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in ctx.engines.policy.model.parameters()]
 
 
 def test_kl_loss_and_entropy_bonus_cover_groups_without_signal():

@@ -214,12 +214,15 @@ def _strip_nproc(argv: list[str]) -> list[str]:
 
 
 def _plan(config: Config, world_size: int) -> int:
+    from distflow.config.callables import reward_functions
     from distflow.dag.pipelines import LOADER_FIELDS, build_graph
     from distflow.planner.plan import make_plan
 
     if world_size < 1:
         raise ConfigError(f"--world-size must be >= 1 (got {world_size})")
-    print(make_plan(build_graph(config), config, world_size, LOADER_FIELDS).describe())
+    plan = make_plan(build_graph(config), config, world_size, LOADER_FIELDS)
+    reward_functions(config.task)  # a reward that cannot be imported is an error here too
+    print(plan.describe())
     return 0
 
 

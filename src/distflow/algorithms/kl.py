@@ -119,5 +119,12 @@ class AdaptiveKLController:
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
+def kl_controller(kind: str, value: float, *, target: float, horizon: float):
+    """The controller `algorithm.kl_controller` names (fixed or adaptive), starting at β = `value`."""
+    if kind == "fixed":
+        return FixedKLController(value)
+    return AdaptiveKLController(value, target, horizon)
+
+
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "abs": kl_abs, "k1+": kl_k1_plus, "k3+": kl_k3_plus}
 """`algorithm.kl_estimator` → estimator."""

@@ -1,4 +1,13 @@
-"""What a stage function may use besides the batch: engines, the task, config, metrics."""
+"""What a stage function may use besides the batch.
+
+    Engines        built once per rank by the runtime (runtime/worker.py), never replaced:
+                   the models, the reward functions, the sampling settings, the prompt source
+    StageContext   made by the executor for each stage it runs, and not changed by stages:
+                   config, engines, the stage's communicator, the world, the step, the metrics
+
+A stage that keeps state from step to step (the adaptive KL coefficient) is an object that
+owns it and hands it to checkpoints (`state_dict` / `load_state_dict`), not a field here.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +20,7 @@ from distflow.config.schema import Config
 if TYPE_CHECKING:  # engines import torch/transformers; building a graph must not
     import torch
 
-    from distflow.algorithms.kl import AdaptiveKLController, FixedKLController
+    from distflow.comm import Comm
     from distflow.data.batch import Batch
     from distflow.engines.critic import CriticEngine
     from distflow.engines.evaluation import Verifier
@@ -20,34 +29,44 @@ if TYPE_CHECKING:  # engines import torch/transformers; building a graph must no
     from distflow.engines.sampling import SamplingSpec
     from distflow.engines.weight_sync import WeightBroadcast
     from distflow.observability.metrics import StepMetrics
-    from distflow.comm import Comm
 
 
-@dataclass
-class StageContext:
-    config: Config
-    comm: Comm
-    """The communicator of the running stage's worker group (set by the executor per stage)."""
-    world: Comm
+@dataclass(frozen=True)
+class Engines:
+    """This rank's engines: what its stages declare they use (`Stage.uses`), None otherwise."""
+
     tokenizer: Any
-    policy: PolicyEngine | None
-    """None on ranks that only roll out (disaggregated placement)."""
-    rollout_model: torch.nn.Module | None
-    """The model rollout samples from; colocated, it is the policy's own module."""
-    reference: torch.nn.Module | None
     rewards: Rewards
     is_correct: Verifier
     """The task's verifier: what the `accuracy` metric counts."""
-    metrics: StepMetrics
-    sampling: SamplingSpec | None = None
+    sampling: SamplingSpec
     """Temperature, top-p and length of sampling: rollout and every log-prob pass use it."""
-    weight_sync: WeightBroadcast | None = None
-    """Set when some rollout ranks are not train ranks."""
-    step: int = 0
-    """The current RL step (1-based); custom stages may use it for schedules."""
+    policy: PolicyEngine | None = None
+    """None on ranks that only roll out (disaggregated placement)."""
+    rollout_model: torch.nn.Module | None = None
+    """The model rollout samples from; colocated, it is the policy's own module."""
+    reference: torch.nn.Module | None = None
     critic: CriticEngine | None = None
     """The value model (PPO) on train ranks."""
+    weight_sync: WeightBroadcast | None = None
+    """Set when some rollout ranks are not train ranks."""
     next_prompts: Callable[[], Batch] | None = None
     """This rank's share of the loader's next prompts (dynamic sampling draws extra batches)."""
-    kl_controller: FixedKLController | AdaptiveKLController | None = None
-    """The in-reward KL coefficient; made by the first stage that needs it, kept across steps."""
+
+
+@dataclass(frozen=True)
+class StageContext:
+    config: Config
+    engines: Engines
+    comm: Comm
+    """The communicator of the running stage's worker group."""
+    world: Comm
+    metrics: StepMetrics
+    """Where the stage records its metrics (reduced over ranks once per step)."""
+    step: int = 0
+    """The current RL step (1-based); custom stages may use it for schedules."""
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer (custom stages read it often: eos and pad ids, decoding)."""
+        return self.engines.tokenizer

@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from distflow.dag.graph import StageFn, every_rank
+from distflow.dag.graph import Stage, every_rank
 
 if TYPE_CHECKING:
     import torch
@@ -88,45 +88,60 @@ def first_groups_globally(group_ids: list[int], count: int, comm: Comm) -> set[i
 
 
 @every_rank
-def dynamic_sampling(batch: Batch, ctx: StageContext, *, upstream: tuple[StageFn, ...] = ()) -> Batch:
-    """`upstream`: the stages that produced `batch`, in order (bound by `build_graph`)."""
-    import torch
+class DynamicSampling:
+    """The stage; `upstream` are the stages that produced its batch, in execution order
+    (`build_graph` makes it with them once the graph, custom stages included, is known)."""
 
+    def __init__(self, upstream: tuple[Stage, ...] = ()) -> None:
+        self.upstream = upstream
+
+    def __call__(self, batch: Batch, ctx: StageContext) -> Batch:
+        if ctx.engines.next_prompts is None or not self.upstream:
+            raise RuntimeError("dynamic sampling needs engines.next_prompts and its upstream stages (see build_graph)")
+        rounds, kept, num_kept, num_drawn = self._draw(batch, ctx)
+        target = ctx.config.trainer.prompts_per_step
+        final = min(target, num_kept)
+        ctx.metrics.maximum("dynamic_sampling/rounds", len(rounds))
+        ctx.metrics.maximum("dynamic_sampling/kept_groups", final)
+        ctx.metrics.maximum("dynamic_sampling/signal_fraction", num_kept / max(num_drawn, 1))
+        ctx.metrics.total("dynamic_sampling/short_steps", float(final < target) / ctx.comm.world_size)
+        if final == 0:
+            return batch
+        return _keep_first_groups(rounds, kept, final, ctx)
+
+    def _draw(self, batch: Batch, ctx: StageContext) -> tuple[list[Batch], list[Batch], int, int]:
+        """Rounds drawn, their signal groups, and the global counts of kept and drawn groups."""
+        import torch
+
+        comm, max_rounds = ctx.comm, ctx.config.algorithm.max_sampling_rounds
+        rounds, kept = [batch], [_signal_groups(batch)]
+        seconds: dict[str, float] = {}  # time in each upstream stage over the extra rounds
+        while True:
+            local = [sum(_num_groups(k) for k in kept), sum(_num_groups(b) for b in rounds)]
+            num_kept, num_drawn = comm.all_reduce_sum(torch.tensor(local, device=comm.device)).tolist()
+            if num_kept >= ctx.config.trainer.prompts_per_step or len(rounds) >= max_rounds:
+                break
+            extra = ctx.engines.next_prompts()
+            for stage in self.upstream:
+                start = time.time()
+                extra = stage.fn(extra, ctx)
+                seconds[stage.name] = seconds.get(stage.name, 0.0) + time.time() - start
+            rounds.append(extra)
+            kept.append(_signal_groups(extra))
+        for name, spent in seconds.items():  # e.g. time/resample_rollout_s: the throughput counts it
+            ctx.metrics.maximum(f"time/resample_{name}_s", spent)
+        return rounds, kept, num_kept, num_drawn
+
+
+def _keep_first_groups(rounds: list[Batch], kept: list[Batch], count: int, ctx: StageContext) -> Batch:
+    """The `count` earliest signal groups over all ranks, balanced over the ranks as whole groups."""
     from distflow.data.redistribute import redistribute
     from distflow.layout import Layout
 
-    algo, comm = ctx.config.algorithm, ctx.comm
-    target = ctx.config.trainer.prompts_per_step
-    if ctx.next_prompts is None or not upstream:
-        raise RuntimeError("dynamic sampling needs ctx.next_prompts and its upstream stages (see build_graph)")
-    rounds = [batch]
-    kept = [_signal_groups(batch)]
-    seconds: dict[str, float] = {}  # time in each upstream stage over the extra rounds
-    while True:
-        local = [sum(_num_groups(k) for k in kept), sum(_num_groups(b) for b in rounds)]
-        num_kept, num_drawn = comm.all_reduce_sum(torch.tensor(local, device=comm.device)).tolist()
-        if num_kept >= target or len(rounds) >= algo.max_sampling_rounds:
-            break
-        extra = ctx.next_prompts()
-        for stage_fn in upstream:
-            start = time.time()
-            extra = stage_fn(extra, ctx)
-            name = getattr(stage_fn, "__name__", "stage")
-            seconds[name] = seconds.get(name, 0.0) + time.time() - start
-        rounds.append(extra)
-        kept.append(_signal_groups(extra))
-    final = min(target, num_kept)
-    for name, spent in seconds.items():  # e.g. time/resample_rollout_s: the throughput counts it
-        ctx.metrics.maximum(f"time/resample_{name}_s", spent)
-    ctx.metrics.maximum("dynamic_sampling/rounds", len(rounds))
-    ctx.metrics.maximum("dynamic_sampling/kept_groups", final)
-    ctx.metrics.maximum("dynamic_sampling/signal_fraction", num_kept / max(num_drawn, 1))
-    ctx.metrics.total("dynamic_sampling/short_steps", float(final < target) / comm.world_size)
-    if final == 0:
-        return batch
+    comm = ctx.comm
     width = max(b["input_ids"].shape[1] for b in rounds)
     mine = concat(kept, width=width, pad_id=ctx.tokenizer.pad_token_id)
-    chosen = first_groups_globally(sorted(set(mine["group"].tolist())), final, comm)
+    chosen = first_groups_globally(sorted(set(mine["group"].tolist())), count, comm)
     mine = mine.select([i for i, g in enumerate(mine["group"].tolist()) if g in chosen])
     if comm.world_size > 1:
         layout = Layout(tuple(range(ctx.world.world_size)))

@@ -23,7 +23,7 @@ class GraphError(ConfigError):
 
 
 def every_rank(fn: StageFn) -> StageFn:
-    """Mark a stage function that enters collectives over every rank of the world (e.g. the
+    """Mark a stage function (or a stage class) that enters collectives over every rank of the world (e.g. the
     weight broadcast): the planner rejects placing it on a subset, where it would wait
     forever for ranks that never join."""
     fn.needs_every_rank = True
@@ -31,7 +31,7 @@ def every_rank(fn: StageFn) -> StageFn:
 
 
 def needs_every_rank(fn: StageFn) -> bool:
-    while hasattr(fn, "func"):  # functools.partial, as `build_graph` binds some stages
+    while hasattr(fn, "func"):  # a functools.partial (a custom stage may be one)
         fn = fn.func
     return getattr(fn, "needs_every_rank", False)
 

@@ -27,14 +27,13 @@ Custom stages from the config are inserted by `build_graph`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from pathlib import Path
 
 from distflow.config.callables import import_callable
 from distflow.config.schema import ALGORITHMS, Config
 from distflow.dag import stages, update_stages
 from distflow.dag.advantage_stages import ESTIMATORS, Estimator
-from distflow.dag.dynamic_sampling import dynamic_sampling
+from distflow.dag.dynamic_sampling import DynamicSampling
 from distflow.dag.graph import Graph, GraphError, Stage
 
 LOADER_FIELDS = ("uid", "prompt", "prompt_ids", "sample")
@@ -68,7 +67,7 @@ def policy_gradient(config: Config, estimator: Estimator, *, critic: bool = Fals
     if algo.reward_clip > 0:  # the reward functions' score, before any shaping (as OpenRLHF clips the RM's)
         chain.add("reward_clip", stages.reward_clip, "reward", ("reward",), ("reward",))
     if algo.dynamic_sampling:  # on the task's reward, before length shaping (DAPO keeps 0 < #correct < G)
-        chain.add("dynamic_sampling", dynamic_sampling, "filter", ("reward", "group"))
+        chain.add("dynamic_sampling", DynamicSampling(), "filter", ("reward", "group"))
     if algo.overlong_buffer > 0:
         chain.add("overlong_penalty", stages.overlong_penalty, "reward", ("reward", "response_mask"), ("reward",))
     kl_in_reward = algo.kl_coef > 0 and algo.kl_in_reward
@@ -84,7 +83,7 @@ def policy_gradient(config: Config, estimator: Estimator, *, critic: bool = Fals
 
     if kl_in_reward:
         logprob_stages()
-        chain.add("kl_reward", stages.kl_reward, "reward", ("old_logp", "ref_logp", "response_mask"),
+        chain.add("kl_reward", stages.KLPenalty(algo), "reward", ("old_logp", "ref_logp", "response_mask"),
                   ("kl_penalty",))
     if critic:
         chain.add("values", stages.values, "value", SEQUENCE, ("values",), uses=("critic",))
@@ -154,7 +153,7 @@ def _check_settings(config: Config) -> None:
 
 
 def _bind_upstream(graph: Graph, name: str, initial_fields) -> None:
-    """Give stage `name` the functions of every stage it depends on, in execution order."""
+    """Stage `name` (dynamic sampling) made anew with every stage it depends on, in execution order."""
     order = graph.validate(initial_fields)
     ancestors, frontier = set(), list(graph.stages[name].deps)
     while frontier:
@@ -162,9 +161,9 @@ def _bind_upstream(graph: Graph, name: str, initial_fields) -> None:
         if dep not in ancestors:
             ancestors.add(dep)
             frontier.extend(graph.stages[dep].deps)
-    upstream = tuple(s.fn for s in order if s.name in ancestors)
+    upstream = tuple(s for s in order if s.name in ancestors)
     stage = graph.stages[name]
-    graph.stages[name] = dataclasses.replace(stage, fn=functools.partial(stage.fn, upstream=upstream))
+    graph.stages[name] = dataclasses.replace(stage, fn=DynamicSampling(upstream))
 
 
 def build_graph(config: Config) -> Graph:

@@ -43,12 +43,12 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
     width = torch.tensor([max(len(ids) for ids in prompt_ids)], device=ctx.comm.device)
     width = int(ctx.comm.all_reduce_max(width).item())
     out = generate(
-        ctx.rollout_model,
+        ctx.engines.rollout_model,
         ctx.tokenizer,
         expanded["prompt"],
-        max_new_tokens=ctx.config.rollout.max_new_tokens,
-        temperature=ctx.config.rollout.temperature,
-        top_p=ctx.config.rollout.top_p,
+        max_new_tokens=ctx.engines.sampling.max_new_tokens,
+        temperature=ctx.engines.sampling.temperature,
+        top_p=ctx.engines.sampling.top_p,
         sample_keys=[derive_seed(ctx.config.trainer.seed, "rollout", uid) for uid in uids],
         prompt_ids=prompt_ids,
         prompt_width=width,
@@ -91,9 +91,10 @@ def greedy_baseline(batch: Batch, ctx: StageContext) -> Batch:
     baseline_G = torch.zeros(len(rows))
     if rows:
         prompts, samples = [batch["prompt"][i] for i in rows], [batch["sample"][i] for i in rows]
-        out = generate(ctx.rollout_model, ctx.tokenizer, prompts, max_new_tokens=ctx.config.rollout.max_new_tokens,
-                       temperature=ctx.config.rollout.temperature, prompt_ids=prompt_ids, prompt_width=width)
-        scores = ctx.rewards.score(prompts, out.completions, samples)
+        out = generate(ctx.engines.rollout_model, ctx.tokenizer, prompts,
+                       max_new_tokens=ctx.engines.sampling.max_new_tokens,
+                       temperature=ctx.engines.sampling.temperature, prompt_ids=prompt_ids, prompt_width=width)
+        scores = ctx.engines.rewards.score(prompts, out.completions, samples)
         baseline_G = scores.reward_B.float().cpu()
         ctx.metrics.total("baseline/errors", float(scores.errors))
         ctx.metrics.total("baseline/timeouts", float(scores.timeouts))
@@ -111,8 +112,8 @@ def reward(batch: Batch, ctx: StageContext) -> Batch:
     Each reward call and each verifier call gets its own copy of the sample's row."""
     from distflow.engines.reward import private_copy
 
-    scores = ctx.rewards.score(batch["prompt"], batch["completion"], batch["sample"])
-    num_correct = sum(ctx.is_correct(c, private_copy(s)) for c, s in zip(batch["completion"], batch["sample"]))
+    scores = ctx.engines.rewards.score(batch["prompt"], batch["completion"], batch["sample"])
+    num_correct = sum(ctx.engines.is_correct(c, private_copy(s)) for c, s in zip(batch["completion"], batch["sample"]))
     ctx.metrics.mean("reward/mean", float(scores.reward_B.sum()), len(batch))
     for name, total in scores.term_sums.items():
         ctx.metrics.mean(f"reward/{name}", total, len(batch))
@@ -128,7 +129,7 @@ def overlong_penalty(batch: Batch, ctx: StageContext) -> Batch:
 
     algo = ctx.config.algorithm
     length_B = batch["response_mask"].sum(-1)
-    penalty_B = penalty_of(length_B, max_length=ctx.config.rollout.max_new_tokens, buffer=algo.overlong_buffer,
+    penalty_B = penalty_of(length_B, max_length=ctx.engines.sampling.max_new_tokens, buffer=algo.overlong_buffer,
                            penalty=algo.overlong_penalty).to(batch["reward"].dtype)
     ctx.metrics.mean("reward/overlong_penalty", float(penalty_B.sum()), len(batch))
     return batch.updated(reward=batch["reward"] + penalty_B)
@@ -145,52 +146,65 @@ def reward_clip(batch: Batch, ctx: StageContext) -> Batch:
 
 
 def old_logprob(batch: Batch, ctx: StageContext) -> Batch:
-    return batch.updated(old_logp=ctx.policy.logprobs(batch, ctx.config.trainer.micro_batch_size))
+    return batch.updated(old_logp=ctx.engines.policy.logprobs(batch, ctx.config.trainer.micro_batch_size))
 
 
 def reference_logprob(batch: Batch, ctx: StageContext) -> Batch:
     from distflow.engines.logprobs import batch_logprobs
 
-    assert ctx.reference is not None, "the pipeline builder adds this stage only with a reference model"
-    ref_logp = batch_logprobs(ctx.reference, batch, micro_batch_size=ctx.config.trainer.micro_batch_size,
-                              temperature=ctx.config.rollout.temperature)
+    assert ctx.engines.reference is not None, "the pipeline builder adds this stage only with a reference model"
+    ref_logp = batch_logprobs(ctx.engines.reference, batch, micro_batch_size=ctx.config.trainer.micro_batch_size,
+                              temperature=ctx.engines.sampling.temperature)
     return batch.updated(ref_logp=ref_logp)
 
 
 def values(batch: Batch, ctx: StageContext) -> Batch:
     """The critic's V(s_t) before each response token (PPO)."""
-    assert ctx.critic is not None, "the pipeline builder adds this stage only with a critic"
-    values_BR = ctx.critic.values(batch, ctx.config.trainer.micro_batch_size)
+    assert ctx.engines.critic is not None, "the pipeline builder adds this stage only with a critic"
+    values_BR = ctx.engines.critic.values(batch, ctx.config.trainer.micro_batch_size)
     mask_BR = batch["response_mask"].float()
     ctx.metrics.mean("critic/values", float((values_BR * mask_BR).sum()), float(mask_BR.sum()))
     return batch.updated(values=values_BR)
 
 
-def kl_reward(batch: Batch, ctx: StageContext) -> Batch:
+class KLPenalty:
     """KL-in-reward: the per-token penalty β·KL(old ‖ ref) that the advantage stage subtracts.
 
-    β comes from `ctx.kl_controller` (fixed, or adaptive towards `algorithm.kl_target`); the
-    adaptive update uses the KL of the whole step over all ranks, so β is the same everywhere.
+    The stage owns β: fixed, or adaptive towards `algorithm.kl_target` (Ziegler et al.), in
+    which case it changes every step and a checkpoint keeps it (`state_dict`). The adaptive
+    update uses the KL of the whole step over all ranks, so β is the same everywhere.
     """
-    import torch
 
-    from distflow.algorithms.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController
+    def __init__(self, algo) -> None:
+        self.algo = algo
+        self.coef = algo.kl_coef
+        """β now (the initial coefficient until the first step, or what a checkpoint held)."""
 
-    algo = ctx.config.algorithm
-    if ctx.kl_controller is None:
-        ctx.kl_controller = (FixedKLController(algo.kl_coef) if algo.kl_controller == "fixed"
-                             else AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon))
-    mask_BR = batch["response_mask"].float()
-    kl_BR = KL_ESTIMATORS[algo.kl_estimator](batch["old_logp"], batch["ref_logp"]) * mask_BR
-    beta = ctx.kl_controller.value
-    # Step KL: mean over sequences of each sequence's token-mean KL (verl's convention).
-    kl_B = kl_BR.sum(-1) / mask_BR.sum(-1).clamp(min=1)
-    sums = ctx.comm.all_reduce_sum(torch.tensor([float(kl_B.sum()), float(len(batch))], dtype=torch.float64,
-                                                device=ctx.comm.device)).cpu()
-    ctx.kl_controller.update(float(sums[0] / sums[1].clamp(min=1)), int(sums[1]))
-    ctx.metrics.mean("kl/in_reward", float(kl_B.sum()), len(batch))
-    ctx.metrics.maximum("kl/coef", beta)
-    return batch.updated(kl_penalty=beta * kl_BR)
+    def state_dict(self) -> dict:
+        return {"kl_coef": self.coef}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.coef = float(state["kl_coef"])
+
+    def __call__(self, batch: Batch, ctx: StageContext) -> Batch:
+        import torch
+
+        from distflow.algorithms.kl import KL_ESTIMATORS, kl_controller
+
+        algo = self.algo
+        controller = kl_controller(algo.kl_controller, self.coef, target=algo.kl_target, horizon=algo.kl_horizon)
+        mask_BR = batch["response_mask"].float()
+        kl_BR = KL_ESTIMATORS[algo.kl_estimator](batch["old_logp"], batch["ref_logp"]) * mask_BR
+        beta = controller.value
+        # Step KL: mean over sequences of each sequence's token-mean KL (verl's convention).
+        kl_B = kl_BR.sum(-1) / mask_BR.sum(-1).clamp(min=1)
+        sums = ctx.comm.all_reduce_sum(torch.tensor([float(kl_B.sum()), float(len(batch))], dtype=torch.float64,
+                                                    device=ctx.comm.device)).cpu()
+        controller.update(float(sums[0] / sums[1].clamp(min=1)), int(sums[1]))
+        self.coef = controller.value
+        ctx.metrics.mean("kl/in_reward", float(kl_B.sum()), len(batch))
+        ctx.metrics.maximum("kl/coef", beta)
+        return batch.updated(kl_penalty=beta * kl_BR)
 
 
 @every_rank
@@ -200,11 +214,11 @@ def weight_sync(batch: Batch, ctx: StageContext) -> Batch:
     Colocated, rollout samples from the policy's own module: nothing to copy. With rollout
     on other ranks (disaggregated), the first train rank broadcasts the parameters to them.
     """
-    if ctx.weight_sync is None:
-        if ctx.rollout_model is not ctx.policy.model:
+    if ctx.engines.weight_sync is None:
+        if ctx.engines.rollout_model is not ctx.engines.policy.model:
             raise RuntimeError("colocated weight sync expects rollout to share the policy module")
         return batch
-    model = ctx.policy.model if ctx.policy is not None else ctx.rollout_model
-    num_bytes = ctx.weight_sync.broadcast(model)
+    model = ctx.engines.policy.model if ctx.engines.policy is not None else ctx.engines.rollout_model
+    num_bytes = ctx.engines.weight_sync.broadcast(model)
     ctx.metrics.maximum("sync/bytes_per_rank", num_bytes)
     return batch

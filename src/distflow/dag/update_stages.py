@@ -19,7 +19,9 @@ response to the reference, groups without signal included (as verl does).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from distflow.seeding import derive_seed
@@ -74,7 +76,7 @@ def global_normalizer(mask_BR: torch.Tensor, mode: str, ctx: StageContext) -> fl
     """This mini-batch's normaliser from every rank's `loss_normalizer` (one all-reduce)."""
     from distflow.algorithms.aggregation import finish_normalizer, loss_normalizer
 
-    local = loss_normalizer(mask_BR, mode, horizon=ctx.config.rollout.max_new_tokens).double()
+    local = loss_normalizer(mask_BR, mode, horizon=ctx.engines.sampling.max_new_tokens).double()
     total = ctx.comm.all_reduce_sum(local.reshape(1).to(ctx.comm.device)).cpu()
     return float(finish_normalizer(total, mode).item())
 
@@ -88,29 +90,35 @@ def _record_update(ctx: StageContext, prefix: str, stats: dict[str, float], num_
     ctx.metrics.total(f"{prefix}/nonfinite_grad_steps", stats["nonfinite_grad_steps"] / ctx.comm.world_size)
 
 
-def policy_update(batch: Batch, ctx: StageContext) -> Batch:
-    import torch
+@dataclass(frozen=True)
+class PolicyObjective:
+    """The policy's loss on one micro-batch: (loss, stats) from its log-probs and entropies.
 
-    from distflow.algorithms.aggregation import loss_sum
-    from distflow.algorithms.kl import KL_ESTIMATORS
-    from distflow.algorithms.losses import entropy_bonus, ppo_kl
+    The engine divides the loss by the mini-batch's signal normaliser; the regularisers (KL
+    loss, entropy bonus) have their own normaliser (every response token), so they are
+    scaled by `reg_scale` = normaliser / regulariser normaliser of the mini-batch.
+    """
 
-    algo, trainer = ctx.config.algorithm, ctx.config.trainer
-    if ctx.step <= algo.critic_warmup_steps:  # PPO: let the critic learn the values first
-        ctx.metrics.total("train/critic_warmup_steps", 1.0 / ctx.comm.world_size)
-        return batch
-    policy_loss = POLICY_LOSSES[algo.policy_loss]
-    kl_loss = algo.kl_coef > 0 and not algo.kl_in_reward
-    regularised = kl_loss or algo.entropy_coef > 0
-    has_old = "old_logp" in batch.fields()
-    # Per mini-batch: the engine divides the loss by `normalizer`; the regularisers have their
-    # own normaliser (every response token), so they are scaled by normalizer / reg_normalizer.
-    scale = {"reg": 0.0}
+    algo: AlgorithmConfig
+    has_old: bool
+    """The batch carries old log-probs (else on-policy: the ratio is 1, bit for bit)."""
+    reg_scale: float = 0.0
 
-    def loss_fn(micro: Batch, logp_BR, entropy_BR):
-        mask_BR = loss_mask_BR(micro)
-        old_BR = micro["old_logp"] if has_old else logp_BR.detach()  # on-policy: the ratio is 1, bit for bit
-        loss_BR, clipped_BR = policy_loss(logp_BR, old_BR, micro["advantage"], mask_BR, algo)
+    @property
+    def kl_loss(self) -> bool:
+        return self.algo.kl_coef > 0 and not self.algo.kl_in_reward
+
+    @property
+    def regularised(self) -> bool:
+        return self.kl_loss or self.algo.entropy_coef > 0
+
+    def __call__(self, micro: Batch, logp_BR: torch.Tensor, entropy_BR: torch.Tensor):
+        from distflow.algorithms.aggregation import loss_sum
+        from distflow.algorithms.losses import ppo_kl
+
+        algo, mask_BR = self.algo, loss_mask_BR(micro)
+        old_BR = micro["old_logp"] if self.has_old else logp_BR.detach()
+        loss_BR, clipped_BR = POLICY_LOSSES[algo.policy_loss](logp_BR, old_BR, micro["advantage"], mask_BR, algo)
         stats = {
             "clip_fraction": (clipped_BR.float() * mask_BR).sum(),
             "entropy": (entropy_BR.detach() * mask_BR).sum(),
@@ -118,30 +126,46 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
             "ppo_kl": (ppo_kl(logp_BR.detach(), old_BR) * mask_BR).sum(),
         }
         total = loss_sum(loss_BR, mask_BR, algo.loss_agg)
-        if regularised:
-            response_BR = micro["response_mask"].float()
-            reg_BR = torch.zeros_like(logp_BR)
-            if kl_loss:
-                kl_BR = KL_ESTIMATORS[algo.kl_estimator](logp_BR, micro["ref_logp"])
-                reg_BR = reg_BR + algo.kl_coef * kl_BR
-                stats["kl"] = (kl_BR.detach() * mask_BR).sum()
-            if algo.entropy_coef > 0:
-                reg_BR = reg_BR + entropy_bonus(entropy_BR, coef=algo.entropy_coef)
-            total = total + loss_sum(reg_BR, response_BR, algo.loss_agg) * scale["reg"]
+        if self.regularised:
+            reg_BR = self._regulariser_BR(micro, logp_BR, entropy_BR, stats, mask_BR)
+            total = total + loss_sum(reg_BR, micro["response_mask"].float(), algo.loss_agg) * self.reg_scale
         return total, stats
 
+    def _regulariser_BR(self, micro: Batch, logp_BR, entropy_BR, stats: dict, mask_BR) -> torch.Tensor:
+        import torch
+
+        from distflow.algorithms.kl import KL_ESTIMATORS
+        from distflow.algorithms.losses import entropy_bonus
+
+        algo, reg_BR = self.algo, torch.zeros_like(logp_BR)
+        if self.kl_loss:
+            kl_BR = KL_ESTIMATORS[algo.kl_estimator](logp_BR, micro["ref_logp"])
+            reg_BR = reg_BR + algo.kl_coef * kl_BR
+            stats["kl"] = (kl_BR.detach() * mask_BR).sum()
+        if algo.entropy_coef > 0:
+            reg_BR = reg_BR + entropy_bonus(entropy_BR, coef=algo.entropy_coef)
+        return reg_BR
+
+
+def policy_update(batch: Batch, ctx: StageContext) -> Batch:
+    algo, trainer = ctx.config.algorithm, ctx.config.trainer
+    if ctx.step <= algo.critic_warmup_steps:  # PPO: let the critic learn the values first
+        ctx.metrics.total("train/critic_warmup_steps", 1.0 / ctx.comm.world_size)
+        return batch
+    objective = PolicyObjective(algo, has_old="old_logp" in batch.fields())
     for mini in mini_batches(batch, ctx):
         mask_BR = loss_mask_BR(mini)
         normalizer = global_normalizer(mask_BR, algo.loss_agg, ctx)
-        if regularised:
+        if objective.regularised:
             reg_normalizer = global_normalizer(mini["response_mask"].float(), algo.loss_agg, ctx)
             normalizer = normalizer or reg_normalizer  # no signal: the step only regularises
-            scale["reg"] = normalizer / reg_normalizer if reg_normalizer else 0.0
+            objective = dataclasses.replace(objective, reg_scale=normalizer / reg_normalizer if reg_normalizer else 0.0)
         if normalizer == 0:  # every group of this mini-batch had equal rewards: no signal
             ctx.metrics.total("train/skipped_empty_steps", 1.0 / ctx.comm.world_size)
             continue
-        stats = ctx.policy.update(mini, loss_fn, normalizer, trainer.micro_batch_size,
-                                  micro_batch_tokens=trainer.micro_batch_tokens, entropy_grad=algo.entropy_coef > 0)
+        stats = ctx.engines.policy.update(mini, objective, normalizer, trainer.micro_batch_size,
+                                          micro_batch_tokens=trainer.micro_batch_tokens,
+                                          entropy_grad=algo.entropy_coef > 0)
         _record_update(ctx, "train", stats, float(mask_BR.sum()))
         ctx.metrics.total("tokens/trained", float(mini["attention_mask"].sum()))
     return batch
@@ -163,7 +187,7 @@ def critic_update(batch: Batch, ctx: StageContext) -> Batch:
     for mini in mini_batches(batch, ctx):
         mask_BR = mini["response_mask"].float()
         normalizer = global_normalizer(mask_BR, "token-mean", ctx)
-        stats = ctx.critic.update(mini, loss_fn, normalizer, trainer.micro_batch_size,
+        stats = ctx.engines.critic.update(mini, loss_fn, normalizer, trainer.micro_batch_size,
                                   micro_batch_tokens=trainer.micro_batch_tokens)
         _record_update(ctx, "critic", stats, float(mask_BR.sum()))
     return batch

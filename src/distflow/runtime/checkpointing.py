@@ -30,6 +30,7 @@ from distflow.checkpoint import (
 )
 from distflow.checkpoint.store import COMPLETE, read_meta
 from distflow.config import Config, to_dict
+from distflow.planner.plan import PlannedStage
 from distflow.runtime.worker import Worker
 
 # Keys that may change between a run and its resumption without changing what it computes
@@ -85,30 +86,35 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 def save(worker: Worker, root: Path, step: int, state: dict) -> Path | None:
     """Save after `step` (train ranks; the others return None at once). `state`: run-level
     JSON values to keep (evaluation, counters)."""
-    ctx = worker.ctx
-    if ctx.policy is None:
+    policy = worker.engines.policy
+    if policy is None:
         return None
-    kl_controller = getattr(ctx, "kl_controller", None)
-    extra = {"config": to_dict(ctx.config), "loader": worker.prefetcher.state, "world_size": ctx.world.world_size,
-             "consecutive_nonfinite": ctx.policy.consecutive_nonfinite,
-             "kl_coef": kl_controller.value if kl_controller is not None else None, **state}
-    return save_checkpoint(root, step, model=ctx.policy.model, optimizer=ctx.policy.optimizer,
-                           scheduler=ctx.policy.scheduler, extra=extra, comm=worker.comms["train"],
-                           keep_last=ctx.config.checkpoint.keep_last, tokenizer=ctx.tokenizer, others=_others(worker))
+    extra = {"config": to_dict(worker.config), "loader": worker.prefetcher.state,
+             "world_size": worker.world.world_size, "consecutive_nonfinite": policy.consecutive_nonfinite,
+             "stages": {name: stage.state_dict() for name, stage in _stateful_stages(worker).items()}, **state}
+    return save_checkpoint(root, step, model=policy.model, optimizer=policy.optimizer, scheduler=policy.scheduler,
+                           extra=extra, comm=worker.comms["train"], keep_last=worker.config.checkpoint.keep_last,
+                           tokenizer=worker.engines.tokenizer, others=_others(worker))
 
 
-def _restore_kl_controller(worker: Worker, value: float) -> None:
-    """The in-reward KL coefficient as it was (the stage that owns it makes it with the initial value)."""
-    from distflow.algorithms.kl import AdaptiveKLController, FixedKLController
+def _stateful_stages(worker: Worker) -> dict:
+    """The stages that keep state across steps (e.g. the adaptive KL coefficient), by name."""
+    return {item.stage.name: item.stage.fn for item in worker.plan.items
+            if isinstance(item, PlannedStage) and hasattr(item.stage.fn, "state_dict")}
 
-    algo = worker.ctx.config.algorithm
-    worker.ctx.kl_controller = (FixedKLController(value) if algo.kl_controller == "fixed"
-                                else AdaptiveKLController(value, algo.kl_target, algo.kl_horizon))
+
+def _restore_stages(worker: Worker, extra: dict) -> None:
+    states = dict(extra.get("stages") or {})
+    if extra.get("kl_coef") is not None:  # written before stages kept their own state
+        states.setdefault("kl_reward", {"kl_coef": extra["kl_coef"]})
+    for name, stage in _stateful_stages(worker).items():
+        if name in states:
+            stage.load_state_dict(states[name])
 
 
 def _others(worker: Worker) -> dict:
     """Trained modules besides the policy: the critic (PPO) when there is one."""
-    critic = getattr(worker.ctx, "critic", None)
+    critic = worker.engines.critic
     return {"critic": (critic.model, critic.optimizer, critic.scheduler)} if critic is not None else {}
 
 
@@ -123,27 +129,24 @@ class Resumed:
 
 def restore(worker: Worker, path: Path) -> Resumed:
     """Put every rank where the checkpoint's run was after its step (collective)."""
-    ctx, rank = worker.ctx, worker.ctx.world.rank
-    config = ctx.config
+    engines, config = worker.engines, worker.config
     meta = read_meta(path)
     extra, step = meta["extra"], meta["step"]
     missing = [key for key in ("config", "loader") if key not in extra]
     if missing:
         raise CheckpointError(f"checkpoint {path} was not written by `distflow train` (it has no {missing[0]} "
                               "state); `distflow export` can still read its weights")
-    if ctx.policy is not None:
-        loaded = load_checkpoint(path, model=ctx.policy.model, optimizer=ctx.policy.optimizer,
-                                 scheduler=ctx.policy.scheduler, comm=worker.comms["train"], others=_others(worker))
-        rng = loaded["rng"]
-    else:
-        rng = None
-    restore_rng(rng, seed=config.trainer.seed, step=step, rank=rank, device=ctx.world.device)
+    rng = None
+    if engines.policy is not None:
+        rng = load_checkpoint(path, model=engines.policy.model, optimizer=engines.policy.optimizer,
+                              scheduler=engines.policy.scheduler, comm=worker.comms["train"],
+                              others=_others(worker))["rng"]
+    restore_rng(rng, seed=config.trainer.seed, step=step, rank=worker.world.rank, device=worker.world.device)
     worker.loader.load_state_dict(extra["loader"])
     worker.prefetcher.state = worker.loader.state_dict()
-    if ctx.weight_sync is not None:  # rollout-only ranks sample from the restored policy
-        ctx.weight_sync.broadcast(ctx.policy.model if ctx.policy is not None else ctx.rollout_model)
-    if ctx.policy is not None:
-        ctx.policy.consecutive_nonfinite = int(extra.get("consecutive_nonfinite", 0))
-    if extra.get("kl_coef") is not None and ctx.policy is not None:
-        _restore_kl_controller(worker, float(extra["kl_coef"]))
+    if engines.weight_sync is not None:  # rollout-only ranks sample from the restored policy
+        engines.weight_sync.broadcast(engines.policy.model if engines.policy is not None else engines.rollout_model)
+    if engines.policy is not None:
+        engines.policy.consecutive_nonfinite = int(extra.get("consecutive_nonfinite", 0))
+        _restore_stages(worker, extra)
     return Resumed(step, extra, config_changes(extra["config"], to_dict(config)))

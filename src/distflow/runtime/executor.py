@@ -31,6 +31,7 @@ import yaml
 from distflow.checkpoint.store import step_dir_name
 from distflow.comm import Comm, init_comm, shutdown
 from distflow.config import Config, ConfigError, to_dict
+from distflow.dag.context import StageContext
 from distflow.data.batch import Batch
 from distflow.data.redistribute import redistribute
 from distflow.engines.evaluation import Evaluation, evaluate
@@ -78,10 +79,10 @@ def run(config: Config, run_dir: Path, resume: Path | None = None) -> int:
 
 
 def _evaluate(worker: Worker) -> Evaluation:
-    cfg, ctx = worker.ctx.config, worker.ctx
+    cfg, engines = worker.config, worker.engines
     return evaluate(
-        worker.eval_model, ctx.tokenizer, worker.heldout if worker.heldout is not None else worker.task.heldout,
-        worker.task.is_correct, ctx.sampling, num_samples=cfg.trainer.eval_samples, comm=ctx.world,
+        worker.eval_model, engines.tokenizer, worker.heldout if worker.heldout is not None else worker.task.heldout,
+        worker.task.is_correct, engines.sampling, num_samples=cfg.trainer.eval_samples, comm=worker.world,
         seed=cfg.trainer.seed,
     )
 
@@ -95,12 +96,12 @@ class _Moved:
     local: int = 0
 
 
-def _run_stage(worker: Worker, item: PlannedStage, batch: Batch) -> Batch:
-    ctx, name = worker.ctx, item.stage.name
-    ctx.comm = worker.comms[item.stage.group]
-    step_metrics = ctx.metrics
-    if item.layout.member_of(ctx.world.rank) != 0:  # a replica's other ranks repeat its leader's work
-        ctx.metrics = StepMetrics()
+def _run_stage(worker: Worker, item: PlannedStage, batch: Batch, step: int, metrics: StepMetrics) -> Batch:
+    name = item.stage.name
+    if item.layout.member_of(worker.world.rank) != 0:  # a replica's other ranks repeat its leader's work
+        metrics = StepMetrics()  # ... and record nothing
+    ctx = StageContext(worker.config, worker.engines, comm=worker.comms[item.stage.group], world=worker.world,
+                       metrics=metrics, step=step)
     if item.stage.role == "custom" and "sample" in batch.meta:
         # Rows are shared by a group's samples and by the loader: a user stage that
         # edits one in place must not edit the others (what it returns is what counts).
@@ -109,60 +110,57 @@ def _run_stage(worker: Worker, item: PlannedStage, batch: Batch) -> Batch:
     if not isinstance(batch, Batch):
         raise ConfigError(f"stage {name!r} returned {type(batch).__name__}, not a Batch; a stage returns "
                           "the batch it was given, or batch.updated(field=...)")
-    ctx.metrics = step_metrics
     return batch
 
 
-def _run_transition(worker: Worker, item: Transition, batch: Batch, moved: _Moved) -> Batch:
-    ctx = worker.ctx
-    batch, stats = redistribute(batch, item.src, item.dst, ctx.world, keep_groups=item.keep_groups)
+def _run_transition(worker: Worker, item: Transition, batch: Batch, moved: _Moved, metrics: StepMetrics) -> Batch:
+    batch, stats = redistribute(batch, item.src, item.dst, worker.world, keep_groups=item.keep_groups)
     moved.sent += stats.bytes_sent
     moved.received += stats.bytes_received
     moved.local += stats.bytes_local
-    ctx.metrics.maximum(f"data/imbalance_before_{item.before}", stats.imbalance_before)
-    ctx.metrics.maximum(f"data/imbalance_after_{item.before}", stats.imbalance_after)
+    metrics.maximum(f"data/imbalance_before_{item.before}", stats.imbalance_before)
+    metrics.maximum(f"data/imbalance_after_{item.before}", stats.imbalance_after)
     return batch
 
 
-def _step(worker: Worker, previous: Batch | None, status: RankStatus) -> tuple[dict[str, float], Batch]:
-    ctx, rank = worker.ctx, worker.ctx.world.rank
+def _step(worker: Worker, step: int, previous: Batch | None, status: RankStatus) -> tuple[dict[str, float], Batch]:
+    rank, metrics = worker.world.rank, StepMetrics()
     step_start = time.time()
-    status.enter("load", ctx.step)
+    status.enter("load", step)
     batch, waited = worker.prefetcher.next(release=previous)
     previous = None
-    ctx.metrics.maximum("time/loader_wait_s", waited)
+    metrics.maximum("time/loader_wait_s", waited)
     peak_bytes, moved = batch.tensor_bytes(), _Moved()
     for item in worker.plan.stages_for(rank):
         stage_start = time.time()
         position = worker.plan.items.index(item) + 1  # comparable between worker groups (faults.py)
         name = f"redistribute_{item.before}" if isinstance(item, Transition) else item.stage.name
-        status.enter(name, ctx.step, position)
+        status.enter(name, step, position)
         if isinstance(item, Transition):
-            batch = _run_transition(worker, item, batch, moved)
+            batch = _run_transition(worker, item, batch, moved, metrics)
         else:
-            batch = _run_stage(worker, item, batch)
-        ctx.metrics.maximum(f"time/{name}_s", time.time() - stage_start)
+            batch = _run_stage(worker, item, batch, step, metrics)
+        metrics.maximum(f"time/{name}_s", time.time() - stage_start)
         peak_bytes = max(peak_bytes, batch.tensor_bytes())
-    _record_step(worker, batch, moved, peak_bytes)
-    ctx.metrics.maximum("time/step_s", time.time() - step_start)
-    status.enter("metrics", ctx.step, len(worker.plan.items) + 1)
-    return add_derived(ctx.metrics.reduce(ctx.world)), batch
+    _record_step(worker, batch, moved, peak_bytes, metrics)
+    metrics.maximum("time/step_s", time.time() - step_start)
+    status.enter("metrics", step, len(worker.plan.items) + 1)
+    return add_derived(metrics.reduce(worker.world)), batch
 
 
-def _record_step(worker: Worker, batch: Batch, moved: _Moved, peak_bytes: int) -> None:
+def _record_step(worker: Worker, batch: Batch, moved: _Moved, peak_bytes: int, metrics: StepMetrics) -> None:
     """This rank's step-level counters: bytes moved, the largest batch, tokens trained."""
-    metrics = worker.ctx.metrics
     if worker.plan.transitions:
         metrics.maximum("data/bytes_sent", moved.sent)
         metrics.maximum("data/bytes_received", moved.received)
         metrics.maximum("data/bytes_local", moved.local)
     metrics.maximum("data/peak_batch_bytes", peak_bytes)
-    if worker.ctx.world.rank in worker.plan.groups["train"] and "attention_mask" in batch.tensors:
+    if worker.world.rank in worker.plan.groups["train"] and "attention_mask" in batch.tensors:
         tokens = float(batch["attention_mask"].sum())
         metrics.mean("data/train_tokens_per_rank", tokens, 1)
         metrics.maximum("data/train_tokens_per_rank_max", tokens)
-    if worker.ctx.policy is not None:
-        metrics.maximum("train/consecutive_nonfinite_steps", worker.ctx.policy.consecutive_nonfinite)
+    if worker.engines.policy is not None:
+        metrics.maximum("train/consecutive_nonfinite_steps", worker.engines.policy.consecutive_nonfinite)
 
 
 def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: RankStatus,
@@ -214,10 +212,9 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
 def _steps(worker: Worker, first_step: int, status: RankStatus, writer: RunWriter | None):
     """(step, reduced metrics) for every remaining step; a run of non-finite steps ends the run
     (its metrics written first)."""
-    ctx, trainer, previous = worker.ctx, worker.ctx.config.trainer, None
+    trainer, previous = worker.config.trainer, None
     for step in range(first_step, trainer.total_steps + 1):
-        ctx.step, ctx.metrics = step, StepMetrics()
-        metrics, previous = _step(worker, previous, status)
+        metrics, previous = _step(worker, step, previous, status)
         try:
             _check_numerics(metrics, trainer.max_nonfinite_steps)
         except TrainingAborted:
@@ -243,7 +240,7 @@ def _evaluation_before(worker: Worker, run_state: dict, status: RankStatus, writ
         return Evaluation(**run_state["eval_before"])
     status.enter("evaluate", 0)
     before = _evaluate(worker)
-    log(f"held-out accuracy before RL: {before.sampled:.3f} (T={worker.ctx.sampling.temperature}), "
+    log(f"held-out accuracy before RL: {before.sampled:.3f} (T={worker.engines.sampling.temperature}), "
         f"greedy {before.greedy:.3f}")
     if writer:
         writer.log(0, {"eval/accuracy": before.sampled, "eval/greedy_accuracy": before.greedy,

@@ -21,7 +21,7 @@ import torch
 
 from distflow.comm import Comm
 from distflow.config import Config
-from distflow.dag.context import StageContext
+from distflow.dag.context import Engines
 from distflow.dag.pipelines import LOADER_FIELDS, build_graph
 from distflow.data.loader import PromptLoader, RowRules, ValidRows
 from distflow.data.prefetch import Prefetcher
@@ -30,7 +30,6 @@ from distflow.engines.policy import PolicyEngine
 from distflow.engines.sampling import SamplingSpec
 from distflow.engines.sequences import encode_prompts
 from distflow.engines.weight_sync import WeightBroadcast
-from distflow.observability.metrics import StepMetrics
 from distflow.planner.plan import Plan, make_plan
 from distflow.tasks.build import Task, build_task, model_dirs
 
@@ -39,7 +38,9 @@ from distflow.tasks.build import Task, build_task, model_dirs
 class Worker:
     """Everything one rank needs to run steps."""
 
-    ctx: StageContext
+    config: Config
+    world: Comm
+    engines: Engines
     plan: Plan
     comms: dict[str, Comm | None]
     """Communicator of each worker group (None on ranks outside it)."""
@@ -70,7 +71,7 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
     world.barrier()  # under a bare torchrun, local rank 0 may have just built the embedded model
     model, tokenizer = load_model_and_tokenizer(model_dir, tokenizer_dir, world.device)
     sampling = SamplingSpec.of(config.rollout)
-    engines = _build_engines(config, plan.engines_for(rank), model, comms["train"], sampling)
+    models = _build_models(config, plan.engines_for(rank), model, comms["train"], sampling)
     task = build_task(config, tokenizer)  # the embedded addition task, or verl-format rows (task.train_file)
     # The prefetch thread tokenizes with its own tokenizer: fast tokenizers are not
     # safe to share with the main thread's decoding.
@@ -79,19 +80,19 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
     loader = PromptLoader(rows.__getitem__, len(rows), prompts_per_step=trainer.prompts_per_step,
                           seed=trainer.seed, rank=plan.input_layout.replica_of(rank),
                           world_size=plan.input_layout.dp_size, tokenize=tokenize)
-    ctx = StageContext(
-        config=config, comm=world, world=world, tokenizer=tokenizer, rollout_model=model if rank in rollout else None,
-        rewards=build_rewards(config.task), is_correct=task.is_correct, metrics=StepMetrics(), sampling=sampling,
-        weight_sync=weight_sync, **engines,
-    )
     prefetcher = Prefetcher(loader.next_batch, loader.state_dict, enabled=trainer.prefetch)
-    ctx.next_prompts = lambda: prefetcher.next()[0]  # dynamic sampling draws extra batches mid-step
-    return Worker(ctx, plan, comms, prefetcher, task, model, loader=loader, heldout=heldout,
+    engines = Engines(
+        tokenizer=tokenizer, rewards=build_rewards(config.task), is_correct=task.is_correct, sampling=sampling,
+        rollout_model=model if rank in rollout else None, weight_sync=weight_sync,
+        next_prompts=lambda: prefetcher.next()[0],  # dynamic sampling draws extra batches mid-step
+        **models,
+    )
+    return Worker(config, world, engines, plan, comms, prefetcher, task, model, loader=loader, heldout=heldout,
                   num_skipped_rows=sum(rows.skipped.values()))
 
 
-def _build_engines(config: Config, uses: set[str], model: torch.nn.Module, train: Comm | None,
-                   sampling: SamplingSpec) -> dict:
+def _build_models(config: Config, uses: set[str], model: torch.nn.Module, train: Comm | None,
+                  sampling: SamplingSpec) -> dict:
     """The policy, reference and critic this rank's stages use (None for the others)."""
     from distflow.engines.critic import build_critic
 
