@@ -61,7 +61,9 @@ def _whiten_global(value_BR: torch.Tensor, mask_BR: torch.Tensor, ctx: StageCont
 
 
 def _record(ctx: StageContext, advantage, mask_BR) -> None:
-    adv_BR = advantage.unsqueeze(-1) if advantage.dim() == 1 else advantage
+    from distflow.algorithms.losses import per_token
+
+    adv_BR = per_token(advantage)
     ctx.metrics.mean("advantage/mean", float((adv_BR * mask_BR).sum()), float(mask_BR.sum()))
 
 
