@@ -114,6 +114,22 @@ def test_disaggregated_resume_gives_rollout_ranks_the_restored_weights(tmp_path,
     print(f"disaggregated resume: max relative metric difference {worst:.2e}")
 
 
+
+def test_resume_restores_a_stage_s_own_state_the_adaptive_kl_coefficient(tmp_path, cache_dir):
+    """The in-reward KL coefficient lives in its stage (KLPenalty) and travels in the checkpoint:
+    the resumed steps use the coefficient the uninterrupted run had reached, not the initial one."""
+    kl = ["algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true", "algorithm.kl_controller=adaptive",
+          "algorithm.kl_target=0.001", "algorithm.kl_horizon=10"]
+    full = train(tmp_path / "cwd", tmp_path, cache_dir, "trainer.run_name=full", *kl)
+    assert full.returncode == 0, full.stderr[-3000:]
+    resumed = train(tmp_path / "cwd", tmp_path, cache_dir, "trainer.run_name=resumed", *kl,
+                    "--resume", str(tmp_path / "full/checkpoints/step-000002"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want = {r["step"]: r["kl/coef"] for r in read_metrics(tmp_path / "full") if "kl/coef" in r}
+    got = {r["step"]: r["kl/coef"] for r in read_metrics(tmp_path / "resumed") if "kl/coef" in r}
+    assert want[3] != pytest.approx(0.05, rel=1e-3)  # the coefficient moved in steps 1-2
+    assert [got[3], got[4]] == pytest.approx([want[3], want[4]], rel=1e-9)
+
 CRASH_IN_SAVE = '''
 import os, signal, sys
 from distflow.checkpoint import store
