@@ -101,7 +101,8 @@ def _run_dir(config: Config) -> Path:
 
 def _resume_target(config: Config, value: str) -> tuple[Path, Path]:
     """(checkpoint to resume from, run directory to continue writing into)."""
-    from distflow.checkpoint.store import latest_checkpoint, read_meta
+    from distflow.checkpoint.directory import latest_checkpoint
+    from distflow.checkpoint.store import read_meta
     from distflow.runtime.checkpointing import checkpoint_root, resolve
 
     if value == LATEST:
@@ -206,7 +207,7 @@ def _train(config: Config, args: argparse.Namespace, argv: list[str]) -> int:
 
 def _report_stopped(config: Config, signum: int) -> int:
     """One line for a run stopped from outside (Ctrl-C, `kill`): what stopped it and what to resume from."""
-    from distflow.checkpoint.store import latest_checkpoint
+    from distflow.checkpoint.directory import latest_checkpoint
     from distflow.runtime.checkpointing import checkpoint_root
 
     root = checkpoint_root(config, _run_dir(config))
