@@ -37,6 +37,7 @@ from pathlib import Path
 
 from distflow.config.schema import Config, ConfigError
 from distflow.comm import is_peer_failure
+from distflow.envvars import LAUNCHED_ENV, STATUS_DIR_ENV
 from distflow.fileio import atomic_write_text
 
 EXIT_FAILED = 1
@@ -45,9 +46,6 @@ EXIT_STALLED = 3
 EXIT_INTERRUPTED = 130
 MAX_DEFER_S = 20.0
 """How long a timed-out rank waits for a peer stuck longer than itself to report first."""
-STATUS_DIR_ENV = "DISTFLOW_STATUS_DIR"
-LAUNCHED_ENV = "DISTFLOW_LAUNCHED"
-"""Set by `distflow train --nproc`: the launcher prints the one summary line, ranks stay quiet."""
 
 
 class TrainingAborted(RuntimeError):

@@ -25,8 +25,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from distflow.envvars import LAUNCHED_ENV, STATUS_DIR_ENV
 from distflow.runtime.diagnosis import diagnose
-from distflow.runtime.faults import LAUNCHED_ENV, STATUS_DIR_ENV
 
 
 class Stopped(Exception):
