@@ -1,15 +1,12 @@
 """Checkpoints round-trip exactly, survive crashes mid-save, reshard 1 <-> 2 ranks, and export to HF."""
 
 import copy
-import os
 import random
-import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distflow.checkpoint import (
@@ -26,6 +23,7 @@ from distflow.engines.policy import PolicyEngine
 from distflow.comm import Comm
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
+from gloo import run_on_ranks
 
 SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 EXTRA = {"config": {"seed": 3, "trainer": {"steps": 10}}, "loader": {"epoch": 1, "cursor": 7}}
@@ -190,31 +188,21 @@ def test_export_hf_loads_with_identical_logits(tmp_path):
 # ---- 1 process <-> 2 gloo ranks ---------------------------------------------------------
 
 
-def _rank_main(rank: int, port: int, root: Path) -> None:
+def _two_ranks_load_step_save(comm: Comm, root: Path) -> dict:
     """Load the 1-process checkpoint on 2 ranks, take a DDP step, save it from 2 ranks."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
-    comm = Comm(rank=rank, world_size=2, local_rank=rank, local_world_size=2, device=torch.device("cpu"))
     engine = make_engine(comm, seed=1)
     meta = load(root / "one" / "step-000001", engine, comm)
     loaded = snapshot(engine)
-    train_step(engine, seed=10 + rank)
+    train_step(engine, seed=10 + comm.rank)
     save(root / "two", 2, engine, comm=comm)
-    torch.save({"loaded": loaded, "trained": snapshot(engine), "rng_restored": meta["rng"] is not None},
-               root / f"rank{rank}.pt")
-    torch.distributed.destroy_process_group()
+    return {"loaded": loaded, "trained": snapshot(engine), "rng_restored": meta["rng"] is not None}
 
 
 def test_checkpoints_move_between_one_process_and_two_ranks(tmp_path):
     one = make_engine(SINGLE, seed=0)
     train_step(one, 0)
     save(tmp_path / "one", 1, one)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank_main, args=(port, tmp_path), nprocs=2, start_method="spawn")
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    ranks = run_on_ranks(_two_ranks_load_step_save, 2, tmp_path)
     for got in ranks:  # 1 process -> 2 ranks
         assert_same(got["loaded"], snapshot(one))
     assert [got["rng_restored"] for got in ranks] == [True, False]  # rank 1 did not exist at save time

@@ -3,12 +3,8 @@
 token-mean over the whole step: 1 micro-batch of 8 == 8 micro-batches of 1 == 2 ranks × 4.
 """
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from distflow.config.schema import OptimConfig
 from distflow.data.batch import Batch
@@ -16,6 +12,7 @@ from distflow.engines.policy import PolicyEngine
 from distflow.comm import Comm
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
+from gloo import run_on_ranks
 
 SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 
@@ -56,25 +53,14 @@ def test_micro_batch_split_does_not_change_gradient():
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-6)
 
 
-def _rank_main(rank: int, port: int, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
-    comm = Comm(rank=rank, world_size=2, local_rank=rank, local_world_size=2, device=torch.device("cpu"))
-    shard = make_batch().select(list(range(rank * 4, rank * 4 + 4)))
+def _two_rank_grads(comm: Comm) -> list:
+    shard = make_batch().select(list(range(comm.rank * 4, comm.rank * 4 + 4)))
     grads = grads_after_update(comm, shard, micro_batch_size=2)
-    out[rank] = [g.numpy() for g in grads]
-    torch.distributed.destroy_process_group()
+    return [g.numpy() for g in grads]
 
 
 def test_two_ranks_match_one_rank():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(_rank_main, args=(port, out), nprocs=2, start_method="spawn")
-        per_rank = dict(out)
+    per_rank = run_on_ranks(_two_rank_grads, 2)
     single = grads_after_update(SINGLE, make_batch(), micro_batch_size=8)
     for i, g in enumerate(single):
         torch.testing.assert_close(torch.from_numpy(per_rank[0][i]), g, rtol=1e-4, atol=1e-6)

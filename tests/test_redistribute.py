@@ -106,3 +106,67 @@ def test_replica_to_data_parallel_on_one_world_moves_nothing_with_a_single_rank(
     comm = Comm(0, 1, 0, 1, torch.device("cpu"))
     result = move(comm, Layout((0,)), Layout((0,)), 8, True)
     assert result["uid"] == list(range(8)) and result["stats"].bytes_sent == 0
+
+
+# The move plan alone: gathered rows in, who sends what to whom out (no processes).
+
+def gathered_rows(src: Layout, world: int, per_replica: int, meta_bytes=lambda rank, uid: 10):
+    """counts and rows as every rank would gather them: replica r holds uids r*per_replica + p."""
+    counts, rows = [0] * world, [[[0, 0, 0, 0]] * per_replica for _ in range(world)]
+    for rank in src.ranks:
+        uids = [src.replica_of(rank) * per_replica + p for p in range(per_replica)]
+        counts[rank] = per_replica
+        rows[rank] = [[u, u // GROUP, 1 + u % 5, meta_bytes(rank, u)] for u in uids]
+    return counts, rows
+
+
+def test_plan_disjoint_move_gives_each_destination_its_share_from_the_holders():
+    from distflow.data.move_plan import plan_move
+
+    src, dst = Layout((0, 1)), Layout((2, 3))
+    counts, rows = gathered_rows(src, 4, 8)
+    plan = plan_move(counts, rows, 100, src, dst, keep_groups=False)
+    received = {q: sorted(u for s in range(4) for u in plan.uids(s, q)) for q in range(4)}
+    assert len(received[2]) == len(received[3]) == 8 and not received[0] and not received[1]
+    assert sorted(received[2] + received[3]) == list(range(16))
+    assert all(s in (0, 1) for s, _ in plan.pairs)  # only the holders send
+    assert plan.send_sizes(0)[:2] == [0, 0] and sum(plan.send_sizes(0)) == plan.chunk_bytes(0, 2) + plan.chunk_bytes(0, 3)
+    assert sum(plan.recv_sizes(2)) == 8 * (100 + 10)
+    assert [plan.send_sizes(s)[q] for s in range(4) for q in range(4)] == \
+           [plan.recv_sizes(q)[s] for s in range(4) for q in range(4)]
+
+
+def test_plan_replica_to_data_parallel_uses_the_copy_already_on_the_destination():
+    from distflow.data.move_plan import plan_move
+
+    src, dst = Layout((0, 1, 2, 3), 2), Layout((0, 1, 2, 3))
+    counts, rows = gathered_rows(src, 4, 8, meta_bytes=lambda rank, uid: 10 + rank % 2)  # pickles differ per member
+    plan = plan_move(counts, rows, 100, src, dst, keep_groups=True)
+    for q in range(4):
+        uids = [u for s in range(4) for u in plan.uids(s, q)]
+        assert len(uids) == 4 and len({u // GROUP for u in uids}) == 1  # its share, one whole group
+    for (sender, receiver), index in plan.pairs.items():
+        holders = src.replica(plan.items[index[0]][0])
+        assert sender == receiver if receiver in holders else sender in holders
+        assert plan.meta_sizes(sender, receiver) == [10 + sender % 2] * len(index)  # the sender's own pickles
+
+
+def test_plan_senders_of_one_replica_share_the_bytes():
+    from distflow.data.move_plan import plan_move
+
+    src, dst = Layout((0, 1), 2), Layout((2, 3))
+    counts, rows = gathered_rows(src, 4, 16)
+    plan = plan_move(counts, rows, 100, src, dst, keep_groups=False)
+    sent = [sum(plan.send_sizes(s)) for s in (0, 1)]
+    assert sent[0] == sent[1] == 8 * 110
+    assert sum(plan.send_sizes(2)) == sum(plan.send_sizes(3)) == 0
+
+
+def test_plan_rejects_replica_members_holding_different_samples():
+    from distflow.data.move_plan import plan_move
+
+    src, dst = Layout((0, 1), 2), Layout((0, 1))
+    counts, rows = gathered_rows(src, 2, 4)
+    rows[1][2] = [99, 99, 3, 10]
+    with pytest.raises(RuntimeError, match=r"ranks 0 and 1 of one replica hold different samples .*item 2"):
+        plan_move(counts, rows, 100, src, dst, keep_groups=False)

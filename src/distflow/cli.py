@@ -25,7 +25,7 @@ from typing import NoReturn
 
 from distflow import preflight
 from distflow.config import Config, ConfigError, load_config
-from distflow.runtime.faults import LAUNCHED_ENV
+from distflow.envvars import LAUNCHED_ENV, RESUME_ENV, RUN_DIR_ENV, RUN_NAME_ENV, STARTED_ENV
 
 USER_ERROR = 2
 LATEST = "latest"
@@ -76,19 +76,20 @@ def _validate(config: Config, world_size: int, *, check_run_dir: bool, resuming:
 
 
 def _run_dir(config: Config) -> Path:
-    if os.environ.get("DISTFLOW_RUN_DIR"):  # chosen by the launching process (a resumed run's own directory)
-        return Path(os.environ["DISTFLOW_RUN_DIR"])
-    name = config.trainer.run_name or os.environ.get("DISTFLOW_RUN_NAME") or time.strftime("%Y%m%d-%H%M%S")
+    if os.environ.get(RUN_DIR_ENV):  # chosen by the launching process (a resumed run's own directory)
+        return Path(os.environ[RUN_DIR_ENV])
+    name = config.trainer.run_name or os.environ.get(RUN_NAME_ENV) or time.strftime("%Y%m%d-%H%M%S")
     return Path(config.trainer.output_dir) / name
 
 
 def _resume_target(config: Config, value: str) -> tuple[Path, Path]:
     """(checkpoint to resume from, run directory to continue writing into)."""
-    from distflow.checkpoint.store import latest_checkpoint, read_meta
+    from distflow.checkpoint.directory import latest_checkpoint
+    from distflow.checkpoint.store import read_meta
     from distflow.runtime.checkpointing import checkpoint_root, resolve
 
     if value == LATEST:
-        if not config.trainer.run_name and not os.environ.get("DISTFLOW_RUN_DIR"):
+        if not config.trainer.run_name and not os.environ.get(RUN_DIR_ENV):
             raise ConfigError("--resume without a checkpoint continues trainer.run_name's run: set "
                               "trainer.run_name=NAME, or pass the checkpoint or run directory to --resume")
         run_dir = _run_dir(config)
@@ -98,7 +99,7 @@ def _resume_target(config: Config, value: str) -> tuple[Path, Path]:
                               "start the run without --resume")
         return latest, run_dir
     checkpoint = resolve(Path(value))
-    if config.trainer.run_name or os.environ.get("DISTFLOW_RUN_DIR"):
+    if config.trainer.run_name or os.environ.get(RUN_DIR_ENV):
         return checkpoint, _run_dir(config)
     saved = read_meta(checkpoint)["extra"].get("run_dir")
     return checkpoint, Path(saved) if saved else _run_dir(config)
@@ -154,20 +155,20 @@ def _train(config: Config, args: argparse.Namespace, argv: list[str]) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if under_launcher else args.nproc
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1 (got {args.nproc})")
-    os.environ.setdefault("DISTFLOW_STARTED", str(time.time()))
+    os.environ.setdefault(STARTED_ENV, str(time.time()))
     resume = None
     if args.resume is not None:
         from distflow.checkpoint.store import read_meta
 
-        resume, run_dir = _resume_target(config, os.environ.get("DISTFLOW_RESUME", args.resume))
+        resume, run_dir = _resume_target(config, os.environ.get(RESUME_ENV, args.resume))
         step = read_meta(resume)["step"]
         if step >= config.trainer.total_steps:
             raise ConfigError(f"checkpoint {resume} is at step {step} >= trainer.total_steps="
                               f"{config.trainer.total_steps}: nothing left to do; raise trainer.total_steps")
-        os.environ.setdefault("DISTFLOW_RESUME", str(resume))
-        os.environ.setdefault("DISTFLOW_RUN_DIR", str(run_dir))
+        os.environ.setdefault(RESUME_ENV, str(resume))
+        os.environ.setdefault(RUN_DIR_ENV, str(run_dir))
     # One run directory for all ranks, chosen before they start.
-    os.environ.setdefault("DISTFLOW_RUN_NAME", _run_dir(config).name)
+    os.environ.setdefault(RUN_NAME_ENV, _run_dir(config).name)
     # Under a launcher only rank 0 checks the run directory (rank 0 is about to write into it).
     _validate(config, world_size, check_run_dir=os.environ.get("RANK", "0") == "0", resuming=resume is not None)
     if config.model.path is None and not under_launcher:
@@ -189,7 +190,7 @@ def _train(config: Config, args: argparse.Namespace, argv: list[str]) -> int:
 
 def _report_stopped(config: Config, signum: int) -> int:
     """One line for a run stopped from outside (Ctrl-C, `kill`): what stopped it and what to resume from."""
-    from distflow.checkpoint.store import latest_checkpoint
+    from distflow.checkpoint.directory import latest_checkpoint
     from distflow.runtime.checkpointing import checkpoint_root
 
     root = checkpoint_root(config, _run_dir(config))

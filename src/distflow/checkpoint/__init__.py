@@ -7,16 +7,10 @@
     export_hf(path, out_dir, ...)      one process -> a from_pretrained-able directory
 """
 
+from distflow.checkpoint.directory import CheckpointError, latest_checkpoint, prune_checkpoints
 from distflow.checkpoint.export import export_hf
 from distflow.checkpoint.rng import capture_rng, restore_rng
-from distflow.checkpoint.store import (
-    CheckpointError,
-    latest_checkpoint,
-    load_checkpoint,
-    load_model_weights,
-    prune_checkpoints,
-    save_checkpoint,
-)
+from distflow.checkpoint.store import load_checkpoint, load_model_weights, save_checkpoint
 
 __all__ = [
     "CheckpointError",

@@ -16,14 +16,8 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from distflow.checkpoint.store import (
-    MODEL_CONFIG,
-    TOKENIZER_DIR,
-    CheckpointError,
-    checkpoint_dtype,
-    load_model_weights,
-    read_meta,
-)
+from distflow.checkpoint.directory import MODEL_CONFIG, TOKENIZER_DIR, CheckpointError
+from distflow.checkpoint.store import checkpoint_dtype, load_model_weights, read_meta
 
 
 def export_hf(

@@ -23,15 +23,16 @@ leaves the previous one usable, and `.tmp-*` directories are garbage.
 The state is taken from the plain model (never the DDP wrapper) through
 `torch.distributed.checkpoint.state_dict`, so its keys are the model's parameter names
 and a checkpoint saved by N ranks loads on M ranks.
+
+The names in a checkpoint root, listing and pruning are in `directory.py`; the one-line
+message of a save the filesystem refused (a full disk) in `write_failure.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
-import re
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -50,31 +51,23 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import PreTrainedModel
 
+from distflow.checkpoint.directory import (
+    COMPLETE,
+    META,
+    MODEL_CONFIG,
+    TOKENIZER_DIR,
+    CheckpointError,
+    complete_checkpoints,
+    prune_checkpoints,
+    step_dir_name,
+)
 from distflow.checkpoint.rng import capture_rng
-from distflow.config.schema import ConfigError
+from distflow.checkpoint.write_failure import state_bytes, write_failure
 from distflow.comm import Comm
 
 FORMAT_VERSION = 1
-COMPLETE = "COMPLETE"
-META = "meta.json"
-MODEL_CONFIG = "model_config.json"  # the Hugging Face config, when the model is a PreTrainedModel
-TOKENIZER_DIR = "tokenizer"  # the tokenizer's files, when one is given
-_STEP_DIR = re.compile(r"step-(\d+)")
-
 
 Trainable = tuple  # (module, its optimizer, its LR scheduler)
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be used: missing, incomplete, or not this model's."""
-
-
-def step_dir_name(step: int) -> str:
-    """
-    >>> step_dir_name(50)
-    'step-000050'
-    """
-    return f"step-{step:06d}"
 
 
 def save_checkpoint(
@@ -111,7 +104,17 @@ def save_checkpoint(
         _remove_leftovers(root)
         tmp.mkdir()
     comm.barrier()
+    _write_shards(tmp, root, step, model=model, optimizer=optimizer, others=others, comm=comm)
+    comm.barrier()
+    final = root / step_dir_name(step)
+    _complete_on_main(tmp, final, root, step, meta_text=meta_text, model=model, tokenizer=tokenizer,
+                      keep_last=keep_last, comm=comm)
+    return final
 
+
+def _write_shards(tmp: Path, root: Path, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  others: dict[str, Trainable], comm: Comm) -> None:
+    """Every rank: its DCP shards of every trained module and optimizer, and its RNG states."""
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     for name, (other, other_optimizer, _) in others.items():
         state[f"{name}_model"] = get_model_state_dict(other)
@@ -123,10 +126,13 @@ def save_checkpoint(
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=comm.group,
                      no_dist=not comm.distributed)
     except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure: all ranks get here alike
-        raise _write_failed(err, tmp, root, step, needed_bytes=_state_bytes(state)) from None
-    comm.barrier()
+        raise write_failure(err, tmp, root, step, needed_bytes=state_bytes(state)) from None
 
-    final = root / step_dir_name(step)
+
+def _complete_on_main(tmp: Path, final: Path, root: Path, step: int, *, meta_text: str, model: torch.nn.Module,
+                      tokenizer: Any, keep_last: int, comm: Comm) -> None:
+    """Rank 0 writes the side files and COMPLETE, publishes `tmp` as `final` and prunes;
+    then every rank learns whether it failed (and raises if so)."""
     failed = torch.zeros(1, device=comm.device)  # NCCL reduces only device tensors
     error: Exception | None = None
     if comm.is_main:
@@ -141,77 +147,12 @@ def save_checkpoint(
             prune_checkpoints(root, keep_last, keep=final)
         except Exception as err:  # re-raised below, after telling the other ranks
             failed += 1
-            error = _write_failed(err, tmp, root, step, needed_bytes=0) if isinstance(err, OSError) else err
+            error = write_failure(err, tmp, root, step, needed_bytes=0) if isinstance(err, OSError) else err
     comm.all_reduce_max(failed)
     if error is not None:
         raise error
     if failed.item():
         raise CheckpointError(f"rank 0 failed to finish checkpoint {final}; see its log")
-    return final
-
-
-def _write_failed(err: BaseException, tmp: Path, root: Path, step: int, *, needed_bytes: int) -> CheckpointError:
-    """One line for a save that the filesystem refused (a full disk, a quota, permissions):
-    which path, what failed, the free space, and that the previous checkpoint is intact.
-    The half-written directory is removed (best effort) so that it does not hold the space.
-    torch's tensor writer reports a full disk as a RuntimeError ("unexpected pos"), not an
-    OSError, so a failure with less free space than the checkpoint's tensors is named as one."""
-    cause = _os_error_in(err)
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        usage = shutil.disk_usage(root)
-        space = f"; {usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB"
-    except OSError:
-        usage, space = None, ""
-    if cause is not None:
-        what = f"{cause.strerror or cause} ({errno.errorcode.get(cause.errno, cause.errno)})"
-    elif usage is not None and usage.free < needed_bytes:
-        what = f"No space left on device (its tensors need ~{needed_bytes / 2**20:.1f} MiB)"
-    else:
-        what = _one_line(err)
-    previous = latest_checkpoint(root) if root.is_dir() else None
-    kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-    return CheckpointError(f"cannot write checkpoint step {step} under {root}: {what}{space}; {kept} "
-                           "(free space or set checkpoint.dir elsewhere, then --resume)")
-
-
-def _os_error_in(err: BaseException | None) -> OSError | None:
-    """The first OSError in `err`, its causes, or the per-rank failures DCP collected."""
-    seen = 0
-    while err is not None and seen < 20:
-        seen += 1
-        if isinstance(err, OSError):
-            return err
-        failures = getattr(err, "failures", None)  # torch.distributed.checkpoint's CheckpointException
-        if isinstance(failures, dict):
-            for failure in failures.values():
-                found = _os_error_in(failure[0] if isinstance(failure, tuple) else failure)
-                if found is not None:
-                    return found
-        err = err.__cause__ or err.__context__
-    return None
-
-
-def _one_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
-
-
-def _state_bytes(state: dict) -> int:
-    """Bytes of the tensors in a (nested) state dict: what a checkpoint of it writes, roughly."""
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, dict):
-        return sum(_state_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(_state_bytes(v) for v in state)
-    return 0
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The complete checkpoint with the highest step under `root`, or None."""
-    complete = _complete_checkpoints(Path(root))
-    return complete[-1][1] if complete else None
 
 
 def load_checkpoint(
@@ -283,7 +224,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
     if not (path / COMPLETE).is_file():
-        if _complete_checkpoints(path):
+        if complete_checkpoints(path):
             raise CheckpointError(f"{path} is a checkpoint root, not a checkpoint: pass one of its step-* directories")
         raise CheckpointError(f"checkpoint {path} is incomplete (no {COMPLETE} marker): its save was interrupted")
     try:
@@ -319,28 +260,6 @@ def _check_shards(path: Path) -> None:
             state = "is missing" if have is None else f"holds {have} of its {size} bytes"
             raise CheckpointError(f"checkpoint {path}: shard {name} {state} (truncated or damaged after the "
                                   "save); resume from another checkpoint")
-
-
-def prune_checkpoints(root: Path, keep_last: int, *, keep: Path | None = None) -> None:
-    """Remove all but the `keep_last` highest-step complete checkpoints (never `keep`)."""
-    complete = [path for _, path in _complete_checkpoints(root)]
-    for path in complete[: max(0, len(complete) - keep_last)]:
-        if keep is not None and path == keep:
-            continue
-        doomed = root / f".tmp-pruned-{path.name}"
-        os.replace(path, doomed)  # out of sight atomically; a crash mid-rmtree leaves only .tmp garbage
-        shutil.rmtree(doomed)
-
-
-def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = _STEP_DIR.fullmatch(child.name)
-        if match and (child / COMPLETE).is_file():
-            found.append((int(match.group(1)), child))
-    return sorted(found)
 
 
 def _check_matches(

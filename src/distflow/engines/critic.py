@@ -6,9 +6,9 @@
 It starts from the policy's weights (as verl and OpenRLHF initialise the critic from the
 actor when no reward model is given) with a zero-initialised head, so its first
 predictions are 0. The value of response token t is read at the column that predicts it
-(t - 1), the same alignment as the log-probs. Training is `PolicyEngine`'s: the same
-data-parallel wrapper, micro-batching, global normaliser, AdamW and clipping; only the
-forward pass differs.
+(t - 1), the same alignment as the log-probs. Training is `TrainableEngine`'s, as the
+policy's: the same data-parallel wrapper, micro-batching, global normaliser, AdamW and
+clipping; only the forward pass differs.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 
 from distflow.config.schema import OptimConfig
 from distflow.data.batch import Batch
-from distflow.engines.policy import PolicyEngine
 from distflow.engines.sequences import position_ids_from_mask
+from distflow.engines.trainable import TrainableEngine
 from distflow.comm import Comm
 
 
@@ -49,13 +49,11 @@ def response_values(model: torch.nn.Module, input_ids_BT: torch.Tensor, attentio
     return values_BT[:, response_start - 1 : -1]
 
 
-class CriticEngine(PolicyEngine):
-    """`PolicyEngine` whose forward pass returns values; `update`'s loss_fn gets (micro, values_BR, zeros)."""
-
-    def __init__(self, model: ValueModel, comm: Comm, optim: OptimConfig) -> None:
-        super().__init__(model, comm, optim, temperature=1.0)
+class CriticEngine(TrainableEngine):
+    """A trained value model; `update`'s loss_fn gets (micro, values_BR, zeros)."""
 
     def forward(self, micro: Batch, *, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values_BR, zeros): a critic has no entropy term."""
         values_BR = response_values(self.wrapped, micro["input_ids"], micro["attention_mask"],
                                     micro["response_mask"].shape[1])
         return values_BR, torch.zeros_like(values_BR.detach())
@@ -69,9 +67,6 @@ class CriticEngine(PolicyEngine):
                for mb in batch.micro_batches(micro_batch_size)]
         self.model.train(was_training)
         return torch.cat(out) if out else torch.zeros((0, width), device=batch["input_ids"].device)
-
-    def logprobs(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
-        raise TypeError("a critic has values, not log-probs")
 
 
 def build_critic(policy_model: torch.nn.Module, comm: Comm, optim: OptimConfig, *, lr: float) -> CriticEngine:

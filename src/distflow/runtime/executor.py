@@ -36,6 +36,7 @@ from distflow.data.batch import Batch
 from distflow.data.redistribute import redistribute
 from distflow.engines.evaluation import Evaluation, evaluate
 from distflow.engines.reward import private_copy
+from distflow.envvars import STARTED_ENV
 from distflow.fileio import atomic_write_text
 from distflow.observability.derived import add_derived
 from distflow.observability.metrics import StepMetrics
@@ -54,7 +55,7 @@ def _stderr(text: str) -> None:
 
 def run(config: Config, run_dir: Path, resume: Path | None = None) -> int:
     """This rank's whole run; returns its exit code. A failure is reported here, once."""
-    started = float(os.environ.get("DISTFLOW_STARTED", time.time()))  # set by the CLI before any set-up
+    started = float(os.environ.get(STARTED_ENV, time.time()))  # set by the CLI before any set-up
     status = RankStatus.from_env(timeouts=StageTimeouts.from_config(config))
     if "RANK" in os.environ:  # started by torch's launcher: do not outlive it
         die_with_parent()

@@ -1,22 +1,24 @@
-"""Fail fast, never hang: every rank says what it is doing, and a failure names who and where.
+"""Fail fast, never hang, the rank's side: every rank says what it is doing, and a failing
+rank says who and where.
 
-    rank r ── status.enter(stage, step, position) ──► STATUS_DIR/rank{r}.json
-       │                                       {rank, pid, stage, step, position, since, state}
-       │      watchdog thread: one stage older than its limit (StageTimeouts), and no live peer
-       │          behind this rank (an earlier step, or an earlier position in the plan)
-       │          → "rank r stalled in stage S" + every thread's Python stack (faulthandler) → exit 3
+    rank r, main thread ── status.enter(stage, step, position) ──► STATUS_DIR/rank{r}.json
+       │                                      {rank, pid, stage, step, position, since, state}
+       │  rank r, watchdog thread: reads its own stage (under a lock) and its peers' files;
+       │      one stage older than its limit (StageTimeouts), and no live peer behind this
+       │      rank (an earlier step, or an earlier position in the plan)
+       │      → "rank r stalled in stage S" + every thread's Python stack → state "stalled", exit 3
        └─ exception → status.fail(): state "failed" + one line naming rank, stage and step
                       (user errors: exit 2, no traceback; crashes: traceback, then exit 1)
-    launcher (distflow train --nproc N): torch elastic's agent stops every rank (SIGTERM to
-       each rank's process group) as soon as one exits non-zero; `diagnose` then reads the
-       status files and prints one line naming the first failed rank, its stage and step.
+    peers' files are only read: to let a peer that is behind fire first, and (under a bare
+       torchrun) to name a peer that died.
+    launcher (distflow train --nproc N), after the ranks ended: reads every file and prints
+       the one line about the root failure (runtime/diagnosis.py).
     a rank whose launcher dies gets SIGKILL from the kernel (PR_SET_PDEATHSIG): no orphans.
 
 Invariants: a status file is replaced atomically (readers never see half a file); a rank
 writes only its own; the files outlive a `kill -9`, so a killed rank's last stage is known.
 Collectives themselves time out after trainer.timeout_s (the process group's timeout).
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -35,6 +37,7 @@ from pathlib import Path
 
 from distflow.config.schema import Config, ConfigError
 from distflow.comm import is_peer_failure
+from distflow.envvars import LAUNCHED_ENV, STATUS_DIR_ENV
 from distflow.fileio import atomic_write_text
 
 EXIT_FAILED = 1
@@ -43,9 +46,6 @@ EXIT_STALLED = 3
 EXIT_INTERRUPTED = 130
 MAX_DEFER_S = 20.0
 """How long a timed-out rank waits for a peer stuck longer than itself to report first."""
-STATUS_DIR_ENV = "DISTFLOW_STATUS_DIR"
-LAUNCHED_ENV = "DISTFLOW_LAUNCHED"
-"""Set by `distflow train --nproc`: the launcher prints the one summary line, ranks stay quiet."""
 
 
 class TrainingAborted(RuntimeError):
@@ -159,7 +159,7 @@ class RankStatus:
                    timeouts=timeouts)
 
     def where(self) -> str:
-        return _where({"stage": self.stage, "step": self.step})
+        return status_where({"stage": self.stage, "step": self.step})
 
     def enter(self, stage: str, step: int | None = None, position: int = 0) -> None:
         """`position`: where `stage` comes in a step (the plan's global order), so that ranks
@@ -215,7 +215,7 @@ class RankStatus:
     def _dead_peers(self) -> str:
         """Under a bare torchrun: which peers are gone, and where they were (from their status files)."""
         gone = [s for s in read_statuses(self.status_dir) if s["state"] == "running" and not _alive(s["pid"])]
-        return "; ".join(f"rank {s['rank']} (pid {s['pid']}) died in {_where(s)}" for s in gone)
+        return "; ".join(f"rank {s['rank']} (pid {s['pid']}) died in {status_where(s)}" for s in gone)
 
     def _write(self, state: str, **extra) -> None:
         record = {"rank": self.rank, "pid": os.getpid(), "stage": self.stage, "step": self.step,
@@ -233,7 +233,7 @@ class RankStatus:
         while not self._stop.wait(min(1.0, max(self.limit_s, 1.0) / 10)):
             with self._lock:
                 since, limit = self.since, self.limit_s
-                me = _progress({"step": self.step, "position": self.position, "since": self.since})
+                me = status_progress({"step": self.step, "position": self.position, "since": self.since})
             now = time.time()
             if not limit or now - since <= limit:
                 deferred_since = None
@@ -244,7 +244,7 @@ class RankStatus:
             self._stalled(now - since)
 
     def _peer_behind(self, me: tuple) -> bool:
-        return any(s["rank"] != self.rank and s["state"] in ("running", "stalled") and _progress(s) < me
+        return any(s["rank"] != self.rank and s["state"] in ("running", "stalled") and status_progress(s) < me
                    and _alive(s["pid"]) for s in read_statuses(self.status_dir))
 
     def _arm_backstop(self) -> None:
@@ -283,7 +283,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _progress(status: dict) -> tuple:
+def status_progress(status: dict) -> tuple:
     """How far a rank has got: (step, position in the step, -time in it). Smaller is behind;
     between ranks at the same place, the one that has waited longer is behind."""
     step = status.get("step")
@@ -310,7 +310,8 @@ def remove_stale_status_dirs(parent: Path, prefix: str, *, keep: Path, min_age_s
     return removed
 
 
-def _where(status: dict) -> str:
+def status_where(status: dict) -> str:
+    """'stage S at step N' of a status record."""
     step = status.get("step")
     return f"stage {status['stage']!r}" + (f" at step {step}" if step is not None else "")
 
@@ -325,58 +326,6 @@ def read_statuses(status_dir: Path | None) -> list[dict]:
         except (OSError, ValueError):
             continue
     return out
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    line: str
-    exit_code: int
-
-
-def diagnose(status_dir: Path, failures: dict[int, tuple[int, float]]) -> Diagnosis:
-    """One line about the job's root failure, from the launcher's view and the ranks' status files.
-
-    `failures`: {rank: (exit code or -signal, time it was seen)} for the ranks that ended on
-    their own (not the ones the launcher stopped afterwards). The root cause is, in order:
-    a rank that died without reporting (a signal, e.g. kill -9), a rank that stalled, a rank
-    that raised something other than a lost connection, and else the first failure seen.
-    """
-    statuses = {s["rank"]: s for s in read_statuses(status_dir)}
-    # A rank that reported a stall may have been stopped before the launcher saw it exit.
-    failures = {**{r: (EXIT_STALLED, s["time"]) for r, s in statuses.items() if s["state"] == "stalled"}, **failures}
-
-    def priority(rank: int) -> tuple:
-        code, seen = failures[rank]
-        status = statuses.get(rank, {})
-        state = status.get("state")
-        if state not in ("failed", "stalled"):
-            return (0, seen, rank)
-        if state == "stalled":  # the rank furthest behind is the stuck one; the others waited on it
-            return (1, *_progress(status), rank)
-        return (2 if not status.get("comm_error") else 3, status.get("time", seen), rank)
-
-    rank = min(failures, key=priority)
-    code, seen = failures[rank]
-    status = statuses.get(rank)
-    if status and status.get("state") in ("failed", "stalled"):
-        return Diagnosis(status["error"], status.get("exit_code", EXIT_FAILED))
-    timeout = (status or {}).get("stage_timeout_s") or 0
-    if status and code == EXIT_FAILED and timeout and seen - status["since"] > timeout:
-        source = status.get("timeout_source") or f"trainer.stage_timeout_s={timeout:g}"
-        return Diagnosis(f"distflow: rank {rank} stalled: {_where(status)} ran for {seen - status['since']:.0f}s "
-                         f"> {timeout:g}s ({source}; faulthandler's stacks above)", EXIT_STALLED)
-    if code == EXIT_USER_ERROR and not status:  # a user error found before the rank's run began (printed above)
-        return Diagnosis(f"distflow: rank {rank} stopped on the user error above", EXIT_USER_ERROR)
-    how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
-    where = f"in {_where(status)}" if status else "before it started"
-    return Diagnosis(f"distflow: rank {rank} {how} {where}; the other ranks were stopped", EXIT_FAILED)
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 def die_with_parent() -> None:

@@ -4,7 +4,7 @@ This is what `torchrun --standalone --nproc_per_node N -m distflow train ...` do
 launcher's agent only starts and watches the ranks (no data passes through it). If a
 rank fails, the agent stops the others at once (SIGTERM to each rank's process group,
 SIGKILL 30 s later), and this command prints one line naming the failed rank and the
-stage it was in (from the ranks' status files, runtime/faults.py) and exits non-zero.
+stage it was in (from the ranks' status files, runtime/diagnosis.py) and exits non-zero.
 A SIGINT (Ctrl-C) or SIGTERM to this command stops the ranks with the same signal and
 raises `Stopped` (the CLI says where the last checkpoint is).
 """
@@ -25,7 +25,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from distflow.runtime.faults import LAUNCHED_ENV, STATUS_DIR_ENV, diagnose
+from distflow.envvars import LAUNCHED_ENV, STATUS_DIR_ENV
+from distflow.runtime.diagnosis import diagnose
 
 
 class Stopped(Exception):
