@@ -159,7 +159,7 @@ def distflow_config(path: Path, model_dir: Path, args: argparse.Namespace) -> Pa
         # The untrained model scores 0 on (almost) every completion, so every group has equal
         # rewards; distflow would skip the update of such a step, TRL still runs it (with zero
         # advantages). Keep those samples so both systems do the same forward/backward/update.
-        "algorithm": {"name": "grpo", "kl_coef": 0.0, "ppo_epochs": 1, "num_mini_batches": 1,
+        "algorithm": {"name": "grpo", "kl": {"coef": 0.0}, "ppo_epochs": 1, "num_mini_batches": 1,
                       "skip_zero_variance_groups": False},
         "optim": {"lr": args.lr, "betas": [0.9, 0.99], "weight_decay": 0.0, "warmup_steps": 0, "grad_clip": 1.0},
         # One micro-batch per step, like TRL's single forward/backward over the batch.

@@ -78,7 +78,7 @@ def grpo_config(args: argparse.Namespace) -> GRPOConfig:
         temperature=1.0,
         top_p=1.0,
         top_k=0,
-        beta=0.0,  # no KL, so no reference model (distflow: algorithm.kl_coef=0)
+        beta=0.0,  # no KL, so no reference model (distflow: algorithm.kl.coef=0)
         # The optimizer distflow uses: AdamW(betas 0.9/0.99, no decay), clip 1.0, constant lr.
         learning_rate=args.lr,
         adam_beta2=0.99,

@@ -3,6 +3,7 @@ clipping, the abs and straight-through KL estimators, GSPO's clamp, the ppo_kl m
 the config tables that name them."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -18,10 +19,11 @@ from distflow.algorithms.aggregation import LossAgg, aggregate_loss
 from distflow.algorithms.losses import gspo_loss, ppo_kl
 from distflow.algorithms.returns import reinforce_pp_advantages
 from distflow.algorithms.shaping import clip_reward
-from distflow.config import schema
-from distflow.config.schema import AlgorithmConfig, ConfigError
+from distflow.config import ConfigError, load_config
+from distflow.config.algorithm import ALGORITHMS, AlgorithmConfig, KLConfig
 from distflow.dag import update_stages
 from distflow.dag.advantage_stages import ESTIMATORS
+from distflow.dag.pipelines import check_choices
 
 # Group 0 has one sample (reward 3); group 1 has two (1 and 0).
 REWARD = torch.tensor([3.0, 1.0, 0.0])
@@ -134,20 +136,26 @@ def test_ppo_kl_by_hand():
     assert ((per_token * mask).sum() / mask.sum()).item() == -0.125  # the logged mean over loss tokens
 
 
-def test_config_names_are_the_tables_names():
-    assert schema.LOSS_AGG_MODES == tuple(mode.value for mode in aggregation.LossAgg)
-    assert schema.KL_ESTIMATORS == tuple(kl.KL_ESTIMATORS)
-    assert schema.POLICY_LOSSES == tuple(update_stages.POLICY_LOSSES)
-    assert set(schema.ALGORITHM_SETTINGS) == set(schema.ALGORITHMS)
+def test_config_choices_are_the_tables_names():
+    """One list per option: the check names exactly the dispatch table's keys, in its order."""
+    config = load_config(None)
+    for option, value, table in [("loss_agg", "mean", [mode.value for mode in aggregation.LossAgg]),
+                                 ("kl.estimator", "k4", list(kl.KL_ESTIMATORS)),
+                                 ("policy_loss", "grpo", list(update_stages.POLICY_LOSSES))]:
+        bad = load_config(None, [f"algorithm.{option}={value}"])
+        with pytest.raises(ConfigError, match=re.escape(f"algorithm.{option} must be one of: {', '.join(table)} ")):
+            check_choices(bad)
+    check_choices(config)
+    assert all(builtin.estimator in ESTIMATORS for builtin in ALGORITHMS.values())
     assert "remax" in ESTIMATORS
 
 
 def test_reward_clip_and_remax_config():
     assert AlgorithmConfig().reward_clip == 0.0
     assert AlgorithmConfig(name="remax").skip_zero_variance_groups is False
-    assert AlgorithmConfig(kl_estimator="k3+", loss_agg="token-sum").kl_estimator == "k3+"
+    assert AlgorithmConfig(kl=KLConfig(estimator="k3+"), loss_agg="token-sum").kl.estimator == "k3+"
     for bad in (-1.0, float("nan")):
         with pytest.raises(ConfigError, match="reward_clip"):
             AlgorithmConfig(reward_clip=bad)
-    with pytest.raises(ConfigError, match="k1\\+, k3\\+"):
-        AlgorithmConfig(kl_estimator="low_var_kl++")
+    with pytest.raises(ConfigError, match="k1\\+, k3\\+"):  # checked with the table, when the graph is built
+        check_choices(load_config(None, ["algorithm.kl.estimator=low_var_kl++"]))

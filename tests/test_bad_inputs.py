@@ -55,6 +55,15 @@ FAST = [
     ("mini-batches", ["algorithm.num_mini_batches=1000", "trainer.prompts_per_step=4", "rollout.num_samples=4"],
      "algorithm.num_mini_batches=1000 exceeds the 16 samples"),
     ("group size", ["rollout.num_samples=1"], "rollout.num_samples must be >= 2"),
+    ("algorithm name", ["algorithm.name=grpo2"], "algorithm.name must be one of: grpo, dr_grpo, dapo, rloo, "
+     "reinforce_pp, reinforce_pp_baseline, remax, gspo, ppo (got 'grpo2')"),
+    ("algorithm loss_agg", ["algorithm.loss_agg=mean"], "algorithm.loss_agg must be one of: token-mean, token-sum, "
+     "seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm (got 'mean')"),
+    ("algorithm kl estimator", ["algorithm.kl.estimator=low_var_kl"],
+     "algorithm.kl.estimator must be one of: k1, k2, k3, abs, k1+, k3+ (got 'low_var_kl')"),
+    ("algorithm policy loss", ["algorithm.policy_loss=vanilla"], "algorithm.policy_loss must be one of: ppo, gspo"),
+    ("algorithm old and new key", ["algorithm.kl_coef=0.1", "algorithm.kl.coef=0.2"],
+     "algorithm.kl_coef and algorithm.kl.coef are both set"),
     ("placement overlap", ["--nproc", "2", "placement.rollout.ranks=0-1", "placement.train.ranks=1"],
      "overlap partly"),
     ("idle rank", ["--nproc", "3", "trainer.prompts_per_step=3", "placement.rollout.ranks=0",

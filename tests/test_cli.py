@@ -3,6 +3,7 @@
 import pytest
 
 from conftest import REPO, run_cli
+from distflow.runtime.faults import LAUNCHED_ENV
 
 BAD = [
     (["trainer.total_step=5"], "unknown config key 'trainer.total_step'; did you mean 'trainer.total_steps'?"),
@@ -75,3 +76,18 @@ def test_resume_flag_is_optional_before_overrides(tmp_path):
                      "trainer.run_name=nothing-here", cwd=tmp_path, timeout=120)
     assert result.returncode == 2
     assert f"no complete checkpoint in {tmp_path}/nothing-here/checkpoints" in result.stderr
+
+
+def test_a_deprecated_key_still_works_and_warns_once(monkeypatch):
+    """An old flat key: one `distflow: warning:` line naming its new key, printed by the process the
+    user started and not by the ranks it (`--nproc`) or torchrun starts."""
+    args = ("plan", "examples/arith_grpo.yaml", "--world-size", "2", "algorithm.kl_coef=0.1")
+    result = run_cli(*args, cwd=REPO, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == ["distflow: warning: algorithm.kl_coef is deprecated; use algorithm.kl.coef"]
+    assert "reference_logprob" in result.stdout  # kl.coef = 0.1 took effect
+    for name, value in (("RANK", "1"), (LAUNCHED_ENV, "1")):
+        with monkeypatch.context() as env:
+            env.setenv(name, value)
+            rank = run_cli(*args, cwd=REPO, timeout=60)
+        assert rank.returncode == 0 and rank.stderr == "", rank.stderr

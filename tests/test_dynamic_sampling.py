@@ -55,7 +55,7 @@ def fake_rollout(batch: Batch, ctx, *, no_signal: set[int]) -> Batch:
 
 def run_filter(comm: Comm, prompts_per_step: int, max_rounds: int, no_signal: tuple[int, ...] = ()) -> dict:
     config = load_config(None, ["algorithm.name=dapo", f"trainer.prompts_per_step={prompts_per_step}",
-                                f"algorithm.max_sampling_rounds={max_rounds}", f"rollout.num_samples={N}"])
+                                f"algorithm.dynamic_sampling.max_rounds={max_rounds}", f"rollout.num_samples={N}"])
     loader = FakeLoader(prompts_per_step, comm)
     engines = Engines(tokenizer=SimpleNamespace(pad_token_id=0), rewards=None, is_correct=None, sampling=None,
                       next_prompts=loader.next_prompts)

@@ -84,7 +84,7 @@ def test_local_model_directory(tmp_path, cache_dir):
     (tmp_path / "length_reward.py").write_text("def reward(prompt, completion, sample):\n"
                                                "    return float(len(completion))\n")
     summary, run_dir = train(tmp_path, cache_dir, f"model.path={model_dir}", "task.num_digits=1",
-                             "task.num_heldout=20", "algorithm.kl_coef=0.01", "algorithm.ppo_epochs=2",
+                             "task.num_heldout=20", "algorithm.kl.coef=0.01", "algorithm.ppo_epochs=2",
                              "task.reward=length_reward:reward")
     assert summary["steps"] == 3
     records = read_metrics(run_dir)

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from conftest import REPO, run_cli
-from distflow.config.schema import ALGORITHMS
+from distflow.config.algorithm import ALGORITHMS
 
 ARGS = [
     "trainer.total_steps=2", "trainer.prompts_per_step=4", "rollout.num_samples=4", "trainer.eval_every=0",
@@ -21,12 +21,12 @@ ARGS = [
 ]
 SHAPING = "def length(prompt, completion, sample):\n    return float(len(completion))\n"
 EXTRA = {  # exercise the optional stages where they belong
-    "dapo": ["algorithm.overlong_buffer=2"],
-    "reinforce_pp": ["algorithm.kl_coef=0.01", "algorithm.kl_in_reward=true"],
-    "ppo": ["algorithm.kl_coef=0.01", "algorithm.kl_in_reward=true", "algorithm.kl_controller=adaptive"],
-    "rloo": ["algorithm.kl_coef=0.01", "algorithm.kl_estimator=k2", "algorithm.entropy_coef=0.001"],
+    "dapo": ["algorithm.overlong.buffer=2"],
+    "reinforce_pp": ["algorithm.kl.coef=0.01", "algorithm.kl.in_reward=true"],
+    "ppo": ["algorithm.kl.coef=0.01", "algorithm.kl.in_reward=true", "algorithm.kl.controller=adaptive"],
+    "rloo": ["algorithm.kl.coef=0.01", "algorithm.kl.estimator=k2", "algorithm.entropy_coef=0.001"],
     "gspo": ["algorithm.ppo_epochs=2"],
-    "remax": ["algorithm.reward_clip=1.2", "algorithm.kl_coef=0.01", "algorithm.kl_estimator=k3+",
+    "remax": ["algorithm.reward_clip=1.2", "algorithm.kl.coef=0.01", "algorithm.kl.estimator=k3+",
               "algorithm.loss_agg=token-sum"],
 }
 

@@ -50,7 +50,7 @@ def test_duplicate_stage():
 def test_grpo_pipeline_shape_follows_config():
     names = lambda cfg: [s.name for s in build_graph(cfg).validate(LOADER_FIELDS)]  # noqa: E731
     assert names(load_config(None)) == ["rollout", "reward", "advantage", "policy_update", "weight_sync"]
-    full = load_config(None, ["algorithm.kl_coef=0.01", "algorithm.ppo_epochs=2"])
+    full = load_config(None, ["algorithm.kl.coef=0.01", "algorithm.ppo_epochs=2"])
     assert names(full) == [
         "rollout", "reward", "advantage", "old_logprob", "reference_logprob", "policy_update", "weight_sync",
     ]

@@ -1,10 +1,13 @@
 """Built-in pipelines: the stages each algorithm runs, its settings, and the errors before launch."""
 
+import subprocess
+import sys
+
 import pytest
 import yaml
 
 from distflow.config import ConfigError, load_config, to_dict
-from distflow.config.schema import ALGORITHMS
+from distflow.config.algorithm import ALGORITHMS
 from distflow.dag import stages
 from distflow.dag.pipelines import LOADER_FIELDS, build_graph
 from distflow.planner.plan import make_plan
@@ -49,9 +52,10 @@ def _overrides(data, prefix=""):
 
 def test_algorithm_settings_and_user_overrides():
     dapo = load_config(None, ["algorithm.name=dapo"]).algorithm
-    assert (dapo.clip_low, dapo.clip_high, dapo.dynamic_sampling, dapo.loss_agg) == (0.2, 0.28, True, "token-mean")
+    assert (dapo.clip.low, dapo.clip.high, dapo.dynamic_sampling.enabled, dapo.loss_agg) == (
+        0.2, 0.28, True, "token-mean")
     gspo = load_config(None, ["algorithm.name=gspo"]).algorithm
-    assert (gspo.clip_low, gspo.clip_high, gspo.policy_loss, gspo.loss_agg) == (
+    assert (gspo.clip.low, gspo.clip.high, gspo.policy_loss, gspo.loss_agg) == (
         3e-4, 4e-4, "gspo", "seq-mean-token-mean")
     dr = load_config(None, ["algorithm.name=dr_grpo"]).algorithm
     assert (dr.norm_adv_by_std, dr.loss_agg, dr.skip_zero_variance_groups) == (
@@ -59,25 +63,26 @@ def test_algorithm_settings_and_user_overrides():
     baseline = load_config(None, ["algorithm.name=reinforce_pp_baseline"]).algorithm
     assert baseline.skip_zero_variance_groups is False  # whitened over every token, as verl/OpenRLHF
     grpo = load_config(None).algorithm
-    assert (grpo.clip_high, grpo.norm_adv_by_std, grpo.dynamic_sampling) == (0.2, True, False)
-    mine = load_config(None, ["algorithm.name=dapo", "algorithm.clip_high=0.3", "algorithm.dynamic_sampling=false"])
-    assert (mine.algorithm.clip_high, mine.algorithm.dynamic_sampling) == (0.3, False)
-    assert "dynamic_sampling" not in order("algorithm.name=dapo", "algorithm.dynamic_sampling=false")
+    assert (grpo.clip.high, grpo.norm_adv_by_std, grpo.dynamic_sampling.enabled) == (0.2, True, False)
+    mine = load_config(None, ["algorithm.name=dapo", "algorithm.clip.high=0.3",
+                              "algorithm.dynamic_sampling.enabled=false"])
+    assert (mine.algorithm.clip.high, mine.algorithm.dynamic_sampling.enabled) == (0.3, False)
+    assert "dynamic_sampling" not in order("algorithm.name=dapo", "algorithm.dynamic_sampling.enabled=false")
 
 
 def test_optional_stages_follow_the_settings():
-    assert order("algorithm.name=dapo", "algorithm.overlong_buffer=2") == (
+    assert order("algorithm.name=dapo", "algorithm.overlong.buffer=2") == (
         HEAD + ["dynamic_sampling", "overlong_penalty", "advantage"] + TAIL)  # filter on the task reward
-    assert order("algorithm.kl_coef=0.1", "algorithm.ppo_epochs=2") == (
+    assert order("algorithm.kl.coef=0.1", "algorithm.ppo_epochs=2") == (
         HEAD + ["advantage", "old_logprob", "reference_logprob"] + TAIL)
-    assert order("algorithm.name=dapo", "algorithm.overlong_buffer=2", "algorithm.reward_clip=1") == (
+    assert order("algorithm.name=dapo", "algorithm.overlong.buffer=2", "algorithm.reward_clip=1") == (
         HEAD + ["reward_clip", "dynamic_sampling", "overlong_penalty", "advantage"] + TAIL)  # clip the functions' score
     graph = build_graph(load_config(None, ["algorithm.name=remax"]))
     assert graph.stages["greedy_baseline"].group == "rollout"  # decoded where the groups are
     in_reward = HEAD + ["old_logprob", "reference_logprob", "kl_reward", "advantage"] + TAIL
-    assert order("algorithm.name=reinforce_pp", "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true") == in_reward
-    assert order("algorithm.name=ppo", "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true",
-                 "algorithm.kl_controller=adaptive") == (
+    assert order("algorithm.name=reinforce_pp", "algorithm.kl.coef=0.1", "algorithm.kl.in_reward=true") == in_reward
+    assert order("algorithm.name=ppo", "algorithm.kl.coef=0.1", "algorithm.kl.in_reward=true",
+                 "algorithm.kl.controller=adaptive") == (
         HEAD + ["old_logprob", "reference_logprob", "kl_reward", "values", "advantage", "policy_update",
                 "critic_update", "weight_sync"])
 
@@ -99,8 +104,8 @@ def test_the_kl_penalty_stage_owns_its_adaptive_coefficient_and_a_checkpoint_res
     from distflow.data.batch import Batch
     from distflow.observability.metrics import StepMetrics
 
-    config = load_config(None, ["algorithm.name=ppo", "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true",
-                                "algorithm.kl_controller=adaptive", "algorithm.kl_target=0.01"])
+    config = load_config(None, ["algorithm.name=ppo", "algorithm.kl.coef=0.1", "algorithm.kl.in_reward=true",
+                                "algorithm.kl.controller=adaptive", "algorithm.kl.target=0.01"])
     comm = Comm(0, 1, 0, 1, torch.device("cpu"))
     ctx = StageContext(config, Engines(tokenizer=None, rewards=None, is_correct=None, sampling=None), comm=comm,
                        world=comm, metrics=StepMetrics())
@@ -120,11 +125,9 @@ def test_the_kl_penalty_stage_owns_its_adaptive_coefficient_and_a_checkpoint_res
     ("overrides", "needle"),
     [
         (["algorithm.name=ppo-ish"], "algorithm.name must be one of"),
-        (["algorithm.loss_agg=mean"], "algorithm.loss_agg must be one of"),
-        (["algorithm.kl_estimator=k4"], "algorithm.kl_estimator must be one of"),
-        (["algorithm.kl_controller=adaptive", "algorithm.kl_coef=0.1"], "kl_in_reward=true"),
-        (["algorithm.dual_clip_c=1"], "dual_clip_c must be 0 (off) or > 1"),
-        (["algorithm.critic_warmup_steps=3"], "only algorithm.name=ppo has one"),
+        (["algorithm.kl.controller=adaptive", "algorithm.kl.coef=0.1"], "kl.in_reward=true"),
+        (["algorithm.clip.dual_c=1"], "clip.dual_c must be 0 (off) or > 1"),
+        (["algorithm.critic.warmup_steps=3"], "only algorithm.name=ppo has one"),
         (["task.train_file=x.jsonl"], "task.train_file and task.heldout_file go together"),
     ],
 )
@@ -136,7 +139,10 @@ def test_config_errors(overrides, needle):
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
-        (["algorithm.overlong_buffer=6"], "must be below rollout.max_new_tokens"),
+        (["algorithm.loss_agg=mean"], "algorithm.loss_agg must be one of"),
+        (["algorithm.kl.estimator=k4"], "algorithm.kl.estimator must be one of"),
+        (["algorithm.policy_loss=grpo"], "algorithm.policy_loss must be one of: ppo, gspo"),
+        (["algorithm.overlong.buffer=6"], "must be below rollout.max_new_tokens"),
         (["algorithm.name=dapo", "placement.rollout.ranks=0", "placement.train.ranks=1"], "same ranks"),
         (["algorithm.name=dapo", "placement.rollout.ranks_per_replica=2"], "same ranks"),
         (["task.train_file=/nonexistent.jsonl", "task.heldout_file=/nonexistent.jsonl"], "is not a file"),
@@ -152,3 +158,13 @@ def test_reward_functions_are_imported_before_launch():
 
     with pytest.raises(ConfigError, match=r"task.rewards\[0\].fn: cannot import"):
         reward_functions(load_config(None, ["task.rewards=[{fn: 'no_such_module:f'}]"]).task)
+
+
+def test_building_and_checking_the_graph_imports_no_torch():
+    """The choice check reads the dispatch tables (`algorithms/kl.py`, `aggregation.py`, the dag's)
+    without importing torch, so a config error shows up at once."""
+    code = ("import sys; from distflow.config import load_config; from distflow.dag.pipelines import build_graph; "
+            "build_graph(load_config(None, ['algorithm.name=ppo', 'algorithm.kl.coef=0.1'])); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

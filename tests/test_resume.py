@@ -118,8 +118,8 @@ def test_disaggregated_resume_gives_rollout_ranks_the_restored_weights(tmp_path,
 def test_resume_restores_a_stage_s_own_state_the_adaptive_kl_coefficient(tmp_path, cache_dir):
     """The in-reward KL coefficient lives in its stage (KLPenalty) and travels in the checkpoint:
     the resumed steps use the coefficient the uninterrupted run had reached, not the initial one."""
-    kl = ["algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true", "algorithm.kl_controller=adaptive",
-          "algorithm.kl_target=0.001", "algorithm.kl_horizon=10"]
+    kl = ["algorithm.kl.coef=0.05", "algorithm.kl.in_reward=true", "algorithm.kl.controller=adaptive",
+          "algorithm.kl.target=0.001", "algorithm.kl.horizon=10"]
     full = train(tmp_path / "cwd", tmp_path, cache_dir, "trainer.run_name=full", *kl)
     assert full.returncode == 0, full.stderr[-3000:]
     resumed = train(tmp_path / "cwd", tmp_path, cache_dir, "trainer.run_name=resumed", *kl,

@@ -25,16 +25,16 @@ SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=tor
 NO_CLIP = ["optim.grad_clip=1e9", "optim.warmup_steps=0"]
 CASES = {
     "token-mean": ["algorithm.loss_agg=token-mean"],
-    "token-sum, straight-through k3+ KL loss": ["algorithm.loss_agg=token-sum", "algorithm.kl_coef=0.1",
-                                                "algorithm.kl_estimator=k3+"],
+    "token-sum, straight-through k3+ KL loss": ["algorithm.loss_agg=token-sum", "algorithm.kl.coef=0.1",
+                                                "algorithm.kl.estimator=k3+"],
     "seq-mean-token-sum": ["algorithm.loss_agg=seq-mean-token-sum"],
     "seq-mean-token-mean": ["algorithm.loss_agg=seq-mean-token-mean"],
     "seq-mean-token-sum-norm (Dr.GRPO)": ["algorithm.name=dr_grpo"],
     "gspo": ["algorithm.name=gspo"],
     "dapo clip-higher, dual-clip, k2 KL loss, entropy": [
-        "algorithm.name=dapo", "algorithm.dual_clip_c=3", "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k2",
+        "algorithm.name=dapo", "algorithm.clip.dual_c=3", "algorithm.kl.coef=0.1", "algorithm.kl.estimator=k2",
         "algorithm.entropy_coef=0.01"],
-    "token-level advantages (REINFORCE++)": ["algorithm.name=reinforce_pp", "algorithm.kl_coef=0.05"],
+    "token-level advantages (REINFORCE++)": ["algorithm.name=reinforce_pp", "algorithm.kl.coef=0.05"],
 }
 
 
@@ -80,7 +80,7 @@ def policy_grads(comm: Comm, overrides: list[str], micro_batch_size: int, rows: 
 
 
 def critic_grads(comm: Comm, micro_batch_size: int, rows: list[int]) -> list[torch.Tensor]:
-    ctx = _context(comm, ["algorithm.name=ppo", "algorithm.value_clip=0.05"], micro_batch_size, critic=True)
+    ctx = _context(comm, ["algorithm.name=ppo", "algorithm.critic.value_clip=0.05"], micro_batch_size, critic=True)
     critic_update(make_batch().select(rows), ctx)
     return [p.grad.clone() for p in ctx.engines.critic.model.parameters()]
 
@@ -139,7 +139,7 @@ def test_two_ranks_match_one_rank():
         _assert_same(single, per_rank[rank]["critic"])
 
 
-KL_LOSS = ["algorithm.kl_coef=0.1", "algorithm.entropy_coef=0.01"]
+KL_LOSS = ["algorithm.kl.coef=0.1", "algorithm.entropy_coef=0.01"]
 
 
 def _grads_of(batch: Batch, overrides: list[str]) -> list[torch.Tensor]:

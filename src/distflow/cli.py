@@ -20,11 +20,13 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import NoReturn
 
 from distflow import preflight
 from distflow.config import Config, ConfigError, load_config
+from distflow.config.deprecated import DeprecatedKeyWarning
 from distflow.envvars import LAUNCHED_ENV, RESUME_ENV, RUN_DIR_ENV, RUN_NAME_ENV, STARTED_ENV
 
 USER_ERROR = 2
@@ -124,13 +126,28 @@ def main(argv: list[str] | None = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        config = load_config(args.config, args.overrides)
+        config = _load_config(args.config, args.overrides)
         if args.command == "plan":
             return _plan(config, args.world_size)
         return _train(config, args, argv)
     except ConfigError as err:
         print(f"distflow: error: {err}", file=sys.stderr)
         return USER_ERROR
+
+
+def _load_config(path: str, overrides: list[str]) -> Config:
+    """`load_config`, with each deprecated key named on one line `distflow: warning: ...`, by the
+    process the user started only (not again by every rank that `--nproc` or torchrun starts)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecatedKeyWarning)
+        config = load_config(path, overrides)
+    first_process = os.environ.get(LAUNCHED_ENV) != "1" and os.environ.get("RANK", "0") == "0"
+    for warning in caught:
+        if not issubclass(warning.category, DeprecatedKeyWarning):
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        elif first_process:
+            print(f"distflow: warning: {warning.message}", file=sys.stderr, flush=True)
+    return config
 
 
 def exit_process(code: int) -> NoReturn:

@@ -27,6 +27,7 @@ multiply by the world size to undo it. Rows are never split across micro-batches
 "seq-mean-token-sum-norm" must be a constant (the configured maximum response length), not
 the padded width of a micro-batch, which varies with the split.
 
+>>> import torch
 >>> loss_BR = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
 >>> mask_BR = torch.tensor([[1, 1, 1], [1, 0, 0]])
 >>> aggregate_loss(loss_BR, mask_BR, LossAgg.SEQ_MEAN_TOKEN_MEAN).item()  # (2 + 4) / 2
@@ -36,8 +37,10 @@ the padded width of a micro-batch, which varies with the split.
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # tensor methods only: the dag's config check reads LossAgg without loading torch
+    import torch
 
 
 class LossAgg(str, enum.Enum):
@@ -54,7 +57,7 @@ def loss_sum(loss_BR: torch.Tensor, mask_BR: torch.Tensor, mode: LossAgg | str) 
     """This shard's numerator: Σ of valid tokens' losses, each row divided by its token count
     for "seq-mean-token-mean". Masked positions contribute nothing, not even a NaN."""
     valid_BR = mask_BR.bool()
-    masked_BR = torch.where(valid_BR, loss_BR, 0.0)
+    masked_BR = loss_BR.where(valid_BR, 0.0)
     if LossAgg(mode) is LossAgg.SEQ_MEAN_TOKEN_MEAN:
         return (masked_BR.sum(-1) / valid_BR.sum(-1).clamp(min=1)).sum()
     return masked_BR.sum()

@@ -28,7 +28,10 @@ Log-ratios are clamped to ±MAX_LOG_RATIO before `exp`: masked positions are mul
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # tensor methods only: the dag's config check reads KL_ESTIMATORS without loading torch
+    import torch
 
 MAX_LOG_RATIO = 20.0
 MAX_K3 = 10.0
@@ -51,7 +54,7 @@ def kl_k3(logp_BR: torch.Tensor, ref_logp_BR: torch.Tensor) -> torch.Tensor:
     Always >= 0, and 0 where the two log-probs agree; clamped at MAX_K3 (no gradient beyond).
     """
     delta_BR = (ref_logp_BR - logp_BR).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    return (torch.exp(delta_BR) - delta_BR - 1.0).clamp(max=MAX_K3)
+    return (delta_BR.exp() - delta_BR - 1.0).clamp(max=MAX_K3)
 
 
 def kl_abs(logp_BR: torch.Tensor, ref_logp_BR: torch.Tensor) -> torch.Tensor:
@@ -83,7 +86,7 @@ def kl_penalized_reward(
     beta: float,
 ) -> torch.Tensor:
     """KL-in-reward: r_t - β·kl_t on valid tokens (masked tokens keep their reward, normally 0)."""
-    return reward_BR - beta * torch.where(mask_BR.bool(), kl_BR, 0.0)
+    return reward_BR - beta * kl_BR.where(mask_BR.bool(), 0.0)
 
 
 class FixedKLController:
@@ -120,11 +123,11 @@ class AdaptiveKLController:
 
 
 def kl_controller(kind: str, value: float, *, target: float, horizon: float):
-    """The controller `algorithm.kl_controller` names (fixed or adaptive), starting at β = `value`."""
+    """The controller `algorithm.kl.controller` names (fixed or adaptive), starting at β = `value`."""
     if kind == "fixed":
         return FixedKLController(value)
     return AdaptiveKLController(value, target, horizon)
 
 
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "abs": kl_abs, "k1+": kl_k1_plus, "k3+": kl_k3_plus}
-"""`algorithm.kl_estimator` → estimator."""
+"""`algorithm.kl.estimator` → estimator."""

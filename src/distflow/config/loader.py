@@ -12,29 +12,37 @@ from typing import Any
 
 import yaml
 
+from distflow.config.deprecated import old_keys_of, upgrade_old_keys, upgrade_old_overrides
 from distflow.config.schema import Config, ConfigError
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} " + ("is a directory" if path.is_dir() else "does not exist"))
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except UnicodeDecodeError as err:
-            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text "
-                              f"({err.reason} at byte {err.start})") from None
-        except OSError as err:
-            raise ConfigError(f"config file {str(path)!r} cannot be read: {err.strerror or err}") from None
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}".replace("\n", " ")) from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
-    for item in overrides:
+    """The config of YAML file `path` (None: the defaults) with `key=value` overrides applied.
+    Old flat keys are read as their new ones, with a warning (`deprecated.py`)."""
+    data = _read_file(path) if path is not None else {}
+    upgrade_old_keys(data)
+    for item in upgrade_old_overrides(list(overrides)):
         apply_override(data, item)
+    upgrade_old_keys(data)  # old keys inside a section given whole: `algorithm={kl_coef: 0.1}`
     return build(Config, data, "")
+
+
+def _read_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} " + ("is a directory" if path.is_dir() else "does not exist"))
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text "
+                          f"({err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {err.strerror or err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}".replace("\n", " ")) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+    return data
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:
@@ -63,9 +71,7 @@ def build(cls: type, data: Any, where: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
         if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f"; did you mean {_join(where, close[0])!r}?" if close else f"; valid keys: {', '.join(fields)}"
-            raise ConfigError(f"unknown config key {_join(where, key)!r}{hint}")
+            raise ConfigError(_unknown_key(str(key), list(fields), where))
     kwargs = {name: convert(hints[name], value, _join(where, name)) for name, value in data.items()}
     missing = [
         name for name, f in fields.items()
@@ -140,6 +146,15 @@ def to_dict(config: Config) -> dict[str, Any]:
         return value
 
     return plain(dataclasses.asdict(config))
+
+
+def _unknown_key(key: str, fields: list[str], where: str) -> str:
+    """The error for `key`, with the closest valid key (a typo of an old flat key: its new key)."""
+    old_keys = old_keys_of(where)
+    close = difflib.get_close_matches(key, fields + list(old_keys), n=1)
+    if not close:
+        return f"unknown config key {_join(where, key)!r}; valid keys: {', '.join(fields)}"
+    return f"unknown config key {_join(where, key)!r}; did you mean {old_keys.get(close[0], _join(where, close[0]))!r}?"
 
 
 def _join(where: str, key: str) -> str:

@@ -2,25 +2,19 @@
 
 Each section is a kw-only dataclass documented field by field and validated in
 `__post_init__`; a violation raises `ConfigError` naming the dotted key and the fix.
-YAML files and `key.sub=value` overrides are turned into these by `config.loader`.
+YAML files and `key.sub=value` overrides are turned into these by `config.loader`. The
+`algorithm` section and its sub-sections are in `algorithm.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-class ConfigError(ValueError):
-    """A user error in the configuration; the CLI prints it on one line and exits 2."""
-
+from distflow.config.algorithm import AlgorithmConfig
+from distflow.config.errors import ConfigError, check  # noqa: F401 (ConfigError is imported from here widely)
 
 FLOAT32_MAX = 3.4028234663852886e38
 """Rewards are float32 tensors: a larger default reward would be inf there."""
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 @dataclass(kw_only=True)
@@ -43,7 +37,7 @@ class RewardSpec:
     """Metric name (`reward/<name>`); defaults to the function's name."""
 
     def __post_init__(self) -> None:
-        _check(":" in self.fn, f"task.rewards[].fn must look like 'package.module:function' (got {self.fn!r})")
+        check(":" in self.fn, f"task.rewards[].fn must look like 'package.module:function' (got {self.fn!r})")
 
 
 @dataclass(kw_only=True)
@@ -69,13 +63,13 @@ class TaskConfig:
     """Held-out rows in the same format (evaluation); required with `train_file`."""
 
     def __post_init__(self) -> None:
-        _check(1 <= self.num_digits <= 3, f"task.num_digits must be in 1..3 (got {self.num_digits})")
-        _check(self.num_heldout >= 1, f"task.num_heldout must be >= 1 (got {self.num_heldout})")
-        _check(":" in self.reward, f"task.reward must look like 'package.module:function' (got {self.reward!r})")
-        _check(self.reward_timeout_s >= 0, f"task.reward_timeout_s must be >= 0 (got {self.reward_timeout_s})")
-        _check(abs(self.default_reward) <= FLOAT32_MAX,
+        check(1 <= self.num_digits <= 3, f"task.num_digits must be in 1..3 (got {self.num_digits})")
+        check(self.num_heldout >= 1, f"task.num_heldout must be >= 1 (got {self.num_heldout})")
+        check(":" in self.reward, f"task.reward must look like 'package.module:function' (got {self.reward!r})")
+        check(self.reward_timeout_s >= 0, f"task.reward_timeout_s must be >= 0 (got {self.reward_timeout_s})")
+        check(abs(self.default_reward) <= FLOAT32_MAX,
                f"task.default_reward must fit in float32, |x| <= 3.4e38 (got {self.default_reward})")
-        _check((self.train_file is None) == (self.heldout_file is None),
+        check((self.train_file is None) == (self.heldout_file is None),
                "task.train_file and task.heldout_file go together: set both (a dataset task) or neither")
 
 
@@ -95,13 +89,13 @@ class WarmstartConfig:
     """Warm-started checkpoints are kept here, keyed by everything that shapes them."""
 
     def __post_init__(self) -> None:
-        _check(0 <= self.target_accuracy < 1,
+        check(0 <= self.target_accuracy < 1,
                f"warmstart.target_accuracy must be in [0, 1) (got {self.target_accuracy})")
-        _check(self.max_steps >= 1, f"warmstart.max_steps must be >= 1 (got {self.max_steps})")
-        _check(self.check_every >= 1, f"warmstart.check_every must be >= 1 (got {self.check_every})")
-        _check(self.num_validation >= 10, f"warmstart.num_validation must be >= 10 (got {self.num_validation})")
-        _check(self.batch_size >= 1, f"warmstart.batch_size must be >= 1 (got {self.batch_size})")
-        _check(self.lr > 0, f"warmstart.lr must be > 0 (got {self.lr})")
+        check(self.max_steps >= 1, f"warmstart.max_steps must be >= 1 (got {self.max_steps})")
+        check(self.check_every >= 1, f"warmstart.check_every must be >= 1 (got {self.check_every})")
+        check(self.num_validation >= 10, f"warmstart.num_validation must be >= 10 (got {self.num_validation})")
+        check(self.batch_size >= 1, f"warmstart.batch_size must be >= 1 (got {self.batch_size})")
+        check(self.lr > 0, f"warmstart.lr must be > 0 (got {self.lr})")
 
 
 @dataclass(kw_only=True)
@@ -113,143 +107,10 @@ class RolloutConfig:
     max_new_tokens: int = 6
 
     def __post_init__(self) -> None:
-        _check(self.num_samples >= 2, f"rollout.num_samples must be >= 2 for group advantages (got {self.num_samples})")
-        _check(self.temperature > 0, f"rollout.temperature must be > 0 (got {self.temperature})")
-        _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1] (got {self.top_p})")
-        _check(self.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1 (got {self.max_new_tokens})")
-
-
-ALGORITHMS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gspo", "ppo")
-# The names of the tables in `algorithms/` (importing those would import torch; a test checks they match).
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-POLICY_LOSSES = ("ppo", "gspo")
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+")
-
-# The settings in which the built-in algorithms differ. A field of `AlgorithmConfig` left
-# unset (null) takes its algorithm's value here, else the common one.
-COMMON_SETTINGS = {
-    "clip_low": 0.2, "clip_high": 0.2, "policy_loss": "ppo", "loss_agg": "token-mean",
-    "norm_adv_by_std": True, "skip_zero_variance_groups": True, "dynamic_sampling": False,
-}
-ALGORITHM_SETTINGS = {
-    "grpo": {},
-    # Dr.GRPO (Liu et al. 2025): no std division, and a constant normaliser (sequences x
-    # max length, zero-variance groups included) so no length or difficulty bias.
-    "dr_grpo": {"norm_adv_by_std": False, "loss_agg": "seq-mean-token-sum-norm", "skip_zero_variance_groups": False},
-    # DAPO (Yu et al. 2025): clip-higher, token-mean, dynamic sampling (+ overlong penalty, opt-in).
-    "dapo": {"clip_high": 0.28, "dynamic_sampling": True},
-    "rloo": {},
-    "reinforce_pp": {},
-    # REINFORCE++-baseline (verl, OpenRLHF): whitened over every response token of the step,
-    # groups with equal rewards included (their centred advantage is 0 before whitening).
-    "reinforce_pp_baseline": {"skip_zero_variance_groups": False},
-    # ReMax (Li et al. 2023): r - r(greedy completion of the prompt), not whitened (as verl).
-    # A group whose rewards all equal the greedy one has no signal; kept like verl does.
-    "remax": {"skip_zero_variance_groups": False},
-    # GSPO (Zheng et al. 2025): the ratio is per sequence (a geometric mean), hence tiny bounds.
-    "gspo": {"clip_low": 3e-4, "clip_high": 4e-4, "policy_loss": "gspo", "loss_agg": "seq-mean-token-mean"},
-    "ppo": {},
-}
-
-
-@dataclass(kw_only=True)
-class AlgorithmConfig:
-    name: str = "grpo"
-    """Built-in pipeline: grpo, dr_grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, remax, gspo, ppo."""
-    clip_low: float | None = None
-    """PPO ratio lower bound is 1 - clip_low (null: the algorithm's, 0.2; GSPO 3e-4)."""
-    clip_high: float | None = None
-    """PPO ratio upper bound is 1 + clip_high (null: 0.2; DAPO's clip-higher 0.28; GSPO 4e-4)."""
-    dual_clip_c: float = 0.0
-    """> 1: dual-clip PPO, the loss of a token with A < 0 is capped at -A·c (verl uses 3); 0: off."""
-    policy_loss: str | None = None
-    """ppo (token ratio) or gspo (sequence ratio); null: the algorithm's."""
-    loss_agg: str | None = None
-    """token-mean, token-sum (no normaliser), seq-mean-token-sum, seq-mean-token-mean or
-    seq-mean-token-sum-norm; the normaliser is global over ranks and micro-batches. null: the algorithm's."""
-    norm_adv_by_std: bool | None = None
-    """GRPO/DAPO/GSPO: divide group-centred rewards by the group's (unbiased) std (Dr.GRPO: false)."""
-    skip_zero_variance_groups: bool | None = None
-    """Exclude groups whose rewards are all equal from the loss and its normaliser
-    (group-baseline estimators; Dr.GRPO keeps them; ReMax: groups whose rewards all equal
-    the greedy baseline)."""
-    reward_clip: float = 0.0
-    """> 0: rewards are clamped to [-reward_clip, reward_clip] right after the reward functions
-    (before dynamic sampling, the overlong penalty, the KL penalty and the advantage); 0: off."""
-    kl_coef: float = 0.0
-    """β of the KL to the frozen reference; 0 drops the reference stage."""
-    kl_estimator: str = "k3"
-    """k1, k2, k3 (Schulman's estimators), abs (|log-ratio|), or k1+ / k3+: the value of k1 / k3
-    with the gradient of k2 (verl's straight-through variants; k3+ is verl's low_var_kl+)."""
-    kl_in_reward: bool = False
-    """false: β·KL is a loss term; true: -β·KL is added to every token's reward before the advantage."""
-    kl_controller: str = "fixed"
-    """fixed or adaptive (Ziegler et al.: β steered towards `kl_target`; needs kl_in_reward)."""
-    kl_target: float = 0.1
-    kl_horizon: float = 10000.0
-    entropy_coef: float = 0.0
-    """Entropy bonus: -entropy_coef·H is added to the per-token loss."""
-    gamma: float = 1.0
-    """Discount (PPO's GAE, REINFORCE++'s return-to-go)."""
-    lam: float = 1.0
-    """GAE's λ (PPO)."""
-    ppo_epochs: int = 1
-    num_mini_batches: int = 1
-    """Optimizer steps per epoch over one rollout batch; >1 turns on the old-log-prob stage."""
-    dynamic_sampling: bool | None = None
-    """DAPO: drop groups with equal rewards and sample more prompts until the step has
-    `trainer.prompts_per_step` groups with signal (over all ranks). null: on for dapo."""
-    max_sampling_rounds: int = 4
-    """Dynamic sampling draws at most this many batches per step (then trains on what it has)."""
-    overlong_buffer: int = 0
-    """DAPO's soft overlong penalty: responses longer than max_new_tokens - this lose up to
-    `overlong_penalty` linearly; 0: off."""
-    overlong_penalty: float = 1.0
-    critic_lr: float = 1e-3
-    """PPO: the critic's learning rate (its other optimizer settings are `optim`'s)."""
-    value_clip: float = 0.5
-    """PPO: the new value may move at most this far from the old one in the clipped value loss."""
-    critic_warmup_steps: int = 0
-    """PPO: train only the critic for this many steps first."""
-
-    def __post_init__(self) -> None:
-        _check(self.name in ALGORITHMS, f"algorithm.name must be one of: {', '.join(ALGORITHMS)} (got {self.name!r})")
-        for key, value in {**COMMON_SETTINGS, **ALGORITHM_SETTINGS[self.name]}.items():
-            if getattr(self, key) is None:
-                setattr(self, key, value)
-        _check(0 < self.clip_low < 1, f"algorithm.clip_low must be in (0, 1) (got {self.clip_low})")
-        _check(self.clip_high > 0, f"algorithm.clip_high must be > 0 (got {self.clip_high})")
-        _check(self.dual_clip_c == 0 or self.dual_clip_c > 1,
-               f"algorithm.dual_clip_c must be 0 (off) or > 1 (got {self.dual_clip_c})")
-        _check(self.policy_loss in POLICY_LOSSES,
-               f"algorithm.policy_loss must be one of: {', '.join(POLICY_LOSSES)} (got {self.policy_loss!r})")
-        _check(self.loss_agg in LOSS_AGG_MODES,
-               f"algorithm.loss_agg must be one of: {', '.join(LOSS_AGG_MODES)} (got {self.loss_agg!r})")
-        _check(self.reward_clip >= 0, f"algorithm.reward_clip must be >= 0 (0: off; got {self.reward_clip})")
-        _check(self.kl_coef >= 0, f"algorithm.kl_coef must be >= 0 (got {self.kl_coef})")
-        _check(self.kl_estimator in KL_ESTIMATORS,
-               f"algorithm.kl_estimator must be one of: {', '.join(KL_ESTIMATORS)} (got {self.kl_estimator!r})")
-        _check(self.kl_controller in ("fixed", "adaptive"),
-               f"algorithm.kl_controller must be fixed or adaptive (got {self.kl_controller!r})")
-        _check(self.kl_controller == "fixed" or (self.kl_in_reward and self.kl_coef > 0),
-               "algorithm.kl_controller=adaptive steers an in-reward KL: set algorithm.kl_in_reward=true "
-               "and algorithm.kl_coef > 0 (the initial coefficient)")
-        _check(self.kl_target > 0 and self.kl_horizon > 0, "algorithm.kl_target and algorithm.kl_horizon must be > 0")
-        _check(self.entropy_coef >= 0, f"algorithm.entropy_coef must be >= 0 (got {self.entropy_coef})")
-        _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1,
-               f"algorithm.gamma and algorithm.lam must be in [0, 1] (got {self.gamma}, {self.lam})")
-        _check(self.ppo_epochs >= 1, f"algorithm.ppo_epochs must be >= 1 (got {self.ppo_epochs})")
-        _check(self.num_mini_batches >= 1, f"algorithm.num_mini_batches must be >= 1 (got {self.num_mini_batches})")
-        _check(self.max_sampling_rounds >= 1,
-               f"algorithm.max_sampling_rounds must be >= 1 (got {self.max_sampling_rounds})")
-        _check(self.overlong_buffer >= 0, f"algorithm.overlong_buffer must be >= 0 (got {self.overlong_buffer})")
-        _check(self.overlong_penalty >= 0, f"algorithm.overlong_penalty must be >= 0 (got {self.overlong_penalty})")
-        _check(self.critic_lr > 0, f"algorithm.critic_lr must be > 0 (got {self.critic_lr})")
-        _check(self.value_clip > 0, f"algorithm.value_clip must be > 0 (got {self.value_clip})")
-        _check(self.critic_warmup_steps >= 0,
-               f"algorithm.critic_warmup_steps must be >= 0 (got {self.critic_warmup_steps})")
-        _check(self.critic_warmup_steps == 0 or self.name == "ppo",
-               "algorithm.critic_warmup_steps needs a critic: only algorithm.name=ppo has one")
+        check(self.num_samples >= 2, f"rollout.num_samples must be >= 2 for group advantages (got {self.num_samples})")
+        check(self.temperature > 0, f"rollout.temperature must be > 0 (got {self.temperature})")
+        check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1] (got {self.top_p})")
+        check(self.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1 (got {self.max_new_tokens})")
 
 
 @dataclass(kw_only=True)
@@ -262,11 +123,11 @@ class OptimConfig:
     grad_clip: float = 1.0
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, f"optim.lr must be > 0 (got {self.lr})")
-        _check(all(0 <= b < 1 for b in self.betas), f"optim.betas must be in [0, 1) (got {list(self.betas)})")
-        _check(self.weight_decay >= 0, f"optim.weight_decay must be >= 0 (got {self.weight_decay})")
-        _check(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0 (got {self.warmup_steps})")
-        _check(self.grad_clip > 0, f"optim.grad_clip must be > 0 (got {self.grad_clip})")
+        check(self.lr > 0, f"optim.lr must be > 0 (got {self.lr})")
+        check(all(0 <= b < 1 for b in self.betas), f"optim.betas must be in [0, 1) (got {list(self.betas)})")
+        check(self.weight_decay >= 0, f"optim.weight_decay must be >= 0 (got {self.weight_decay})")
+        check(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0 (got {self.warmup_steps})")
+        check(self.grad_clip > 0, f"optim.grad_clip must be > 0 (got {self.grad_clip})")
 
 
 @dataclass(kw_only=True)
@@ -310,23 +171,23 @@ class TrainerConfig:
     gradient (each skip is counted in train/nonfinite_grad_steps); 0 never aborts."""
 
     def __post_init__(self) -> None:
-        _check(self.total_steps >= 1, f"trainer.total_steps must be >= 1 (got {self.total_steps})")
-        _check(self.prompts_per_step >= 1, f"trainer.prompts_per_step must be >= 1 (got {self.prompts_per_step})")
-        _check(self.micro_batch_size >= 1, f"trainer.micro_batch_size must be >= 1 (got {self.micro_batch_size})")
-        _check(self.eval_every >= 0, f"trainer.eval_every must be >= 0 (got {self.eval_every})")
-        _check(self.eval_samples >= 1, f"trainer.eval_samples must be >= 1 (got {self.eval_samples})")
-        _check(self.device in ("auto", "cpu", "cuda"), f"trainer.device must be auto, cpu or cuda (got {self.device!r})")
-        _check(self.timeout_s >= 10, f"trainer.timeout_s must be >= 10 (got {self.timeout_s})")
-        _check(self.micro_batch_tokens >= 0, f"trainer.micro_batch_tokens must be >= 0 (got {self.micro_batch_tokens})")
-        _check(self.stage_timeout_s == 0 or self.stage_timeout_s >= 1,
+        check(self.total_steps >= 1, f"trainer.total_steps must be >= 1 (got {self.total_steps})")
+        check(self.prompts_per_step >= 1, f"trainer.prompts_per_step must be >= 1 (got {self.prompts_per_step})")
+        check(self.micro_batch_size >= 1, f"trainer.micro_batch_size must be >= 1 (got {self.micro_batch_size})")
+        check(self.eval_every >= 0, f"trainer.eval_every must be >= 0 (got {self.eval_every})")
+        check(self.eval_samples >= 1, f"trainer.eval_samples must be >= 1 (got {self.eval_samples})")
+        check(self.device in ("auto", "cpu", "cuda"), f"trainer.device must be auto, cpu or cuda (got {self.device!r})")
+        check(self.timeout_s >= 10, f"trainer.timeout_s must be >= 10 (got {self.timeout_s})")
+        check(self.micro_batch_tokens >= 0, f"trainer.micro_batch_tokens must be >= 0 (got {self.micro_batch_tokens})")
+        check(self.stage_timeout_s == 0 or self.stage_timeout_s >= 1,
                f"trainer.stage_timeout_s must be 0 (off) or >= 1 (got {self.stage_timeout_s})")
-        _check(self.stage_timeout_factor == 0 or self.stage_timeout_factor >= 2,
+        check(self.stage_timeout_factor == 0 or self.stage_timeout_factor >= 2,
                f"trainer.stage_timeout_factor must be 0 (off) or >= 2 (got {self.stage_timeout_factor})")
-        _check(self.stage_timeout_floor_s >= 1,
+        check(self.stage_timeout_floor_s >= 1,
                f"trainer.stage_timeout_floor_s must be >= 1 (got {self.stage_timeout_floor_s})")
-        _check(self.max_nonfinite_steps >= 0,
+        check(self.max_nonfinite_steps >= 0,
                f"trainer.max_nonfinite_steps must be >= 0 (got {self.max_nonfinite_steps})")
-        _check(self.run_name is None or (self.run_name.strip() not in ("", ".", "..")
+        check(self.run_name is None or (self.run_name.strip() not in ("", ".", "..")
                                          and not any(c in self.run_name for c in "/\\\0")),
                f"trainer.run_name must be a plain directory name, without '/' and not '..' (got {self.run_name!r}); "
                "to write elsewhere, set trainer.output_dir")
@@ -346,8 +207,8 @@ class CheckpointConfig:
     """Where checkpoints go; defaults to <run dir>/checkpoints. Every rank must see it."""
 
     def __post_init__(self) -> None:
-        _check(self.every >= 0, f"checkpoint.every must be >= 0 (got {self.every})")
-        _check(self.keep_last >= 1, f"checkpoint.keep_last must be >= 1 (got {self.keep_last})")
+        check(self.every >= 0, f"checkpoint.every must be >= 0 (got {self.every})")
+        check(self.keep_last >= 1, f"checkpoint.keep_last must be >= 1 (got {self.keep_last})")
 
 
 @dataclass(kw_only=True)
@@ -364,9 +225,9 @@ class DataConfig:
     out of the epoch order (counted by reason in the log and in `data/skipped_rows`)."""
 
     def __post_init__(self) -> None:
-        _check(self.on_invalid_row in ("error", "skip"),
+        check(self.on_invalid_row in ("error", "skip"),
                f"data.on_invalid_row must be error or skip (got {self.on_invalid_row!r})")
-        _check(self.max_prompt_tokens >= 0, f"data.max_prompt_tokens must be >= 0 (got {self.max_prompt_tokens})")
+        check(self.max_prompt_tokens >= 0, f"data.max_prompt_tokens must be >= 0 (got {self.max_prompt_tokens})")
 
 
 @dataclass(kw_only=True)
@@ -380,7 +241,7 @@ class LayoutSpec:
     size is len(ranks) / ranks_per_replica. Every rank of a replica holds the replica's data."""
 
     def __post_init__(self) -> None:
-        _check(self.ranks_per_replica >= 1, f"ranks_per_replica must be >= 1 (got {self.ranks_per_replica})")
+        check(self.ranks_per_replica >= 1, f"ranks_per_replica must be >= 1 (got {self.ranks_per_replica})")
 
 
 @dataclass(kw_only=True)
@@ -413,11 +274,11 @@ class StageSpec:
     """> 0: a fixed stall limit for this stage instead of the trainer's (trainer.stage_timeout_*)."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.name), "pipeline.custom_stages[].name must not be empty")
-        _check(self.timeout_s >= 0, f"stage {self.name!r}: timeout_s must be >= 0 (got {self.timeout_s})")
-        _check(self.placement in ("train", "rollout"),
+        check(bool(self.name), "pipeline.custom_stages[].name must not be empty")
+        check(self.timeout_s >= 0, f"stage {self.name!r}: timeout_s must be >= 0 (got {self.timeout_s})")
+        check(self.placement in ("train", "rollout"),
                f"stage {self.name!r}: placement must be train or rollout (got {self.placement!r})")
-        _check(":" in self.fn, f"stage {self.name!r}: fn must look like 'package.module:function' (got {self.fn!r})")
+        check(":" in self.fn, f"stage {self.name!r}: fn must look like 'package.module:function' (got {self.fn!r})")
 
 
 @dataclass(kw_only=True)
@@ -444,7 +305,7 @@ class Config:
         held_back = self.task.num_heldout
         if self.model.path is None and self.warmstart.target_accuracy > 0:
             held_back += self.warmstart.num_validation
-        _check(
+        check(
             held_back < num_problems,
             f"task.num_heldout={self.task.num_heldout} (+ warmstart.num_validation="
             f"{self.warmstart.num_validation} for the warm-start) leaves none of the {num_problems} problems "

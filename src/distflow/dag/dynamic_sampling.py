@@ -6,7 +6,7 @@ central process.
     ────────────────────────────────────────────────────────────────────────────────
     keep my groups with reward variance > 0
     loop: all_reduce [kept groups, drawn groups]           2 numbers
-          enough (≥ prompts_per_step) or max_sampling_rounds drawn?  → stop
+          enough (≥ prompts_per_step) or max_rounds drawn?  → stop
           next loader batch (my share) → rollout → reward → ... (the stages this one
           depends on, rerun as they ran on the first batch) → keep my signal groups
     K = min(prompts_per_step, kept)
@@ -19,8 +19,9 @@ Invariants: the chosen groups depend only on the loader order and the seed, not 
 world size (each round draws the same global prompts; ids are global), so neither do the
 trained samples and tokens of a short step; whole groups stay on one rank. The update
 stages accept unequal (even empty) shares: their normalisers are global. If no group
-has signal after `max_sampling_rounds`, the first batch goes on unchanged (its advantages
-are all zero and the update is skipped). Needs rollout and training on the same ranks.
+has signal after `algorithm.dynamic_sampling.max_rounds` rounds, the first batch goes on
+unchanged (its advantages are all zero and the update is skipped). Needs rollout and
+training on the same ranks.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class DynamicSampling:
         """Rounds drawn, their signal groups, and the global counts of kept and drawn groups."""
         import torch
 
-        comm, max_rounds = ctx.comm, ctx.config.algorithm.max_sampling_rounds
+        comm, max_rounds = ctx.comm, ctx.config.algorithm.dynamic_sampling.max_rounds
         rounds, kept = [batch], [_signal_groups(batch)]
         seconds: dict[str, float] = {}  # time in each upstream stage over the extra rounds
         while True:

@@ -1,7 +1,7 @@
-"""Built-in pipelines as short builder functions; copy one to write your own.
+"""The built-in pipelines: one skeleton, built by `policy_gradient`; copy it to write your own.
 
-Every built-in is the same skeleton with a different advantage estimator (and, for PPO, a
-critic); the rest is chosen by the algorithm settings (`config.schema.ALGORITHM_SETTINGS`):
+Every built-in is the skeleton with its advantage estimator (and, for PPO, a critic), as
+`config.algorithm.ALGORITHMS` says; the rest is chosen by the algorithm's settings:
 
     rollout → [greedy_baseline] → reward → [reward_clip] → [dynamic_sampling] → [overlong_penalty]
               (ReMax)           (algorithm.reward_clip > 0)
@@ -21,7 +21,8 @@ critic); the rest is chosen by the algorithm settings (`config.schema.ALGORITHM_
 `old_logprob` runs only when one rollout batch feeds several optimizer steps or the KL
 is folded into the reward (with a single on-policy step the ratio's denominator is the
 detached current log-prob, bit for bit). `reference_logprob` runs only with a KL term.
-Custom stages from the config are inserted by `build_graph`.
+Custom stages from the config are inserted by `build_graph`, which first checks the
+settings that name an entry of a dispatch table against that table (`check_choices`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from distflow.algorithms.aggregation import LossAgg
+from distflow.algorithms.kl import KL_ESTIMATORS
+from distflow.config.algorithm import ALGORITHMS
 from distflow.config.callables import import_callable
-from distflow.config.schema import ALGORITHMS, Config
+from distflow.config.errors import check_one_of
+from distflow.config.schema import Config
 from distflow.dag import stages, update_stages
 from distflow.dag.advantage_stages import ESTIMATORS, Estimator
 from distflow.dag.dynamic_sampling import DynamicSampling
@@ -66,18 +71,18 @@ def policy_gradient(config: Config, estimator: Estimator, *, critic: bool = Fals
     chain.add("reward", stages.reward, "reward", ("prompt", "completion", "sample"), ("reward",))
     if algo.reward_clip > 0:  # the reward functions' score, before any shaping (as OpenRLHF clips the RM's)
         chain.add("reward_clip", stages.reward_clip, "reward", ("reward",), ("reward",))
-    if algo.dynamic_sampling:  # on the task's reward, before length shaping (DAPO keeps 0 < #correct < G)
+    if algo.dynamic_sampling.enabled:  # on the task's reward, before length shaping (DAPO keeps 0 < #correct < G)
         chain.add("dynamic_sampling", DynamicSampling(), "filter", ("reward", "group"))
-    if algo.overlong_buffer > 0:
+    if algo.overlong.buffer > 0:
         chain.add("overlong_penalty", stages.overlong_penalty, "reward", ("reward", "response_mask"), ("reward",))
-    kl_in_reward = algo.kl_coef > 0 and algo.kl_in_reward
+    kl_in_reward = algo.kl.coef > 0 and algo.kl.in_reward
     old_logprob = algo.ppo_epochs * algo.num_mini_batches > 1 or kl_in_reward
     update_reads = [*SEQUENCE, "advantage", "sample_mask"] + (["old_logp"] if old_logprob else [])
 
     def logprob_stages() -> None:
         if old_logprob:
             chain.add("old_logprob", stages.old_logprob, "logprob", SEQUENCE, ("old_logp",), uses=("policy",))
-        if algo.kl_coef > 0:
+        if algo.kl.coef > 0:
             chain.add("reference_logprob", stages.reference_logprob, "logprob", SEQUENCE, ("ref_logp",),
                       uses=("reference",))
 
@@ -91,7 +96,7 @@ def policy_gradient(config: Config, estimator: Estimator, *, critic: bool = Fals
     chain.add("advantage", estimator.fn, "advantage", estimator.reads + extra, estimator.writes)
     if not kl_in_reward:
         logprob_stages()
-        if algo.kl_coef > 0:
+        if algo.kl.coef > 0:
             update_reads.append("ref_logp")
     chain.add("policy_update", update_stages.policy_update, "train", update_reads, uses=("policy",))
     if critic:
@@ -101,44 +106,28 @@ def policy_gradient(config: Config, estimator: Estimator, *, critic: bool = Fals
     return chain.graph
 
 
-def grpo(config: Config) -> Graph:
-    """GRPO, and Dr.GRPO / DAPO / GSPO, which differ from it only in settings."""
-    return policy_gradient(config, ESTIMATORS["grpo"])
+def builtin(config: Config) -> Graph:
+    """The pipeline of `algorithm.name`: the skeleton with its estimator, and its critic if it has one."""
+    algorithm = ALGORITHMS[config.algorithm.name]
+    estimator = ESTIMATORS[algorithm.estimator]
+    # An estimator that reads the greedy completion's reward gets the stage that writes it (ReMax).
+    return policy_gradient(config, estimator, critic=algorithm.critic,
+                           greedy_baseline="baseline_reward" in estimator.reads)
 
 
-def rloo(config: Config) -> Graph:
-    return policy_gradient(config, ESTIMATORS["rloo"])
-
-
-def remax(config: Config) -> Graph:
-    return policy_gradient(config, ESTIMATORS["remax"], greedy_baseline=True)
-
-
-def reinforce_pp(config: Config) -> Graph:
-    return policy_gradient(config, ESTIMATORS["reinforce_pp"])
-
-
-def reinforce_pp_baseline(config: Config) -> Graph:
-    return policy_gradient(config, ESTIMATORS["reinforce_pp_baseline"])
-
-
-def ppo(config: Config) -> Graph:
-    return policy_gradient(config, ESTIMATORS["gae"], critic=True)
-
-
-PIPELINES = {
-    "grpo": grpo, "dr_grpo": grpo, "dapo": grpo, "gspo": grpo,
-    "rloo": rloo, "reinforce_pp": reinforce_pp, "reinforce_pp_baseline": reinforce_pp_baseline, "remax": remax,
-    "ppo": ppo,
-}
-assert set(PIPELINES) == set(ALGORITHMS), "every algorithm.name has a builder"
+def check_choices(config: Config) -> None:
+    """Settings that pick an entry of a dispatch table must name one (a ConfigError lists them)."""
+    algo = config.algorithm
+    check_one_of("algorithm.policy_loss", algo.policy_loss, update_stages.POLICY_LOSSES)
+    check_one_of("algorithm.loss_agg", algo.loss_agg, [mode.value for mode in LossAgg])
+    check_one_of("algorithm.kl.estimator", algo.kl.estimator, KL_ESTIMATORS)
 
 
 def _check_settings(config: Config) -> None:
     """Settings that involve more than the algorithm section."""
     algo, placement = config.algorithm, config.placement
-    if algo.overlong_buffer >= config.rollout.max_new_tokens:
-        raise GraphError(f"algorithm.overlong_buffer={algo.overlong_buffer} must be below rollout.max_new_tokens="
+    if algo.overlong.buffer >= config.rollout.max_new_tokens:
+        raise GraphError(f"algorithm.overlong.buffer={algo.overlong.buffer} must be below rollout.max_new_tokens="
                          f"{config.rollout.max_new_tokens}")
     for key in ("train_file", "heldout_file"):
         path = getattr(config.task, key)
@@ -147,7 +136,8 @@ def _check_settings(config: Config) -> None:
     if config.task.train_file is not None and config.model.path is None:
         raise GraphError("task.train_file needs a model that reads text: set model.path (the embedded model "
                          "only knows the addition task's characters)")
-    if algo.dynamic_sampling and (placement.rollout != placement.train or placement.rollout.ranks_per_replica != 1):
+    colocated = placement.rollout == placement.train and placement.rollout.ranks_per_replica == 1
+    if algo.dynamic_sampling.enabled and not colocated:
         raise GraphError("algorithm.dynamic_sampling draws extra batches inside the step and needs rollout and "
                          "training on the same ranks: leave placement.rollout and placement.train at their defaults")
 
@@ -168,8 +158,9 @@ def _bind_upstream(graph: Graph, name: str, initial_fields) -> None:
 
 def build_graph(config: Config) -> Graph:
     """The configured built-in pipeline plus the config's custom stages."""
+    check_choices(config)
     _check_settings(config)
-    graph = PIPELINES[config.algorithm.name](config)
+    graph = builtin(config)
     for spec in config.pipeline.custom_stages:
         fn = import_callable(spec.fn, key=f"custom stage {spec.name!r}")
         graph.add(Stage(spec.name, fn, "custom", tuple(spec.after), tuple(spec.reads), tuple(spec.writes),

@@ -124,13 +124,13 @@ def reward(batch: Batch, ctx: StageContext) -> Batch:
 
 
 def overlong_penalty(batch: Batch, ctx: StageContext) -> Batch:
-    """DAPO's soft overlong punishment added to the reward (`algorithm.overlong_buffer` > 0)."""
+    """DAPO's soft overlong punishment added to the reward (`algorithm.overlong.buffer` > 0)."""
     from distflow.algorithms.shaping import overlong_penalty as penalty_of
 
     algo = ctx.config.algorithm
     length_B = batch["response_mask"].sum(-1)
-    penalty_B = penalty_of(length_B, max_length=ctx.engines.sampling.max_new_tokens, buffer=algo.overlong_buffer,
-                           penalty=algo.overlong_penalty).to(batch["reward"].dtype)
+    penalty_B = penalty_of(length_B, max_length=ctx.engines.sampling.max_new_tokens, buffer=algo.overlong.buffer,
+                           penalty=algo.overlong.penalty).to(batch["reward"].dtype)
     ctx.metrics.mean("reward/overlong_penalty", float(penalty_B.sum()), len(batch))
     return batch.updated(reward=batch["reward"] + penalty_B)
 
@@ -170,14 +170,14 @@ def values(batch: Batch, ctx: StageContext) -> Batch:
 class KLPenalty:
     """KL-in-reward: the per-token penalty β·KL(old ‖ ref) that the advantage stage subtracts.
 
-    The stage owns β: fixed, or adaptive towards `algorithm.kl_target` (Ziegler et al.), in
+    The stage owns β: fixed, or adaptive towards `algorithm.kl.target` (Ziegler et al.), in
     which case it changes every step and a checkpoint keeps it (`state_dict`). The adaptive
     update uses the KL of the whole step over all ranks, so β is the same everywhere.
     """
 
     def __init__(self, algo) -> None:
         self.algo = algo
-        self.coef = algo.kl_coef
+        self.coef = algo.kl.coef
         """β now (the initial coefficient until the first step, or what a checkpoint held)."""
 
     def state_dict(self) -> dict:
@@ -192,9 +192,9 @@ class KLPenalty:
         from distflow.algorithms.kl import KL_ESTIMATORS, kl_controller
 
         algo = self.algo
-        controller = kl_controller(algo.kl_controller, self.coef, target=algo.kl_target, horizon=algo.kl_horizon)
+        controller = kl_controller(algo.kl.controller, self.coef, target=algo.kl.target, horizon=algo.kl.horizon)
         mask_BR = batch["response_mask"].float()
-        kl_BR = KL_ESTIMATORS[algo.kl_estimator](batch["old_logp"], batch["ref_logp"]) * mask_BR
+        kl_BR = KL_ESTIMATORS[algo.kl.estimator](batch["old_logp"], batch["ref_logp"]) * mask_BR
         beta = controller.value
         # Step KL: mean over sequences of each sequence's token-mean KL (verl's convention).
         kl_B = kl_BR.sum(-1) / mask_BR.sum(-1).clamp(min=1)

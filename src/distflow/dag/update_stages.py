@@ -29,7 +29,7 @@ from distflow.seeding import derive_seed
 if TYPE_CHECKING:
     import torch
 
-    from distflow.config.schema import AlgorithmConfig
+    from distflow.config.algorithm import AlgorithmConfig
     from distflow.dag.context import StageContext
     from distflow.data.batch import Batch
 
@@ -37,17 +37,17 @@ if TYPE_CHECKING:
 def _ppo(logp_BR, old_logp_BR, advantage, mask_BR, algo: AlgorithmConfig):
     from distflow.algorithms.losses import dual_clip_ppo_loss, ppo_clip_loss
 
-    if algo.dual_clip_c > 0:
-        loss_BR, clipped_BR, _ = dual_clip_ppo_loss(logp_BR, old_logp_BR, advantage, clip_low=algo.clip_low,
-                                                    clip_high=algo.clip_high, clip_ratio_c=algo.dual_clip_c)
+    if algo.clip.dual_c > 0:
+        loss_BR, clipped_BR, _ = dual_clip_ppo_loss(logp_BR, old_logp_BR, advantage, clip_low=algo.clip.low,
+                                                    clip_high=algo.clip.high, clip_ratio_c=algo.clip.dual_c)
         return loss_BR, clipped_BR
-    return ppo_clip_loss(logp_BR, old_logp_BR, advantage, clip_low=algo.clip_low, clip_high=algo.clip_high)
+    return ppo_clip_loss(logp_BR, old_logp_BR, advantage, clip_low=algo.clip.low, clip_high=algo.clip.high)
 
 
 def _gspo(logp_BR, old_logp_BR, advantage, mask_BR, algo: AlgorithmConfig):
     from distflow.algorithms.losses import gspo_loss
 
-    return gspo_loss(logp_BR, old_logp_BR, advantage, mask_BR, clip_low=algo.clip_low, clip_high=algo.clip_high)
+    return gspo_loss(logp_BR, old_logp_BR, advantage, mask_BR, clip_low=algo.clip.low, clip_high=algo.clip.high)
 
 
 POLICY_LOSSES = {"ppo": _ppo, "gspo": _gspo}
@@ -106,7 +106,7 @@ class PolicyObjective:
 
     @property
     def kl_loss(self) -> bool:
-        return self.algo.kl_coef > 0 and not self.algo.kl_in_reward
+        return self.algo.kl.coef > 0 and not self.algo.kl.in_reward
 
     @property
     def regularised(self) -> bool:
@@ -139,8 +139,8 @@ class PolicyObjective:
 
         algo, reg_BR = self.algo, torch.zeros_like(logp_BR)
         if self.kl_loss:
-            kl_BR = KL_ESTIMATORS[algo.kl_estimator](logp_BR, micro["ref_logp"])
-            reg_BR = reg_BR + algo.kl_coef * kl_BR
+            kl_BR = KL_ESTIMATORS[algo.kl.estimator](logp_BR, micro["ref_logp"])
+            reg_BR = reg_BR + algo.kl.coef * kl_BR
             stats["kl"] = (kl_BR.detach() * mask_BR).sum()
         if algo.entropy_coef > 0:
             reg_BR = reg_BR + entropy_bonus(entropy_BR, coef=algo.entropy_coef)
@@ -149,7 +149,7 @@ class PolicyObjective:
 
 def policy_update(batch: Batch, ctx: StageContext) -> Batch:
     algo, trainer = ctx.config.algorithm, ctx.config.trainer
-    if ctx.step <= algo.critic_warmup_steps:  # PPO: let the critic learn the values first
+    if ctx.step <= algo.critic.warmup_steps:  # PPO: let the critic learn the values first
         ctx.metrics.total("train/critic_warmup_steps", 1.0 / ctx.comm.world_size)
         return batch
     objective = PolicyObjective(algo, has_old="old_logp" in batch.fields())
@@ -180,7 +180,7 @@ def critic_update(batch: Batch, ctx: StageContext) -> Batch:
 
     def loss_fn(micro: Batch, values_BR, _):
         mask_BR = micro["response_mask"].float()
-        loss_BR, clipped_BR = value_clip_loss(values_BR, micro["values"], micro["returns"], clip=algo.value_clip)
+        loss_BR, clipped_BR = value_clip_loss(values_BR, micro["values"], micro["returns"], clip=algo.critic.value_clip)
         stats = {"value_loss": (loss_BR.detach() * mask_BR).sum(), "clip_fraction": (clipped_BR * mask_BR).sum()}
         return loss_sum(loss_BR, mask_BR, "token-mean"), stats
 

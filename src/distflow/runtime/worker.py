@@ -104,7 +104,7 @@ def _build_models(config: Config, uses: set[str], model: torch.nn.Module, train:
     if "reference" in uses:
         engines["reference"] = copy.deepcopy(model).eval().requires_grad_(False)
     if "critic" in uses:
-        engines["critic"] = build_critic(model, train, config.optim, lr=config.algorithm.critic_lr)
+        engines["critic"] = build_critic(model, train, config.optim, lr=config.algorithm.critic.lr)
     return engines
 
 

@@ -1,0 +1,227 @@
+"""The `algorithm` section: which built-in algorithm, and its settings in sub-sections.
+
+    algorithm:
+      name: grpo              # a key of ALGORITHMS below
+      policy_loss, loss_agg, norm_adv_by_std, skip_zero_variance_groups,
+      reward_clip, entropy_coef, gamma, lam, ppo_epochs, num_mini_batches
+      clip:             {low, high, dual_c}            the policy ratio's clip range
+      kl:               {coef, estimator, in_reward, controller, target, horizon}
+      dynamic_sampling: {enabled, max_rounds}          DAPO
+      overlong:         {buffer, penalty}              DAPO's soft overlong penalty
+      critic:           {lr, value_clip, warmup_steps} PPO
+
+A setting documented as "null: the algorithm's" takes the value of `algorithm.name` in
+`ALGORITHMS`. Names that select a function from a dispatch table (`policy_loss`, `loss_agg`,
+`kl.estimator`) are checked where those tables are, when the graph is built
+(`dag.pipelines.check_choices`), so that this module needs neither torch nor the dag.
+The flat keys of the previous release (`algorithm.kl_coef`, ...) are `deprecated.py`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from distflow.config.errors import check, check_one_of
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuiltinAlgorithm:
+    """What a built-in `algorithm.name` is, and the values its null settings take."""
+
+    estimator: str
+    """The advantage stage: a key of `dag.advantage_stages.ESTIMATORS`."""
+    critic: bool = False
+    """Trains a value model (the `values` and `critic_update` stages; `algorithm.critic`)."""
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    policy_loss: str = "ppo"
+    loss_agg: str = "token-mean"
+    norm_adv_by_std: bool = True
+    skip_zero_variance_groups: bool = True
+    dynamic_sampling: bool = False
+
+
+ALGORITHMS = {
+    "grpo": BuiltinAlgorithm(estimator="grpo"),
+    # Dr.GRPO (Liu et al. 2025): no std division, and a constant normaliser (sequences x
+    # max length, zero-variance groups included) so no length or difficulty bias.
+    "dr_grpo": BuiltinAlgorithm(estimator="grpo", norm_adv_by_std=False, loss_agg="seq-mean-token-sum-norm",
+                                skip_zero_variance_groups=False),
+    # DAPO (Yu et al. 2025): clip-higher, token-mean, dynamic sampling (+ overlong penalty, opt-in).
+    "dapo": BuiltinAlgorithm(estimator="grpo", clip_high=0.28, dynamic_sampling=True),
+    "rloo": BuiltinAlgorithm(estimator="rloo"),
+    "reinforce_pp": BuiltinAlgorithm(estimator="reinforce_pp"),
+    # REINFORCE++-baseline (verl, OpenRLHF): whitened over every response token of the step,
+    # groups with equal rewards included (their centred advantage is 0 before whitening).
+    "reinforce_pp_baseline": BuiltinAlgorithm(estimator="reinforce_pp_baseline", skip_zero_variance_groups=False),
+    # ReMax (Li et al. 2023): r - r(greedy completion of the prompt), not whitened (as verl).
+    # A group whose rewards all equal the greedy one has no signal; kept like verl does.
+    "remax": BuiltinAlgorithm(estimator="remax", skip_zero_variance_groups=False),
+    # GSPO (Zheng et al. 2025): the ratio is per sequence (a geometric mean), hence tiny bounds.
+    "gspo": BuiltinAlgorithm(estimator="grpo", clip_low=3e-4, clip_high=4e-4, policy_loss="gspo",
+                             loss_agg="seq-mean-token-mean"),
+    # PPO: GAE on a learned value; the critic is trained after the policy.
+    "ppo": BuiltinAlgorithm(estimator="gae", critic=True),
+}
+"""`algorithm.name` → what it is. Its keys are the valid names."""
+
+
+@dataclass(kw_only=True)
+class ClipConfig:
+    """The clip range of the policy ratio (per token; per sequence for GSPO)."""
+
+    low: float | None = None
+    """The ratio's lower bound is 1 - low (null: the algorithm's, 0.2; GSPO 3e-4)."""
+    high: float | None = None
+    """The upper bound is 1 + high (null: 0.2; DAPO's clip-higher 0.28; GSPO 4e-4)."""
+    dual_c: float = 0.0
+    """> 1: dual-clip PPO, the loss of a token with A < 0 is capped at -A·c (verl's clip_ratio_c, 3); 0: off."""
+
+    def __post_init__(self) -> None:
+        check(self.low is None or 0 < self.low < 1, f"algorithm.clip.low must be in (0, 1) (got {self.low})")
+        check(self.high is None or self.high > 0, f"algorithm.clip.high must be > 0 (got {self.high})")
+        check(self.dual_c == 0 or self.dual_c > 1, f"algorithm.clip.dual_c must be 0 (off) or > 1 (got {self.dual_c})")
+
+
+@dataclass(kw_only=True)
+class KLConfig:
+    """The KL to the frozen reference policy, as a loss term or as a penalty in the reward."""
+
+    coef: float = 0.0
+    """β (the adaptive controller's initial value); 0 drops the reference stage."""
+    estimator: str = "k3"
+    """k1, k2, k3 (Schulman's estimators), abs (|log-ratio|), or k1+ / k3+: the value of k1 / k3
+    with the gradient of k2 (verl's straight-through variants; k3+ is verl's low_var_kl+)."""
+    in_reward: bool = False
+    """false: β·KL is a loss term; true: -β·KL is added to every token's reward before the advantage."""
+    controller: str = "fixed"
+    """fixed or adaptive (Ziegler et al.: β steered towards `target`; needs in_reward)."""
+    target: float = 0.1
+    """The KL the adaptive controller steers towards."""
+    horizon: float = 10000.0
+    """The adaptive controller's horizon: β changes by at most 20% · samples / horizon per step."""
+
+    def __post_init__(self) -> None:
+        check(self.coef >= 0, f"algorithm.kl.coef must be >= 0 (got {self.coef})")
+        check(self.controller in ("fixed", "adaptive"),
+              f"algorithm.kl.controller must be fixed or adaptive (got {self.controller!r})")
+        check(self.controller == "fixed" or (self.in_reward and self.coef > 0),
+              "algorithm.kl.controller=adaptive steers an in-reward KL: set algorithm.kl.in_reward=true "
+              "and algorithm.kl.coef > 0 (the initial coefficient)")
+        check(self.target > 0 and self.horizon > 0, "algorithm.kl.target and algorithm.kl.horizon must be > 0")
+
+
+@dataclass(kw_only=True)
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling: drop groups with equal rewards and sample more prompts until
+    the step has `trainer.prompts_per_step` groups with signal (over all ranks)."""
+
+    enabled: bool | None = None
+    """null: the algorithm's (on for dapo)."""
+    max_rounds: int = 4
+    """Draw at most this many batches per step (then train on what it has)."""
+
+    def __post_init__(self) -> None:
+        check(self.max_rounds >= 1, f"algorithm.dynamic_sampling.max_rounds must be >= 1 (got {self.max_rounds})")
+
+
+@dataclass(kw_only=True)
+class OverlongConfig:
+    """DAPO's soft overlong penalty on the reward."""
+
+    buffer: int = 0
+    """Responses longer than rollout.max_new_tokens - buffer lose up to `penalty`, linearly; 0: off."""
+    penalty: float = 1.0
+    """What a response of rollout.max_new_tokens tokens loses."""
+
+    def __post_init__(self) -> None:
+        check(self.buffer >= 0, f"algorithm.overlong.buffer must be >= 0 (got {self.buffer})")
+        check(self.penalty >= 0, f"algorithm.overlong.penalty must be >= 0 (got {self.penalty})")
+
+
+@dataclass(kw_only=True)
+class CriticConfig:
+    """The value model of the algorithms that have one (PPO)."""
+
+    lr: float = 1e-3
+    """Its learning rate (its other optimizer settings are `optim`'s)."""
+    value_clip: float = 0.5
+    """The new value may move at most this far from the old one in the clipped value loss."""
+    warmup_steps: int = 0
+    """Train only the critic for this many steps first."""
+
+    def __post_init__(self) -> None:
+        check(self.lr > 0, f"algorithm.critic.lr must be > 0 (got {self.lr})")
+        check(self.value_clip > 0, f"algorithm.critic.value_clip must be > 0 (got {self.value_clip})")
+        check(self.warmup_steps >= 0, f"algorithm.critic.warmup_steps must be >= 0 (got {self.warmup_steps})")
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    """`algorithm`: the built-in algorithm and its settings (the layout is in the module docstring)."""
+
+    name: str = "grpo"
+    """The built-in algorithm: a key of `ALGORITHMS`."""
+    policy_loss: str | None = None
+    """ppo (token ratio) or gspo (sequence ratio); null: the algorithm's."""
+    clip: ClipConfig = field(default_factory=ClipConfig)
+    """The policy ratio's clip range."""
+    loss_agg: str | None = None
+    """token-mean, token-sum (no normaliser), seq-mean-token-sum, seq-mean-token-mean or
+    seq-mean-token-sum-norm; the normaliser is global over ranks and micro-batches. null: the algorithm's."""
+    norm_adv_by_std: bool | None = None
+    """GRPO/DAPO/GSPO: divide group-centred rewards by the group's (unbiased) std (Dr.GRPO: false)."""
+    skip_zero_variance_groups: bool | None = None
+    """Exclude groups whose rewards are all equal from the loss and its normaliser
+    (group-baseline estimators; Dr.GRPO keeps them; ReMax: groups whose rewards all equal
+    the greedy baseline)."""
+    reward_clip: float = 0.0
+    """> 0: rewards are clamped to [-reward_clip, reward_clip] right after the reward functions
+    (before dynamic sampling, the overlong penalty, the KL penalty and the advantage); 0: off."""
+    kl: KLConfig = field(default_factory=KLConfig)
+    """The KL to the reference policy (off by default)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: -entropy_coef·H is added to the per-token loss."""
+    gamma: float = 1.0
+    """Discount (PPO's GAE, REINFORCE++'s return-to-go)."""
+    lam: float = 1.0
+    """GAE's λ (PPO)."""
+    ppo_epochs: int = 1
+    """Passes over one rollout batch (reshuffled each time)."""
+    num_mini_batches: int = 1
+    """Optimizer steps per epoch over one rollout batch; >1 turns on the old-log-prob stage."""
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """DAPO's refill of the step with groups that carry signal."""
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """DAPO's soft overlong penalty (off by default)."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model of PPO."""
+
+    def __post_init__(self) -> None:
+        check_one_of("algorithm.name", self.name, ALGORITHMS)
+        self._take_defaults(ALGORITHMS[self.name])
+        check(self.reward_clip >= 0, f"algorithm.reward_clip must be >= 0 (0: off; got {self.reward_clip})")
+        check(self.entropy_coef >= 0, f"algorithm.entropy_coef must be >= 0 (got {self.entropy_coef})")
+        check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1,
+              f"algorithm.gamma and algorithm.lam must be in [0, 1] (got {self.gamma}, {self.lam})")
+        check(self.ppo_epochs >= 1, f"algorithm.ppo_epochs must be >= 1 (got {self.ppo_epochs})")
+        check(self.num_mini_batches >= 1, f"algorithm.num_mini_batches must be >= 1 (got {self.num_mini_batches})")
+        with_critic = [f"algorithm.name={name}" for name, builtin in ALGORITHMS.items() if builtin.critic]
+        check(self.critic.warmup_steps == 0 or ALGORITHMS[self.name].critic,
+              f"algorithm.critic.warmup_steps needs a critic: only {' or '.join(with_critic)} has one")
+
+    def _take_defaults(self, builtin: BuiltinAlgorithm) -> None:
+        """Every null setting takes `builtin`'s value (the sections are rebuilt, so validated again)."""
+        self.clip = replace(self.clip, low=_or(self.clip.low, builtin.clip_low),
+                            high=_or(self.clip.high, builtin.clip_high))
+        self.dynamic_sampling = replace(self.dynamic_sampling,
+                                        enabled=_or(self.dynamic_sampling.enabled, builtin.dynamic_sampling))
+        self.policy_loss = _or(self.policy_loss, builtin.policy_loss)
+        self.loss_agg = _or(self.loss_agg, builtin.loss_agg)
+        self.norm_adv_by_std = _or(self.norm_adv_by_std, builtin.norm_adv_by_std)
+        self.skip_zero_variance_groups = _or(self.skip_zero_variance_groups, builtin.skip_zero_variance_groups)
+
+
+def _or(value, default):
+    """`value`, or `default` where it is None (unlike `or`, false and 0 are kept)."""
+    return default if value is None else value
