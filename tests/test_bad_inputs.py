@@ -149,14 +149,14 @@ def check_one_line_error(result, needle, *, code=2):
 @pytest.mark.parametrize("args, needle", [c[1:] for c in FAST], ids=[c[0] for c in FAST])
 def test_config_errors_stop_before_any_rank(workdir, args, needle):
     args = [a.replace("{tmp}", str(workdir)) for a in args]
-    result = run_cli("train", CONFIG, *args, cwd=workdir, timeout=600)
+    result = run_cli("train", CONFIG, *args, cwd=workdir, timeout=1800)
     lines = check_one_line_error(result, needle.replace("{tmp}", str(workdir)))
     assert len(lines) == 1  # nothing else printed: no rank started, no warm-start was built
 
 
 @pytest.mark.parametrize("args, needle", [c[1:] for c in FILES], ids=[c[0] for c in FILES])
 def test_file_errors(workdir, args, needle):
-    result = run_cli(*[a.replace("{tmp}", str(workdir)) for a in args], cwd=workdir, timeout=600)
+    result = run_cli(*[a.replace("{tmp}", str(workdir)) for a in args], cwd=workdir, timeout=1800)
     assert len(check_one_line_error(result, needle.replace("{tmp}", str(workdir)))) == 1
 
 
@@ -291,7 +291,7 @@ def test_threads_left_by_a_reward_do_not_keep_the_run_alive(userdir, cache_dir, 
     result = run_cli("train", CONFIG, *TINY, "trainer.total_steps=1", "warmstart.target_accuracy=0",
                      f"warmstart.cache_dir={cache_dir}", f"trainer.output_dir={userdir}",
                      f"trainer.run_name=thread-{nproc}", "task.reward=rewards_misbehave:leaves_thread",
-                     "task.reward_timeout_s=0", "--nproc", str(nproc), cwd=userdir, timeout=240)
+                     "task.reward_timeout_s=0", "--nproc", str(nproc), cwd=userdir, timeout=1800)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1])["steps"] == 1
     warnings = [line for line in result.stderr.splitlines() if "non-daemon thread" in line]
@@ -350,7 +350,7 @@ BEFORE_ANY_RANK = [
 @pytest.mark.parametrize("args, needle", [c[1:] for c in BEFORE_ANY_RANK], ids=[c[0] for c in BEFORE_ANY_RANK])
 def test_inputs_checked_before_any_rank(bad_models, args, needle):
     args = [a.replace("{tmp}", str(bad_models)) for a in args]
-    result = run_cli("train", CONFIG, *args, cwd=bad_models, timeout=120)
+    result = run_cli("train", CONFIG, *args, cwd=bad_models, timeout=1800)
     assert len(check_one_line_error(result, needle.replace("{tmp}", str(bad_models)))) == 1
 
 
@@ -365,7 +365,7 @@ def test_unreadable_config_files(userdir, content, needle):
     else:
         path = userdir / "latin1.yaml"
         path.write_bytes(content)
-    result = run_cli("train", str(path), cwd=userdir, timeout=60)
+    result = run_cli("train", str(path), cwd=userdir, timeout=1800)
     assert len(check_one_line_error(result, needle.replace("{tmp}", str(userdir)))) == 1
 
 
@@ -423,7 +423,7 @@ def test_a_signal_to_the_launcher_stops_the_run_with_one_line(userdir, cache_dir
             assert launcher.poll() is None, launcher.stderr.read()[-3000:]
             time.sleep(0.2)
         launcher.send_signal(signum)
-        _, stderr = launcher.communicate(timeout=120)
+        _, stderr = launcher.communicate(timeout=1800)
     finally:
         launcher.kill()
     assert launcher.returncode == code, stderr[-3000:]

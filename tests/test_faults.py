@@ -170,7 +170,7 @@ def test_sigterm_to_a_single_process_run_is_one_line(tmp_path, cache_dir):
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=600)
+    _, stderr = proc.communicate(timeout=1800)
     assert proc.returncode == 128 + signal.SIGTERM
     assert last_line(stderr) == "distflow: rank 0 stopped by SIGTERM in stage 'chaos' at step 1"
     assert "Traceback" not in stderr

@@ -94,7 +94,7 @@ def test_plan_command_for_4096_ranks_needs_neither_torch_nor_a_launch():
             "rc = main(['plan', 'examples/arith_grpo.yaml', '--world-size', '4096', "
             "'placement.rollout.ranks=first:25%', 'placement.train.ranks=last:75%', "
             "'trainer.prompts_per_step=3072']); assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stderr
     assert "ranks 0-1023: rollout → [send → reward] → weight_sync" in result.stdout
     assert "ranks 1024-4095: [recv → reward] → reward" in result.stdout
