@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 
 from distflow.config import Config, ConfigError, load_config, to_dict
@@ -151,3 +153,18 @@ def test_unknown_keys_still_get_did_you_mean(override, needle):
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
     assert needle in str(err.value)
+
+
+def test_a_checkpoint_saved_with_the_flat_algorithm_keys_resumes_without_reported_changes():
+    from distflow.runtime.checkpointing import config_changes
+
+    current = to_dict(load_config(None, ["algorithm.kl.coef=0.1", "algorithm.critic.lr=0.002"]))
+    saved = copy.deepcopy(current)
+    algorithm = saved["algorithm"]
+    algorithm["kl_coef"] = algorithm["kl"].pop("coef")  # as the previous release wrote it
+    algorithm["critic_lr"] = algorithm["critic"].pop("lr")
+    dynamic = algorithm.pop("dynamic_sampling")
+    algorithm["dynamic_sampling"], algorithm["max_sampling_rounds"] = dynamic["enabled"], dynamic["max_rounds"]
+    assert config_changes(saved, current) == []
+    algorithm["kl_coef"] = 0.2
+    assert config_changes(saved, current) == ["algorithm.kl.coef: 0.2 -> 0.1"]

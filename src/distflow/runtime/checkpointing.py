@@ -17,6 +17,8 @@ Because the loader state is (epoch, cursor) and every sample's randomness is key
 
 from __future__ import annotations
 
+import copy
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from distflow.checkpoint import (
 )
 from distflow.checkpoint.store import COMPLETE, read_meta
 from distflow.config import Config, to_dict
+from distflow.config.deprecated import DeprecatedKeyWarning, upgrade_old_keys
 from distflow.planner.plan import PlannedStage
 from distflow.runtime.worker import Worker
 
@@ -62,7 +65,12 @@ def resolve(path: Path) -> Path:
 
 
 def config_changes(saved: dict, current: dict) -> list[str]:
-    """`key: old -> new` for every setting that differs and is not free to change."""
+    """`key: old -> new` for every setting that differs and is not free to change. A config
+    saved with the previous release's flat keys (`algorithm.kl_coef`) is read with the new ones."""
+    saved = copy.deepcopy(saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecatedKeyWarning)
+        upgrade_old_keys(saved)
     flat_saved, flat_current = _flatten(saved), _flatten(current)
     changes = []
     for key in sorted(flat_saved.keys() | flat_current.keys()):

@@ -46,6 +46,8 @@ EXIT_STALLED = 3
 EXIT_INTERRUPTED = 130
 MAX_DEFER_S = 20.0
 """How long a timed-out rank waits for a peer stuck longer than itself to report first."""
+DEAD_PEER_WAIT_S = 5.0
+"""How long a rank that lost its peers looks for the one that died (see `_dead_peers`)."""
 
 
 class TrainingAborted(RuntimeError):
@@ -184,6 +186,8 @@ class RankStatus:
 
     def fail(self, err: BaseException) -> int:
         """Report `err` (one line; a traceback too for crashes) and return the exit code."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's stop must not cut the report short
         self._stop.set()
         faulthandler.cancel_dump_traceback_later()
         code, comm_error = EXIT_FAILED, False
@@ -213,9 +217,19 @@ class RankStatus:
         return code
 
     def _dead_peers(self) -> str:
-        """Under a bare torchrun: which peers are gone, and where they were (from their status files)."""
-        gone = [s for s in read_statuses(self.status_dir) if s["state"] == "running" and not _alive(s["pid"])]
-        return "; ".join(f"rank {s['rank']} (pid {s['pid']}) died in {status_where(s)}" for s in gone)
+        """Under a bare torchrun: which peers are gone, and where they were (from their status files).
+
+        A killed peer's connections close while its process is still exiting, so it can look
+        alive for a moment after this rank has lost it (longer on a loaded machine): when no
+        peer has reported a failure of its own, look again for up to `DEAD_PEER_WAIT_S`."""
+        deadline = time.monotonic() + (DEAD_PEER_WAIT_S if os.environ.get(LAUNCHED_ENV) != "1" else 0.0)
+        while True:
+            peers = [s for s in read_statuses(self.status_dir) if s["rank"] != self.rank]
+            gone = [s for s in peers if s["state"] == "running" and not _alive(s["pid"])]
+            reported = any(s["state"] != "running" for s in peers)
+            if gone or reported or time.monotonic() >= deadline:
+                return "; ".join(f"rank {s['rank']} (pid {s['pid']}) died in {status_where(s)}" for s in gone)
+            time.sleep(0.1)
 
     def _write(self, state: str, **extra) -> None:
         record = {"rank": self.rank, "pid": os.getpid(), "stage": self.stage, "step": self.step,
