@@ -160,9 +160,12 @@ def exit_process(code: int) -> NoReturn:
     if not left:
         sys.exit(code)
     rank = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
-    print(f"distflow: {rank}warning: exiting although user code left {len(left)} non-daemon thread(s) running: "
-          f"{', '.join(repr(t.name) for t in left)}; end them before returning, or start them with daemon=True",
-          file=sys.stderr, flush=True)
+    # One write of the whole line: print() writes the text and its newline separately, and the
+    # ranks share stderr, so two ranks' warnings could run into one line.
+    sys.stderr.write(f"distflow: {rank}warning: exiting although user code left {len(left)} non-daemon thread(s) "
+                     f"running: {', '.join(repr(t.name) for t in left)}; end them before returning, or start them "
+                     "with daemon=True\n")
+    sys.stderr.flush()
     sys.stdout.flush()
     os._exit(code)
 

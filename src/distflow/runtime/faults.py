@@ -211,7 +211,8 @@ class RankStatus:
             traceback.print_exception(err, file=sys.stderr)  # a crash: where exactly, for whoever fixes it
             line = f"distflow: rank {self.rank} failed in {self.where()}: {_one_line(err)}"
         if os.environ.get(LAUNCHED_ENV) != "1":  # under `distflow train --nproc` the launcher prints it
-            print(line, file=sys.stderr, flush=True)
+            sys.stderr.write(line + "\n")  # one write: ranks share stderr (print writes the newline apart)
+            sys.stderr.flush()
         if self.status_dir is not None:
             self._write("failed", error=line, exit_code=code, comm_error=comm_error)
         return code
@@ -275,7 +276,8 @@ class RankStatus:
         print(f"{line}; Python stacks of its threads:", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         if os.environ.get(LAUNCHED_ENV) != "1":
-            print(line, file=sys.stderr, flush=True)
+            sys.stderr.write(line + "\n")  # one write: ranks share stderr (print writes the newline apart)
+            sys.stderr.flush()
         if self.status_dir is not None:
             self._write("stalled", error=line, exit_code=EXIT_STALLED)
         sys.stderr.flush()
