@@ -68,7 +68,8 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
     weight_sync = WeightBroadcast(world, train.ranks[0], receivers) if receivers else None
 
     model_dir, tokenizer_dir = model_dirs(config, builder=world.local_rank == 0, log=log)
-    world.barrier()  # under a bare torchrun, local rank 0 may have just built the embedded model
+    if config.model.path is None:
+        world.barrier()  # under a bare torchrun, local rank 0 may have just built the embedded model
     model, tokenizer = load_model_and_tokenizer(model_dir, tokenizer_dir, world.device)
     sampling = SamplingSpec.of(config.rollout)
     models = _build_models(config, plan.engines_for(rank), model, comms["train"], sampling)
