@@ -10,7 +10,8 @@ a `Comm` and call its methods. The modules that use `torch.distributed` (an impo
 of DDP, which runs its own all-reduce) are exactly:
 
     comm.py                      this module: process groups and collectives
-    engines/parallelize.py       DistributedDataParallel (the gradient all-reduce lives in DDP)
+    engines/parallelize.py       DDP and FSDP2 (fully_shard, device meshes, DTensor): the gradient
+                                 reduction and the parameter all-gathers live in them
     checkpoint/store.py          torch.distributed.checkpoint (sharded save/load, resharding)
     runtime/launcher.py          torch's elastic launcher (`distflow train --nproc N`)
 

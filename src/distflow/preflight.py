@@ -10,6 +10,8 @@ and the fix. What is checked:
     model         model.path: a readable config.json, weight files that are complete
                   (safetensors headers against file sizes), and a tokenizer whose ids all
                   fit in the model's embeddings
+    strategy      trainer.param_dtype / reduce_dtype that the device can use; decoder blocks
+                  to checkpoint (trainer.activation_checkpointing, built on the meta device)
 
 Only the headers of weight files are read: this costs milliseconds, not a model load.
 """
@@ -138,3 +140,46 @@ def _check_vocabulary(model_config: dict, model_dir: Path, tokenizer_dir: Path) 
         raise ConfigError(f"the tokenizer in {str(tokenizer_dir)!r} has {num_ids} token ids but the model in "
                           f"{str(model_dir)!r} has embeddings for {vocab_size} (vocab_size in its config.json); "
                           "use the tokenizer the model was trained with, or resize the model's embeddings")
+
+
+def check_strategy(config: Config, world_size: int) -> None:
+    """Precision the device supports, and decoder blocks where activation checkpointing needs them."""
+    trainer = config.trainer
+    if trainer.strategy == "fsdp2" and {trainer.param_dtype, trainer.reduce_dtype} - {"auto", "float32"}:
+        _check_precision(config, world_size)
+    if trainer.activation_checkpointing and config.model.path is not None:
+        _check_decoder_blocks(Path(config.model.path).expanduser())
+
+
+def _check_precision(config: Config, world_size: int) -> None:
+    import torch
+
+    from distflow.planner.plan import make_groups
+
+    trainer = config.trainer
+    cuda = trainer.device == "cuda" or (trainer.device == "auto" and torch.cuda.is_available())
+    for key in ("param_dtype", "reduce_dtype"):
+        value = getattr(trainer, key)
+        # torch 2.13 runs float16 FSDP2 on CPU, but CPU has no loss scaling and bfloat16 has float32's range.
+        if value == "float16" and not cuda:
+            raise ConfigError(f"trainer.{key}=float16 is not supported on the CPU (no loss scaling there); "
+                              "use bfloat16 or float32")
+        if value == "bfloat16" and cuda and not torch.cuda.is_bf16_supported():
+            raise ConfigError(f"trainer.{key}=bfloat16: this CUDA device has no bfloat16; use float16 or float32")
+    groups = make_groups(config, world_size)
+    disaggregated = set(groups["rollout"].ranks) - set(groups["train"].ranks)
+    if disaggregated and trainer.param_dtype not in ("auto", "float32"):
+        raise ConfigError(f"trainer.param_dtype={trainer.param_dtype} with rollout on other ranks than training: "
+                          "the weight broadcast sends float32 tensors only; use trainer.param_dtype=float32")
+
+
+def _check_decoder_blocks(model_dir: Path) -> None:
+    """Build the model's modules on the meta device (no weights, no memory) and look for its blocks."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from distflow.engines.parallelize import decoder_blocks
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    decoder_blocks(model)  # a ConfigError naming trainer.activation_checkpointing if there are none

@@ -130,6 +130,26 @@ class OptimConfig:
         check(self.grad_clip > 0, f"optim.grad_clip must be > 0 (got {self.grad_clip})")
 
 
+STRATEGIES = ("ddp", "fsdp2")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(kw_only=True)
+class FSDPConfig:
+    """Settings of `trainer.strategy=fsdp2` (FSDP2's `fully_shard`: each decoder block, then the root)."""
+
+    shard_size: int = 0
+    """Shard parameters, gradients and optimizer state within groups of this many train ranks and
+    replicate across the groups (HSDP, a 2-D device mesh); 0: shard over all train ranks. Must
+    divide the number of train ranks; a value below it needs the train group to be every rank."""
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward pass (gathered again for the
+    backward: less memory, one more all-gather per block); false keeps them until the backward."""
+
+    def __post_init__(self) -> None:
+        check(self.shard_size >= 0, f"trainer.fsdp.shard_size must be >= 0 (got {self.shard_size})")
+
+
 @dataclass(kw_only=True)
 class TrainerConfig:
     total_steps: int = 100
@@ -169,6 +189,20 @@ class TrainerConfig:
     max_nonfinite_steps: int = 5
     """Abort after this many consecutive optimizer steps skipped for a NaN/inf loss or
     gradient (each skip is counted in train/nonfinite_grad_steps); 0 never aborts."""
+    strategy: str = "ddp"
+    """How the policy, the critic and the reference are spread over the train ranks: ddp (a full
+    replica per rank, gradients all-reduced) or fsdp2 (parameters, gradients and optimizer state
+    sharded with FSDP2; see `trainer.fsdp`). On one rank both are the plain model."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    param_dtype: str = "auto"
+    """fsdp2: the dtype of the gathered parameters that forward and backward compute in (float32,
+    bfloat16, float16; the sharded master copy and the optimizer stay float32). auto: bfloat16 on
+    CUDA, float32 on CPU. ddp computes in float32 (auto or float32 only)."""
+    reduce_dtype: str = "auto"
+    """fsdp2: the dtype gradients are reduced in across ranks (auto: float32)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in the backward pass instead of keeping them
+    (less memory, about one more forward of compute); any strategy."""
 
     def __post_init__(self) -> None:
         check(self.total_steps >= 1, f"trainer.total_steps must be >= 1 (got {self.total_steps})")
@@ -187,6 +221,14 @@ class TrainerConfig:
                f"trainer.stage_timeout_floor_s must be >= 1 (got {self.stage_timeout_floor_s})")
         check(self.max_nonfinite_steps >= 0,
                f"trainer.max_nonfinite_steps must be >= 0 (got {self.max_nonfinite_steps})")
+        check(self.strategy in STRATEGIES, f"trainer.strategy must be ddp or fsdp2 (got {self.strategy!r})")
+        for key in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, key)
+            check(value in DTYPES, f"trainer.{key} must be one of {', '.join(DTYPES)} (got {value!r})")
+            check(self.strategy == "fsdp2" or value in ("auto", "float32"),
+                  f"trainer.{key}={value} needs trainer.strategy=fsdp2 (ddp computes in float32)")
+        check(self.strategy == "fsdp2" or self.fsdp.shard_size == 0,
+              "trainer.fsdp.shard_size is a setting of trainer.strategy=fsdp2; set the strategy too")
         check(self.run_name is None or (self.run_name.strip() not in ("", ".", "..")
                                          and not any(c in self.run_name for c in "/\\\0")),
                f"trainer.run_name must be a plain directory name, without '/' and not '..' (got {self.run_name!r}); "

@@ -34,6 +34,7 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
     import torch
 
     from distflow.engines.generation import generate
+    from distflow.engines.parallelize import gathered
 
     n = ctx.config.rollout.num_samples
     expanded = batch.repeat_interleave(n)
@@ -42,17 +43,18 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
     prompt_ids = expanded["prompt_ids"]
     width = torch.tensor([max(len(ids) for ids in prompt_ids)], device=ctx.comm.device)
     width = int(ctx.comm.all_reduce_max(width).item())
-    out = generate(
-        ctx.engines.rollout_model,
-        ctx.tokenizer,
-        expanded["prompt"],
-        max_new_tokens=ctx.engines.sampling.max_new_tokens,
-        temperature=ctx.engines.sampling.temperature,
-        top_p=ctx.engines.sampling.top_p,
-        sample_keys=[derive_seed(ctx.config.trainer.seed, "rollout", uid) for uid in uids],
-        prompt_ids=prompt_ids,
-        prompt_width=width,
-    )
+    with gathered(ctx.engines.rollout_model):  # fsdp2: the whole policy on each rank while it generates
+        out = generate(
+            ctx.engines.rollout_model,
+            ctx.tokenizer,
+            expanded["prompt"],
+            max_new_tokens=ctx.engines.sampling.max_new_tokens,
+            temperature=ctx.engines.sampling.temperature,
+            top_p=ctx.engines.sampling.top_p,
+            sample_keys=[derive_seed(ctx.config.trainer.seed, "rollout", uid) for uid in uids],
+            prompt_ids=prompt_ids,
+            prompt_width=width,
+        )
     num_generated = float(out.response_mask_BR.sum())
     ctx.metrics.mean("response/length", num_generated, len(expanded))
     ctx.metrics.total("tokens/generated", num_generated)
@@ -79,6 +81,7 @@ def greedy_baseline(batch: Batch, ctx: StageContext) -> Batch:
 
     from distflow.algorithms.shaping import clip_reward
     from distflow.engines.generation import generate
+    from distflow.engines.parallelize import gathered
 
     groups = batch["group"].tolist()
     first_row = {}  # group id → its first row, which holds the group's prompt
@@ -89,11 +92,13 @@ def greedy_baseline(batch: Batch, ctx: StageContext) -> Batch:
     width = torch.tensor([max((len(ids) for ids in prompt_ids), default=0)], device=ctx.comm.device)
     width = int(ctx.comm.all_reduce_max(width).item())  # every rank joins, even one without prompts
     baseline_G = torch.zeros(len(rows))
-    if rows:
-        prompts, samples = [batch["prompt"][i] for i in rows], [batch["sample"][i] for i in rows]
+    prompts, samples = [batch["prompt"][i] for i in rows], [batch["sample"][i] for i in rows]
+    with gathered(ctx.engines.rollout_model):  # entered by every rank, even one without prompts
         out = generate(ctx.engines.rollout_model, ctx.tokenizer, prompts,
                        max_new_tokens=ctx.engines.sampling.max_new_tokens,
-                       temperature=ctx.engines.sampling.temperature, prompt_ids=prompt_ids, prompt_width=width)
+                       temperature=ctx.engines.sampling.temperature, prompt_ids=prompt_ids,
+                       prompt_width=width) if rows else None
+    if rows:
         scores = ctx.engines.rewards.score(prompts, out.completions, samples)
         baseline_G = scores.reward_B.float().cpu()
         ctx.metrics.total("baseline/errors", float(scores.errors))
@@ -151,10 +156,13 @@ def old_logprob(batch: Batch, ctx: StageContext) -> Batch:
 
 def reference_logprob(batch: Batch, ctx: StageContext) -> Batch:
     from distflow.engines.logprobs import batch_logprobs
+    from distflow.engines.parallelize import gathered
 
     assert ctx.engines.reference is not None, "the pipeline builder adds this stage only with a reference model"
-    ref_logp = batch_logprobs(ctx.engines.reference, batch, micro_batch_size=ctx.config.trainer.micro_batch_size,
-                              temperature=ctx.engines.sampling.temperature)
+    with gathered(ctx.engines.reference):  # fsdp2: every train rank gathers the reference together
+        ref_logp = batch_logprobs(ctx.engines.reference, batch,
+                                  micro_batch_size=ctx.config.trainer.micro_batch_size,
+                                  temperature=ctx.engines.sampling.temperature)
     return batch.updated(ref_logp=ref_logp)
 
 
@@ -218,7 +226,10 @@ def weight_sync(batch: Batch, ctx: StageContext) -> Batch:
         if ctx.engines.rollout_model is not ctx.engines.policy.model:
             raise RuntimeError("colocated weight sync expects rollout to share the policy module")
         return batch
+    from distflow.engines.parallelize import gathered
+
     model = ctx.engines.policy.model if ctx.engines.policy is not None else ctx.engines.rollout_model
-    num_bytes = ctx.engines.weight_sync.broadcast(model)
+    with gathered(model):  # fsdp2: the train ranks gather the policy, the first one sends it whole
+        num_bytes = ctx.engines.weight_sync.broadcast(model)
     ctx.metrics.maximum("sync/bytes_per_rank", num_bytes)
     return batch

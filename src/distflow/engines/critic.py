@@ -18,8 +18,9 @@ import dataclasses
 
 import torch
 
-from distflow.config.schema import OptimConfig
+from distflow.config.schema import OptimConfig, TrainerConfig
 from distflow.data.batch import Batch
+from distflow.engines.parallelize import gathered
 from distflow.engines.sequences import position_ids_from_mask
 from distflow.engines.trainable import TrainableEngine
 from distflow.comm import Comm
@@ -60,18 +61,22 @@ class CriticEngine(TrainableEngine):
 
     @torch.no_grad()
     def values(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+        """values_BR of this rank's share; every train rank calls it together (fsdp2 gathers)."""
         was_training = self.model.training
         self.model.eval()
         width = batch["response_mask"].shape[1]
-        out = [response_values(self.model, mb["input_ids"], mb["attention_mask"], width)
-               for mb in batch.micro_batches(micro_batch_size)]
+        with gathered(self.model):
+            out = [response_values(self.model, mb["input_ids"], mb["attention_mask"], width)
+                   for mb in batch.micro_batches(micro_batch_size)]
         self.model.train(was_training)
         return torch.cat(out) if out else torch.zeros((0, width), device=batch["input_ids"].device)
 
 
-def build_critic(policy_model: torch.nn.Module, comm: Comm, optim: OptimConfig, *, lr: float) -> CriticEngine:
-    """A critic initialised from the policy's current weights, trained with `optim` at `lr`."""
+def build_critic(policy_model: torch.nn.Module, comm: Comm, optim: OptimConfig, *, lr: float,
+                 trainer: TrainerConfig | None = None) -> CriticEngine:
+    """A critic initialised from the policy's current weights, trained with `optim` at `lr` and
+    spread over `comm` as `trainer.strategy` says. The policy must not be sharded yet (its copy is)."""
     backbone = copy.deepcopy(policy_model.base_model)
     backbone.requires_grad_(True)
     value_model = ValueModel(backbone, policy_model.config.hidden_size).to(next(policy_model.parameters()).device)
-    return CriticEngine(value_model, comm, dataclasses.replace(optim, lr=lr))
+    return CriticEngine(value_model, comm, dataclasses.replace(optim, lr=lr), trainer)

@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from distflow.engines.generation import generate
+from distflow.engines.parallelize import gathered
 from distflow.engines.reward import private_copy
 from distflow.comm import Comm
 from distflow.engines.sampling import SamplingSpec
@@ -64,14 +65,15 @@ def evaluate(
     """Sampled and greedy accuracy over all of `heldout`; every rank gets the same answer.
 
     Sample k of held-out prompt i is drawn with the key (seed, i, k): two evaluations of
-    the same policy give the same numbers, at any world size.
+    the same policy give the same numbers, at any world size. Every rank calls it together.
     """
     indices = range(comm.rank, len(heldout), comm.world_size)
     mine = [heldout[i] for i in indices]
     expanded = [s for s in mine for _ in range(num_samples)]
     keys = [derive_seed(seed, "eval", i, k) for i in indices for k in range(num_samples)]
-    sampled = count_correct(model, tokenizer, expanded, is_correct, sampling, sample_keys=keys)
-    greedy = count_correct(model, tokenizer, mine, is_correct, sampling, sample_keys=None)
+    with gathered(model):  # fsdp2: the whole policy on each rank while it generates
+        sampled = count_correct(model, tokenizer, expanded, is_correct, sampling, sample_keys=keys)
+        greedy = count_correct(model, tokenizer, mine, is_correct, sampling, sample_keys=None)
     totals = torch.tensor([*sampled, *greedy], dtype=torch.float64, device=comm.device)
     totals = comm.all_reduce_sum(totals).cpu()
     return Evaluation(sampled=(totals[0] / totals[1]).item(), greedy=(totals[2] / totals[3]).item())

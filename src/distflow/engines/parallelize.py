@@ -1,16 +1,188 @@
-"""Applies data parallelism to a model from the outside (the model file stays plain)."""
+"""Applies data parallelism to a model from the outside (the model file stays plain).
+
+    trainer.strategy=ddp     every train rank: a full replica ──► DDP all-reduces the gradients
+                             (after the last micro-batch only: `gradient_sync`)
+    trainer.strategy=fsdp2   every train rank: 1/S of each parameter (a DTensor shard)
+        forward/backward of decoder block i:  all-gather block i's shards ──► compute ──► free
+                                              (`trainer.fsdp.reshard_after_forward`)
+        last micro-batch's backward:          reduce-scatter the gradients (averaged, like DDP)
+        HSDP (trainer.fsdp.shard_size = S < N): mesh [N/S replicas, S shards]; shards all-gather
+                                              within a row, gradients reduce over the whole mesh
+
+Invariants. Under fsdp2 every forward is a collective of the train group, so the train ranks
+run the same number of forward/backward passes in an update (`TrainableEngine` pads a short
+share with zero-loss passes) and every inference pass (generation, log-probs, values,
+evaluation, the weight broadcast) runs inside `gathered(model)`: entered by every train rank
+together, it all-gathers the whole model once and leaves each rank free to run its own
+number of forwards. Its cost is a full copy of the parameters (in `trainer.param_dtype`) on
+every rank while inside, as DDP holds at all times; sharding still saves the gradients, the
+optimizer state and the float32 master weights. A world of one has nothing to shard: both
+strategies leave the model plain there.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import copy
+from collections.abc import Iterator
+
 import torch
+import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX as _WRAPPED
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from distflow.comm import Comm
+from distflow.config import ConfigError
+from distflow.config.schema import TrainerConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MESHES: dict[tuple, DeviceMesh] = {}
+"""One device mesh per (train ranks, shard size): the policy, critic and reference share it
+(making a 2-D mesh creates process groups, which every rank must do the same number of times)."""
 
 
-def data_parallel(model: torch.nn.Module, comm: Comm) -> torch.nn.Module:
-    """DDP over the ranks of `comm` (the train group) when there are several; the model itself otherwise."""
+def parallelize(model: torch.nn.Module, comm: Comm, trainer: TrainerConfig | None = None) -> torch.nn.Module:
+    """The module that training forwards through: DDP's wrapper, or `model` itself, sharded in place
+    (fsdp2). Activation checkpointing (if asked) wraps the decoder blocks first."""
+    trainer = trainer or TrainerConfig()
+    if trainer.activation_checkpointing:
+        checkpoint_blocks(model)
     if not comm.distributed:
         return model
+    if trainer.strategy == "fsdp2":
+        return shard(model, comm, trainer)
     device_ids = [comm.device.index] if comm.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids, process_group=comm.group)
+
+
+def frozen_copy(model: torch.nn.Module, comm: Comm, trainer: TrainerConfig) -> torch.nn.Module:
+    """A frozen copy of `model` (the reference policy), sharded like the policy under fsdp2 (with no
+    optimizer: it only runs forwards, inside `gathered`). `model` must not be sharded yet."""
+    frozen = copy.deepcopy(model).eval().requires_grad_(False)
+    if comm.distributed and trainer.strategy == "fsdp2":
+        shard(frozen, comm, trainer)
+    return frozen
+
+
+def shard(model: torch.nn.Module, comm: Comm, trainer: TrainerConfig) -> torch.nn.Module:
+    """`fully_shard` each decoder block, then the root (which takes the rest: embeddings, head)."""
+    mesh = device_mesh(comm, trainer.fsdp.shard_size)
+    param_dtype, reduce_dtype = resolve_dtypes(trainer, comm.device)
+    options = dict(mesh=mesh, reshard_after_forward=trainer.fsdp.reshard_after_forward,
+                   mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+    for block in decoder_blocks(model):
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    model._distflow_reshard_after_forward = trainer.fsdp.reshard_after_forward  # restored after `gathered`
+    return model
+
+
+def resolve_dtypes(trainer: TrainerConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """(param_dtype, reduce_dtype): `auto` is bfloat16 compute with float32 reduction on CUDA
+    under fsdp2, float32 otherwise."""
+    auto_param = "bfloat16" if device.type == "cuda" and trainer.strategy == "fsdp2" else "float32"
+    param = auto_param if trainer.param_dtype == "auto" else trainer.param_dtype
+    reduce = "float32" if trainer.reduce_dtype == "auto" else trainer.reduce_dtype
+    return DTYPES[param], DTYPES[reduce]
+
+
+def device_mesh(comm: Comm, shard_size: int) -> DeviceMesh:
+    """The train group as a 1-D mesh, or as [replicas, shard_size] (HSDP, the world only)."""
+    ranks = comm.global_ranks or tuple(range(comm.world_size))
+    shard_size = shard_size or comm.world_size
+    key = (ranks, shard_size, comm.device.type)
+    if key not in _MESHES:
+        if shard_size == comm.world_size:
+            group = comm.group if comm.group is not None else dist.group.WORLD
+            _MESHES[key] = DeviceMesh.from_group(group, comm.device.type)
+        else:
+            if comm.group is not None:  # checked before launch (planner): this cannot happen
+                raise AssertionError("HSDP needs the train group to be the world")
+            _MESHES[key] = init_device_mesh(comm.device.type, (comm.world_size // shard_size, shard_size),
+                                            mesh_dim_names=("replicate", "shard"))
+    return _MESHES[key]
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a model: the classes its `_no_split_modules` names (any Hugging Face
+    model, including a backbone inside another module), else the longest ModuleList of one class."""
+    names = set()
+    for module in model.modules():
+        names |= set(getattr(module, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0
+                 and len({type(child) for child in m}) == 1]
+        blocks = list(max(lists, key=len)) if lists else []
+    if not blocks:
+        raise ConfigError(f"found no decoder blocks in {type(model).__name__} (no `_no_split_modules` classes, "
+                          "no ModuleList of repeated layers): trainer.activation_checkpointing needs them")
+    return blocks
+
+
+def checkpoint_blocks(model: torch.nn.Module) -> None:
+    """Replace each decoder block by a wrapper that recomputes its activations in the backward.
+    State-dict keys keep the block's own names (the wrapper's prefix is stripped)."""
+    block_ids = {id(block) for block in decoder_blocks(model)}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in block_ids:
+                setattr(parent, name, checkpoint_wrapper(child))
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def gradient_sync(wrapped: torch.nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+    """Within it, backward reduces gradients across ranks only if `enabled` (accumulate locally otherwise)."""
+    if isinstance(wrapped, FSDPModule):
+        wrapped.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+    if isinstance(wrapped, DistributedDataParallel) and not enabled:
+        return wrapped.no_sync()
+    return contextlib.nullcontext()
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the gradients to `max_norm` in total; returns their norm before clipping, a plain tensor
+    (over sharded gradients the norm is computed from every rank's shards: a collective)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+@contextlib.contextmanager
+def gathered(model: torch.nn.Module | None) -> Iterator[None]:
+    """Within it, an fsdp2 model holds its whole parameters on every rank, so each rank may run any
+    number of forward passes alone (generation, log-probs). Collective over the train group: every
+    train rank enters it together. The memory cost: a full copy of the parameters per rank.
+    A model that is not sharded (ddp, one rank, a rollout-only rank's copy) is left as it is."""
+    if model is None or not is_sharded(model):
+        yield
+        return
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    model.set_reshard_after_forward(False)
+    for module in modules:
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.reshard()
+        model.set_reshard_after_forward(_reshard_after_forward(model))
+
+
+def _reshard_after_forward(model: torch.nn.Module) -> bool:
+    return getattr(model, "_distflow_reshard_after_forward", True)
+
+
+def full_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of every parameter, in `named_parameters` order. A sharded parameter is
+    all-gathered (DTensor.full_tensor), so under fsdp2 every train rank iterates this together."""
+    for name, param in model.named_parameters():
+        name = name.replace(_WRAPPED, "")  # activation checkpointing's wrapper: the block's own name
+        yield name, param.full_tensor() if isinstance(param, DTensor) else param.detach()

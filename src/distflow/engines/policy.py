@@ -9,19 +9,23 @@ from __future__ import annotations
 import torch
 
 from distflow.comm import Comm
-from distflow.config.schema import OptimConfig
+from distflow.config.schema import OptimConfig, TrainerConfig
 from distflow.data.batch import Batch
 from distflow.engines.logprobs import batch_logprobs, response_logprobs
+from distflow.engines.parallelize import gathered
 from distflow.engines.trainable import TrainableEngine
 
 
 class PolicyEngine(TrainableEngine):
-    def __init__(self, model: torch.nn.Module, comm: Comm, optim: OptimConfig, *, temperature: float) -> None:
+    def __init__(self, model: torch.nn.Module, comm: Comm, optim: OptimConfig, *, temperature: float,
+                 trainer: TrainerConfig | None = None) -> None:
         self.temperature = temperature  # log-probs are taken under the sampling distribution
-        super().__init__(model, comm, optim)
+        super().__init__(model, comm, optim, trainer)
 
     def logprobs(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
-        return batch_logprobs(self.model, batch, micro_batch_size=micro_batch_size, temperature=self.temperature)
+        """Response log-probs of this rank's share; every train rank calls it together (fsdp2 gathers)."""
+        with gathered(self.model):
+            return batch_logprobs(self.model, batch, micro_batch_size=micro_batch_size, temperature=self.temperature)
 
     def forward(self, micro: Batch, *, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(logp_BR, entropy_BR) of a micro-batch's response tokens through the data-parallel wrapper."""

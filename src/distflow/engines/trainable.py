@@ -5,8 +5,13 @@ forward pass (`forward`: log-probs and entropies, or values). The engine knows n
 about RL algorithms: `update` receives a loss function that maps (micro-batch, forward's
 two outputs) to a *sum* of per-token losses, and the number of loss tokens in the whole
 mini-batch across all ranks. Dividing every micro-batch's sum by that global count (and
-multiplying by the world size, because DDP averages gradients over ranks) makes the
-gradient independent of how the mini-batch is split over ranks and micro-batches.
+multiplying by the world size, because DDP and FSDP2 both average gradients over ranks) makes
+the gradient independent of how the mini-batch is split over ranks and micro-batches.
+
+The wrapper is `trainer.strategy`'s (engines/parallelize.py). Under fsdp2 each forward is a
+collective of the train group, so a rank with fewer micro-batches than its peers adds
+zero-loss passes until every rank has run as many; under ddp only the final backward
+communicates, and only a rank with no micro-batch at all adds one such pass.
 """
 
 from __future__ import annotations
@@ -18,20 +23,24 @@ from collections.abc import Callable
 import torch
 
 from distflow.comm import Comm
-from distflow.config.schema import OptimConfig
+from distflow.config.schema import OptimConfig, TrainerConfig
 from distflow.data.balance import token_budget_micro_batches
 from distflow.data.batch import Batch
-from distflow.engines.parallelize import data_parallel
+from distflow.engines.parallelize import clip_grad_norm, gradient_sync, is_sharded, parallelize
 
 # (micro-batch, out_BR, entropy_BR) -> (sum of token losses, {stat name: sum over tokens})
 LossFn = Callable[[Batch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 class TrainableEngine(abc.ABC):
-    def __init__(self, model: torch.nn.Module, comm: Comm, optim: OptimConfig) -> None:
+    def __init__(self, model: torch.nn.Module, comm: Comm, optim: OptimConfig,
+                 trainer: TrainerConfig | None = None) -> None:
         self.model = model
+        """The model itself (sharded in place under fsdp2): what checkpoints and inference read."""
         self.comm = comm
-        self.wrapped = data_parallel(model, comm)
+        self.trainer = trainer or TrainerConfig()
+        """Its strategy, precision and activation checkpointing (the defaults: ddp, float32)."""
+        self.wrapped = parallelize(model, comm, self.trainer)
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
         )
@@ -60,28 +69,23 @@ class TrainableEngine(abc.ABC):
         all-reduce, with a zero gradient, so its peers' step is unchanged.
         """
         self.model.train()
-        if micro_batch_tokens > 0:
-            lengths = mini_batch["attention_mask"].sum(-1).tolist()
-            micros = [_trim_left_padding(mini_batch.select(index))
-                      for index in token_budget_micro_batches(lengths, micro_batch_tokens)]
-        else:
-            micros = mini_batch.micro_batches(micro_batch_size)
+        micros = self._micro_batches(mini_batch, micro_batch_size, micro_batch_tokens)
+        num_passes = self._num_passes(len(micros))
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
         loss_finite = True
-        for i, micro in enumerate(micros):
-            last = i == len(micros) - 1
-            sync = contextlib.nullcontext() if last or not self.comm.distributed else self.wrapped.no_sync()
-            with sync:
-                out_BR, entropy_BR = self.forward(micro, entropy_grad=entropy_grad)
-                loss_sum, stats = loss_fn(micro, out_BR, entropy_BR)
+        for i in range(num_passes):
+            with gradient_sync(self.wrapped, enabled=i == num_passes - 1):
+                if i >= len(micros):  # a share shorter than a peer's: join the collectives with a zero gradient
+                    self._zero_gradient_pass()
+                    continue
+                out_BR, entropy_BR = self.forward(micros[i], entropy_grad=entropy_grad)
+                loss_sum, stats = loss_fn(micros[i], out_BR, entropy_BR)
                 loss_finite = loss_finite and bool(torch.isfinite(loss_sum.detach()))
                 (loss_sum * self.comm.world_size / num_loss_tokens_global).backward()
             for name, value in stats.items():
                 totals[name] = totals.get(name, 0.0) + float(value)
-        if not micros and self.comm.distributed:
-            self._join_with_zero_gradient()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        grad_norm = clip_grad_norm(self.model, self.grad_clip)
         # A NaN loss usually poisons the all-reduced gradient too, but not always (e.g. NaN
         # only where the mask is 0), so the ranks also agree on the losses: one tiny all-reduce.
         bad = torch.tensor([0.0 if loss_finite else 1.0], device=grad_norm.device)
@@ -100,9 +104,26 @@ class TrainableEngine(abc.ABC):
         totals["lr"] = self.scheduler.get_last_lr()[0]
         return totals
 
-    def _join_with_zero_gradient(self) -> None:
+    def _micro_batches(self, mini_batch: Batch, micro_batch_size: int, micro_batch_tokens: int) -> list[Batch]:
+        if micro_batch_tokens <= 0:
+            return mini_batch.micro_batches(micro_batch_size)
+        lengths = mini_batch["attention_mask"].sum(-1).tolist()
+        return [_trim_left_padding(mini_batch.select(index))
+                for index in token_budget_micro_batches(lengths, micro_batch_tokens)]
+
+    def _num_passes(self, num_micros: int) -> int:
+        """Forward/backward passes this rank runs: its micro-batches, padded to the most any train
+        rank has when every forward is a collective (fsdp2), or to one when it has none (ddp)."""
+        if not self.comm.distributed:
+            return num_micros
+        if is_sharded(self.wrapped):
+            most = torch.tensor([num_micros], device=self.comm.device)
+            return int(self.comm.all_reduce_max(most).item())
+        return max(num_micros, 1)
+
+    def _zero_gradient_pass(self) -> None:
         """One backward of 0 x (a one-token forward): every parameter gets a zero gradient
-        and the data-parallel wrapper all-reduces it with the peers' real ones."""
+        and the data-parallel wrapper reduces it with the peers' real ones."""
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.comm.device)
         dummy = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids),
                        "response_mask": torch.ones((1, 1), dtype=torch.long, device=ids.device)})

@@ -150,6 +150,7 @@ def make_plan(graph: Graph, config: Config, world_size: int, initial_fields: tup
         raise ConfigError(f"the world size must be >= 1 (got {world_size})")
     order = graph.validate(initial_fields)
     groups = make_groups(config, world_size)
+    _check_sharding(config, groups["train"], world_size)
     planned = [PlannedStage(stage, groups[stage.group]) for stage in order]
     for p in planned:
         if needs_every_rank(p.stage.fn) and len(p.layout.ranks) != world_size:
@@ -189,6 +190,20 @@ def make_plan(graph: Graph, config: Config, world_size: int, initial_fields: tup
                           f"samples each of the {train_dp} train ranks holds per step; lower it or raise "
                           f"trainer.prompts_per_step")
     return Plan(world_size, tuple(items), planned[0].layout, groups, samples_per_step, bytes_per_sample)
+
+
+def _check_sharding(config: Config, train: Layout, world_size: int) -> None:
+    """fsdp2's shard groups split the train ranks evenly; HSDP's 2-D mesh is built over the world."""
+    shard_size, num_train = config.trainer.fsdp.shard_size, len(train.ranks)
+    if config.trainer.strategy != "fsdp2" or shard_size in (0, num_train):
+        return
+    if num_train % shard_size:
+        raise ConfigError(f"trainer.fsdp.shard_size={shard_size} does not divide the {num_train} train ranks; "
+                          f"choose a divisor of {num_train} (0: shard over all of them)")
+    if num_train != world_size:
+        raise ConfigError(f"trainer.fsdp.shard_size={shard_size} (HSDP) needs every rank in the train group, but "
+                          f"placement.train.ranks is {format_ranks(train.ranks)} of 0-{world_size - 1}; "
+                          "set trainer.fsdp.shard_size=0 with a disaggregated placement")
 
 
 def _check_divisible(samples: int, unit: int, layout: Layout, stage: str) -> None:

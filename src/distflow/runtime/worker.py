@@ -2,7 +2,8 @@
 
     build_graph(config) → make_plan (same on every rank) → a communicator per worker group
     engines: what this rank's stages declare they use (`Stage.uses`), built on this rank only:
-        policy (train ranks) · reference (a frozen copy) · critic (value head)
+        policy (train ranks) · reference (a frozen copy) · critic (value head),
+        each spread over the train ranks by trainer.strategy (ddp or fsdp2)
         the rollout model: the policy's own module where rollout and training share ranks
     task (train + held-out rows, verifier) → rows checked by 1/N of the ranks each → loader
     → prefetcher (the next step's prompts prepared in the background)
@@ -26,6 +27,7 @@ from distflow.dag.pipelines import LOADER_FIELDS, build_graph
 from distflow.data.loader import PromptLoader, RowRules, ValidRows
 from distflow.data.prefetch import Prefetcher
 from distflow.engines.models import load_model_and_tokenizer
+from distflow.engines.parallelize import frozen_copy
 from distflow.engines.policy import PolicyEngine
 from distflow.engines.sampling import SamplingSpec
 from distflow.engines.sequences import encode_prompts
@@ -98,14 +100,17 @@ def _build_models(config: Config, uses: set[str], model: torch.nn.Module, train:
     from distflow.engines.critic import build_critic
 
     engines = {"policy": None, "reference": None, "critic": None}
+    trainer = config.trainer
+    # The reference and the critic start as copies of the policy: taken before the policy is sharded.
+    if "reference" in uses:
+        engines["reference"] = frozen_copy(model, train, trainer)
+    if "critic" in uses:
+        engines["critic"] = build_critic(model, train, config.optim, lr=config.algorithm.critic.lr, trainer=trainer)
     if "policy" in uses:
-        engines["policy"] = PolicyEngine(model, train, config.optim, temperature=sampling.temperature)
+        engines["policy"] = PolicyEngine(model, train, config.optim, temperature=sampling.temperature,
+                                         trainer=trainer)
     else:
         model.requires_grad_(False)
-    if "reference" in uses:
-        engines["reference"] = copy.deepcopy(model).eval().requires_grad_(False)
-    if "critic" in uses:
-        engines["critic"] = build_critic(model, train, config.optim, lr=config.algorithm.critic.lr)
     return engines
 
 
