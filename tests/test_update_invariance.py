@@ -2,8 +2,13 @@
 
 For every loss aggregation mode, both policy losses (token-ratio PPO and sequence-ratio
 GSPO), a KL loss term with an entropy bonus and dual-clip, token-level advantages, and the
-critic's value loss: 1 micro-batch of 8 == 8 micro-batches of 1 == 2 ranks of 4.
+critic's value loss: 1 micro-batch of 8 == 8 micro-batches of 1 == 2 ranks of 4, with the
+2 ranks under either trainer.strategy (ddp, or fsdp2's sharded gradients gathered back whole).
 """
+
+import copy
+import dataclasses
+
 
 import pytest
 import torch
@@ -13,10 +18,11 @@ from distflow.dag.context import Engines, StageContext
 from distflow.engines.sampling import SamplingSpec
 from distflow.dag.update_stages import critic_update, policy_update
 from distflow.data.batch import Batch
-from distflow.engines.critic import build_critic
+from distflow.engines.critic import CriticEngine, ValueModel
 from distflow.engines.policy import PolicyEngine
 from distflow.observability.metrics import StepMetrics
 from distflow.comm import Comm
+from torch.distributed.tensor import DTensor
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
 from gloo import run_on_ranks
@@ -59,30 +65,40 @@ def make_batch(token_level: bool = False) -> Batch:
     })
 
 
-def _context(comm: Comm, overrides: list[str], micro_batch_size: int, *, critic: bool = False) -> StageContext:
-    config = load_config(None, [*overrides, *NO_CLIP, f"trainer.micro_batch_size={micro_batch_size}"])
+def _context(comm: Comm, overrides: list[str], micro_batch_size: int, *, critic: bool = False,
+             strategy: str = "ddp") -> StageContext:
+    config = load_config(None, [*overrides, *NO_CLIP, f"trainer.micro_batch_size={micro_batch_size}",
+                                f"trainer.strategy={strategy}"])
     model = build_tiny_model(build_char_tokenizer(), seed=0)
-    policy = PolicyEngine(model, comm, config.optim, temperature=1.0)
     value_model = None
-    if critic:
-        value_model = build_critic(model, comm, config.optim, lr=1e-3)
-        torch.nn.init.normal_(value_model.model.value_head.weight, std=0.1, generator=torch.Generator().manual_seed(1))
+    if critic:  # built as build_critic does, with a non-zero head (a zero head has no gradient into the body)
+        values = ValueModel(copy.deepcopy(model.base_model), model.config.hidden_size)
+        torch.nn.init.normal_(values.value_head.weight, std=0.1, generator=torch.Generator().manual_seed(1))
+        value_model = CriticEngine(values, comm, dataclasses.replace(config.optim, lr=1e-3), config.trainer)
+    policy = PolicyEngine(model, comm, config.optim, temperature=1.0, trainer=config.trainer)
     engines = Engines(tokenizer=None, rewards=None, is_correct=None, sampling=SamplingSpec.of(config.rollout),
                       policy=policy, critic=value_model)
     return StageContext(config, engines, comm=comm, world=comm, metrics=StepMetrics(), step=1)
 
 
-def policy_grads(comm: Comm, overrides: list[str], micro_batch_size: int, rows: list[int]) -> list[torch.Tensor]:
-    ctx = _context(comm, overrides, micro_batch_size)
+def full_grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every parameter's gradient, whole (a sharded one is gathered: every rank calls this together)."""
+    return [(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for p in model.parameters()]
+
+
+def policy_grads(comm: Comm, overrides: list[str], micro_batch_size: int, rows: list[int],
+                 strategy: str = "ddp") -> list[torch.Tensor]:
+    ctx = _context(comm, overrides, micro_batch_size, strategy=strategy)
     token_level = any("reinforce_pp" in o for o in overrides)
     policy_update(make_batch(token_level).select(rows), ctx)
-    return [p.grad.clone() for p in ctx.engines.policy.model.parameters()]
+    return full_grads(ctx.engines.policy.model)
 
 
-def critic_grads(comm: Comm, micro_batch_size: int, rows: list[int]) -> list[torch.Tensor]:
-    ctx = _context(comm, ["algorithm.name=ppo", "algorithm.critic.value_clip=0.05"], micro_batch_size, critic=True)
+def critic_grads(comm: Comm, micro_batch_size: int, rows: list[int], strategy: str = "ddp") -> list[torch.Tensor]:
+    ctx = _context(comm, ["algorithm.name=ppo", "algorithm.critic.value_clip=0.05"], micro_batch_size, critic=True,
+                   strategy=strategy)
     critic_update(make_batch().select(rows), ctx)
-    return [p.grad.clone() for p in ctx.engines.critic.model.parameters()]
+    return full_grads(ctx.engines.critic.model)
 
 
 def _assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
@@ -101,25 +117,26 @@ def test_critic_gradient_is_the_same_for_8x1_and_1x8_micro_batches():
     _assert_same(critic_grads(SINGLE, 8, list(range(8))), critic_grads(SINGLE, 1, list(range(8))))
 
 
-def _two_rank_grads(comm: Comm) -> dict[str, list[torch.Tensor]]:
+def _two_rank_grads(comm: Comm, strategy: str) -> dict[str, list[torch.Tensor]]:
     rows = list(range(comm.rank * 4, comm.rank * 4 + 4))
-    out = {case: policy_grads(comm, overrides, 2, rows) for case, overrides in CASES.items()}
-    out["critic"] = critic_grads(comm, 2, rows)
+    out = {case: policy_grads(comm, overrides, 2, rows, strategy) for case, overrides in CASES.items()}
+    out["critic"] = critic_grads(comm, 2, rows, strategy)
     return out
 
 
-def _uneven_grads(comm: Comm) -> dict[str, list[torch.Tensor]]:
+def _uneven_grads(comm: Comm, strategy: str) -> dict[str, list[torch.Tensor]]:
     """Shares of 7 + 1 and of 8 + 0 rows (a short dynamic-sampling step can leave a rank empty)."""
     out = {}
     for name, split in (("7+1", 7), ("8+0", 8)):
         rows = list(range(split)) if comm.rank == 0 else list(range(split, 8))
-        out[name] = policy_grads(comm, CASES["token-mean"], 2, rows)
-        out[f"critic {name}"] = critic_grads(comm, 2, rows)
+        out[name] = policy_grads(comm, CASES["token-mean"], 2, rows, strategy)
+        out[f"critic {name}"] = critic_grads(comm, 2, rows, strategy)
     return out
 
 
-def test_unequal_and_empty_shares_match_one_rank():
-    per_rank = run_on_ranks(_uneven_grads, 2)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_unequal_and_empty_shares_match_one_rank(strategy):
+    per_rank = run_on_ranks(_uneven_grads, 2, strategy)
     single = policy_grads(SINGLE, CASES["token-mean"], 8, list(range(8)))
     single_critic = critic_grads(SINGLE, 8, list(range(8)))
     for rank in (0, 1):
@@ -128,8 +145,9 @@ def test_unequal_and_empty_shares_match_one_rank():
             _assert_same(single_critic, per_rank[rank][f"critic {name}"])
 
 
-def test_two_ranks_match_one_rank():
-    per_rank = run_on_ranks(_two_rank_grads, 2)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_ranks_match_one_rank(strategy):
+    per_rank = run_on_ranks(_two_rank_grads, 2, strategy)
     for case, overrides in CASES.items():
         single = policy_grads(SINGLE, overrides, 8, list(range(8)))
         for rank in (0, 1):
