@@ -1,0 +1,161 @@
+"""trainer.strategy=fsdp2 (engines/parallelize.py) trains and samples like ddp.
+
+On 2 gloo ranks in float32: five optimizer steps of fsdp2, of HSDP (shard_size=1: two
+replicas of one shard each) and of either with activation checkpointing give ddp's losses,
+gradient norms and parameters. Generation and log-probs inside `gathered` (each rank with
+its own number of prompts) match the plain model. Then the real CLI on 2 ranks.
+"""
+
+import json
+
+import pytest
+import torch
+
+from conftest import REPO, run_cli
+from distflow.comm import Comm
+from distflow.config import ConfigError, load_config
+from distflow.data.batch import Batch
+from distflow.engines.generation import generate
+from distflow.engines.logprobs import batch_logprobs
+from distflow.engines.parallelize import decoder_blocks, frozen_copy, full_parameters, gathered
+from distflow.engines.policy import PolicyEngine
+from distflow.tasks.tiny_model import build_tiny_model
+from distflow.tasks.tokenizer import build_char_tokenizer
+from gloo import run_on_ranks
+from test_e2e import TINY, read_metrics
+
+NUM_STEPS = 5
+VARIANTS = {
+    "ddp": ["trainer.strategy=ddp"],
+    "fsdp2": ["trainer.strategy=fsdp2"],
+    "fsdp2, reshard_after_forward=false": ["trainer.strategy=fsdp2", "trainer.fsdp.reshard_after_forward=false"],
+    "hsdp (shard_size=1)": ["trainer.strategy=fsdp2", "trainer.fsdp.shard_size=1"],
+    "ddp + activation checkpointing": ["trainer.activation_checkpointing=true"],
+    "fsdp2 + activation checkpointing": ["trainer.strategy=fsdp2", "trainer.activation_checkpointing=true"],
+}
+
+
+def step_batch(step: int) -> Batch:
+    """8 sequences (some left-padded, responses of different lengths) and their advantages."""
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(4, 20, (8, 9), generator=g)
+    attention = torch.ones_like(ids)
+    attention[:3, :2] = 0
+    response_mask = torch.ones(8, 4, dtype=torch.long)
+    response_mask[::2, 2 + step % 2:] = 0
+    attention[:, 5:] = response_mask
+    return Batch({"input_ids": ids, "attention_mask": attention, "response_mask": response_mask,
+                  "advantage": torch.randn(8, generator=g)})
+
+
+def pg_loss(micro: Batch, logp_BR: torch.Tensor, entropy_BR: torch.Tensor):
+    """Sum over tokens of -A·logp (a REINFORCE loss): what `update` expects."""
+    mask_BR = micro["response_mask"].float()
+    loss = -(logp_BR * micro["advantage"][:, None] * mask_BR).sum()
+    return loss, {"loss": loss.detach()}
+
+
+def train_five_steps(comm: Comm, overrides: list[str]) -> dict:
+    config = load_config(None, [*overrides, "optim.lr=1e-2", "optim.warmup_steps=0", "optim.grad_clip=1.0"])
+    engine = PolicyEngine(build_tiny_model(build_char_tokenizer(), seed=0), comm, config.optim, temperature=1.0,
+                          trainer=config.trainer)
+    losses, norms = [], []
+    for step in range(NUM_STEPS):
+        batch = step_batch(step)
+        mine = batch.select(list(range(comm.rank * 4, comm.rank * 4 + 4)))
+        num_tokens = float(batch["response_mask"].sum())
+        stats = engine.update(mine, pg_loss, num_tokens, micro_batch_size=3)  # 2 micro-batches: accumulation
+        loss = comm.all_reduce_sum(torch.tensor([stats["loss"]], dtype=torch.float64))
+        losses.append(float(loss) / num_tokens)
+        norms.append(stats["grad_norm"])
+    params = {name: tensor.clone() for name, tensor in full_parameters(engine.model)}
+    return {"loss": losses, "grad_norm": norms, "params": params}
+
+
+def _all_variants(comm: Comm) -> dict:
+    return {name: train_five_steps(comm, overrides) for name, overrides in VARIANTS.items()}
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return run_on_ranks(_all_variants, 2)
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "ddp"])
+def test_five_steps_match_ddp(trained, variant):
+    for rank in (0, 1):
+        want, got = trained[rank]["ddp"], trained[rank][variant]
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        assert max(want["grad_norm"]) > 1.0  # clipping was active
+        assert got["params"].keys() == want["params"].keys()
+        for name, tensor in want["params"].items():
+            scale = tensor.abs().max()
+            assert (got["params"][name] - tensor).abs().max() <= 1e-5 * scale, (variant, name)
+    moved = trained[0]["ddp"]["params"]["model.norm.weight"]
+    assert (moved - 1).abs().max() > 1e-3  # the 5 steps did change the parameters
+
+
+def _inference(comm: Comm) -> dict:
+    """fsdp2 policy and reference, each rank with its own number of prompts and micro-batches."""
+    tok = build_char_tokenizer()
+    config = load_config(None, ["trainer.strategy=fsdp2"])
+    model = build_tiny_model(tok, seed=3)
+    reference = frozen_copy(model, comm, config.trainer)
+    engine = PolicyEngine(model, comm, config.optim, temperature=0.7, trainer=config.trainer)
+    prompts = ["12+3=", "4+5=", "7+70="][: 1 + 2 * comm.rank]
+    with gathered(model):
+        out = generate(model, tok, prompts, max_new_tokens=3 + 3 * comm.rank, temperature=0.7,
+                       sample_keys=list(range(len(prompts))))
+    batch = Batch({"input_ids": out.input_ids_BT, "attention_mask": out.attention_mask_BT,
+                   "response_mask": out.response_mask_BR})
+    policy_logp = engine.logprobs(batch, micro_batch_size=1)
+    with gathered(reference):
+        reference_logp = batch_logprobs(reference, batch, micro_batch_size=2, temperature=0.7)
+    return {"completions": out.completions, "batch": batch, "policy": policy_logp, "reference": reference_logp,
+            "sharded": sorted({type(p).__name__ for p in model.parameters()})}
+
+
+def test_generation_and_logprobs_inside_gathered_match_the_plain_model():
+    per_rank = run_on_ranks(_inference, 2)
+    tok = build_char_tokenizer()
+    plain = build_tiny_model(tok, seed=3)
+    for rank, got in enumerate(per_rank):
+        assert got["sharded"] == ["DTensor"]  # resharded after use
+        prompts = ["12+3=", "4+5=", "7+70="][: 1 + 2 * rank]
+        want = generate(plain, tok, prompts, max_new_tokens=3 + 3 * rank, temperature=0.7,
+                        sample_keys=list(range(len(prompts))))
+        assert got["completions"] == want.completions
+        logp = batch_logprobs(plain, got["batch"], micro_batch_size=8, temperature=0.7)
+        torch.testing.assert_close(got["policy"], logp, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["reference"], logp, rtol=1e-5, atol=1e-6)
+
+
+def test_decoder_blocks_are_found_generically():
+    model = build_tiny_model(build_char_tokenizer(), seed=0)
+    assert [type(b).__name__ for b in decoder_blocks(model)] == ["LlamaDecoderLayer"] * 4
+    layers = torch.nn.Sequential(torch.nn.Embedding(4, 8), torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)]))
+    assert len(decoder_blocks(layers)) == 3  # no _no_split_modules: the ModuleList of repeated layers
+    with pytest.raises(ConfigError, match="trainer.activation_checkpointing needs them"):
+        decoder_blocks(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL, bfloat16 FSDP2 on a GPU)")
+def test_cuda_auto_precision_is_bfloat16_compute_with_float32_reduction():
+    from distflow.engines.parallelize import resolve_dtypes
+
+    trainer = load_config(None, ["trainer.strategy=fsdp2"]).trainer
+    assert resolve_dtypes(trainer, torch.device("cuda", 0)) == (torch.bfloat16, torch.float32)
+
+
+def test_cli_run_with_fsdp2_on_two_ranks(tmp_path, cache_dir):
+    result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *TINY, f"warmstart.cache_dir={cache_dir}",
+                     "warmstart.target_accuracy=0", f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
+                     "trainer.strategy=fsdp2", "algorithm.kl.coef=0.01", "--nproc", "2", cwd=tmp_path, timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["world_size"] == 2 and summary["steps"] == 3
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert records[1]["tokens/generated"] == records[1]["response/length"] * 16
+    assert all("time/reference_logprob_s" in r for r in records[1:])
