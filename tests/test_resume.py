@@ -103,6 +103,26 @@ def test_resume_after_kill_reproduces_the_run_on_fewer_ranks(tmp_path, cache_dir
         "final_accuracy"], abs=1e-6)
 
 
+@pytest.mark.parametrize("first, second", [("ddp", "fsdp2"), ("fsdp2", "ddp")])
+def test_resume_after_kill_across_strategies(tmp_path, cache_dir, uninterrupted, first, second):
+    """A checkpoint of one trainer.strategy on 2 ranks, killed at step 3, resumes under the other on
+    1 rank (DCP reshards the policy and its optimizer state) and reproduces the uninterrupted run."""
+    out = tmp_path / "out"
+    killed = train(tmp_path / "first", out, cache_dir, "trainer.run_name=run", f"trainer.strategy={first}",
+                   "--nproc", "2", env={"KILL_AT_STEP": "3", "KILL_RANK": "1"})
+    assert killed.returncode != 0
+    assert sorted(p.name for p in (out / "run/checkpoints").iterdir()) == ["step-000002"]
+    resumed = train(tmp_path / "second", out, cache_dir, "trainer.run_name=run", f"trainer.strategy={second}",
+                    "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert summary["resumed_from_step"] == 2 and summary["world_size"] == 1
+    metrics = read_metrics(out / "run")
+    got = {**samples(tmp_path / "first"), **samples(tmp_path / "second")}
+    worst = assert_same_run(got, metrics, uninterrupted, steps=(1, 2, 3, 4), rel=1e-5)
+    print(f"resume {first}(2) -> {second}(1) after kill: max relative metric difference {worst:.2e}")
+
+
 def test_disaggregated_resume_gives_rollout_ranks_the_restored_weights(tmp_path, cache_dir, uninterrupted):
     checkpoint = uninterrupted["run"] / "checkpoints/step-000002"
     result = train(tmp_path / "cwd", tmp_path, cache_dir, "trainer.run_name=disagg", "--nproc", "2",
