@@ -182,7 +182,8 @@ def _reshard_after_forward(model: torch.nn.Module) -> bool:
 
 def full_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) of every parameter, in `named_parameters` order. A sharded parameter is
-    all-gathered (DTensor.full_tensor), so under fsdp2 every train rank iterates this together."""
+    all-gathered (DTensor.full_tensor, a new tensor), so under fsdp2 every train rank iterates this
+    together; any other is returned detached (a view: clone it to keep it past the next step)."""
     for name, param in model.named_parameters():
         name = name.replace(_WRAPPED, "")  # activation checkpointing's wrapper: the block's own name
         yield name, param.full_tensor() if isinstance(param, DTensor) else param.detach()
