@@ -67,8 +67,11 @@ def generate(
     )
     was_training = model.training
     model.eval()
+    # synced_gpus=False: transformers turns it on for an FSDP module (an all-reduce over the world
+    # per token, which ranks outside the train group never join); distflow generates with a
+    # gathered model (engines.parallelize.gathered), each rank on its own.
     out_BT = model.generate(input_ids=prompt_ids_BP, attention_mask=prompt_mask_BP, generation_config=config,
-                            logits_processor=processors)
+                            logits_processor=processors, synced_gpus=False)
     model.train(was_training)
     response_BR = out_BT[:, width:]
     if response_BR.shape[1] < max_new_tokens:  # generate stops early when every row hit EOS
