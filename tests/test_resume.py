@@ -135,6 +135,17 @@ def test_disaggregated_resume_gives_rollout_ranks_the_restored_weights(tmp_path,
 
 
 
+def test_fsdp2_disaggregated_run_reproduces_the_colocated_one(tmp_path, cache_dir, uninterrupted):
+    """Rollout on rank 0, a policy sharded over ranks 1-2: the weight broadcast sends the gathered
+    (whole) policy, so the rollout rank samples what the 1-rank run sampled at every step."""
+    result = train(tmp_path / "cwd", tmp_path, cache_dir, "trainer.run_name=fsdp2", "--nproc", "3",
+                   "trainer.strategy=fsdp2", "placement.rollout.ranks=0", "placement.train.ranks=1-2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = {r["step"]: r for r in read_metrics(tmp_path / "fsdp2")}
+    worst = assert_same_run(samples(tmp_path / "cwd"), metrics, uninterrupted, steps=(1, 2, 3, 4), rel=1e-5)
+    print(f"fsdp2 disaggregated: max relative metric difference {worst:.2e}")
+
+
 def test_resume_restores_a_stage_s_own_state_the_adaptive_kl_coefficient(tmp_path, cache_dir):
     """The in-reward KL coefficient lives in its stage (KLPenalty) and travels in the checkpoint:
     the resumed steps use the coefficient the uninterrupted run had reached, not the initial one."""
