@@ -12,6 +12,7 @@ of DDP, which runs its own all-reduce) are exactly:
     comm.py                      this module: process groups and collectives
     engines/parallelize.py       DistributedDataParallel (the gradient all-reduce lives in DDP)
     checkpoint/store.py          torch.distributed.checkpoint (sharded save/load, resharding)
+    checkpoint/hf_weights.py     DCP's Hugging Face reader (a model directory into sharded parameters)
     runtime/launcher.py          torch's elastic launcher (`distflow train --nproc N`)
 
 `tests/test_comm.py` checks that this list matches the code.
