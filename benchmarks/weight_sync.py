@@ -55,7 +55,7 @@ QUICK_MODEL = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers":
 
 
 def llama_parameters(sizes: dict[str, int]) -> dict[str, torch.Tensor]:
-    """A randomly initialized Llama-style model's parameters, by name (tied embeddings once)."""
+    """A randomly initialized Llama-style model's parameters, by name."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
