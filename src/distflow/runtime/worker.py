@@ -4,11 +4,12 @@
     engines: what this rank's stages declare they use (`Stage.uses`), built on this rank only:
         policy (train ranks) · reference (a frozen copy) · critic (value head)
         the rollout model: the policy's own module where rollout and training share ranks
+    weight sync (disaggregated only): every rank learns which rows each train rank sends
     task (train + held-out rows, verifier) → rows checked by 1/N of the ranks each → loader
     → prefetcher (the next step's prompts prepared in the background)
 
 Group creation is collective: every rank creates every group, in the plan's order, whether
-or not it belongs to it.
+or not it belongs to it; so is the weight sync's start-up exchange (one world all_gather).
 """
 
 from __future__ import annotations
