@@ -153,7 +153,7 @@ def restore(worker: Worker, path: Path) -> Resumed:
     worker.loader.load_state_dict(extra["loader"])
     worker.prefetcher.state = worker.loader.state_dict()
     if engines.weight_sync is not None:  # rollout-only ranks sample from the restored policy
-        engines.weight_sync.broadcast(engines.policy.model if engines.policy is not None else engines.rollout_model)
+        engines.weight_sync.sync(engines.policy.model if engines.policy is not None else engines.rollout_model)
     if engines.policy is not None:
         engines.policy.consecutive_nonfinite = int(extra.get("consecutive_nonfinite", 0))
         _restore_stages(worker, extra)
