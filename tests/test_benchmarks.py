@@ -59,7 +59,7 @@ def test_benchmark_imports_of_distflow_exist(script):
 
 def test_every_benchmark_has_a_quick_test():
     scripts = {p.name for p in BENCHMARKS.glob("*.py")} - {"trl_worker.py"}  # run by throughput.py
-    assert scripts == {"throughput.py", "data_plane.py"}, (
+    assert scripts == {"throughput.py", "data_plane.py", "weight_sync.py"}, (
         f"benchmarks/ now holds {sorted(scripts)}: give each a --quick mode and a test here")
 
 
@@ -96,3 +96,21 @@ def test_data_plane_quick():
     # The claim the benchmark exists for: p2p per-rank bytes do not grow with W, central's do.
     assert out["ratios"]["p2p-disjoint/wire/W4_over_W2"] == pytest.approx(1.0, abs=0.05)
     assert out["ratios"]["central-disjoint/wire/W4_over_W2"] > 1.5
+
+
+def test_weight_sync_quick():
+    out = run_quick("weight_sync.py", timeout=1800)
+    model_bytes = out["settings"]["model_bytes"]
+    layouts = {f"T{t}R{r}" for t in (1, 2, 4) for r in (1, 2)}
+    for scheme in ("new", "old"):
+        rows = out["weight_sync"][scheme]
+        assert set(rows) == layouts, scheme
+        for row in rows.values():  # every rollout rank receives the whole model, once
+            assert row["received_per_rollout_bytes"] == model_bytes and row["seconds"] > 0
+    new = out["weight_sync"]["new"]
+    for r in (1, 2):
+        assert new[f"T1R{r}"]["sent_max_bytes"] == model_bytes * r  # one train rank sends it all, to each
+        assert new[f"T4R{r}"]["sent_max_bytes"] < new[f"T2R{r}"]["sent_max_bytes"] < new[f"T1R{r}"]["sent_max_bytes"]
+        # Issue 10's acceptance: at 4 train ranks the busiest sender moves <= 0.6x its bytes at 2.
+        assert out["ratios"][f"new/sent_max/T4_over_T2/R{r}"] <= 0.6
+        assert out["ratios"][f"old/sent_max/T4_over_T2/R{r}"] == 1.0  # one rank broadcast everything

@@ -1,6 +1,7 @@
 """Layout invariance, end to end: the same seed gives the same samples and the same first
 step on 1 rank, 2 ranks, rollout replicas of 2 (rollout DP 1 ≠ train DP 2), rollout and
-training on different ranks, and with the prefetch thread off."""
+training on different ranks (1 + 1, and 2 rollout + 2 train ranks, whose weight sync comes
+from both train ranks), and with the prefetch thread off."""
 
 import json
 
@@ -29,6 +30,7 @@ LAYOUTS = {
     "2 ranks": ["--nproc", "2"],
     "rollout replicas of 2": ["--nproc", "2", "placement.rollout.ranks_per_replica=2"],
     "disaggregated": ["--nproc", "2", "placement.rollout.ranks=0", "placement.train.ranks=1"],
+    "disaggregated 2 rollout, 2 train": ["--nproc", "4", "placement.rollout.ranks=0-1", "placement.train.ranks=2-3"],
     "no prefetch": ["trainer.prefetch=false"],
 }
 
@@ -97,4 +99,10 @@ def test_data_plane_counters(runs):
     for record in (split, disagg):
         assert record["data/imbalance_after_reward"] <= record["data/imbalance_before_reward"] + 1e-9
         assert record["time/redistribute_reward_s"] > 0
-    assert disagg["sync/bytes_per_rank"] > 0  # the policy was broadcast to the rollout rank
+    assert disagg["sync/bytes_per_rank"] > 0  # the policy was sent to the rollout rank
+    assert disagg["sync/bytes_sent_max"] == disagg["sync/bytes_per_rank"]  # one sender, one receiver: the model
+    # Two train ranks send half the model each to each of two rollout ranks: the busiest
+    # sender moves about one model, as the single sender of 1+1 did; a rollout rank receives one.
+    split_sync = runs["disaggregated 2 rollout, 2 train"]["metrics"][1]
+    assert split_sync["sync/bytes_sent_max"] == pytest.approx(disagg["sync/bytes_sent_max"], rel=0.01)
+    assert split_sync["sync/bytes_per_rank"] >= disagg["sync/bytes_per_rank"]

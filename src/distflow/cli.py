@@ -68,7 +68,7 @@ def _validate(config: Config, world_size: int, *, check_run_dir: bool, resuming:
 
         if not torch.cuda.is_available():
             raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=auto or cpu")
-    preflight.check_strategy(config, world_size)
+    preflight.check_strategy(config)
     preflight.check_data_files(config)
     preflight.check_directories(config, _run_dir(config))
     if os.environ.get(LAUNCHED_ENV) != "1":  # else `distflow train --nproc` checked it before starting the ranks

@@ -13,6 +13,7 @@ of DDP, which runs its own all-reduce) are exactly:
     engines/parallelize.py       DDP and FSDP2 (fully_shard, device meshes, DTensor): the gradient
                                  reduction and the parameter all-gathers live in them
     checkpoint/store.py          torch.distributed.checkpoint (sharded save/load, resharding)
+    checkpoint/hf_weights.py     DCP's Hugging Face reader (a model directory into sharded parameters)
     runtime/launcher.py          torch's elastic launcher (`distflow train --nproc N`)
 
 `tests/test_comm.py` checks that this list matches the code.
@@ -102,6 +103,19 @@ class Comm:
         if self.distributed:
             dist.broadcast(tensor, src=self._global(src), group=self.group)
         return tensor
+
+    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
+        """Point to point: each (tensor, peer) of `sends` goes to world rank `peer`, each of `recvs`
+        is filled from world rank `peer`. Everything is posted at once (batch_isend_irecv), then
+        waited on, so pairs cannot deadlock on each other's order; two messages between the same
+        pair match in the order both sides post them. Only the ranks named take part (the
+        process group must have run a collective before: NCCL creates its communicator then)."""
+        if not (sends or recvs):
+            return
+        ops = [dist.P2POp(dist.isend, tensor, peer, self.group) for tensor, peer in sends]
+        ops += [dist.P2POp(dist.irecv, tensor, peer, self.group) for tensor, peer in recvs]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
 
     def _global(self, rank: int) -> int:
         """World rank of this group's rank `rank` (torch's collectives take world ranks)."""

@@ -142,19 +142,17 @@ def _check_vocabulary(model_config: dict, model_dir: Path, tokenizer_dir: Path) 
                           "use the tokenizer the model was trained with, or resize the model's embeddings")
 
 
-def check_strategy(config: Config, world_size: int) -> None:
+def check_strategy(config: Config) -> None:
     """Precision the device supports, and decoder blocks where activation checkpointing needs them."""
     trainer = config.trainer
     if trainer.strategy == "fsdp2" and {trainer.param_dtype, trainer.reduce_dtype} - {"auto", "float32"}:
-        _check_precision(config, world_size)
+        _check_precision(config)
     if trainer.activation_checkpointing and config.model.path is not None:
         _check_decoder_blocks(Path(config.model.path).expanduser())
 
 
-def _check_precision(config: Config, world_size: int) -> None:
+def _check_precision(config: Config) -> None:
     import torch
-
-    from distflow.planner.plan import make_groups
 
     trainer = config.trainer
     cuda = trainer.device == "cuda" or (trainer.device == "auto" and torch.cuda.is_available())
@@ -166,11 +164,6 @@ def _check_precision(config: Config, world_size: int) -> None:
                               "use bfloat16 or float32")
         if value == "bfloat16" and cuda and not torch.cuda.is_bf16_supported():
             raise ConfigError(f"trainer.{key}=bfloat16: this CUDA device has no bfloat16; use float16 or float32")
-    groups = make_groups(config, world_size)
-    disaggregated = set(groups["rollout"].ranks) - set(groups["train"].ranks)
-    if disaggregated and trainer.param_dtype not in ("auto", "float32"):
-        raise ConfigError(f"trainer.param_dtype={trainer.param_dtype} with rollout on other ranks than training: "
-                          "the weight broadcast sends float32 tensors only; use trainer.param_dtype=float32")
 
 
 def _check_decoder_blocks(model_dir: Path) -> None:

@@ -292,7 +292,7 @@ class PlacementConfig:
 
     rollout: LayoutSpec = field(default_factory=LayoutSpec)
     """Generation. Ranks outside `train` get their own copy of the policy, refreshed
-    by a broadcast after every update (disaggregated placement)."""
+    after every update by every train rank sending its share (disaggregated placement)."""
     train: LayoutSpec = field(default_factory=LayoutSpec)
     """Every other stage: reward, advantage, log-probs, the policy update."""
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # engines import torch/transformers; building a graph must no
     from distflow.engines.policy import PolicyEngine
     from distflow.engines.reward import Rewards
     from distflow.engines.sampling import SamplingSpec
-    from distflow.engines.weight_sync import WeightBroadcast
+    from distflow.engines.weight_sync import WeightSync
     from distflow.observability.metrics import StepMetrics
 
 
@@ -48,7 +48,7 @@ class Engines:
     reference: torch.nn.Module | None = None
     critic: CriticEngine | None = None
     """The value model (PPO) on train ranks."""
-    weight_sync: WeightBroadcast | None = None
+    weight_sync: WeightSync | None = None
     """Set when some rollout ranks are not train ranks."""
     next_prompts: Callable[[], Batch] | None = None
     """This rank's share of the loader's next prompts (dynamic sampling draws extra batches)."""

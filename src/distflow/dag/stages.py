@@ -220,16 +220,17 @@ def weight_sync(batch: Batch, ctx: StageContext) -> Batch:
     """After the update, the rollout engines must sample from the new policy.
 
     Colocated, rollout samples from the policy's own module: nothing to copy. With rollout
-    on other ranks (disaggregated), the first train rank broadcasts the parameters to them.
+    on other ranks (disaggregated), every train rank sends its share of the parameters to
+    every rollout rank (engines/weight_sync.py). Metrics, max over ranks of one rank's payload
+    bytes: `sync/bytes_per_rank` sent + received (a rollout rank receives the whole model),
+    `sync/bytes_sent_max` sent (the busiest train rank: rollout ranks × its share).
     """
     if ctx.engines.weight_sync is None:
         if ctx.engines.rollout_model is not ctx.engines.policy.model:
             raise RuntimeError("colocated weight sync expects rollout to share the policy module")
         return batch
-    from distflow.engines.parallelize import gathered
-
     model = ctx.engines.policy.model if ctx.engines.policy is not None else ctx.engines.rollout_model
-    with gathered(model):  # fsdp2: the train ranks gather the policy, the first one sends it whole
-        num_bytes = ctx.engines.weight_sync.broadcast(model)
-    ctx.metrics.maximum("sync/bytes_per_rank", num_bytes)
+    moved = ctx.engines.weight_sync.sync(model)
+    ctx.metrics.maximum("sync/bytes_per_rank", moved.sent + moved.received)
+    ctx.metrics.maximum("sync/bytes_sent_max", moved.sent)
     return batch

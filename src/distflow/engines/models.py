@@ -13,13 +13,8 @@ from distflow.config import ConfigError
 def load_model_and_tokenizer(model_dir: Path, tokenizer_dir: Path, device: torch.device) -> tuple[torch.nn.Module, object]:
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        model_config = AutoConfig.from_pretrained(model_dir)
-        # Dropout would make the log-probs of one policy differ between passes (and the
-        # PPO ratio != 1 on-policy); RL fine-tuning turns it off, as verl and TRL do.
-        for name, value in model_config.to_dict().items():
-            if "dropout" in name and isinstance(value, float):
-                setattr(model_config, name, 0.0)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, config=model_config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, config=rl_model_config(model_dir),
+                                                     dtype=torch.float32)
     except (OSError, ValueError, KeyError) as err:
         raise ConfigError(f"cannot load the model/tokenizer from {str(model_dir)!r}: "
                           f"{type(err).__name__}: {err}".replace("\n", " ")) from None
@@ -29,3 +24,40 @@ def load_model_and_tokenizer(model_dir: Path, tokenizer_dir: Path, device: torch
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device), tokenizer
+
+
+def rl_model_config(model_dir: Path):
+    """The directory's model config with dropout off: dropout would make the log-probs of one
+    policy differ between passes (and the PPO ratio != 1 on-policy); RL fine-tuning turns it
+    off, as verl and TRL do."""
+    model_config = AutoConfig.from_pretrained(model_dir)
+    for name, value in model_config.to_dict().items():
+        if "dropout" in name and isinstance(value, float):
+            setattr(model_config, name, 0.0)
+    return model_config
+
+
+def build_on_meta(model_dir: Path) -> torch.nn.Module:
+    """The directory's model with no storage at all (parameters and buffers on the meta
+    device): to be sharded, then `materialize`d and filled (checkpoint/hf_weights.py)."""
+    try:
+        config = rl_model_config(model_dir)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as err:
+        raise ConfigError(f"cannot build the model of {str(model_dir)!r}: "
+                          f"{type(err).__name__}: {err}".replace("\n", " ")) from None
+
+
+def materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Allocate a meta-built (possibly sharded) model's storage on `device`, and compute the
+    buffers that checkpoints do not store (e.g. rotary frequencies) as transformers does
+    after its own meta-device construction. Parameters hold garbage until loaded."""
+    model.to_empty(device=device)
+    init = getattr(model, "_init_weights", None)
+    for module in model.modules():
+        if any(True for _ in module.buffers(recurse=False)):
+            if init is None:
+                raise ConfigError(f"{type(model).__name__} has buffers but no _init_weights to compute them; "
+                                  "use trainer.strategy=ddp, which loads through from_pretrained")
+            init(module)

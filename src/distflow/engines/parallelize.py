@@ -12,12 +12,13 @@
 Invariants. Under fsdp2 every forward is a collective of the train group, so the train ranks
 run the same number of forward/backward passes in an update (`TrainableEngine` pads a short
 share with zero-loss passes) and every inference pass (generation, log-probs, values,
-evaluation, the weight broadcast) runs inside `gathered(model)`: entered by every train rank
+evaluation) runs inside `gathered(model)`: entered by every train rank
 together, it all-gathers the whole model once and leaves each rank free to run its own
 number of forwards. Its cost is a full copy of the parameters (in `trainer.param_dtype`) on
 every rank while inside, as DDP holds at all times; sharding still saves the gradients, the
-optimizer state and the float32 master weights. A world of one has nothing to shard: both
-strategies leave the model plain there.
+optimizer state and the float32 master weights. The disaggregated weight sync needs no gathering:
+each train rank sends its own (float32) shard (engines/weight_shares.py). A world of one has
+nothing to shard: both strategies leave the model plain there.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX as _WRAPPED
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed._composable import checkpoint as checkpoint_activations
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -125,13 +125,11 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def checkpoint_blocks(model: torch.nn.Module) -> None:
-    """Replace each decoder block by a wrapper that recomputes its activations in the backward.
-    State-dict keys keep the block's own names (the wrapper's prefix is stripped)."""
-    block_ids = {id(block) for block in decoder_blocks(model)}
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if id(child) in block_ids:
-                setattr(parent, name, checkpoint_wrapper(child))
+    """Make each decoder block recompute its activations in the backward (torch's composable
+    `checkpoint`: hooks on the block, not a wrapper module, so parameter names do not change and
+    checkpoints, the weight sync and `fully_shard` see the same model)."""
+    for block in decoder_blocks(model):
+        checkpoint_activations(block)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -185,5 +183,4 @@ def full_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
     all-gathered (DTensor.full_tensor, a new tensor), so under fsdp2 every train rank iterates this
     together; any other is returned detached (a view: clone it to keep it past the next step)."""
     for name, param in model.named_parameters():
-        name = name.replace(_WRAPPED, "")  # activation checkpointing's wrapper: the block's own name
         yield name, param.full_tensor() if isinstance(param, DTensor) else param.detach()

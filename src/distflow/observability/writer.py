@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -40,6 +41,19 @@ class RunWriter:
             for name, value in metrics.items():
                 if math.isfinite(value):
                     self.tb.add_scalar(name, value, step)
+            # TensorBoard's writer thread flushes every 2 minutes: a crash would lose the events
+            # of steps that a checkpoint already covers (and that a resume does not redo).
+            self.tb.flush()
+
+    def sync(self) -> None:
+        """Make every record logged so far survive a power loss (called before a checkpoint)."""
+        self.jsonl.flush()
+        os.fsync(self.jsonl.fileno())
+        if self.tb is not None:
+            self.tb.flush()
+            for path in (self.run_dir / "tensorboard").glob("events.out.tfevents.*"):
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
 
     def progress(self, metrics: dict[str, float]) -> None:
         shown = {

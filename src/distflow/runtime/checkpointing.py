@@ -33,7 +33,6 @@ from distflow.checkpoint import (
 from distflow.checkpoint.store import COMPLETE, read_meta
 from distflow.config import Config, to_dict
 from distflow.config.deprecated import DeprecatedKeyWarning, upgrade_old_keys
-from distflow.engines.parallelize import gathered
 from distflow.planner.plan import PlannedStage
 from distflow.runtime.worker import Worker
 
@@ -154,9 +153,7 @@ def restore(worker: Worker, path: Path) -> Resumed:
     worker.loader.load_state_dict(extra["loader"])
     worker.prefetcher.state = worker.loader.state_dict()
     if engines.weight_sync is not None:  # rollout-only ranks sample from the restored policy
-        model = engines.policy.model if engines.policy is not None else engines.rollout_model
-        with gathered(model):
-            engines.weight_sync.broadcast(model)
+        engines.weight_sync.sync(engines.policy.model if engines.policy is not None else engines.rollout_model)
     if engines.policy is not None:
         engines.policy.consecutive_nonfinite = int(extra.get("consecutive_nonfinite", 0))
         _restore_stages(worker, extra)

@@ -197,6 +197,8 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
         every = config.checkpoint.every
         if (every and step % every == 0) or (last and config.checkpoint.at_end):
             status.enter("checkpoint", step, len(worker.plan.items) + 3)
+            if writer:
+                writer.sync()  # the checkpoint's steps are logged for good before it exists
             checkpointing.save(worker, root, step, run_state)
             last_checkpoint = root / step_dir_name(step)
             log(f"checkpoint saved: {last_checkpoint}")

@@ -5,11 +5,12 @@
         policy (train ranks) · reference (a frozen copy) · critic (value head),
         each spread over the train ranks by trainer.strategy (ddp or fsdp2)
         the rollout model: the policy's own module where rollout and training share ranks
+    weight sync (disaggregated only): every rank learns which rows each train rank sends
     task (train + held-out rows, verifier) → rows checked by 1/N of the ranks each → loader
     → prefetcher (the next step's prompts prepared in the background)
 
 Group creation is collective: every rank creates every group, in the plan's order, whether
-or not it belongs to it.
+or not it belongs to it; so is the weight sync's start-up exchange (one world all_gather).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from distflow.engines.parallelize import frozen_copy
 from distflow.engines.policy import PolicyEngine
 from distflow.engines.sampling import SamplingSpec
 from distflow.engines.sequences import encode_prompts
-from distflow.engines.weight_sync import WeightBroadcast
+from distflow.engines.weight_sync import WeightSync
 from distflow.planner.plan import Plan, make_plan
 from distflow.tasks.build import Task, build_task, model_dirs
 
@@ -66,8 +67,6 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
         log(f"plan: {line}")
     comms = _group_comms(plan, world)
     rollout, train = plan.groups["rollout"], plan.groups["train"]
-    receivers = tuple(r for r in rollout.ranks if r not in train)
-    weight_sync = WeightBroadcast(world, train.ranks[0], receivers) if receivers else None
 
     model_dir, tokenizer_dir = model_dirs(config, builder=world.local_rank == 0, log=log)
     if config.model.path is None:
@@ -75,6 +74,11 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
     model, tokenizer = load_model_and_tokenizer(model_dir, tokenizer_dir, world.device)
     sampling = SamplingSpec.of(config.rollout)
     models = _build_models(config, plan.engines_for(rank), model, comms["train"], sampling)
+    receivers = tuple(r for r in rollout.ranks if r not in train)
+    weight_sync = None
+    if receivers:  # every rank joins: the train ranks' shares are agreed with one world collective
+        policy = models["policy"]
+        weight_sync = WeightSync(world, train.ranks, receivers, policy.model if policy is not None else model)
     task = build_task(config, tokenizer)  # the embedded addition task, or verl-format rows (task.train_file)
     # The prefetch thread tokenizes with its own tokenizer: fast tokenizers are not
     # safe to share with the main thread's decoding.
