@@ -59,7 +59,7 @@ def test_benchmark_imports_of_distflow_exist(script):
 
 def test_every_benchmark_has_a_quick_test():
     scripts = {p.name for p in BENCHMARKS.glob("*.py")} - {"trl_worker.py"}  # run by throughput.py
-    assert scripts == {"throughput.py", "data_plane.py", "weight_sync.py"}, (
+    assert scripts == {"throughput.py", "data_plane.py", "weight_sync.py", "memory.py"}, (
         f"benchmarks/ now holds {sorted(scripts)}: give each a --quick mode and a test here")
 
 
@@ -114,3 +114,18 @@ def test_weight_sync_quick():
         # Issue 10's acceptance: at 4 train ranks the busiest sender moves <= 0.6x its bytes at 2.
         assert out["ratios"][f"new/sent_max/T4_over_T2/R{r}"] <= 0.6
         assert out["ratios"][f"old/sent_max/T4_over_T2/R{r}"] == 1.0  # one rank broadcast everything
+
+
+def test_memory_quick():
+    out = run_quick("memory.py", timeout=1800)
+    strategies = out["strategies"]
+    assert set(strategies) == {"ddp", "fsdp2"} and out["worlds"] == [1, 2]
+    for strategy in strategies.values():
+        for row in strategy.values():
+            assert row["params"] == row["grads"] > 0 and row["optimizer"] == 2 * row["params"]  # AdamW: 2 moments
+            assert row["load_peak_mib"] > 0 and row["step_s"] > 0
+    # Byte counts, not speeds: one rank holds everything; fsdp2 on 2 ranks holds about half of it.
+    fp32_bytes = 4 * out["num_params"]
+    assert strategies["ddp"]["1"]["params"] == strategies["fsdp2"]["1"]["params"] == fp32_bytes
+    assert strategies["ddp"]["2"]["params"] == fp32_bytes
+    assert strategies["fsdp2"]["2"]["state_vs_ddp_share"] <= 1.1

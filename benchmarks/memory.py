@@ -1,0 +1,170 @@
+"""Memory per train rank under trainer.strategy=ddp and fsdp2: what sharding saves.
+
+    .venv/bin/python benchmarks/memory.py            # ~58M-parameter Llama, N = 1, 2, 4 gloo ranks
+    .venv/bin/python benchmarks/memory.py --quick    # smoke test (tiny model, N = 1, 2), run by the test suite
+
+A Llama-style model (random init, built locally from a config, saved once with
+save_pretrained) is loaded from that directory on N spawned gloo ranks (1 torch thread
+each) the way a run with `model.path` loads it:
+
+    ddp     from_pretrained on every rank (a full model each), then DDP
+    fsdp2   built on the meta device, sharded (engines/parallelize.py), its shards allocated
+            and filled from the safetensors files (checkpoint/hf_weights.py)
+
+then trains a few AdamW steps (next-token loss on random tokens, micro-batch of B x T).
+
+Per rank: `state` = bytes of the local parameters + gradients + AdamW state, counted from
+the tensors this rank holds (DTensor local shards under fsdp2), after the last step;
+`load peak` / `step peak` = the process's peak RSS (VmHWM, reset through
+/proc/self/clear_refs before the phase) while loading / during the training steps, and
+`+load` its growth over the RSS before loading (torch itself and the interpreter are the
+rest); `s/step` = the slowest rank's mean seconds per step after the first. The table
+reports the busiest rank (max over ranks); the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from distflow.checkpoint.hf_weights import load_sharded_weights
+from distflow.comm import Comm
+from distflow.config.schema import TrainerConfig
+from distflow.engines.models import build_on_meta, materialize, rl_model_config
+from distflow.engines.parallelize import parallelize
+
+MiB = 2**20
+FULL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+            num_attention_heads=8, num_key_value_heads=8)
+QUICK = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=4)
+
+
+def rss_mib(field: str) -> float:
+    """VmRSS (now) or VmHWM (peak since the last reset) of this process, in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024 / MiB
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    params = list(model.parameters())
+    return {
+        "params": sum(local_bytes(p) for p in params),
+        "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(local_bytes(v) for s in optimizer.state.values() for v in s.values()
+                         if isinstance(v, torch.Tensor) and v.dim() > 0),
+    }
+
+
+def load(strategy: str, model_dir: Path, comm: Comm) -> torch.nn.Module:
+    trainer = TrainerConfig(strategy=strategy)
+    if strategy == "ddp":
+        model = AutoModelForCausalLM.from_pretrained(model_dir, config=rl_model_config(model_dir),
+                                                     dtype=torch.float32)
+        return parallelize(model, comm, trainer)
+    model = build_on_meta(model_dir)
+    wrapped = parallelize(model, comm, trainer)
+    materialize(model, comm.device)
+    load_sharded_weights(model, model_dir)
+    return wrapped
+
+
+def worker(rank: int, world: int, port: int, strategy: str, model_dir: str, shape: tuple[int, int, int],
+           out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    comm = Comm(rank, world, rank, world, torch.device("cpu"))
+    batch, seq, steps = shape
+    dist.barrier()
+    before = rss_mib("VmRSS")
+    reset_peak()
+    wrapped = load(strategy, Path(model_dir), comm)
+    load_peak = rss_mib("VmHWM")
+    model = wrapped.module if hasattr(wrapped, "module") else wrapped
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    generator = torch.Generator().manual_seed(rank)
+    dist.barrier()
+    reset_peak()
+    times = []
+    for _ in range(steps):
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=generator)
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        wrapped(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    result = {"load_peak_mib": load_peak, "load_growth_mib": load_peak - before, "step_peak_mib": rss_mib("VmHWM"),
+              "step_s": sum(times[1:]) / max(1, len(times) - 1), **state_bytes(model, optimizer)}
+    torch.save(result, Path(out) / f"{rank}.pt")
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(strategy: str, world: int, model_dir: Path, shape: tuple[int, int, int]) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(worker, args=(world, free_port(), strategy, str(model_dir), shape, out),
+                           nprocs=world, start_method="spawn")
+        ranks = [torch.load(Path(out) / f"{r}.pt") for r in range(world)]
+    busiest = {key: max(r[key] for r in ranks) for key in ranks[0]}
+    busiest["state"] = max(r["params"] + r["grads"] + r["optimizer"] for r in ranks)
+    return busiest
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--worlds", default=None, help="comma-separated rank counts (default 1,2,4; quick 1,2)")
+    args = parser.parse_args()
+    worlds = [int(w) for w in (args.worlds or ("1,2" if args.quick else "1,2,4")).split(",")]
+    shape = (2, 32, 2) if args.quick else (4, 128, 3)  # batch, tokens, steps
+    with tempfile.TemporaryDirectory() as model_dir:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**(QUICK if args.quick else FULL)))
+        num_params = sum(p.numel() for p in model.parameters())
+        model.save_pretrained(model_dir)
+        del model
+        results = {s: {w: measure(s, w, Path(model_dir), shape) for w in worlds} for s in ("ddp", "fsdp2")}
+    print(f"Llama-style model, {num_params / 1e6:.1f}M parameters (fp32); micro-batch {shape[0]} x {shape[1]} "
+          f"tokens; busiest rank")
+    print(f"{'strategy':8} {'N':>2} {'state MiB':>10} {'vs ddp/N':>9} {'load peak':>10} {'+load':>8} "
+          f"{'step peak':>10} {'s/step':>7}")
+    summary: dict = {"num_params": num_params, "worlds": worlds, "strategies": {}}
+    for strategy, by_world in results.items():
+        for world, row in by_world.items():
+            share = row["state"] / (results["ddp"][world]["state"] / world)
+            print(f"{strategy:8} {world:>2} {row['state'] / MiB:>10.1f} {share:>9.2f} {row['load_peak_mib']:>10.0f} "
+                  f"{row['load_growth_mib']:>8.0f} {row['step_peak_mib']:>10.0f} {row['step_s']:>7.3f}")
+            summary["strategies"].setdefault(strategy, {})[str(world)] = {**row, "state_vs_ddp_share": share}
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
