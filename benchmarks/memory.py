@@ -86,7 +86,7 @@ def load(strategy: str, model_dir: Path, comm: Comm) -> torch.nn.Module:
     model = build_on_meta(model_dir)
     wrapped = parallelize(model, comm, trainer)
     materialize(model, comm.device)
-    load_sharded_weights(model, model_dir)
+    load_sharded_weights(model, model_dir, comm)
     return wrapped
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from distflow.comm import Comm
 from distflow.checkpoint.hf_weights import load_sharded_weights, stored_tensor_names
 from distflow.config import ConfigError
 from distflow.engines.models import build_on_meta, materialize
@@ -31,7 +32,7 @@ def load_sharded_on_rank(comm, model_dir):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     materialize(model, torch.device("cpu"))
-    load_sharded_weights(model, model_dir)
+    load_sharded_weights(model, model_dir, comm)
     local_rows = {name: p.to_local().shape[0] for name, p in model.named_parameters()}
     params = {name: p.full_tensor() for name, p in model.named_parameters()}
     buffers = {name: b.clone() for name, b in model.named_buffers()}
@@ -75,7 +76,7 @@ def test_files_whose_names_differ_from_the_model_are_one_clear_error(tmp_path):
     model.model.layers[0].self_attn.register_parameter("extra", torch.nn.Parameter(torch.zeros(2)))
     materialize(model, torch.device("cpu"))
     with pytest.raises(ConfigError, match=r"has no tensor for 1 parameter\(s\).*self_attn\.extra.*trainer.strategy=ddp"):
-        load_sharded_weights(model, tmp_path)
+        load_sharded_weights(model, tmp_path, Comm(0, 1, 0, 1, torch.device("cpu")))
 
 
 def test_a_directory_without_safetensors_is_named(tmp_path):

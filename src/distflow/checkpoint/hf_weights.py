@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from distflow.comm import Comm
 from distflow.config.errors import ConfigError
 
 
@@ -47,10 +48,11 @@ def stored_tensor_names(model_dir: Path) -> set[str]:
     return names
 
 
-def load_sharded_weights(model: torch.nn.Module, model_dir: Path) -> None:
+def load_sharded_weights(model: torch.nn.Module, model_dir: Path, comm: Comm) -> None:
     """Fill `model`'s (sharded, already allocated) parameters from `model_dir`'s files.
 
-    Collective over the ranks the parameters are sharded on (DCP agrees on a read plan)."""
+    Collective over `comm`, the ranks the parameters are sharded on (DCP agrees on a read
+    plan): in a disaggregated run the rollout-only ranks are not in it."""
     stored = stored_tensor_names(model_dir)
     state = get_model_state_dict(model)
     aliases = _tied_aliases(model)
@@ -60,7 +62,8 @@ def load_sharded_weights(model: torch.nn.Module, model_dir: Path) -> None:
                           f"{missing[:3]}; its names differ from the model's (a renamed or converted checkpoint): "
                           "use trainer.strategy=ddp, which loads through from_pretrained")
     wanted = {name: tensor for name, tensor in state.items() if name in stored}
-    dcp.load(wanted, storage_reader=dcp.HuggingFaceStorageReader(str(model_dir)))
+    dcp.load(wanted, storage_reader=dcp.HuggingFaceStorageReader(str(model_dir)), process_group=comm.group,
+             no_dist=not comm.distributed)
 
 
 def _tied_aliases(model: torch.nn.Module) -> set[str]:

@@ -10,11 +10,17 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from distflow.config import ConfigError
 
 
-def load_model_and_tokenizer(model_dir: Path, tokenizer_dir: Path, device: torch.device) -> tuple[torch.nn.Module, object]:
+def load_model_and_tokenizer(model_dir: Path, tokenizer_dir: Path, device: torch.device, *,
+                             on_meta: bool = False) -> tuple[torch.nn.Module, object]:
+    """The model in float32 on `device`, or with `on_meta` built without storage (`build_on_meta`:
+    sharded loading fills it later), and its tokenizer."""
+    if on_meta:
+        model = build_on_meta(model_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, config=rl_model_config(model_dir),
-                                                     dtype=torch.float32)
+        if not on_meta:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, config=rl_model_config(model_dir),
+                                                         dtype=torch.float32).to(device)
     except (OSError, ValueError, KeyError) as err:
         raise ConfigError(f"cannot load the model/tokenizer from {str(model_dir)!r}: "
                           f"{type(err).__name__}: {err}".replace("\n", " ")) from None
@@ -23,7 +29,7 @@ def load_model_and_tokenizer(model_dir: Path, tokenizer_dir: Path, device: torch
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.to(device), tokenizer
+    return model, tokenizer
 
 
 def rl_model_config(model_dir: Path):

@@ -47,8 +47,11 @@ _MESHES: dict[tuple, DeviceMesh] = {}
 
 def parallelize(model: torch.nn.Module, comm: Comm, trainer: TrainerConfig | None = None) -> torch.nn.Module:
     """The module that training forwards through: DDP's wrapper, or `model` itself, sharded in place
-    (fsdp2). Activation checkpointing (if asked) wraps the decoder blocks first."""
+    (fsdp2). Activation checkpointing (if asked) wraps the decoder blocks first. A model sharded
+    already (sharded loading shards before it allocates) is returned as it is."""
     trainer = trainer or TrainerConfig()
+    if is_sharded(model):
+        return model
     if trainer.activation_checkpointing:
         checkpoint_blocks(model)
     if not comm.distributed:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -27,8 +28,9 @@ from distflow.dag.context import Engines
 from distflow.dag.pipelines import LOADER_FIELDS, build_graph
 from distflow.data.loader import PromptLoader, RowRules, ValidRows
 from distflow.data.prefetch import Prefetcher
-from distflow.engines.models import load_model_and_tokenizer
-from distflow.engines.parallelize import frozen_copy
+from distflow.checkpoint.hf_weights import load_sharded_weights
+from distflow.engines.models import load_model_and_tokenizer, materialize
+from distflow.engines.parallelize import frozen_copy, parallelize
 from distflow.engines.policy import PolicyEngine
 from distflow.engines.sampling import SamplingSpec
 from distflow.engines.sequences import encode_prompts
@@ -71,9 +73,11 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
     model_dir, tokenizer_dir = model_dirs(config, builder=world.local_rank == 0, log=log)
     if config.model.path is None:
         world.barrier()  # under a bare torchrun, local rank 0 may have just built the embedded model
-    model, tokenizer = load_model_and_tokenizer(model_dir, tokenizer_dir, world.device)
+    uses = plan.engines_for(rank)
+    sharded = _loads_sharded(config, uses, comms["train"], log)
+    model, tokenizer = load_model_and_tokenizer(model_dir, tokenizer_dir, world.device, on_meta=sharded)
     sampling = SamplingSpec.of(config.rollout)
-    models = _build_models(config, plan.engines_for(rank), model, comms["train"], sampling)
+    models = _build_models(config, uses, model, comms["train"], sampling, sharded_from=model_dir if sharded else None)
     receivers = tuple(r for r in rollout.ranks if r not in train)
     weight_sync = None
     if receivers:  # every rank joins: the train ranks' shares are agreed with one world collective
@@ -98,9 +102,24 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
                   num_skipped_rows=sum(rows.skipped.values()))
 
 
+def _loads_sharded(config: Config, uses: set[str], train: Comm | None, log) -> bool:
+    """Whether this rank builds its models on the meta device and reads only its own shards
+    (checkpoint/hf_weights.py): a train rank of a sharded (fsdp2) policy. PPO's critic is built
+    from the full policy, so a PPO train rank loads the whole model once, as under ddp."""
+    if config.trainer.strategy != "fsdp2" or train is None or not train.distributed or "policy" not in uses:
+        return False
+    if "critic" in uses:
+        log("fsdp2: this rank loads the full model once (the critic starts as a copy of it), then shards it")
+        return False
+    return True
+
+
 def _build_models(config: Config, uses: set[str], model: torch.nn.Module, train: Comm | None,
-                  sampling: SamplingSpec) -> dict:
-    """The policy, reference and critic this rank's stages use (None for the others)."""
+                  sampling: SamplingSpec, *, sharded_from: Path | None = None) -> dict:
+    """The policy, reference and critic this rank's stages use (None for the others).
+
+    `sharded_from`: `model` is on the meta device; the policy and the reference are sharded,
+    then allocated and filled from that directory's files, each rank reading its own rows."""
     from distflow.engines.critic import build_critic
 
     engines = {"policy": None, "reference": None, "critic": None}
@@ -111,6 +130,12 @@ def _build_models(config: Config, uses: set[str], model: torch.nn.Module, train:
     if "critic" in uses:
         engines["critic"] = build_critic(model, train, config.optim, lr=config.algorithm.critic.lr, trainer=trainer)
     if "policy" in uses:
+        if sharded_from is not None:
+            parallelize(model, train, trainer)
+            for sharded in (model, engines["reference"]):
+                if sharded is not None:
+                    materialize(sharded, train.device)
+                    load_sharded_weights(sharded, sharded_from, train)
         engines["policy"] = PolicyEngine(model, train, config.optim, temperature=sampling.temperature,
                                          trainer=trainer)
     else:
