@@ -37,10 +37,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from distflow.checkpoint.hf_weights import load_sharded_weights
+from distflow.checkpoint.hf_weights import allocate_and_load
 from distflow.comm import Comm
 from distflow.config.schema import TrainerConfig
-from distflow.engines.models import build_on_meta, materialize, rl_model_config
+from distflow.engines.models import build_on_meta, rl_model_config
 from distflow.engines.parallelize import parallelize
 
 MiB = 2**20
@@ -85,8 +85,7 @@ def load(strategy: str, model_dir: Path, comm: Comm) -> torch.nn.Module:
         return parallelize(model, comm, trainer)
     model = build_on_meta(model_dir)
     wrapped = parallelize(model, comm, trainer)
-    materialize(model, comm.device)
-    load_sharded_weights(model, model_dir, comm)
+    allocate_and_load([model], model_dir, comm)
     return wrapped
 
 

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from distflow.comm import Comm
 from distflow.config.errors import ConfigError
+from distflow.engines.models import materialize
 
 
 def stored_tensor_names(model_dir: Path) -> set[str]:
@@ -64,6 +65,14 @@ def load_sharded_weights(model: torch.nn.Module, model_dir: Path, comm: Comm) ->
     wanted = {name: tensor for name, tensor in state.items() if name in stored}
     dcp.load(wanted, storage_reader=dcp.HuggingFaceStorageReader(str(model_dir)), process_group=comm.group,
              no_dist=not comm.distributed)
+
+
+def allocate_and_load(models: list[torch.nn.Module], model_dir: Path, comm: Comm) -> None:
+    """Allocate each meta-built, sharded model's shards on `comm.device` and fill them from
+    `model_dir` (collective over `comm`, in the same order on every rank)."""
+    for model in models:
+        materialize(model, comm.device)
+        load_sharded_weights(model, model_dir, comm)
 
 
 def _tied_aliases(model: torch.nn.Module) -> set[str]:

@@ -46,11 +46,11 @@ class RunWriter:
             self.tb.flush()
 
     def sync(self) -> None:
-        """Make every record logged so far survive a power loss (called before a checkpoint)."""
-        self.jsonl.flush()
+        """Make every record logged so far survive a power loss (called before a checkpoint);
+        `log` has already handed both files every record (line-buffered JSONL, a TensorBoard
+        flush per step), so this only fsyncs them."""
         os.fsync(self.jsonl.fileno())
         if self.tb is not None:
-            self.tb.flush()
             for path in (self.run_dir / "tensorboard").glob("events.out.tfevents.*"):
                 with open(path, "rb") as f:
                     os.fsync(f.fileno())

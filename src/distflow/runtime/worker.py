@@ -28,8 +28,8 @@ from distflow.dag.context import Engines
 from distflow.dag.pipelines import LOADER_FIELDS, build_graph
 from distflow.data.loader import PromptLoader, RowRules, ValidRows
 from distflow.data.prefetch import Prefetcher
-from distflow.checkpoint.hf_weights import load_sharded_weights
-from distflow.engines.models import load_model_and_tokenizer, materialize
+from distflow.checkpoint.hf_weights import allocate_and_load
+from distflow.engines.models import load_model_and_tokenizer
 from distflow.engines.parallelize import frozen_copy, parallelize
 from distflow.engines.policy import PolicyEngine
 from distflow.engines.sampling import SamplingSpec
@@ -132,10 +132,7 @@ def _build_models(config: Config, uses: set[str], model: torch.nn.Module, train:
     if "policy" in uses:
         if sharded_from is not None:
             parallelize(model, train, trainer)
-            for sharded in (model, engines["reference"]):
-                if sharded is not None:
-                    materialize(sharded, train.device)
-                    load_sharded_weights(sharded, sharded_from, train)
+            allocate_and_load([m for m in (model, engines["reference"]) if m is not None], sharded_from, train)
         engines["policy"] = PolicyEngine(model, train, config.optim, temperature=sampling.temperature,
                                          trainer=trainer)
     else:
