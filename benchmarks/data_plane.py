@@ -38,25 +38,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import pickle
 import random
-import socket
 import statistics
-import tempfile
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from distflow.data.balance import balanced_assignment, bin_loads, imbalance
 from distflow.data.batch import Batch
 from distflow.data.redistribute import redistribute
 from distflow.layout import Layout
 from distflow.comm import Comm
+from distflow.runtime.launcher import run_local
 
 GROUP_SIZE = 8  # samples per prompt
 WARMUP_STEPS = 1
@@ -219,27 +215,12 @@ def measure(mode: str, comm: Comm, args: argparse.Namespace) -> dict[str, float]
     return {key: round(statistics.fmean(s[key] for s in steps), 4) for key in steps[0]}
 
 
-def _worker(rank: int, world: int, port: int, out: str, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        comm = Comm(rank, world, rank, world, torch.device("cpu"))
-        results = {mode: measure(mode, comm, args) for mode in MODES}  # rank 0's imbalance is everyone's
-        if rank == 0:
-            Path(out).write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
+def _worker(comm: Comm, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    return {mode: measure(mode, comm, args) for mode in MODES}
 
 
 def run_world(world: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "results.json")
-        mp.start_processes(_worker, args=(world, port, out, args), nprocs=world, start_method="spawn")
-        return json.loads(Path(out).read_text())
+    return run_local(_worker, world, args)[0]  # rank 0's imbalance is everyone's
 
 
 def main() -> None:

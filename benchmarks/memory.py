@@ -26,19 +26,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from distflow.checkpoint.hf_weights import allocate_and_load
 from distflow.comm import Comm
+from distflow.runtime.launcher import run_local
 from distflow.config.schema import TrainerConfig
 from distflow.engines.models import build_on_meta, rl_model_config
 from distflow.engines.parallelize import parallelize
@@ -89,12 +87,7 @@ def load(strategy: str, model_dir: Path, comm: Comm) -> torch.nn.Module:
     return wrapped
 
 
-def worker(rank: int, world: int, port: int, strategy: str, model_dir: str, shape: tuple[int, int, int],
-           out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    comm = Comm(rank, world, rank, world, torch.device("cpu"))
+def worker(comm: Comm, strategy: str, model_dir: str, shape: tuple[int, int, int]) -> dict:
     batch, seq, steps = shape
     dist.barrier()
     before = rss_mib("VmRSS")
@@ -103,7 +96,7 @@ def worker(rank: int, world: int, port: int, strategy: str, model_dir: str, shap
     load_peak = rss_mib("VmHWM")
     model = wrapped.module if hasattr(wrapped, "module") else wrapped
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    generator = torch.Generator().manual_seed(rank)
+    generator = torch.Generator().manual_seed(comm.rank)
     dist.barrier()
     reset_peak()
     times = []
@@ -117,21 +110,11 @@ def worker(rank: int, world: int, port: int, strategy: str, model_dir: str, shap
         times.append(time.perf_counter() - start)
     result = {"load_peak_mib": load_peak, "load_growth_mib": load_peak - before, "step_peak_mib": rss_mib("VmHWM"),
               "step_s": sum(times[1:]) / max(1, len(times) - 1), **state_bytes(model, optimizer)}
-    torch.save(result, Path(out) / f"{rank}.pt")
-    dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return result
 
 
 def measure(strategy: str, world: int, model_dir: Path, shape: tuple[int, int, int]) -> dict:
-    with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(worker, args=(world, free_port(), strategy, str(model_dir), shape, out),
-                           nprocs=world, start_method="spawn")
-        ranks = [torch.load(Path(out) / f"{r}.pt") for r in range(world)]
+    ranks = run_local(worker, world, strategy, str(model_dir), shape)
     busiest = {key: max(r[key] for r in ranks) for key in ranks[0]}
     busiest["state"] = max(r["params"] + r["grads"] + r["optimizer"] for r in ranks)
     return busiest

@@ -29,18 +29,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import socket
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from distflow.comm import Comm
+from distflow.runtime.launcher import run_local
 from distflow.engines.weight_sync import BUCKET_BYTES, WeightSync
 
 WORLD = 6
@@ -134,27 +131,14 @@ def measure(comm: Comm, params: dict[str, torch.Tensor], syncs: int) -> dict[str
     return results
 
 
-def _worker(rank: int, port: int, path: str, syncs: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        comm = Comm(rank, WORLD, rank, WORLD, torch.device("cpu"))
-        results = measure(comm, torch.load(Path(path) / "params.pt"), syncs)
-        if rank == 0:
-            (Path(path) / "results.json").write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
+def _worker(comm: Comm, path: str, syncs: int) -> dict:
+    return measure(comm, torch.load(Path(path) / "params.pt"), syncs)
 
 
 def run(params: dict[str, torch.Tensor], syncs: int) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         torch.save(params, Path(tmp) / "params.pt")
-        mp.start_processes(_worker, args=(port, tmp, syncs), nprocs=WORLD, start_method="spawn")
-        return json.loads((Path(tmp) / "results.json").read_text())
+        return run_local(_worker, WORLD, tmp, syncs)[0]
 
 
 def report(results: dict, model_bytes: int, num_params: int, syncs: int) -> dict:

@@ -109,13 +109,13 @@ def _validate_shard(comm, path, skip):
 
 @pytest.mark.parametrize("skip", [False, True], ids=["error", "skip"])
 def test_rows_are_validated_by_shards_with_one_outcome(tmp_path, skip):
-    from gloo import run_on_ranks
+    from distflow.runtime.launcher import run_local
 
     lines = [json.dumps({"prompt": f"{i}+1="}) for i in range(9)]
     lines[4] = json.dumps({"prompt": ""})  # checked by rank 0 of 2
     lines[7] = json.dumps({"answer": "1"})  # checked by rank 1 of 2
     path = jsonl(tmp_path, *lines)
-    results = run_on_ranks(_validate_shard, 2, path, skip)
+    results = run_local(_validate_shard, 2, path, skip)
     assert [sorted(r["read"]) for r in results] == [[0, 2, 4, 6, 8], [1, 3, 5, 7]]  # each row read once
     if skip:
         assert results[0]["kept"] == results[1]["kept"] == [0, 1, 2, 3, 5, 6, 8]

@@ -23,7 +23,7 @@ from distflow.engines.policy import PolicyEngine
 from distflow.comm import Comm
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
-from gloo import run_on_ranks
+from distflow.runtime.launcher import run_local
 
 SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 EXTRA = {"config": {"seed": 3, "trainer": {"steps": 10}}, "loader": {"epoch": 1, "cursor": 7}}
@@ -202,7 +202,7 @@ def test_checkpoints_move_between_one_process_and_two_ranks(tmp_path):
     one = make_engine(SINGLE, seed=0)
     train_step(one, 0)
     save(tmp_path / "one", 1, one)
-    ranks = run_on_ranks(_two_ranks_load_step_save, 2, tmp_path)
+    ranks = run_local(_two_ranks_load_step_save, 2, tmp_path)
     for got in ranks:  # 1 process -> 2 ranks
         assert_same(got["loaded"], snapshot(one))
     assert [got["rng_restored"] for got in ranks] == [True, False]  # rank 1 did not exist at save time

@@ -18,7 +18,7 @@ from distflow.dag.graph import Stage
 from distflow.data.batch import Batch
 from distflow.observability.metrics import StepMetrics
 from distflow.comm import Comm
-from gloo import run_on_ranks
+from distflow.runtime.launcher import run_local
 
 SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 N = 4  # samples per prompt
@@ -76,7 +76,7 @@ CASES = [(8, 4), (8, 1), (4, 4, tuple(range(0, 100))), (4, 1, tuple(u for u in r
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return run_on_ranks(_on_ranks, 2, CASES)
+    return run_local(_on_ranks, 2, CASES)
 
 
 def test_one_rank_keeps_the_earliest_signal_groups_and_refills():

@@ -22,7 +22,7 @@ from distflow.engines.parallelize import decoder_blocks, frozen_copy, full_param
 from distflow.engines.policy import PolicyEngine
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
-from gloo import run_on_ranks
+from distflow.runtime.launcher import run_local
 from test_e2e import TINY, read_metrics
 
 NUM_STEPS = 5
@@ -79,7 +79,7 @@ def _all_variants(comm: Comm) -> dict:
 
 @pytest.fixture(scope="module")
 def trained():
-    return run_on_ranks(_all_variants, 2)
+    return run_local(_all_variants, 2)
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "ddp"])
@@ -118,7 +118,7 @@ def _inference(comm: Comm) -> dict:
 
 
 def test_generation_and_logprobs_inside_gathered_match_the_plain_model():
-    per_rank = run_on_ranks(_inference, 2)
+    per_rank = run_local(_inference, 2)
     tok = build_char_tokenizer()
     plain = build_tiny_model(tok, seed=3)
     for rank, got in enumerate(per_rank):
@@ -166,8 +166,8 @@ def whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("save_strategy, load_strategy", [("ddp", "fsdp2"), ("fsdp2", "ddp")])
 def test_checkpoint_of_one_strategy_resumes_under_the_other(tmp_path, save_strategy, load_strategy):
-    want = run_on_ranks(_save_then_resume, 2, str(tmp_path / "same"), load_strategy, load_strategy)
-    got = run_on_ranks(_save_then_resume, 2, str(tmp_path / "across"), save_strategy, load_strategy)
+    want = run_local(_save_then_resume, 2, str(tmp_path / "same"), load_strategy, load_strategy)
+    got = run_local(_save_then_resume, 2, str(tmp_path / "across"), save_strategy, load_strategy)
     for rank in (0, 1):
         torch.testing.assert_close(got[rank]["loaded"], got[rank]["saved"], rtol=0, atol=0)
         assert got[rank]["grad_norm"] == pytest.approx(want[rank]["grad_norm"], rel=1e-5)

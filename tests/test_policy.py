@@ -3,7 +3,6 @@
 token-mean over the whole step: 1 micro-batch of 8 == 8 micro-batches of 1 == 2 ranks × 4.
 """
 
-import pytest
 import torch
 
 from distflow.config.schema import OptimConfig
@@ -12,7 +11,7 @@ from distflow.engines.policy import PolicyEngine
 from distflow.comm import Comm
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
-from gloo import run_on_ranks
+from distflow.runtime.launcher import run_local
 
 SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 
@@ -60,7 +59,7 @@ def _two_rank_grads(comm: Comm) -> list:
 
 
 def test_two_ranks_match_one_rank():
-    per_rank = run_on_ranks(_two_rank_grads, 2)
+    per_rank = run_local(_two_rank_grads, 2)
     single = grads_after_update(SINGLE, make_batch(), micro_batch_size=8)
     for i, g in enumerate(single):
         torch.testing.assert_close(torch.from_numpy(per_rank[0][i]), g, rtol=1e-4, atol=1e-6)

@@ -58,9 +58,9 @@ CASES = [  # world, src, dst, samples per source replica, keep groups
 
 @pytest.mark.parametrize("world,src,dst,per_replica,keep_groups", CASES)
 def test_every_sample_arrives_once_bit_identical(world, src, dst, per_replica, keep_groups):
-    from gloo import run_on_ranks
+    from distflow.runtime.launcher import run_local
 
-    results = run_on_ranks(move, world, src, dst, per_replica, keep_groups)
+    results = run_local(move, world, src, dst, per_replica, keep_groups)
     total = src.dp_size * per_replica
     seen = []
     for d in range(dst.dp_size):
@@ -92,9 +92,9 @@ def test_every_sample_arrives_once_bit_identical(world, src, dst, per_replica, k
 
 
 def test_disjoint_move_sends_everything_and_keeps_nothing_local():
-    from gloo import run_on_ranks
+    from distflow.runtime.launcher import run_local
 
-    results = run_on_ranks(move, 4, Layout((0, 1)), Layout((2, 3)), 8, False)
+    results = run_local(move, 4, Layout((0, 1)), Layout((2, 3)), 8, False)
     assert all(r["stats"].bytes_local == 0 for r in results)
     assert results[0]["stats"].bytes_sent > 0 and results[2]["stats"].bytes_received > 0
     assert results[0]["stats"].bytes_received == 0 and results[2]["stats"].bytes_sent == 0

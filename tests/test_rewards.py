@@ -1,7 +1,6 @@
 """Reward functions: weights, dict returns, and contained failures and time-outs."""
 
 import threading
-import time
 
 import pytest
 import torch

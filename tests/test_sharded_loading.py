@@ -11,7 +11,7 @@ from distflow.comm import Comm
 from distflow.checkpoint.hf_weights import load_sharded_weights, stored_tensor_names
 from distflow.config import ConfigError
 from distflow.engines.models import build_on_meta, materialize
-from gloo import run_on_ranks
+from distflow.runtime.launcher import run_local
 
 
 def save_tiny_llama(path, *, tied: bool, max_shard_size: str | None = None) -> None:
@@ -51,7 +51,7 @@ def test_sharded_load_equals_from_pretrained(tmp_path):
     for model_dir, tied, max_shard_size in cases:
         save_tiny_llama(model_dir, tied=tied, max_shard_size=max_shard_size)
     assert (tmp_path / "untied/model.safetensors.index.json").exists()
-    loaded = run_on_ranks(load_both_on_rank, 2, [model_dir for model_dir, _, _ in cases])  # one spawn for both
+    loaded = run_local(load_both_on_rank, 2, [model_dir for model_dir, _, _ in cases])  # one spawn for both
     for case, (model_dir, tied, _) in enumerate(cases):
         reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         ranks = [loaded[rank][case] for rank in range(2)]

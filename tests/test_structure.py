@@ -5,6 +5,8 @@ a change that breaks one says so in the suite rather than in a later review.
 """
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import distflow
@@ -99,3 +101,12 @@ def test_subprocess_hang_guards_in_tests_are_generous():
              for number, line in enumerate(path.read_text().splitlines(), 1)
              for value in re.findall(r"\btimeout=(\d+(?:\.\d+)?)\b", line) if float(value) < 1800}
     assert short == {}
+
+
+def test_no_unused_imports_or_undefined_names():
+    """pyflakes' rules (ruff's F set) over the package, the tests and the benchmarks: an import
+    left behind by a refactor, or a name that no longer exists, fails here instead of rotting."""
+    root = PACKAGE.parent.parent
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "F", "--no-cache", "--quiet",
+                           "src", "tests", "benchmarks"], cwd=root, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout + done.stderr

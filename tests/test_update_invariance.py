@@ -25,7 +25,7 @@ from distflow.comm import Comm
 from torch.distributed.tensor import DTensor
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
-from gloo import run_on_ranks
+from distflow.runtime.launcher import run_local
 
 SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 NO_CLIP = ["optim.grad_clip=1e9", "optim.warmup_steps=0"]
@@ -136,7 +136,7 @@ def _uneven_grads(comm: Comm, strategy: str) -> dict[str, list[torch.Tensor]]:
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_unequal_and_empty_shares_match_one_rank(strategy):
-    per_rank = run_on_ranks(_uneven_grads, 2, strategy)
+    per_rank = run_local(_uneven_grads, 2, strategy)
     single = policy_grads(SINGLE, CASES["token-mean"], 8, list(range(8)))
     single_critic = critic_grads(SINGLE, 8, list(range(8)))
     for rank in (0, 1):
@@ -147,7 +147,7 @@ def test_unequal_and_empty_shares_match_one_rank(strategy):
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_ranks_match_one_rank(strategy):
-    per_rank = run_on_ranks(_two_rank_grads, 2, strategy)
+    per_rank = run_local(_two_rank_grads, 2, strategy)
     for case, overrides in CASES.items():
         single = policy_grads(SINGLE, overrides, 8, list(range(8)))
         for rank in (0, 1):

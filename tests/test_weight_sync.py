@@ -9,7 +9,7 @@ import torch
 
 from distflow.engines.weight_shares import Piece, ReplicatedShares, parameter_specs, partition_rows, row_view
 from distflow.engines.weight_sync import SyncBytes, WeightSync, _check_coverage
-from gloo import run_on_ranks
+from distflow.runtime.launcher import run_local
 
 LAYOUTS = [(1, 1), (2, 1), (3, 1), (1, 2), (2, 2), (3, 2)]  # (train ranks, rollout ranks)
 BUCKET_BYTES = 200  # several buckets per share, and shares with different numbers of them
@@ -104,7 +104,7 @@ def _sync_layouts(comm) -> list:
 
 
 def test_rollout_ranks_get_the_train_ranks_weights_bitwise():
-    results = run_on_ranks(_sync_layouts, 5)
+    results = run_local(_sync_layouts, 5)
     torch.manual_seed(0)
     net = Net()
     model_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
@@ -149,7 +149,7 @@ def _sync_fsdp2(comm) -> dict:
 
 
 def test_fsdp2_shards_reach_the_rollout_rank_bitwise():
-    trained, other, rollout = run_on_ranks(_sync_fsdp2, 3)
+    trained, other, rollout = run_local(_sync_fsdp2, 3)
     assert trained["source"] == other["source"] == "ShardedShares"
     assert trained["local"]["table"] == (21, 3) and other["local"]["table"] == (20, 3)  # torch.chunk's split
     assert other["local"]["out.weight"] == (0, 5)  # one row over two ranks: rank 1's shard is empty

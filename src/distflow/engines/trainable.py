@@ -17,7 +17,6 @@ communicates, and only a rank with no micro-batch at all adds one such pass.
 from __future__ import annotations
 
 import abc
-import contextlib
 from collections.abc import Callable
 
 import torch

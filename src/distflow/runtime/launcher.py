@@ -7,6 +7,12 @@ SIGKILL 30 s later), and this command prints one line naming the failed rank and
 stage it was in (from the ranks' status files, runtime/diagnosis.py) and exits non-zero.
 A SIGINT (Ctrl-C) or SIGTERM to this command stops the ranks with the same signal and
 raises `Stopped` (the CLI says where the last checkpoint is).
+
+`run_local(fn, N, ...)` is the in-process counterpart for tests and benchmarks: N spawned
+gloo ranks joined through a TCP store that this process holds, so no port is chosen, closed
+and re-bound later (another program could take it in between):
+
+    this process: TCPStore(port 0) ──port──▶ rank 0 … rank N-1 ── fn(comm, *args) ──▶ results
 """
 
 from __future__ import annotations
@@ -14,17 +20,22 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from distflow.comm import Comm
 from distflow.envvars import LAUNCHED_ENV, STATUS_DIR_ENV
 from distflow.runtime.diagnosis import diagnose
 
@@ -37,12 +48,6 @@ class Stopped(Exception):
         self.signum = signum
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(nproc: int, argv: list[str]) -> int:
     """Run `python -m distflow <argv>` as `nproc` ranks; returns an exit code."""
     config = LaunchConfig(
@@ -51,7 +56,7 @@ def launch(nproc: int, argv: list[str]) -> int:
         nproc_per_node=nproc,
         run_id=f"distflow-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_endpoint="127.0.0.1:0",  # the agent's store binds a free port itself, as `torchrun --standalone`
         max_restarts=0,
         monitor_interval=0.5,
     )
@@ -77,3 +82,27 @@ def launch(nproc: int, argv: list[str]) -> int:
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)
     return 0 if results is not None else 1
+
+
+LOCAL_TIMEOUT = timedelta(seconds=1800)  # generous: a loaded 2-core machine can stall a rank for minutes
+
+
+def _local_rank(rank: int, fn: Callable, world: int, port: int, out: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=LOCAL_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=LOCAL_TIMEOUT)
+    try:
+        torch.save(fn(Comm(rank, world, rank, world, torch.device("cpu")), *args), Path(out) / f"{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_local(fn: Callable, world: int, *args) -> list:
+    """fn(comm, *args) on `world` spawned gloo ranks of one thread each; returns each rank's result.
+
+    `fn` must be a module-level function (spawned processes import it by name).
+    """
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=LOCAL_TIMEOUT)
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_local_rank, args=(fn, world, store.port, out, args), nprocs=world, start_method="spawn")
+        return [torch.load(Path(out) / f"{rank}.pt", weights_only=False) for rank in range(world)]
