@@ -98,6 +98,9 @@ class WarmstartConfig:
         check(self.lr > 0, f"warmstart.lr must be > 0 (got {self.lr})")
 
 
+ROLLOUT_ENGINES = ("compact", "generate")
+
+
 @dataclass(kw_only=True)
 class RolloutConfig:
     num_samples: int = 16
@@ -105,8 +108,14 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 6
+    engine: str = "compact"
+    """How completions are computed (the same samples either way): `compact` prefills each prompt
+    once for its n samples and drops finished rows; `generate` is Hugging Face `generate` over the
+    batch with each prompt repeated n times, kept as the reference."""
 
     def __post_init__(self) -> None:
+        check(self.engine in ROLLOUT_ENGINES,
+              f"rollout.engine must be one of {', '.join(ROLLOUT_ENGINES)} (got {self.engine!r})")
         check(self.num_samples >= 2, f"rollout.num_samples must be >= 2 for group advantages (got {self.num_samples})")
         check(self.temperature > 0, f"rollout.temperature must be > 0 (got {self.temperature})")
         check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1] (got {self.top_p})")

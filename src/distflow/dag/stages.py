@@ -40,20 +40,22 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
     expanded = batch.repeat_interleave(n)
     prompt_uids = expanded["uid"]
     uids = [u * n + k % n for k, u in enumerate(prompt_uids)]
-    prompt_ids = expanded["prompt_ids"]
-    width = torch.tensor([max(len(ids) for ids in prompt_ids)], device=ctx.comm.device)
+    width = torch.tensor([max(len(ids) for ids in batch["prompt_ids"])], device=ctx.comm.device)
     width = int(ctx.comm.all_reduce_max(width).item())
+    sampling = ctx.engines.sampling
     with gathered(ctx.engines.rollout_model):  # fsdp2: the whole policy on each rank while it generates
         out = generate(
             ctx.engines.rollout_model,
             ctx.tokenizer,
-            expanded["prompt"],
-            max_new_tokens=ctx.engines.sampling.max_new_tokens,
-            temperature=ctx.engines.sampling.temperature,
-            top_p=ctx.engines.sampling.top_p,
+            batch["prompt"],
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
             sample_keys=[derive_seed(ctx.config.trainer.seed, "rollout", uid) for uid in uids],
-            prompt_ids=prompt_ids,
+            prompt_ids=batch["prompt_ids"],
             prompt_width=width,
+            samples_per_prompt=n,
+            engine=sampling.engine,
         )
     num_generated = float(out.response_mask_BR.sum())
     ctx.metrics.mean("response/length", num_generated, len(expanded))
@@ -97,7 +99,7 @@ def greedy_baseline(batch: Batch, ctx: StageContext) -> Batch:
         out = generate(ctx.engines.rollout_model, ctx.tokenizer, prompts,
                        max_new_tokens=ctx.engines.sampling.max_new_tokens,
                        temperature=ctx.engines.sampling.temperature, prompt_ids=prompt_ids,
-                       prompt_width=width) if rows else None
+                       prompt_width=width, engine=ctx.engines.sampling.engine) if rows else None
     if rows:
         scores = ctx.engines.rewards.score(prompts, out.completions, samples)
         baseline_G = scores.reward_B.float().cpu()

@@ -37,18 +37,21 @@ def count_correct(
     sampling: SamplingSpec,
     *,
     sample_keys: Sequence[int] | None,
+    samples_per_prompt: int = 1,
     chunk_size: int = 1024,
 ) -> tuple[float, int]:
-    """(number of correct completions, number of completions): one completion per sample,
-    drawn with its key, or greedy when `sample_keys` is None."""
-    correct = 0
-    for start in range(0, len(samples), chunk_size):
-        chunk = samples[start : start + chunk_size]
-        keys = None if sample_keys is None else list(sample_keys[start : start + chunk_size])
+    """(number of correct completions, number of completions): `samples_per_prompt` completions
+    of each sample (n keys per sample, in order), or one greedy completion when `sample_keys` is None."""
+    correct, n = 0, samples_per_prompt
+    step = max(1, chunk_size // n)  # samples per chunk
+    for start in range(0, len(samples), step):
+        chunk = samples[start : start + step]
+        keys = None if sample_keys is None else list(sample_keys[start * n : (start + step) * n])
         out = generate(model, tokenizer, [s["prompt"] for s in chunk], max_new_tokens=sampling.max_new_tokens,
-                       temperature=sampling.temperature, top_p=sampling.top_p, sample_keys=keys)
-        correct += sum(is_correct(c, private_copy(s)) for s, c in zip(chunk, out.completions))
-    return float(correct), len(samples)
+                       temperature=sampling.temperature, top_p=sampling.top_p, sample_keys=keys,
+                       samples_per_prompt=n, engine=sampling.engine)
+        correct += sum(is_correct(c, private_copy(chunk[k // n])) for k, c in enumerate(out.completions))
+    return float(correct), len(samples) * n
 
 
 def evaluate(
@@ -69,10 +72,10 @@ def evaluate(
     """
     indices = range(comm.rank, len(heldout), comm.world_size)
     mine = [heldout[i] for i in indices]
-    expanded = [s for s in mine for _ in range(num_samples)]
     keys = [derive_seed(seed, "eval", i, k) for i in indices for k in range(num_samples)]
     with gathered(model):  # fsdp2: the whole policy on each rank while it generates
-        sampled = count_correct(model, tokenizer, expanded, is_correct, sampling, sample_keys=keys)
+        sampled = count_correct(model, tokenizer, mine, is_correct, sampling, sample_keys=keys,
+                                samples_per_prompt=num_samples)
         greedy = count_correct(model, tokenizer, mine, is_correct, sampling, sample_keys=None)
     totals = torch.tensor([*sampled, *greedy], dtype=torch.float64, device=comm.device)
     totals = comm.all_reduce_sum(totals).cpu()

@@ -1,4 +1,8 @@
-"""Sampling completions with Hugging Face `generate` (KV cache on).
+"""Sampling completions: the `compact` engine (engines.decoding) or Hugging Face `generate`.
+
+`rollout.engine` picks one; both give the same samples. `generate` (Hugging Face's, KV cache
+on, over the batch with each prompt repeated n times) is the reference the other is tested
+against.
 
 The sampling settings are passed as a complete `GenerationConfig`, so nothing from a
 model directory's own `generation_config.json` (repetition penalties, top-k, ...) can
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedTokenizerBase
 
+from distflow.engines.decoding import decode
 from distflow.engines.sampling import KeyedSampler
 from distflow.engines.sequences import encode_prompts, left_pad, response_mask_from_ids
 
@@ -39,45 +44,42 @@ def generate(
     sample_keys: list[int] | None = None,
     prompt_ids: list[list[int]] | None = None,
     prompt_width: int | None = None,
+    samples_per_prompt: int = 1,
+    engine: str = "compact",
 ) -> Generation:
-    """One completion per prompt (repeat a prompt to get several samples of it).
+    """`samples_per_prompt` completions of each prompt, sample k of prompt g in row g·n + k.
 
-    With `sample_keys` (one per prompt) tokens are sampled from each row's key; without
-    them decoding is greedy. `prompt_ids` skips tokenization; `prompt_width` left-pads
-    prompts to at least this many columns (a width shared by a whole worker group).
+    With `sample_keys` (one per row) tokens are sampled from each row's key; without them
+    decoding is greedy. `prompt_ids` skips tokenization; `prompt_width` left-pads prompts to
+    at least this many columns (a width shared by a whole worker group).
     """
     device = next(model.parameters()).device
+    n = samples_per_prompt
     rows = prompt_ids if prompt_ids is not None else encode_prompts(tokenizer, prompts)
-    prompt_ids_BP, prompt_mask_BP = left_pad(rows, tokenizer.pad_token_id, width=prompt_width)
-    prompt_ids_BP, prompt_mask_BP = prompt_ids_BP.to(device), prompt_mask_BP.to(device)
-    width = prompt_ids_BP.shape[1]
-    processors = LogitsProcessorList()
+    prompt_ids_GP, prompt_mask_GP = left_pad(rows, tokenizer.pad_token_id, width=prompt_width)
+    prompt_ids_GP, prompt_mask_GP = prompt_ids_GP.to(device), prompt_mask_GP.to(device)
+    width = prompt_ids_GP.shape[1]
+    keys_B = None
     if sample_keys is not None:
-        if len(sample_keys) != len(rows):
-            raise ValueError(f"{len(sample_keys)} sample keys for {len(rows)} prompts")
+        if len(sample_keys) != len(rows) * n:
+            raise ValueError(f"{len(sample_keys)} sample keys for {len(rows)} prompts × {n} samples")
         keys_B = torch.tensor(sample_keys, dtype=torch.long, device=device)
-        processors.append(KeyedSampler(keys_B, width, temperature=temperature, top_p=top_p))
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=False,  # the keyed sampler (if any) has already drawn the token
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        use_cache=True,
-    )
     was_training = model.training
     model.eval()
-    # synced_gpus=False: transformers turns it on for an FSDP module (an all-reduce over the world
-    # per token, which ranks outside the train group never join); distflow generates with a
-    # gathered model (engines.parallelize.gathered), each rank on its own.
-    out_BT = model.generate(input_ids=prompt_ids_BP, attention_mask=prompt_mask_BP, generation_config=config,
-                            logits_processor=processors, synced_gpus=False)
-    model.train(was_training)
-    response_BR = out_BT[:, width:]
-    if response_BR.shape[1] < max_new_tokens:  # generate stops early when every row hit EOS
-        pad_BR = response_BR.new_full((response_BR.shape[0], max_new_tokens - response_BR.shape[1]),
-                                      tokenizer.pad_token_id)
-        response_BR = torch.cat([response_BR, pad_BR], dim=1)
+    try:
+        if engine == "compact":
+            response_BR = decode(model, prompt_ids_GP, prompt_mask_GP, samples_per_prompt=n,
+                                 max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_token_id,
+                                 pad_id=tokenizer.pad_token_id, temperature=temperature, top_p=top_p, keys_B=keys_B)
+        elif engine == "generate":
+            response_BR = _hf_generate(model, tokenizer, prompt_ids_GP.repeat_interleave(n, dim=0),
+                                       prompt_mask_GP.repeat_interleave(n, dim=0), keys_B,
+                                       max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+        else:
+            raise ValueError(f"unknown rollout engine {engine!r}")
+    finally:
+        model.train(was_training)
+    prompt_ids_BP, prompt_mask_BP = prompt_ids_GP.repeat_interleave(n, dim=0), prompt_mask_GP.repeat_interleave(n, dim=0)
     response_mask_BR = response_mask_from_ids(response_BR, tokenizer.eos_token_id)
     response_BR = torch.where(response_mask_BR.bool(), response_BR, tokenizer.pad_token_id)
     completions = tokenizer.batch_decode(response_BR, skip_special_tokens=True)
@@ -88,3 +90,32 @@ def generate(
         prompt_width=width,
         completions=completions,
     )
+
+
+def _hf_generate(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompt_ids_BP: torch.Tensor,
+                 prompt_mask_BP: torch.Tensor, keys_B: torch.Tensor | None, *, max_new_tokens: int,
+                 temperature: float, top_p: float) -> torch.Tensor:
+    """The reference engine: Hugging Face `generate`; response ids [B, max_new_tokens]."""
+    width = prompt_ids_BP.shape[1]
+    processors = LogitsProcessorList()
+    if keys_B is not None:
+        processors.append(KeyedSampler(keys_B, width, temperature=temperature, top_p=top_p))
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,  # the keyed sampler (if any) has already drawn the token
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        use_cache=True,
+    )
+    # synced_gpus=False: transformers turns it on for an FSDP module (an all-reduce over the world
+    # per token, which ranks outside the train group never join); distflow generates with a
+    # gathered model (engines.parallelize.gathered), each rank on its own.
+    out_BT = model.generate(input_ids=prompt_ids_BP, attention_mask=prompt_mask_BP, generation_config=config,
+                            logits_processor=processors, synced_gpus=False)
+    response_BR = out_BT[:, width:]
+    if response_BR.shape[1] < max_new_tokens:  # generate stops early when every row hit EOS
+        pad_BR = response_BR.new_full((response_BR.shape[0], max_new_tokens - response_BR.shape[1]),
+                                      tokenizer.pad_token_id)
+        response_BR = torch.cat([response_BR, pad_BR], dim=1)
+    return response_BR

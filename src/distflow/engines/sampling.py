@@ -30,11 +30,13 @@ class SamplingSpec:
     temperature: float
     top_p: float
     max_new_tokens: int
+    engine: str = "compact"
+    """Which engine computes the samples (`engines.generation`); it does not change them."""
 
     @classmethod
     def of(cls, rollout) -> SamplingSpec:
         """From the run's `rollout` config section."""
-        return cls(rollout.temperature, rollout.top_p, rollout.max_new_tokens)
+        return cls(rollout.temperature, rollout.top_p, rollout.max_new_tokens, rollout.engine)
 
 
 def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:

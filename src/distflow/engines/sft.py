@@ -99,9 +99,9 @@ def warm_start_to_target(model: torch.nn.Module, tokenizer: PreTrainedTokenizerB
     accuracy = [0.0]
 
     def reached_target(step: int) -> bool:
-        expanded = [row for row in validation for _ in range(2)]
-        keys = [derive_seed(seed, "warmstart-validation", step, j) for j in range(len(expanded))]
-        correct, total = count_correct(model, tokenizer, expanded, is_correct, sampling, sample_keys=keys)
+        keys = [derive_seed(seed, "warmstart-validation", step, j) for j in range(2 * len(validation))]
+        correct, total = count_correct(model, tokenizer, validation, is_correct, sampling, sample_keys=keys,
+                                       samples_per_prompt=2)
         accuracy[0] = correct / total
         return accuracy[0] >= settings.target_accuracy
 

@@ -1,0 +1,81 @@
+"""The `compact` rollout engine: each prompt prefilled once, finished rows dropped.
+
+    prompts P_1..P_G ──prefill once──▶ KV cache [G, W] ──repeat n──▶ [G·n, W]
+         every step: forward only the rows still running; a row that samples EOS (or
+         reaches max_new_tokens) leaves the batch, and its rows leave the KV cache
+
+Compared with Hugging Face `generate` on the expanded batch (the `generate` engine, kept as
+the reference): the n samples of a prompt share one prefill instead of n, and a finished
+sequence stops costing compute instead of decoding padding until the longest row ends.
+
+Samples are the reference's, token for token: the prompt is left-padded to the same width,
+positions count real tokens the same way, and token t of a sample is drawn from that
+sample's key at position t (`engines.sampling`), whatever rows it shares the batch with.
+Equality rests on a row's logits not depending on its batch-mates, which holds for the
+row-independent kernels used here (tested against the reference); a kernel that broke it
+would change samples by rounding only.
+
+Why not transformers' continuous batching: its sampling runs inside the manager with
+per-request processors of fixed kinds, so drawing from distflow's per-sample keys would
+mean subclassing its private processor classes; this loop is the part of it distflow needs
+(prefix sharing, leaving finished rows) in a few lines over the model's own KV cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from distflow.engines.sampling import sample_from_logits
+
+
+def _draw(logits_BV: torch.Tensor, keys_B: torch.Tensor | None, position: int, temperature: float,
+          top_p: float) -> torch.Tensor:
+    if keys_B is None:
+        return logits_BV.argmax(dim=-1)
+    return sample_from_logits(logits_BV, keys_B, position, temperature=temperature, top_p=top_p)
+
+
+@torch.no_grad()
+def decode(
+    model: torch.nn.Module,
+    prompt_ids_GP: torch.Tensor,
+    prompt_mask_GP: torch.Tensor,
+    *,
+    samples_per_prompt: int,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float,
+    top_p: float,
+    keys_B: torch.Tensor | None,
+) -> torch.Tensor:
+    """Response ids [G·n, max_new_tokens] (pad after a row's EOS) for left-padded prompts.
+
+    Row g·n + k is sample k of prompt g, drawn with keys_B[g·n + k] (greedy if keys_B is None).
+    """
+    n, device = samples_per_prompt, prompt_ids_GP.device
+    cache = DynamicCache()
+    positions_GP = (prompt_mask_GP.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=prompt_ids_GP, attention_mask=prompt_mask_GP, position_ids=positions_GP,
+                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    logits_BV = out.logits[:, -1, :].float().repeat_interleave(n, dim=0)
+    cache.batch_repeat_interleave(n)
+    mask_BT = prompt_mask_GP.repeat_interleave(n, dim=0)
+    response_BR = torch.full((mask_BT.shape[0], max_new_tokens), pad_id, dtype=torch.long, device=device)
+    rows_A = torch.arange(mask_BT.shape[0], device=device)  # the rows still running, in batch order
+    for t in range(max_new_tokens):
+        token_A = _draw(logits_BV, None if keys_B is None else keys_B[rows_A], t, temperature, top_p)
+        response_BR[rows_A, t] = token_A
+        running_A = token_A != eos_id
+        if t == max_new_tokens - 1 or not running_A.any():
+            break
+        if not running_A.all():
+            keep_A = running_A.nonzero().squeeze(-1)
+            rows_A, token_A, mask_BT = rows_A[keep_A], token_A[keep_A], mask_BT[keep_A]
+            cache.batch_select_indices(keep_A)
+        mask_BT = torch.cat([mask_BT, mask_BT.new_ones(mask_BT.shape[0], 1)], dim=1)
+        out = model(input_ids=token_A[:, None], attention_mask=mask_BT, position_ids=mask_BT.sum(-1, keepdim=True) - 1,
+                    past_key_values=cache, use_cache=True)
+        logits_BV = out.logits[:, -1, :].float()
+    return response_BR

@@ -1,0 +1,63 @@
+"""The `compact` rollout engine against the reference (`generate`): same samples, less work."""
+
+import pytest
+import torch
+
+from distflow.engines.generation import generate
+from distflow.tasks.tiny_model import build_tiny_model
+from distflow.tasks.tokenizer import build_char_tokenizer
+
+PROMPTS = ["1+2=", "33+44=", "5*6-7=", "8=", "12+(3*4)=", "9-9=", "77+1=", "2*2*2="]
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    tokenizer = build_char_tokenizer()
+    return build_tiny_model(tokenizer, seed=11, max_positions=96).eval(), tokenizer
+
+
+def _both(model, tokenizer, n, **kwargs):
+    return [generate(model, tokenizer, PROMPTS, samples_per_prompt=n, engine=engine, **kwargs)
+            for engine in ("generate", "compact")]
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_compact_draws_the_reference_samples(model_and_tokenizer, temperature, top_p):
+    model, tokenizer = model_and_tokenizer
+    n = 4
+    keys = [1000 + 7 * row for row in range(len(PROMPTS) * n)]
+    reference, compact = _both(model, tokenizer, n, max_new_tokens=48, temperature=temperature, top_p=top_p,
+                               sample_keys=keys, prompt_width=14)
+    lengths = reference.response_mask_BR.sum(-1)
+    assert lengths.min() < lengths.max()  # rows end at different steps: compaction runs
+    assert torch.equal(compact.input_ids_BT, reference.input_ids_BT)
+    assert torch.equal(compact.attention_mask_BT, reference.attention_mask_BT)
+    assert compact.completions == reference.completions and compact.prompt_width == reference.prompt_width == 14
+    # Rows g·n + k are n different samples of prompt g.
+    assert len(set(compact.completions[:n])) > 1
+
+
+def test_greedy_matches_the_reference(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    reference, compact = _both(model, tokenizer, 1, max_new_tokens=20, temperature=1.0)
+    assert torch.equal(compact.input_ids_BT, reference.input_ids_BT)
+
+
+def test_each_prompt_is_prefilled_once_and_finished_rows_cost_nothing(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    rows_per_call = []
+    hook = model.model.register_forward_pre_hook(lambda _, args, kwargs: rows_per_call.append(
+        tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        n = 4
+        out = generate(model, tokenizer, PROMPTS, samples_per_prompt=n, engine="compact", max_new_tokens=40,
+                       temperature=1.0, sample_keys=list(range(len(PROMPTS) * n)))
+    finally:
+        hook.remove()
+    prefill, decode_steps = rows_per_call[0], rows_per_call[1:]
+    assert prefill[0] == len(PROMPTS)  # not len(PROMPTS) * n
+    # A sample of length L (EOS included) needs L - 1 forwards after the prefill: no row is
+    # run after its EOS.
+    lengths = out.response_mask_BR.sum(-1)
+    assert sum(rows for rows, width in decode_steps) == int((lengths - 1).sum())
+    assert all(width == 1 for _, width in decode_steps)
