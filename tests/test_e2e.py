@@ -63,11 +63,18 @@ def test_single_process_run_writes_everything(tmp_path, cache_dir):
 
 
 def test_two_processes(tmp_path, cache_dir):
-    summary, run_dir = train(tmp_path, cache_dir, "warmstart.target_accuracy=0", "--nproc", "2")
+    summary, run_dir = train(tmp_path, cache_dir, "warmstart.target_accuracy=0", "--nproc", "2", "--profile", "2")
     assert summary["world_size"] == 2 and summary["steps"] == 3
     records = read_metrics(run_dir)
     # Metrics are reduced over both ranks: 16 completions per step in total.
     assert records[1]["tokens/generated"] == records[1]["response/length"] * 16
+    # --profile 2: each rank traced steps 2 and 3 (not the warm-up step 1), stages labelled.
+    for rank in (0, 1):
+        events = json.loads((run_dir / "profile" / f"rank{rank}.trace.json").read_text())["traceEvents"]
+        names = {e.get("name") for e in events}
+        assert {"step 2", "step 3", "rollout", "policy_update"} <= names and "step 1" not in names
+        table = (run_dir / "profile" / f"rank{rank}.txt").read_text()
+        assert table.startswith(f"rank {rank}, steps 2-3") and "aten::" in table
 
 
 def test_local_model_directory(tmp_path, cache_dir):

@@ -43,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", nargs="?", const=LATEST, default=None, metavar="CHECKPOINT",
                        help="continue from a checkpoint (a step-N directory, a checkpoint directory or a run "
                             "directory); alone: the latest complete checkpoint of trainer.run_name's run")
+    train.add_argument("--profile", type=int, default=None, metavar="K",
+                       help="write a torch profiler trace of K steps to RUN_DIR/profile/ (trainer.profile_steps=K)")
     plan = sub.add_parser("plan", help="print the execution plan without launching anything")
     plan.add_argument("config")
     plan.add_argument("overrides", nargs="*")
@@ -122,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train" and args.resume and "=" in args.resume and not Path(args.resume).exists():
         args.overrides.append(args.resume)  # `--resume key=value`: a bare --resume, then an override
         args.resume = LATEST
+    if args.command == "train" and args.profile is not None:
+        args.overrides.append(f"trainer.profile_steps={args.profile}")
     # User rewards and stages (`my_module:fn`) are importable from the working directory,
     # as under `python -m` / torchrun, also when started through the `distflow` script.
     if os.getcwd() not in sys.path:

@@ -212,8 +212,12 @@ class TrainerConfig:
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in the backward pass instead of keeping them
     (less memory, about one more forward of compute); any strategy."""
+    profile_steps: int = 0
+    """Record a torch profiler trace of this many steps (from the second) into the run
+    directory's profile/ (`--profile K` sets it); 0: off."""
 
     def __post_init__(self) -> None:
+        check(self.profile_steps >= 0, f"trainer.profile_steps must be >= 0 (got {self.profile_steps})")
         check(self.total_steps >= 1, f"trainer.total_steps must be >= 1 (got {self.total_steps})")
         check(self.prompts_per_step >= 1, f"trainer.prompts_per_step must be >= 1 (got {self.prompts_per_step})")
         check(self.micro_batch_size >= 1, f"trainer.micro_batch_size must be >= 1 (got {self.micro_batch_size})")

@@ -45,6 +45,7 @@ from distflow.planner.plan import PlannedStage, Transition
 from distflow.runtime import checkpointing
 from distflow.runtime.faults import (RankStatus, StageTimeouts, TrainingAborted, die_with_parent,
                                      raise_on_sigterm)
+from distflow.runtime.profiling import StepProfiler
 from distflow.runtime.worker import Worker, build_worker
 from distflow.seeding import derive_seed
 
@@ -137,10 +138,11 @@ def _step(worker: Worker, step: int, previous: Batch | None, status: RankStatus)
         position = worker.plan.items.index(item) + 1  # comparable between worker groups (faults.py)
         name = f"redistribute_{item.before}" if isinstance(item, Transition) else item.stage.name
         status.enter(name, step, position)
-        if isinstance(item, Transition):
-            batch = _run_transition(worker, item, batch, moved, metrics)
-        else:
-            batch = _run_stage(worker, item, batch, step, metrics)
+        with torch.profiler.record_function(name):  # a labelled range in a --profile trace
+            if isinstance(item, Transition):
+                batch = _run_transition(worker, item, batch, moved, metrics)
+            else:
+                batch = _run_stage(worker, item, batch, step, metrics)
         metrics.maximum(f"time/{name}_s", time.time() - stage_start)
         peak_bytes = max(peak_bytes, batch.tensor_bytes())
     _record_step(worker, batch, moved, peak_bytes, metrics)
@@ -183,7 +185,8 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
     before = _evaluation_before(worker, run_state, status, writer, log)
     run_state = {"eval_before": {"sampled": before.sampled, "greedy": before.greedy}, "run_dir": str(run_dir)}
     after, last_checkpoint = before, None
-    for step, metrics in _steps(worker, first_step, status, writer):
+    profiler = StepProfiler(trainer.profile_steps, first_step, trainer.total_steps, run_dir, comm.rank)
+    for step, metrics in _steps(worker, first_step, status, writer, profiler):
         last = step == trainer.total_steps
         if last or (trainer.eval_every and step % trainer.eval_every == 0):
             status.enter("evaluate", step, len(worker.plan.items) + 2)
@@ -212,12 +215,13 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
     return summary
 
 
-def _steps(worker: Worker, first_step: int, status: RankStatus, writer: RunWriter | None):
+def _steps(worker: Worker, first_step: int, status: RankStatus, writer: RunWriter | None, profiler: StepProfiler):
     """(step, reduced metrics) for every remaining step; a run of non-finite steps ends the run
     (its metrics written first)."""
     trainer, previous = worker.config.trainer, None
     for step in range(first_step, trainer.total_steps + 1):
-        metrics, previous = _step(worker, step, previous, status)
+        with profiler.step(step):
+            metrics, previous = _step(worker, step, previous, status)
         try:
             _check_numerics(metrics, trainer.max_nonfinite_steps)
         except TrainingAborted:
