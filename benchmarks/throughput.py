@@ -1,16 +1,29 @@
-"""GRPO training throughput: distflow (1 and 2 processes) vs Hugging Face TRL, on CPU.
+"""GRPO training throughput: distflow (each rollout engine) vs Hugging Face TRL, on CPU.
 
-    .venv/bin/python benchmarks/throughput.py            # 16 prompts x 8 samples, 8 new tokens, 20 steps
-    .venv/bin/python benchmarks/throughput.py --quick    # smoke test: 3 steps of 4 prompts x 4, 4 new tokens
+    .venv/bin/python benchmarks/throughput.py                      # the four settings below, 20 steps each
+    .venv/bin/python benchmarks/throughput.py --settings long      # one of them
+    .venv/bin/python benchmarks/throughput.py --nproc 1 2          # distflow also with --nproc 2
+    .venv/bin/python benchmarks/throughput.py --quick              # smoke test: `default` at 4 prompts x 4, <= 4 tokens, 3 steps
 
-What runs, one after another (never at the same time: they would share the cores):
-  (a) `distflow train` in one process, (b) `distflow train --nproc 2`,
-  (c) `trl.GRPOTrainer` (benchmarks/trl_worker.py) in .venv-bench, a virtualenv this
-      script creates on first use (torch==2.13.0 first, then benchmarks/requirements-trl.txt
-      under a torch==2.13.0 constraint, so pip never swaps the local CPU torch).
+Settings (P prompts x G samples per step, new-token cap, model; all untrained, random init):
+    default   16 x 8,  <= 8 tokens,  the embedded tiny Llama (1.0M parameters)
+    long      16 x 8,  <= 64 tokens, the tiny Llama made to write long answers: its EOS
+              logit is held at 0 while the other logits spread wider (token embeddings x 10,
+              the EOS row 0; tied), so completions run to the cap (a stand-in for a task with
+              long answers; both systems load the same directory)
+    group16   8 x 16,  <= 8 tokens,  the tiny Llama
+    wide      16 x 8,  <= 8 tokens,  a wider Llama (hidden 384, 8 layers, 17M parameters)
 
-Identical settings for all three: the embedded tiny Llama (`build_tiny_model(seed=0)`,
-untrained, saved once and loaded by each system from the same directory), distflow's
+What runs for each setting, one after another (never at the same time: they would share
+the cores): `distflow train` with each rollout engine (`compact`, `generate`), in 1 process
+(and `--nproc 2` with --nproc 1 2), then `trl.GRPOTrainer` (benchmarks/trl_worker.py) in
+.venv-bench, a virtualenv this script creates on first use (torch==2.13.0 first, then
+benchmarks/requirements-trl.txt under a torch==2.13.0 constraint, so pip never swaps the
+local CPU torch). The two engines draw the same samples from the same seeds; the run checks
+it by comparing their per-step generated tokens and rewards (`samples_identical`).
+
+Identical settings for all systems: the setting's model (saved once and loaded by each
+system from the same directory), distflow's
 character tokenizer, the same addition prompts in the same order, P prompts x G samples
 per optimizer step, temperature 1, top-p 1, no KL, one optimizer step per batch, AdamW
 (betas 0.9/0.99) at a constant learning rate, and distflow's `correctness_reward`. Every
@@ -55,7 +68,14 @@ BENCH_VENV = ROOT / ".venv-bench"
 REQUIREMENTS = ROOT / "benchmarks" / "requirements-trl.txt"
 TORCH_PIN = "torch==2.13.0"
 WARMUP_STEPS = 2  # dropped from every run: allocator warm-up, first-call overheads
-SYSTEMS = ("distflow_1proc", "distflow_2proc", "trl")
+ENGINES = ("compact", "generate")
+TRL_VERSION: list[str] = []  # as the TRL worker reports it
+SETTINGS = {  # name: (prompts, generations, max_new_tokens, model)
+    "default": (16, 8, 8, "tiny"),
+    "long": (16, 8, 64, "long"),
+    "group16": (8, 16, 8, "tiny"),
+    "wide": (16, 8, 8, "wide"),
+}
 
 
 def log(text: str) -> None:
@@ -63,26 +83,37 @@ def log(text: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="GRPO throughput: distflow (1 and 2 processes) vs TRL.")
-    # Defaults are (full run, --quick); a value given on the command line wins in both.
-    defaults = {"prompts": (16, 4), "generations": (8, 4), "max_new_tokens": (8, 4), "steps": (20, 3)}
-    parser.add_argument("--prompts", type=int, help="prompts per optimizer step (default 16)")
-    parser.add_argument("--generations", type=int, help="completions per prompt, the group size (default 8)")
-    parser.add_argument("--max-new-tokens", type=int, help="(default 8)")
-    parser.add_argument("--steps", type=int, help="optimizer steps per system (default 20)")
+    parser = argparse.ArgumentParser(description="GRPO throughput: distflow (each rollout engine) vs TRL.")
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), help="(default: all; --quick: default)")
+    parser.add_argument("--prompts", type=int, help="prompts per optimizer step (overrides every setting's)")
+    parser.add_argument("--generations", type=int, help="completions per prompt, the group size (overrides)")
+    parser.add_argument("--max-new-tokens", type=int, help="(overrides every setting's)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per system (default 20, --quick 3)")
+    parser.add_argument("--nproc", type=int, nargs="+", default=[1], choices=[1, 2], help="distflow process counts")
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--quick", action="store_true",
-                        help="smoke test (the test suite runs it): 3 steps of 4 prompts x 4, <= 4 new tokens")
-    parser.add_argument("--skip-trl", action="store_true", help="only the two distflow runs")
+                        help="smoke test (the test suite runs it): `default` at 3 steps of 4 prompts x 4, <= 4 tokens")
+    parser.add_argument("--skip-trl", action="store_true", help="only the distflow runs")
     args = parser.parse_args(argv)
-    for name, (full, quick) in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
+    if args.quick:
+        args.settings = args.settings or ["default"]
+        args.prompts, args.generations = args.prompts or 4, args.generations or 4
+        args.max_new_tokens, args.steps = args.max_new_tokens or 4, args.steps or 3
+    args.settings, args.steps = args.settings or list(SETTINGS), args.steps or 20
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must be > {WARMUP_STEPS} (the first {WARMUP_STEPS} steps are not timed)")
-    if args.prompts % 2:
-        parser.error("--prompts must be even (the 2-process run splits them over the ranks)")
+    if 2 in args.nproc and any((args.prompts or SETTINGS[name][0]) % 2 for name in args.settings):
+        parser.error("prompts per step must be even with --nproc 2 (the ranks split them)")
     return args
+
+
+def setting(args: argparse.Namespace, name: str) -> argparse.Namespace:
+    """The arguments of one setting: its sizes unless given on the command line."""
+    prompts, generations, max_new_tokens, model = SETTINGS[name]
+    return argparse.Namespace(**{**vars(args), "name": name, "model": model, "prompts": args.prompts or prompts,
+                                 "generations": args.generations or generations,
+                                 "max_new_tokens": args.max_new_tokens or max_new_tokens})
 
 
 # --- set-up -----------------------------------------------------------------------------
@@ -118,16 +149,33 @@ def ensure_bench_venv() -> Path:
     return python
 
 
-def save_tiny_model(directory: Path) -> Path:
-    """The embedded tiny model, untrained, as a local Hugging Face directory."""
-    import transformers
+def build_model(kind: str):
+    """(model, tokenizer) of a setting, untrained: `tiny`, `long` (EOS rarely sampled) or `wide`."""
+    import torch
 
     from distflow.tasks.tiny_model import build_tiny_model
     from distflow.tasks.tokenizer import build_char_tokenizer
 
-    transformers.utils.logging.disable_progress_bar()
     tokenizer = build_char_tokenizer()
-    build_tiny_model(tokenizer, seed=0).save_pretrained(directory)
+    if kind == "wide":
+        return build_tiny_model(tokenizer, seed=0, hidden_size=384, num_layers=8, num_heads=6,
+                                num_kv_heads=2), tokenizer
+    model = build_tiny_model(tokenizer, seed=0, max_positions=128)
+    if kind == "long":
+        with torch.no_grad():  # tied: the same rows embed the input and score the output
+            weight = model.get_input_embeddings().weight
+            weight.mul_(10.0)
+            weight[tokenizer.eos_token_id] = 0.0
+    return model, tokenizer
+
+
+def save_model(directory: Path, kind: str) -> Path:
+    """A setting's model as a local Hugging Face directory, loaded from there by every system."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    model, tokenizer = build_model(kind)
+    model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 
@@ -146,16 +194,16 @@ def write_prompts(path: Path, args: argparse.Namespace) -> Path:
     return path
 
 
-# --- the three systems ------------------------------------------------------------------
+# --- the systems ------------------------------------------------------------------------
 
 
-def distflow_config(path: Path, model_dir: Path, args: argparse.Namespace) -> Path:
+def distflow_config(path: Path, model_dir: Path, args: argparse.Namespace, engine: str) -> Path:
     batch = args.prompts * args.generations
     config = {
         "model": {"path": str(model_dir)},
         "task": {"num_heldout": 100},
         "rollout": {"num_samples": args.generations, "temperature": 1.0, "top_p": 1.0,
-                    "max_new_tokens": args.max_new_tokens},
+                    "max_new_tokens": args.max_new_tokens, "engine": engine},
         # The untrained model scores 0 on (almost) every completion, so every group has equal
         # rewards; distflow would skip the update of such a step, TRL still runs it (with zero
         # advantages). Keep those samples so both systems do the same forward/backward/update.
@@ -171,9 +219,8 @@ def distflow_config(path: Path, model_dir: Path, args: argparse.Namespace) -> Pa
     return path
 
 
-def run_distflow(nproc: int, config: Path, work: Path) -> list[tuple[float, float]]:
-    """(step seconds, generated tokens) of every step after the warm-up ones."""
-    name = f"distflow_{nproc}proc"
+def run_distflow(name: str, nproc: int, config: Path, work: Path) -> list[tuple[float, float, float]]:
+    """(step seconds, generated tokens, mean reward) of every step after the warm-up ones."""
     # Overrides before --nproc: argparse does not collect positionals that follow an option.
     # This interpreter's distflow (the project venv that runs the benchmark).
     cmd = [sys.executable, "-m", "distflow", "train", config,
@@ -184,26 +231,26 @@ def run_distflow(nproc: int, config: Path, work: Path) -> list[tuple[float, floa
     untrained = [r["step"] for r in steps if not r.get("tokens/trained")]
     if untrained:  # a step without an update would be timed as rollout only
         raise SystemExit(f"[bench] {name}: steps {untrained} ran no policy update; the comparison would be unfair")
-    return [(r["time/step_s"], r["tokens/generated"]) for r in steps]
+    return [(r["time/step_s"], r["tokens/generated"], r["reward/mean"]) for r in steps]
 
 
 def run_trl(python: Path, model_dir: Path, data: Path, work: Path,
-            args: argparse.Namespace) -> list[tuple[float, float]]:
+            args: argparse.Namespace) -> list[tuple[float, float, None]]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
     cmd = [python, ROOT / "benchmarks" / "trl_worker.py", "--model-dir", model_dir, "--data", data,
            "--output-dir", work / "trl", "--prompts", args.prompts, "--generations", args.generations,
            "--max-new-tokens", args.max_new_tokens, "--steps", args.steps, "--lr", args.lr]
     result = json.loads(run_checked(cmd, env=env, what="TRL worker").strip().splitlines()[-1])
-    args.trl_version = result["trl_version"]
-    return list(zip(result["step_s"], result["tokens"]))[WARMUP_STEPS:]
+    TRL_VERSION[:] = [result["trl_version"]]
+    return [(step_s, tokens, None) for step_s, tokens in zip(result["step_s"], result["tokens"])][WARMUP_STEPS:]
 
 
 # --- report -----------------------------------------------------------------------------
 
 
-def summarize(steps: list[tuple[float, float]], completions_per_step: int, wall_s: float) -> dict:
-    step_s = statistics.median(s for s, _ in steps)
-    tokens = statistics.fmean(t for _, t in steps)
+def summarize(steps: list[tuple], completions_per_step: int, wall_s: float) -> dict:
+    step_s = statistics.median(s for s, _, _ in steps)
+    tokens = statistics.fmean(t for _, t, _ in steps)
     return {
         "step_s": round(step_s, 4),
         "completions_per_s": round(completions_per_step / step_s, 1),
@@ -214,58 +261,74 @@ def summarize(steps: list[tuple[float, float]], completions_per_step: int, wall_
     }
 
 
-def print_table(results: dict) -> None:
-    print(f"{'system':<16}{'step s (median)':>17}{'completions/s':>15}{'tokens/s':>11}{'tokens/step':>13}{'wall s':>9}")
-    for name in SYSTEMS:
-        if name in results:
-            r = results[name]
-            print(f"{name:<16}{r['step_s']:>17.4f}{r['completions_per_s']:>15.1f}{r['tokens_per_s']:>11.1f}"
-                  f"{r['tokens_per_step']:>13.1f}{r['wall_s']:>9.1f}")
+def print_table(name: str, args: argparse.Namespace, results: dict) -> None:
+    print(f"setting {name}: {args.prompts} prompts x {args.generations}, <= {args.max_new_tokens} tokens, "
+          f"model {args.model}")
+    print(f"  {'system':<26}{'step s (median)':>17}{'completions/s':>15}{'tokens/s':>11}{'tokens/step':>13}"
+          f"{'wall s':>9}")
+    for system, r in results.items():
+        print(f"  {system:<26}{r['step_s']:>17.4f}{r['completions_per_s']:>15.1f}{r['tokens_per_s']:>11.1f}"
+              f"{r['tokens_per_step']:>13.1f}{r['wall_s']:>9.1f}")
 
 
 def ratios(results: dict) -> dict:
-    """distflow / TRL: above 1 means distflow is faster."""
-    if "trl" not in results:
-        return {}
+    """distflow / TRL and compact / generate (tokens/s): above 1 means the first is faster."""
     out = {}
-    for nproc in (1, 2):
-        ours, trl = results[f"distflow_{nproc}proc"], results["trl"]
-        out[f"ratio_completions_{nproc}proc_vs_trl"] = round(ours["completions_per_s"] / trl["completions_per_s"], 2)
-        out[f"ratio_tokens_{nproc}proc_vs_trl"] = round(ours["tokens_per_s"] / trl["tokens_per_s"], 2)
+    for system, r in results.items():
+        if system.startswith("distflow") and "trl" in results:
+            out[f"{system}/trl_completions"] = round(r["completions_per_s"] / results["trl"]["completions_per_s"], 2)
+            out[f"{system}/trl_tokens"] = round(r["tokens_per_s"] / results["trl"]["tokens_per_s"], 2)
+        reference = system.replace("_compact_", "_generate_")
+        if "_compact_" in system and reference in results:
+            out[f"{system}/generate_tokens"] = round(r["tokens_per_s"] / results[reference]["tokens_per_s"], 2)
     return out
+
+
+def run_setting(args: argparse.Namespace, bench_python: Path | None, work: Path) -> dict:
+    """Every system on one setting; returns its results, ratios and the samples check."""
+    completions = args.prompts * args.generations
+    model_dir = save_model(work / "model", args.model)
+    results, per_step = {}, {}
+    for nproc in args.nproc:
+        for engine in args.engines:
+            name = f"distflow_{engine}_{nproc}proc"
+            log(f"{args.name}: distflow, engine {engine}, {nproc} process(es), {args.steps} steps")
+            start = time.perf_counter()
+            steps = run_distflow(name, nproc, distflow_config(work / f"{name}.yaml", model_dir, args, engine), work)
+            results[name] = summarize(steps, completions, time.perf_counter() - start)
+            per_step[name] = [(tokens, reward) for _, tokens, reward in steps]
+    if bench_python is not None:
+        log(f"{args.name}: TRL GRPOTrainer, {args.steps} steps")
+        start = time.perf_counter()
+        steps = run_trl(bench_python, model_dir, write_prompts(work / "prompts.jsonl", args), work, args)
+        results["trl"] = summarize(steps, completions, time.perf_counter() - start)
+    print_table(args.name, args, results)
+    # Same seeds, same samples: every engine's steps generated the same tokens and earned the same rewards.
+    identical = {nproc: len({repr(per_step[f"distflow_{e}_{nproc}proc"]) for e in args.engines}) == 1
+                 for nproc in args.nproc}
+    model_params = sum(t.numel() for t in build_model(args.model)[0].parameters())
+    return {"prompts_per_step": args.prompts, "generations": args.generations, "max_new_tokens": args.max_new_tokens,
+            "model": args.model, "model_parameters": model_params, **results, **ratios(results),
+            "samples_identical": all(identical.values())}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    settings = {"prompts_per_step": args.prompts, "generations": args.generations,
-                "max_new_tokens": args.max_new_tokens, "steps": args.steps, "timed_steps": args.steps - WARMUP_STEPS,
-                "lr": args.lr, "temperature": 1.0, "top_p": 1.0, "kl": 0.0, "device": "cpu",
-                "cpu_count": os.cpu_count()}
+    settings = {"steps": args.steps, "timed_steps": args.steps - WARMUP_STEPS, "lr": args.lr, "temperature": 1.0,
+                "top_p": 1.0, "kl": 0.0, "device": "cpu", "cpu_count": os.cpu_count()}
     bench_python = None if args.skip_trl else ensure_bench_venv()
     settings["load_avg_1min_at_start"] = round(os.getloadavg()[0], 2)
     if settings["load_avg_1min_at_start"] > 0.5:
         # Other busy processes share the cores (and torch's threads spin-wait), so timings are inflated.
         log(f"warning: load average {settings['load_avg_1min_at_start']} before starting; timings may be noisy")
-    completions = args.prompts * args.generations
-    results = {}
-    with tempfile.TemporaryDirectory(prefix="distflow-bench-") as tmp:
-        work = Path(tmp)
-        model_dir = save_tiny_model(work / "model")
-        config = distflow_config(work / "grpo.yaml", model_dir, args)
-        for nproc in (1, 2):
-            log(f"distflow, {nproc} process(es), {args.steps} steps")
-            start = time.perf_counter()
-            steps = run_distflow(nproc, config, work)
-            results[f"distflow_{nproc}proc"] = summarize(steps, completions, time.perf_counter() - start)
-        if bench_python is not None:
-            log(f"TRL GRPOTrainer, {args.steps} steps")
-            start = time.perf_counter()
-            steps = run_trl(bench_python, model_dir, write_prompts(work / "prompts.jsonl", args), work, args)
-            results["trl"] = summarize(steps, completions, time.perf_counter() - start)
+    out = {}
+    for name in args.settings:
+        with tempfile.TemporaryDirectory(prefix="distflow-bench-") as tmp:
+            out[name] = run_setting(setting(args, name), bench_python, Path(tmp))
     if bench_python is not None:
-        settings["trl_version"] = args.trl_version
-    print_table(results)
-    print(json.dumps({"settings": settings, **results, **ratios(results)}))
+        settings["trl_version"] = TRL_VERSION[0]
+    settings["load_avg_1min_at_end"] = round(os.getloadavg()[0], 2)
+    print(json.dumps({"settings": settings, **out}))
     return 0
 
 

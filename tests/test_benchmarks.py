@@ -24,7 +24,7 @@ import pytest
 from conftest import REPO
 
 BENCHMARKS = REPO / "benchmarks"
-THROUGHPUT_SYSTEMS = ("distflow_1proc", "distflow_2proc", "trl")
+THROUGHPUT_SYSTEMS = ("distflow_compact_1proc", "distflow_generate_1proc", "trl")
 DATA_PLANE_MODES = ("p2p", "p2p-disjoint", "local", "central", "central-disjoint")
 
 
@@ -64,20 +64,36 @@ def test_every_benchmark_has_a_quick_test():
 
 
 def test_throughput_quick():
-    # 3 steps per system (2 warm-up, 1 timed) at 16 prompts x 8 samples, <= 8 new tokens.
+    # The `default` setting at 3 steps per system (2 warm-up, 1 timed), 4 prompts x 4 samples, <= 4 new tokens.
     out = run_quick("throughput.py", timeout=3600)
-    settings = out["settings"]
-    assert settings["timed_steps"] == 1 and settings["trl_version"]
-    completions = settings["prompts_per_step"] * settings["generations"]
+    assert out["settings"]["timed_steps"] == 1 and out["settings"]["trl_version"]
+    result = out["default"]
+    completions = result["prompts_per_step"] * result["generations"]
     for system in THROUGHPUT_SYSTEMS:
-        result = out[system]
-        assert result["timed_steps"] == 1
-        assert result["step_s"] > 0 and result["completions_per_s"] == pytest.approx(completions / result["step_s"],
-                                                                                   rel=0.01)
+        row = result[system]
+        assert row["timed_steps"] == 1
+        assert row["step_s"] > 0 and row["completions_per_s"] == pytest.approx(completions / row["step_s"], rel=0.01)
         # Every completion has 1 to max_new_tokens tokens (EOS included).
-        assert completions <= result["tokens_per_step"] <= completions * settings["max_new_tokens"], system
-    for nproc in (1, 2):
-        assert out[f"ratio_completions_{nproc}proc_vs_trl"] > 0 and out[f"ratio_tokens_{nproc}proc_vs_trl"] > 0
+        assert completions <= row["tokens_per_step"] <= completions * result["max_new_tokens"], system
+    assert result["samples_identical"] is True  # the two engines, same seeds: same tokens and rewards per step
+    assert result["distflow_compact_1proc/trl_completions"] > 0 and result["distflow_compact_1proc/generate_tokens"] > 0
+
+
+def test_throughput_models():
+    """The `long` setting's model writes to the cap; the `wide` one has 10-20M parameters."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        throughput = importlib.import_module("throughput")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    from distflow.engines.generation import generate
+
+    model, tokenizer = throughput.build_model("long")
+    out = generate(model, tokenizer, ["12+34="], max_new_tokens=64, temperature=1.0, sample_keys=list(range(16)),
+                   samples_per_prompt=16)
+    assert out.response_mask_BR.sum(-1).float().mean() > 60
+    wide = sum(p.numel() for p in throughput.build_model("wide")[0].parameters())
+    assert 10e6 <= wide <= 20e6
 
 
 def test_data_plane_quick():
