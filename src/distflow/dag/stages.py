@@ -164,7 +164,8 @@ def reference_logprob(batch: Batch, ctx: StageContext) -> Batch:
     with gathered(ctx.engines.reference):  # fsdp2: every train rank gathers the reference together
         ref_logp = batch_logprobs(ctx.engines.reference, batch,
                                   micro_batch_size=ctx.config.trainer.micro_batch_size,
-                                  temperature=ctx.engines.sampling.temperature)
+                                  temperature=ctx.engines.sampling.temperature,
+                                  padding_free=ctx.config.trainer.padding_free)
     return batch.updated(ref_logp=ref_logp)
 
 

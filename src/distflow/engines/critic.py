@@ -21,7 +21,7 @@ import torch
 from distflow.config.schema import OptimConfig, TrainerConfig
 from distflow.data.batch import Batch
 from distflow.engines.parallelize import gathered
-from distflow.engines.sequences import position_ids_from_mask
+from distflow.engines.packing import response_outputs
 from distflow.engines.trainable import TrainableEngine
 from distflow.comm import Comm
 
@@ -34,20 +34,20 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor) -> torch.Tensor:
         """values_BT: one scalar per position."""
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                            position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False)
         hidden_BTH = out.last_hidden_state
         return self.value_head(hidden_BTH.float()).squeeze(-1)
 
 
 def response_values(model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
-                    response_width: int) -> torch.Tensor:
-    """V of the state before each response token: values_BR."""
-    response_start = input_ids_BT.shape[1] - response_width
-    values_BT = model(input_ids_BT, attention_mask_BT)
-    return values_BT[:, response_start - 1 : -1]
+                    response_width: int, *, padding_free: bool = False) -> torch.Tensor:
+    """V of the state before each response token: values_BR (packed with `padding_free`)."""
+    return response_outputs(model, input_ids_BT, attention_mask_BT, response_width, padding_free=padding_free,
+                            model=model)
 
 
 class CriticEngine(TrainableEngine):
@@ -56,7 +56,7 @@ class CriticEngine(TrainableEngine):
     def forward(self, micro: Batch, *, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(values_BR, zeros): a critic has no entropy term."""
         values_BR = response_values(self.wrapped, micro["input_ids"], micro["attention_mask"],
-                                    micro["response_mask"].shape[1])
+                                    micro["response_mask"].shape[1], padding_free=self.trainer.padding_free)
         return values_BR, torch.zeros_like(values_BR.detach())
 
     @torch.no_grad()
@@ -66,7 +66,8 @@ class CriticEngine(TrainableEngine):
         self.model.eval()
         width = batch["response_mask"].shape[1]
         with gathered(self.model):
-            out = [response_values(self.model, mb["input_ids"], mb["attention_mask"], width)
+            out = [response_values(self.model, mb["input_ids"], mb["attention_mask"], width,
+                                   padding_free=self.trainer.padding_free)
                    for mb in batch.micro_batches(micro_batch_size)]
         self.model.train(was_training)
         return torch.cat(out) if out else torch.zeros((0, width), device=batch["input_ids"].device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from distflow.data.batch import Batch
-from distflow.engines.sequences import position_ids_from_mask
+from distflow.engines.packing import response_outputs
 
 
 def response_logprobs(
@@ -23,21 +23,21 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    padding_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each response token (the last R = `response_width` columns), shape [B, R].
 
     The logits at column t predict token t+1, hence the shift by one. The entropy is a
-    constant unless `entropy_grad` (an entropy bonus back-propagates through it).
+    constant unless `entropy_grad` (an entropy bonus back-propagates through it). With
+    `padding_free` the sequences are packed (engines.packing); values where the response
+    mask is 0 are then those of zero logits.
     """
-    response_start = input_ids_BT.shape[1] - response_width
-    logits_BTV = model(
-        input_ids=input_ids_BT,
-        attention_mask=attention_mask_BT,
-        position_ids=position_ids_from_mask(attention_mask_BT),
-        use_cache=False,
-    ).logits
-    logits_BRV = logits_BTV[:, response_start - 1 : -1, :].float() / temperature
-    targets_BR = input_ids_BT[:, response_start:]
+    def forward(ids, mask, positions):
+        return model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+
+    logits_BRV = response_outputs(forward, input_ids_BT, attention_mask_BT, response_width,
+                                  padding_free=padding_free, model=model).float() / temperature
+    targets_BR = input_ids_BT[:, input_ids_BT.shape[1] - response_width :]
     logz_BR = torch.logsumexp(logits_BRV, dim=-1)
     logp_BR = torch.gather(logits_BRV, -1, targets_BR.unsqueeze(-1)).squeeze(-1) - logz_BR
     entropy_BR = None
@@ -49,13 +49,15 @@ def response_logprobs(
 
 
 @torch.no_grad()
-def batch_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int, temperature: float) -> torch.Tensor:
+def batch_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int, temperature: float,
+                   padding_free: bool = False) -> torch.Tensor:
     """Response log-probs of a whole batch, `micro_batch_size` sequences per forward pass."""
     was_training = model.training
     model.eval()
     width = batch["response_mask"].shape[1]
     out = [
-        response_logprobs(model, mb["input_ids"], mb["attention_mask"], width, temperature=temperature)[0]
+        response_logprobs(model, mb["input_ids"], mb["attention_mask"], width, temperature=temperature,
+                          padding_free=padding_free)[0]
         for mb in batch.micro_batches(micro_batch_size)
     ]
     model.train(was_training)
