@@ -55,7 +55,7 @@ def decode(
     Row g·n + k is sample k of prompt g, drawn with keys_B[g·n + k] (greedy if keys_B is None).
     """
     n, device = samples_per_prompt, prompt_ids_GP.device
-    cache = DynamicCache()
+    cache = DynamicCache(config=model.config)  # sliding-window layers get their own cache kind, as in generate
     positions_GP = (prompt_mask_GP.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=prompt_ids_GP, attention_mask=prompt_mask_GP, position_ids=positions_GP,
                 past_key_values=cache, use_cache=True, logits_to_keep=1)
