@@ -212,7 +212,7 @@ def distflow_config(path: Path, model_dir: Path, args: argparse.Namespace, engin
         "optim": {"lr": args.lr, "betas": [0.9, 0.99], "weight_decay": 0.0, "warmup_steps": 0, "grad_clip": 1.0},
         # One micro-batch per step, like TRL's single forward/backward over the batch.
         "trainer": {"total_steps": args.steps, "prompts_per_step": args.prompts, "micro_batch_size": batch,
-                    "seed": 0, "eval_every": 0, "eval_samples": 1, "tensorboard": False,
+                    "seed": 0, "eval_every": 0, "eval_samples": 1, "loggers": ["jsonl"],
                     "progress_bar": False, "device": "cpu"},
     }
     path.write_text(yaml.safe_dump(config, sort_keys=False))

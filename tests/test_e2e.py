@@ -59,6 +59,7 @@ def test_single_process_run_writes_everything(tmp_path, cache_dir):
     assert records[3]["eval/accuracy"] == summary["final_accuracy"] or abs(
         records[3]["eval/accuracy"] - summary["final_accuracy"]) < 1e-4
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "total_steps: 3" in (run_dir / "config.yaml").read_text()
 
 

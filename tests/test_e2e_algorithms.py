@@ -16,7 +16,7 @@ from distflow.config.algorithm import ALGORITHMS
 ARGS = [
     "trainer.total_steps=2", "trainer.prompts_per_step=4", "rollout.num_samples=4", "trainer.eval_every=0",
     "trainer.eval_samples=1", "task.num_heldout=40", "trainer.progress_bar=false", "warmstart.target_accuracy=0.02",
-    "warmstart.check_every=20", "checkpoint.at_end=false", "trainer.tensorboard=false",
+    "warmstart.check_every=20", "checkpoint.at_end=false", "trainer.loggers=[jsonl]",
     "task.rewards=[{fn: 'distflow.tasks.arithmetic:correctness_reward'}, {fn: 'shaping:length', weight: 0.1}]",
 ]
 SHAPING = "def length(prompt, completion, sample):\n    return float(len(completion))\n"

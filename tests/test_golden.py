@@ -16,7 +16,7 @@ from conftest import REPO, run_cli
 ARGS = [
     "trainer.total_steps=3", "trainer.prompts_per_step=4", "rollout.num_samples=4", "trainer.eval_every=0",
     "trainer.eval_samples=1", "task.num_heldout=40", "trainer.progress_bar=false", "warmstart.target_accuracy=0",
-    "checkpoint.at_end=false", "trainer.tensorboard=false", "optim.lr=1e-3", "optim.warmup_steps=0",
+    "checkpoint.at_end=false", "trainer.loggers=[jsonl]", "optim.lr=1e-3", "optim.warmup_steps=0",
     "task.rewards=[{fn: 'distflow.tasks.arithmetic:correctness_reward'}, {fn: 'shaping:length', weight: 0.1}]",
 ]
 SHAPING = "def length(prompt, completion, sample):\n    return float(len(completion))\n"

@@ -52,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a Hugging Face model directory (safetensors) from a checkpoint")
     export.add_argument("checkpoint", help="a step-N checkpoint, a checkpoint directory or a run directory (latest)")
     export.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    report = sub.add_parser("report", help="draw runs' curves overlaid and print a summary table")
+    report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (with metrics.jsonl)")
+    report.add_argument("--out", default="report.png", help="the picture to write (default: report.png)")
     return parser
 
 
@@ -71,6 +74,7 @@ def _validate(config: Config, world_size: int, *, check_run_dir: bool, resuming:
         if not torch.cuda.is_available():
             raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=auto or cpu")
     preflight.check_strategy(config)
+    preflight.check_loggers(config)
     preflight.check_data_files(config)
     preflight.check_directories(config, _run_dir(config))
     if os.environ.get(LAUNCHED_ENV) != "1":  # else `distflow train --nproc` checked it before starting the ranks
@@ -120,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "export":
         return _export(args.checkpoint, args.out)
+    if args.command == "report":
+        return _report(args.runs, args.out)
     args.overrides = args.overrides + extra
     if args.command == "train" and args.resume and "=" in args.resume and not Path(args.resume).exists():
         args.overrides.append(args.resume)  # `--resume key=value`: a bare --resume, then an override
@@ -266,4 +272,22 @@ def _export(checkpoint: str, out: str) -> int:
         print(f"distflow: error: {err}", file=sys.stderr)
         return USER_ERROR
     print(f"exported {path} -> {out_dir}", file=sys.stderr)
+    return 0
+
+
+def _report(run_dirs: list[str], out: str) -> int:
+    from distflow.observability.curves import draw, format_table, read_run, summary_rows
+
+    try:
+        runs = {}
+        for run_dir in run_dirs:
+            label = Path(run_dir).resolve().name
+            if label in runs:  # two runs of the same name from different places: keep both apart
+                label = str(Path(run_dir))
+            runs[label] = read_run(Path(run_dir))
+    except ConfigError as err:
+        print(f"distflow: error: {err}", file=sys.stderr)
+        return USER_ERROR
+    print(format_table(summary_rows(runs)))
+    print(f"curves of {len(runs)} run(s) -> {draw(runs, Path(out))}", file=sys.stderr)
     return 0

@@ -142,6 +142,15 @@ def _check_vocabulary(model_config: dict, model_dir: Path, tokenizer_dir: Path) 
                           "use the tokenizer the model was trained with, or resize the model's embeddings")
 
 
+def check_loggers(config: Config) -> None:
+    """A logger whose package is missing fails here, before any rank starts."""
+    import importlib.util
+
+    if "wandb" in config.trainer.loggers and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("trainer.loggers includes wandb, but the wandb package is not installed: "
+                          "pip install 'distflow[wandb]' (or remove wandb from trainer.loggers)")
+
+
 def check_strategy(config: Config) -> None:
     """Precision the device supports, and decoder blocks where activation checkpointing needs them."""
     trainer = config.trainer

@@ -8,9 +8,11 @@ YAML files and `key.sub=value` overrides are turned into these by `config.loader
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 from distflow.config.algorithm import AlgorithmConfig
+from distflow.config.deprecated import DeprecatedKeyWarning
 from distflow.config.errors import ConfigError, check  # noqa: F401 (ConfigError is imported from here widely)
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -140,6 +142,7 @@ class OptimConfig:
 
 
 STRATEGIES = ("ddp", "fsdp2")
+LOGGERS = ("jsonl", "tensorboard", "wandb")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -175,7 +178,13 @@ class TrainerConfig:
     output_dir: str = "runs"
     run_name: str | None = None
     """Run directory name under output_dir (one path component); defaults to a timestamp."""
-    tensorboard: bool = True
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Where rank 0 writes each step's metrics: jsonl (RUN_DIR/metrics.jsonl, always: resume, curves
+    and `distflow report` read it), tensorboard (RUN_DIR/tensorboard), wandb (Weights & Biases,
+    project `trainer.wandb_project`; mode, entity and key from W&B's own WANDB_* variables)."""
+    wandb_project: str = "distflow"
+    tensorboard: bool | None = None
+    """Deprecated: `false` removes tensorboard from `trainer.loggers`."""
     progress_bar: bool = True
     device: str = "auto"
     """auto (CUDA when present, else CPU), cpu or cuda."""
@@ -221,6 +230,15 @@ class TrainerConfig:
     directory's profile/ (`--profile K` sets it); 0: off."""
 
     def __post_init__(self) -> None:
+        unknown = [name for name in self.loggers if name not in LOGGERS]
+        check(not unknown, f"trainer.loggers: unknown {unknown}; choose from {', '.join(LOGGERS)}")
+        check("jsonl" in self.loggers, "trainer.loggers must include jsonl (metrics.jsonl is the run's record: "
+              "resume, curves.png and `distflow report` read it)")
+        if self.tensorboard is not None:
+            warnings.warn("trainer.tensorboard is deprecated; use trainer.loggers (e.g. trainer.loggers=[jsonl])",
+                          DeprecatedKeyWarning, stacklevel=2)
+            if not self.tensorboard:
+                self.loggers = [name for name in self.loggers if name != "tensorboard"]
         check(self.profile_steps >= 0, f"trainer.profile_steps must be >= 0 (got {self.profile_steps})")
         check(self.total_steps >= 1, f"trainer.total_steps must be >= 1 (got {self.total_steps})")
         check(self.prompts_per_step >= 1, f"trainer.prompts_per_step must be >= 1 (got {self.prompts_per_step})")

@@ -1,4 +1,4 @@
-"""Rank 0's outputs: metrics.jsonl, TensorBoard events and the progress bar."""
+"""Rank 0's outputs: metrics.jsonl, TensorBoard events, Weights & Biases, the progress bar, curves.png."""
 
 from __future__ import annotations
 
@@ -15,17 +15,23 @@ from distflow.fileio import atomic_write_text
 
 
 class RunWriter:
-    def __init__(self, run_dir: Path, *, total_steps: int, tensorboard: bool, progress_bar: bool,
-                 name: str = "train", resumed_step: int | None = None) -> None:
+    def __init__(self, run_dir: Path, *, total_steps: int, loggers: list[str], progress_bar: bool,
+                 name: str = "train", resumed_step: int | None = None, wandb_project: str = "distflow",
+                 config: dict | None = None) -> None:
         """`resumed_step`: the run continues after this step; the metrics records and TensorBoard
         events of later steps written before are dropped (the run redoes them), so curves
-        have no duplicates."""
+        have no duplicates (W&B: see observability/wandb_run.py)."""
         self.run_dir = run_dir
         if resumed_step is not None:
             drop_records_after(run_dir / "metrics.jsonl", resumed_step)
         self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self.wandb = None
+        if "wandb" in loggers:
+            from distflow.observability.wandb_run import WandbRun
+
+            self.wandb = WandbRun(run_dir, project=wandb_project, config=config or {})
         self.tb = None
-        if tensorboard:
+        if "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
@@ -44,6 +50,8 @@ class RunWriter:
             # TensorBoard's writer thread flushes every 2 minutes: a crash would lose the events
             # of steps that a checkpoint already covers (and that a resume does not redo).
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(step, metrics)
 
     def sync(self) -> None:
         """Make every record logged so far survive a power loss (called before a checkpoint);
@@ -72,6 +80,14 @@ class RunWriter:
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
+
+    def draw_curves(self) -> Path:
+        """RUN_DIR/curves.png from the whole metrics.jsonl (all steps, also those before a resume)."""
+        from distflow.observability.curves import draw, read_run
+
+        return draw({self.run_dir.name: read_run(self.run_dir)}, self.run_dir / "curves.png")
 
 
 def drop_records_after(path: Path, step: int) -> None:

@@ -211,6 +211,7 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
     if writer:
         writer.close()
         atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=1))
+        _draw_curves(writer)
         print(json.dumps(summary), flush=True)
     return summary
 
@@ -277,8 +278,18 @@ def _open_writer(config: Config, run_dir: Path, *, resumed_step: int | None) -> 
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
     trainer = config.trainer
-    return RunWriter(run_dir, total_steps=trainer.total_steps, tensorboard=trainer.tensorboard,
-                     progress_bar=trainer.progress_bar, name=config.algorithm.name, resumed_step=resumed_step)
+    return RunWriter(run_dir, total_steps=trainer.total_steps, loggers=trainer.loggers,
+                     progress_bar=trainer.progress_bar, name=config.algorithm.name, resumed_step=resumed_step,
+                     wandb_project=trainer.wandb_project, config=to_dict(config))
+
+
+def _draw_curves(writer: RunWriter) -> None:
+    """RUN_DIR/curves.png; the run's results are saved already, so a failure here is reported, not raised."""
+    try:
+        writer.draw_curves()
+    except Exception as err:  # noqa: BLE001 — any drawing failure: the line below names it
+        _stderr(f"distflow: warning: curves.png was not drawn ({type(err).__name__}: {err}); "
+                f"`distflow report {writer.run_dir}` draws it again")
 
 
 def _check_numerics(metrics: dict[str, float], limit: int) -> None:

@@ -1,0 +1,116 @@
+"""Pictures and a table from runs' metrics.jsonl: RUN_DIR/curves.png and `distflow report`.
+
+One panel per curve a user looks at first (reward, held-out accuracy, response length, KL,
+entropy, gradient norm) plus the step's time split; several runs are overlaid, one colour
+each, labelled by run directory name (a curve a run does not log is left out of its panel).
+Drawn with matplotlib's Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from distflow.config.errors import ConfigError
+
+PANELS = (
+    ("reward/mean", "reward (mean)"),
+    ("eval/accuracy", "held-out accuracy (sampled)"),
+    ("response/length", "response length (tokens)"),
+    ("train/kl", "KL to the reference"),
+    ("train/entropy", "entropy"),
+    ("train/grad_norm", "gradient norm"),
+)
+TOTAL_TIMES = ("time/step_s", "time/loader_wait_s")  # not stages of the split
+
+
+def read_run(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir}: no metrics.jsonl; give a run directory (trainer.output_dir/<run name>)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def stage_times(records: list[dict]) -> dict[str, float]:
+    """Median seconds per stage over the training steps (the first, with one-time costs, left out
+    when there are others)."""
+    steps = [r for r in records if r.get("step", 0) >= 1 and r.get("time/step_s") is not None]
+    steps = steps[1:] if len(steps) > 1 else steps
+    keys = sorted({k for r in steps for k in r if k.startswith("time/") and k not in TOTAL_TIMES})
+    return {k[len("time/"):-len("_s")]: statistics.median(r[k] for r in steps if r.get(k) is not None)
+            for k in keys}
+
+
+def draw(runs: dict[str, list[dict]], out: Path) -> Path:
+    """The panels for every run in `runs` (label → records), saved to `out` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 4, figsize=(18, 8), constrained_layout=True)
+    for ax, (key, title) in zip(axes.flat, PANELS):
+        for label, records in runs.items():
+            steps, values = _series(records, key)
+            if steps:
+                ax.plot(steps, values, marker="o" if len(steps) < 20 else None, markersize=3, label=label)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    _draw_time_split(axes.flat[len(PANELS)], runs)
+    axes.flat[-1].axis("off")
+    if len(runs) > 1:
+        axes.flat[0].legend(fontsize="small")
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return out
+
+
+def _draw_time_split(ax, runs: dict[str, list[dict]]) -> None:
+    """Stacked bars: median seconds per stage, one bar per run."""
+    bottoms = [0.0] * len(runs)
+    stages = sorted({stage for records in runs.values() for stage in stage_times(records)})
+    times = [stage_times(records) for records in runs.values()]
+    for stage in stages:
+        heights = [t.get(stage, 0.0) for t in times]
+        ax.bar(range(len(runs)), heights, bottom=bottoms, label=stage)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.set_xticks(range(len(runs)), list(runs), rotation=15, fontsize="small")
+    ax.set_title("step time split (median s per stage)")
+    if stages:
+        ax.legend(fontsize="x-small")
+
+
+def summary_rows(runs: dict[str, list[dict]]) -> list[dict]:
+    rows = []
+    for label, records in runs.items():
+        steps = [r for r in records if r.get("step", 0) >= 1]
+        evals = [r["eval/accuracy"] for r in records if r.get("eval/accuracy") is not None]
+        rewards = [r["reward/mean"] for r in steps if r.get("reward/mean") is not None]
+        tenth = max(1, len(rewards) // 10)
+        step_s = [r["time/step_s"] for r in steps[1:] or steps if r.get("time/step_s") is not None]
+        rows.append({
+            "run": label, "steps": steps[-1]["step"] if steps else 0,
+            "accuracy_first": evals[0] if evals else None, "accuracy_last": evals[-1] if evals else None,
+            "reward_first": statistics.fmean(rewards[:tenth]) if rewards else None,
+            "reward_last": statistics.fmean(rewards[-tenth:]) if rewards else None,
+            "step_s_median": statistics.median(step_s) if step_s else None,
+        })
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    def cell(value) -> str:
+        return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    names = ["run", "steps", "accuracy_first", "accuracy_last", "reward_first", "reward_last", "step_s_median"]
+    table = [names] + [[cell(row[n]) for n in names] for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(names))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+                     for line in table)
