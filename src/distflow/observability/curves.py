@@ -56,10 +56,14 @@ def draw(runs: dict[str, list[dict]], out: Path) -> Path:
 
     fig, axes = plt.subplots(2, 4, figsize=(18, 8), constrained_layout=True)
     for ax, (key, title) in zip(axes.flat, PANELS):
+        drawn = False
         for label, records in runs.items():
             steps, values = _series(records, key)
             if steps:
                 ax.plot(steps, values, marker="o" if len(steps) < 20 else None, markersize=3, label=label)
+                drawn = True
+        if not drawn:  # e.g. no KL term, or no update ran (every group without signal)
+            ax.text(0.5, 0.5, f"no {key} in metrics.jsonl", ha="center", va="center", transform=ax.transAxes)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
