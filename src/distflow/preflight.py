@@ -142,6 +142,24 @@ def _check_vocabulary(model_config: dict, model_dir: Path, tokenizer_dir: Path) 
                           "use the tokenizer the model was trained with, or resize the model's embeddings")
 
 
+def check_reward_models(config: Config) -> None:
+    """Each `task.reward_models[].path` is a saved one-label sequence classifier (read from its config.json)."""
+    for i, spec in enumerate(config.task.reward_models):
+        key, directory = f"task.reward_models[{i}].path", Path(spec.path).expanduser()
+        if not (directory / "config.json").is_file():
+            raise ConfigError(f"{key}: {spec.path!r} is not a Hugging Face model directory (no config.json); "
+                              "give the directory of a saved AutoModelForSequenceClassification")
+        model_config = json.loads((directory / "config.json").read_text())
+        architectures = model_config.get("architectures") or []
+        if not any(name.endswith("ForSequenceClassification") for name in architectures):
+            raise ConfigError(f"{key}: {spec.path!r} holds {architectures or 'an unnamed architecture'}, not a "
+                              "sequence classifier; save a reward model from "
+                              "AutoModelForSequenceClassification(..., num_labels=1)")
+        labels = len(model_config.get("id2label") or {"0": "", "1": ""})  # transformers' default is 2
+        if labels != 1:
+            raise ConfigError(f"{key}: {spec.path!r} has {labels} labels; a reward model has one (its score)")
+
+
 def check_loggers(config: Config) -> None:
     """A logger whose package is missing fails here, before any rank starts."""
     import importlib.util

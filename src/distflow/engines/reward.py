@@ -128,6 +128,15 @@ class RewardTerm:
     weight: float = 1.0
 
 
+@dataclass(frozen=True)
+class ModelTerm:
+    """A reward model's weighted score (engines/reward_models.py): batched, not user code, so not contained."""
+
+    name: str
+    model: object  # RewardModel: .score(prompts, completions) -> float32 [B]
+    weight: float = 1.0
+
+
 @dataclass
 class Scores:
     reward_B: torch.Tensor
@@ -143,13 +152,16 @@ class Scores:
 class Rewards:
     """The weighted reward functions of a run, with a shared default and deadline."""
 
-    def __init__(self, terms: Sequence[RewardTerm], *, default_reward: float = 0.0, timeout_s: float = 0.0) -> None:
+    def __init__(self, terms: Sequence[RewardTerm], *, default_reward: float = 0.0, timeout_s: float = 0.0,
+                 models: Sequence[ModelTerm] = ()) -> None:
         if not terms:
             raise ValueError("at least one reward function is needed")
-        names = [t.name for t in terms]
+        names = [t.name for t in terms] + [m.name for m in models]
         if len(set(names)) != len(names):
-            raise ValueError(f"reward names must be unique (got {names}); set task.rewards[].name")
+            raise ValueError(f"reward names must be unique (got {names}); set task.rewards[].name or "
+                             "task.reward_models[].name")
         self.terms = list(terms)
+        self.models = list(models)
         self.default_reward = default_reward
         self._call = DeadlineCaller(timeout_s) if timeout_s > 0 else (lambda fn, *args: fn(*args))
 
@@ -174,15 +186,19 @@ class Rewards:
 
     def score(self, prompts: Sequence[str], completions: Sequence[str], samples: Sequence[dict]) -> Scores:
         scores = Scores(torch.zeros(len(prompts)))
-        scores.term_sums = {t.name: 0.0 for t in self.terms}
+        scores.term_sums = {t.name: 0.0 for t in [*self.terms, *self.models]}
+        model_values = {m.name: self._model_values(m, prompts, completions, scores) for m in self.models}
         totals = []
-        fallback = sum(term.weight * self.default_reward for term in self.terms)
-        for prompt, completion, sample in zip(prompts, completions, samples):
+        fallback = sum(term.weight * self.default_reward for term in [*self.terms, *self.models])
+        for i, (prompt, completion, sample) in enumerate(zip(prompts, completions, samples)):
             total = 0.0
             for term in self.terms:
                 value = self._one(term, (prompt, completion, private_copy(sample)), scores)
                 scores.term_sums[term.name] += value
                 total += term.weight * value
+            for model in self.models:
+                scores.term_sums[model.name] += model_values[model.name][i]
+                total += model.weight * model_values[model.name][i]
             if not representable(total):  # terms that each fit but whose sum does not
                 scores.errors += 1
                 total = fallback
@@ -190,14 +206,33 @@ class Rewards:
         scores.reward_B = torch.tensor(totals, dtype=REWARD_DTYPE)
         return scores
 
+    def _model_values(self, term: ModelTerm, prompts: Sequence[str], completions: Sequence[str],
+                      scores: Scores) -> list[float]:
+        """A reward model's scores; one that float32 cannot hold (NaN, inf) scores the default, counted."""
+        values = []
+        for value in term.model.score(prompts, completions).tolist() if len(prompts) else []:
+            if representable(value) and representable(term.weight * value):
+                values.append(value)
+            else:
+                scores.errors += 1
+                values.append(self.default_reward)
+        return values
 
-def build_rewards(task) -> Rewards:
-    """The `Rewards` of a `TaskConfig`: `task.rewards`, or the single `task.reward`."""
+
+def build_rewards(task, device: torch.device | None = None) -> Rewards:
+    """The `Rewards` of a `TaskConfig`: `task.rewards` (or the single `task.reward`) and `task.reward_models`
+    (loaded on `device` when first used)."""
+    from pathlib import Path
+
     from distflow.config.callables import reward_functions
+    from distflow.engines.reward_models import RewardModel
 
     terms = [RewardTerm(name, fn, weight) for name, fn, weight in reward_functions(task)]
+    models = [ModelTerm(spec.name or Path(spec.path).expanduser().resolve().name,
+                        RewardModel(spec.path, batch_size=spec.batch_size, device=device or torch.device("cpu")),
+                        spec.weight) for spec in task.reward_models]
     try:
-        return Rewards(terms, default_reward=task.default_reward, timeout_s=task.reward_timeout_s)
+        return Rewards(terms, default_reward=task.default_reward, timeout_s=task.reward_timeout_s, models=models)
     except ValueError as err:
         from distflow.config.schema import ConfigError
 

@@ -93,7 +93,7 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
                           world_size=plan.input_layout.dp_size, tokenize=tokenize)
     prefetcher = Prefetcher(loader.next_batch, loader.state_dict, enabled=trainer.prefetch)
     engines = Engines(
-        tokenizer=tokenizer, rewards=build_rewards(config.task), is_correct=task.is_correct, sampling=sampling,
+        tokenizer=tokenizer, rewards=build_rewards(config.task, world.device), is_correct=task.is_correct, sampling=sampling,
         rollout_model=model if rank in rollout else None, weight_sync=weight_sync,
         next_prompts=lambda: prefetcher.next()[0],  # dynamic sampling draws extra batches mid-step
         **models,

@@ -1,0 +1,77 @@
+"""The `task` section: the dataset, the reward functions and reward models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from distflow.config.errors import check
+
+FLOAT32_MAX = 3.4028234663852886e38
+"""Rewards are float32 tensors: a larger default reward would be inf there."""
+
+
+@dataclass(kw_only=True)
+class RewardSpec:
+    """One term of a weighted sum of reward functions (`task.rewards`)."""
+
+    fn: str
+    """`package.module:function`, called as fn(prompt, completion, sample) -> float, or a dict
+    with a "score" and other numbers (logged as `reward/<name>/<key>`)."""
+    weight: float = 1.0
+    name: str | None = None
+    """Metric name (`reward/<name>`); defaults to the function's name."""
+
+    def __post_init__(self) -> None:
+        check(":" in self.fn, f"task.rewards[].fn must look like 'package.module:function' (got {self.fn!r})")
+
+
+@dataclass(kw_only=True)
+class RewardModelSpec:
+    """A local sequence-classification reward model scored beside the reward functions (`task.reward_models`)."""
+
+    path: str
+    """A Hugging Face model directory holding an `AutoModelForSequenceClassification` with one
+    label (its score) and its tokenizer."""
+    weight: float = 1.0
+    name: str | None = None
+    """Metric name (`reward/<name>`); defaults to the directory's name."""
+    batch_size: int = 32
+    """Samples per forward pass of the reward model."""
+
+    def __post_init__(self) -> None:
+        check(self.batch_size >= 1, f"task.reward_models[].batch_size must be >= 1 (got {self.batch_size})")
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    num_digits: int = 2
+    """Operands of the embedded addition task have up to this many digits (1..3)."""
+    num_heldout: int = 1000
+    """Problems held out of training for evaluation (embedded task; with `heldout_file`, a
+    cap on the rows of that file that are evaluated)."""
+    reward: str = "distflow.tasks.arithmetic:correctness_reward"
+    """Reward function as `package.module:function`, called as fn(prompt, completion, sample)."""
+    rewards: list[RewardSpec] = field(default_factory=list)
+    """Several reward functions summed with weights; when set, replaces `reward`."""
+    reward_models: list[RewardModelSpec] = field(default_factory=list)
+    """Reward models whose weighted scores are added to the reward functions' sum."""
+    default_reward: float = 0.0
+    """What a reward function that raises, times out or returns a value float32 cannot hold
+    (NaN, inf, |x| > 3.4e38) scores (counted in `reward/errors` and `reward/timeouts`)."""
+    reward_timeout_s: float = 10.0
+    """Longest a reward call may take (run on a helper thread); 0: call inline, no deadline."""
+    train_file: str | None = None
+    """A verl-format dataset (.jsonl / .parquet rows with `prompt` as chat messages and
+    `reward_model.ground_truth`); null: the embedded addition task. Needs `model.path`."""
+    heldout_file: str | None = None
+    """Held-out rows in the same format (evaluation); required with `train_file`."""
+
+    def __post_init__(self) -> None:
+        check(1 <= self.num_digits <= 3, f"task.num_digits must be in 1..3 (got {self.num_digits})")
+        check(self.num_heldout >= 1, f"task.num_heldout must be >= 1 (got {self.num_heldout})")
+        check(":" in self.reward, f"task.reward must look like 'package.module:function' (got {self.reward!r})")
+        check(self.reward_timeout_s >= 0, f"task.reward_timeout_s must be >= 0 (got {self.reward_timeout_s})")
+        check(abs(self.default_reward) <= FLOAT32_MAX,
+               f"task.default_reward must fit in float32, |x| <= 3.4e38 (got {self.default_reward})")
+        check((self.train_file is None) == (self.heldout_file is None),
+               "task.train_file and task.heldout_file go together: set both (a dataset task) or neither")
