@@ -66,6 +66,12 @@ def check_data_files(config: Config) -> None:
             raise ConfigError(f"task.{key}={value!r}: unsupported dataset file, the extension must be one of "
                               f"{', '.join(PARQUET_SUFFIXES + JSONL_SUFFIXES)}")
         _check_readable(path, f"task.{key}")
+    dataset = config.task.dataset
+    if dataset is not None:
+        for key, value in (("path", dataset.path), ("heldout_path", dataset.heldout_path)):
+            if value is not None and not Path(value).expanduser().exists():
+                raise ConfigError(f"task.dataset.{key}={value!r} does not exist; point it at a directory saved "
+                                  "with datasets' save_to_disk or a .parquet/.jsonl/.json/.csv file")
 
 
 def _check_readable(path: Path, key: str) -> None:

@@ -43,6 +43,25 @@ class RewardModelSpec:
 
 
 @dataclass(kw_only=True)
+class DatasetSpec:
+    """Rows from the Hugging Face `datasets` library (`task.dataset`), graded like `task.train_file`'s."""
+
+    path: str
+    """A directory saved with `save_to_disk` (a Dataset or a DatasetDict), or a .parquet, .jsonl,
+    .json or .csv file (converted to Arrow once, in the datasets cache)."""
+    split: str = "train"
+    heldout_split: str = "test"
+    heldout_path: str | None = None
+    """Where the held-out split is, when not in `path` (a single file or Dataset has one split, train)."""
+    prompt_column: str = "prompt"
+    """Text, or a list of chat messages."""
+    answer_column: str = "answer"
+    """The ground truth the verifier (math-verify equivalence) and reward functions read as `sample["answer"]`."""
+    chat: bool = True
+    """A text prompt is sent as one user message through the tokenizer's chat template; false: as is."""
+
+
+@dataclass(kw_only=True)
 class TaskConfig:
     num_digits: int = 2
     """Operands of the embedded addition task have up to this many digits (1..3)."""
@@ -65,6 +84,8 @@ class TaskConfig:
     `reward_model.ground_truth`); null: the embedded addition task. Needs `model.path`."""
     heldout_file: str | None = None
     """Held-out rows in the same format (evaluation); required with `train_file`."""
+    dataset: DatasetSpec | None = None
+    """Rows read with the `datasets` library instead of `train_file`/`heldout_file`. Needs `model.path`."""
 
     def __post_init__(self) -> None:
         check(1 <= self.num_digits <= 3, f"task.num_digits must be in 1..3 (got {self.num_digits})")
@@ -73,5 +94,7 @@ class TaskConfig:
         check(self.reward_timeout_s >= 0, f"task.reward_timeout_s must be >= 0 (got {self.reward_timeout_s})")
         check(abs(self.default_reward) <= FLOAT32_MAX,
                f"task.default_reward must fit in float32, |x| <= 3.4e38 (got {self.default_reward})")
+        check(self.dataset is None or self.train_file is None,
+              "task.dataset and task.train_file are two ways to give the rows: set one")
         check((self.train_file is None) == (self.heldout_file is None),
                "task.train_file and task.heldout_file go together: set both (a dataset task) or neither")

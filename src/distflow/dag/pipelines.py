@@ -133,9 +133,10 @@ def _check_settings(config: Config) -> None:
         path = getattr(config.task, key)
         if path is not None and not Path(path).expanduser().is_file():
             raise GraphError(f"task.{key}={path!r} is not a file")
-    if config.task.train_file is not None and config.model.path is None:
-        raise GraphError("task.train_file needs a model that reads text: set model.path (the embedded model "
-                         "only knows the addition task's characters)")
+    for key, value in (("task.train_file", config.task.train_file), ("task.dataset", config.task.dataset)):
+        if value is not None and config.model.path is None:
+            raise GraphError(f"{key} needs a model that reads text: set model.path (the embedded model "
+                             "only knows the addition task's characters)")
     colocated = placement.rollout == placement.train and placement.rollout.ranks_per_replica == 1
     if algo.dynamic_sampling.enabled and not colocated:
         raise GraphError("algorithm.dynamic_sampling draws extra batches inside the step and needs rollout and "

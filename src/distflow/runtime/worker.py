@@ -159,9 +159,9 @@ def _valid_rows(config: Config, task: Task, tokenize, world: Comm, log) -> tuple
     rules = RowRules(required_fields=tuple(data.required_fields), task_fields=task.required_fields,
                      max_prompt_tokens=data.max_prompt_tokens, skip_invalid=skip)
     checked = []
-    for rows, rules, where in [(task.train, rules, config.task.train_file or "the task's training rows"),
+    for rows, rules, where in [(task.train, rules, _where(task.train, config.task.train_file, "training")),
                                (task.heldout, RowRules(task_fields=task.required_fields, skip_invalid=skip),
-                                config.task.heldout_file or "the task's held-out rows")]:
+                                _where(task.heldout, config.task.heldout_file, "held-out"))]:
         valid = ValidRows(rows.__getitem__, len(rows), rules, tokenize=tokenize, where=where,
                           shard=(world.rank, world.world_size), gather=world.all_gather_object)
         if valid.skipped:
@@ -169,3 +169,9 @@ def _valid_rows(config: Config, task: Task, tokenize, world: Comm, log) -> tuple
                 f"({valid.describe_skipped()})")
         checked.append(valid)
     return checked[0], checked[1]
+
+
+def _where(rows, file: str | None, kind: str) -> str:
+    """How messages name a task's rows: the file, the dataset split, or the embedded task's."""
+    source = getattr(rows, "source", None)
+    return file or (str(source.path) if source is not None else f"the task's {kind} rows")

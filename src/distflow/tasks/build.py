@@ -41,9 +41,13 @@ def build_task(config: Config, tokenizer: Any) -> Task:
     (That `task.train_file` needs `model.path` is checked with the graph, before launch.)
     """
     task = config.task
-    if task.train_file is None:
+    if task.train_file is None and task.dataset is None:
         return ArithmeticTask.build(num_digits=task.num_digits, num_heldout=task.num_heldout, seed=config.trainer.seed)
     from distflow.tasks.math_answers import MathTask
 
+    if task.dataset is not None:
+        from distflow.data.hf_datasets import dataset_sources
+
+        return MathTask.of(*dataset_sources(task.dataset), tokenizer, task.num_heldout)
     return MathTask.build(train_file=task.train_file, heldout_file=task.heldout_file, tokenizer=tokenizer,
                           num_heldout=task.num_heldout)

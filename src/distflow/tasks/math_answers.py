@@ -110,8 +110,11 @@ class MathTask:
 
     @classmethod
     def build(cls, *, train_file: str, heldout_file: str, tokenizer: Any, num_heldout: int) -> MathTask:
-        return cls(train=ChatRows(open_rows(train_file), tokenizer),
-                   heldout=ChatRows(open_rows(heldout_file), tokenizer, limit=num_heldout))
+        return cls.of(open_rows(train_file), open_rows(heldout_file), tokenizer, num_heldout)
+
+    @classmethod
+    def of(cls, train: RowSource, heldout: RowSource, tokenizer: Any, num_heldout: int) -> MathTask:
+        return cls(train=ChatRows(train, tokenizer), heldout=ChatRows(heldout, tokenizer, limit=num_heldout))
 
     @staticmethod
     def is_correct(completion: str, sample: dict) -> bool:
