@@ -7,10 +7,11 @@
 
 Settings (P prompts x G samples per step, new-token cap, model; all untrained, random init):
     default   16 x 8,  <= 8 tokens,  the embedded tiny Llama (1.0M parameters)
-    long      16 x 8,  <= 64 tokens, the tiny Llama made to write long answers: its EOS
-              logit is held at 0 while the other logits spread wider (token embeddings x 10,
-              the EOS row 0; tied), so completions run to the cap (a stand-in for a task with
-              long answers; both systems load the same directory)
+    long      16 x 8,  <= 64 tokens, the tiny Llama made to write long answers of spread
+              lengths: its EOS logit is held at 0 while the other logits spread wider (token
+              embeddings x 2, the EOS row 0; tied), so completion lengths run from 1 to the
+              cap, mean ~33 and about a fifth at the cap: the long tail of RL rollouts (both
+              systems load the same directory)
     group16   8 x 16,  <= 8 tokens,  the tiny Llama
     wide      16 x 8,  <= 8 tokens,  a wider Llama (hidden 384, 8 layers, 17M parameters)
 
@@ -164,7 +165,7 @@ def build_model(kind: str):
     if kind == "long":
         with torch.no_grad():  # tied: the same rows embed the input and score the output
             weight = model.get_input_embeddings().weight
-            weight.mul_(10.0)
+            weight.mul_(2.0)
             weight[tokenizer.eos_token_id] = 0.0
     return model, tokenizer
 
