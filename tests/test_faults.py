@@ -268,3 +268,13 @@ def test_a_stage_limit_adapts_to_its_own_earlier_runs(tmp_path):
         assert (written["stage"], written["stage_timeout_s"]) == ("reward", 1e6)
     finally:
         status.done()
+
+
+def test_a_lost_connection_names_the_ranks_of_the_machine_it_went_to():
+    from distflow.runtime.faults import RankStatus, StageTimeouts
+
+    status = RankStatus(0, status_dir=None, timeouts=StageTimeouts(ceiling_s=0))
+    status.node_addresses = ["10.0.0.1", "10.0.0.2", "10.0.0.2", "10.0.0.3"]
+    err = RuntimeError("[/gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:41234")
+    assert status._lost_nodes(err) == "ranks 1, 2 on 10.0.0.2 unreachable (connection closed by peer)"
+    assert status._lost_nodes(RuntimeError("Connection closed by peer [10.9.9.9]:1")) == ""  # not a rank's machine

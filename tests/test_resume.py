@@ -30,6 +30,11 @@ def record(batch, ctx):
         with open("killed.json", "w") as f:
             json.dump({"time": time.time(), "pid": os.getpid()}, f)
         os.kill(os.getpid(), signal.SIGKILL)
+    once = [int(step) for step in os.environ.get("KILL_ONCE_AT", "").split(",") if step]
+    marker = f"killed-once-step{ctx.step}"
+    if ctx.step in once and ctx.world.rank == int(os.environ.get("KILL_RANK", 0)) and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
     return batch
 '''
 ARGS = [
@@ -101,6 +106,28 @@ def test_resume_after_kill_reproduces_the_run_on_fewer_ranks(tmp_path, cache_dir
     print(f"resume 2->1 after kill: max relative metric difference {worst:.2e}")
     assert summary["final_accuracy"] == pytest.approx(json.loads((uninterrupted["run"] / "summary.json").read_text())[
         "final_accuracy"], abs=1e-6)
+
+
+def test_max_restarts_recovers_from_two_kills_by_itself(tmp_path, cache_dir, uninterrupted):
+    """--max-restarts 2: rank 1 is killed at step 3, the job restarts every rank from the step-2
+    checkpoint; killed again at step 4, it restarts from step 2 again and finishes; the result is
+    the uninterrupted run's."""
+    out = tmp_path / "out"
+    result = train(tmp_path / "cwd", out, cache_dir, "trainer.run_name=run", "--nproc", "2", "--max-restarts", "2",
+                   env={"KILL_ONCE_AT": "3,4", "KILL_RANK": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "cwd").glob("killed-once-*")) == ["killed-once-step3",
+                                                                                 "killed-once-step4"]
+    restarts = [line for line in result.stderr.splitlines() if "after a failure: resuming from" in line]
+    assert len(restarts) == 4 and all(line.endswith("step-000002") for line in restarts)  # 2 restarts x 2 ranks
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["resumed_from_step"] == 2 and summary["world_size"] == 2
+    metrics = read_metrics(out / "run")
+    assert [r["step"] for r in metrics] == [0, 1, 2, 3, 4]  # no step twice
+    worst = assert_same_run(samples(tmp_path / "cwd"), metrics, uninterrupted, steps=(1, 2, 3, 4), rel=1e-5)
+    print(f"two kills, --max-restarts 2: max relative metric difference {worst:.2e}")
+    want = json.loads((uninterrupted["run"] / "summary.json").read_text())["final_accuracy"]
+    assert summary["final_accuracy"] == pytest.approx(want, rel=1e-5, abs=1e-9)
 
 
 @pytest.mark.parametrize("first, second", [("ddp", "fsdp2"), ("fsdp2", "ddp")])

@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", nargs="?", const=LATEST, default=None, metavar="CHECKPOINT",
                        help="continue from a checkpoint (a step-N directory, a checkpoint directory or a run "
                             "directory); alone: the latest complete checkpoint of trainer.run_name's run")
+    train.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                       help="with --nproc: restart every rank up to K times after a failure, each time resuming "
+                            "from the run's latest complete checkpoint (as torchrun --max-restarts)")
     train.add_argument("--profile", type=int, default=None, metavar="K",
                        help="write a torch profiler trace of K steps to RUN_DIR/profile/ (trainer.profile_steps=K)")
     plan = sub.add_parser("plan", help="print the execution plan without launching anything")
@@ -188,7 +191,11 @@ def _train(config: Config, args: argparse.Namespace, argv: list[str]) -> int:
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1 (got {args.nproc})")
     os.environ.setdefault(STARTED_ENV, str(time.time()))
-    resume = None
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0 (got {args.max_restarts})")
+    resume, fresh_restart = None, False
+    if under_launcher and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        fresh_restart = _after_restart(config, args)
     if args.resume is not None:
         from distflow.checkpoint.store import read_meta
 
@@ -202,7 +209,8 @@ def _train(config: Config, args: argparse.Namespace, argv: list[str]) -> int:
     # One run directory for all ranks, chosen before they start.
     os.environ.setdefault(RUN_NAME_ENV, _run_dir(config).name)
     # Under a launcher only rank 0 checks the run directory (rank 0 is about to write into it).
-    _validate(config, world_size, check_run_dir=os.environ.get("RANK", "0") == "0", resuming=resume is not None)
+    _validate(config, world_size, check_run_dir=os.environ.get("RANK", "0") == "0",
+              resuming=resume is not None or fresh_restart)
     if config.model.path is None and not under_launcher:
         # Prepare the embedded model here, once, before any rank waits on it.
         from distflow.tasks.embedded import ensure_embedded_model
@@ -212,12 +220,34 @@ def _train(config: Config, args: argparse.Namespace, argv: list[str]) -> int:
         from distflow.runtime.launcher import Stopped, launch
 
         try:
-            return launch(args.nproc, _strip_nproc(argv))
+            return launch(args.nproc, _strip_nproc(argv), max_restarts=args.max_restarts)
         except Stopped as stop:
             return _report_stopped(config, stop.signum)
     from distflow.runtime.executor import run
 
-    return run(config, _run_dir(config), resume)
+    return run(config, _run_dir(config), resume, fresh_restart=fresh_restart)
+
+
+def _after_restart(config: Config, args: argparse.Namespace) -> bool:
+    """torchrun restarted every rank after a failure (`--max-restarts`): continue from the run's
+    latest complete checkpoint (all ranks see the same one: they all stopped before restarting).
+    Returns True when there is none yet and the run begins again (its partial records go)."""
+    from distflow.checkpoint.directory import latest_checkpoint
+    from distflow.runtime.checkpointing import checkpoint_root
+
+    run_dir = _run_dir(config)
+    latest = latest_checkpoint(checkpoint_root(config, run_dir))
+    print(f"distflow: rank {os.environ.get('RANK', 0)}: restart {os.environ['TORCHELASTIC_RESTART_COUNT']} after a "
+          f"failure: " + (f"resuming from {latest}" if latest else "no checkpoint yet, starting again"),
+          file=sys.stderr, flush=True)
+    if latest is not None:
+        args.resume = str(latest)
+        os.environ[RESUME_ENV], os.environ[RUN_DIR_ENV] = str(latest), str(run_dir)
+        return False
+    if args.resume is not None:  # the first attempt resumed from elsewhere and saved nothing yet: again
+        return False
+    os.environ[RUN_DIR_ENV] = str(run_dir)
+    return True
 
 
 def _report_stopped(config: Config, signum: int) -> int:

@@ -174,8 +174,36 @@ def init_comm(*, device: str, timeout_s: int) -> Comm:
             backend="nccl" if use_cuda else "gloo",
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=torch_device if use_cuda else None,
+            **_attempt_store(rank, world_size, timeout_s),
         )
     return Comm(rank, world_size, local_rank, local_world_size, torch_device)
+
+
+def _attempt_store(rank: int, world_size: int, timeout_s: int) -> dict:
+    """Under torchrun with restarts (`--max-restarts`), the ranks of each attempt join through their own
+    key space of the launcher's store. torch's env:// start-up reuses that store (which outlives a
+    restart) without a per-attempt prefix, so a restarted rank would read the previous attempt's
+    addresses (dead ports: "Connection refused") and fail to connect."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"distflow/attempt_{attempt}/", store), "rank": rank, "world_size": world_size}
+
+
+def node_address() -> str:
+    """This machine's address as its peers reach it: the local end of a route to MASTER_ADDR
+    (the interface the process group's connections leave by), else the host name."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent
+            probe.connect((os.environ.get("MASTER_ADDR", "127.0.0.1"), 1))
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
 
 
 def is_peer_failure(err: BaseException) -> bool:

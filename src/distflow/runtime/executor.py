@@ -29,7 +29,7 @@ import transformers
 import yaml
 
 from distflow.checkpoint.store import step_dir_name
-from distflow.comm import Comm, init_comm, shutdown
+from distflow.comm import Comm, init_comm, node_address, shutdown
 from distflow.config import Config, ConfigError, to_dict
 from distflow.dag.context import StageContext
 from distflow.data.batch import Batch
@@ -54,8 +54,9 @@ def _stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def run(config: Config, run_dir: Path, resume: Path | None = None) -> int:
-    """This rank's whole run; returns its exit code. A failure is reported here, once."""
+def run(config: Config, run_dir: Path, resume: Path | None = None, *, fresh_restart: bool = False) -> int:
+    """This rank's whole run; returns its exit code. A failure is reported here, once.
+    `fresh_restart`: a restart before any checkpoint: the failed attempt's records are dropped."""
     started = float(os.environ.get(STARTED_ENV, time.time()))  # set by the CLI before any set-up
     status = RankStatus.from_env(timeouts=StageTimeouts.from_config(config))
     if "RANK" in os.environ:  # started by torch's launcher: do not outlive it
@@ -66,7 +67,8 @@ def run(config: Config, run_dir: Path, resume: Path | None = None) -> int:
         status.enter("init")
         comm = init_comm(device=config.trainer.device, timeout_s=config.trainer.timeout_s)
         run_dir = Path(comm.broadcast_object(str(run_dir)))  # one run directory, whichever clock named it
-        _train(config, run_dir, comm, started, status, resume)
+        status.node_addresses = comm.all_gather_object(node_address())  # to name the ranks of a lost machine
+        _train(config, run_dir, comm, started, status, resume, fresh_restart)
     except BaseException as err:  # noqa: BLE001 — reported once, here, with rank and stage
         code = status.fail(err)
         if comm is not None and comm.distributed:
@@ -167,7 +169,7 @@ def _record_step(worker: Worker, batch: Batch, moved: _Moved, peak_bytes: int, m
 
 
 def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: RankStatus,
-           resume: Path | None) -> dict:
+           resume: Path | None, fresh_restart: bool = False) -> dict:
     trainer = config.trainer  # the CLI validated config and world size before this rank started
     transformers.utils.logging.disable_progress_bar()
     log = _stderr if comm.is_main else (lambda text: None)
@@ -180,7 +182,8 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
         first_step, run_state = _resume(worker, resume, status, log)
     writer = None
     if comm.is_main:
-        writer = _open_writer(config, run_dir, resumed_step=first_step - 1 if resume is not None else None)
+        resumed_step = first_step - 1 if resume is not None else -1 if fresh_restart else None
+        writer = _open_writer(config, run_dir, resumed_step=resumed_step)
         log = writer.message
     before = _evaluation_before(worker, run_state, status, writer, log)
     run_state = {"eval_before": {"sampled": before.sampled, "greedy": before.greedy}, "run_dir": str(run_dir)}

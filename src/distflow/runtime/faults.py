@@ -134,6 +134,8 @@ class RankStatus:
 
     def __init__(self, rank: int, *, status_dir: Path | None, timeouts: StageTimeouts) -> None:
         self.rank = rank
+        self.node_addresses: list[str] = []
+        """Every rank's machine address, by rank (`comm.node_address`, gathered once at start-up)."""
         self.status_dir = status_dir
         self.timeouts = timeouts
         self.stage, self.step, self.position, self.since = "start", None, 0, time.time()
@@ -206,7 +208,7 @@ class RankStatus:
         elif is_peer_failure(err):  # a consequence: some peer failed first
             comm_error = True
             line = f"distflow: rank {self.rank} lost its peers in {self.where()}: " + (
-                self._dead_peers() or _one_line(err).split(". ")[0][:160])
+                self._dead_peers() or self._lost_nodes(err) or _one_line(err).split(". ")[0][:160])
         else:
             traceback.print_exception(err, file=sys.stderr)  # a crash: where exactly, for whoever fixes it
             line = f"distflow: rank {self.rank} failed in {self.where()}: {_one_line(err)}"
@@ -216,6 +218,23 @@ class RankStatus:
         if self.status_dir is not None:
             self._write("failed", error=line, exit_code=code, comm_error=comm_error)
         return code
+
+    def _lost_nodes(self, err: BaseException) -> str:
+        """The ranks on the machine at the address a lost connection names (gloo's "[ADDR]:PORT"),
+        from the address of each rank gathered at start-up (`node_addresses`): on another machine
+        a peer's status file cannot be read, so its death is known from the broken connection."""
+        import re
+
+        lost = {address for address in re.findall(r"\[([0-9A-Fa-f:.]+)\]:\d+", str(err))
+                if address in self.node_addresses}
+        if not lost:
+            return ""
+        ranks = [r for r, address in enumerate(self.node_addresses) if address in lost and r != self.rank]
+        text = str(err).lower()
+        reason = next((phrase for phrase in ("connection closed by peer", "connection reset by peer", "broken pipe",
+                                             "timed out") if phrase in text), "connection lost")
+        return (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} on {', '.join(sorted(lost))} "
+                f"unreachable ({reason})")
 
     def _dead_peers(self) -> str:
         """Under a bare torchrun: which peers are gone, and where they were (from their status files).

@@ -48,8 +48,9 @@ class Stopped(Exception):
         self.signum = signum
 
 
-def launch(nproc: int, argv: list[str]) -> int:
-    """Run `python -m distflow <argv>` as `nproc` ranks; returns an exit code."""
+def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
+    """Run `python -m distflow <argv>` as `nproc` ranks; returns an exit code. After a failure the
+    agent restarts every rank up to `max_restarts` times (they resume from the latest checkpoint)."""
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -57,7 +58,7 @@ def launch(nproc: int, argv: list[str]) -> int:
         run_id=f"distflow-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",  # the agent's store binds a free port itself, as `torchrun --standalone`
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.5,
     )
     status_dir = Path(tempfile.mkdtemp(prefix="distflow-status-"))

@@ -64,7 +64,7 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    save_model_dir(model, tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "distflow_warmstart.json").write_text(json.dumps(info, indent=1))
     try:
@@ -74,6 +74,20 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     log(f"warm-start done: {info['steps']} steps, {info['seconds']:.0f}s, validation accuracy "
         f"{info['validation_accuracy']:.3f} → {target}")
     return info
+
+
+def save_model_dir(model, directory: Path) -> None:
+    """`save_pretrained`, also on a rank other than 0: under a multi-node torchrun the builder is
+    each node's local rank 0, and transformers' `save_pretrained` silently writes no weights on
+    any global rank but 0 once torch.distributed is initialized (its config, and the tokenizer,
+    it still writes), which would leave a cache entry that cannot be loaded."""
+    from safetensors.torch import save_model
+
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(directory)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(directory)
+    save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
 def ensure_embedded_model(config: Config, *, builder: bool, log=print) -> Path:
