@@ -171,10 +171,12 @@ class TrainerConfig:
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in the backward pass instead of keeping them
     (less memory, about one more forward of compute); any strategy."""
-    padding_free: bool = True
+    padding_free: bool = False
     """Log-prob, value and training passes pack each micro-batch's sequences end to end (positions
     restart per sequence, attention kept within each) instead of padding them to the widest
-    (engines/packing.py): the same results without computing over padding."""
+    (engines/packing.py): the same results without computing over padding. Off by default: on the
+    2-core CPU with the embedded model's short sequences the packing costs more than the padding
+    it saves (README, Rollout engine and padding-free passes)."""
     profile_steps: int = 0
     """Record a torch profiler trace of this many steps (from the second) into the run
     directory's profile/ (`--profile K` sets it); 0: off."""
