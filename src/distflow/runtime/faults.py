@@ -225,8 +225,9 @@ class RankStatus:
         a peer's status file cannot be read, so its death is known from the broken connection."""
         import re
 
+        mine = self.node_addresses[self.rank] if self.rank < len(self.node_addresses) else None
         lost = {address for address in re.findall(r"\[([0-9A-Fa-f:.]+)\]:\d+", str(err))
-                if address in self.node_addresses}
+                if address in self.node_addresses and address != mine}  # another machine's, not this one's
         if not lost:
             return ""
         ranks = [r for r, address in enumerate(self.node_addresses) if address in lost and r != self.rank]

@@ -81,13 +81,20 @@ def save_model_dir(model, directory: Path) -> None:
     each node's local rank 0, and transformers' `save_pretrained` silently writes no weights on
     any global rank but 0 once torch.distributed is initialized (its config, and the tokenizer,
     it still writes), which would leave a cache entry that cannot be loaded."""
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(directory)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(directory)
-    save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    # Tied tensors are stored once, under their first name (the input embedding, as save_pretrained
+    # does): the sharded loader reads tensors by the names it finds there.
+    tensors, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            tensors[name] = tensor.contiguous()
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
 def ensure_embedded_model(config: Config, *, builder: bool, log=print) -> Path:
