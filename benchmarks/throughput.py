@@ -70,7 +70,6 @@ REQUIREMENTS = ROOT / "benchmarks" / "requirements-trl.txt"
 TORCH_PIN = "torch==2.13.0"
 WARMUP_STEPS = 2  # dropped from every run: allocator warm-up, first-call overheads
 ENGINES = ("compact", "generate")
-TRL_VERSION: list[str] = []  # as the TRL worker reports it
 SETTINGS = {  # name: (prompts, generations, max_new_tokens, model)
     "default": (16, 8, 8, "tiny"),
     "long": (16, 8, 64, "long"),
@@ -242,7 +241,7 @@ def run_trl(python: Path, model_dir: Path, data: Path, work: Path,
            "--output-dir", work / "trl", "--prompts", args.prompts, "--generations", args.generations,
            "--max-new-tokens", args.max_new_tokens, "--steps", args.steps, "--lr", args.lr]
     result = json.loads(run_checked(cmd, env=env, what="TRL worker").strip().splitlines()[-1])
-    TRL_VERSION[:] = [result["trl_version"]]
+    args.trl_version = result["trl_version"]  # the setting's namespace; run_setting reports it
     return [(step_s, tokens, None) for step_s, tokens in zip(result["step_s"], result["tokens"])][WARMUP_STEPS:]
 
 
@@ -303,6 +302,7 @@ def run_setting(args: argparse.Namespace, bench_python: Path | None, work: Path)
         start = time.perf_counter()
         steps = run_trl(bench_python, model_dir, write_prompts(work / "prompts.jsonl", args), work, args)
         results["trl"] = summarize(steps, completions, time.perf_counter() - start)
+        results["trl"]["version"] = args.trl_version
     print_table(args.name, args, results)
     # Same seeds, same samples: every engine's steps generated the same tokens and earned the same rewards.
     identical = {nproc: len({repr(per_step[f"distflow_{e}_{nproc}proc"]) for e in args.engines}) == 1
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="distflow-bench-") as tmp:
             out[name] = run_setting(setting(args, name), bench_python, Path(tmp))
     if bench_python is not None:
-        settings["trl_version"] = TRL_VERSION[0]
+        settings["trl_version"] = next(iter(out.values()))["trl"]["version"]
     settings["load_avg_1min_at_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps({"settings": settings, **out}))
     return 0

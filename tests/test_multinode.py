@@ -48,7 +48,6 @@ def two_nodes():
         yield nodes
     finally:
         for namespace, _, _ in nodes:
-            subprocess.run(["ip", "netns", "pids", namespace], capture_output=True)  # (listed below if any)
             pids = _ip("netns", "pids", namespace).stdout.split()
             for pid in pids:
                 try:

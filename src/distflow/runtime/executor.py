@@ -279,11 +279,12 @@ def _summary(config: Config, before: Evaluation, after: Evaluation, first_step: 
 def _open_writer(config: Config, run_dir: Path, *, resumed_step: int | None) -> RunWriter:
     """Rank 0's outputs. A resumed run first drops the records of the steps it is about to redo."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
+    resolved = to_dict(config)
+    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
     trainer = config.trainer
     return RunWriter(run_dir, total_steps=trainer.total_steps, loggers=trainer.loggers,
                      progress_bar=trainer.progress_bar, name=config.algorithm.name, resumed_step=resumed_step,
-                     wandb_project=trainer.wandb_project, config=to_dict(config))
+                     wandb_project=trainer.wandb_project, config=resolved)
 
 
 def _draw_curves(writer: RunWriter) -> None:
