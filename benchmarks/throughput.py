@@ -253,12 +253,18 @@ def summarize(steps: list[tuple], completions_per_step: int, wall_s: float) -> d
     tokens = statistics.fmean(t for _, t, _ in steps)
     return {
         "step_s": round(step_s, 4),
-        "completions_per_s": round(completions_per_step / step_s, 1),
-        "tokens_per_s": round(tokens / step_s, 1),
+        "completions_per_s": significant(completions_per_step / step_s),
+        "tokens_per_s": significant(tokens / step_s),
         "tokens_per_step": round(tokens, 1),
         "timed_steps": len(steps),
         "wall_s": round(wall_s, 1),
     }
+
+
+def significant(value: float, digits: int = 4) -> float:
+    """`value` to `digits` significant digits: a rate's rounding error stays relative (a loaded machine's
+    3.34 completions/s is not rounded to 3.3)."""
+    return float(f"{value:.{digits}g}")
 
 
 def print_table(name: str, args: argparse.Namespace, results: dict) -> None:

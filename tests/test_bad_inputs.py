@@ -294,7 +294,7 @@ def test_rewards_that_edit_the_row_or_overflow_float32_are_contained(userdir, ca
     assert all(r["train/consecutive_nonfinite_steps"] == 0 and math.isfinite(r["reward/mean"]) for r in records)
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2 ranks: CI
 def test_threads_left_by_a_reward_do_not_keep_the_run_alive(userdir, cache_dir, nproc):
     # Without the fix the process waits for the thread (an hour): the subprocess timeout fails the test.
     result = run_cli("train", CONFIG, *TINY, "trainer.total_steps=1", "warmstart.target_accuracy=0",
@@ -413,7 +413,8 @@ def _alive_with(marker):
     return pids
 
 
-@pytest.mark.parametrize("signum, code", [(15, 143), (2, 130)], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signum, code", [(15, 143), pytest.param(2, 130, marks=pytest.mark.slow)],  # SIGINT: CI
+                         ids=["SIGTERM", "SIGINT"])
 def test_a_signal_to_the_launcher_stops_the_run_with_one_line(userdir, cache_dir, signum, code):
     import os
     import subprocess

@@ -59,7 +59,7 @@ def test_benchmark_imports_of_distflow_exist(script):
 
 def test_every_benchmark_has_a_quick_test():
     scripts = {p.name for p in BENCHMARKS.glob("*.py")} - {"trl_worker.py"}  # run by throughput.py
-    assert scripts == {"throughput.py", "data_plane.py", "weight_sync.py", "memory.py"}, (
+    assert scripts == {"throughput.py", "data_plane.py", "weight_sync.py", "memory.py", "lora.py"}, (
         f"benchmarks/ now holds {sorted(scripts)}: give each a --quick mode and a test here")
 
 
@@ -146,3 +146,15 @@ def test_memory_quick():
     assert strategies["ddp"]["1"]["params"] == strategies["fsdp2"]["1"]["params"] == fp32_bytes
     assert strategies["ddp"]["2"]["params"] == fp32_bytes
     assert strategies["fsdp2"]["2"]["state_vs_ddp_share"] <= 1.1
+
+
+def test_lora_quick():
+    out = run_quick("lora.py", timeout=1800)
+    full, lora = out["bytes"]["full"], out["bytes"]["lora"]
+    # Byte counts of the embedded model (~0.8M float32 parameters) vs its rank-8 adapters (~90k): AdamW holds
+    # two moments of what it trains, the rollout rank receives what changed, the checkpoint holds both.
+    assert full["optimizer_state_bytes"] == 2 * full["sync_bytes_per_update"] > 2 * 4 * 500_000
+    assert lora["optimizer_state_bytes"] == 2 * lora["sync_bytes_per_update"] > 0
+    assert out["bytes"]["optimizer_state_bytes_ratio"] < 0.2 and out["bytes"]["sync_bytes_per_update_ratio"] < 0.2
+    assert lora["checkpoint_bytes"] < 0.3 * full["checkpoint_bytes"]
+    assert "learning" not in out

@@ -43,7 +43,12 @@ def run(tmp_path_factory, cache_dir, name: str, nproc: int) -> list[dict]:
     return [json.loads(line) for line in (cwd / "run/metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("name", ALGORITHMS)
+# The default suite runs one of each family (group baseline, critic, dynamic sampling); CI runs all.
+DEFAULT_SUITE = ("grpo", "ppo", "dapo")
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT_SUITE else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in ALGORITHMS])
 def test_pipeline_runs_on_one_and_two_processes(tmp_path_factory, cache_dir, name):
     one = run(tmp_path_factory, cache_dir, name, 1)
     two = run(tmp_path_factory, cache_dir, name, 2)

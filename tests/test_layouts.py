@@ -35,26 +35,43 @@ LAYOUTS = {
 }
 
 
+SLOW_LAYOUTS = {"disaggregated 2 rollout, 2 train"}  # 4 ranks on 2 cores: CI runs it (slow)
+
+
+class Runs(dict):
+    """Each layout's run, made the first time a test asks for it (a deselected slow test costs nothing)."""
+
+    def __init__(self, tmp_path_factory, cache_dir) -> None:
+        super().__init__()
+        self.tmp_path_factory, self.cache_dir = tmp_path_factory, cache_dir
+
+    def __missing__(self, name: str) -> dict:
+        self[name] = run_layout(name, self.tmp_path_factory, self.cache_dir)
+        return self[name]
+
+
+def run_layout(name: str, tmp_path_factory, cache_dir) -> dict:
+    cwd = tmp_path_factory.mktemp("layout")
+    (cwd / "recorder.py").write_text(RECORDER)
+    result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *ARGS, f"warmstart.cache_dir={cache_dir}",
+                     f"trainer.output_dir={cwd}", "trainer.run_name=run", *LAYOUTS[name], cwd=cwd, timeout=1800)
+    assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
+    metrics = [json.loads(line) for line in (cwd / "run/metrics.jsonl").read_text().splitlines()]
+    samples = {}
+    for path in (cwd / "records").glob("step*-rank*.json"):
+        step = int(path.name[4:].split("-")[0])
+        data = json.loads(path.read_text())
+        samples.setdefault(step, []).extend(zip(data["uid"], data["prompt"], data["completion"]))
+    return {"metrics": metrics, "samples": samples, "summary": json.loads(result.stdout.splitlines()[-1])}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, cache_dir):
-    out = {}
-    for name, extra in LAYOUTS.items():
-        cwd = tmp_path_factory.mktemp("layout")
-        (cwd / "recorder.py").write_text(RECORDER)
-        result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *ARGS, f"warmstart.cache_dir={cache_dir}",
-                         f"trainer.output_dir={cwd}", "trainer.run_name=run", *extra, cwd=cwd, timeout=1800)
-        assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
-        metrics = [json.loads(line) for line in (cwd / "run/metrics.jsonl").read_text().splitlines()]
-        samples = {}
-        for path in (cwd / "records").glob("step*-rank*.json"):
-            step = int(path.name[4:].split("-")[0])
-            data = json.loads(path.read_text())
-            samples.setdefault(step, []).extend(zip(data["uid"], data["prompt"], data["completion"]))
-        out[name] = {"metrics": metrics, "samples": samples, "summary": json.loads(result.stdout.splitlines()[-1])}
-    return out
+    return Runs(tmp_path_factory, cache_dir)
 
 
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "1 rank"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n
+                                  for n in LAYOUTS if n != "1 rank"])
 def test_same_samples_and_first_step_as_one_rank(runs, name):
     ref, other = runs["1 rank"], runs[name]
     for step in (1, 2):
@@ -81,7 +98,8 @@ def test_prompts_of_a_step_are_the_loaders_global_order(runs):
     loader = PromptLoader(task.train.__getitem__, len(task.train), prompts_per_step=8, seed=0, rank=0, world_size=1)
     expected = {step: loader.next_batch()["prompt"] for step in (1, 2)}
     assert expected[1] != expected[2]
-    for name, run in runs.items():
+    for name in [n for n in LAYOUTS if n not in SLOW_LAYOUTS]:
+        run = runs[name]
         for step in (1, 2):
             in_uid_order = [prompt for _, prompt, _ in sorted(run["samples"][step])]
             assert list(dict.fromkeys(in_uid_order)) == expected[step], f"{name}, step {step}"
@@ -101,6 +119,11 @@ def test_data_plane_counters(runs):
         assert record["time/redistribute_reward_s"] > 0
     assert disagg["sync/bytes_per_rank"] > 0  # the policy was sent to the rollout rank
     assert disagg["sync/bytes_sent_max"] == disagg["sync/bytes_per_rank"]  # one sender, one receiver: the model
+
+
+@pytest.mark.slow
+def test_two_senders_split_the_weight_sync(runs):
+    disagg = runs["disaggregated"]["metrics"][1]
     # Two train ranks send half the model each to each of two rollout ranks: the busiest
     # sender moves about one model, as the single sender of 1+1 did; a rollout rank receives one.
     split_sync = runs["disaggregated 2 rollout, 2 train"]["metrics"][1]

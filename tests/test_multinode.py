@@ -78,6 +78,7 @@ def _node_ranks(tmp_path, node: int) -> set[int]:
     return {json.loads(p.read_text())["rank"] for p in (tmp_path / f"node{node}-tmp").glob("distflow-status-*/rank*.json")}
 
 
+@pytest.mark.slow  # two network namespaces, torchrun on each: CI runs it
 def test_two_nodes_train_and_a_lost_node_is_named_within_seconds(two_nodes, tmp_path):
     procs = _start(two_nodes, tmp_path, 29611, "together", steps=3)
     codes = [p.wait(timeout=1800) for p in procs]

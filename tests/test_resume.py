@@ -108,6 +108,7 @@ def test_resume_after_kill_reproduces_the_run_on_fewer_ranks(tmp_path, cache_dir
         "final_accuracy"], abs=1e-6)
 
 
+@pytest.mark.slow  # ~30 s idle, three launches: CI runs it
 def test_max_restarts_recovers_from_two_kills_by_itself(tmp_path, cache_dir, uninterrupted):
     """--max-restarts 2: rank 1 is killed at step 3, the job restarts every rank from the step-2
     checkpoint; killed again at step 4, it restarts from step 2 again and finishes; the result is
@@ -130,7 +131,7 @@ def test_max_restarts_recovers_from_two_kills_by_itself(tmp_path, cache_dir, uni
     assert summary["final_accuracy"] == pytest.approx(want, rel=1e-5, abs=1e-9)
 
 
-@pytest.mark.parametrize("first, second", [("ddp", "fsdp2"), ("fsdp2", "ddp")])
+@pytest.mark.parametrize("first, second", [("ddp", "fsdp2"), pytest.param("fsdp2", "ddp", marks=pytest.mark.slow)])
 def test_resume_after_kill_across_strategies(tmp_path, cache_dir, uninterrupted, first, second):
     """A checkpoint of one trainer.strategy on 2 ranks, killed at step 3, resumes under the other on
     1 rank (DCP reshards the policy and its optimizer state) and reproduces the uninterrupted run."""

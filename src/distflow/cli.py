@@ -55,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a Hugging Face model directory (safetensors) from a checkpoint")
     export.add_argument("checkpoint", help="a step-N checkpoint, a checkpoint directory or a run directory (latest)")
     export.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    export.add_argument("--merged", action="store_true",
+                        help="LoRA checkpoints: write the base model with the adapters merged in (default: the adapter)")
+    export.add_argument("--base-model", metavar="DIR",
+                        help="LoRA checkpoints: the base model's directory (default: the one the run loaded)")
     report = sub.add_parser("report", help="draw runs' curves overlaid and print a summary table")
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (with metrics.jsonl)")
     report.add_argument("--out", default="report.png", help="the picture to write (default: report.png)")
@@ -127,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "export":
-        return _export(args.checkpoint, args.out)
+        return _export(args.checkpoint, args.out, merged=args.merged, base_model=args.base_model)
     if args.command == "report":
         return _report(args.runs, args.out)
     args.overrides = args.overrides + extra
@@ -289,7 +293,7 @@ def _plan(config: Config, world_size: int) -> int:
     return 0
 
 
-def _export(checkpoint: str, out: str) -> int:
+def _export(checkpoint: str, out: str, *, merged: bool = False, base_model: str | None = None) -> int:
     try:
         from distflow.checkpoint import export_hf
         from distflow.runtime.checkpointing import resolve
@@ -298,7 +302,7 @@ def _export(checkpoint: str, out: str) -> int:
         if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
             raise ConfigError(f"--out {out!r} exists and is not an empty directory; choose a new one")
         path = resolve(Path(checkpoint))
-        export_hf(path, out_dir)
+        export_hf(path, out_dir, merged=merged, base_model=base_model)
     except ConfigError as err:
         print(f"distflow: error: {err}", file=sys.stderr)
         return USER_ERROR

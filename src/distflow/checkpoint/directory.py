@@ -22,6 +22,7 @@ from distflow.config.schema import ConfigError
 COMPLETE = "COMPLETE"
 META = "meta.json"
 MODEL_CONFIG = "model_config.json"  # the Hugging Face config, when the model is a PreTrainedModel
+ADAPTER_CONFIG = "adapter_config.json"  # peft's config of a LoRA policy's adapters (the checkpoint holds only them)
 TOKENIZER_DIR = "tokenizer"  # the tokenizer's files, when one is given
 _STEP_DIR = re.compile(r"step-(\d+)")
 

@@ -44,6 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -64,6 +65,7 @@ from distflow.checkpoint.directory import (
 from distflow.checkpoint.rng import capture_rng
 from distflow.checkpoint.write_failure import state_bytes, write_failure
 from distflow.comm import Comm
+from distflow.engines.lora import is_lora
 
 FORMAT_VERSION = 1
 
@@ -115,7 +117,8 @@ def save_checkpoint(
 def _write_shards(tmp: Path, root: Path, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                   others: dict[str, Trainable], comm: Comm) -> None:
     """Every rank: its DCP shards of every trained module and optimizer, and its RNG states."""
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": get_model_state_dict(model, options=_options(model)),
+             "optimizer": get_optimizer_state_dict(model, optimizer)}
     for name, (other, other_optimizer, _) in others.items():
         state[f"{name}_model"] = get_model_state_dict(other)
         state[f"{name}_optimizer"] = get_optimizer_state_dict(other, other_optimizer)
@@ -138,8 +141,11 @@ def _complete_on_main(tmp: Path, final: Path, root: Path, step: int, *, meta_tex
     if comm.is_main:
         try:
             _write_durably(tmp / META, meta_text)
-            if isinstance(model, PreTrainedModel):
-                _write_durably(tmp / MODEL_CONFIG, model.config.to_json_string())
+            base = model.get_base_model() if is_lora(model) else model
+            if isinstance(base, PreTrainedModel):
+                _write_durably(tmp / MODEL_CONFIG, base.config.to_json_string())
+            if is_lora(model):  # what export needs to rebuild the adapters: peft's adapter_config.json
+                model.peft_config["default"].save_pretrained(tmp)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
             _write_durably(tmp / COMPLETE, f"step {step}\n")
@@ -170,7 +176,7 @@ def load_checkpoint(
     path = Path(path)
     meta = read_meta(path)
     metadata = dcp.FileSystemReader(path).read_metadata()
-    model_state = get_model_state_dict(model)
+    model_state = get_model_state_dict(model, options=_options(model))
     _check_matches(metadata, "model", model_state, path)
     optimizer_state = get_optimizer_state_dict(model, optimizer)  # creates empty optimizer state if needed
     _check_matches(metadata, "optimizer", optimizer_state.get("state", {}), path, ("state",))
@@ -186,7 +192,7 @@ def load_checkpoint(
     with _single_process_quiet():
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=comm.group,
                  no_dist=not comm.distributed)
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=_options(model))
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     scheduler.load_state_dict(meta["scheduler"])
     for name, (other, other_optimizer, other_scheduler) in others.items():
@@ -202,12 +208,21 @@ def load_model_weights(path: Path, model: torch.nn.Module) -> dict[str, Any]:
     """Load only the model's tensors, in this process alone (export, evaluation); returns the metadata."""
     path = Path(path)
     meta = read_meta(path)
-    model_state = get_model_state_dict(model)
+    model_state = get_model_state_dict(model, options=_options(model))
     _check_matches(dcp.FileSystemReader(path).read_metadata(), "model", model_state, path)
     with _single_process_quiet():
         dcp.load({"model": model_state}, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-    set_model_state_dict(model, model_state)
+    set_model_state_dict(model, model_state, options=_options(model))
     return meta
+
+
+def _options(model: torch.nn.Module) -> StateDictOptions:
+    """A checkpoint holds the trained parameters: all of a fully trained model's, only the adapters
+    of a LoRA policy (its frozen base weights are re-read from `model.path`). `_check_matches`
+    compares the keys before loading, so loading need not be strict about the frozen ones."""
+    if all(p.requires_grad for p in model.parameters()):
+        return StateDictOptions()
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def checkpoint_dtype(path: Path) -> torch.dtype:

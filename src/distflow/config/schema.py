@@ -18,11 +18,39 @@ from distflow.config.task import FLOAT32_MAX, RewardModelSpec, RewardSpec, TaskC
 
 
 @dataclass(kw_only=True)
+class LoraConfig:
+    """Low-rank adapters (`peft`'s LoRA) instead of full fine-tuning: only the adapters are trained,
+    held by the optimizer, checkpointed and sent to rollout ranks; the reference policy is the base
+    model, i.e. the policy with its adapters disabled."""
+
+    rank: int = 0
+    """The adapters' rank r; 0 turns LoRA off (full fine-tuning)."""
+    alpha: float = 16.0
+    """The scaling numerator: an adapter's update is (alpha / rank) · B·A·x."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names (or name suffixes) that get adapters; `all-linear`: every linear layer but the output head."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training (0 keeps the PPO ratio exactly 1 on-policy)."""
+
+    def __post_init__(self) -> None:
+        check(self.rank >= 0, f"model.lora.rank must be >= 0 (got {self.rank}; 0 turns LoRA off)")
+        check(self.alpha > 0, f"model.lora.alpha must be > 0 (got {self.alpha})")
+        check(0 <= self.dropout < 1, f"model.lora.dropout must be in [0, 1) (got {self.dropout})")
+        check(bool(self.target_modules) and all(self.target_modules),
+              "model.lora.target_modules must name at least one module (e.g. [all-linear] or [q_proj, v_proj])")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     path: str | None = None
     """Local Hugging Face model directory. None: the embedded tiny model, warm-started on the task."""
     tokenizer_path: str | None = None
     """Tokenizer directory; defaults to `path`."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass(kw_only=True)

@@ -168,6 +168,7 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
                                           entropy_grad=algo.entropy_coef > 0)
         _record_update(ctx, "train", stats, float(mask_BR.sum()))
         ctx.metrics.total("tokens/trained", float(mini["attention_mask"].sum()))
+    ctx.metrics.maximum("train/optimizer_state_bytes", float(ctx.engines.policy.optimizer_state_bytes()))
     return batch
 
 

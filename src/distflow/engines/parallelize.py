@@ -161,7 +161,9 @@ def gathered(model: torch.nn.Module | None) -> Iterator[None]:
     """Within it, an fsdp2 model holds its whole parameters on every rank, so each rank may run any
     number of forward passes alone (generation, log-probs). Collective over the train group: every
     train rank enters it together. The memory cost: a full copy of the parameters per rank.
-    A model that is not sharded (ddp, one rank, a rollout-only rank's copy) is left as it is."""
+    A model that is not sharded (ddp, one rank, a rollout-only rank's copy) is left as it is; a view
+    of another module's parameters (the LoRA reference, engines/lora.py) gathers that module."""
+    model = getattr(model, "parameters_owner", model)
     if model is None or not is_sharded(model):
         yield
         return

@@ -25,6 +25,7 @@ from distflow.comm import Comm
 from distflow.config.schema import OptimConfig, TrainerConfig
 from distflow.data.balance import token_budget_micro_batches
 from distflow.data.batch import Batch
+from distflow.engines.lora import trainable_parameters
 from distflow.engines.parallelize import clip_grad_norm, gradient_sync, is_sharded, parallelize
 
 # (micro-batch, out_BR, entropy_BR) -> (sum of token losses, {stat name: sum over tokens})
@@ -41,7 +42,7 @@ class TrainableEngine(abc.ABC):
         """Its strategy, precision and activation checkpointing (the defaults: ddp, float32)."""
         self.wrapped = parallelize(model, comm, self.trainer)
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
+            trainable_parameters(model), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
         )
         warmup = optim.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -102,6 +103,16 @@ class TrainableEngine(abc.ABC):
         totals["grad_norm"] = float(grad_norm)
         totals["lr"] = self.scheduler.get_last_lr()[0]
         return totals
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (AdamW's two moments of its parameters or shards)."""
+        total = 0
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    local = value.to_local() if hasattr(value, "to_local") else value
+                    total += local.numel() * local.element_size()
+        return total
 
     def _micro_batches(self, mini_batch: Batch, micro_batch_size: int, micro_batch_tokens: int) -> list[Batch]:
         if micro_batch_tokens <= 0:

@@ -15,8 +15,9 @@ from a `ShareSource` and does not care how they were cut:
                        coordinate × ⌈rows / mesh size⌉ (torch.chunk's split, FSDP2's), and an
                        empty trailing shard owns nothing.
 
-A 0-dim parameter is one row. No `torch.distributed` here: a DTensor is read through its
-own attributes (`placements`, `device_mesh`, `to_local`).
+Under LoRA only the adapters are synced (`lora.synced_parameters`). A 0-dim parameter is one
+row. No `torch.distributed` here: a DTensor is read through its own attributes (`placements`,
+`device_mesh`, `to_local`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from distflow.engines.lora import synced_parameters
 
 @dataclass(frozen=True)
 class Piece:
@@ -100,7 +102,7 @@ def _first_row(share: int, offset: int, row_bytes: int, total: int, num_shares: 
 
 
 def parameter_specs(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    return [(name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()]
+    return [(name, tuple(p.shape), p.dtype) for name, p in synced_parameters(model)]
 
 
 class ReplicatedShares:
@@ -112,7 +114,7 @@ class ReplicatedShares:
         self.index, self.count = index, count
 
     def owned(self, model: torch.nn.Module) -> list[Owned]:
-        params = dict(model.named_parameters())
+        params = dict(synced_parameters(model))
         pieces = partition_rows(parameter_specs(model), self.count)[self.index]
         return [(piece, row_view(params[piece.name].detach())[piece.start : piece.stop]) for piece in pieces]
 
@@ -122,7 +124,7 @@ class ShardedShares:
 
     def owned(self, model: torch.nn.Module) -> list[Owned]:
         out = []
-        for name, param in model.named_parameters():
+        for name, param in synced_parameters(model):
             placements = getattr(param, "placements", None)
             if placements is None or len(placements) != 1 or not placements[0].is_shard(0):
                 raise ValueError(f"parameter {name}: sharded weight sync reads Shard(0) DTensors on a 1-D mesh "

@@ -11,7 +11,8 @@
       for every (i, j) at once: each rank posts all its sends and receives of the round
       (one batch_isend_irecv), then waits; r_j copies each bucket into its parameters' rows
 
-    bytes per sync: t_i sends R · |share_i| ≈ R · model / T; r_j receives the model once.
+    bytes per sync: t_i sends R · |share_i| ≈ R · model / T; r_j receives the model once
+    (under LoRA "the model" is its adapters: the base weights never change).
 
 Why point-to-point and not one broadcast group per train rank ([t_i] + rollout ranks):
 - The same calls on gloo and NCCL (NCCL runs a round in one ncclGroupStart/End) over the
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from distflow.comm import Comm
+from distflow.engines.lora import synced_parameters
 from distflow.engines.weight_shares import Piece, ShareSource, row_view, source_for
 
 BUCKET_BYTES = 64 * 1024 * 1024
@@ -103,7 +105,7 @@ class WeightSync:
         return SyncBytes(sent, 0)
 
     def _receive(self, model: torch.nn.Module) -> SyncBytes:
-        params = dict(model.named_parameters())
+        params = dict(synced_parameters(model))
         received = 0
         for k in range(self.num_rounds):
             recvs = []
@@ -143,7 +145,7 @@ def _buckets(pieces: list[Piece], bucket_bytes: int) -> list[list[Piece]]:
 
 def _check_coverage(shares: list[list[Piece]], model: torch.nn.Module) -> None:
     """The senders' pieces cover every row of every parameter of `model` exactly once."""
-    params = dict(model.named_parameters())
+    params = dict(synced_parameters(model))
     covered: dict[str, list[tuple[int, int]]] = {name: [] for name in params}
     for piece in (piece for share in shares for piece in share):
         param = params.get(piece.name)

@@ -2,7 +2,7 @@
 
     build_graph(config) → make_plan (same on every rank) → a communicator per worker group
     engines: what this rank's stages declare they use (`Stage.uses`), built on this rank only:
-        policy (train ranks) · reference (a frozen copy) · critic (value head),
+        policy (train ranks) · reference (a frozen copy; LoRA: the policy, adapters off) · critic,
         each spread over the train ranks by trainer.strategy (ddp or fsdp2)
         the rollout model: the policy's own module where rollout and training share ranks
     weight sync (disaggregated only): every rank learns which rows each train rank sends
@@ -77,7 +77,8 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
     sharded = _loads_sharded(config, uses, comms["train"], log)
     model, tokenizer = load_model_and_tokenizer(model_dir, tokenizer_dir, world.device, on_meta=sharded)
     sampling = SamplingSpec.of(config.rollout)
-    models = _build_models(config, uses, model, comms["train"], sampling, sharded_from=model_dir if sharded else None)
+    model, models = _build_models(config, uses, model, comms["train"], sampling,
+                                  sharded_from=model_dir if sharded else None)
     receivers = tuple(r for r in rollout.ranks if r not in train)
     weight_sync = None
     if receivers:  # every rank joins: the train ranks' shares are agreed with one world collective
@@ -108,6 +109,9 @@ def _loads_sharded(config: Config, uses: set[str], train: Comm | None, log) -> b
     from the full policy, so a PPO train rank loads the whole model once, as under ddp."""
     if config.trainer.strategy != "fsdp2" or train is None or not train.distributed or "policy" not in uses:
         return False
+    if config.model.lora.enabled:
+        log("fsdp2 + LoRA: this rank loads the full base model once, adds the adapters, then shards it")
+        return False
     if "critic" in uses:
         log("fsdp2: this rank loads the full model once (the critic starts as a copy of it), then shards it")
         return False
@@ -115,20 +119,26 @@ def _loads_sharded(config: Config, uses: set[str], train: Comm | None, log) -> b
 
 
 def _build_models(config: Config, uses: set[str], model: torch.nn.Module, train: Comm | None,
-                  sampling: SamplingSpec, *, sharded_from: Path | None = None) -> dict:
-    """The policy, reference and critic this rank's stages use (None for the others).
+                  sampling: SamplingSpec, *, sharded_from: Path | None = None) -> tuple[torch.nn.Module, dict]:
+    """This rank's model (with LoRA adapters if `model.lora` asks, on every rank alike) and the
+    policy, reference and critic its stages use (None for the others).
 
     `sharded_from`: `model` is on the meta device; the policy and the reference are sharded,
     then allocated and filled from that directory's files, each rank reading its own rows."""
     from distflow.engines.critic import build_critic
+    from distflow.engines.lora import AdaptersOff, apply_lora
 
     engines = {"policy": None, "reference": None, "critic": None}
-    trainer = config.trainer
-    # The reference and the critic start as copies of the policy: taken before the policy is sharded.
-    if "reference" in uses:
-        engines["reference"] = frozen_copy(model, train, trainer)
+    trainer, lora = config.trainer, config.model.lora
+    # The critic starts as a copy of the base policy (fully trained, no adapters), and the
+    # reference as a frozen copy of it (under LoRA: the policy with its adapters disabled):
+    # both taken before the policy is sharded.
     if "critic" in uses:
         engines["critic"] = build_critic(model, train, config.optim, lr=config.algorithm.critic.lr, trainer=trainer)
+    if lora.enabled:
+        model = apply_lora(model, lora, seed=trainer.seed)
+    if "reference" in uses:
+        engines["reference"] = AdaptersOff(model) if lora.enabled else frozen_copy(model, train, trainer)
     if "policy" in uses:
         if sharded_from is not None:
             parallelize(model, train, trainer)
@@ -137,7 +147,7 @@ def _build_models(config: Config, uses: set[str], model: torch.nn.Module, train:
                                          trainer=trainer)
     else:
         model.requires_grad_(False)
-    return engines
+    return model, engines
 
 
 def _group_comms(plan: Plan, world: Comm) -> dict[str, Comm | None]:

@@ -1,0 +1,94 @@
+"""LoRA through `peft`: low-rank adapters on a frozen base model (`model.lora.rank` > 0).
+
+    base model (frozen, loaded as usual) ──get_peft_model──► PeftModel
+        every targeted Linear y = W·x  becomes  y = W·x + (alpha / r)·B·A·x
+        A: r × in (random, seeded), B: out × r (zeros): the first policy equals the base model
+
+What changes elsewhere, all keyed on `is_lora(model)`:
+- training: only the adapters require gradients, so the optimizer holds (and clips) only them
+  (`trainable_parameters`); DDP reduces only them; FSDP2 shards base and adapters alike;
+- the reference policy is `AdaptersOff(policy)`: the same module with its adapters disabled
+  (no second copy of the model in memory);
+- the disaggregated weight sync moves only the adapters (`synced_parameters`): the rollout
+  ranks apply the same adapters to the same base weights, which never change;
+- checkpoints hold only the trained parameters plus the adapter config (checkpoint/store.py);
+  `distflow export` writes the adapter, or with `--merged` the merged model (checkpoint/export.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import torch
+
+from distflow.config.schema import LoraConfig
+
+
+def apply_lora(model: torch.nn.Module, spec: LoraConfig, *, seed: int) -> torch.nn.Module:
+    """`model` with adapters injected (in place) and wrapped as a PeftModel. The adapters' random
+    init is drawn from its own generator seeded by `seed`, so every rank builds the same
+    adapters and the global random streams are untouched."""
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+
+    targets = spec.target_modules
+    config = PeftLoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, bias="none",
+                            target_modules="all-linear" if targets == ["all-linear"] else list(targets),
+                            task_type="CAUSAL_LM")
+    devices = [model.device] if getattr(model, "device", torch.device("cpu")).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        try:
+            return get_peft_model(model, config)
+        except ValueError as err:  # e.g. target modules that match nothing
+            from distflow.config import ConfigError
+
+            raise ConfigError(f"model.lora: {err}".replace("\n", " ")) from None
+
+
+def is_lora(model: torch.nn.Module | None) -> bool:
+    if "peft" not in sys.modules:  # no PeftModel can exist: a run without LoRA never imports peft
+        return False
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def is_adapter(model: torch.nn.Module, name: str) -> bool:
+    """Whether parameter `name` of LoRA model `model` belongs to an adapter (peft's `lora_` prefix)."""
+    return model.base_model.prefix in name
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """What the optimizer holds: every parameter that requires a gradient (under LoRA, the adapters)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def synced_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) that a weight sync moves, in model order: all of them, or under LoRA only the
+    adapters (chosen by name: a rollout-only rank's copy requires no gradients at all)."""
+    lora = is_lora(model)
+    for name, param in model.named_parameters():
+        if not lora or is_adapter(model, name):
+            yield name, param
+
+
+class AdaptersOff(torch.nn.Module):
+    """The reference policy under LoRA: a forward of the policy's own module with its adapters
+    disabled, i.e. the frozen base model. It holds no parameters of its own (the policy is
+    kept outside the module tree), and `parameters_owner` tells `gathered` whose to gather."""
+
+    def __init__(self, policy: torch.nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "parameters_owner", policy)
+        self.eval()
+
+    def forward(self, *args, **kwargs):
+        with self.parameters_owner.disable_adapter():
+            return self.parameters_owner(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> AdaptersOff:
+        """Train/eval mode is the policy's (log-prob passes switch it to eval and back)."""
+        super().train(mode)
+        self.parameters_owner.train(mode)
+        return self
