@@ -40,6 +40,7 @@ from distflow.runtime.launcher import run_local
 from distflow.config.schema import TrainerConfig
 from distflow.engines.models import build_on_meta, rl_model_config
 from distflow.engines.parallelize import parallelize
+from distflow.engines.trainable import local_bytes, optimizer_state_bytes
 
 MiB = 2**20
 FULL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
@@ -60,18 +61,12 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
 
 
-def local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
-
-
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     params = list(model.parameters())
     return {
         "params": sum(local_bytes(p) for p in params),
         "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
-        "optimizer": sum(local_bytes(v) for s in optimizer.state.values() for v in s.values()
-                         if isinstance(v, torch.Tensor) and v.dim() > 0),
+        "optimizer": optimizer_state_bytes(optimizer),
     }
 
 

@@ -141,10 +141,11 @@ def _complete_on_main(tmp: Path, final: Path, root: Path, step: int, *, meta_tex
     if comm.is_main:
         try:
             _write_durably(tmp / META, meta_text)
-            base = model.get_base_model() if is_lora(model) else model
+            lora = is_lora(model)
+            base = model.get_base_model() if lora else model
             if isinstance(base, PreTrainedModel):
                 _write_durably(tmp / MODEL_CONFIG, base.config.to_json_string())
-            if is_lora(model):  # what export needs to rebuild the adapters: peft's adapter_config.json
+            if lora:  # what export needs to rebuild the adapters: peft's adapter_config.json
                 model.peft_config["default"].save_pretrained(tmp)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp / TOKENIZER_DIR)

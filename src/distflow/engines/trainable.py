@@ -105,14 +105,7 @@ class TrainableEngine(abc.ABC):
         return totals
 
     def optimizer_state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (AdamW's two moments of its parameters or shards)."""
-        total = 0
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    local = value.to_local() if hasattr(value, "to_local") else value
-                    total += local.numel() * local.element_size()
-        return total
+        return optimizer_state_bytes(self.optimizer)
 
     def _micro_batches(self, mini_batch: Batch, micro_batch_size: int, micro_batch_tokens: int) -> list[Batch]:
         if micro_batch_tokens <= 0:
@@ -139,6 +132,19 @@ class TrainableEngine(abc.ABC):
                        "response_mask": torch.ones((1, 1), dtype=torch.long, device=ids.device)})
         out_BR, _ = self.forward(dummy)
         (out_BR.sum() * 0.0).backward()
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of `tensor` held by this rank (a DTensor: its local shard)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state this rank holds (AdamW's two moments of its parameters or shards;
+    the 0-dim step counters are left out)."""
+    return sum(local_bytes(value) for state in optimizer.state.values() for value in state.values()
+               if isinstance(value, torch.Tensor) and value.dim() > 0)
 
 
 def _trim_left_padding(micro: Batch) -> Batch:
