@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/throughput.py --settings long      # one of them
     .venv/bin/python benchmarks/throughput.py --nproc 1 2          # distflow also with --nproc 2
     .venv/bin/python benchmarks/throughput.py --quick              # smoke test: `default` at 4 prompts x 4, <= 4 tokens, 3 steps
+    .venv/bin/python benchmarks/throughput.py --setup-only         # only build .venv-bench (TRL); `make test` does this first
 
 Settings (P prompts x G samples per step, new-token cap, model; all untrained, random init):
     default   16 x 8,  <= 8 tokens,  the embedded tiny Llama (1.0M parameters)
@@ -95,6 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="smoke test (the test suite runs it): `default` at 3 steps of 4 prompts x 4, <= 4 tokens")
     parser.add_argument("--skip-trl", action="store_true", help="only the distflow runs")
+    parser.add_argument("--setup-only", action="store_true",
+                        help="build .venv-bench (TRL) and exit; `make test` runs this as set-up, before the timed suite")
     args = parser.parse_args(argv)
     if args.quick:
         args.settings = args.settings or ["default"]
@@ -321,6 +324,9 @@ def run_setting(args: argparse.Namespace, bench_python: Path | None, work: Path)
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.setup_only:
+        log(f"TRL baseline ready in {ensure_bench_venv().parent.parent.name}")
+        return 0
     settings = {"steps": args.steps, "timed_steps": args.steps - WARMUP_STEPS, "lr": args.lr, "temperature": 1.0,
                 "top_p": 1.0, "kl": 0.0, "device": "cpu", "cpu_count": os.cpu_count()}
     bench_python = None if args.skip_trl else ensure_bench_venv()

@@ -5,9 +5,10 @@ runnable: each `--quick` run is a subprocess of the real script that must exit 0
 with its JSON line. Values are checked for sanity (present, positive, within what the
 settings allow), never against a speed.
 
-The TRL side of throughput.py runs in .venv-bench, which the script builds on first use
-(torch==2.13.0, then benchmarks/requirements-trl.txt from PyPI; ~2 minutes once, reused
-while requirements-trl.txt is unchanged). It is not skipped when that install fails: the
+The TRL side of throughput.py runs in .venv-bench, which `make test` builds before the
+suite (`make bench-setup`) and the script builds on first use otherwise (torch==2.13.0, then
+benchmarks/requirements-trl.txt from PyPI; ~2 minutes once, reused while
+requirements-trl.txt is unchanged). It is not skipped when that install fails: the
 test fails and shows the script's "[bench] installing TRL failed" message, because a
 TRL worker nobody runs is how benchmarks/trl_worker.py rotted before.
 """
