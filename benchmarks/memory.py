@@ -1,7 +1,7 @@
 """Memory per train rank under trainer.strategy=ddp and fsdp2: what sharding saves.
 
     .venv/bin/python benchmarks/memory.py            # ~58M-parameter Llama, N = 1, 2, 4 gloo ranks
-    .venv/bin/python benchmarks/memory.py --quick    # smoke test (tiny model, N = 1, 2), run by the test suite
+    .venv/bin/python benchmarks/memory.py --quick    # smoke test (tiny model, N = 2), run by the test suite
 
 A Llama-style model (random init, built locally from a config, saved once with
 save_pretrained) is loaded from that directory on N spawned gloo ranks (1 torch thread
@@ -20,6 +20,12 @@ the tensors this rank holds (DTensor local shards under fsdp2), after the last s
 `+load` its growth over the RSS before loading (torch itself and the interpreter are the
 rest); `s/step` = the slowest rank's mean seconds per step after the first. The table
 reports the busiest rank (max over ranks); the last line is one JSON object.
+
+Export: 2 fsdp2 ranks take an AdamW step and save a checkpoint (model + optimizer, DCP);
+then `export_hf` runs in a fresh process and `+export` is its RSS growth at peak (VmHWM)
+over the RSS before it, for the streamed export writing one file (the default 5 GB cap)
+and files of at most --export-shard-mib, against the previous export that built the
+full model, loaded it and called save_pretrained.
 """
 
 from __future__ import annotations
@@ -32,9 +38,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
+from distflow.checkpoint import export_hf, load_model_weights, save_checkpoint
 from distflow.checkpoint.hf_weights import allocate_and_load
+from distflow.checkpoint.store import checkpoint_dtype
 from distflow.comm import Comm
 from distflow.runtime.launcher import run_local
 from distflow.config.schema import TrainerConfig
@@ -115,12 +123,49 @@ def measure(strategy: str, world: int, model_dir: Path, shape: tuple[int, int, i
     return busiest
 
 
+def save_worker(comm: Comm, model_dir: str, root: str) -> None:
+    wrapped = load("fsdp2", Path(model_dir), comm)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-5)
+    ids = torch.randint(0, wrapped.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    wrapped(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    save_checkpoint(Path(root), 1, model=wrapped, optimizer=optimizer, scheduler=scheduler, extra={}, comm=comm,
+                    keep_last=1)
+
+
+def export_worker(comm: Comm, checkpoint: str, out: str, max_shard_bytes: int | None) -> dict:
+    """+export MiB of one export in this fresh process; max_shard_bytes None: the previous, full-model export."""
+    before = rss_mib("VmRSS")
+    reset_peak()
+    if max_shard_bytes is None:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(Path(checkpoint) / "model_config.json"))
+        model = model.to(checkpoint_dtype(Path(checkpoint)))
+        load_model_weights(Path(checkpoint), model)
+        model.save_pretrained(out, safe_serialization=True)
+    else:
+        export_hf(Path(checkpoint), Path(out), max_shard_bytes=max_shard_bytes)
+    return {"export_growth_mib": rss_mib("VmHWM") - before,
+            "files": len(list(Path(out).glob("*.safetensors")))}
+
+
+def measure_export(model_dir: Path, work: Path, shard_mib: float) -> dict:
+    run_local(save_worker, 2, str(model_dir), str(work / "ckpt"))
+    checkpoint = str(work / "ckpt" / "step-000001")
+    variants = {"streamed, one file": 5 * 10**9, f"streamed, {shard_mib:g} MiB files": int(shard_mib * MiB),
+                "full model + save_pretrained": None}
+    return {name: run_local(export_worker, 1, checkpoint, str(work / f"out{i}"), cap)[0]
+            for i, (name, cap) in enumerate(variants.items())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--worlds", default=None, help="comma-separated rank counts (default 1,2,4; quick 1,2)")
+    parser.add_argument("--worlds", default=None, help="comma-separated rank counts (default 1,2,4; quick 2)")
+    parser.add_argument("--export-shard-mib", type=float, default=None, help="file cap of the capped export "
+                        "(default 32; quick 0.25)")
     args = parser.parse_args()
-    worlds = [int(w) for w in (args.worlds or ("1,2" if args.quick else "1,2,4")).split(",")]
+    worlds = [int(w) for w in (args.worlds or ("2" if args.quick else "1,2,4")).split(",")]
     shape = (2, 32, 2) if args.quick else (4, 128, 3)  # batch, tokens, steps
     with tempfile.TemporaryDirectory() as model_dir:
         torch.manual_seed(0)
@@ -129,6 +174,9 @@ def main() -> None:
         model.save_pretrained(model_dir)
         del model
         results = {s: {w: measure(s, w, Path(model_dir), shape) for w in worlds} for s in ("ddp", "fsdp2")}
+        with tempfile.TemporaryDirectory() as work:
+            shard_mib = args.export_shard_mib or (0.25 if args.quick else 32)
+            exports = measure_export(Path(model_dir), Path(work), shard_mib)
     print(f"Llama-style model, {num_params / 1e6:.1f}M parameters (fp32); micro-batch {shape[0]} x {shape[1]} "
           f"tokens; busiest rank")
     print(f"{'strategy':8} {'N':>2} {'state MiB':>10} {'vs ddp/N':>9} {'load peak':>10} {'+load':>8} "
@@ -140,6 +188,12 @@ def main() -> None:
             print(f"{strategy:8} {world:>2} {row['state'] / MiB:>10.1f} {share:>9.2f} {row['load_peak_mib']:>10.0f} "
                   f"{row['load_growth_mib']:>8.0f} {row['step_peak_mib']:>10.0f} {row['step_s']:>7.3f}")
             summary["strategies"].setdefault(strategy, {})[str(world)] = {**row, "state_vs_ddp_share": share}
+    model_mib = num_params * 4 / MiB
+    print(f"\nexport of a 2-rank fsdp2 checkpoint (model {model_mib:.0f} MiB + AdamW state), in a fresh process")
+    print(f"{'export':34} {'files':>5} {'+export MiB':>12} {'/ model':>8}")
+    for name, row in exports.items():
+        print(f"{name:34} {row['files']:>5} {row['export_growth_mib']:>12.0f} {row['export_growth_mib'] / model_mib:>8.2f}")
+    summary["export"] = {"model_mib": model_mib, "variants": exports}
     print(json.dumps(summary))
 
 

@@ -222,8 +222,9 @@ def distflow_config(path: Path, model_dir: Path, args: argparse.Namespace, engin
     return path
 
 
-def run_distflow(name: str, nproc: int, config: Path, work: Path) -> list[tuple[float, float, float]]:
-    """(step seconds, generated tokens, mean reward) of every step after the warm-up ones."""
+def run_distflow(name: str, nproc: int, config: Path, work: Path) -> tuple[list[tuple[float, float, float]], dict]:
+    """(step seconds, generated tokens, mean reward) of every step after the warm-up ones, and
+    the median seconds of each stage over those steps (the slowest rank's, as metrics.jsonl has them)."""
     # Overrides before --nproc: argparse does not collect positionals that follow an option.
     # This interpreter's distflow (the project venv that runs the benchmark).
     cmd = [sys.executable, "-m", "distflow", "train", config,
@@ -234,7 +235,9 @@ def run_distflow(name: str, nproc: int, config: Path, work: Path) -> list[tuple[
     untrained = [r["step"] for r in steps if not r.get("tokens/trained")]
     if untrained:  # a step without an update would be timed as rollout only
         raise SystemExit(f"[bench] {name}: steps {untrained} ran no policy update; the comparison would be unfair")
-    return [(r["time/step_s"], r["tokens/generated"], r["reward/mean"]) for r in steps]
+    stages = [key[len("time/"):-len("_s")] for key in steps[0] if key.startswith("time/") and key != "time/step_s"]
+    split = {stage: round(statistics.median(r.get(f"time/{stage}_s", 0.0) for r in steps), 4) for stage in stages}
+    return [(r["time/step_s"], r["tokens/generated"], r["reward/mean"]) for r in steps], split
 
 
 def run_trl(python: Path, model_dir: Path, data: Path, work: Path,
@@ -278,6 +281,12 @@ def print_table(name: str, args: argparse.Namespace, results: dict) -> None:
     for system, r in results.items():
         print(f"  {system:<26}{r['step_s']:>17.4f}{r['completions_per_s']:>15.1f}{r['tokens_per_s']:>11.1f}"
               f"{r['tokens_per_step']:>13.1f}{r['wall_s']:>9.1f}")
+    splits = {system: r["stage_s"] for system, r in results.items() if "stage_s" in r}
+    stages = list(dict.fromkeys(stage for split in splits.values() for stage in split))
+    print("  where a distflow step goes (median seconds per stage, slowest rank):")
+    print(f"  {'system':<26}" + "".join(f"{stage:>15}" for stage in stages))
+    for system, split in splits.items():
+        print(f"  {system:<26}" + "".join(f"{split.get(stage, 0.0):>15.4f}" for stage in stages))
 
 
 def ratios(results: dict) -> dict:
@@ -303,8 +312,9 @@ def run_setting(args: argparse.Namespace, bench_python: Path | None, work: Path)
             name = f"distflow_{engine}_{nproc}proc"
             log(f"{args.name}: distflow, engine {engine}, {nproc} process(es), {args.steps} steps")
             start = time.perf_counter()
-            steps = run_distflow(name, nproc, distflow_config(work / f"{name}.yaml", model_dir, args, engine), work)
-            results[name] = summarize(steps, completions, time.perf_counter() - start)
+            steps, split = run_distflow(name, nproc, distflow_config(work / f"{name}.yaml", model_dir, args, engine),
+                                        work)
+            results[name] = {**summarize(steps, completions, time.perf_counter() - start), "stage_s": split}
             per_step[name] = [(tokens, reward) for _, tokens, reward in steps]
     if bench_python is not None:
         log(f"{args.name}: TRL GRPOTrainer, {args.steps} steps")

@@ -76,6 +76,10 @@ def test_throughput_quick():
         assert row["step_s"] > 0 and row["completions_per_s"] == pytest.approx(completions / row["step_s"], rel=0.01)
         # Every completion has 1 to max_new_tokens tokens (EOS included).
         assert completions <= row["tokens_per_step"] <= completions * result["max_new_tokens"], system
+    for system in ("distflow_compact_1proc", "distflow_generate_1proc"):  # where the step went: its stages, within it
+        split = result[system]["stage_s"]
+        assert split["rollout"] > 0 and split["policy_update"] > 0, split
+        assert sum(split.values()) <= result[system]["step_s"] + 1e-3  # 1 timed step, 1 process: medians are sums
     assert result["samples_identical"] is True  # the two engines, same seeds: same tokens and rewards per step
     assert result["distflow_compact_1proc/trl_completions"] > 0 and result["distflow_compact_1proc/generate_tokens"] > 0
 
@@ -137,16 +141,18 @@ def test_weight_sync_quick():
 def test_memory_quick():
     out = run_quick("memory.py", timeout=1800)
     strategies = out["strategies"]
-    assert set(strategies) == {"ddp", "fsdp2"} and out["worlds"] == [1, 2]
+    assert set(strategies) == {"ddp", "fsdp2"} and out["worlds"] == [2]
     for strategy in strategies.values():
         for row in strategy.values():
             assert row["params"] == row["grads"] > 0 and row["optimizer"] == 2 * row["params"]  # AdamW: 2 moments
             assert row["load_peak_mib"] > 0 and row["step_s"] > 0
-    # Byte counts, not speeds: one rank holds everything; fsdp2 on 2 ranks holds about half of it.
+    # Byte counts, not speeds: a ddp rank holds everything; an fsdp2 rank of 2 holds about half of it.
     fp32_bytes = 4 * out["num_params"]
-    assert strategies["ddp"]["1"]["params"] == strategies["fsdp2"]["1"]["params"] == fp32_bytes
     assert strategies["ddp"]["2"]["params"] == fp32_bytes
+    assert fp32_bytes / 2 <= strategies["fsdp2"]["2"]["params"] <= 1.1 * fp32_bytes / 2
     assert strategies["fsdp2"]["2"]["state_vs_ddp_share"] <= 1.1
+    exports = out["export"]["variants"]  # the capped streamed export writes several files; the others one
+    assert [min(row["files"], 3) for row in exports.values()] == [1, 3, 1] and out["export"]["model_mib"] > 0
 
 
 def test_lora_quick():

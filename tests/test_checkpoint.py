@@ -185,6 +185,34 @@ def test_export_hf_loads_with_identical_logits(tmp_path):
     assert_same(AutoModelForCausalLM.from_pretrained(explicit).state_dict(), engine.model.state_dict())
 
 
+def test_export_streams_one_file_of_tensors_at_a_time_and_never_reads_the_optimizer(tmp_path, monkeypatch):
+    import json
+
+    from distflow.checkpoint import export as export_module
+
+    engine = make_engine(SINGLE, seed=0)
+    train_step(engine, 0)
+    path = save(tmp_path / "ckpt", 1, engine)
+    reads, real_load = [], export_module.dcp.load
+
+    def recording_load(state, **kwargs):
+        reads.append({top: sum(t.numel() * t.element_size() for t in tensors.values()) for top, tensors in state.items()})
+        return real_load(state, **kwargs)
+
+    monkeypatch.setattr(export_module.dcp, "load", recording_load)
+    limit = 40_000  # bytes: the 2-layer model (~0.4 MB) goes to several files, its largest tensor (26 kB) fits
+    out = export_hf(path, tmp_path / "hf", max_shard_bytes=limit)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) == len(reads) > 2 and all(read.keys() == {"model"} for read in reads)  # never the optimizer
+    assert max(read["model"] for read in reads) <= limit
+    assert all((out / name).stat().st_size <= limit + 10_000 for name in files)  # + the safetensors header
+    # tied embeddings are stored once, as save_pretrained does
+    assert "lm_head.weight" not in index["weight_map"] and "model.embed_tokens.weight" in index["weight_map"]
+    assert index["metadata"]["total_size"] == sum(read["model"] for read in reads)
+    assert_same(AutoModelForCausalLM.from_pretrained(out).state_dict(), engine.model.state_dict())
+
+
 # ---- 1 process <-> 2 gloo ranks ---------------------------------------------------------
 
 

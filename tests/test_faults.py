@@ -126,6 +126,7 @@ def test_kill_9_of_one_rank_ends_the_job_naming_it(tmp_path, cache_dir):
     assert_no_orphans(tmp_path)
 
 
+@pytest.mark.slow  # CI runs it; the kill -9 test above covers the same path under distflow's launcher
 def test_kill_9_under_bare_torchrun(tmp_path, cache_dir):
     code, stderr, latency = finish(start(tmp_path, cache_dir, "kill", torchrun=True), tmp_path)
     record("kill -9, bare torchrun", latency)

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from conftest import REPO, run_cli
+from distflow.checkpoint import export_hf
 from distflow.comm import Comm
 from distflow.config import ConfigError, load_config
 from distflow.data.batch import Batch
@@ -176,6 +178,12 @@ def test_checkpoint_of_one_strategy_resumes_under_the_other(tmp_path, save_strat
         # a lost optimizer state would move them by ~lr (about 1e-1 of the weights).
         for name, tensor in want[rank]["params"].items():
             assert (got[rank]["params"][name] - tensor).abs().max() <= 1e-4 * tensor.abs().max(), name
+    if load_strategy == "fsdp2":  # `want` saved a checkpoint from 2 fsdp2 ranks: it exports, streamed, in 3+ files
+        out = export_hf(tmp_path / "same" / "step-000002", tmp_path / "hf", max_shard_bytes=1_000_000)
+        assert len(list(out.glob("model-*-of-*.safetensors"))) >= 3
+        exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
+        for name, tensor in want[0]["saved"].items():
+            torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0)
 
 
 def test_decoder_blocks_are_found_generically():

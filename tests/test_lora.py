@@ -153,6 +153,7 @@ LORA_RUN = ["trainer.prompts_per_step=4", "rollout.num_samples=4", "trainer.eval
             "optim.lr=1e-3", "algorithm.kl.coef=0.01", "checkpoint.every=1", "trainer.run_name=run"]
 
 
+@pytest.mark.slow  # ~90 s idle, four launches: CI runs it; the unit tests above cover the adapters themselves
 def test_cli_lora_run_checkpoints_adapters_resumes_and_exports(tmp_path, cache_dir):
     common = [str(REPO / "examples/arith_grpo.yaml"), *LORA_RUN, f"warmstart.cache_dir={cache_dir}"]
     # disaggregated (rank 0 rolls out, rank 1 trains), with the KL reference (adapters off)

@@ -131,7 +131,9 @@ def test_max_restarts_recovers_from_two_kills_by_itself(tmp_path, cache_dir, uni
     assert summary["final_accuracy"] == pytest.approx(want, rel=1e-5, abs=1e-9)
 
 
-@pytest.mark.parametrize("first, second", [("ddp", "fsdp2"), pytest.param("fsdp2", "ddp", marks=pytest.mark.slow)])
+# CI only (slow, ~25 s each idle): test_fsdp2.py's checkpoint test loads each strategy's checkpoint under the other
+@pytest.mark.slow
+@pytest.mark.parametrize("first, second", [("ddp", "fsdp2"), ("fsdp2", "ddp")])
 def test_resume_after_kill_across_strategies(tmp_path, cache_dir, uninterrupted, first, second):
     """A checkpoint of one trainer.strategy on 2 ranks, killed at step 3, resumes under the other on
     1 rank (DCP reshards the policy and its optimizer state) and reproduces the uninterrupted run."""
@@ -163,6 +165,7 @@ def test_disaggregated_resume_gives_rollout_ranks_the_restored_weights(tmp_path,
 
 
 
+@pytest.mark.slow  # 3 ranks on 2 cores (~20 s idle): CI runs it
 def test_fsdp2_disaggregated_run_reproduces_the_colocated_one(tmp_path, cache_dir, uninterrupted):
     """Rollout on rank 0, a policy sharded over ranks 1-2: the weight broadcast sends the gathered
     (whole) policy, so the rollout rank samples what the 1-rank run sampled at every step."""

@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="LoRA checkpoints: write the base model with the adapters merged in (default: the adapter)")
     export.add_argument("--base-model", metavar="DIR",
                         help="LoRA checkpoints: the base model's directory (default: the one the run loaded)")
+    export.add_argument("--max-shard-size", default="5GB", type=_size, metavar="SIZE",
+                        help="largest safetensors file, e.g. 500MB or 2GiB (default 5GB, as save_pretrained); "
+                             "the export holds at most one file's tensors in memory")
     report = sub.add_parser("report", help="draw runs' curves overlaid and print a summary table")
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (with metrics.jsonl)")
     report.add_argument("--out", default="report.png", help="the picture to write (default: report.png)")
@@ -131,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "export":
-        return _export(args.checkpoint, args.out, merged=args.merged, base_model=args.base_model)
+        return _export(args.checkpoint, args.out, merged=args.merged, base_model=args.base_model,
+                       max_shard_bytes=args.max_shard_size)
     if args.command == "report":
         return _report(args.runs, args.out)
     args.overrides = args.overrides + extra
@@ -293,7 +297,22 @@ def _plan(config: Config, world_size: int) -> int:
     return 0
 
 
-def _export(checkpoint: str, out: str, *, merged: bool = False, base_model: str | None = None) -> int:
+def _size(text: str) -> int:
+    """'500MB' -> 500_000_000, '2GiB' -> 2 * 2**30, '1000' -> 1000 bytes."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    number = text.strip().upper().rstrip("KMGIB")
+    unit = text.strip().upper()[len(number):]
+    try:
+        size = int(float(number) * units[unit])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 500MB, 2GB, 1GiB)") from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
+    return size
+
+
+def _export(checkpoint: str, out: str, *, merged: bool = False, base_model: str | None = None,
+            max_shard_bytes: int = 5 * 10**9) -> int:
     try:
         from distflow.checkpoint import export_hf
         from distflow.runtime.checkpointing import resolve
@@ -302,7 +321,7 @@ def _export(checkpoint: str, out: str, *, merged: bool = False, base_model: str 
         if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
             raise ConfigError(f"--out {out!r} exists and is not an empty directory; choose a new one")
         path = resolve(Path(checkpoint))
-        export_hf(path, out_dir, merged=merged, base_model=base_model)
+        export_hf(path, out_dir, merged=merged, base_model=base_model, max_shard_bytes=max_shard_bytes)
     except ConfigError as err:
         print(f"distflow: error: {err}", file=sys.stderr)
         return USER_ERROR

@@ -1,7 +1,16 @@
 """Turn a training checkpoint into a Hugging Face model directory.
 
-    checkpoint/step-N  --(DCP load, one process, no process group)-->  model built from its config
-                       --save_pretrained(safetensors)-->  out_dir  (+ tokenizer files)
+    checkpoint/step-N  --(DCP reads, one process, no process group, a shard of tensors at a time)-->
+                       model-0000k-of-0000n.safetensors (+ index), config.json  (+ tokenizer files)
+
+Streamed: the model is built on the meta device only to check the checkpoint's names and
+shapes against the architecture; then the model's tensors are read from the DCP shards
+(whatever strategy and world size wrote them: ddp, fsdp2, any number of ranks) one output
+file at a time and written with safetensors, so the exporting process holds at most
+`max_shard_bytes` of weights (or one tensor, if larger) and never the optimizer state,
+which is not read. The layout is the one `save_pretrained` writes (one `model.safetensors`,
+or numbered files and `model.safetensors.index.json`; tied weights stored once), so
+`from_pretrained` loads it.
 
 The architecture comes from `model_config.json`, which `save_checkpoint` writes for any
 `transformers.PreTrainedModel`; passing `model_dir_or_config` (a model directory or a
@@ -14,12 +23,25 @@ The tokenizer comes from `tokenizer_dir`, else from the checkpoint's own copy (s
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from distflow.checkpoint.directory import ADAPTER_CONFIG, MODEL_CONFIG, TOKENIZER_DIR, CheckpointError
-from distflow.checkpoint.store import checkpoint_dtype, load_model_weights, read_meta
+from distflow.checkpoint.store import (
+    check_matches,
+    checkpoint_dtype,
+    load_model_weights,
+    model_tensor_entries,
+    quiet_single_process,
+    read_meta,
+)
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # what save_pretrained writes by default (5 GB files)
 
 
 def export_hf(
@@ -30,23 +52,69 @@ def export_hf(
     tokenizer_dir: str | Path | None = None,
     merged: bool = False,
     base_model: str | Path | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
-    """Write `out_dir` so that `AutoModelForCausalLM.from_pretrained(out_dir)` has the checkpoint's weights
-    (a LoRA checkpoint: see `_export_lora`; `merged` and `base_model` apply to those only)."""
+    """Write `out_dir` so that `AutoModelForCausalLM.from_pretrained(out_dir)` has the checkpoint's weights,
+    streamed in files of at most `max_shard_bytes` (a LoRA checkpoint: see `_export_lora`;
+    `merged` and `base_model` apply to those only)."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     read_meta(checkpoint)  # a clear error for a missing or incomplete checkpoint, before anything is built
     if (checkpoint / ADAPTER_CONFIG).is_file():
         _export_lora(checkpoint, out_dir, merged=merged, base_model=base_model)
     else:
-        config = _model_config(checkpoint, model_dir_or_config)
-        model = AutoModelForCausalLM.from_config(config).to(checkpoint_dtype(checkpoint))
-        load_model_weights(checkpoint, model)
-        model.save_pretrained(out_dir, safe_serialization=True)
+        export_streamed(checkpoint, out_dir, _model_config(checkpoint, model_dir_or_config),
+                        max_shard_bytes=max_shard_bytes)
     if tokenizer_dir is None and (checkpoint / TOKENIZER_DIR).is_dir():
         tokenizer_dir = checkpoint / TOKENIZER_DIR
     if tokenizer_dir is not None:
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
     return out_dir
+
+
+def export_streamed(checkpoint: Path, out_dir: Path, config: PretrainedConfig, *, max_shard_bytes: int) -> None:
+    """The checkpoint's model tensors as safetensors files of at most `max_shard_bytes` each,
+    read from DCP one file's worth at a time, plus `config.json` and `generation_config.json`."""
+    dtype = checkpoint_dtype(checkpoint)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    reader = dcp.FileSystemReader(checkpoint)
+    check_matches(reader.read_metadata(), "model", skeleton.state_dict(), checkpoint)
+    saved = model_tensor_entries(checkpoint)
+    # named_parameters lists a tied tensor once (under its first name), as save_pretrained stores it
+    unique = [name for name, _ in [*skeleton.named_parameters(), *skeleton.named_buffers()] if name in saved]
+    entries = [(name, *saved[name]) for name in unique]
+    files = _group_by_bytes(entries, max_shard_bytes)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weight_map, total = {}, 0
+    for index, group in enumerate(files, start=1):
+        name = "model.safetensors" if len(files) == 1 else f"model-{index:05d}-of-{len(files):05d}.safetensors"
+        tensors = {key: torch.empty(shape, dtype=dtype_) for key, shape, dtype_ in group}
+        with quiet_single_process():
+            dcp.load({"model": tensors}, storage_reader=reader, no_dist=True)
+        save_file(tensors, out_dir / name, metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(tensors, name))
+        del tensors  # before the next file's tensors are allocated
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    config.dtype = dtype
+    config.save_pretrained(out_dir)
+    if skeleton.can_generate():
+        GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+
+
+def _group_by_bytes(entries: list[tuple[str, tuple, torch.dtype]], max_bytes: int) -> list[list]:
+    """Consecutive entries in files of at most `max_bytes` (a larger tensor gets a file of its own)."""
+    files, current, size = [], [], 0
+    for entry in entries:
+        nbytes = torch.Size(entry[1]).numel() * entry[2].itemsize
+        if current and size + nbytes > max_bytes:
+            files.append(current)
+            current, size = [], 0
+        current.append(entry)
+        size += nbytes
+    return files + [current] if current else files
 
 
 def _export_lora(checkpoint: Path, out_dir: Path, *, merged: bool, base_model: str | Path | None) -> None:

@@ -125,7 +125,7 @@ def _write_shards(tmp: Path, root: Path, step: int, *, model: torch.nn.Module, o
     try:
         torch.save(capture_rng(comm.device), tmp / f"rng-rank{comm.rank}.pt")
         _fsync(tmp / f"rng-rank{comm.rank}.pt")
-        with _single_process_quiet():
+        with quiet_single_process():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=comm.group,
                      no_dist=not comm.distributed)
     except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure: all ranks get here alike
@@ -178,19 +178,19 @@ def load_checkpoint(
     meta = read_meta(path)
     metadata = dcp.FileSystemReader(path).read_metadata()
     model_state = get_model_state_dict(model, options=_options(model))
-    _check_matches(metadata, "model", model_state, path)
+    check_matches(metadata, "model", model_state, path)
     optimizer_state = get_optimizer_state_dict(model, optimizer)  # creates empty optimizer state if needed
-    _check_matches(metadata, "optimizer", optimizer_state.get("state", {}), path, ("state",))
+    check_matches(metadata, "optimizer", optimizer_state.get("state", {}), path, ("state",))
     state = {"model": model_state, "optimizer": optimizer_state}
     others = others or {}
     for name, (other, other_optimizer, _) in others.items():
         if name not in meta.get("others", {}):
             raise CheckpointError(f"checkpoint {path} holds no {name} (it was saved by a run without one)")
         state[f"{name}_model"] = get_model_state_dict(other)
-        _check_matches(metadata, f"{name}_model", state[f"{name}_model"], path)
+        check_matches(metadata, f"{name}_model", state[f"{name}_model"], path)
         state[f"{name}_optimizer"] = get_optimizer_state_dict(other, other_optimizer)
-        _check_matches(metadata, f"{name}_optimizer", state[f"{name}_optimizer"].get("state", {}), path, ("state",))
-    with _single_process_quiet():
+        check_matches(metadata, f"{name}_optimizer", state[f"{name}_optimizer"].get("state", {}), path, ("state",))
+    with quiet_single_process():
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=comm.group,
                  no_dist=not comm.distributed)
     set_model_state_dict(model, state["model"], options=_options(model))
@@ -210,8 +210,8 @@ def load_model_weights(path: Path, model: torch.nn.Module) -> dict[str, Any]:
     path = Path(path)
     meta = read_meta(path)
     model_state = get_model_state_dict(model, options=_options(model))
-    _check_matches(dcp.FileSystemReader(path).read_metadata(), "model", model_state, path)
-    with _single_process_quiet():
+    check_matches(dcp.FileSystemReader(path).read_metadata(), "model", model_state, path)
+    with quiet_single_process():
         dcp.load({"model": model_state}, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     set_model_state_dict(model, model_state, options=_options(model))
     return meta
@@ -219,11 +219,22 @@ def load_model_weights(path: Path, model: torch.nn.Module) -> dict[str, Any]:
 
 def _options(model: torch.nn.Module) -> StateDictOptions:
     """A checkpoint holds the trained parameters: all of a fully trained model's, only the adapters
-    of a LoRA policy (its frozen base weights are re-read from `model.path`). `_check_matches`
+    of a LoRA policy (its frozen base weights are re-read from `model.path`). `check_matches`
     compares the keys before loading, so loading need not be strict about the frozen ones."""
     if all(p.requires_grad for p in model.parameters()):
         return StateDictOptions()
     return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def model_tensor_entries(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{name: (shape, dtype)} of the model tensors in a checkpoint, read from DCP's metadata alone."""
+    metadata = dcp.FileSystemReader(Path(path)).read_metadata()
+    entries = {}
+    for key, (top, *rest) in _tensor_paths(metadata):
+        if top == "model" and len(rest) == 1:
+            item = metadata.state_dict_metadata[key]
+            entries[str(rest[0])] = (tuple(item.size), item.properties.dtype)
+    return entries
 
 
 def checkpoint_dtype(path: Path) -> torch.dtype:
@@ -278,7 +289,7 @@ def _check_shards(path: Path) -> None:
                                   "save); resume from another checkpoint")
 
 
-def _check_matches(
+def check_matches(
     metadata: Metadata, top: str, state: dict[str, Any], path: Path, prefix: tuple[str, ...] = ()
 ) -> None:
     """Every tensor of `state` is in the checkpoint under (top, *prefix, ...) with the same shape, and vice versa."""
@@ -354,7 +365,7 @@ def _fsync(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _single_process_quiet() -> Iterator[None]:
+def quiet_single_process() -> Iterator[None]:
     """DCP warns on every single-process save/load that it assumes one process; that is intended here."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
