@@ -214,3 +214,29 @@ def test_cli_run_with_fsdp2_on_two_ranks(tmp_path, cache_dir):
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert records[1]["tokens/generated"] == records[1]["response/length"] * 16
     assert all("time/reference_logprob_s" in r for r in records[1:])
+
+
+@pytest.mark.slow  # two 2-rank PPO runs (~40 s idle): CI runs it
+def test_ppo_from_a_model_directory_loads_sharded_and_matches_ddp(tmp_path):
+    """Under fsdp2 a PPO train rank builds the policy, the reference and the critic on the meta
+    device and reads only its rows of each from the files; the run is ddp's."""
+    model_dir = tmp_path / "model"
+    build_tiny_model(build_char_tokenizer(), seed=5).save_pretrained(model_dir)
+    build_char_tokenizer().save_pretrained(model_dir)
+    (tmp_path / "length_reward.py").write_text("def reward(prompt, completion, sample):\n"
+                                               "    return float(len(completion))\n")  # signal in every group
+    runs = {}
+    for strategy in ("ddp", "fsdp2"):
+        result = run_cli("train", str(REPO / "examples/arith_ppo.yaml"), f"model.path={model_dir}",
+                         "task.reward=length_reward:reward", "trainer.total_steps=3", "trainer.prompts_per_step=4",
+                         "rollout.num_samples=4", "trainer.eval_every=0", "trainer.eval_samples=1",
+                         "task.num_heldout=20", "trainer.progress_bar=false", f"trainer.output_dir={tmp_path}",
+                         f"trainer.run_name={strategy}", f"trainer.strategy={strategy}", "checkpoint.every=0",
+                         "checkpoint.at_end=false", "--nproc", "2", cwd=tmp_path, timeout=1800)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "loads the full" not in result.stderr
+        runs[strategy] = read_metrics(tmp_path / strategy)
+    for step in (1, 2, 3):
+        for key in ("reward/mean", "critic/values", "critic/value_loss", "critic/grad_norm", "train/grad_norm"):
+            assert runs["fsdp2"][step][key] == pytest.approx(runs["ddp"][step][key], rel=1e-5, abs=1e-7), (step, key)
+    assert runs["fsdp2"][3]["critic/values"] != 0  # the critic learned: its values left the zero head

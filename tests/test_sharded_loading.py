@@ -82,3 +82,32 @@ def test_files_whose_names_differ_from_the_model_are_one_clear_error(tmp_path):
 def test_a_directory_without_safetensors_is_named(tmp_path):
     with pytest.raises(ConfigError, match="no \\*.safetensors weights in"):
         stored_tensor_names(tmp_path)
+
+
+def sharded_critic_on_rank(comm, model_dir):
+    from distflow.config.schema import OptimConfig, TrainerConfig
+    from distflow.engines.critic import build_critic
+
+    critic = build_critic(build_on_meta(model_dir), comm, OptimConfig(), lr=1e-5,
+                          trainer=TrainerConfig(strategy="fsdp2"), sharded_from=model_dir)
+    return {"params": {name: p.full_tensor() for name, p in critic.model.named_parameters()},
+            "local_rows": {name: p.to_local().shape[0] for name, p in critic.model.named_parameters()}}
+
+
+def test_ppo_critic_is_loaded_sharded_like_a_copy_of_the_policy(tmp_path):
+    """The critic of an fsdp2 PPO run: built on the meta device and filled from the files (its
+    `backbone.` is the files' `model.`), it equals the critic copied from a from_pretrained policy."""
+    from distflow.config.schema import OptimConfig
+    from distflow.engines.critic import build_critic
+
+    save_tiny_llama(tmp_path, tied=False)
+    reference = build_critic(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32),
+                             Comm(0, 1, 0, 1, torch.device("cpu")), OptimConfig(), lr=1e-5).model
+    ranks = run_local(sharded_critic_on_rank, 2, tmp_path)
+    for got in ranks:
+        assert got["params"].keys() == dict(reference.named_parameters()).keys()
+        for name, param in reference.named_parameters():
+            assert torch.equal(got["params"][name], param), name
+    assert not reference.value_head.weight.any()  # the head starts at zero: first values are 0
+    for name, param in reference.named_parameters():
+        assert ranks[0]["local_rows"][name] + ranks[1]["local_rows"][name] == param.shape[0], name

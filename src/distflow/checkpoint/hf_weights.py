@@ -49,13 +49,19 @@ def stored_tensor_names(model_dir: Path) -> set[str]:
     return names
 
 
-def load_sharded_weights(model: torch.nn.Module, model_dir: Path, comm: Comm) -> None:
+def load_sharded_weights(model: torch.nn.Module, model_dir: Path, comm: Comm,
+                         rename: tuple[str, str] | None = None) -> None:
     """Fill `model`'s (sharded, already allocated) parameters from `model_dir`'s files.
 
+    `rename = (ours, theirs)`: the module's names under prefix `ours` are the files' names under
+    `theirs` (PPO's critic: `backbone.` is the causal LM's `model.`), and only those are read.
     Collective over `comm`, the ranks the parameters are sharded on (DCP agrees on a read
     plan): in a disaggregated run the rollout-only ranks are not in it."""
     stored = stored_tensor_names(model_dir)
     state = get_model_state_dict(model)
+    if rename is not None:
+        ours, theirs = rename
+        state = {theirs + name[len(ours):]: tensor for name, tensor in state.items() if name.startswith(ours)}
     aliases = _tied_aliases(model)
     missing = [name for name in state if name not in stored and name not in aliases]
     if missing:

@@ -5,7 +5,9 @@
 
 It starts from the policy's weights (as verl and OpenRLHF initialise the critic from the
 actor when no reward model is given) with a zero-initialised head, so its first
-predictions are 0. The value of response token t is read at the column that predicts it
+predictions are 0. Under fsdp2 with sharded loading the policy is still on the meta device:
+the critic is then built there too, sharded, and each rank reads its own rows of the
+backbone from the model directory's files (checkpoint/hf_weights.py), as the policy does. The value of response token t is read at the column that predicts it
 (t - 1), the same alignment as the log-probs. Training is `TrainableEngine`'s, as the
 policy's: the same data-parallel wrapper, micro-batching, global normaliser, AdamW and
 clipping; only the forward pass differs.
@@ -15,12 +17,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from pathlib import Path
 
 import torch
 
 from distflow.config.schema import OptimConfig, TrainerConfig
 from distflow.data.batch import Batch
-from distflow.engines.parallelize import gathered
+from distflow.engines.parallelize import gathered, parallelize
 from distflow.engines.packing import response_outputs
 from distflow.engines.trainable import TrainableEngine
 from distflow.comm import Comm
@@ -74,10 +77,30 @@ class CriticEngine(TrainableEngine):
 
 
 def build_critic(policy_model: torch.nn.Module, comm: Comm, optim: OptimConfig, *, lr: float,
-                 trainer: TrainerConfig | None = None) -> CriticEngine:
+                 trainer: TrainerConfig | None = None, sharded_from: Path | None = None) -> CriticEngine:
     """A critic initialised from the policy's current weights, trained with `optim` at `lr` and
-    spread over `comm` as `trainer.strategy` says. The policy must not be sharded yet (its copy is)."""
+    spread over `comm` as `trainer.strategy` says. The policy must not be sharded yet (its copy is).
+    `sharded_from`: the policy is on the meta device; the critic's shards are read from that directory."""
     backbone = copy.deepcopy(policy_model.base_model)
     backbone.requires_grad_(True)
-    value_model = ValueModel(backbone, policy_model.config.hidden_size).to(next(policy_model.parameters()).device)
+    device = next(policy_model.parameters()).device
+    with torch.device(device):
+        value_model = ValueModel(backbone, policy_model.config.hidden_size)
+    if sharded_from is not None:
+        _load_sharded(value_model, policy_model, sharded_from, comm, trainer or TrainerConfig())
     return CriticEngine(value_model, comm, dataclasses.replace(optim, lr=lr), trainer)
+
+
+def _load_sharded(value_model: ValueModel, policy_model: torch.nn.Module, model_dir: Path, comm: Comm,
+                  trainer: TrainerConfig) -> None:
+    """Shard the meta-built critic, allocate its shards, fill the backbone's from the files, zero the head."""
+    from distflow.checkpoint.hf_weights import load_sharded_weights
+    from distflow.engines.models import materialize
+
+    parallelize(value_model, comm, trainer)
+    value_model.value_head.to_empty(device=comm.device)
+    materialize(value_model.backbone, comm.device)  # the backbone computes its own buffers (rotary)
+    load_sharded_weights(value_model, model_dir, comm, rename=("backbone.", policy_model.base_model_prefix + "."))
+    with torch.no_grad():
+        value_model.value_head.weight.zero_()
+        value_model.value_head.bias.zero_()

@@ -105,15 +105,12 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
 
 def _loads_sharded(config: Config, uses: set[str], train: Comm | None, log) -> bool:
     """Whether this rank builds its models on the meta device and reads only its own shards
-    (checkpoint/hf_weights.py): a train rank of a sharded (fsdp2) policy. PPO's critic is built
-    from the full policy, so a PPO train rank loads the whole model once, as under ddp."""
+    (checkpoint/hf_weights.py): a train rank of a sharded (fsdp2) policy, and its critic
+    (engines/critic.py) under PPO."""
     if config.trainer.strategy != "fsdp2" or train is None or not train.distributed or "policy" not in uses:
         return False
     if config.model.lora.enabled:
         log("fsdp2 + LoRA: this rank loads the full base model once, adds the adapters, then shards it")
-        return False
-    if "critic" in uses:
-        log("fsdp2: this rank loads the full model once (the critic starts as a copy of it), then shards it")
         return False
     return True
 
@@ -134,7 +131,8 @@ def _build_models(config: Config, uses: set[str], model: torch.nn.Module, train:
     # reference as a frozen copy of it (under LoRA: the policy with its adapters disabled):
     # both taken before the policy is sharded.
     if "critic" in uses:
-        engines["critic"] = build_critic(model, train, config.optim, lr=config.algorithm.critic.lr, trainer=trainer)
+        engines["critic"] = build_critic(model, train, config.optim, lr=config.algorithm.critic.lr, trainer=trainer,
+                                         sharded_from=sharded_from)
     if lora.enabled:
         model = apply_lora(model, lora, seed=trainer.seed)
     if "reference" in uses:
