@@ -117,7 +117,7 @@ def worker(comm: Comm, strategy: str, model_dir: str, shape: tuple[int, int, int
 
 
 def measure(strategy: str, world: int, model_dir: Path, shape: tuple[int, int, int]) -> dict:
-    ranks = run_local(worker, world, strategy, str(model_dir), shape)
+    ranks = run_local(worker, world, strategy, str(model_dir), shape, start_method="spawn")  # clean RSS
     busiest = {key: max(r[key] for r in ranks) for key in ranks[0]}
     busiest["state"] = max(r["params"] + r["grads"] + r["optimizer"] for r in ranks)
     return busiest
@@ -150,11 +150,11 @@ def export_worker(comm: Comm, checkpoint: str, out: str, max_shard_bytes: int | 
 
 
 def measure_export(model_dir: Path, work: Path, shard_mib: float) -> dict:
-    run_local(save_worker, 2, str(model_dir), str(work / "ckpt"))
+    run_local(save_worker, 2, str(model_dir), str(work / "ckpt"), start_method="spawn")
     checkpoint = str(work / "ckpt" / "step-000001")
     variants = {"streamed, one file": 5 * 10**9, f"streamed, {shard_mib:g} MiB files": int(shard_mib * MiB),
                 "full model + save_pretrained": None}
-    return {name: run_local(export_worker, 1, checkpoint, str(work / f"out{i}"), cap)[0]
+    return {name: run_local(export_worker, 1, checkpoint, str(work / f"out{i}"), cap, start_method="spawn")[0]
             for i, (name, cap) in enumerate(variants.items())}
 
 

@@ -14,6 +14,7 @@ of DDP, which runs its own all-reduce) are exactly:
                                  reduction and the parameter all-gathers live in them
     checkpoint/store.py          torch.distributed.checkpoint (sharded save/load, resharding)
     checkpoint/hf_weights.py     DCP's Hugging Face reader (a model directory into sharded parameters)
+    checkpoint/export.py         DCP reads of a checkpoint's model tensors (the streamed export, one process)
     runtime/launcher.py          torch's elastic launcher (`distflow train --nproc N`)
 
 `tests/test_comm.py` checks that this list matches the code.

@@ -8,7 +8,7 @@ stage it was in (from the ranks' status files, runtime/diagnosis.py) and exits n
 A SIGINT (Ctrl-C) or SIGTERM to this command stops the ranks with the same signal and
 raises `Stopped` (the CLI says where the last checkpoint is).
 
-`run_local(fn, N, ...)` is the in-process counterpart for tests and benchmarks: N spawned
+`run_local(fn, N, ...)` is the in-process counterpart for tests and benchmarks: N forked
 gloo ranks joined through a TCP store that this process holds, so no port is chosen, closed
 and re-bound later (another program could take it in between):
 
@@ -98,12 +98,17 @@ def _local_rank(rank: int, fn: Callable, world: int, port: int, out: str, args: 
         dist.destroy_process_group()
 
 
-def run_local(fn: Callable, world: int, *args) -> list:
-    """fn(comm, *args) on `world` spawned gloo ranks of one thread each; returns each rank's result.
+def run_local(fn: Callable, world: int, *args, start_method: str = "fork") -> list:
+    """fn(comm, *args) on `world` gloo ranks of one thread each; returns each rank's result.
 
-    `fn` must be a module-level function (spawned processes import it by name).
+    Forked by default: the ranks start with everything this process has imported (torch and
+    transformers take seconds to import in a spawned one), and each sets one torch thread
+    before its first op, as PyTorch's DataLoader workers do, so an OpenMP pool the parent
+    started is never used in the child. `start_method="spawn"` starts clean processes (what a
+    memory measurement needs); `fn` must then be a module-level function (imported by name).
     """
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=LOCAL_TIMEOUT)
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_local_rank, args=(fn, world, store.port, out, args), nprocs=world, start_method="spawn")
+        mp.start_processes(_local_rank, args=(fn, world, store.port, out, args), nprocs=world,
+                           start_method=start_method)
         return [torch.load(Path(out) / f"{rank}.pt", weights_only=False) for rank in range(world)]
