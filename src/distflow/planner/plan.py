@@ -26,7 +26,7 @@ from distflow.layout import Layout, format_ranks, parse_ranks
 FIELD_SIZES = {
     "input_ids": ("T", 8), "attention_mask": ("T", 8), "response_mask": ("R", 8), "group": ("1", 8),
     "reward": ("1", 4), "advantage": ("1", 4), "sample_mask": ("1", 4), "old_logp": ("R", 4),
-    "ref_logp": ("R", 4), "values": ("R", 4), "returns": ("R", 4),
+    "ref_logp": ("R", 4), "values": ("R", 4), "returns": ("R", 4), "rollout_logp": ("R", 4), "turn_reward": ("R", 4),
 }
 META_BYTES_PER_FIELD = 64  # pickled per-sample Python values (prompt text, uid, ...), a rough mean
 
