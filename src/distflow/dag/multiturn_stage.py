@@ -26,7 +26,7 @@ WRITES = ("input_ids", "attention_mask", "response_mask", "completion", "group",
 def env_rollout(batch: Batch, ctx: StageContext) -> Batch:
     import torch
 
-    from distflow.engines.multiturn import Trajectory, TurnLimits, deadline_after, reset_all, roll_out
+    from distflow.engines.multiturn import Trajectory, TurnLimits, deadline_after, reset_all, roll_out, turn_generator
     from distflow.engines.parallelize import gathered
     from distflow.envs import environment_class
 
@@ -44,9 +44,14 @@ def env_rollout(batch: Batch, ctx: StageContext) -> Batch:
         out = ctx.comm.all_reduce_max(torch.tensor(values, dtype=torch.long, device=ctx.comm.device))
         return tuple(int(v) for v in out.tolist())
 
+    seed = ctx.config.trainer.seed
+
+    def key_of(traj: Trajectory, turn: int) -> int:
+        return derive_seed(seed, "rollout-turn", traj.uid, turn)
+
     with gathered(ctx.engines.rollout_model):
         roll_out(trajs, tokenizer=ctx.tokenizer, limits=limits, agree=agree,
-                 generate_turn=_turn_generator(ctx))
+                 generate_turn=turn_generator(ctx.engines.rollout_model, ctx.tokenizer, ctx.engines.sampling, key_of))
     (prompt_width,) = agree(max((len(t.prompt_ids) for t in trajs), default=0))
     tensors = _layout(trajs, prompt_width, cfg.max_tokens, ctx.tokenizer.pad_token_id)
     _record(ctx, trajs, tensors["response_mask"])
@@ -54,27 +59,6 @@ def env_rollout(batch: Batch, ctx: StageContext) -> Batch:
     return expanded.updated(uid=uids, group=torch.tensor(prompt_uids, dtype=torch.long),
                             completion=[t.actions[-1] if t.actions else "" for t in trajs],
                             **{name: value.to(device) for name, value in tensors.items()})
-
-
-def _turn_generator(ctx: StageContext):
-    from distflow.engines.generation import generate
-
-    sampling, seed = ctx.engines.sampling, ctx.config.trainer.seed
-
-    def generate_turn(running: list, turn: int, width: int):
-        rows = [t.prompt_ids + t.ids for t in running]
-        keys = [derive_seed(seed, "rollout-turn", t.uid, turn) for t in running]
-        out = generate(ctx.engines.rollout_model, ctx.tokenizer, [""] * len(rows),
-                       max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                       top_p=sampling.top_p, sample_keys=keys, prompt_ids=rows, prompt_width=width,
-                       engine=sampling.engine, with_logp=True)
-        lengths = out.response_mask_BR.sum(-1).tolist()
-        response_BR = out.input_ids_BT[:, out.prompt_width:]
-        ids = [response_BR[i, :k].tolist() for i, k in enumerate(lengths)]
-        logps = [out.logp_BR[i, :k].tolist() for i, k in enumerate(lengths)]
-        return ids, logps
-
-    return generate_turn
 
 
 def _layout(trajs: list, prompt_width: int, width: int, pad_id: int) -> dict:

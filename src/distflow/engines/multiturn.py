@@ -162,3 +162,41 @@ def _after_step(traj: Trajectory, step, tokenizer, limits: TurnLimits, turn: int
 
 def deadline_after(seconds: float) -> float:
     return time.monotonic() + seconds
+
+
+def turn_generator(model, tokenizer, sampling, key_of: Callable[[Trajectory, int], int | None]):
+    """`generate_turn` for `roll_out` over a model: one `generate` call per turn, token t of
+    trajectory j's turn drawn from key_of(j, turn) at position t (greedy when it is None)."""
+    from distflow.engines.generation import generate
+
+    def generate_turn(running: list[Trajectory], turn: int, width: int):
+        rows = [t.prompt_ids + t.ids for t in running]
+        keys = [key_of(t, turn) for t in running]
+        out = generate(model, tokenizer, [""] * len(rows), max_new_tokens=sampling.max_new_tokens,
+                       temperature=sampling.temperature, top_p=sampling.top_p,
+                       sample_keys=None if None in keys else keys, prompt_ids=rows, prompt_width=width,
+                       engine=sampling.engine, with_logp=True)
+        lengths = out.response_mask_BR.sum(-1).tolist()
+        response_BR = out.input_ids_BT[:, out.prompt_width:]
+        return ([response_BR[i, :k].tolist() for i, k in enumerate(lengths)],
+                [out.logp_BR[i, :k].tolist() for i, k in enumerate(lengths)])
+
+    return generate_turn
+
+
+def local_trajectories(model, tokenizer, samples: list[dict], env_cfg, sampling,
+                       key_of: Callable[[Trajectory, int], int | None], *, samples_per_prompt: int = 1) -> list[Trajectory]:
+    """Finished trajectories of `samples_per_prompt` samples of each row (uid g·n + k), on this
+    rank alone (evaluation: no peer to agree with)."""
+    from distflow.envs import environment_class
+    from distflow.engines.sequences import encode_prompts
+
+    n, cls = samples_per_prompt, environment_class(env_cfg.cls)
+    limits = TurnLimits(env_cfg.max_turns, env_cfg.max_tokens, env_cfg.default_reward, env_cfg.num_workers)
+    rows = [s for s in samples for _ in range(n)]
+    trajs = [Trajectory(sample=dict(s), env=cls(**env_cfg.kwargs), deadline=deadline_after(env_cfg.deadline_s), uid=u)
+             for u, s in enumerate(rows)]
+    reset_all(trajs, tokenizer, encode_prompts(tokenizer, [s["prompt"] for s in rows]), limits)
+    roll_out(trajs, tokenizer=tokenizer, limits=limits, agree=lambda *values: values,
+             generate_turn=turn_generator(model, tokenizer, sampling, key_of))
+    return trajs
