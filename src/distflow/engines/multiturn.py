@@ -29,6 +29,9 @@ from typing import Any
 
 from distflow.envs.calls import run_calls
 
+CHARS_PER_TOKEN = 32
+"""Text observations are cut to this many characters per token of room left before encoding."""
+
 
 @dataclass
 class Trajectory:
@@ -153,8 +156,10 @@ def _after_step(traj: Trajectory, step, tokenizer, limits: TurnLimits, turn: int
     if done or turn == limits.max_turns - 1:
         traj.done = True
         return
-    obs_ids = encode_observation(tokenizer, observation, first=False)
     room = limits.max_tokens - len(traj.ids)
+    if isinstance(observation, str):  # a flood is cut before it is encoded (no token spans 32 characters here)
+        observation = observation[: CHARS_PER_TOKEN * room]
+    obs_ids = encode_observation(tokenizer, observation, first=False)
     traj.add(obs_ids[:room], model=False)
     traj.truncated = len(obs_ids) >= room
     traj.done = traj.truncated
