@@ -90,11 +90,8 @@ def generate(
     completions = tokenizer.batch_decode(response_BR, skip_special_tokens=True)
     input_ids_BT = torch.cat([prompt_ids_BP, response_BR], dim=1)
     attention_mask_BT = torch.cat([prompt_mask_BP, response_mask_BR], dim=1)
-    logp_BR = None
-    if with_logp:
-        logp_BR = logps[0] if logps else _recomputed_logp(model, input_ids_BT, attention_mask_BT,
-                                                                    response_BR.shape[1], temperature)
-        logp_BR = logp_BR * response_mask_BR
+    logp_BR = None if not with_logp else response_mask_BR * (logps[0] if logps else _recomputed_logp(
+        model, input_ids_BT, attention_mask_BT, response_BR.shape[1], temperature))
     return Generation(input_ids_BT, attention_mask_BT, response_mask_BR, width, completions, logp_BR)
 
 
