@@ -360,7 +360,7 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
-        num_problems = 10 ** (2 * self.task.num_digits)
+        num_problems = 10 ** (self.task.num_operands * self.task.num_digits)
         held_back = self.task.num_heldout
         if self.model.path is None and self.warmstart.target_accuracy > 0:
             held_back += self.warmstart.num_validation

@@ -227,4 +227,4 @@ def _bytes_per_sample(fields: set[str], seq_len: int, response_len: int) -> int:
 
 def _prompt_tokens_estimate(config: Config) -> int:
     """Prompt length for the traffic estimate: exact for the embedded task ('a+b=' plus BOS)."""
-    return 2 * config.task.num_digits + 3
+    return (config.task.num_digits + 1) * config.task.num_operands + 1
