@@ -143,3 +143,16 @@ def test_python_sandbox(tmp_path):
     assert run_python("import os; os._exit(7)").returncode == 7
     assert run_python("import subprocess; subprocess.run(['true'])").returncode != 0
     assert os.getcwd() != "/"
+
+
+def test_python_env_runs_code_blocks_and_reports_failures():
+    from distflow.envs.tools import PythonEnv
+
+    env = PythonEnv(wall_s=5)
+    observation, reward, done, info = env.step("Let me compute.\n```python\nprint(sum(range(10)))\n```")
+    assert observation == "\n```output\n45\n\n```\n" and (reward, done, info) == (0.0, False,
+                                                                                  {"tool_call": True, "tool_error": False})
+    observation, _, _, info = env.step("```python\nraise ValueError('no')\n```")
+    assert "ValueError: no" in observation and info["tool_error"]
+    assert PythonEnv(chat=True).step("```python\nprint(1)\n```")[0] == [{"role": "tool", "content": "1\n"}]
+    assert env.step("The answer is 45.") == (None, 0.0, True, {})
