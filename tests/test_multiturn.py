@@ -156,3 +156,17 @@ def test_python_env_runs_code_blocks_and_reports_failures():
     assert "ValueError: no" in observation and info["tool_error"]
     assert PythonEnv(chat=True).step("```python\nprint(1)\n```")[0] == [{"role": "tool", "content": "1\n"}]
     assert env.step("The answer is 45.") == (None, 0.0, True, {})
+
+
+def test_model_tokens_are_kept_as_sampled_not_re_encoded():
+    """A turn whose ids do not survive decode → encode (a special token mid-action) is
+    trained on as sampled; only the environment sees the decoded text."""
+    sampled = [TOK.unk_token_id, *ids("4"), TOK.bos_token_id, *ids("="), EOS]
+    traj = Trajectory(sample={}, env=CalculatorEnv(), deadline=deadline_after(60), uid=0)
+    limits = TurnLimits(2, 32, 0.0, num_workers=1)
+    reset_all([traj], TOK, [ids("1+3=")], limits)
+    turns = iter([sampled, ids("4") + [EOS]])
+    roll_out([traj], tokenizer=TOK, limits=limits, agree=lambda *v: v,
+             generate_turn=lambda running, turn, width: ([new := next(turns)], [[0.0] * len(new)]))
+    assert traj.actions[0] == "4=" and TOK(traj.actions[0], add_special_tokens=False)["input_ids"] != sampled[:-1]
+    assert traj.ids[:5] == sampled and traj.ids[5:6] == ids("4")  # the calculator's "4", then the answer

@@ -134,10 +134,10 @@ def roll_out(trajs: list[Trajectory], *, tokenizer, limits: TurnLimits,
             continue
         ids, logps = generate_turn(running, turn, width)
         for traj, new_ids, new_logp in zip(running, ids, logps):
-            room = limits.max_tokens - len(traj.ids)
-            traj.truncated = len(new_ids) > room
-            traj.add(new_ids[:room], model=True, logp=new_logp[:room])
-            traj.actions.append(tokenizer.decode(new_ids[:room], skip_special_tokens=True))
+            kept = new_ids[: limits.max_tokens - len(traj.ids)]
+            traj.truncated = len(kept) < len(new_ids)
+            traj.add(kept, model=True, logp=new_logp[: len(kept)])
+            traj.actions.append(tokenizer.decode(kept, skip_special_tokens=True))
             traj.done = traj.truncated or len(traj.ids) >= limits.max_tokens
         stepping = [t for t in running if not t.done]
         outcomes = run_calls([(lambda t=t: t.env.step(t.actions[-1]), t.deadline) for t in stepping],
