@@ -4,8 +4,11 @@ A tool transcript adds the operands left to right through the calculator, one ca
 turn, then states the total; a direct one states the total at once:
 
     prompt  12+34+56=
-    tool    12+34= <eos> | 46 | 46+56= <eos> | 102 | 102 <eos>      (| … |: observation, no loss)
+    tool    (12+34)= <eos> | 46 | (46+56)= <eos> | 102 | 102 <eos>      (| … |: observation, no loss)
     direct  102 <eos>
+
+A call opens with "(", an answer with a digit, so the first token of a turn is the choice
+between the two, one probability RL can move.
 
 The warm-start trains on a mix (`TOOL_FRACTION` of tool transcripts): the policy starts out
 knowing both ways and mostly answering directly, which on three 2-digit operands is usually
@@ -38,7 +41,7 @@ def transcript(tokenizer, row: dict, *, use_tool: bool) -> tuple[list[int], list
     if use_tool:
         total = operands[0]
         for operand in operands[1:]:
-            add(f"{total}+{operand}=", model=True)
+            add(f"({total}+{operand})=", model=True)
             total += operand
             add(str(total), model=False)
     add(row["answer"], model=True)
