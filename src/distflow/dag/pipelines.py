@@ -35,7 +35,7 @@ from distflow.algorithms.kl import KL_ESTIMATORS
 from distflow.config.algorithm import ALGORITHMS
 from distflow.config.callables import import_callable
 from distflow.config.errors import check_one_of
-from distflow.config.schema import Config
+from distflow.config.schema import Config, ConfigError
 from distflow.dag import multiturn_stage, stages, update_stages
 from distflow.dag.advantage_stages import ESTIMATORS, Estimator
 from distflow.dag.dynamic_sampling import DynamicSampling
@@ -115,6 +115,9 @@ def builtin(config: Config) -> Graph:
     algorithm = ALGORITHMS[config.algorithm.name]
     estimator = ESTIMATORS[algorithm.estimator]
     # An estimator that reads the greedy completion's reward gets the stage that writes it (ReMax).
+    if config.env.cls is not None and "baseline_reward" in estimator.reads:
+        raise ConfigError(f"algorithm.name={config.algorithm.name} needs a greedy single-turn baseline, which "
+                          "multi-turn rollouts (env.cls) do not make yet; choose grpo, rloo, reinforce_pp or ppo")
     return policy_gradient(config, estimator, critic=algorithm.critic,
                            greedy_baseline="baseline_reward" in estimator.reads)
 
