@@ -170,3 +170,27 @@ def test_model_tokens_are_kept_as_sampled_not_re_encoded():
              generate_turn=lambda running, turn, width: ([new := next(turns)], [[0.0] * len(new)]))
     assert traj.actions[0] == "4=" and TOK(traj.actions[0], add_special_tokens=False)["input_ids"] != sampled[:-1]
     assert traj.ids[:5] == sampled and traj.ids[5:6] == ids("4")  # the calculator's "4", then the answer
+
+
+def test_calls_keep_their_order_and_bound_threads():
+    """Outcomes come back in the calls' order; a hung call times out alone; at most
+    num_workers threads run them."""
+    import threading
+
+    from distflow.envs.calls import run_calls
+
+    seen = set()
+
+    def call(k):
+        seen.add(threading.current_thread().name)
+        if k == 1:
+            threading.Event().wait()  # hangs forever
+        if k == 2:
+            raise KeyError(k)
+        return k * 10
+
+    deadline = deadline_after(2.0)
+    outcomes = run_calls([(lambda k=k: call(k), deadline) for k in range(6)], num_workers=2)
+    assert [o.value for o in outcomes] == [0, None, None, 30, 40, 50]
+    assert outcomes[1].timed_out and isinstance(outcomes[2].error, KeyError)
+    assert len(seen) <= 2

@@ -1,21 +1,23 @@
 """Environment calls of a rank's trajectories, run concurrently, each under a deadline.
 
-    main thread ──start──► one daemon thread per call ──(≤ num_workers run at once)──► fn()
-         │                                                                              │
-         └──join(until the call's deadline)◄──────────── result / exception ◄──────────┘
-                 past the deadline: (TIMEOUT) and the thread is abandoned
+    main thread ──queue of calls──► num_workers daemon threads: take the next call, run it,
+         │                                                    set its "done" event
+         └── for each call in order: wait on its event until the call's deadline
+                 past the deadline: Outcome(timed_out=True); its thread is abandoned
 
-Invariants: `run` returns one outcome per call in the calls' order, whatever order they
-finish in (so the results never depend on thread timing, only whether a call made its
-deadline does); an exception in a call is its outcome, never raised here; a call stuck
-forever costs its thread, not the run — the threads are daemons, so a hung one cannot
-keep the process from exiting (concurrent.futures' pool joins its threads at exit, which
-is why it is not used here). Each `run` has its own worker slots, so calls abandoned in an
-earlier turn do not take slots from later ones.
+Invariants: `run_calls` returns one outcome per call in the calls' order, whatever order they
+finish in (so results never depend on thread timing, only whether a call made its deadline
+does); an exception in a call is its outcome, never raised here; at most `num_workers`
+threads per `run_calls`, whatever the batch size; a call stuck forever costs its thread, not
+the run — the threads are daemons, so a hung one cannot keep the process from exiting
+(concurrent.futures' pool joins its threads at exit, which is why it is not used here), and
+each `run_calls` starts its own threads, so calls abandoned in one turn take no worker from
+the next. Calls queued behind hung ones on every worker time out at their own deadlines.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -32,24 +34,29 @@ class Outcome:
 
 def run_calls(calls: list[tuple[Callable[[], Any], float]], *, num_workers: int) -> list[Outcome]:
     """Run each `fn` (with its `deadline`, a `time.monotonic()` instant); one Outcome per call."""
-    slots = threading.BoundedSemaphore(num_workers)
+    pending: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for index in range(len(calls)):
+        pending.put(index)
     results: list[Outcome | None] = [None] * len(calls)
+    done = [threading.Event() for _ in calls]
 
-    def work(index: int, fn: Callable[[], Any]) -> None:
-        with slots:
+    def work() -> None:
+        while True:
             try:
-                results[index] = Outcome(value=fn())
+                index = pending.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                results[index] = Outcome(value=calls[index][0]())
             except BaseException as err:  # a tool's SystemExit or KeyboardInterrupt is its outcome too
                 results[index] = Outcome(error=err)
+            done[index].set()
 
-    threads = []
-    for index, (fn, _) in enumerate(calls):
-        thread = threading.Thread(target=work, args=(index, fn), daemon=True, name=f"distflow-env-{index}")
-        thread.start()
-        threads.append(thread)
+    for k in range(min(num_workers, len(calls))):
+        threading.Thread(target=work, daemon=True, name=f"distflow-env-{k}").start()
     outcomes = []
-    for index, (thread, (_, deadline)) in enumerate(zip(threads, calls)):
-        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    for index, (_, deadline) in enumerate(calls):
+        finished = done[index].wait(timeout=max(0.0, deadline - time.monotonic()))
         result = results[index]
-        outcomes.append(result if result is not None else Outcome(timed_out=True))
+        outcomes.append(result if finished and result is not None else Outcome(timed_out=True))
     return outcomes
