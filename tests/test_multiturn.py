@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from distflow.engines.multiturn import Trajectory, TurnLimits, deadline_after, reset_all, roll_out
+from distflow.engines.multiturn import Trajectory, TurnLimits, reset_all, roll_out
 from distflow.envs.calculator import CalculatorError, calculate
 from distflow.envs.python_tool import run_python
 from distflow.envs.tools import CalculatorEnv
@@ -34,7 +34,7 @@ def scripted(turns: dict[int, list[str]]):
 
 
 def run(envs, turns, *, max_turns=3, max_tokens=32, deadline_s=60.0, default_reward=-1.0):
-    trajs = [Trajectory(sample={}, env=env, deadline=deadline_after(deadline_s), uid=u) for u, env in enumerate(envs)]
+    trajs = [Trajectory(sample={}, env=env, env_seconds=deadline_s, uid=u) for u, env in enumerate(envs)]
     limits = TurnLimits(max_turns, max_tokens, default_reward, num_workers=4)
     reset_all(trajs, TOK, [ids("1+2+3=")] * len(trajs), limits)
     generate_turn, calls = scripted(turns)
@@ -162,7 +162,7 @@ def test_model_tokens_are_kept_as_sampled_not_re_encoded():
     """A turn whose ids do not survive decode → encode (a special token mid-action) is
     trained on as sampled; only the environment sees the decoded text."""
     sampled = [TOK.unk_token_id, *ids("4"), TOK.bos_token_id, *ids("="), EOS]
-    traj = Trajectory(sample={}, env=CalculatorEnv(), deadline=deadline_after(60), uid=0)
+    traj = Trajectory(sample={}, env=CalculatorEnv(), env_seconds=60.0, uid=0)
     limits = TurnLimits(2, 32, 0.0, num_workers=1)
     reset_all([traj], TOK, [ids("1+3=")], limits)
     turns = iter([sampled, ids("4") + [EOS]])
@@ -189,8 +189,7 @@ def test_calls_keep_their_order_and_bound_threads():
             raise KeyError(k)
         return k * 10
 
-    deadline = deadline_after(2.0)
-    outcomes = run_calls([(lambda k=k: call(k), deadline) for k in range(6)], num_workers=2)
+    outcomes = run_calls([(lambda k=k: call(k), 2.0) for k in range(6)], num_workers=2)
     assert [o.value for o in outcomes] == [0, None, None, 30, 40, 50]
     assert outcomes[1].timed_out and isinstance(outcomes[2].error, KeyError)
     assert len(seen) <= 2

@@ -27,8 +27,9 @@ class EnvConfig:
     """Token budget of a trajectory's response: model and observation tokens together; the
     response width of the batch. A trajectory that reaches it ends (truncated)."""
     deadline_s: float = 60.0
-    """Wall-clock limit of a trajectory's environment calls; one still running is ended,
-    scored `default_reward` and counted in `env/timeouts`."""
+    """Wall-clock seconds a trajectory's environment calls (reset and steps) may take in all,
+    counted from when each call is issued (generation time does not count); a call still
+    running past it ends the trajectory, scored `default_reward`, counted in `env/timeouts`."""
     default_reward: float = 0.0
     """Reward of the turn whose environment call raised or timed out (the trajectory ends)."""
     num_workers: int = 8

@@ -26,7 +26,7 @@ WRITES = ("input_ids", "attention_mask", "response_mask", "completion", "group",
 def env_rollout(batch: Batch, ctx: StageContext) -> Batch:
     import torch
 
-    from distflow.engines.multiturn import Trajectory, TurnLimits, deadline_after, reset_all, roll_out, turn_generator
+    from distflow.engines.multiturn import Trajectory, TurnLimits, reset_all, roll_out, turn_generator
     from distflow.engines.parallelize import gathered
     from distflow.envs import environment_class
 
@@ -36,7 +36,7 @@ def env_rollout(batch: Batch, ctx: StageContext) -> Batch:
     uids = [u * n + k % n for k, u in enumerate(prompt_uids)]
     cls = environment_class(cfg.cls)
     limits = TurnLimits(cfg.max_turns, cfg.max_tokens, cfg.default_reward, cfg.num_workers)
-    trajs = [Trajectory(sample=dict(s), env=cls(**cfg.kwargs), deadline=deadline_after(cfg.deadline_s), uid=uid)
+    trajs = [Trajectory(sample=dict(s), env=cls(**cfg.kwargs), env_seconds=cfg.deadline_s, uid=uid)
              for s, uid in zip(expanded["sample"], uids)]
     reset_all(trajs, ctx.tokenizer, expanded["prompt_ids"], limits)
 

@@ -14,15 +14,15 @@ re-encoded (only the action text handed to the environment is decoded); observat
 are encoded once, on their own, and appended after it. The sequence a trajectory trains on
 is therefore the one it was sampled as. A trajectory ends when the environment says done,
 at `max_turns`, at the `max_tokens` budget (the tokens past it are dropped), or when an
-environment call raises or passes the trajectory's deadline (scored `default_reward`,
-counted). Turn t of sample uid draws token k from the key (seed, uid, t) at position k, and
+environment call raises or runs past the environment time the trajectory has left
+(`env.deadline_s` for all its calls together; generation does not count) — scored
+`default_reward`, counted. Turn t of sample uid draws token k from the key (seed, uid, t) at position k, and
 each turn pads to the worker group's widest running sequence, so a trajectory does not
 depend on the world size or on its batch-mates.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +37,8 @@ CHARS_PER_TOKEN = 32
 class Trajectory:
     sample: dict
     env: Any
-    deadline: float
+    env_seconds: float
+    """Environment time this trajectory has left (`env.deadline_s` at the start)."""
     uid: int = 0
     prompt_ids: list[int] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
@@ -72,6 +73,7 @@ def encode_observation(tokenizer, observation, *, first: bool) -> list[int]:
 
 def _contain(traj: Trajectory, outcome, default_reward: float) -> tuple[Any, float, bool, dict] | None:
     """The step's (observation, reward, done, info), or None after scoring a failed call."""
+    traj.env_seconds -= outcome.seconds
     if outcome.timed_out or outcome.error is not None:
         traj.timeouts += outcome.timed_out
         traj.errors += outcome.error is not None
@@ -104,10 +106,11 @@ class TurnLimits:
 
 def reset_all(trajs: list[Trajectory], tokenizer, prompt_ids: list[list[int]], limits: TurnLimits) -> None:
     """Each environment's first observation (concurrently); the row's prompt ids when it is None."""
-    outcomes = run_calls([(lambda t=t: t.env.reset(t.sample), t.deadline) for t in trajs],
+    outcomes = run_calls([(lambda t=t: t.env.reset(t.sample), t.env_seconds) for t in trajs],
                          num_workers=limits.num_workers)
     for traj, ids, outcome in zip(trajs, prompt_ids, outcomes):
         traj.prompt_ids = list(ids)
+        traj.env_seconds -= outcome.seconds
         if outcome.timed_out or outcome.error is not None:
             traj.timeouts += outcome.timed_out
             traj.errors += outcome.error is not None
@@ -140,7 +143,7 @@ def roll_out(trajs: list[Trajectory], *, tokenizer, limits: TurnLimits,
             traj.actions.append(tokenizer.decode(kept, skip_special_tokens=True))
             traj.done = traj.truncated or len(traj.ids) >= limits.max_tokens
         stepping = [t for t in running if not t.done]
-        outcomes = run_calls([(lambda t=t: t.env.step(t.actions[-1]), t.deadline) for t in stepping],
+        outcomes = run_calls([(lambda t=t: t.env.step(t.actions[-1]), t.env_seconds) for t in stepping],
                              num_workers=limits.num_workers)
         for traj, outcome in zip(stepping, outcomes):
             _after_step(traj, _contain(traj, outcome, limits.default_reward), tokenizer, limits, turn)
@@ -163,10 +166,6 @@ def _after_step(traj: Trajectory, step, tokenizer, limits: TurnLimits, turn: int
     traj.add(obs_ids[:room], model=False)
     traj.truncated = len(obs_ids) >= room
     traj.done = traj.truncated
-
-
-def deadline_after(seconds: float) -> float:
-    return time.monotonic() + seconds
 
 
 def turn_generator(model, tokenizer, sampling, key_of: Callable[[Trajectory, int], int | None]):
@@ -199,7 +198,7 @@ def local_trajectories(model, tokenizer, samples: list[dict], env_cfg, sampling,
     n, cls = samples_per_prompt, environment_class(env_cfg.cls)
     limits = TurnLimits(env_cfg.max_turns, env_cfg.max_tokens, env_cfg.default_reward, env_cfg.num_workers)
     rows = [s for s in samples for _ in range(n)]
-    trajs = [Trajectory(sample=dict(s), env=cls(**env_cfg.kwargs), deadline=deadline_after(env_cfg.deadline_s), uid=u)
+    trajs = [Trajectory(sample=dict(s), env=cls(**env_cfg.kwargs), env_seconds=env_cfg.deadline_s, uid=u)
              for u, s in enumerate(rows)]
     reset_all(trajs, tokenizer, encode_prompts(tokenizer, [s["prompt"] for s in rows]), limits)
     roll_out(trajs, tokenizer=tokenizer, limits=limits, agree=lambda *values: values,
