@@ -193,3 +193,18 @@ def test_calls_keep_their_order_and_bound_threads():
     assert [o.value for o in outcomes] == [0, None, None, 30, 40, 50]
     assert outcomes[1].timed_out and isinstance(outcomes[2].error, KeyError)
     assert len(seen) <= 2
+
+
+def test_chat_observations_render_as_the_templates_continuation():
+    """A template that opens every rendering with a default system prompt: the first
+    observation gets it, later ones only what the template adds for the new message."""
+    from distflow.engines.multiturn import encode_observation
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=TOK.backend_tokenizer, eos_token="<eos>", pad_token="<pad>")
+    tok.chat_template = ("{% if messages[0]['role'] != 'system' %}0={% endif %}"
+                         "{% for m in messages %}({{ m['content'] }}){% endfor %}"
+                         "{% if add_generation_prompt %}={% endif %}")
+    message = [{"role": "tool", "content": "42"}]
+    assert tok.decode(encode_observation(tok, message, first=True), skip_special_tokens=True) == "0=(42)="
+    assert tok.decode(encode_observation(tok, message, first=False)) == "(42)="

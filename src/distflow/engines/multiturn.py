@@ -61,14 +61,29 @@ class Trajectory:
         self.reward += [0.0] * len(ids)
 
 
+_CONTEXT = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+
+
 def encode_observation(tokenizer, observation, *, first: bool) -> list[int]:
-    """Ids of an observation: text as is (special tokens only on the first), chat messages
-    through the tokenizer's chat template (with the assistant's generation prompt)."""
+    """Ids of an observation: text as is (special tokens only on the first); chat messages
+    through the tokenizer's chat template, with the assistant's generation prompt.
+
+    Messages after the first observation are rendered as what the template adds after a
+    conversation (`_CONTEXT` + messages, minus `_CONTEXT` rendered alone), so a template
+    that opens every conversation with a default system prompt does not repeat it; where
+    that rendering is not a prefix of the longer one they are rendered on their own.
+    """
     if observation is None or observation == "" or observation == []:
         return []
     if isinstance(observation, str):
         return list(tokenizer(observation, add_special_tokens=first)["input_ids"])
-    return list(tokenizer.apply_chat_template(observation, tokenize=True, add_generation_prompt=True))
+    messages = list(observation)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if not first:
+        context = tokenizer.apply_chat_template(_CONTEXT, tokenize=False)
+        extended = tokenizer.apply_chat_template(_CONTEXT + messages, tokenize=False, add_generation_prompt=True)
+        text = extended[len(context):] if extended.startswith(context) else text
+    return list(tokenizer(text, add_special_tokens=first)["input_ids"])
 
 
 def _contain(traj: Trajectory, outcome, default_reward: float) -> tuple[Any, float, bool, dict] | None:
