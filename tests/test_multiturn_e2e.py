@@ -22,6 +22,31 @@ class Echo:
         done = self.turns >= self.stop_after
         return "12", float(len(action) % 2), done, {"tool_call": not done}
 ''',
+    "bad_env.py": '''
+import itertools, sys, time
+from distflow.envs.python_tool import run_python
+
+KINDS = itertools.count()
+
+class Bad:
+    """Trajectory k: 0 sleeps forever, 1 raises, 2 floods 50 MB, 3 calls sys.exit,
+    4 runs sandboxed code that kills its own process."""
+    def __init__(self):
+        self.kind = next(KINDS) % 5
+    def reset(self, sample):
+        return None
+    def step(self, action):
+        if self.kind == 0:
+            time.sleep(10**6)
+        if self.kind == 1:
+            raise RuntimeError("tool bug")
+        if self.kind == 2:
+            return "9" * 50_000_000, 0.0, False, {"tool_call": True}
+        if self.kind == 3:
+            sys.exit(1)
+        result = run_python("import os; print('bye'); os._exit(3)")
+        return result.output, 0.0, True, {"tool_call": True, "tool_error": result.returncode != 0}
+''',
     "recorder.py": '''
 import json, os
 
@@ -90,3 +115,16 @@ def test_same_trajectories_on_two_ranks(one_rank, tmp_path_factory, cache_dir):
     for uid, row in one_rank["rows"].items():
         assert two[uid]["input_ids"] == row["input_ids"] and two[uid]["response_mask"] == row["response_mask"]
         assert two[uid]["rollout_logp"] == pytest.approx(row["rollout_logp"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_failing_tools_are_contained_and_counted(tmp_path_factory, cache_dir):
+    """Tools that hang, raise, flood, exit, or kill their sandboxed process: the run completes
+    and each failure is counted (per step: 16 trajectories, kinds 0..4 in turn; the 40
+    environments of the evaluation before the first step leave the cycle at kind 0)."""
+    result = run(tmp_path_factory, cache_dir, "env.cls=bad_env:Bad", "env.deadline_s=5", "env.max_turns=2")
+    step = result["metrics"][-1]
+    assert step["env/timeouts"] == 4  # kind 0: trajectories 0, 5, 10, 15
+    assert step["env/errors"] == 3 + 3  # kinds 1 and 3
+    assert step["env/tool_errors"] == 3  # kind 4: the sandboxed process exited with 3
+    assert step["env/truncated"] == pytest.approx(3 / 16)  # kind 2: the flood fills the token budget
