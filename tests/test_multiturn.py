@@ -208,3 +208,15 @@ def test_chat_observations_render_as_the_templates_continuation():
     message = [{"role": "tool", "content": "42"}]
     assert tok.decode(encode_observation(tok, message, first=True), skip_special_tokens=True) == "0=(42)="
     assert tok.decode(encode_observation(tok, message, first=False)) == "(42)="
+
+
+def test_tool_example_builds_a_multiturn_pipeline():
+    from conftest import REPO
+    from distflow.config import load_config
+    from distflow.dag.multiturn_stage import env_rollout
+    from distflow.dag.pipelines import build_graph
+
+    config = load_config(REPO / "examples/arith_tool_grpo.yaml")
+    rollout = build_graph(config).stages["rollout"]
+    assert rollout.fn is env_rollout and {"rollout_logp", "turn_reward"} <= set(rollout.writes)
+    assert (config.task.num_operands, config.env.cls) == (3, "distflow.envs.tools:CalculatorEnv")
