@@ -1,7 +1,8 @@
 """The sandboxed Python tool: run a snippet in a child process with hard limits.
 
-    run_python(code) ──► child `python -I -S` in a fresh temp dir (its cwd, HOME, TMPDIR)
-                         rlimits: CPU seconds, address space, file size, no core, no forks
+    run_python(code) ──► child `python -I -S` in a fresh temp dir (its cwd, HOME, TMPDIR),
+                         its own session; it sets its rlimits first (CPU seconds, address
+                         space, file size, no core, no forks), then runs the code
                          no network: socket creation raises inside the child
                          wall-clock limit: killed (the whole process group) past it
                      ◄── (stdout+stderr truncated to max_output bytes, exit code, timed_out)
@@ -16,7 +17,6 @@ for untrusted code at scale.
 from __future__ import annotations
 
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -25,7 +25,12 @@ from dataclasses import dataclass
 
 # Runs in the child before the user's code (passed with -c; the code is read from a file).
 _PRELUDE = r"""
-import os, sys, socket
+import os, sys, socket, resource
+for _limit, _value in ((resource.RLIMIT_CPU, {cpu_s}), (resource.RLIMIT_AS, {memory_bytes}),
+                       (resource.RLIMIT_FSIZE, {file_bytes}), (resource.RLIMIT_CORE, 0)):
+    resource.setrlimit(_limit, (_value, _value))  # hard = soft: the code cannot raise them again
+if os.getuid() != 0:
+    resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
 _root = os.path.realpath(os.getcwd())
 def _inside(path):
     try:
@@ -63,17 +68,6 @@ class PythonResult:
     truncated: bool
 
 
-def _limits(cpu_s: int, memory_bytes: int, file_bytes: int):
-    def apply() -> None:
-        os.setsid()  # its own process group: a timeout kills everything it started
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_NPROC, (0, 0)) if os.getuid() != 0 else None
-    return apply
-
-
 def run_python(code: str, *, cpu_s: int = 5, wall_s: float = 10.0, memory_mb: int = 512,
                max_output: int = 4096) -> PythonResult:
     """Run `code` sandboxed; never raises for anything the code does."""
@@ -83,9 +77,13 @@ def run_python(code: str, *, cpu_s: int = 5, wall_s: float = 10.0, memory_mb: in
         out_path = os.path.join(workdir, ".out")
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "PYTHONIOENCODING": "utf-8"}
         with open(out_path, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _PRELUDE], cwd=workdir, env=env,
+            prelude = _PRELUDE.replace("{cpu_s}", str(int(cpu_s))).replace("{memory_bytes}", str(memory_mb << 20))
+            prelude = prelude.replace("{file_bytes}", str(max(max_output, 1 << 20)))
+            # The limits are set by the child itself (first lines of the prelude), not in a
+            # preexec_fn, which is unsafe when other threads run (the env calls' do).
+            proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", prelude], cwd=workdir, env=env,
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    preexec_fn=_limits(cpu_s, memory_mb << 20, max(max_output, 1 << 20)))
+                                    start_new_session=True)  # its own process group, killed whole on timeout
             timed_out = False
             try:
                 proc.wait(timeout=wall_s)
