@@ -55,6 +55,13 @@ FAST = [
     ("mini-batches", ["algorithm.num_mini_batches=1000", "trainer.prompts_per_step=4", "rollout.num_samples=4"],
      "algorithm.num_mini_batches=1000 exceeds the 16 samples"),
     ("group size", ["rollout.num_samples=1"], "rollout.num_samples must be >= 2"),
+    ("env class", ["env.cls=distflow.envs.tools:NoSuchEnv"], "env.cls: module 'distflow.envs.tools' has no function "
+     "'NoSuchEnv'"),
+    ("env not an environment", ["env.cls=distflow.envs.calculator:calculate"], "has no reset and no step method"),
+    ("env turns", ["env.cls=distflow.envs.tools:CalculatorEnv", "env.max_turns=0"], "env.max_turns must be >= 1"),
+    ("env kwargs", ["env.kwargs=3"], "env.kwargs must be a mapping (got 3)"),
+    ("env with remax", ["env.cls=distflow.envs.tools:CalculatorEnv", "algorithm.name=remax"],
+     "algorithm.name=remax needs a greedy single-turn baseline"),
     ("algorithm name", ["algorithm.name=grpo2"], "algorithm.name must be one of: grpo, dr_grpo, dapo, rloo, "
      "reinforce_pp, reinforce_pp_baseline, remax, gspo, ppo (got 'grpo2')"),
     ("algorithm loss_agg", ["algorithm.loss_agg=mean"], "algorithm.loss_agg must be one of: token-mean, token-sum, "

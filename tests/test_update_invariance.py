@@ -4,6 +4,7 @@ For every loss aggregation mode, both policy losses (token-ratio PPO and sequenc
 GSPO), a KL loss term with an entropy bonus and dual-clip, token-level advantages, and the
 critic's value loss: 1 micro-batch of 8 == 8 micro-batches of 1 == 2 ranks of 4, with the
 2 ranks under either trainer.strategy (ddp, or fsdp2's sharded gradients gathered back whole).
+Two rows are multi-turn: their loss masks have interior holes (observation tokens).
 """
 
 import copy
@@ -53,6 +54,9 @@ def make_batch(token_level: bool = False) -> Batch:
     response_mask[::2, 2:] = 0  # different response lengths
     response_mask[5, 1:] = 0
     attention[:, 5:] = response_mask
+    # Multi-turn rows: observation tokens inside the response are attended to but not trained.
+    response_mask[1, 1] = 0
+    response_mask[3, 1:3] = 0
     advantage = torch.randn(8, 4, generator=g) * response_mask if token_level else torch.randn(8, generator=g)
     return Batch({
         "input_ids": ids, "attention_mask": attention, "response_mask": response_mask, "advantage": advantage,

@@ -78,6 +78,10 @@ def _validate(config: Config, world_size: int, *, check_run_dir: bool, resuming:
 
     make_plan(build_graph(config), config, world_size, LOADER_FIELDS)
     reward_functions(config.task)
+    if config.env.cls is not None:
+        from distflow.envs import environment_class
+
+        environment_class(config.env.cls)
     if config.trainer.device == "cuda":
         import torch
 

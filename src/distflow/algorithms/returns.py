@@ -69,6 +69,10 @@ def gae_advantages(
     δ_t = r_t + γ·V_{t+1} - V_t,   A_t = δ_t + γλ·A_{t+1},   R_t = A_t + V_t,
     with V and A past the last valid token taken as 0. The critic's target R is computed
     before whitening. Returns (advantage_BR, return_BR), float32, 0 on masked tokens.
+
+    Multi-turn masks (observation tokens masked inside the response): t+1 is the next
+    *valid* token — the scan carries V and A across a hole without discounting, so
+    `[a, obs, obs, b]` gives a's advantage exactly as `[a, b]` would (tests/test_algorithms_holes.py).
     """
     valid_BR = mask_BR.bool()
     advantage_BR, return_BR = _gae_float64(reward_BR, value_BR, valid_BR, gamma=gamma, lam=lam)

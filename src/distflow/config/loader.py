@@ -132,6 +132,9 @@ def convert(tp: Any, value: Any, where: str) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+    elif tp is dict:  # free-form keyword arguments (env.kwargs)
+        if isinstance(value, dict):
+            return dict(value)
     else:
         raise TypeError(f"unsupported config type {tp!r} at {where}")
     raise ConfigError(f"{where} must be {_type_name(tp)} (got {value!r})")
@@ -162,4 +165,4 @@ def _join(where: str, key: str) -> str:
 
 
 def _type_name(tp: Any) -> str:
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}.get(tp, str(tp))

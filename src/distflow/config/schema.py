@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from distflow.config.algorithm import AlgorithmConfig
 from distflow.config.deprecated import DeprecatedKeyWarning
+from distflow.config.env import EnvConfig
 from distflow.config.errors import ConfigError, check  # noqa: F401 (ConfigError is imported from here widely)
 from distflow.config.task import FLOAT32_MAX, RewardModelSpec, RewardSpec, TaskConfig  # noqa: F401 (re-exported)
 
@@ -356,9 +357,10 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
-        num_problems = 10 ** (2 * self.task.num_digits)
+        num_problems = 10 ** (self.task.num_operands * self.task.num_digits)
         held_back = self.task.num_heldout
         if self.model.path is None and self.warmstart.target_accuracy > 0:
             held_back += self.warmstart.num_validation

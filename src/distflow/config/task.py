@@ -65,6 +65,9 @@ class DatasetSpec:
 class TaskConfig:
     num_digits: int = 2
     """Operands of the embedded addition task have up to this many digits (1..3)."""
+    num_operands: int = 2
+    """Operands of each embedded sum ("a+b=", "a+b+c=", ...; 2..4): more makes a multi-step task
+    that the calculator tool (`env.cls: distflow.envs.tools:CalculatorEnv`) helps with."""
     num_heldout: int = 1000
     """Problems held out of training for evaluation (embedded task; with `heldout_file`, a
     cap on the rows of that file that are evaluated)."""
@@ -89,6 +92,7 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         check(1 <= self.num_digits <= 3, f"task.num_digits must be in 1..3 (got {self.num_digits})")
+        check(2 <= self.num_operands <= 4, f"task.num_operands must be in 2..4 (got {self.num_operands})")
         check(self.num_heldout >= 1, f"task.num_heldout must be >= 1 (got {self.num_heldout})")
         check(":" in self.reward, f"task.reward must look like 'package.module:function' (got {self.reward!r})")
         check(self.reward_timeout_s >= 0, f"task.reward_timeout_s must be >= 0 (got {self.reward_timeout_s})")

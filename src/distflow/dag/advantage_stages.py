@@ -38,7 +38,11 @@ def _sequence_reward_B(batch: Batch) -> torch.Tensor:
 def _token_reward_BR(batch: Batch) -> torch.Tensor:
     from distflow.algorithms.returns import outcome_to_token_rewards
 
-    reward_BR = outcome_to_token_rewards(batch["reward"].float(), batch["response_mask"])
+    if "turn_reward" in batch.fields():  # multi-turn: each environment reward stays on its turn's last token
+        turn_BR = batch["turn_reward"].float()
+        reward_BR = outcome_to_token_rewards(batch["reward"].float() - turn_BR.sum(-1), batch["response_mask"]) + turn_BR
+    else:
+        reward_BR = outcome_to_token_rewards(batch["reward"].float(), batch["response_mask"])
     if "kl_penalty" in batch.fields():
         reward_BR = reward_BR - batch["kl_penalty"]
     return reward_BR

@@ -35,8 +35,8 @@ from distflow.algorithms.kl import KL_ESTIMATORS
 from distflow.config.algorithm import ALGORITHMS
 from distflow.config.callables import import_callable
 from distflow.config.errors import check_one_of
-from distflow.config.schema import Config
-from distflow.dag import stages, update_stages
+from distflow.config.schema import Config, ConfigError
+from distflow.dag import multiturn_stage, stages, update_stages
 from distflow.dag.advantage_stages import ESTIMATORS, Estimator
 from distflow.dag.dynamic_sampling import DynamicSampling
 from distflow.dag.graph import Graph, GraphError, Stage
@@ -63,8 +63,12 @@ def policy_gradient(config: Config, estimator: Estimator, *, critic: bool = Fals
     """The skeleton above with `estimator` as the advantage stage."""
     algo = config.algorithm
     chain = _Chain(Graph())
-    chain.add("rollout", stages.rollout, "rollout", ("uid", "prompt", "prompt_ids"),
-              ("input_ids", "attention_mask", "response_mask", "completion", "group"), group="rollout")
+    if config.env.cls is not None:  # multi-turn trajectories against an environment
+        chain.add("rollout", multiturn_stage.env_rollout, "rollout", LOADER_FIELDS, multiturn_stage.WRITES,
+                  group="rollout")
+    else:
+        chain.add("rollout", stages.rollout, "rollout", ("uid", "prompt", "prompt_ids"),
+                  ("input_ids", "attention_mask", "response_mask", "completion", "group"), group="rollout")
     if greedy_baseline:  # ReMax: on the rollout ranks, where each group's prompt already is
         chain.add("greedy_baseline", stages.greedy_baseline, "rollout", ("prompt", "prompt_ids", "group", "sample"),
                   ("baseline_reward",), group="rollout")
@@ -111,6 +115,9 @@ def builtin(config: Config) -> Graph:
     algorithm = ALGORITHMS[config.algorithm.name]
     estimator = ESTIMATORS[algorithm.estimator]
     # An estimator that reads the greedy completion's reward gets the stage that writes it (ReMax).
+    if config.env.cls is not None and "baseline_reward" in estimator.reads:
+        raise ConfigError(f"algorithm.name={config.algorithm.name} needs a greedy single-turn baseline, which "
+                          "multi-turn rollouts (env.cls) do not make yet; choose grpo, rloo, reinforce_pp or ppo")
     return policy_gradient(config, estimator, critic=algorithm.critic,
                            greedy_baseline="baseline_reward" in estimator.reads)
 

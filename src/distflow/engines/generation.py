@@ -30,6 +30,8 @@ class Generation:
     response_mask_BR: torch.Tensor
     prompt_width: int
     completions: list[str]
+    logp_BR: torch.Tensor | None = None
+    """With `with_logp`: each response token's log-prob under softmax(logits / T), 0 after the end."""
 
 
 @torch.no_grad()
@@ -46,6 +48,7 @@ def generate(
     prompt_width: int | None = None,
     samples_per_prompt: int = 1,
     engine: str = "compact",
+    with_logp: bool = False,
 ) -> Generation:
     """`samples_per_prompt` completions of each prompt, sample k of prompt g in row g·n + k.
 
@@ -66,11 +69,13 @@ def generate(
         keys_B = torch.tensor(sample_keys, dtype=torch.long, device=device)
     was_training = model.training
     model.eval()
+    logps: list[torch.Tensor] | None = [] if with_logp else None
     try:
         if engine == "compact":
             response_BR = decode(model, prompt_ids_GP, prompt_mask_GP, samples_per_prompt=n,
                                  max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_token_id,
-                                 pad_id=tokenizer.pad_token_id, temperature=temperature, top_p=top_p, keys_B=keys_B)
+                                 pad_id=tokenizer.pad_token_id, temperature=temperature, top_p=top_p, keys_B=keys_B,
+                                 logp_out=logps)
         elif engine == "generate":
             response_BR = _hf_generate(model, tokenizer, prompt_ids_GP.repeat_interleave(n, dim=0),
                                        prompt_mask_GP.repeat_interleave(n, dim=0), keys_B,
@@ -83,13 +88,23 @@ def generate(
     response_mask_BR = response_mask_from_ids(response_BR, tokenizer.eos_token_id)
     response_BR = torch.where(response_mask_BR.bool(), response_BR, tokenizer.pad_token_id)
     completions = tokenizer.batch_decode(response_BR, skip_special_tokens=True)
-    return Generation(
-        input_ids_BT=torch.cat([prompt_ids_BP, response_BR], dim=1),
-        attention_mask_BT=torch.cat([prompt_mask_BP, response_mask_BR], dim=1),
-        response_mask_BR=response_mask_BR,
-        prompt_width=width,
-        completions=completions,
-    )
+    input_ids_BT = torch.cat([prompt_ids_BP, response_BR], dim=1)
+    attention_mask_BT = torch.cat([prompt_mask_BP, response_mask_BR], dim=1)
+    logp_BR = None if not with_logp else response_mask_BR * (logps[0] if logps else _recomputed_logp(
+        model, input_ids_BT, attention_mask_BT, response_BR.shape[1], temperature))
+    return Generation(input_ids_BT, attention_mask_BT, response_mask_BR, width, completions, logp_BR)
+
+
+def _recomputed_logp(model, input_ids_BT, attention_mask_BT, width: int, temperature: float) -> torch.Tensor:
+    """The `generate` engine does not keep its scores: one forward pass over the samples."""
+    from distflow.engines.logprobs import response_logprobs
+
+    was_training = model.training
+    model.eval()
+    try:
+        return response_logprobs(model, input_ids_BT, attention_mask_BT, width, temperature=temperature)[0]
+    finally:
+        model.train(was_training)
 
 
 def _hf_generate(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompt_ids_BP: torch.Tensor,

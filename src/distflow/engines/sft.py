@@ -46,8 +46,10 @@ def supervised_warmstart(
     seed: int,
     should_stop: Callable[[int], bool] = lambda step: False,
     check_every: int = 10,
+    batch_of: Callable[[list[int], int], tuple[torch.Tensor, ...]] | None = None,
 ) -> list[float]:
-    """Train in place (linear warm-up, then constant lr); returns the loss of every step."""
+    """Train in place (linear warm-up, then constant lr); returns the loss of every step.
+    `batch_of(indices, step)` replaces `supervised_batch` (multi-turn transcripts)."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     warmup = 50
@@ -59,9 +61,8 @@ def supervised_warmstart(
         if len(order) < batch_size:
             order += rng.sample(range(len(prompts)), len(prompts))
         idx, order = order[:batch_size], order[batch_size:]
-        ids_BT, mask_BT, loss_mask_BT = supervised_batch(
-            tokenizer, [prompts[i] for i in idx], [answers[i] for i in idx]
-        )
+        ids_BT, mask_BT, loss_mask_BT = (batch_of(idx, step) if batch_of is not None else supervised_batch(
+            tokenizer, [prompts[i] for i in idx], [answers[i] for i in idx]))
         logits_BTV = model(
             input_ids=ids_BT, attention_mask=mask_BT, position_ids=position_ids_from_mask(mask_BT)
         ).logits
@@ -86,7 +87,8 @@ def supervised_warmstart(
 
 
 def warm_start_to_target(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, train: Sequence[dict],
-                         validation: Sequence[dict], is_correct, sampling, settings, seed: int, log) -> dict:
+                         validation: Sequence[dict], is_correct, sampling, settings, seed: int, log,
+                         env=None) -> dict:
     """Supervised training on `train` rows ({"prompt", "answer"}) until the sampled accuracy on
     `validation` (each row twice, keyed per (step, sample)) reaches `settings.target_accuracy`.
 
@@ -101,7 +103,7 @@ def warm_start_to_target(model: torch.nn.Module, tokenizer: PreTrainedTokenizerB
     def reached_target(step: int) -> bool:
         keys = [derive_seed(seed, "warmstart-validation", step, j) for j in range(2 * len(validation))]
         correct, total = count_correct(model, tokenizer, validation, is_correct, sampling, sample_keys=keys,
-                                       samples_per_prompt=2)
+                                       samples_per_prompt=2, env=env)
         accuracy[0] = correct / total
         return accuracy[0] >= settings.target_accuracy
 
@@ -113,6 +115,7 @@ def warm_start_to_target(model: torch.nn.Module, tokenizer: PreTrainedTokenizerB
             model, tokenizer, [r["prompt"] for r in train], [r["answer"] for r in train],
             max_steps=settings.max_steps, batch_size=settings.batch_size, lr=settings.lr,
             seed=derive_seed(seed, "warmstart-order"), should_stop=reached_target, check_every=settings.check_every,
+            batch_of=_tool_batches(tokenizer, train, seed) if env is not None and env.cls == CALCULATOR else None,
         )
         if accuracy[0] < settings.target_accuracy:
             raise ConfigError(
@@ -120,3 +123,16 @@ def warm_start_to_target(model: torch.nn.Module, tokenizer: PreTrainedTokenizerB
                 f"{settings.target_accuracy} in warmstart.max_steps={settings.max_steps} steps; raise max_steps "
                 "or lower the target")
     return {"steps": len(losses), "validation_accuracy": accuracy[0], "final_loss": losses[-1] if losses else None}
+
+
+CALCULATOR = "distflow.envs.tools:CalculatorEnv"
+
+
+def _tool_batches(tokenizer: PreTrainedTokenizerBase, train: Sequence[dict], seed: int):
+    """Multi-turn warm-start batches (`env.cls` is the calculator): the transcripts of `tasks.tool_transcripts`."""
+    from distflow.tasks.tool_transcripts import transcript_batch
+
+    def batch_of(indices: list[int], step: int):
+        return transcript_batch(tokenizer, [train[i] for i in indices], derive_seed(seed, "warmstart-tool", step))
+
+    return batch_of

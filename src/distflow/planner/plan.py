@@ -26,7 +26,7 @@ from distflow.layout import Layout, format_ranks, parse_ranks
 FIELD_SIZES = {
     "input_ids": ("T", 8), "attention_mask": ("T", 8), "response_mask": ("R", 8), "group": ("1", 8),
     "reward": ("1", 4), "advantage": ("1", 4), "sample_mask": ("1", 4), "old_logp": ("R", 4),
-    "ref_logp": ("R", 4), "values": ("R", 4), "returns": ("R", 4),
+    "ref_logp": ("R", 4), "values": ("R", 4), "returns": ("R", 4), "rollout_logp": ("R", 4), "turn_reward": ("R", 4),
 }
 META_BYTES_PER_FIELD = 64  # pickled per-sample Python values (prompt text, uid, ...), a rough mean
 
@@ -227,4 +227,4 @@ def _bytes_per_sample(fields: set[str], seq_len: int, response_len: int) -> int:
 
 def _prompt_tokens_estimate(config: Config) -> int:
     """Prompt length for the traffic estimate: exact for the embedded task ('a+b=' plus BOS)."""
-    return 2 * config.task.num_digits + 3
+    return (config.task.num_digits + 1) * config.task.num_operands + 1

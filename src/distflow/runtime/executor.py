@@ -87,7 +87,7 @@ def _evaluate(worker: Worker) -> Evaluation:
     return evaluate(
         worker.eval_model, engines.tokenizer, worker.heldout if worker.heldout is not None else worker.task.heldout,
         worker.task.is_correct, engines.sampling, num_samples=cfg.trainer.eval_samples, comm=worker.world,
-        seed=cfg.trainer.seed,
+        seed=cfg.trainer.seed, env=cfg.env,
     )
 
 

@@ -24,21 +24,26 @@ class ProblemRows(Sequence):
     Only the ids are held, so a rank materializes just the rows it reads.
     """
 
-    def __init__(self, ids: list[int], limit: int) -> None:
+    def __init__(self, ids: list[int], limit: int, num_operands: int = 2) -> None:
         self.ids = ids
         self.limit = limit
+        self.num_operands = num_operands
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, index):
         if isinstance(index, slice):
-            return ProblemRows(self.ids[index], self.limit)
-        a, b = divmod(self.ids[index], self.limit)
-        return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+            return ProblemRows(self.ids[index], self.limit, self.num_operands)
+        rest, operands = self.ids[index], []
+        for _ in range(self.num_operands):  # id = digits of the operands in base `limit`, first operand highest
+            rest, operand = divmod(rest, self.limit)
+            operands.insert(0, operand)
+        return {"prompt": "+".join(map(str, operands)) + "=", "answer": str(sum(operands))}
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, ProblemRows) and (self.ids, self.limit) == (other.ids, other.limit)
+        return isinstance(other, ProblemRows) and ((self.ids, self.limit, self.num_operands)
+                                                   == (other.ids, other.limit, other.num_operands))
 
 
 @dataclass(frozen=True)
@@ -50,13 +55,15 @@ class ArithmeticTask:
     """What the verifier reads (each entry: fields of which a row needs one)."""
 
     @classmethod
-    def build(cls, *, num_digits: int, num_heldout: int, seed: int) -> ArithmeticTask:
+    def build(cls, *, num_digits: int, num_heldout: int, seed: int, num_operands: int = 2) -> ArithmeticTask:
+        """Every sum of `num_operands` operands below 10^num_digits ("a+b=", "a+b+c=", ...)."""
         limit = 10**num_digits
-        ids = list(range(limit * limit))
+        ids = list(range(limit**num_operands))
         if num_heldout >= len(ids):
             raise ValueError(f"num_heldout={num_heldout} leaves no training problems ({len(ids)} exist)")
         random.Random(derive_seed(seed, "task-split")).shuffle(ids)
-        return cls(train=ProblemRows(ids[num_heldout:], limit), heldout=ProblemRows(ids[:num_heldout], limit))
+        return cls(train=ProblemRows(ids[num_heldout:], limit, num_operands),
+                   heldout=ProblemRows(ids[:num_heldout], limit, num_operands))
 
     @staticmethod
     def is_correct(completion: str, sample: dict) -> bool:

@@ -42,7 +42,8 @@ def build_task(config: Config, tokenizer: Any) -> Task:
     """
     task = config.task
     if task.train_file is None and task.dataset is None:
-        return ArithmeticTask.build(num_digits=task.num_digits, num_heldout=task.num_heldout, seed=config.trainer.seed)
+        return ArithmeticTask.build(num_digits=task.num_digits, num_heldout=task.num_heldout, seed=config.trainer.seed,
+                                   num_operands=task.num_operands)
     from distflow.tasks.math_answers import MathTask
 
     if task.dataset is not None:

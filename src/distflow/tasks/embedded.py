@@ -42,6 +42,11 @@ def cache_key(config: Config) -> str:
         "sampling": [config.rollout.temperature, config.rollout.top_p, config.rollout.max_new_tokens],
         "seed": config.trainer.seed,
     }
+    if config.task.num_operands != 2:  # keys of the two-operand task stay as they were
+        shaping["task"]["num_operands"] = config.task.num_operands
+    if config.env.cls is not None:  # a multi-turn warm-start (tool transcripts, validated by trajectories)
+        env = to_dict(config)["env"]
+        shaping["env"] = {k: env[k] for k in ("cls", "kwargs", "max_turns", "max_tokens")}
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -55,11 +60,13 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     seed = config.trainer.seed
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tokenizer, seed=derive_seed(seed, "model-init"))
-    task = ArithmeticTask.build(num_digits=config.task.num_digits, num_heldout=config.task.num_heldout, seed=seed)
+    task = ArithmeticTask.build(num_digits=config.task.num_digits, num_heldout=config.task.num_heldout, seed=seed,
+                                num_operands=config.task.num_operands)
     ws = config.warmstart
     validation, train = task.train[-ws.num_validation :], task.train[: -ws.num_validation]
     sampling = SamplingSpec.of(config.rollout)
-    info = warm_start_to_target(model, tokenizer, train, validation, task.is_correct, sampling, ws, seed, log)
+    info = warm_start_to_target(model, tokenizer, train, validation, task.is_correct, sampling, ws, seed, log,
+                                env=config.env)
     info["seconds"] = round(time.time() - start, 1)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
