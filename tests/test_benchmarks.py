@@ -60,7 +60,7 @@ def test_benchmark_imports_of_distflow_exist(script):
 
 def test_every_benchmark_has_a_quick_test():
     scripts = {p.name for p in BENCHMARKS.glob("*.py")} - {"trl_worker.py"}  # run by throughput.py
-    assert scripts == {"throughput.py", "data_plane.py", "weight_sync.py", "memory.py", "lora.py"}, (
+    assert scripts == {"throughput.py", "data_plane.py", "weight_sync.py", "memory.py", "lora.py", "async.py"}, (
         f"benchmarks/ now holds {sorted(scripts)}: give each a --quick mode and a test here")
 
 
@@ -165,3 +165,15 @@ def test_lora_quick():
     assert out["bytes"]["optimizer_state_bytes_ratio"] < 0.2 and out["bytes"]["sync_bytes_per_update_ratio"] < 0.2
     assert lora["checkpoint_bytes"] < 0.3 * full["checkpoint_bytes"]
     assert "learning" not in out
+
+
+def test_async_quick():
+    out = run_quick("async.py", timeout=1800)
+    timing = out["timing"]
+    for name in ("k0", "k1", "k2"):
+        assert timing[name]["timed_steps"] == 1 and timing[name]["step_s"] > 0 and timing[name]["rollout_s"] > 0
+    # Bytes, not speeds: pipelining moves the same weights per update; the samples carry two more
+    # fields (each token's rollout log-prob, each sample's policy version).
+    assert timing["k1"]["sync_bytes_per_rank"] == timing["k0"]["sync_bytes_per_rank"] > 0
+    assert timing["k1"]["samples_bytes_sent"] == timing["k2"]["samples_bytes_sent"] > timing["k0"]["samples_bytes_sent"]
+    assert timing["k1/k0"] > 0 and "learning" not in out

@@ -75,7 +75,7 @@ Trainable = tuple  # (module, its optimizer, its LR scheduler)
 def save_checkpoint(
     root: Path, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler, extra: dict, comm: Comm, keep_last: int,
-    tokenizer: Any = None, others: dict[str, Trainable] | None = None,
+    tokenizer: Any = None, others: dict[str, Trainable] | None = None, rank_state: Any = None,
 ) -> Path:
     """Save on every rank of `comm` (collective); returns `root/step-{step:06d}` once it is complete.
 
@@ -85,6 +85,8 @@ def save_checkpoint(
     more trained modules by name (e.g. {"critic": (model, optimizer, scheduler)}), saved
     under "<name>_model" / "<name>_optimizer". `extra` (config, loader state, ...)
     must be JSON-serialisable; it round-trips through JSON (tuples come back as lists).
+    `rank_state`: anything picklable this rank alone holds (the batches in flight of a pipelined
+    run), saved as `state-rank{R}.pt` and handed back by `load_checkpoint` as meta["rank_state"].
     `root` must be one filesystem that every rank sees (DCP writes one file per rank).
     If rank 0 fails to finish, every rank raises; a rank that dies mid-save leaves the
     others blocked in a collective until the process-group timeout, like any collective.
@@ -106,7 +108,7 @@ def save_checkpoint(
         _remove_leftovers(root)
         tmp.mkdir()
     comm.barrier()
-    _write_shards(tmp, root, step, model=model, optimizer=optimizer, others=others, comm=comm)
+    _write_shards(tmp, root, step, model=model, optimizer=optimizer, others=others, comm=comm, rank_state=rank_state)
     comm.barrier()
     final = root / step_dir_name(step)
     _complete_on_main(tmp, final, root, step, meta_text=meta_text, model=model, tokenizer=tokenizer,
@@ -115,7 +117,7 @@ def save_checkpoint(
 
 
 def _write_shards(tmp: Path, root: Path, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  others: dict[str, Trainable], comm: Comm) -> None:
+                  others: dict[str, Trainable], comm: Comm, rank_state: Any = None) -> None:
     """Every rank: its DCP shards of every trained module and optimizer, and its RNG states."""
     state = {"model": get_model_state_dict(model, options=_options(model)),
              "optimizer": get_optimizer_state_dict(model, optimizer)}
@@ -125,6 +127,9 @@ def _write_shards(tmp: Path, root: Path, step: int, *, model: torch.nn.Module, o
     try:
         torch.save(capture_rng(comm.device), tmp / f"rng-rank{comm.rank}.pt")
         _fsync(tmp / f"rng-rank{comm.rank}.pt")
+        if rank_state is not None:
+            torch.save(rank_state, tmp / f"state-rank{comm.rank}.pt")
+            _fsync(tmp / f"state-rank{comm.rank}.pt")
         with quiet_single_process():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=comm.group,
                      no_dist=not comm.distributed)
@@ -202,6 +207,8 @@ def load_checkpoint(
         other_scheduler.load_state_dict(meta["others"][name]["scheduler"])
     rng_file = path / f"rng-rank{comm.rank}.pt"
     meta["rng"] = torch.load(rng_file, weights_only=True) if rng_file.exists() else None
+    state_file = path / f"state-rank{comm.rank}.pt"  # batches with Python rows: pickled, from our own run
+    meta["rank_state"] = torch.load(state_file, weights_only=False) if state_file.exists() else None
     return meta
 
 

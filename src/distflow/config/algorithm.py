@@ -9,6 +9,7 @@
       dynamic_sampling: {enabled, max_rounds}          DAPO
       overlong:         {buffer, penalty}              DAPO's soft overlong penalty
       critic:           {lr, value_clip, warmup_steps} PPO
+      off_policy_correction, off_policy_cap            stale samples (trainer.max_staleness)
 
 A setting documented as "null: the algorithm's" takes the value of `algorithm.name` in
 `ALGORITHMS`. Names that select a function from a dispatch table (`policy_loss`, `loss_agg`,
@@ -64,6 +65,9 @@ ALGORITHMS = {
     "ppo": BuiltinAlgorithm(estimator="gae", critic=True),
 }
 """`algorithm.name` → what it is. Its keys are the valid names."""
+
+OFF_POLICY_CORRECTIONS = ("none", "tis", "mask")
+"""`algorithm.off_policy_correction` values (algorithms/off_policy.py)."""
 
 
 @dataclass(kw_only=True)
@@ -196,6 +200,12 @@ class AlgorithmConfig:
     """DAPO's soft overlong penalty (off by default)."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model of PPO."""
+    off_policy_correction: str = "none"
+    """How the loss corrects for samples drawn by an older policy (`trainer.max_staleness`):
+    none, tis (PPO ratio to the proximal policy times the behaviour→proximal importance weight
+    truncated at `off_policy_cap`) or mask (the weight, tokens above the cap dropped)."""
+    off_policy_cap: float = 2.0
+    """The importance weight's cap (tis) or threshold (mask)."""
 
     def __post_init__(self) -> None:
         check_one_of("algorithm.name", self.name, ALGORITHMS)
@@ -206,6 +216,8 @@ class AlgorithmConfig:
               f"algorithm.gamma and algorithm.lam must be in [0, 1] (got {self.gamma}, {self.lam})")
         check(self.ppo_epochs >= 1, f"algorithm.ppo_epochs must be >= 1 (got {self.ppo_epochs})")
         check(self.num_mini_batches >= 1, f"algorithm.num_mini_batches must be >= 1 (got {self.num_mini_batches})")
+        check_one_of("algorithm.off_policy_correction", self.off_policy_correction, OFF_POLICY_CORRECTIONS)
+        check(self.off_policy_cap >= 1, f"algorithm.off_policy_cap must be >= 1 (got {self.off_policy_cap})")
         with_critic = [f"algorithm.name={name}" for name, builtin in ALGORITHMS.items() if builtin.critic]
         check(self.critic.warmup_steps == 0 or ALGORITHMS[self.name].critic,
               f"algorithm.critic.warmup_steps needs a critic: only {' or '.join(with_critic)} has one")

@@ -209,6 +209,10 @@ class TrainerConfig:
     profile_steps: int = 0
     """Record a torch profiler trace of this many steps (from the second) into the run
     directory's profile/ (`--profile K` sets it); 0: off."""
+    max_staleness: int = 0
+    """k >= 1: rollout ranks generate steps t+1..t+k while train ranks train step t; step t's
+    samples come from the policy after max(0, t-1-k) updates (runtime/pipelined.py). Needs
+    disjoint rollout and train ranks. 0: synchronous (on-policy)."""
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.loggers if name not in LOGGERS]
@@ -221,6 +225,7 @@ class TrainerConfig:
             if not self.tensorboard:
                 self.loggers = [name for name in self.loggers if name != "tensorboard"]
         check(self.profile_steps >= 0, f"trainer.profile_steps must be >= 0 (got {self.profile_steps})")
+        check(self.max_staleness >= 0, f"trainer.max_staleness must be >= 0 (0: synchronous; got {self.max_staleness})")
         check(self.total_steps >= 1, f"trainer.total_steps must be >= 1 (got {self.total_steps})")
         check(self.prompts_per_step >= 1, f"trainer.prompts_per_step must be >= 1 (got {self.prompts_per_step})")
         check(self.micro_batch_size >= 1, f"trainer.micro_batch_size must be >= 1 (got {self.micro_batch_size})")

@@ -26,6 +26,7 @@ WRITES = ("input_ids", "attention_mask", "response_mask", "completion", "group",
 def env_rollout(batch: Batch, ctx: StageContext) -> Batch:
     import torch
 
+    from distflow.dag.stages import policy_versions
     from distflow.engines.multiturn import Trajectory, TurnLimits, reset_all, roll_out, turn_generator
     from distflow.engines.parallelize import gathered
     from distflow.envs import environment_class
@@ -56,7 +57,7 @@ def env_rollout(batch: Batch, ctx: StageContext) -> Batch:
     tensors = _layout(trajs, prompt_width, cfg.max_tokens, ctx.tokenizer.pad_token_id)
     _record(ctx, trajs, tensors["response_mask"])
     device = ctx.comm.device
-    return expanded.updated(uid=uids, group=torch.tensor(prompt_uids, dtype=torch.long),
+    return expanded.updated(uid=uids, group=torch.tensor(prompt_uids, dtype=torch.long), **policy_versions(ctx, len(trajs)),
                             completion=[t.actions[-1] if t.actions else "" for t in trajs],
                             **{name: value.to(device) for name, value in tensors.items()})
 

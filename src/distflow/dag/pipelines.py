@@ -63,12 +63,13 @@ def policy_gradient(config: Config, estimator: Estimator, *, critic: bool = Fals
     """The skeleton above with `estimator` as the advantage stage."""
     algo = config.algorithm
     chain = _Chain(Graph())
-    if config.env.cls is not None:  # multi-turn trajectories against an environment
-        chain.add("rollout", multiturn_stage.env_rollout, "rollout", LOADER_FIELDS, multiturn_stage.WRITES,
-                  group="rollout")
+    behaviour = stages.behaviour_fields(config)  # rollout_logp, policy_version (off-policy correction)
+    if config.env.cls is not None:  # multi-turn trajectories against an environment (rollout_logp always)
+        chain.add("rollout", multiturn_stage.env_rollout, "rollout", LOADER_FIELDS,
+                  tuple(dict.fromkeys(multiturn_stage.WRITES + behaviour)), group="rollout")
     else:
         chain.add("rollout", stages.rollout, "rollout", ("uid", "prompt", "prompt_ids"),
-                  ("input_ids", "attention_mask", "response_mask", "completion", "group"), group="rollout")
+                  ("input_ids", "attention_mask", "response_mask", "completion", "group", *behaviour), group="rollout")
     if greedy_baseline:  # ReMax: on the rollout ranks, where each group's prompt already is
         chain.add("greedy_baseline", stages.greedy_baseline, "rollout", ("prompt", "prompt_ids", "group", "sample"),
                   ("baseline_reward",), group="rollout")
@@ -81,7 +82,7 @@ def policy_gradient(config: Config, estimator: Estimator, *, critic: bool = Fals
         chain.add("overlong_penalty", stages.overlong_penalty, "reward", ("reward", "response_mask"), ("reward",))
     kl_in_reward = algo.kl.coef > 0 and algo.kl.in_reward
     old_logprob = algo.ppo_epochs * algo.num_mini_batches > 1 or kl_in_reward
-    update_reads = [*SEQUENCE, "advantage", "sample_mask"] + (["old_logp"] if old_logprob else [])
+    update_reads = [*SEQUENCE, "advantage", "sample_mask", *behaviour] + (["old_logp"] if old_logprob else [])
 
     def logprob_stages() -> None:
         if old_logprob:
@@ -145,6 +146,11 @@ def _check_settings(config: Config) -> None:
             raise GraphError(f"{key} needs a model that reads text: set model.path (the embedded model "
                              "only knows the addition task's characters)")
     colocated = placement.rollout == placement.train and placement.rollout.ranks_per_replica == 1
+    if algo.dynamic_sampling.enabled and config.trainer.max_staleness:
+        raise GraphError(f"trainer.max_staleness={config.trainer.max_staleness} cannot run DAPO's dynamic sampling "
+                         "(algorithm.dynamic_sampling): it refills a step with extra rollouts inside the step, on the "
+                         "ranks that train, from the policy being trained, so the rollout cannot run ahead; set "
+                         "algorithm.dynamic_sampling.enabled=false or trainer.max_staleness=0")
     if algo.dynamic_sampling.enabled and not colocated:
         raise GraphError("algorithm.dynamic_sampling draws extra batches inside the step and needs rollout and "
                          "training on the same ranks: leave placement.rollout and placement.train at their defaults")

@@ -25,11 +25,35 @@ if TYPE_CHECKING:
     from distflow.data.batch import Batch
 
 
+def behaviour_fields(config) -> tuple[str, ...]:
+    """What the rollout also records about the policy that sampled: `rollout_logp` (each sampled
+    token's log-prob, for the off-policy correction) and, with stale samples, `policy_version`."""
+    staleness, correction = config.trainer.max_staleness, config.algorithm.off_policy_correction
+    return (("rollout_logp",) if staleness > 0 or correction != "none" else ()) + \
+        (("policy_version",) if staleness > 0 else ())
+
+
+def policy_versions(ctx: StageContext, count: int) -> dict:
+    """With stale samples (`trainer.max_staleness` > 0), each of `count` samples' `policy_version`:
+    the schedule's, max(0, step - 1 - k) (runtime/pipelined.py keeps to it); else nothing."""
+    import torch
+
+    from distflow.algorithms.off_policy import behaviour_version
+
+    k = ctx.config.trainer.max_staleness
+    if k == 0:
+        return {}
+    version = behaviour_version(ctx.step, k)
+    return {"policy_version": torch.full((count,), version, dtype=torch.long, device=ctx.comm.device)}
+
+
 def rollout(batch: Batch, ctx: StageContext) -> Batch:
     """n samples per prompt; each sample gets its own uid and its prompt's uid as group.
 
     Sample uid u is drawn with the key (seed, u) and prompts are padded to the widest
     prompt of the whole worker group, so a sample is the same on any rank and layout.
+    With stale samples (`trainer.max_staleness`), each sample records the policy version that
+    drew it: the schedule's, max(0, step - 1 - k) (runtime/pipelined.py keeps to it).
     """
     import torch
 
@@ -56,11 +80,16 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
             prompt_width=width,
             samples_per_prompt=n,
             engine=sampling.engine,
+            logprobs="rollout_logp" in behaviour_fields(ctx.config),
         )
     num_generated = float(out.response_mask_BR.sum())
     ctx.metrics.mean("response/length", num_generated, len(expanded))
     ctx.metrics.total("tokens/generated", num_generated)
-    return expanded.updated(
+    behaviour = {}
+    if out.logp_BR is not None:
+        behaviour["rollout_logp"] = out.logp_BR.to(ctx.comm.device)
+    behaviour.update(policy_versions(ctx, len(expanded)))
+    return expanded.updated(**behaviour,
         uid=uids,
         group=torch.tensor(prompt_uids, dtype=torch.long),
         input_ids=out.input_ids_BT.to(ctx.comm.device),

@@ -90,6 +90,28 @@ def _record_update(ctx: StageContext, prefix: str, stats: dict[str, float], num_
     ctx.metrics.total(f"{prefix}/nonfinite_grad_steps", stats["nonfinite_grad_steps"] / ctx.comm.world_size)
 
 
+@dataclass
+class OffPolicyTally:
+    """The behaviour→proximal importance ratios seen over one step's update (loss tokens only)."""
+
+    ratio_sum: float = 0.0
+    ratio_max: float = float("-inf")
+    num_over_cap: float = 0.0
+    num_tokens: float = 0.0
+
+    def add(self, ratio_BR, mask_BR, cap: float) -> None:
+        self.ratio_sum += float((ratio_BR * mask_BR).sum())
+        if mask_BR.any():
+            self.ratio_max = max(self.ratio_max, float(ratio_BR[mask_BR.bool()].max()))
+        self.num_over_cap += float(((ratio_BR > cap).float() * mask_BR).sum())
+        self.num_tokens += float(mask_BR.sum())
+
+    def record(self, ctx: StageContext) -> None:
+        ctx.metrics.mean("off_policy/is_weight_mean", self.ratio_sum, self.num_tokens)
+        ctx.metrics.maximum("off_policy/is_weight_max", self.ratio_max)
+        ctx.metrics.mean("off_policy/truncated_fraction", self.num_over_cap, self.num_tokens)
+
+
 @dataclass(frozen=True)
 class PolicyObjective:
     """The policy's loss on one micro-batch: (loss, stats) from its log-probs and entropies.
@@ -103,6 +125,8 @@ class PolicyObjective:
     has_old: bool
     """The batch carries old log-probs (else on-policy: the ratio is 1, bit for bit)."""
     reg_scale: float = 0.0
+    tally: OffPolicyTally | None = None
+    """With the rollout's log-probs in the batch: where the importance ratios are counted."""
 
     @property
     def kl_loss(self) -> bool:
@@ -119,6 +143,14 @@ class PolicyObjective:
         algo, mask_BR = self.algo, loss_mask_BR(micro)
         old_BR = micro["old_logp"] if self.has_old else logp_BR.detach()
         loss_BR, clipped_BR = POLICY_LOSSES[algo.policy_loss](logp_BR, old_BR, micro["advantage"], mask_BR, algo)
+        if self.tally is not None:  # stale samples: weight towards the proximal policy (algorithms/off_policy.py)
+            from distflow.algorithms.off_policy import importance_weight_BR
+
+            weight_BR, ratio_BR = importance_weight_BR(old_BR, micro["rollout_logp"], mode=algo.off_policy_correction,
+                                                       cap=algo.off_policy_cap)
+            self.tally.add(ratio_BR, mask_BR, algo.off_policy_cap)
+            if algo.off_policy_correction != "none":
+                loss_BR = loss_BR * weight_BR
         stats = {
             "clip_fraction": (clipped_BR.float() * mask_BR).sum(),
             "entropy": (entropy_BR.detach() * mask_BR).sum(),
@@ -152,7 +184,9 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
     if ctx.step <= algo.critic.warmup_steps:  # PPO: let the critic learn the values first
         ctx.metrics.total("train/critic_warmup_steps", 1.0 / ctx.comm.world_size)
         return batch
-    objective = PolicyObjective(algo, has_old="old_logp" in batch.fields())
+    tally = OffPolicyTally() if "rollout_logp" in batch.fields() else None
+    objective = PolicyObjective(algo, has_old="old_logp" in batch.fields(), tally=tally)
+    _record_staleness(batch, ctx)
     for mini in mini_batches(batch, ctx):
         mask_BR = loss_mask_BR(mini)
         normalizer = global_normalizer(mask_BR, algo.loss_agg, ctx)
@@ -169,7 +203,19 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
         _record_update(ctx, "train", stats, float(mask_BR.sum()))
         ctx.metrics.total("tokens/trained", float(mini["attention_mask"].sum()))
     ctx.metrics.maximum("train/optimizer_state_bytes", float(ctx.engines.policy.optimizer_state_bytes()))
+    if tally is not None and tally.num_tokens:
+        tally.record(ctx)
     return batch
+
+
+def _record_staleness(batch: Batch, ctx: StageContext) -> None:
+    """How many updates old the step's samples are (the policy being trained has had step - 1)."""
+    from distflow.algorithms.off_policy import staleness_B
+
+    if "policy_version" in batch.fields() and len(batch):
+        lag_B = staleness_B(ctx.step - 1, batch["policy_version"])
+        ctx.metrics.mean("off_policy/staleness_mean", float(lag_B.sum()), len(batch))
+        ctx.metrics.maximum("off_policy/staleness_max", float(lag_B.max()))
 
 
 def critic_update(batch: Batch, ctx: StageContext) -> Batch:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from distflow.engines.sampling import sample_from_logits
+from distflow.engines.sampling import sample_from_logits, token_logprob_B
 
 
 def _draw(logits_BV: torch.Tensor, keys_B: torch.Tensor | None, position: int, temperature: float,
@@ -49,13 +49,13 @@ def decode(
     temperature: float,
     top_p: float,
     keys_B: torch.Tensor | None,
-    logp_out: list | None = None,
-) -> torch.Tensor:
+    logprobs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Response ids [G·n, max_new_tokens] (pad after a row's EOS) for left-padded prompts.
 
     Row g·n + k is sample k of prompt g, drawn with keys_B[g·n + k] (greedy if keys_B is None).
-    With `logp_out` (a list) the log-prob of each drawn token under softmax(logits / T) is
-    appended to it as one [G·n, max_new_tokens] float32 tensor (0 after a row's end).
+    `logprobs`: also each drawn token's log-prob under softmax(logits / T), [G·n, max_new_tokens]
+    (0 after a row's end), recorded while sampling.
     """
     n, device = samples_per_prompt, prompt_ids_GP.device
     cache = DynamicCache(config=model.config)  # sliding-window layers get their own cache kind, as in generate
@@ -66,15 +66,13 @@ def decode(
     cache.batch_repeat_interleave(n)
     mask_BT = prompt_mask_GP.repeat_interleave(n, dim=0)
     response_BR = torch.full((mask_BT.shape[0], max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logp_BR = torch.zeros(response_BR.shape, dtype=torch.float32, device=device)
     rows_A = torch.arange(mask_BT.shape[0], device=device)  # the rows still running, in batch order
-    logp_BR = torch.zeros(response_BR.shape, dtype=torch.float32, device=device) if logp_out is not None else None
-    if logp_out is not None:
-        logp_out.append(logp_BR)
     for t in range(max_new_tokens):
         token_A = _draw(logits_BV, None if keys_B is None else keys_B[rows_A], t, temperature, top_p)
         response_BR[rows_A, t] = token_A
-        if logp_BR is not None:
-            logp_BR[rows_A, t] = torch.log_softmax(logits_BV / temperature, dim=-1).gather(-1, token_A[:, None])[:, 0]
+        if logprobs:
+            logp_BR[rows_A, t] = token_logprob_B(logits_BV, token_A, temperature=temperature)
         running_A = token_A != eos_id
         if t == max_new_tokens - 1 or not running_A.any():
             break
@@ -86,4 +84,4 @@ def decode(
         out = model(input_ids=token_A[:, None], attention_mask=mask_BT, position_ids=mask_BT.sum(-1, keepdim=True) - 1,
                     past_key_values=cache, use_cache=True)
         logits_BV = out.logits[:, -1, :].float()
-    return response_BR
+    return (response_BR, logp_BR) if logprobs else response_BR

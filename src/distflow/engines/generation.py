@@ -31,7 +31,8 @@ class Generation:
     prompt_width: int
     completions: list[str]
     logp_BR: torch.Tensor | None = None
-    """With `with_logp`: each response token's log-prob under softmax(logits / T), 0 after the end."""
+    """With `logprobs`: each sampled token's log-prob under the sampling policy (0 where the
+    response mask is 0)."""
 
 
 @torch.no_grad()
@@ -48,13 +49,14 @@ def generate(
     prompt_width: int | None = None,
     samples_per_prompt: int = 1,
     engine: str = "compact",
-    with_logp: bool = False,
+    logprobs: bool = False,
 ) -> Generation:
     """`samples_per_prompt` completions of each prompt, sample k of prompt g in row g·n + k.
 
     With `sample_keys` (one per row) tokens are sampled from each row's key; without them
     decoding is greedy. `prompt_ids` skips tokenization; `prompt_width` left-pads prompts to
-    at least this many columns (a width shared by a whole worker group).
+    at least this many columns (a width shared by a whole worker group). `logprobs`: keep the
+    log-prob of every sampled token as it is drawn (`Generation.logp_BR`).
     """
     device = next(model.parameters()).device
     n = samples_per_prompt
@@ -69,19 +71,10 @@ def generate(
         keys_B = torch.tensor(sample_keys, dtype=torch.long, device=device)
     was_training = model.training
     model.eval()
-    logps: list[torch.Tensor] | None = [] if with_logp else None
     try:
-        if engine == "compact":
-            response_BR = decode(model, prompt_ids_GP, prompt_mask_GP, samples_per_prompt=n,
-                                 max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_token_id,
-                                 pad_id=tokenizer.pad_token_id, temperature=temperature, top_p=top_p, keys_B=keys_B,
-                                 logp_out=logps)
-        elif engine == "generate":
-            response_BR = _hf_generate(model, tokenizer, prompt_ids_GP.repeat_interleave(n, dim=0),
-                                       prompt_mask_GP.repeat_interleave(n, dim=0), keys_B,
-                                       max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
-        else:
-            raise ValueError(f"unknown rollout engine {engine!r}")
+        response_BR, logp_BR = _responses(model, tokenizer, prompt_ids_GP, prompt_mask_GP, keys_B, engine=engine, n=n,
+                                          max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                          logprobs=logprobs)
     finally:
         model.train(was_training)
     prompt_ids_BP, prompt_mask_BP = prompt_ids_GP.repeat_interleave(n, dim=0), prompt_mask_GP.repeat_interleave(n, dim=0)
@@ -90,13 +83,16 @@ def generate(
     completions = tokenizer.batch_decode(response_BR, skip_special_tokens=True)
     input_ids_BT = torch.cat([prompt_ids_BP, response_BR], dim=1)
     attention_mask_BT = torch.cat([prompt_mask_BP, response_mask_BR], dim=1)
-    logp_BR = None if not with_logp else response_mask_BR * (logps[0] if logps else _recomputed_logp(
-        model, input_ids_BT, attention_mask_BT, response_BR.shape[1], temperature))
-    return Generation(input_ids_BT, attention_mask_BT, response_mask_BR, width, completions, logp_BR)
+    if logprobs and logp_BR is None:  # greedy through `generate`: no sampler recorded them
+        logp_BR = _recomputed_logp(model, input_ids_BT, attention_mask_BT, response_BR.shape[1], temperature)
+    if logp_BR is not None:
+        logp_BR = logp_BR * response_mask_BR.to(logp_BR.dtype)
+    return Generation(input_ids_BT, attention_mask_BT, response_mask_BR, width, completions,
+                      logp_BR if logprobs else None)
 
 
 def _recomputed_logp(model, input_ids_BT, attention_mask_BT, width: int, temperature: float) -> torch.Tensor:
-    """The `generate` engine does not keep its scores: one forward pass over the samples."""
+    """One forward pass over the samples (the greedy `generate` path keeps no scores)."""
     from distflow.engines.logprobs import response_logprobs
 
     was_training = model.training
@@ -107,14 +103,32 @@ def _recomputed_logp(model, input_ids_BT, attention_mask_BT, width: int, tempera
         model.train(was_training)
 
 
+def _responses(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompt_ids_GP: torch.Tensor,
+               prompt_mask_GP: torch.Tensor, keys_B: torch.Tensor | None, *, engine: str, n: int, max_new_tokens: int,
+               temperature: float, top_p: float, logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Response ids [G·n, max_new_tokens] from `engine`, and (with `logprobs`) their log-probs."""
+    if engine == "compact":
+        out = decode(model, prompt_ids_GP, prompt_mask_GP, samples_per_prompt=n, max_new_tokens=max_new_tokens,
+                     eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, temperature=temperature,
+                     top_p=top_p, keys_B=keys_B, logprobs=logprobs)
+        return out if logprobs else (out, None)
+    if engine == "generate":
+        return _hf_generate(model, tokenizer, prompt_ids_GP.repeat_interleave(n, dim=0),
+                            prompt_mask_GP.repeat_interleave(n, dim=0), keys_B,
+                            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    raise ValueError(f"unknown rollout engine {engine!r}")
+
+
 def _hf_generate(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompt_ids_BP: torch.Tensor,
                  prompt_mask_BP: torch.Tensor, keys_B: torch.Tensor | None, *, max_new_tokens: int,
-                 temperature: float, top_p: float) -> torch.Tensor:
-    """The reference engine: Hugging Face `generate`; response ids [B, max_new_tokens]."""
+                 temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The reference engine: Hugging Face `generate`; response ids [B, max_new_tokens] and, when
+    sampling, each drawn token's log-prob (the keyed sampler records them)."""
     width = prompt_ids_BP.shape[1]
     processors = LogitsProcessorList()
-    if keys_B is not None:
-        processors.append(KeyedSampler(keys_B, width, temperature=temperature, top_p=top_p))
+    sampler = KeyedSampler(keys_B, width, temperature=temperature, top_p=top_p) if keys_B is not None else None
+    if sampler is not None:
+        processors.append(sampler)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=False,  # the keyed sampler (if any) has already drawn the token
@@ -133,4 +147,10 @@ def _hf_generate(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, pro
         pad_BR = response_BR.new_full((response_BR.shape[0], max_new_tokens - response_BR.shape[1]),
                                       tokenizer.pad_token_id)
         response_BR = torch.cat([response_BR, pad_BR], dim=1)
-    return response_BR
+    if sampler is None:
+        return response_BR, None
+    logp_BR = torch.zeros(response_BR.shape, dtype=torch.float32, device=response_BR.device)
+    if sampler.logp_B:
+        drawn_BR = torch.stack(sampler.logp_B, dim=1)
+        logp_BR[:, : drawn_BR.shape[1]] = drawn_BR
+    return response_BR, logp_BR

@@ -194,7 +194,7 @@ def turn_generator(model, tokenizer, sampling, key_of: Callable[[Trajectory, int
         out = generate(model, tokenizer, [""] * len(rows), max_new_tokens=sampling.max_new_tokens,
                        temperature=sampling.temperature, top_p=sampling.top_p,
                        sample_keys=None if None in keys else keys, prompt_ids=rows, prompt_width=width,
-                       engine=sampling.engine, with_logp=True)
+                       engine=sampling.engine, logprobs=True)
         lengths = out.response_mask_BR.sum(-1).tolist()
         response_BR = out.input_ids_BT[:, out.prompt_width:]
         return ([response_BR[i, :k].tolist() for i, k in enumerate(lengths)],

@@ -99,6 +99,13 @@ def sample_from_logits(
         token_B = torch.where(empty_B, token_B - 1, token_B)
 
 
+def token_logprob_B(logits_BV: torch.Tensor, token_B: torch.Tensor, *, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) of each row's token, in float32 as the training passes take it
+    (`engines.logprobs`; top-p is ignored there too): the behaviour log-prob `rollout_logp`."""
+    logits_BV = logits_BV.float() / temperature
+    return logits_BV.gather(-1, token_B.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits_BV, dim=-1)
+
+
 class KeyedSampler:
     """Logits processor for `generate(do_sample=False)` that samples with per-row keys."""
 
@@ -107,9 +114,12 @@ class KeyedSampler:
         self.prompt_width = prompt_width
         self.temperature = temperature
         self.top_p = top_p
+        self.logp_B: list[torch.Tensor] = []
+        """Each drawn token's behaviour log-prob, one entry per position."""
 
     def __call__(self, input_ids_BT: torch.Tensor, scores_BV: torch.Tensor) -> torch.Tensor:
         position = input_ids_BT.shape[1] - self.prompt_width  # index of the response token being drawn
         token_B = sample_from_logits(scores_BV, self.keys_B, position, temperature=self.temperature, top_p=self.top_p)
+        self.logp_B.append(token_logprob_B(scores_BV, token_B, temperature=self.temperature))
         out_BV = torch.full_like(scores_BV, float("-inf"))
         return out_BV.scatter(-1, token_B.unsqueeze(-1), 0.0)

@@ -40,6 +40,16 @@ class StepMetrics:
     def maximum(self, name: str, value: float) -> None:
         self._maxes[name] = max(self._maxes.get(name, float("-inf")), float(value))
 
+    def state_dict(self) -> list[dict]:
+        """What has been recorded, as plain values (a pipelined run's checkpoint keeps it)."""
+        return [self._means, self._totals, self._maxes]
+
+    @classmethod
+    def from_state(cls, state: list[dict]) -> StepMetrics:
+        metrics = cls()
+        metrics._means, metrics._totals, metrics._maxes = (dict(part) for part in state)
+        return metrics
+
     def _aligned(self, comm: Comm) -> bool:
         names = "\0".join([*self._means, "|", *self._totals, "|", *self._maxes])
         mine = [float(len(names)), float(zlib.crc32(names.encode()))]

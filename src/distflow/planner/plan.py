@@ -27,6 +27,7 @@ FIELD_SIZES = {
     "input_ids": ("T", 8), "attention_mask": ("T", 8), "response_mask": ("R", 8), "group": ("1", 8),
     "reward": ("1", 4), "advantage": ("1", 4), "sample_mask": ("1", 4), "old_logp": ("R", 4),
     "ref_logp": ("R", 4), "values": ("R", 4), "returns": ("R", 4), "rollout_logp": ("R", 4), "turn_reward": ("R", 4),
+    "policy_version": ("1", 8),
 }
 META_BYTES_PER_FIELD = 64  # pickled per-sample Python values (prompt text, uid, ...), a rough mean
 
@@ -189,7 +190,32 @@ def make_plan(graph: Graph, config: Config, world_size: int, initial_fields: tup
         raise ConfigError(f"algorithm.num_mini_batches={config.algorithm.num_mini_batches} exceeds the {per_rank} "
                           f"samples each of the {train_dp} train ranks holds per step; lower it or raise "
                           f"trainer.prompts_per_step")
+    _check_staleness(config, items, groups)
     return Plan(world_size, tuple(items), planned[0].layout, groups, samples_per_step, bytes_per_sample)
+
+
+def _check_staleness(config: Config, items: list[Item], groups: dict[str, Layout]) -> None:
+    """`trainer.max_staleness` >= 1 overlaps rollout and training (runtime/pipelined.py): they must
+    run on different ranks, with one hand-over of samples between them."""
+    k = config.trainer.max_staleness
+    if k == 0:
+        return
+    rollout, train = groups["rollout"], groups["train"]
+    if set(rollout.ranks) & set(train.ranks):
+        raise ConfigError(f"trainer.max_staleness={k} overlaps rollout and training, which needs them on different "
+                          f"ranks, but placement.rollout.ranks and placement.train.ranks share ranks "
+                          f"{format_ranks(tuple(sorted(set(rollout.ranks) & set(train.ranks))))}: use a disaggregated "
+                          "placement (e.g. --nproc 2 placement.rollout.ranks=0 placement.train.ranks=1) or "
+                          "trainer.max_staleness=0")
+    transitions = [i for i, item in enumerate(items) if isinstance(item, Transition)]
+    last = items[-1]
+    if len(transitions) != 1 or not (isinstance(last, PlannedStage) and last.stage.name == "weight_sync") or any(
+            isinstance(item, PlannedStage) and item.stage.group != ("rollout" if i < transitions[0] else "train")
+            for i, item in enumerate(items[:-1])):
+        raise ConfigError(f"trainer.max_staleness={k} needs the rollout group's stages first, then the train "
+                          "group's, with one hand-over between them; a custom stage placed on the rollout group "
+                          "after a train stage breaks that: place it on the train group, or set "
+                          "trainer.max_staleness=0")
 
 
 def _check_sharding(config: Config, train: Layout, world_size: int) -> None:

@@ -92,9 +92,9 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def save(worker: Worker, root: Path, step: int, state: dict) -> Path | None:
+def save(worker: Worker, root: Path, step: int, state: dict, rank_state=None) -> Path | None:
     """Save after `step` (train ranks; the others return None at once). `state`: run-level
-    JSON values to keep (evaluation, counters)."""
+    JSON values to keep (evaluation, counters); `rank_state`: this train rank's own (pickled)."""
     policy = worker.engines.policy
     if policy is None:
         return None
@@ -103,7 +103,7 @@ def save(worker: Worker, root: Path, step: int, state: dict) -> Path | None:
              "stages": {name: stage.state_dict() for name, stage in _stateful_stages(worker).items()}, **state}
     return save_checkpoint(root, step, model=policy.model, optimizer=policy.optimizer, scheduler=policy.scheduler,
                            extra=extra, comm=worker.comms["train"], keep_last=worker.config.checkpoint.keep_last,
-                           tokenizer=worker.engines.tokenizer, others=_others(worker))
+                           tokenizer=worker.engines.tokenizer, others=_others(worker), rank_state=rank_state)
 
 
 def _stateful_stages(worker: Worker) -> dict:
@@ -134,6 +134,8 @@ class Resumed:
     """What `save` was given as `state`."""
     changes: list[str]
     """Settings that differ from the checkpoint's (see FREE_TO_CHANGE)."""
+    rank_state: Any = None
+    """What this train rank saved as its own `rank_state` (None elsewhere)."""
 
 
 def restore(worker: Worker, path: Path) -> Resumed:
@@ -145,11 +147,11 @@ def restore(worker: Worker, path: Path) -> Resumed:
     if missing:
         raise CheckpointError(f"checkpoint {path} was not written by `distflow train` (it has no {missing[0]} "
                               "state); `distflow export` can still read its weights")
-    rng = None
+    rng = rank_state = None
     if engines.policy is not None:
-        rng = load_checkpoint(path, model=engines.policy.model, optimizer=engines.policy.optimizer,
-                              scheduler=engines.policy.scheduler, comm=worker.comms["train"],
-                              others=_others(worker))["rng"]
+        loaded = load_checkpoint(path, model=engines.policy.model, optimizer=engines.policy.optimizer,
+                                 scheduler=engines.policy.scheduler, comm=worker.comms["train"], others=_others(worker))
+        rng, rank_state = loaded["rng"], loaded["rank_state"]
     restore_rng(rng, seed=config.trainer.seed, step=step, rank=worker.world.rank, device=worker.world.device)
     worker.loader.load_state_dict(extra["loader"])
     worker.prefetcher.state = worker.loader.state_dict()
@@ -158,4 +160,4 @@ def restore(worker: Worker, path: Path) -> Resumed:
     if engines.policy is not None:
         engines.policy.consecutive_nonfinite = int(extra.get("consecutive_nonfinite", 0))
         _restore_stages(worker, extra)
-    return Resumed(step, extra, config_changes(extra["config"], to_dict(config)))
+    return Resumed(step, extra, config_changes(extra["config"], to_dict(config)), rank_state)

@@ -21,7 +21,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,22 +29,21 @@ import yaml
 
 from distflow.checkpoint.store import step_dir_name
 from distflow.comm import Comm, init_comm, node_address, shutdown
-from distflow.config import Config, ConfigError, to_dict
-from distflow.dag.context import StageContext
+from distflow.config import Config, to_dict
 from distflow.data.batch import Batch
-from distflow.data.redistribute import redistribute
 from distflow.engines.evaluation import Evaluation, evaluate
-from distflow.engines.reward import private_copy
 from distflow.envvars import STARTED_ENV
 from distflow.fileio import atomic_write_text
 from distflow.observability.derived import add_derived
 from distflow.observability.metrics import StepMetrics
 from distflow.observability.writer import RunWriter
-from distflow.planner.plan import PlannedStage, Transition
+from distflow.planner.plan import Transition
 from distflow.runtime import checkpointing
 from distflow.runtime.faults import (RankStatus, StageTimeouts, TrainingAborted, die_with_parent,
                                      raise_on_sigterm)
+from distflow.runtime.pipelined import Pipeline
 from distflow.runtime.profiling import StepProfiler
+from distflow.runtime.stage_runner import Moved, record_step, run_stage, run_transition
 from distflow.runtime.worker import Worker, build_worker
 from distflow.seeding import derive_seed
 
@@ -91,42 +89,6 @@ def _evaluate(worker: Worker) -> Evaluation:
     )
 
 
-@dataclass
-class _Moved:
-    """Bytes this rank moved in the step's redistributions."""
-
-    sent: int = 0
-    received: int = 0
-    local: int = 0
-
-
-def _run_stage(worker: Worker, item: PlannedStage, batch: Batch, step: int, metrics: StepMetrics) -> Batch:
-    name = item.stage.name
-    if item.layout.member_of(worker.world.rank) != 0:  # a replica's other ranks repeat its leader's work
-        metrics = StepMetrics()  # ... and record nothing
-    ctx = StageContext(worker.config, worker.engines, comm=worker.comms[item.stage.group], world=worker.world,
-                       metrics=metrics, step=step)
-    if item.stage.role == "custom" and "sample" in batch.meta:
-        # Rows are shared by a group's samples and by the loader: a user stage that
-        # edits one in place must not edit the others (what it returns is what counts).
-        batch = batch.updated(sample=[private_copy(row) for row in batch["sample"]])
-    batch = item.stage.fn(batch, ctx)
-    if not isinstance(batch, Batch):
-        raise ConfigError(f"stage {name!r} returned {type(batch).__name__}, not a Batch; a stage returns "
-                          "the batch it was given, or batch.updated(field=...)")
-    return batch
-
-
-def _run_transition(worker: Worker, item: Transition, batch: Batch, moved: _Moved, metrics: StepMetrics) -> Batch:
-    batch, stats = redistribute(batch, item.src, item.dst, worker.world, keep_groups=item.keep_groups)
-    moved.sent += stats.bytes_sent
-    moved.received += stats.bytes_received
-    moved.local += stats.bytes_local
-    metrics.maximum(f"data/imbalance_before_{item.before}", stats.imbalance_before)
-    metrics.maximum(f"data/imbalance_after_{item.before}", stats.imbalance_after)
-    return batch
-
-
 def _step(worker: Worker, step: int, previous: Batch | None, status: RankStatus) -> tuple[dict[str, float], Batch]:
     rank, metrics = worker.world.rank, StepMetrics()
     step_start = time.time()
@@ -134,7 +96,7 @@ def _step(worker: Worker, step: int, previous: Batch | None, status: RankStatus)
     batch, waited = worker.prefetcher.next(release=previous)
     previous = None
     metrics.maximum("time/loader_wait_s", waited)
-    peak_bytes, moved = batch.tensor_bytes(), _Moved()
+    peak_bytes, moved = batch.tensor_bytes(), Moved()
     for item in worker.plan.stages_for(rank):
         stage_start = time.time()
         position = worker.plan.items.index(item) + 1  # comparable between worker groups (faults.py)
@@ -142,30 +104,15 @@ def _step(worker: Worker, step: int, previous: Batch | None, status: RankStatus)
         status.enter(name, step, position)
         with torch.profiler.record_function(name):  # a labelled range in a --profile trace
             if isinstance(item, Transition):
-                batch = _run_transition(worker, item, batch, moved, metrics)
+                batch = run_transition(worker, item, batch, moved, metrics)
             else:
-                batch = _run_stage(worker, item, batch, step, metrics)
+                batch = run_stage(worker, item, batch, step, metrics)
         metrics.maximum(f"time/{name}_s", time.time() - stage_start)
         peak_bytes = max(peak_bytes, batch.tensor_bytes())
-    _record_step(worker, batch, moved, peak_bytes, metrics)
+    record_step(worker, batch, moved, peak_bytes, metrics)
     metrics.maximum("time/step_s", time.time() - step_start)
     status.enter("metrics", step, len(worker.plan.items) + 1)
     return add_derived(metrics.reduce(worker.world)), batch
-
-
-def _record_step(worker: Worker, batch: Batch, moved: _Moved, peak_bytes: int, metrics: StepMetrics) -> None:
-    """This rank's step-level counters: bytes moved, the largest batch, tokens trained."""
-    if worker.plan.transitions:
-        metrics.maximum("data/bytes_sent", moved.sent)
-        metrics.maximum("data/bytes_received", moved.received)
-        metrics.maximum("data/bytes_local", moved.local)
-    metrics.maximum("data/peak_batch_bytes", peak_bytes)
-    if worker.world.rank in worker.plan.groups["train"] and "attention_mask" in batch.tensors:
-        tokens = float(batch["attention_mask"].sum())
-        metrics.mean("data/train_tokens_per_rank", tokens, 1)
-        metrics.maximum("data/train_tokens_per_rank_max", tokens)
-    if worker.engines.policy is not None:
-        metrics.maximum("train/consecutive_nonfinite_steps", worker.engines.policy.consecutive_nonfinite)
 
 
 def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: RankStatus,
@@ -177,9 +124,8 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
     worker = build_worker(config, comm, log)
     torch.manual_seed(derive_seed(trainer.seed, "torch", comm.rank))  # sampling itself is keyed per sample
     root = checkpointing.checkpoint_root(config, run_dir)
-    first_step, run_state = 1, {}
-    if resume is not None:
-        first_step, run_state = _resume(worker, resume, status, log)
+    resumed = _resume(worker, resume, status, log) if resume is not None else None
+    first_step, run_state = (resumed.step + 1, resumed.state) if resumed else (1, {})
     writer = None
     if comm.is_main:
         resumed_step = first_step - 1 if resume is not None else -1 if fresh_restart else None
@@ -189,7 +135,8 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
     run_state = {"eval_before": {"sampled": before.sampled, "greedy": before.greedy}, "run_dir": str(run_dir)}
     after, last_checkpoint = before, None
     profiler = StepProfiler(trainer.profile_steps, first_step, trainer.total_steps, run_dir, comm.rank)
-    for step, metrics in _steps(worker, first_step, status, writer, profiler):
+    pipeline = Pipeline(worker, status) if trainer.max_staleness else None  # rollout runs ahead (pipelined.py)
+    for step, metrics in _steps(worker, first_step, status, writer, profiler, pipeline, resumed):
         last = step == trainer.total_steps
         if last or (trainer.eval_every and step % trainer.eval_every == 0):
             status.enter("evaluate", step, len(worker.plan.items) + 2)
@@ -205,7 +152,7 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
             status.enter("checkpoint", step, len(worker.plan.items) + 3)
             if writer:
                 writer.sync()  # the checkpoint's steps are logged for good before it exists
-            checkpointing.save(worker, root, step, run_state)
+            checkpointing.save(worker, root, step, *_checkpoint_state(run_state, pipeline))
             last_checkpoint = root / step_dir_name(step)
             log(f"checkpoint saved: {last_checkpoint}")
     status.enter("finish")
@@ -219,13 +166,19 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
     return summary
 
 
-def _steps(worker: Worker, first_step: int, status: RankStatus, writer: RunWriter | None, profiler: StepProfiler):
+def _steps(worker: Worker, first_step: int, status: RankStatus, writer: RunWriter | None, profiler: StepProfiler,
+           pipeline: Pipeline | None = None, resumed: checkpointing.Resumed | None = None):
     """(step, reduced metrics) for every remaining step; a run of non-finite steps ends the run
-    (its metrics written first)."""
+    (its metrics written first). With a `pipeline`, rollout ranks run ahead (runtime/pipelined.py)."""
     trainer, previous = worker.config.trainer, None
+    if pipeline is not None:
+        pipeline.start(first_step, resumed.state if resumed else None, resumed.rank_state if resumed else None)
     for step in range(first_step, trainer.total_steps + 1):
         with profiler.step(step):
-            metrics, previous = _step(worker, step, previous, status)
+            if pipeline is not None:
+                metrics = pipeline.step(step)
+            else:
+                metrics, previous = _step(worker, step, previous, status)
         try:
             _check_numerics(metrics, trainer.max_nonfinite_steps)
         except TrainingAborted:
@@ -235,13 +188,21 @@ def _steps(worker: Worker, first_step: int, status: RankStatus, writer: RunWrite
         yield step, metrics
 
 
-def _resume(worker: Worker, resume: Path, status: RankStatus, log) -> tuple[int, dict]:
+def _resume(worker: Worker, resume: Path, status: RankStatus, log) -> checkpointing.Resumed:
     status.enter("resume")
     resumed = checkpointing.restore(worker, resume)
     log(f"resumed from {resume} (step {resumed.step})")
     for change in resumed.changes:
         log(f"warning: changed since the checkpoint: {change}")
-    return resumed.step + 1, resumed.state
+    return resumed
+
+
+def _checkpoint_state(run_state: dict, pipeline: Pipeline | None) -> tuple[dict, object]:
+    """(run-level JSON state, this rank's own state): a pipelined run adds its batches in flight."""
+    if pipeline is None:
+        return run_state, None
+    shared, own = pipeline.checkpoint_state()
+    return {**run_state, **shared}, own
 
 
 def _evaluation_before(worker: Worker, run_state: dict, status: RankStatus, writer: RunWriter | None,

@@ -1,0 +1,147 @@
+"""Pipelined steps with bounded staleness: rollout ranks run k steps ahead of train ranks.
+
+`trainer.max_staleness` = k >= 1 on a disaggregated placement (rollout ranks ≠ train ranks).
+The plan's items split in four: produce (the rollout group's stages), the one transition
+(rollout → train), consume (the train group's stages) and the weight sync. Step s's samples
+S_s are drawn by the policy after v(s) = max(0, s - 1 - k) updates, W_v(s):
+
+    pre-roll (a fresh run):   rollout ranks produce S_1 .. S_k with W_0, each transferred at once
+    iteration t = 1 .. T, every rank in the same order:
+        rollout ranks                              train ranks
+        produce S_{t+k} with W_{t-1}       ‖      consume S_t (reward … policy update) → W_t
+        ───────── transfer S_{t+k}: rollout → train (redistribute, world collective) ─────────
+        ───────── weight sync W_t: train → rollout (engines/weight_sync.py) ──────────────────
+        ───────── reduce step t's metrics (the rollout's were recorded when S_t was made) ────
+
+    k = 1: S_{t+1} is generated while step t trains; wall time per step ≈ max(rollout, train).
+
+Invariants:
+- The schedule is fixed by (step, k), never by timing: S_s is made in iteration s - k (or the
+  pre-roll) right after W_{s-1-k} landed, so the same seed and k give the same samples and
+  metrics on any machine. Each sample carries `policy_version` = v(s).
+- A train rank holds at most k steps' shares in flight (received, not yet trained); a
+  rollout rank holds none. Bytes per step are the synchronous path's: each step's samples
+  cross once, the weights once per update.
+- A checkpoint after step c keeps the batches in flight (S_{c+1} .. S_{c+k}) in each train
+  rank's `state-rank{R}.pt` and every rank's metrics recorded ahead of their step in
+  meta.json, so `--resume` continues exactly; it needs the same world size and placement.
+"""
+
+from __future__ import annotations
+
+import time
+
+from distflow.checkpoint import CheckpointError
+from distflow.data.batch import Batch
+from distflow.observability.derived import add_derived
+from distflow.observability.metrics import StepMetrics
+from distflow.planner.plan import PlannedStage, Transition
+from distflow.runtime.faults import RankStatus
+from distflow.runtime.stage_runner import Moved, record_step, run_stage, run_transition
+from distflow.runtime.worker import Worker
+
+
+class Pipeline:
+    """This rank's side of the pipelined schedule (every rank makes one; all call the same methods)."""
+
+    def __init__(self, worker: Worker, status: RankStatus) -> None:
+        plan, rank = worker.plan, worker.world.rank
+        self.worker, self.status, self.k = worker, status, worker.config.trainer.max_staleness
+        self.total_steps = worker.config.trainer.total_steps
+        transitions = [i for i, item in enumerate(plan.items) if isinstance(item, Transition)]
+        assert len(transitions) == 1 and plan.items[-1].stage.name == "weight_sync", "planner checks the shape"
+        cut = transitions[0]
+        self.produce, self.transition = plan.items[:cut], plan.items[cut]
+        self.consume, self.sync = plan.items[cut + 1 : -1], plan.items[-1]
+        self.is_rollout, self.is_train = rank in plan.groups["rollout"], rank in plan.groups["train"]
+        self.inflight: dict[int, Batch] = {}
+        """Train ranks: step → this rank's share of its samples, received and not yet trained."""
+        self.ahead: dict[int, StepMetrics] = {}
+        """Step → what this rank recorded for it before its iteration (rollout, transfer)."""
+        self.moved: dict[int, Moved] = {}
+
+    def start(self, first_step: int, resumed_state: dict | None, rank_state) -> None:
+        """A fresh run pre-rolls S_first .. S_{first+k-1}; a resumed one takes them from its checkpoint."""
+        if resumed_state is not None and "pipeline" in resumed_state:
+            self._restore(first_step, resumed_state["pipeline"], rank_state)
+            return
+        for step in range(first_step, min(first_step + self.k, self.total_steps + 1)):
+            self._make(step, iteration=first_step)
+
+    def step(self, t: int) -> dict[str, float]:
+        """Iteration t: train step t here while step t + k is generated there; then the hand-overs."""
+        start = time.time()
+        metrics = self.ahead.pop(t, None) or StepMetrics()
+        batch = Batch()
+        if self.is_train:
+            self.worker.prefetcher.next()  # the loader's state stays "after step t" for checkpoints
+            batch = self.inflight.pop(t)
+            for item in self.consume:
+                batch = self._run(item, batch, t, t, metrics)
+        if t + self.k <= self.total_steps:
+            self._make(t + self.k, iteration=t)
+        self._run(self.sync, Batch(), t, t, metrics)
+        record_step(self.worker, batch, self.moved.pop(t, Moved()), batch.tensor_bytes(), metrics)
+        metrics.maximum("time/step_s", time.time() - start)
+        self.status.enter("metrics", t, len(self.worker.plan.items) + 1)
+        return add_derived(metrics.reduce(self.worker.world))
+
+    def checkpoint_state(self) -> tuple[dict, dict | None]:
+        """(JSON for meta.json: every rank's metrics recorded ahead, this train rank's batches in
+        flight). Collective over the world: every rank calls it at the same iteration."""
+        mine = {str(step): m.state_dict() for step, m in self.ahead.items()}
+        everyone = self.worker.world.all_gather_object(mine)
+        moved = {str(step): [m.sent, m.received, m.local] for step, m in self.moved.items()}
+        moved_all = self.worker.world.all_gather_object(moved)
+        state = {"pipeline": {"max_staleness": self.k, "world_size": self.worker.world.world_size,
+                              "ahead": everyone, "moved": moved_all}}
+        return state, (dict(self.inflight) if self.is_train else None)
+
+    def _make(self, step: int, *, iteration: int) -> None:
+        """Produce S_step on the rollout ranks and hand it to the train ranks (every rank joins)."""
+        metrics = self.ahead.setdefault(step, StepMetrics())
+        batch = Batch()
+        if self.is_rollout:
+            batch, waited = self.worker.prefetcher.next()
+            metrics.maximum("time/loader_wait_s", waited)
+            for item in self.produce:
+                batch = self._run(item, batch, step, iteration, metrics)
+        self.moved[step] = Moved()
+        batch = self._run(self.transition, batch, step, iteration, metrics)
+        if self.is_train:
+            self.inflight[step] = batch
+
+    def _run(self, item, batch: Batch, step: int, iteration: int, metrics: StepMetrics) -> Batch:
+        """One item, recorded as this rank's stage for fault reports. The transfer and the sync are
+        placed after every train stage, so a rank waiting there defers to a peer still computing."""
+        items = self.worker.plan.items
+        if isinstance(item, Transition):
+            name, position = f"redistribute_{item.before}", len(items) - 0.5
+        else:
+            name, position = item.stage.name, items.index(item) + 1
+        self.status.enter(name, iteration, position)
+        stage_start = time.time()
+        if isinstance(item, Transition):
+            batch = run_transition(self.worker, item, batch, self.moved[step], metrics)
+        elif isinstance(item, PlannedStage) and self.worker.world.rank in item.layout:
+            batch = run_stage(self.worker, item, batch, step, metrics)
+        else:
+            return batch
+        metrics.maximum(f"time/{name}_s", time.time() - stage_start)
+        return batch
+
+    def _restore(self, first_step: int, saved: dict, rank_state) -> None:
+        world = self.worker.world
+        if saved["max_staleness"] != self.k or saved["world_size"] != world.world_size:
+            raise CheckpointError(f"this checkpoint holds the batches in flight of a run with trainer.max_staleness="
+                                  f"{saved['max_staleness']} on {saved['world_size']} ranks: resume it with the same "
+                                  "max_staleness, world size and placement")
+        for step, state in saved["ahead"][world.rank].items():
+            self.ahead[int(step)] = StepMetrics.from_state(state)
+        for step, (sent, received, local) in saved["moved"][world.rank].items():
+            self.moved[int(step)] = Moved(sent, received, local)
+        if self.is_train:
+            self.inflight = dict(rank_state or {})
+        if self.is_rollout:  # its loader was k steps ahead of the checkpoint's (the train ranks')
+            for _ in range(min(self.k, self.total_steps - first_step + 1)):
+                self.worker.prefetcher.next()

@@ -1,0 +1,218 @@
+"""Asynchronous training with bounded staleness (`trainer.max_staleness`), by hand and end to end.
+
+The importance weights and the decoupled loss by hand; the version schedule; the rollout's
+own log-probs against the training pass's; config errors before any rank starts; a
+pipelined run's versions, staleness and importance-weight metrics; a rank killed while
+batches are in flight; (slow, CI) two runs with the same seed and a kill -9 + `--resume`
+reproduce the uninterrupted run."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, run_cli
+from distflow.algorithms.off_policy import behaviour_version, importance_weight_BR, staleness_B
+from distflow.config.algorithm import AlgorithmConfig
+from distflow.dag.update_stages import OffPolicyTally, PolicyObjective
+from distflow.data.batch import Batch
+from distflow.engines.generation import generate
+from distflow.engines.logprobs import response_logprobs
+from distflow.tasks.tiny_model import build_tiny_model
+from distflow.tasks.tokenizer import build_char_tokenizer
+
+DISAGGREGATED = ["--nproc", "2", "placement.rollout.ranks=0", "placement.train.ranks=1"]
+
+
+def test_importance_weights_by_hand():
+    prox_BR = torch.log(torch.tensor([[1.0, 3.0, 0.5]]))
+    behav_BR = torch.zeros(1, 3)
+    for mode, expected in (("none", [1.0, 1.0, 1.0]), ("tis", [1.0, 2.0, 0.5]), ("mask", [1.0, 0.0, 0.5])):
+        weight_BR, ratio_BR = importance_weight_BR(prox_BR, behav_BR, mode=mode, cap=2.0)
+        assert weight_BR[0].tolist() == pytest.approx(expected), mode
+        assert ratio_BR[0].tolist() == pytest.approx([1.0, 3.0, 0.5])
+    # Behaviour log-prob -30 against 0: the log-ratio is clamped to 20 (as PPO's), not overflowed.
+    _, ratio_BR = importance_weight_BR(torch.zeros(1, 1), torch.full((1, 1), -30.0), mode="tis", cap=2.0)
+    assert ratio_BR.item() == pytest.approx(math.exp(20.0))
+
+
+def test_the_version_schedule_is_fixed_by_step_and_k():
+    assert [behaviour_version(t, 0) for t in range(1, 5)] == [0, 1, 2, 3]  # synchronous: on-policy
+    assert [behaviour_version(t, 1) for t in range(1, 6)] == [0, 0, 1, 2, 3]
+    assert [behaviour_version(t, 2) for t in range(1, 6)] == [0, 0, 0, 1, 2]
+    assert staleness_B(3, torch.tensor([1, 3])).tolist() == [2, 0]
+
+
+def _objective_loss(correction: str):
+    """One on-policy update (proximal = current, detached) of three tokens with A = +1, behaviour
+    log-probs such that π_p/π_b = 1, 3, 0.5."""
+    algo = AlgorithmConfig(off_policy_correction=correction, off_policy_cap=2.0)
+    logp_BR = torch.log(torch.tensor([[0.5, 0.3, 0.2]])).requires_grad_()
+    behav_BR = logp_BR.detach() - torch.log(torch.tensor([[1.0, 3.0, 0.5]]))
+    micro = Batch(tensors={"response_mask": torch.ones(1, 3), "sample_mask": torch.ones(1),
+                           "advantage": torch.ones(1), "rollout_logp": behav_BR})
+    tally = OffPolicyTally()
+    total, stats = PolicyObjective(algo, has_old=False, tally=tally)(micro, logp_BR, torch.zeros(1, 3))
+    total.backward()
+    return total.item(), logp_BR.grad.tolist()[0], tally
+
+
+def test_decoupled_loss_by_hand():
+    # Ratio to the proximal policy r = 1 (value), d r / d logp = 1; the loss per token is -A·r·w.
+    total, grad, tally = _objective_loss("tis")
+    assert total == pytest.approx(-(1.0 + 2.0 + 0.5))  # token-sum before the engine's normaliser
+    assert grad == pytest.approx([-1.0, -2.0, -0.5])
+    assert tally.ratio_sum == pytest.approx(4.5) and tally.ratio_max == pytest.approx(3.0)
+    assert tally.num_over_cap == 1 and tally.num_tokens == 3
+    total, grad, _ = _objective_loss("mask")
+    assert total == pytest.approx(-1.5) and grad == pytest.approx([-1.0, 0.0, -0.5])
+    total, grad, tally = _objective_loss("none")  # counted, not applied
+    assert total == pytest.approx(-3.0) and grad == pytest.approx([-1.0, -1.0, -1.0]) and tally.num_over_cap == 1
+
+
+@pytest.mark.parametrize("engine", ["compact", "generate"])
+def test_rollout_logprobs_are_the_training_pass_s(engine):
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, seed=3, max_positions=64).eval()
+    prompts, n = ["1+2=", "33+44=", "9-9="], 3
+    kwargs = dict(max_new_tokens=12, temperature=0.7, sample_keys=list(range(100, 109)), samples_per_prompt=n,
+                  engine=engine)
+    plain = generate(model, tokenizer, prompts, **kwargs)
+    out = generate(model, tokenizer, prompts, logprobs=True, **kwargs)
+    assert torch.equal(out.input_ids_BT, plain.input_ids_BT) and plain.logp_BR is None  # same samples
+    width = out.response_mask_BR.shape[1]
+    with torch.no_grad():
+        train_BR, _ = response_logprobs(model, out.input_ids_BT, out.attention_mask_BT, width, temperature=0.7)
+    mask_BR = out.response_mask_BR.bool()
+    assert torch.allclose(out.logp_BR[mask_BR], train_BR[mask_BR], atol=1e-4)
+    assert (out.logp_BR[~mask_BR] == 0).all() and (out.logp_BR[mask_BR] < 0).all()
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["--nproc", "2"], "share ranks 0-1"),  # colocated
+    (["--nproc", "2", "placement.rollout.ranks_per_replica=2"], "share ranks 0-1"),  # rollout replicas
+    (["algorithm.name=dapo", *DISAGGREGATED], "dynamic sampling"),
+])
+def test_staleness_needs_separate_ranks_and_no_dynamic_sampling(tmp_path, overrides, expected):
+    result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), "trainer.max_staleness=1", *overrides,
+                     f"trainer.output_dir={tmp_path}", cwd=tmp_path, timeout=1800)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distflow: error: trainer.max_staleness=1") and expected in lines[0]
+    assert not (tmp_path / "runs").exists() and "plan:" not in result.stderr  # before any rank started
+
+
+RECORDER = '''
+import json, os, signal, time
+
+
+def record(batch, ctx):
+    """The samples and their policy versions this train rank trains at this step; KILL_AT_STEP kills it."""
+    os.makedirs("records", exist_ok=True)
+    with open(f"records/step{ctx.step}-rank{ctx.world.rank}.json", "w") as f:
+        json.dump({"uid": batch["uid"], "completion": batch["completion"],
+                   "version": batch["policy_version"].tolist()}, f)
+    if ctx.step == int(os.environ.get("KILL_AT_STEP", 0)):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return batch
+
+
+def chaos(batch, ctx):
+    """On the rollout rank: killed while it generates step 2 (train rank busy with step 1 or waiting for it)."""
+    if ctx.step == int(os.environ.get("KILL_ROLLOUT_AT", 0)):
+        with open("killed.json", "w") as f:
+            json.dump({"time": time.time()}, f)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return batch
+'''
+ARGS = [
+    "trainer.prompts_per_step=4", "rollout.num_samples=4", "trainer.eval_every=0", "trainer.eval_samples=1",
+    "task.num_heldout=40", "trainer.progress_bar=false", "trainer.loggers=[jsonl]", "optim.lr=1e-3",
+    "algorithm.off_policy_correction=tis",
+    "pipeline.custom_stages=[{name: record, fn: 'user_code:record', after: [reward], before: [advantage], "
+    "reads: [uid, completion, policy_version]}]",
+]
+NOT_COMPARED = ("time/", "throughput/")
+
+
+def train(cwd, cache_dir, *extra, env=None, run_name="run"):
+    cwd.mkdir(exist_ok=True)
+    (cwd / "user_code.py").write_text(RECORDER)
+    args = ["train", str(REPO / "examples/arith_grpo.yaml"), *ARGS, *DISAGGREGATED, f"warmstart.cache_dir={cache_dir}",
+            f"trainer.output_dir={cwd}", f"trainer.run_name={run_name}", *extra]
+    return subprocess.run([sys.executable, "-m", "distflow", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=1800, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+
+
+def records(cwd) -> dict[int, dict]:
+    out = {}
+    for path in sorted((cwd / "records").glob("step*-rank*.json")):
+        out[int(path.name[4:].split("-")[0])] = json.loads(path.read_text())
+    return out
+
+
+def metrics(run_dir) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: {k: v for k, v in row.items() if not k.startswith(NOT_COMPARED)} for row in rows}
+
+
+@pytest.fixture(scope="module")
+def k1_run(tmp_path_factory, cache_dir):
+    cwd = tmp_path_factory.mktemp("k1")
+    result = train(cwd, cache_dir, "trainer.max_staleness=1", "trainer.total_steps=3", "checkpoint.every=0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {"records": records(cwd), "metrics": metrics(cwd / "run")}
+
+
+def test_a_pipelined_run_trains_on_the_scheduled_versions(k1_run):
+    got, m = k1_run["records"], k1_run["metrics"]
+    # k = 1: steps 1 and 2 are drawn by the initial policy, step 3 by the policy after one update.
+    assert {step: set(row["version"]) for step, row in got.items()} == {1: {0}, 2: {0}, 3: {1}}
+    assert [m[t]["off_policy/staleness_mean"] for t in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert [m[t]["off_policy/staleness_max"] for t in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert all(len(row["uid"]) == 16 for row in got.values())
+    # Step 1 is on-policy: the rollout's log-probs are the trainer's (up to float rounding).
+    assert m[1]["off_policy/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert m[1]["off_policy/is_weight_max"] == pytest.approx(1.0, abs=1e-3)
+    assert m[1]["off_policy/truncated_fraction"] == 0.0
+    assert m[2]["off_policy/is_weight_max"] >= 1.0 and 0.0 <= m[2]["off_policy/truncated_fraction"] <= 1.0
+
+
+def test_a_rollout_rank_killed_with_batches_in_flight_ends_the_job_naming_it(tmp_path, cache_dir):
+    chaos = ("pipeline.custom_stages=[{name: chaos, fn: 'user_code:chaos', after: [rollout], placement: rollout}, "
+             "{name: record, fn: 'user_code:record', after: [reward], before: [advantage], "
+             "reads: [uid, completion, policy_version]}]")
+    result = train(tmp_path, cache_dir, "trainer.max_staleness=1", "trainer.total_steps=3", "checkpoint.every=0",
+                   "trainer.timeout_s=7200", chaos, env={"KILL_ROLLOUT_AT": "2"})
+    assert result.returncode != 0
+    # Step 2 is generated in iteration 1 (while step 1 trains): a rank's status names the iteration.
+    assert "rank 0 was killed by SIGKILL in stage 'chaos' at step 1" in result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow  # four 2-rank launches (~80 s idle): CI runs it
+def test_same_seed_same_run_and_kill_9_resume_reproduces_it(tmp_path, cache_dir):
+    extra = ["trainer.max_staleness=2", "trainer.total_steps=5", "checkpoint.every=2"]
+    first, second = train(tmp_path / "a", cache_dir, *extra), train(tmp_path / "b", cache_dir, *extra)
+    assert first.returncode == 0 and second.returncode == 0, second.stderr[-3000:]
+    reference = metrics(tmp_path / "a/run")
+    assert records(tmp_path / "b") == records(tmp_path / "a") and metrics(tmp_path / "b/run") == reference
+    # Killed while training step 3 (steps 4 and 5 already generated, in flight); resumed from step 2.
+    killed = train(tmp_path / "c", cache_dir, *extra, env={"KILL_AT_STEP": "3"})
+    assert killed.returncode != 0 and "rank 1 was killed by SIGKILL in stage 'record' at step 3" in killed.stderr
+    resumed = train(tmp_path / "c", cache_dir, *extra, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads(resumed.stdout.strip().splitlines()[-1])["resumed_from_step"] == 2
+    assert records(tmp_path / "c") == records(tmp_path / "a")
+    got = metrics(tmp_path / "c/run")
+    assert got.keys() == reference.keys()
+    worst = 0.0
+    for step, row in reference.items():
+        assert got[step].keys() == row.keys(), step
+        for key, value in row.items():
+            assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-9), (step, key)
+            worst = max(worst, abs(got[step][key] - value) / max(abs(value), 1e-12))
+    print(f"pipelined kill -9 + resume: max relative metric difference {worst:.2e}")
