@@ -130,7 +130,7 @@ def chaos(batch, ctx):
     return batch
 '''
 ARGS = [
-    "trainer.prompts_per_step=4", "rollout.num_samples=4", "trainer.eval_every=0", "trainer.eval_samples=1",
+    "trainer.prompts_per_step=8", "rollout.num_samples=4", "trainer.eval_every=0", "trainer.eval_samples=1",
     "task.num_heldout=40", "trainer.progress_bar=false", "trainer.loggers=[jsonl]", "optim.lr=1e-3",
     "algorithm.off_policy_correction=tis",
     "pipeline.custom_stages=[{name: record, fn: 'user_code:record', after: [reward], before: [advantage], "
@@ -174,16 +174,19 @@ def test_a_pipelined_run_trains_on_the_scheduled_versions(k1_run):
     assert {step: set(row["version"]) for step, row in got.items()} == {1: {0}, 2: {0}, 3: {1}}
     assert [m[t]["off_policy/staleness_mean"] for t in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert [m[t]["off_policy/staleness_max"] for t in (1, 2, 3)] == [0.0, 1.0, 1.0]
-    assert all(len(row["uid"]) == 16 for row in got.values())
+    assert all(len(row["uid"]) == 32 for row in got.values())
     # Step 1 is on-policy: the rollout's log-probs are the trainer's (up to float rounding).
     assert m[1]["off_policy/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
     assert m[1]["off_policy/is_weight_max"] == pytest.approx(1.0, abs=1e-3)
     assert m[1]["off_policy/truncated_fraction"] == 0.0
-    assert m[2]["off_policy/is_weight_max"] >= 1.0 and 0.0 <= m[2]["off_policy/truncated_fraction"] <= 1.0
+    # Steps 2 and 3 are one update stale: the proximal policy has moved away from the behaviour one.
+    for t in (2, 3):
+        assert m[t]["off_policy/is_weight_max"] > 1.01 and 0.0 <= m[t]["off_policy/truncated_fraction"] <= 1.0
+        assert m[t]["off_policy/is_weight_mean"] == pytest.approx(1.0, abs=0.05)  # E_b[π_p/π_b] = 1, sampled
 
 
 def test_a_rollout_rank_killed_with_batches_in_flight_ends_the_job_naming_it(tmp_path, cache_dir):
-    chaos = ("pipeline.custom_stages=[{name: chaos, fn: 'user_code:chaos', after: [rollout], placement: rollout}, "
+    chaos = ("pipeline.custom_stages=[{name: chaos, fn: 'user_code:chaos', after: [rollout], before: [reward], placement: rollout}, "
              "{name: record, fn: 'user_code:record', after: [reward], before: [advantage], "
              "reads: [uid, completion, policy_version]}]")
     result = train(tmp_path, cache_dir, "trainer.max_staleness=1", "trainer.total_steps=3", "checkpoint.every=0",
@@ -213,6 +216,9 @@ def test_same_seed_same_run_and_kill_9_resume_reproduces_it(tmp_path, cache_dir)
     for step, row in reference.items():
         assert got[step].keys() == row.keys(), step
         for key, value in row.items():
+            if value is None:  # a mean over nothing (e.g. advantage/mean of a step without signal)
+                assert got[step][key] is None, (step, key)
+                continue
             assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-9), (step, key)
             worst = max(worst, abs(got[step][key] - value) / max(abs(value), 1e-12))
     print(f"pipelined kill -9 + resume: max relative metric difference {worst:.2e}")
