@@ -8,8 +8,10 @@
 Timing: `distflow train --nproc 2 placement.rollout.ranks=0 placement.train.ranks=1` with
 `trainer.max_staleness` 0 (synchronous), 1 and 2, one after the other and repeated
 (`--repeats`), on settings where both sides are busy: the embedded model without its
-warm-start (responses run to ~14 of 24 tokens, so generation takes a while), a small KL
-loss so every step is a full update. Per run: the median of `time/step_s` (wall time of
+warm-start (responses run to ~14 of 24 tokens, so generation takes a while), and every
+sample trained even when its group's rewards are equal (`algorithm.skip_zero_variance_groups:
+false`, as benchmarks/throughput.py does), so every step is a full update. The two sides then
+take about the same time (the table's rollout and train columns), where overlap pays most. Per run: the median of `time/step_s` (wall time of
 one step, max over ranks) over the steps after the first two, and the medians of the
 rollout and train-side stage times. `k1/k0` is the ratio of the medians over repeats.
 
@@ -34,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples/arith_grpo.yaml"
 DISAGGREGATED = ["--nproc", "2", "placement.rollout.ranks=0", "placement.train.ranks=1"]
 QUIET = ["trainer.progress_bar=false", "trainer.loggers=[jsonl]", "checkpoint.every=0", "checkpoint.at_end=false"]
-TIMING = ["warmstart.target_accuracy=0", "algorithm.kl.coef=0.001", "trainer.prompts_per_step=8",
+TIMING = ["warmstart.target_accuracy=0", "algorithm.skip_zero_variance_groups=false", "trainer.prompts_per_step=8",
           "rollout.num_samples=4", "rollout.max_new_tokens=24", "trainer.eval_every=0", "trainer.eval_samples=1",
           "task.num_heldout=20"]
 TRAIN_STAGES = ("time/reward_s", "time/reference_logprob_s", "time/advantage_s", "time/policy_update_s")
