@@ -222,3 +222,18 @@ def test_same_seed_same_run_and_kill_9_resume_reproduces_it(tmp_path, cache_dir)
             assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-9), (step, key)
             worst = max(worst, abs(got[step][key] - value) / max(abs(value), 1e-12))
     print(f"pipelined kill -9 + resume: max relative metric difference {worst:.2e}")
+
+
+@pytest.mark.slow  # eight 2-rank launches: CI runs it (the default suite runs GRPO above)
+@pytest.mark.parametrize("algorithm", ["dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gspo",
+                                       "ppo", "grpo_mask"])
+def test_every_builtin_algorithm_but_dapo_trains_pipelined(tmp_path, cache_dir, algorithm):
+    name, correction = ("grpo", "mask") if algorithm == "grpo_mask" else (algorithm, "tis")
+    result = train(tmp_path, cache_dir, f"algorithm.name={name}", f"algorithm.off_policy_correction={correction}",
+                   "trainer.max_staleness=1", "trainer.total_steps=3", "checkpoint.every=0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    got, m = records(tmp_path), metrics(tmp_path / "run")
+    assert {step: set(row["version"]) for step, row in got.items()} == {1: {0}, 2: {0}, 3: {1}}
+    assert [m[t]["off_policy/staleness_max"] for t in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert all(math.isfinite(m[t]["train/grad_norm"]) for t in (1, 2, 3) if "train/grad_norm" in m[t])
+    assert any("off_policy/is_weight_max" in m[t] for t in (2, 3))  # a stale step updated the policy
