@@ -1,10 +1,11 @@
-"""GRPO training throughput: distflow (each rollout engine) vs Hugging Face TRL, on CPU.
+"""GRPO training throughput: distflow (each rollout engine) vs Hugging Face TRL, on CPU (or CUDA: --gpu).
 
     .venv/bin/python benchmarks/throughput.py                      # the four settings below, 20 steps each
     .venv/bin/python benchmarks/throughput.py --settings long      # one of them
     .venv/bin/python benchmarks/throughput.py --nproc 1 2          # distflow also with --nproc 2
     .venv/bin/python benchmarks/throughput.py --quick              # smoke test: `default` at 4 prompts x 4, <= 4 tokens, 3 steps
     .venv/bin/python benchmarks/throughput.py --setup-only         # only build .venv-bench (TRL); `make test` does this first
+    python benchmarks/throughput.py --gpu --skip-trl               # on CUDA, bf16: the settings below + qwen
 
 Settings (P prompts x G samples per step, new-token cap, model; all untrained, random init):
     default   16 x 8,  <= 8 tokens,  the embedded tiny Llama (1.0M parameters)
@@ -15,6 +16,13 @@ Settings (P prompts x G samples per step, new-token cap, model; all untrained, r
               systems load the same directory)
     group16   8 x 16,  <= 8 tokens,  the tiny Llama
     wide      16 x 8,  <= 8 tokens,  a wider Llama (hidden 384, 8 layers, 17M parameters)
+    qwen      16 x 8,  <= 64 tokens, Qwen2-0.5B's shape (24 layers, hidden 896, 14 query and 2
+              key-value heads, MLP 4864; 0.36B parameters with the character vocabulary),
+              random init from the config: --gpu only (the default with --gpu: all five)
+
+--gpu runs every system on CUDA in bf16: distflow with `trainer.device=cuda` and
+`trainer.strategy=fsdp2` (bf16 compute, float32 master weights and reductions; with one
+process the shard is the whole model), TRL with `bf16=True` on the GPU. The rest is the same.
 
 What runs for each setting, one after another (never at the same time: they would share
 the cores): `distflow train` with each rollout engine (`compact`, `generate`), in 1 process
@@ -77,6 +85,7 @@ SETTINGS = {  # name: (prompts, generations, max_new_tokens, model)
     "group16": (8, 16, 8, "tiny"),
     "wide": (16, 8, 8, "wide"),
 }
+GPU_SETTINGS = {"qwen": (16, 8, 64, "qwen0.5b")}  # too large for a CPU step: --gpu only
 
 
 def log(text: str) -> None:
@@ -85,7 +94,8 @@ def log(text: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="GRPO throughput: distflow (each rollout engine) vs TRL.")
-    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), help="(default: all; --quick: default)")
+    parser.add_argument("--settings", nargs="+", choices=[*SETTINGS, *GPU_SETTINGS],
+                        help="(default: all; --quick: default)")
     parser.add_argument("--prompts", type=int, help="prompts per optimizer step (overrides every setting's)")
     parser.add_argument("--generations", type=int, help="completions per prompt, the group size (overrides)")
     parser.add_argument("--max-new-tokens", type=int, help="(overrides every setting's)")
@@ -96,6 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="smoke test (the test suite runs it): `default` at 3 steps of 4 prompts x 4, <= 4 tokens")
     parser.add_argument("--skip-trl", action="store_true", help="only the distflow runs")
+    parser.add_argument("--gpu", action="store_true", help="every system on CUDA in bf16 (adds the qwen setting)")
     parser.add_argument("--setup-only", action="store_true",
                         help="build .venv-bench (TRL) and exit; `make test` runs this as set-up, before the timed suite")
     args = parser.parse_args(argv)
@@ -103,7 +114,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.settings = args.settings or ["default"]
         args.prompts, args.generations = args.prompts or 4, args.generations or 4
         args.max_new_tokens, args.steps = args.max_new_tokens or 4, args.steps or 3
-    args.settings, args.steps = args.settings or list(SETTINGS), args.steps or 20
+    args.settings = args.settings or [*SETTINGS, *(GPU_SETTINGS if args.gpu else ())]
+    args.steps = args.steps or 20
+    if not args.gpu and set(args.settings) & set(GPU_SETTINGS):
+        parser.error(f"settings {sorted(set(args.settings) & set(GPU_SETTINGS))} need --gpu")
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must be > {WARMUP_STEPS} (the first {WARMUP_STEPS} steps are not timed)")
     if 2 in args.nproc and any((args.prompts or SETTINGS[name][0]) % 2 for name in args.settings):
@@ -113,7 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def setting(args: argparse.Namespace, name: str) -> argparse.Namespace:
     """The arguments of one setting: its sizes unless given on the command line."""
-    prompts, generations, max_new_tokens, model = SETTINGS[name]
+    prompts, generations, max_new_tokens, model = {**SETTINGS, **GPU_SETTINGS}[name]
     return argparse.Namespace(**{**vars(args), "name": name, "model": model, "prompts": args.prompts or prompts,
                                  "generations": args.generations or generations,
                                  "max_new_tokens": args.max_new_tokens or max_new_tokens})
@@ -153,13 +167,16 @@ def ensure_bench_venv() -> Path:
 
 
 def build_model(kind: str):
-    """(model, tokenizer) of a setting, untrained: `tiny`, `long` (EOS rarely sampled) or `wide`."""
+    """(model, tokenizer) of a setting, untrained: `tiny`, `long` (EOS rarely sampled), `wide` or
+    `qwen0.5b`."""
     import torch
 
     from distflow.tasks.tiny_model import build_tiny_model
     from distflow.tasks.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
+    if kind == "qwen0.5b":
+        return qwen_model(tokenizer), tokenizer
     if kind == "wide":
         return build_tiny_model(tokenizer, seed=0, hidden_size=384, num_layers=8, num_heads=6,
                                 num_kv_heads=2), tokenizer
@@ -170,6 +187,20 @@ def build_model(kind: str):
             weight.mul_(2.0)
             weight[tokenizer.eos_token_id] = 0.0
     return model, tokenizer
+
+
+def qwen_model(tokenizer):
+    """Qwen2-0.5B's architecture (its config.json's sizes) over the character vocabulary, random init."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config)
 
 
 def save_model(directory: Path, kind: str) -> Path:
@@ -216,7 +247,8 @@ def distflow_config(path: Path, model_dir: Path, args: argparse.Namespace, engin
         # One micro-batch per step, like TRL's single forward/backward over the batch.
         "trainer": {"total_steps": args.steps, "prompts_per_step": args.prompts, "micro_batch_size": batch,
                     "seed": 0, "eval_every": 0, "eval_samples": 1, "loggers": ["jsonl"],
-                    "progress_bar": False, "device": "cpu"},
+                    "progress_bar": False, "device": "cuda" if args.gpu else "cpu",
+                    **({"strategy": "fsdp2"} if args.gpu else {})},
     }
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -245,7 +277,8 @@ def run_trl(python: Path, model_dir: Path, data: Path, work: Path,
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
     cmd = [python, ROOT / "benchmarks" / "trl_worker.py", "--model-dir", model_dir, "--data", data,
            "--output-dir", work / "trl", "--prompts", args.prompts, "--generations", args.generations,
-           "--max-new-tokens", args.max_new_tokens, "--steps", args.steps, "--lr", args.lr]
+           "--max-new-tokens", args.max_new_tokens, "--steps", args.steps, "--lr", args.lr,
+           *(["--gpu"] if args.gpu else [])]
     result = json.loads(run_checked(cmd, env=env, what="TRL worker").strip().splitlines()[-1])
     args.trl_version = result["trl_version"]  # the setting's namespace; run_setting reports it
     return [(step_s, tokens, None) for step_s, tokens in zip(result["step_s"], result["tokens"])][WARMUP_STEPS:]
@@ -326,7 +359,10 @@ def run_setting(args: argparse.Namespace, bench_python: Path | None, work: Path)
     # Same seeds, same samples: every engine's steps generated the same tokens and earned the same rewards.
     identical = {nproc: len({repr(per_step[f"distflow_{e}_{nproc}proc"]) for e in args.engines}) == 1
                  for nproc in args.nproc}
-    model_params = sum(t.numel() for t in build_model(args.model)[0].parameters())
+    import torch
+
+    with torch.device("meta"):  # only the count
+        model_params = sum(t.numel() for t in build_model(args.model)[0].parameters())
     return {"prompts_per_step": args.prompts, "generations": args.generations, "max_new_tokens": args.max_new_tokens,
             "model": args.model, "model_parameters": model_params, **results, **ratios(results),
             "samples_identical": all(identical.values())}
@@ -338,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"TRL baseline ready in {ensure_bench_venv().parent.parent.name}")
         return 0
     settings = {"steps": args.steps, "timed_steps": args.steps - WARMUP_STEPS, "lr": args.lr, "temperature": 1.0,
-                "top_p": 1.0, "kl": 0.0, "device": "cpu", "cpu_count": os.cpu_count()}
+                "top_p": 1.0, "kl": 0.0, "device": "cuda" if args.gpu else "cpu", "cpu_count": os.cpu_count()}
     bench_python = None if args.skip_trl else ensure_bench_venv()
     settings["load_avg_1min_at_start"] = round(os.getloadavg()[0], 2)
     if settings["load_avg_1min_at_start"] > 0.5:

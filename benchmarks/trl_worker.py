@@ -1,4 +1,4 @@
-"""TRL baseline for benchmarks/throughput.py: GRPO with `trl.GRPOTrainer` on CPU.
+"""TRL baseline for benchmarks/throughput.py: GRPO with `trl.GRPOTrainer` on CPU (CUDA with --gpu).
 
 Runs inside the benchmark virtualenv (.venv-bench, which has TRL; the project venv
 does not), started by throughput.py with the settings it also gives distflow:
@@ -88,8 +88,8 @@ def grpo_config(args: argparse.Namespace) -> GRPOConfig:
         warmup_steps=0,
         shuffle_dataset=False,  # keep distflow's prompt order
         seed=args.seed,
-        use_cpu=True,
-        bf16=False,
+        use_cpu=not args.gpu,
+        bf16=args.gpu,  # --gpu: bf16 autocast over float32 master weights, as distflow's fsdp2 there
         gradient_checkpointing=False,  # TRL turns it on by default; distflow does not checkpoint
         use_vllm=False,
         report_to=[],
@@ -111,6 +111,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--lr", type=float, required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpu", action="store_true", help="train and generate on CUDA in bf16")
     args = parser.parse_args()
 
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()]

@@ -21,6 +21,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import yaml
 
 from conftest import REPO
 
@@ -100,6 +102,26 @@ def test_throughput_models():
     assert 20 <= lengths.mean() <= 50 and (lengths == 64).sum() >= 4 and (lengths <= 8).sum() >= 4
     wide = sum(p.numel() for p in throughput.build_model("wide")[0].parameters())
     assert 10e6 <= wide <= 20e6
+    with torch.device("meta"):
+        qwen = throughput.build_model("qwen0.5b")[0]
+    assert type(qwen).__name__ == "Qwen2ForCausalLM" and 0.3e9 <= sum(p.numel() for p in qwen.parameters()) <= 0.4e9
+
+
+def test_throughput_gpu_mode_puts_every_system_on_cuda_in_bf16(tmp_path):
+    """What `--gpu` hands each system (this machine has no GPU to run it: see the README)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        throughput = importlib.import_module("throughput")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--settings", "qwen"])  # the 0.36B model only with --gpu
+    args = throughput.parse_args(["--gpu", "--skip-trl"])
+    assert args.settings == ["default", "long", "group16", "wide", "qwen"]
+    for gpu, device in ((True, "cuda"), (False, "cpu")):
+        one = throughput.setting(throughput.parse_args([*(["--gpu"] if gpu else []), "--settings", "long"]), "long")
+        config = yaml.safe_load(throughput.distflow_config(tmp_path / "c.yaml", tmp_path, one, "compact").read_text())
+        assert config["trainer"]["device"] == device and config["trainer"].get("strategy") == ("fsdp2" if gpu else None)
 
 
 def test_data_plane_quick():
