@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/throughput.py                      # the four settings below, 20 steps each
     .venv/bin/python benchmarks/throughput.py --settings long      # one of them
     .venv/bin/python benchmarks/throughput.py --nproc 1 2          # distflow also with --nproc 2
+    .venv/bin/python benchmarks/throughput.py --packed             # distflow also with packed passes
     .venv/bin/python benchmarks/throughput.py --quick              # smoke test: `default` at 4 prompts x 4, <= 4 tokens, 3 steps
     .venv/bin/python benchmarks/throughput.py --setup-only         # only build .venv-bench (TRL); `make test` does this first
     python benchmarks/throughput.py --gpu --skip-trl               # on CUDA, bf16: the settings below + qwen
@@ -30,7 +31,10 @@ the cores): `distflow train` with each rollout engine (`compact`, `generate`), i
 .venv-bench, a virtualenv this script creates on first use (torch==2.13.0 first, then
 benchmarks/requirements-trl.txt under a torch==2.13.0 constraint, so pip never swaps the
 local CPU torch). The two engines draw the same samples from the same seeds; the run checks
-it by comparing their per-step generated tokens and rewards (`samples_identical`).
+it by comparing their per-step generated tokens and rewards (`samples_identical`). With
+--packed every distflow system also runs with `trainer.padding_free=true` (packed log-prob
+and training passes; the engines are compared within each packing mode, since packed and
+padded updates differ by float rounding and so may draw different samples later).
 
 Identical settings for all systems: the setting's model (saved once and loaded by each
 system from the same directory), distflow's
@@ -102,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="optimizer steps per system (default 20, --quick 3)")
     parser.add_argument("--nproc", type=int, nargs="+", default=[1], choices=[1, 2], help="distflow process counts")
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    parser.add_argument("--packed", action="store_true",
+                        help="also run each distflow system with trainer.padding_free=true (`..._packed_...`)")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--quick", action="store_true",
                         help="smoke test (the test suite runs it): `default` at 3 steps of 4 prompts x 4, <= 4 tokens")
@@ -231,7 +237,7 @@ def write_prompts(path: Path, args: argparse.Namespace) -> Path:
 # --- the systems ------------------------------------------------------------------------
 
 
-def distflow_config(path: Path, model_dir: Path, args: argparse.Namespace, engine: str) -> Path:
+def distflow_config(path: Path, model_dir: Path, args: argparse.Namespace, engine: str, packed: bool = False) -> Path:
     batch = args.prompts * args.generations
     config = {
         "model": {"path": str(model_dir)},
@@ -247,7 +253,7 @@ def distflow_config(path: Path, model_dir: Path, args: argparse.Namespace, engin
         # One micro-batch per step, like TRL's single forward/backward over the batch.
         "trainer": {"total_steps": args.steps, "prompts_per_step": args.prompts, "micro_batch_size": batch,
                     "seed": 0, "eval_every": 0, "eval_samples": 1, "loggers": ["jsonl"],
-                    "progress_bar": False, "device": "cuda" if args.gpu else "cpu",
+                    "progress_bar": False, "device": "cuda" if args.gpu else "cpu", "padding_free": packed,
                     **({"strategy": "fsdp2"} if args.gpu else {})},
     }
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -309,17 +315,17 @@ def significant(value: float, digits: int = 4) -> float:
 def print_table(name: str, args: argparse.Namespace, results: dict) -> None:
     print(f"setting {name}: {args.prompts} prompts x {args.generations}, <= {args.max_new_tokens} tokens, "
           f"model {args.model}")
-    print(f"  {'system':<26}{'step s (median)':>17}{'completions/s':>15}{'tokens/s':>11}{'tokens/step':>13}"
+    print(f"  {'system':<32}{'step s (median)':>17}{'completions/s':>15}{'tokens/s':>11}{'tokens/step':>13}"
           f"{'wall s':>9}")
     for system, r in results.items():
-        print(f"  {system:<26}{r['step_s']:>17.4f}{r['completions_per_s']:>15.1f}{r['tokens_per_s']:>11.1f}"
+        print(f"  {system:<32}{r['step_s']:>17.4f}{r['completions_per_s']:>15.1f}{r['tokens_per_s']:>11.1f}"
               f"{r['tokens_per_step']:>13.1f}{r['wall_s']:>9.1f}")
     splits = {system: r["stage_s"] for system, r in results.items() if "stage_s" in r}
     stages = list(dict.fromkeys(stage for split in splits.values() for stage in split))
     print("  where a distflow step goes (median seconds per stage, slowest rank):")
-    print(f"  {'system':<26}" + "".join(f"{stage:>15}" for stage in stages))
+    print(f"  {'system':<32}" + "".join(f"{stage:>15}" for stage in stages))
     for system, split in splits.items():
-        print(f"  {system:<26}" + "".join(f"{split.get(stage, 0.0):>15.4f}" for stage in stages))
+        print(f"  {system:<32}" + "".join(f"{split.get(stage, 0.0):>15.4f}" for stage in stages))
 
 
 def ratios(results: dict) -> dict:
@@ -341,12 +347,13 @@ def run_setting(args: argparse.Namespace, bench_python: Path | None, work: Path)
     model_dir = save_model(work / "model", args.model)
     results, per_step = {}, {}
     for nproc in args.nproc:
-        for engine in args.engines:
-            name = f"distflow_{engine}_{nproc}proc"
-            log(f"{args.name}: distflow, engine {engine}, {nproc} process(es), {args.steps} steps")
+        for engine, packed in [(e, p) for p in ((False, True) if args.packed else (False,)) for e in args.engines]:
+            name = f"distflow_{engine}_{'packed_' if packed else ''}{nproc}proc"
+            log(f"{args.name}: distflow, engine {engine}{', packed' if packed else ''}, {nproc} process(es), "
+                f"{args.steps} steps")
             start = time.perf_counter()
-            steps, split = run_distflow(name, nproc, distflow_config(work / f"{name}.yaml", model_dir, args, engine),
-                                        work)
+            config = distflow_config(work / f"{name}.yaml", model_dir, args, engine, packed)
+            steps, split = run_distflow(name, nproc, config, work)
             results[name] = {**summarize(steps, completions, time.perf_counter() - start), "stage_s": split}
             per_step[name] = [(tokens, reward) for _, tokens, reward in steps]
     if bench_python is not None:
@@ -357,8 +364,8 @@ def run_setting(args: argparse.Namespace, bench_python: Path | None, work: Path)
         results["trl"]["version"] = args.trl_version
     print_table(args.name, args, results)
     # Same seeds, same samples: every engine's steps generated the same tokens and earned the same rewards.
-    identical = {nproc: len({repr(per_step[f"distflow_{e}_{nproc}proc"]) for e in args.engines}) == 1
-                 for nproc in args.nproc}
+    identical = {(nproc, packed): len({repr(per_step[f"distflow_{e}_{packed}{nproc}proc"]) for e in args.engines}) == 1
+                 for nproc in args.nproc for packed in ("", *(("packed_",) if args.packed else ()))}
     import torch
 
     with torch.device("meta"):  # only the count
