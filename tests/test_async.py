@@ -206,6 +206,10 @@ def test_same_seed_same_run_and_kill_9_resume_reproduces_it(tmp_path, cache_dir)
     # Killed while training step 3 (steps 4 and 5 already generated, in flight); resumed from step 2.
     killed = train(tmp_path / "c", cache_dir, *extra, env={"KILL_AT_STEP": "3"})
     assert killed.returncode != 0 and "rank 1 was killed by SIGKILL in stage 'record' at step 3" in killed.stderr
+    # Its batches in flight were drawn for k = 2: resuming with k = 1 is refused, and nothing is lost.
+    wrong = train(tmp_path / "c", cache_dir, "trainer.max_staleness=1", *extra[1:], "--resume")
+    last = wrong.stderr.strip().splitlines()[-1]
+    assert wrong.returncode == 2 and "trainer.max_staleness=2" in last and "resume it with the same" in last, last
     resumed = train(tmp_path / "c", cache_dir, *extra, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads(resumed.stdout.strip().splitlines()[-1])["resumed_from_step"] == 2

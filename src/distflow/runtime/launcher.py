@@ -9,10 +9,10 @@ A SIGINT (Ctrl-C) or SIGTERM to this command stops the ranks with the same signa
 raises `Stopped` (the CLI says where the last checkpoint is).
 
 `run_local(fn, N, ...)` is the in-process counterpart for tests and benchmarks: N forked
-gloo ranks joined through a TCP store that this process holds, so no port is chosen, closed
-and re-bound later (another program could take it in between):
+gloo ranks joined through a file store in a temporary directory (no port to choose, and no
+store server thread in this process while it forks):
 
-    this process: TCPStore(port 0) ──port──▶ rank 0 … rank N-1 ── fn(comm, *args) ──▶ results
+    this process: tmpdir/store ──path──▶ rank 0 … rank N-1 ── fn(comm, *args) ──▶ tmpdir/{rank}.pt
 """
 
 from __future__ import annotations
@@ -88,9 +88,10 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
 LOCAL_TIMEOUT = timedelta(seconds=1800)  # generous: a loaded 2-core machine can stall a rank for minutes
 
 
-def _local_rank(rank: int, fn: Callable, world: int, port: int, out: str, args: tuple) -> None:
+def _local_rank(rank: int, fn: Callable, world: int, out: str, args: tuple) -> None:
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=LOCAL_TIMEOUT)
+    store = dist.FileStore(str(Path(out) / "store"), world)
+    store.set_timeout(LOCAL_TIMEOUT)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=LOCAL_TIMEOUT)
     try:
         torch.save(fn(Comm(rank, world, rank, world, torch.device("cpu")), *args), Path(out) / f"{rank}.pt")
@@ -106,9 +107,12 @@ def run_local(fn: Callable, world: int, *args, start_method: str = "fork") -> li
     before its first op, as PyTorch's DataLoader workers do, so an OpenMP pool the parent
     started is never used in the child. `start_method="spawn"` starts clean processes (what a
     memory measurement needs); `fn` must then be a module-level function (imported by name).
+
+    The ranks meet through a file store, not a TCP store served from this process: a store
+    server thread running here while the ranks are forked can hold a lock at the moment of a
+    fork, and the child that inherits it hangs in its first store call (seen once: the third
+    rank of a 3-rank test stuck connecting while the other two waited for it).
     """
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=LOCAL_TIMEOUT)
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_local_rank, args=(fn, world, store.port, out, args), nprocs=world,
-                           start_method=start_method)
+        mp.start_processes(_local_rank, args=(fn, world, out, args), nprocs=world, start_method=start_method)
         return [torch.load(Path(out) / f"{rank}.pt", weights_only=False) for rank in range(world)]

@@ -94,6 +94,7 @@ class Pipeline:
         moved = {str(step): [m.sent, m.received, m.local] for step, m in self.moved.items()}
         moved_all = self.worker.world.all_gather_object(moved)
         state = {"pipeline": {"max_staleness": self.k, "world_size": self.worker.world.world_size,
+                              "train_ranks": list(self.worker.plan.groups["train"].ranks),
                               "ahead": everyone, "moved": moved_all}}
         return state, (dict(self.inflight) if self.is_train else None)
 
@@ -132,9 +133,11 @@ class Pipeline:
 
     def _restore(self, first_step: int, saved: dict, rank_state) -> None:
         world = self.worker.world
-        if saved["max_staleness"] != self.k or saved["world_size"] != world.world_size:
+        train_ranks = list(self.worker.plan.groups["train"].ranks)
+        if (saved["max_staleness"], saved["world_size"], saved["train_ranks"]) != (self.k, world.world_size, train_ranks):
             raise CheckpointError(f"this checkpoint holds the batches in flight of a run with trainer.max_staleness="
-                                  f"{saved['max_staleness']} on {saved['world_size']} ranks: resume it with the same "
+                                  f"{saved['max_staleness']} on {saved['world_size']} ranks with train ranks "
+                                  f"{saved['train_ranks']}: resume it with the same "
                                   "max_staleness, world size and placement")
         for step, state in saved["ahead"][world.rank].items():
             self.ahead[int(step)] = StepMetrics.from_state(state)
