@@ -105,7 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, help="(overrides every setting's)")
     parser.add_argument("--steps", type=int, help="optimizer steps per system (default 20, --quick 3)")
     parser.add_argument("--nproc", type=int, nargs="+", default=[1], choices=[1, 2], help="distflow process counts")
-    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=[*ENGINES, "compiled"],
+                        help="(default: compact generate; `compiled` compiles in its first steps, which are not timed)")
     parser.add_argument("--packed", action="store_true",
                         help="also run each distflow system with trainer.padding_free=true (`..._packed_...`)")
     parser.add_argument("--lr", type=float, default=1e-5)
@@ -329,15 +330,20 @@ def print_table(name: str, args: argparse.Namespace, results: dict) -> None:
 
 
 def ratios(results: dict) -> dict:
-    """distflow / TRL and compact / generate (tokens/s): above 1 means the first is faster."""
+    """distflow / TRL and compact (or compiled) / generate (tokens/s, per step and per rollout
+    second): above 1 means the first is faster."""
     out = {}
     for system, r in results.items():
         if system.startswith("distflow") and "trl" in results:
             out[f"{system}/trl_completions"] = round(r["completions_per_s"] / results["trl"]["completions_per_s"], 2)
             out[f"{system}/trl_tokens"] = round(r["tokens_per_s"] / results["trl"]["tokens_per_s"], 2)
-        reference = system.replace("_compact_", "_generate_")
-        if "_compact_" in system and reference in results:
+        engine = next((e for e in ("_compact_", "_compiled_") if e in system), None)
+        reference = system.replace(engine, "_generate_") if engine else None
+        if reference in results:
             out[f"{system}/generate_tokens"] = round(r["tokens_per_s"] / results[reference]["tokens_per_s"], 2)
+            # The rollout alone: generated tokens per rollout second (the same tokens in both).
+            out[f"{system}/generate_rollout_tokens"] = round(
+                results[reference]["stage_s"]["rollout"] / r["stage_s"]["rollout"], 2)
     return out
 
 

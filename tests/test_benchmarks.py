@@ -84,6 +84,7 @@ def test_throughput_quick():
         assert sum(split.values()) <= result[system]["step_s"] + 1e-3  # 1 timed step, 1 process: medians are sums
     assert result["samples_identical"] is True  # the two engines, same seeds: same tokens and rewards per step
     assert result["distflow_compact_1proc/trl_completions"] > 0 and result["distflow_compact_1proc/generate_tokens"] > 0
+    assert result["distflow_compact_1proc/generate_rollout_tokens"] > 0
 
 
 def test_throughput_models():

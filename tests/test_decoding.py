@@ -61,3 +61,21 @@ def test_each_prompt_is_prefilled_once_and_finished_rows_cost_nothing(model_and_
     lengths = out.response_mask_BR.sum(-1)
     assert sum(rows for rows, width in decode_steps) == int((lengths - 1).sum())
     assert all(width == 1 for _, width in decode_steps)
+
+
+@pytest.mark.slow  # torch.compile takes 20-60 s on 2 cores: CI runs it
+def test_compiled_engine_draws_the_compact_samples_and_follows_weight_updates(model_and_tokenizer):
+    tokenizer = model_and_tokenizer[1]
+    model = build_tiny_model(tokenizer, seed=12, max_positions=96).eval()  # its own: the test changes its weights
+    n = 4
+    kwargs = dict(samples_per_prompt=n, max_new_tokens=32, temperature=1.0, top_p=1.0, logprobs=True,
+                  sample_keys=[500 + row for row in range(len(PROMPTS) * n)])
+    for _ in range(2):  # the second time with updated weights, in place as an optimizer step makes them
+        compact = generate(model, tokenizer, PROMPTS, engine="compact", **kwargs)
+        compiled = generate(model, tokenizer, PROMPTS, engine="compiled", **kwargs)
+        assert torch.equal(compiled.input_ids_BT, compact.input_ids_BT)
+        assert torch.allclose(compiled.logp_BR, compact.logp_BR, atol=1e-5)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(1.05)
+    assert not torch.equal(compact.input_ids_BT, generate(model, tokenizer, PROMPTS, engine="compiled", **kwargs).input_ids_BT)

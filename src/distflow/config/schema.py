@@ -79,7 +79,7 @@ class WarmstartConfig:
         check(self.lr > 0, f"warmstart.lr must be > 0 (got {self.lr})")
 
 
-ROLLOUT_ENGINES = ("compact", "generate")
+ROLLOUT_ENGINES = ("compact", "compiled", "generate")
 
 
 @dataclass(kw_only=True)
@@ -92,7 +92,9 @@ class RolloutConfig:
     engine: str = "compact"
     """How completions are computed (the same samples either way): `compact` prefills each prompt
     once for its n samples and drops finished rows; `generate` is Hugging Face `generate` over the
-    batch with each prompt repeated n times, kept as the reference."""
+    batch with each prompt repeated n times, kept as the reference; `compiled` is `compact` with
+    the model's forward compiled by `torch.compile` (the first rollout pays the compile; not with
+    fsdp2)."""
 
     def __post_init__(self) -> None:
         check(self.engine in ROLLOUT_ENGINES,
@@ -375,3 +377,6 @@ class Config:
             f"{self.warmstart.num_validation} for the warm-start) leaves none of the {num_problems} problems "
             f"with task.num_digits={self.task.num_digits} for training; lower them or raise task.num_digits",
         )
+        check(self.rollout.engine != "compiled" or self.trainer.strategy == "ddp",
+              "rollout.engine=compiled compiles the rollout model's forward, which fsdp2 gathers from shards "
+              "for every rollout; use rollout.engine=compact with trainer.strategy=fsdp2")

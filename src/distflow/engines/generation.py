@@ -1,6 +1,7 @@
-"""Sampling completions: the `compact` engine (engines.decoding) or Hugging Face `generate`.
+"""Sampling completions: the `compact` engine (engines.decoding), the same with the model's
+forward compiled (`compiled`), or Hugging Face `generate`.
 
-`rollout.engine` picks one; both give the same samples. `generate` (Hugging Face's, KV cache
+`rollout.engine` picks one; all give the same samples. `generate` (Hugging Face's, KV cache
 on, over the batch with each prompt repeated n times) is the reference the other is tested
 against.
 
@@ -13,6 +14,7 @@ the batch it was generated in.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -103,12 +105,24 @@ def _recomputed_logp(model, input_ids_BT, attention_mask_BT, width: int, tempera
         model.train(was_training)
 
 
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def compiled(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with its forward compiled (`torch.compile`, shapes dynamic: the batch shrinks as rows
+    finish and the cache grows), made once per model and sharing its parameters, so weight
+    updates and syncs reach it. The first call compiles (tens of seconds on a CPU)."""
+    if model not in _COMPILED:
+        _COMPILED[model] = torch.compile(model, dynamic=True)
+    return _COMPILED[model]
+
+
 def _responses(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompt_ids_GP: torch.Tensor,
                prompt_mask_GP: torch.Tensor, keys_B: torch.Tensor | None, *, engine: str, n: int, max_new_tokens: int,
                temperature: float, top_p: float, logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Response ids [G·n, max_new_tokens] from `engine`, and (with `logprobs`) their log-probs."""
-    if engine == "compact":
-        out = decode(model, prompt_ids_GP, prompt_mask_GP, samples_per_prompt=n, max_new_tokens=max_new_tokens,
+    if engine in ("compact", "compiled"):
+        out = decode(compiled(model) if engine == "compiled" else model, prompt_ids_GP, prompt_mask_GP, samples_per_prompt=n, max_new_tokens=max_new_tokens,
                      eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, temperature=temperature,
                      top_p=top_p, keys_B=keys_B, logprobs=logprobs)
         return out if logprobs else (out, None)
