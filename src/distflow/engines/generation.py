@@ -113,6 +113,10 @@ def compiled(model: torch.nn.Module) -> torch.nn.Module:
     finish and the cache grows), made once per model and sharing its parameters, so weight
     updates and syncs reach it. The first call compiles (tens of seconds on a CPU)."""
     if model not in _COMPILED:
+        import torch._inductor.config as inductor_config
+
+        # Compile in this thread: a pool of compile workers would outlive the run (non-daemon threads).
+        inductor_config.compile_threads = 1
         _COMPILED[model] = torch.compile(model, dynamic=True)
     return _COMPILED[model]
 
