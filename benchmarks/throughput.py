@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/throughput.py --settings long      # one of them
     .venv/bin/python benchmarks/throughput.py --nproc 1 2          # distflow also with --nproc 2
     .venv/bin/python benchmarks/throughput.py --packed             # distflow also with packed passes
+    .venv/bin/python benchmarks/throughput.py --shared-prefix      # distflow also with shared-prefix passes
     .venv/bin/python benchmarks/throughput.py --quick              # smoke test: `default` at 4 prompts x 4, <= 4 tokens, 3 steps
     .venv/bin/python benchmarks/throughput.py --setup-only         # only build .venv-bench (TRL); `make test` does this first
     python benchmarks/throughput.py --gpu --skip-trl               # on CUDA, bf16: the settings below + qwen
@@ -33,8 +34,9 @@ benchmarks/requirements-trl.txt under a torch==2.13.0 constraint, so pip never s
 local CPU torch). The two engines draw the same samples from the same seeds; the run checks
 it by comparing their per-step generated tokens and rewards (`samples_identical`). With
 --packed every distflow system also runs with `trainer.padding_free=true` (packed log-prob
-and training passes; the engines are compared within each packing mode, since packed and
-padded updates differ by float rounding and so may draw different samples later).
+and training passes), with --shared-prefix with `trainer.shared_prefix=true` (each group's
+prompt computed once in those passes); the engines are compared within each mode of the passes,
+since their updates differ by float rounding and so may draw different samples later.
 
 Identical settings for all systems: the setting's model (saved once and loaded by each
 system from the same directory), distflow's
@@ -109,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="(default: compact generate; `compiled` compiles in its first steps, which are not timed)")
     parser.add_argument("--packed", action="store_true",
                         help="also run each distflow system with trainer.padding_free=true (`..._packed_...`)")
+    parser.add_argument("--shared-prefix", action="store_true",
+                        help="also run each distflow system with trainer.shared_prefix=true (`..._shared_...`)")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--quick", action="store_true",
                         help="smoke test (the test suite runs it): `default` at 3 steps of 4 prompts x 4, <= 4 tokens")
@@ -238,7 +242,12 @@ def write_prompts(path: Path, args: argparse.Namespace) -> Path:
 # --- the systems ------------------------------------------------------------------------
 
 
-def distflow_config(path: Path, model_dir: Path, args: argparse.Namespace, engine: str, packed: bool = False) -> Path:
+PASSES = {"": {"padding_free": False, "shared_prefix": False}, "packed_": {"padding_free": True, "shared_prefix": False},
+          "shared_": {"padding_free": False, "shared_prefix": True}}
+"""The log-prob and training passes' modes, by system-name infix: padded, packed, shared prefix."""
+
+
+def distflow_config(path: Path, model_dir: Path, args: argparse.Namespace, engine: str, passes: str = "") -> Path:
     batch = args.prompts * args.generations
     config = {
         "model": {"path": str(model_dir)},
@@ -254,7 +263,7 @@ def distflow_config(path: Path, model_dir: Path, args: argparse.Namespace, engin
         # One micro-batch per step, like TRL's single forward/backward over the batch.
         "trainer": {"total_steps": args.steps, "prompts_per_step": args.prompts, "micro_batch_size": batch,
                     "seed": 0, "eval_every": 0, "eval_samples": 1, "loggers": ["jsonl"],
-                    "progress_bar": False, "device": "cuda" if args.gpu else "cpu", "padding_free": packed,
+                    "progress_bar": False, "device": "cuda" if args.gpu else "cpu", **PASSES[passes],
                     **({"strategy": "fsdp2"} if args.gpu else {})},
     }
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -347,18 +356,22 @@ def ratios(results: dict) -> dict:
     return out
 
 
+def passes_modes(args: argparse.Namespace) -> list[str]:
+    return ["", *(["packed_"] if args.packed else []), *(["shared_"] if args.shared_prefix else [])]
+
+
 def run_setting(args: argparse.Namespace, bench_python: Path | None, work: Path) -> dict:
     """Every system on one setting; returns its results, ratios and the samples check."""
     completions = args.prompts * args.generations
     model_dir = save_model(work / "model", args.model)
     results, per_step = {}, {}
     for nproc in args.nproc:
-        for engine, packed in [(e, p) for p in ((False, True) if args.packed else (False,)) for e in args.engines]:
-            name = f"distflow_{engine}_{'packed_' if packed else ''}{nproc}proc"
-            log(f"{args.name}: distflow, engine {engine}{', packed' if packed else ''}, {nproc} process(es), "
+        for passes, engine in [(p, e) for p in passes_modes(args) for e in args.engines]:
+            name = f"distflow_{engine}_{passes}{nproc}proc"
+            log(f"{args.name}: distflow, engine {engine}{', ' + passes[:-1] if passes else ''}, {nproc} process(es), "
                 f"{args.steps} steps")
             start = time.perf_counter()
-            config = distflow_config(work / f"{name}.yaml", model_dir, args, engine, packed)
+            config = distflow_config(work / f"{name}.yaml", model_dir, args, engine, passes)
             steps, split = run_distflow(name, nproc, config, work)
             results[name] = {**summarize(steps, completions, time.perf_counter() - start), "stage_s": split}
             per_step[name] = [(tokens, reward) for _, tokens, reward in steps]
@@ -370,8 +383,8 @@ def run_setting(args: argparse.Namespace, bench_python: Path | None, work: Path)
         results["trl"]["version"] = args.trl_version
     print_table(args.name, args, results)
     # Same seeds, same samples: every engine's steps generated the same tokens and earned the same rewards.
-    identical = {(nproc, packed): len({repr(per_step[f"distflow_{e}_{packed}{nproc}proc"]) for e in args.engines}) == 1
-                 for nproc in args.nproc for packed in ("", *(("packed_",) if args.packed else ()))}
+    identical = {(nproc, passes): len({repr(per_step[f"distflow_{e}_{passes}{nproc}proc"]) for e in args.engines}) == 1
+                 for nproc in args.nproc for passes in passes_modes(args)}
     import torch
 
     with torch.device("meta"):  # only the count

@@ -124,8 +124,10 @@ def test_throughput_gpu_mode_puts_every_system_on_cuda_in_bf16(tmp_path):
         config = yaml.safe_load(throughput.distflow_config(tmp_path / "c.yaml", tmp_path, one, "compact").read_text())
         assert config["trainer"]["device"] == device and config["trainer"].get("strategy") == ("fsdp2" if gpu else None)
         assert config["trainer"]["padding_free"] is False
-    packed = throughput.distflow_config(tmp_path / "p.yaml", tmp_path, one, "compact", packed=True)
+    packed = throughput.distflow_config(tmp_path / "p.yaml", tmp_path, one, "compact", "packed_")
     assert yaml.safe_load(packed.read_text())["trainer"]["padding_free"] is True  # --packed's systems
+    shared = throughput.distflow_config(tmp_path / "s.yaml", tmp_path, one, "compact", "shared_")
+    assert yaml.safe_load(shared.read_text())["trainer"]["shared_prefix"] is True  # --shared-prefix's systems
 
 
 def test_data_plane_quick():

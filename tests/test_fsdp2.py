@@ -1,7 +1,8 @@
 """trainer.strategy=fsdp2 (engines/parallelize.py) trains and samples like ddp.
 
 On 2 gloo ranks in float32: five optimizer steps of fsdp2, of HSDP (shard_size=1: two
-replicas of one shard each) and of either with activation checkpointing give ddp's losses,
+replicas of one shard each), of either with activation checkpointing and of ddp or fsdp2 with
+shared-prefix passes (two forwards per micro-batch) give ddp's losses,
 gradient norms and parameters. Generation and log-probs inside `gathered` (each rank with
 its own number of prompts) match the plain model. Then the real CLI on 2 ranks.
 """
@@ -35,15 +36,19 @@ VARIANTS = {
     "hsdp (shard_size=1)": ["trainer.strategy=fsdp2", "trainer.fsdp.shard_size=1"],
     "ddp + activation checkpointing": ["trainer.activation_checkpointing=true"],
     "fsdp2 + activation checkpointing": ["trainer.strategy=fsdp2", "trainer.activation_checkpointing=true"],
+    "ddp + shared prefix": ["trainer.shared_prefix=true"],
+    "fsdp2 + shared prefix": ["trainer.strategy=fsdp2", "trainer.shared_prefix=true"],
 }
 
 
 def step_batch(step: int) -> Batch:
-    """8 sequences (some left-padded, responses of different lengths) and their advantages."""
+    """8 sequences (some left-padded, responses of different lengths) and their advantages; rows 2k
+    and 2k + 1 share their prompt (what shared-prefix passes compute once)."""
     g = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(4, 20, (8, 9), generator=g)
+    ids[1::2, :5] = ids[0::2, :5]
     attention = torch.ones_like(ids)
-    attention[:3, :2] = 0
+    attention[:4, :2] = 0
     response_mask = torch.ones(8, 4, dtype=torch.long)
     response_mask[::2, 2 + step % 2:] = 0
     attention[:, 5:] = response_mask
@@ -92,9 +97,15 @@ def test_five_steps_match_ddp(trained, variant):
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
         assert max(want["grad_norm"]) > 1.0  # clipping was active
         assert got["params"].keys() == want["params"].keys()
+        # Shared-prefix passes sum a prompt's gradient over its samples in another order (gradients
+        # within 1e-6, tests/test_prefix_sharing.py); AdamW's normalised steps at lr 1e-2 grow that
+        # rounding to ~1.1e-3 of a parameter's scale in 5 steps (packed passes: ~1.4e-3). The loss and
+        # gradient norms above still agree to 1e-5, and the replicas must agree exactly.
+        tolerance = 3e-3 if "shared prefix" in variant else 1e-5
         for name, tensor in want["params"].items():
             scale = tensor.abs().max()
-            assert (got["params"][name] - tensor).abs().max() <= 1e-5 * scale, (variant, name)
+            assert (got["params"][name] - tensor).abs().max() <= tolerance * scale, (variant, name)
+            assert torch.equal(got["params"][name], trained[1 - rank][variant]["params"][name])  # replicas agree
     moved = trained[0]["ddp"]["params"]["model.norm.weight"]
     assert (moved - 1).abs().max() > 1e-3  # the 5 steps did change the parameters
 

@@ -25,6 +25,7 @@ from distflow.config.schema import OptimConfig, TrainerConfig
 from distflow.data.batch import Batch
 from distflow.engines.parallelize import gathered, parallelize
 from distflow.engines.packing import response_outputs
+from distflow.engines.prefix_sharing import shared_prefix_outputs
 from distflow.engines.trainable import TrainableEngine
 from distflow.comm import Comm
 
@@ -37,18 +38,23 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor) -> torch.Tensor:
-        """values_BT: one scalar per position."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                past_key_values=None, last_only: bool = False) -> torch.Tensor:
+        """values_BT: one scalar per position (the last one only with `last_only`). `past_key_values`:
+        a KV cache the positions attend to and which keeps theirs (engines.prefix_sharing)."""
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False)
-        hidden_BTH = out.last_hidden_state
+                            past_key_values=past_key_values, use_cache=past_key_values is not None)
+        hidden_BTH = out.last_hidden_state[:, -1:] if last_only else out.last_hidden_state
         return self.value_head(hidden_BTH.float()).squeeze(-1)
 
 
 def response_values(model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
-                    response_width: int, *, padding_free: bool = False) -> torch.Tensor:
-    """V of the state before each response token: values_BR (packed with `padding_free`)."""
+                    response_width: int, *, padding_free: bool = False, shared_prefix: bool = False) -> torch.Tensor:
+    """V of the state before each response token: values_BR (packed with `padding_free`; each
+    distinct prompt computed once with `shared_prefix`)."""
+    if shared_prefix:
+        config = getattr(model, "module", model).backbone.config  # under DDP: the wrapped model's
+        return shared_prefix_outputs(model, config, input_ids_BT, attention_mask_BT, response_width)
     return response_outputs(model, input_ids_BT, attention_mask_BT, response_width, padding_free=padding_free,
                             model=model)
 
@@ -59,7 +65,8 @@ class CriticEngine(TrainableEngine):
     def forward(self, micro: Batch, *, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(values_BR, zeros): a critic has no entropy term."""
         values_BR = response_values(self.wrapped, micro["input_ids"], micro["attention_mask"],
-                                    micro["response_mask"].shape[1], padding_free=self.trainer.padding_free)
+                                    micro["response_mask"].shape[1], padding_free=self.trainer.padding_free,
+                                    shared_prefix=self.trainer.shared_prefix)
         return values_BR, torch.zeros_like(values_BR.detach())
 
     @torch.no_grad()
@@ -70,7 +77,8 @@ class CriticEngine(TrainableEngine):
         width = batch["response_mask"].shape[1]
         with gathered(self.model):
             out = [response_values(self.model, mb["input_ids"], mb["attention_mask"], width,
-                                   padding_free=self.trainer.padding_free)
+                                   padding_free=self.trainer.padding_free,
+                                   shared_prefix=self.trainer.shared_prefix)
                    for mb in batch.micro_batches(micro_batch_size)]
         self.model.train(was_training)
         return torch.cat(out) if out else torch.zeros((0, width), device=batch["input_ids"].device)

@@ -12,6 +12,7 @@ import torch
 
 from distflow.data.batch import Batch
 from distflow.engines.packing import response_outputs
+from distflow.engines.prefix_sharing import shared_prefix_outputs
 
 
 def response_logprobs(
@@ -24,19 +25,27 @@ def response_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     padding_free: bool = False,
+    shared_prefix: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each response token (the last R = `response_width` columns), shape [B, R].
 
     The logits at column t predict token t+1, hence the shift by one. The entropy is a
     constant unless `entropy_grad` (an entropy bonus back-propagates through it). With
     `padding_free` the sequences are packed (engines.packing); values where the response
-    mask is 0 are then those of zero logits.
+    mask is 0 are then those of zero logits. With `shared_prefix` each distinct prompt is computed
+    once (engines.prefix_sharing).
     """
-    def forward(ids, mask, positions):
-        return model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    def forward(ids, mask, positions, cache=None, last_only=False):
+        return model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                     use_cache=cache is not None, logits_to_keep=1 if last_only else 0).logits
 
-    logits_BRV = response_outputs(forward, input_ids_BT, attention_mask_BT, response_width,
-                                  padding_free=padding_free, model=model).float() / temperature
+    if shared_prefix:
+        config = getattr(model, "module", model).config  # under DDP: the wrapped model's
+        logits_BRV = shared_prefix_outputs(forward, config, input_ids_BT, attention_mask_BT, response_width)
+    else:
+        logits_BRV = response_outputs(forward, input_ids_BT, attention_mask_BT, response_width,
+                                      padding_free=padding_free, model=model)
+    logits_BRV = logits_BRV.float() / temperature
     targets_BR = input_ids_BT[:, input_ids_BT.shape[1] - response_width :]
     logz_BR = torch.logsumexp(logits_BRV, dim=-1)
     logp_BR = torch.gather(logits_BRV, -1, targets_BR.unsqueeze(-1)).squeeze(-1) - logz_BR
@@ -50,14 +59,14 @@ def response_logprobs(
 
 @torch.no_grad()
 def batch_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int, temperature: float,
-                   padding_free: bool = False) -> torch.Tensor:
+                   padding_free: bool = False, shared_prefix: bool = False) -> torch.Tensor:
     """Response log-probs of a whole batch, `micro_batch_size` sequences per forward pass."""
     was_training = model.training
     model.eval()
     width = batch["response_mask"].shape[1]
     out = [
         response_logprobs(model, mb["input_ids"], mb["attention_mask"], width, temperature=temperature,
-                          padding_free=padding_free)[0]
+                          padding_free=padding_free, shared_prefix=shared_prefix)[0]
         for mb in batch.micro_batches(micro_batch_size)
     ]
     model.train(was_training)

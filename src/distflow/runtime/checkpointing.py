@@ -42,7 +42,8 @@ FREE_TO_CHANGE = ("trainer.total_steps", "trainer.output_dir", "trainer.run_name
                   "trainer.tensorboard", "trainer.progress_bar", "trainer.device", "trainer.timeout_s",
                   "trainer.stage_timeout_", "trainer.prefetch", "trainer.micro_batch_size",
                   "trainer.micro_batch_tokens", "trainer.loggers", "trainer.wandb_project", "trainer.profile_steps",
-                  "trainer.padding_free", "rollout.engine", "checkpoint.", "placement.", "warmstart.cache_dir")
+                  "trainer.padding_free", "trainer.shared_prefix", "rollout.engine", "checkpoint.", "placement.",
+                  "warmstart.cache_dir")
 
 
 def checkpoint_root(config: Config, run_dir: Path) -> Path:
