@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/throughput.py --settings long      # one of them
     .venv/bin/python benchmarks/throughput.py --nproc 1 2          # distflow also with --nproc 2
     .venv/bin/python benchmarks/throughput.py --packed             # distflow also with packed passes
-    .venv/bin/python benchmarks/throughput.py --shared-prefix      # distflow also with shared-prefix passes
+    .venv/bin/python benchmarks/throughput.py --padded             # distflow also with padded passes
     .venv/bin/python benchmarks/throughput.py --quick              # smoke test: `default` at 4 prompts x 4, <= 4 tokens, 3 steps
     .venv/bin/python benchmarks/throughput.py --setup-only         # only build .venv-bench (TRL); `make test` does this first
     python benchmarks/throughput.py --gpu --skip-trl               # on CUDA, bf16: the settings below + qwen
@@ -34,9 +34,10 @@ benchmarks/requirements-trl.txt under a torch==2.13.0 constraint, so pip never s
 local CPU torch). The two engines draw the same samples from the same seeds; the run checks
 it by comparing their per-step generated tokens and rewards (`samples_identical`). With
 --packed every distflow system also runs with `trainer.padding_free=true` (packed log-prob
-and training passes), with --shared-prefix with `trainer.shared_prefix=true` (each group's
-prompt computed once in those passes); the engines are compared within each mode of the passes,
-since their updates differ by float rounding and so may draw different samples later.
+and training passes), with --padded with `trainer.shared_prefix=false` (each sample computing
+its prompt: the passes before shared prefixes became the default); the engines are compared
+within each mode of the passes, since their updates differ by float rounding and so may draw
+different samples later.
 
 Identical settings for all systems: the setting's model (saved once and loaded by each
 system from the same directory), distflow's
@@ -111,8 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="(default: compact generate; `compiled` compiles in its first steps, which are not timed)")
     parser.add_argument("--packed", action="store_true",
                         help="also run each distflow system with trainer.padding_free=true (`..._packed_...`)")
-    parser.add_argument("--shared-prefix", action="store_true",
-                        help="also run each distflow system with trainer.shared_prefix=true (`..._shared_...`)")
+    parser.add_argument("--padded", action="store_true",
+                        help="also run each distflow system with trainer.shared_prefix=false (`..._padded_...`)")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--quick", action="store_true",
                         help="smoke test (the test suite runs it): `default` at 3 steps of 4 prompts x 4, <= 4 tokens")
@@ -242,9 +243,9 @@ def write_prompts(path: Path, args: argparse.Namespace) -> Path:
 # --- the systems ------------------------------------------------------------------------
 
 
-PASSES = {"": {"padding_free": False, "shared_prefix": False}, "packed_": {"padding_free": True, "shared_prefix": False},
-          "shared_": {"padding_free": False, "shared_prefix": True}}
-"""The log-prob and training passes' modes, by system-name infix: padded, packed, shared prefix."""
+PASSES = {"": {"padding_free": False, "shared_prefix": True}, "packed_": {"padding_free": True, "shared_prefix": False},
+          "padded_": {"padding_free": False, "shared_prefix": False}}
+"""The log-prob and training passes' modes, by system-name infix: shared prefix (the default), packed, padded."""
 
 
 def distflow_config(path: Path, model_dir: Path, args: argparse.Namespace, engine: str, passes: str = "") -> Path:
@@ -357,7 +358,7 @@ def ratios(results: dict) -> dict:
 
 
 def passes_modes(args: argparse.Namespace) -> list[str]:
-    return ["", *(["packed_"] if args.packed else []), *(["shared_"] if args.shared_prefix else [])]
+    return ["", *(["packed_"] if args.packed else []), *(["padded_"] if args.padded else [])]
 
 
 def run_setting(args: argparse.Namespace, bench_python: Path | None, work: Path) -> dict:

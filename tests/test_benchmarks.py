@@ -123,11 +123,13 @@ def test_throughput_gpu_mode_puts_every_system_on_cuda_in_bf16(tmp_path):
         one = throughput.setting(throughput.parse_args([*(["--gpu"] if gpu else []), "--settings", "long"]), "long")
         config = yaml.safe_load(throughput.distflow_config(tmp_path / "c.yaml", tmp_path, one, "compact").read_text())
         assert config["trainer"]["device"] == device and config["trainer"].get("strategy") == ("fsdp2" if gpu else None)
-        assert config["trainer"]["padding_free"] is False
-    packed = throughput.distflow_config(tmp_path / "p.yaml", tmp_path, one, "compact", "packed_")
-    assert yaml.safe_load(packed.read_text())["trainer"]["padding_free"] is True  # --packed's systems
-    shared = throughput.distflow_config(tmp_path / "s.yaml", tmp_path, one, "compact", "shared_")
-    assert yaml.safe_load(shared.read_text())["trainer"]["shared_prefix"] is True  # --shared-prefix's systems
+        assert config["trainer"]["padding_free"] is False and config["trainer"]["shared_prefix"] is True
+    packed = yaml.safe_load(throughput.distflow_config(tmp_path / "p.yaml", tmp_path, one, "compact",
+                                                       "packed_").read_text())["trainer"]
+    assert packed["padding_free"] is True and packed["shared_prefix"] is False  # --packed's systems
+    padded = yaml.safe_load(throughput.distflow_config(tmp_path / "s.yaml", tmp_path, one, "compact",
+                                                       "padded_").read_text())["trainer"]
+    assert padded["padding_free"] is False and padded["shared_prefix"] is False  # --padded's systems
 
 
 def test_data_plane_quick():

@@ -5,11 +5,13 @@ import json
 
 import pytest
 import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from conftest import REPO, run_cli
 from distflow.config import ConfigError, load_config
 from distflow.engines.critic import ValueModel, response_values
 from distflow.engines.logprobs import batch_logprobs, response_logprobs
+from distflow.engines.parallelize import checkpoint_blocks
 from distflow.engines.prefix_sharing import distinct_prompts, shared_prefix_outputs
 from distflow.engines.sequences import left_pad, response_mask_from_ids
 from distflow.data.batch import Batch
@@ -119,17 +121,48 @@ def test_batch_logprobs_in_micro_batches_equal_the_padded_pass():
     assert (padded[valid] - shared[valid]).abs().max() <= 1e-6
 
 
-@pytest.mark.parametrize("other", ["trainer.padding_free=true", "trainer.activation_checkpointing=true"])
-def test_shared_prefix_refuses_what_it_cannot_combine_with(other):
-    with pytest.raises(ConfigError, match=f"trainer.shared_prefix and {other.split('=')[0]}"):
-        load_config(None, ["trainer.shared_prefix=true", other])
+def test_with_activation_checkpointing_the_gradients_equal_the_padded_pass():
+    """The decoder blocks recompute both passes in the backward: the write-once caches give the same
+    keys and values again (an appending cache would grow and fail torch's recomputation check)."""
+    ids, mask, response_mask = _groups(seed=3)
+    grads = {}
+    for shared in (False, True):
+        model = build_tiny_model(build_char_tokenizer(), seed=6)
+        checkpoint_blocks(model)
+        logp, _ = response_logprobs(model, ids, mask, response_mask.shape[1], shared_prefix=shared)
+        ((logp * response_mask).sum() / response_mask.sum()).backward()
+        grads[shared] = [p.grad.clone() for p in model.parameters()]
+    for grad_a, grad_b in zip(grads[False], grads[True]):
+        assert (grad_a - grad_b).abs().max() <= 1e-6 * max(1.0, grad_a.abs().max().item())
+
+
+def test_a_model_with_sliding_window_layers_runs_the_padded_pass_and_says_so():
+    tokenizer = build_char_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True, sliding_window=4,
+                         max_window_layers=0)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    ids, mask, response_mask = _groups(seed=4)
+    padded = response_logprobs(model, ids, mask, response_mask.shape[1])[0]
+    with pytest.warns(UserWarning, match="DynamicSlidingWindowLayer.*run padded"):
+        shared = response_logprobs(model, ids, mask, response_mask.shape[1], shared_prefix=True)[0]
+    assert torch.equal(padded, shared)
+
+
+def test_auto_shares_prefixes_unless_the_passes_are_packed():
+    assert load_config(None, []).trainer.shared_prefix is True
+    assert load_config(None, ["trainer.padding_free=true"]).trainer.shared_prefix is False
+    assert load_config(None, ["trainer.shared_prefix=false"]).trainer.shared_prefix is False
+    with pytest.raises(ConfigError, match="trainer.shared_prefix=true and trainer.padding_free=true"):
+        load_config(None, ["trainer.shared_prefix=true", "trainer.padding_free=true"])
 
 
 @pytest.mark.slow  # two 2-rank CLI runs (~75 s); tests/test_fsdp2.py trains 2 ranks with it in the default suite
 def test_a_cli_run_with_shared_prefix_logs_what_the_padded_run_logs(tmp_path, cache_dir):
     """The real CLI on 2 ranks, 3 steps: the same rewards, and training metrics equal to float rounding."""
     rows = {}
-    for shared in ("false", "true"):
+    for shared in ("false", "true"):  # true: the default
         result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), f"trainer.shared_prefix={shared}",
                          "trainer.total_steps=3", "trainer.prompts_per_step=4", "rollout.num_samples=4",
                          "trainer.eval_every=0", "trainer.progress_bar=false", "checkpoint.every=0",

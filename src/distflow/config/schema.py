@@ -208,10 +208,10 @@ class TrainerConfig:
     (engines/packing.py): the same results without computing over padding. Off by default: on the
     2-core CPU with the embedded model's short sequences the packing costs more than the padding
     it saves (README, Rollout engine and padding-free passes)."""
-    shared_prefix: bool = False
+    shared_prefix: bool | None = None
     """Log-prob, value and training passes compute each distinct prompt of a micro-batch once and the
     responses over its KV cache (engines/prefix_sharing.py): the same results, a group's prompt not
-    computed n times. Not with padding_free or activation_checkpointing."""
+    computed n times. Not with padding_free; null (auto): on unless padding_free."""
     profile_steps: int = 0
     """Record a torch profiler trace of this many steps (from the second) into the run
     directory's profile/ (`--profile K` sets it); 0: off."""
@@ -230,9 +230,10 @@ class TrainerConfig:
                           DeprecatedKeyWarning, stacklevel=2)
             if not self.tensorboard:
                 self.loggers = [name for name in self.loggers if name != "tensorboard"]
-        for other in ("padding_free", "activation_checkpointing"):
-            check(not (self.shared_prefix and getattr(self, other)), f"trainer.shared_prefix and trainer.{other} "
-                  f"cannot be combined (engines/prefix_sharing.py); set one of them to false")
+        check(not (self.shared_prefix and self.padding_free), "trainer.shared_prefix=true and trainer.padding_free=true "
+              "exclude each other (packed rows hold several prompts); set one of them to false")
+        if self.shared_prefix is None:
+            self.shared_prefix = not self.padding_free
         check(self.profile_steps >= 0, f"trainer.profile_steps must be >= 0 (got {self.profile_steps})")
         check(self.max_staleness >= 0, f"trainer.max_staleness must be >= 0 (0: synchronous; got {self.max_staleness})")
         check(self.total_steps >= 1, f"trainer.total_steps must be >= 1 (got {self.total_steps})")

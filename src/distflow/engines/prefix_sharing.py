@@ -16,17 +16,26 @@ GRPO-style groups (n samples per prompt) make U = B / n: the prompt's tokens are
 instead of n times, in the forward and in the backward. A micro-batch without a repeated
 prompt runs the padded pass (the same result without the second call).
 
-The prompt pass writes the cache from inside the model, so it cannot be recomputed in the
-backward (`trainer.activation_checkpointing` would write it twice); that combination, and
-`trainer.padding_free` (packed rows hold several prompts), are refused by the config.
+The caches are write-once, so activation checkpointing may run either pass again in the
+backward: the prompt pass's cache keeps the keys and values of its latest call (a recomputation
+replaces them with equal ones instead of appending), and the responses read a second cache that
+holds each sample's gathered prompt keys and values and never changes. This needs the
+full-attention cache layers of transformers (`DynamicLayer`); a model with other kinds
+(sliding-window layers keep a window of the cache and their masks depend on what they stored)
+runs the padded pass, with a warning. Packed rows hold several prompts, so
+`trainer.padding_free` and this exclude each other (the config's `auto` picks this one unless
+padding_free is set).
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from distflow.engines.sequences import position_ids_from_mask
 
@@ -48,17 +57,55 @@ def shared_prefix_outputs(forward: PrefixForward, model_config, input_ids_BT: to
                           attention_mask_BT: torch.Tensor, response_width: int) -> torch.Tensor:
     """The outputs that predict the response tokens, [B, R, ...], each distinct prompt computed once.
 
-    `model_config` (the model's) makes the cache: sliding-window layers get their own kind.
+    `model_config` (the model's) says which cache layers the model uses.
     """
     batch, total = input_ids_BT.shape
     width = total - response_width
     prompt_ids_UW, prompt_mask_UW, index_B = distinct_prompts(input_ids_BT, attention_mask_BT, response_width)
-    if prompt_ids_UW.shape[0] == batch or width == 0:  # nothing to share: the padded pass
+    cache = _write_once_cache(model_config)
+    if prompt_ids_UW.shape[0] == batch or width == 0 or cache is None:  # nothing to share: the padded pass
         out = forward(input_ids_BT, attention_mask_BT, position_ids_from_mask(attention_mask_BT), None, False)
         return out[:, width - 1 : -1]
-    cache = DynamicCache(config=model_config)
     first_U = forward(prompt_ids_UW, prompt_mask_UW, position_ids_from_mask(prompt_mask_UW), cache, True)[:, -1:]
-    cache.batch_select_indices(index_B)  # out of place: autograd sums each prompt's rows in the backward
+    gathered = _read_only_cache(model_config, cache, index_B)  # autograd sums each prompt's rows in the backward
     positions_BR = position_ids_from_mask(attention_mask_BT)[:, width:]
-    rest_BR = forward(input_ids_BT[:, width:], attention_mask_BT, positions_BR, cache, False)
+    rest_BR = forward(input_ids_BT[:, width:], attention_mask_BT, positions_BR, gathered, False)
     return torch.cat([first_U[index_B], rest_BR[:, :-1]], dim=1)
+
+
+def _write_once_cache(model_config) -> DynamicCache | None:
+    """A cache for the prompt pass whose layers keep their latest call's keys and values; None
+    (with a warning, once per model kind) if the model has layers other than full attention."""
+    cache = DynamicCache(config=model_config)
+    kinds = {type(layer).__name__ for layer in cache.layers} - {DynamicLayer.__name__}
+    if kinds or not cache.layers:
+        _warn_padded(type(model_config).__name__, ", ".join(sorted(kinds)) or "no cache layers from its config")
+        return None
+    for layer in cache.layers:
+        layer.update = functools.partial(_keep, layer)
+    return cache
+
+
+def _read_only_cache(model_config, prompts: DynamicCache, index_B: torch.Tensor) -> DynamicCache:
+    """A cache holding row index_B[b] of the prompt cache for sample b, which a forward reads and never grows."""
+    cache = DynamicCache(config=model_config)
+    for layer, prompt in zip(cache.layers, prompts.layers):
+        _keep(layer, prompt.keys[index_B], prompt.values[index_B])
+        layer.update = functools.partial(_read, layer)
+    return cache
+
+
+def _keep(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
+    layer.dtype, layer.device, layer.is_initialized = keys.dtype, keys.device, True
+    layer.keys, layer.values = keys, values
+    return keys, values
+
+
+def _read(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
+    return torch.cat([layer.keys, keys], dim=-2), torch.cat([layer.values, values], dim=-2)
+
+
+@functools.cache
+def _warn_padded(model_kind: str, layer_kinds: str) -> None:
+    warnings.warn(f"trainer.shared_prefix: {model_kind}'s cache has {layer_kinds}; its log-prob and training "
+                  "passes run padded (the same results, each sample computing its prompt)", stacklevel=3)
