@@ -12,8 +12,8 @@ from distflow.config import ConfigError, load_config
 from distflow.engines.critic import ValueModel, response_values
 from distflow.engines.logprobs import batch_logprobs, response_logprobs
 from distflow.engines.parallelize import checkpoint_blocks
-from distflow.engines.prefix_sharing import distinct_prompts, shared_prefix_outputs
-from distflow.engines.sequences import left_pad, response_mask_from_ids
+from distflow.engines.prefix_sharing import distinct_prompts, length_buckets, response_lengths, shared_prefix_outputs
+from distflow.engines.sequences import left_pad, position_ids_from_mask, response_mask_from_ids
 from distflow.data.batch import Batch
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
@@ -51,6 +51,28 @@ def test_distinct_prompts_maps_every_row_to_its_prompt():
     assert index[0] == index[2] and len({int(index[1]), int(index[3]), int(index[0])}) == 3
 
 
+def test_response_lengths_count_to_the_last_attended_column():
+    mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 0, 1, 0], [1, 1, 1, 1]])  # row 2: a hole (an observation)
+    assert response_lengths(mask).tolist() == [3, 0, 3, 4]
+
+
+def test_length_buckets_split_where_padding_is_saved_and_only_there():
+    equal = length_buckets(torch.full((32,), 8))
+    assert [(rows.tolist(), longest) for rows, longest in equal] == [(list(range(32)), 8)]
+    spread = torch.randperm(128, generator=torch.Generator().manual_seed(0)) % 64 + 1  # lengths 1..64, twice each
+    buckets = length_buckets(spread)
+    assert [longest for _, longest in buckets] == [64, 48, 32, 16]  # four quarters, longest first
+    assert sorted(int(b) for rows, _ in buckets for b in rows) == list(range(128))  # every row once
+    for rows, longest in buckets:
+        assert int(spread[rows].max()) == longest
+    computed = sum(len(rows) * longest for rows, longest in buckets)
+    assert computed == 32 * (64 + 48 + 32 + 16) < 128 * 64  # 5,120 columns instead of 8,192
+    # a split saving under 3% of the one-bucket columns is not worth a forward call
+    assert len(length_buckets(torch.tensor([10] * 99 + [1]))) == 1
+    assert len(length_buckets(torch.tensor([10] * 90 + [1] * 10))) == 2
+    assert len(length_buckets(spread, max_buckets=2)) == 2
+
+
 def test_logprobs_entropies_loss_and_gradients_equal_the_padded_pass():
     model = build_tiny_model(build_char_tokenizer(), seed=3)
     ids, mask, response_mask = _groups()
@@ -84,13 +106,45 @@ def test_each_distinct_prompt_goes_through_the_model_once():
 
     shared_prefix_outputs(forward, model.config, ids, mask, response_mask.shape[1])
     width = ids.shape[1] - response_mask.shape[1]
-    assert calls == [((5, width), True, True), ((17, response_mask.shape[1]), True, False)]
+    assert calls[0] == ((5, width), True, True)  # the prompts, once each
+    lengths = response_mask.sum(1).tolist()
+    buckets = length_buckets(response_mask.sum(1))
+    # then the responses, each length bucket's rows up to its longest response but one token
+    assert calls[1:] == [((len(rows), longest - 1), True, False) for rows, longest in buckets if longest > 1]
+    assert sorted(int(b) for rows, _ in buckets for b in rows) == list(range(17))
+    assert sum(len(rows) * (longest - 1) for rows, longest in buckets if longest > 1) < 17 * (max(lengths) - 1)
     calls.clear()
     # rows of three different prompts: nothing to share, one padded pass
     index = distinct_prompts(ids, mask, response_mask.shape[1])[2]
     lone = [int((index == u).nonzero()[0]) for u in range(3)]
     shared_prefix_outputs(forward, model.config, ids[lone], mask[lone], response_mask.shape[1])
     assert calls == [((3, ids.shape[1]), False, False)]
+
+
+def test_in_lockstep_every_call_makes_the_same_two_forward_calls():
+    """Under fsdp2 training each forward is a collective: a micro-batch of shared prompts, one of
+    distinct prompts and a one-row zero-gradient pass must make the same calls on every rank."""
+    model = build_tiny_model(build_char_tokenizer(), seed=3)
+    ids, mask, response_mask = _groups(prompts=5, n=4)
+    width = response_mask.shape[1]
+    index = distinct_prompts(ids, mask, width)[2]
+    lone = [int((index == u).nonzero()[0]) for u in range(3)]
+    for rows in (list(range(17)), lone, lone[:1]):
+        calls = []
+
+        def forward(ids, mask, positions, cache, last_only):
+            calls.append((tuple(ids.shape), cache is not None, last_only))
+            return model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                         use_cache=cache is not None).logits
+
+        out = shared_prefix_outputs(forward, model.config, ids[rows], mask[rows], width, lockstep=True)
+        distinct = len(set(index[rows].tolist()))
+        # the prompts (keeping the cache), then every response at full width
+        assert calls == [((distinct, ids.shape[1] - width), True, True), ((len(rows), width), True, False)]
+        padded = model(input_ids=ids[rows], attention_mask=mask[rows],
+                       position_ids=position_ids_from_mask(mask[rows])).logits[:, -width - 1 : -1]
+        valid = response_mask[rows].bool()
+        assert (out[valid] - padded[valid]).abs().max() <= 1e-5
 
 
 def test_values_and_their_gradients_equal_the_padded_pass():

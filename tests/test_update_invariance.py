@@ -48,8 +48,9 @@ CASES = {
 def make_batch(token_level: bool = False) -> Batch:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, 20, (8, 9), generator=g)
+    ids[1:4:2, :5] = ids[0:3:2, :5]  # rows 0-1 and 2-3 share their prompt (shared-prefix passes share it)
     attention = torch.ones_like(ids)
-    attention[:3, :2] = 0  # left padding on some prompts
+    attention[:4, :2] = 0  # left padding on some prompts
     response_mask = torch.ones(8, 4, dtype=torch.long)
     response_mask[::2, 2:] = 0  # different response lengths
     response_mask[5, 1:] = 0

@@ -23,7 +23,7 @@ import torch
 
 from distflow.config.schema import OptimConfig, TrainerConfig
 from distflow.data.batch import Batch
-from distflow.engines.parallelize import gathered, parallelize
+from distflow.engines.parallelize import gathered, is_sharded, parallelize
 from distflow.engines.packing import response_outputs
 from distflow.engines.prefix_sharing import shared_prefix_outputs
 from distflow.engines.trainable import TrainableEngine
@@ -49,12 +49,14 @@ class ValueModel(torch.nn.Module):
 
 
 def response_values(model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
-                    response_width: int, *, padding_free: bool = False, shared_prefix: bool = False) -> torch.Tensor:
+                    response_width: int, *, padding_free: bool = False, shared_prefix: bool = False,
+                    lockstep: bool = False) -> torch.Tensor:
     """V of the state before each response token: values_BR (packed with `padding_free`; each
-    distinct prompt computed once with `shared_prefix`)."""
+    distinct prompt computed once with `shared_prefix`, in `lockstep` when each forward is a collective)."""
     if shared_prefix:
         config = getattr(model, "module", model).backbone.config  # under DDP: the wrapped model's
-        return shared_prefix_outputs(model, config, input_ids_BT, attention_mask_BT, response_width)
+        return shared_prefix_outputs(model, config, input_ids_BT, attention_mask_BT, response_width,
+                                     lockstep=lockstep)
     return response_outputs(model, input_ids_BT, attention_mask_BT, response_width, padding_free=padding_free,
                             model=model)
 
@@ -66,7 +68,7 @@ class CriticEngine(TrainableEngine):
         """(values_BR, zeros): a critic has no entropy term."""
         values_BR = response_values(self.wrapped, micro["input_ids"], micro["attention_mask"],
                                     micro["response_mask"].shape[1], padding_free=self.trainer.padding_free,
-                                    shared_prefix=self.trainer.shared_prefix)
+                                    shared_prefix=self.trainer.shared_prefix, lockstep=is_sharded(self.wrapped))
         return values_BR, torch.zeros_like(values_BR.detach())
 
     @torch.no_grad()

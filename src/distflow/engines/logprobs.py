@@ -26,6 +26,7 @@ def response_logprobs(
     entropy_grad: bool = False,
     padding_free: bool = False,
     shared_prefix: bool = False,
+    lockstep: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each response token (the last R = `response_width` columns), shape [B, R].
 
@@ -33,7 +34,7 @@ def response_logprobs(
     constant unless `entropy_grad` (an entropy bonus back-propagates through it). With
     `padding_free` the sequences are packed (engines.packing); values where the response
     mask is 0 are then those of zero logits. With `shared_prefix` each distinct prompt is computed
-    once (engines.prefix_sharing).
+    once (engines.prefix_sharing), in `lockstep` where each forward is a collective (fsdp2 training).
     """
     def forward(ids, mask, positions, cache=None, last_only=False):
         return model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
@@ -41,7 +42,8 @@ def response_logprobs(
 
     if shared_prefix:
         config = getattr(model, "module", model).config  # under DDP: the wrapped model's
-        logits_BRV = shared_prefix_outputs(forward, config, input_ids_BT, attention_mask_BT, response_width)
+        logits_BRV = shared_prefix_outputs(forward, config, input_ids_BT, attention_mask_BT, response_width,
+                                           lockstep=lockstep)
     else:
         logits_BRV = response_outputs(forward, input_ids_BT, attention_mask_BT, response_width,
                                       padding_free=padding_free, model=model)

@@ -9,9 +9,12 @@
         HSDP (trainer.fsdp.shard_size = S < N): mesh [N/S replicas, S shards]; shards all-gather
                                               within a row, gradients reduce over the whole mesh
 
-Invariants. Under fsdp2 every forward is a collective of the train group, so the train ranks
+Invariants. Under ddp only the backward of the last micro-batch communicates (buffers are not
+broadcast at each forward), so ranks may run different numbers of forward calls. Under fsdp2
+every forward is a collective of the train group, so the train ranks
 run the same number of forward/backward passes in an update (`TrainableEngine` pads a short
-share with zero-loss passes) and every inference pass (generation, log-probs, values,
+share with zero-loss passes, and shared-prefix passes run in lockstep: the same forward calls
+whatever the rows) and every inference pass (generation, log-probs, values,
 evaluation) runs inside `gathered(model)`: entered by every train rank
 together, it all-gathers the whole model once and leaves each rank free to run its own
 number of forwards. Its cost is a full copy of the parameters (in `trainer.param_dtype`) on
@@ -59,7 +62,10 @@ def parallelize(model: torch.nn.Module, comm: Comm, trainer: TrainerConfig | Non
     if trainer.strategy == "fsdp2":
         return shard(model, comm, trainer)
     device_ids = [comm.device.index] if comm.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, process_group=comm.group)
+    # broadcast_buffers=False: a DDP forward is then no collective, so ranks may make different
+    # numbers of forward calls (shared-prefix passes split responses by length, per rank). A causal
+    # LM's buffers are constants every rank computes alike at build time (rotary frequencies).
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=comm.group, broadcast_buffers=False)
 
 
 def frozen_copy(model: torch.nn.Module, comm: Comm, trainer: TrainerConfig) -> torch.nn.Module:

@@ -12,7 +12,7 @@ from distflow.comm import Comm
 from distflow.config.schema import OptimConfig, TrainerConfig
 from distflow.data.batch import Batch
 from distflow.engines.logprobs import batch_logprobs, response_logprobs
-from distflow.engines.parallelize import gathered
+from distflow.engines.parallelize import gathered, is_sharded
 from distflow.engines.trainable import TrainableEngine
 
 
@@ -34,4 +34,5 @@ class PolicyEngine(TrainableEngine):
             self.wrapped, micro["input_ids"], micro["attention_mask"], micro["response_mask"].shape[1],
             temperature=self.temperature, with_entropy=True, entropy_grad=entropy_grad,
             padding_free=self.trainer.padding_free, shared_prefix=self.trainer.shared_prefix,
+            lockstep=is_sharded(self.wrapped),
         )

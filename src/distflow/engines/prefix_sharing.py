@@ -2,13 +2,18 @@
 
     padded   [B, W+R]   every sample carries its prompt: a group of n samples computes it n times
     shared   prompts [U, W]  (U distinct prompts) ──forward, KV cache kept──▶ cache [U, W]
-             cache ──row of each sample's prompt (a gather)──▶ [B, W]
-             responses [B, R] ──forward over the cache──▶ outputs [B, R]
+             per length bucket k (rows N_k whose responses are at most L_k long):
+               cache ──row of each sample's prompt (a gather)──▶ [N_k, W]
+               responses [N_k, L_k - 1] ──forward over that cache──▶ outputs [N_k, L_k - 1]
+             outputs [B, R] = the prompt pass's last column per sample | each bucket's rows
 
 The output that predicts response token 0 is the last prompt column's, from the prompt pass
-(taken for each sample's prompt); tokens 1..R-1 are predicted by response columns 0..R-2,
-which attend to the cached prompt and to their own earlier tokens, at the positions the
-padded pass gives them. Gradients flow through the cache into the prompt pass; the gather's
+(taken for each sample's prompt); tokens 1..L-1 of a response of length L are predicted by
+its columns 0..L-2, which attend to the cached prompt and to their own earlier tokens, at the
+positions the padded pass gives them. Responses are grouped by length (`length_buckets`) so
+that a short response is not computed to the batch's longest: a bucket is split off where it
+saves at least 3% of the columns (each is one more forward call); columns past a bucket's
+length are zeros in the outputs, as the padded pass's are masked out downstream. Gradients flow through the cache into the prompt pass; the gather's
 backward sums the n samples' contributions to their prompt, so log-probs, values, losses and
 every gradient equal the padded pass's to float rounding (tests/test_prefix_sharing.py).
 
@@ -54,23 +59,75 @@ def distinct_prompts(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor
 
 
 def shared_prefix_outputs(forward: PrefixForward, model_config, input_ids_BT: torch.Tensor,
-                          attention_mask_BT: torch.Tensor, response_width: int) -> torch.Tensor:
+                          attention_mask_BT: torch.Tensor, response_width: int, *,
+                          lockstep: bool = False) -> torch.Tensor:
     """The outputs that predict the response tokens, [B, R, ...], each distinct prompt computed once.
 
-    `model_config` (the model's) says which cache layers the model uses.
+    `model_config` (the model's) says which cache layers the model uses. With `lockstep` every
+    call makes the same two forward calls whatever its rows (the prompts, then every response
+    at full width): under fsdp2 training each forward is a collective, so the ranks' calls must
+    match, including a rank's zero-gradient pass (engines/trainable.py).
     """
     batch, total = input_ids_BT.shape
     width = total - response_width
     prompt_ids_UW, prompt_mask_UW, index_B = distinct_prompts(input_ids_BT, attention_mask_BT, response_width)
     cache = _write_once_cache(model_config)
-    if prompt_ids_UW.shape[0] == batch or width == 0 or cache is None:  # nothing to share: the padded pass
+    unshared = prompt_ids_UW.shape[0] == batch and not lockstep
+    if unshared or width == 0 or response_width == 0 or cache is None:  # nothing to share: the padded pass
         out = forward(input_ids_BT, attention_mask_BT, position_ids_from_mask(attention_mask_BT), None, False)
         return out[:, width - 1 : -1]
     first_U = forward(prompt_ids_UW, prompt_mask_UW, position_ids_from_mask(prompt_mask_UW), cache, True)[:, -1:]
-    gathered = _read_only_cache(model_config, cache, index_B)  # autograd sums each prompt's rows in the backward
-    positions_BR = position_ids_from_mask(attention_mask_BT)[:, width:]
-    rest_BR = forward(input_ids_BT[:, width:], attention_mask_BT, positions_BR, gathered, False)
-    return torch.cat([first_U[index_B], rest_BR[:, :-1]], dim=1)
+    positions_BT = position_ids_from_mask(attention_mask_BT)
+    rest = first_U.new_zeros((batch, response_width - 1, *first_U.shape[2:]))
+    buckets = ([(torch.arange(batch, device=index_B.device), response_width)] if lockstep
+               else length_buckets(response_lengths(attention_mask_BT[:, width:])))
+    for rows_N, length in buckets:
+        # A response's last token predicts nothing: L - 1 columns (in lockstep all R, never none).
+        columns = response_width if lockstep else length - 1
+        if columns == 0:  # responses of one token are predicted by their prompt's last column alone
+            continue
+        end = width + columns
+        gathered = _read_only_cache(model_config, cache, index_B[rows_N])  # the backward sums each prompt's rows
+        out = forward(input_ids_BT[rows_N, width:end], attention_mask_BT[rows_N, :end],
+                      positions_BT[rows_N, width:end], gathered, False)
+        rest[rows_N, : length - 1] = out[:, : length - 1]
+    return torch.cat([first_U[index_B], rest], dim=1)
+
+
+def response_lengths(response_mask_BR: torch.Tensor) -> torch.Tensor:
+    """Columns up to each row's last attended response token, [B]."""
+    columns = torch.arange(1, response_mask_BR.shape[1] + 1, device=response_mask_BR.device)
+    return (response_mask_BR.ne(0) * columns).amax(dim=1) if response_mask_BR.shape[1] else columns.new_zeros(
+        response_mask_BR.shape[0])
+
+
+def length_buckets(lengths_B: torch.Tensor, *, max_buckets: int = 4,
+                   min_saving: float = 0.03) -> list[tuple[torch.Tensor, int]]:
+    """Rows grouped by response length, [(rows, longest length)], longest first.
+
+    The responses' forward computes each bucket's rows to its longest length instead of every
+    row to the batch's longest. Starting from one bucket, the split that saves the most padded
+    columns is made while it saves at least `min_saving` of the one-bucket columns (each bucket
+    is one more forward call) and there are fewer than `max_buckets`. Rows of equal lengths stay
+    one bucket; the choice depends on the lengths alone.
+    """
+    order_B = torch.argsort(lengths_B.cpu(), descending=True, stable=True)
+    sorted_B = lengths_B.cpu()[order_B]
+    bounds = [0, len(order_B)]
+    threshold = min_saving * len(order_B) * (int(sorted_B[0]) if len(order_B) else 0)
+    while len(bounds) - 1 < max_buckets:
+        best = (0, None)  # (columns saved, split index)
+        for start, stop in zip(bounds, bounds[1:]):
+            split = torch.arange(start + 1, stop)
+            if len(split):
+                saved = (stop - split) * (sorted_B[start] - sorted_B[split])
+                at = int(saved.argmax())
+                best = max(best, (int(saved[at]), int(split[at])), key=lambda b: b[0])
+        if best[1] is None or best[0] <= 0 or best[0] < threshold:
+            break
+        bounds = sorted([*bounds, best[1]])
+    device = lengths_B.device
+    return [(order_B[a:b].to(device), int(sorted_B[a])) for a, b in zip(bounds, bounds[1:])]
 
 
 def _write_once_cache(model_config) -> DynamicCache | None:
