@@ -62,7 +62,8 @@ def test_benchmark_imports_of_distflow_exist(script):
 
 def test_every_benchmark_has_a_quick_test():
     scripts = {p.name for p in BENCHMARKS.glob("*.py")} - {"trl_worker.py"}  # run by throughput.py
-    assert scripts == {"throughput.py", "data_plane.py", "weight_sync.py", "memory.py", "lora.py", "async.py"}, (
+    assert scripts == {"throughput.py", "data_plane.py", "weight_sync.py", "memory.py", "lora.py", "async.py",
+                       "roofline.py"}, (
         f"benchmarks/ now holds {sorted(scripts)}: give each a --quick mode and a test here")
 
 
@@ -207,3 +208,16 @@ def test_async_quick():
     assert timing["k1"]["sync_bytes_per_rank"] == timing["k0"]["sync_bytes_per_rank"] > 0
     assert timing["k1"]["samples_bytes_sent"] == timing["k2"]["samples_bytes_sent"] > timing["k0"]["samples_bytes_sent"]
     assert timing["k1/k0"] > 0 and "learning" not in out
+
+
+def test_roofline_quick():
+    out = run_quick("roofline.py", timeout=1800)
+    row = out["default"]
+    # The embedded model's Linear weights, counted by hand: per layer q, o 128x128, k, v 128x64 (2 of 4 heads),
+    # gate, up, down 128x512; 4 layers; the tied output head 128 x 21 characters.
+    assert row["linear_weights"] == 4 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 512) + 128 * 21
+    assert row["tokens"] == 16 * 7 + 16 * 8 * 8  # each prompt once (7 tokens), 128 responses of 8
+    assert row["gflop"] == round(6 * row["linear_weights"] * row["tokens"] / 1e9, 3)
+    assert row["update_s"] > 0 and row["gemm_s"] > 0 and row["rollout_gemm_s"] > 0
+    assert abs(row["floor_s"] - (row["gemm_s"] + row["rollout_gemm_s"])) <= 2e-4  # each rounded to 4 places
+    assert out["settings"]["peak_gflops_512"] > 0

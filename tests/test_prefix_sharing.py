@@ -11,6 +11,7 @@ from conftest import REPO, run_cli
 from distflow.config import ConfigError, load_config
 from distflow.engines.critic import ValueModel, response_values
 from distflow.engines.logprobs import batch_logprobs, response_logprobs
+from distflow.engines.models import cache_kwargs
 from distflow.engines.parallelize import checkpoint_blocks
 from distflow.engines.prefix_sharing import distinct_prompts, length_buckets, response_lengths, shared_prefix_outputs
 from distflow.engines.sequences import left_pad, position_ids_from_mask, response_mask_from_ids
@@ -101,7 +102,7 @@ def test_each_distinct_prompt_goes_through_the_model_once():
 
     def forward(ids, mask, positions, cache, last_only):
         calls.append((tuple(ids.shape), cache is not None, last_only))
-        return model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        return model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache),
                      use_cache=cache is not None).logits
 
     shared_prefix_outputs(forward, model.config, ids, mask, response_mask.shape[1])
@@ -134,7 +135,7 @@ def test_in_lockstep_every_call_makes_the_same_two_forward_calls():
 
         def forward(ids, mask, positions, cache, last_only):
             calls.append((tuple(ids.shape), cache is not None, last_only))
-            return model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+            return model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache),
                          use_cache=cache is not None).logits
 
         out = shared_prefix_outputs(forward, model.config, ids[rows], mask[rows], width, lockstep=True)

@@ -24,6 +24,7 @@ import torch
 from distflow.config.schema import OptimConfig, TrainerConfig
 from distflow.data.batch import Batch
 from distflow.engines.parallelize import gathered, is_sharded, parallelize
+from distflow.engines.models import cache_kwargs
 from distflow.engines.packing import response_outputs
 from distflow.engines.prefix_sharing import shared_prefix_outputs
 from distflow.engines.trainable import TrainableEngine
@@ -43,7 +44,7 @@ class ValueModel(torch.nn.Module):
         """values_BT: one scalar per position (the last one only with `last_only`). `past_key_values`:
         a KV cache the positions attend to and which keeps theirs (engines.prefix_sharing)."""
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=past_key_values, use_cache=past_key_values is not None)
+                            **cache_kwargs(past_key_values), use_cache=past_key_values is not None)
         hidden_BTH = out.last_hidden_state[:, -1:] if last_only else out.last_hidden_state
         return self.value_head(hidden_BTH.float()).squeeze(-1)
 

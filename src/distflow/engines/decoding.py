@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from distflow.engines.models import cache_kwargs
 from distflow.engines.sampling import sample_from_logits, token_logprob_B
 
 
@@ -61,7 +62,7 @@ def decode(
     cache = DynamicCache(config=model.config)  # sliding-window layers get their own cache kind, as in generate
     positions_GP = (prompt_mask_GP.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=prompt_ids_GP, attention_mask=prompt_mask_GP, position_ids=positions_GP,
-                past_key_values=cache, use_cache=True, logits_to_keep=1)
+                **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     logits_BV = out.logits[:, -1, :].float().repeat_interleave(n, dim=0)
     cache.batch_repeat_interleave(n)
     mask_BT = prompt_mask_GP.repeat_interleave(n, dim=0)
@@ -82,6 +83,6 @@ def decode(
             cache.batch_select_indices(keep_A)
         mask_BT = torch.cat([mask_BT, mask_BT.new_ones(mask_BT.shape[0], 1)], dim=1)
         out = model(input_ids=token_A[:, None], attention_mask=mask_BT, position_ids=mask_BT.sum(-1, keepdim=True) - 1,
-                    past_key_values=cache, use_cache=True)
+                    **cache_kwargs(cache), use_cache=True)
         logits_BV = out.logits[:, -1, :].float()
     return (response_BR, logp_BR) if logprobs else response_BR

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from distflow.data.batch import Batch
+from distflow.engines.models import cache_kwargs
 from distflow.engines.packing import response_outputs
 from distflow.engines.prefix_sharing import shared_prefix_outputs
 
@@ -37,7 +38,7 @@ def response_logprobs(
     once (engines.prefix_sharing), in `lockstep` where each forward is a collective (fsdp2 training).
     """
     def forward(ids, mask, positions, cache=None, last_only=False):
-        return model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        return model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache),
                      use_cache=cache is not None, logits_to_keep=1 if last_only else 0).logits
 
     if shared_prefix:

@@ -5,9 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from distflow.config import ConfigError
+
+CACHE_KEYWORD = "cache" if Version(transformers.__version__) >= Version("5.24.0.dev0") else "past_key_values"
+"""The keyword a model's forward takes its KV cache by: transformers 5.24 renamed `past_key_values`
+to `cache` (the old name warns, and goes in 5.40)."""
+
+
+def cache_kwargs(cache) -> dict:
+    """`cache` as a forward keyword argument, under the installed transformers' name."""
+    return {CACHE_KEYWORD: cache}
 
 
 def load_model_and_tokenizer(model_dir: Path, tokenizer_dir: Path, device: torch.device, *,
