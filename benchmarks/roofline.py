@@ -3,37 +3,37 @@ throughput setting, timed through distflow's own engine, against its matrix mult
 
     .venv/bin/python benchmarks/roofline.py                   # throughput.py's four CPU settings
     .venv/bin/python benchmarks/roofline.py --settings wide   # one of them
-    .venv/bin/python benchmarks/roofline.py --quick           # smoke test: `default`, 2 repeats, small peak GEMM
+    .venv/bin/python benchmarks/roofline.py --quick           # smoke test: `default`, 2 repeats, small square GEMM
 
 For each setting of benchmarks/throughput.py (P prompts x G samples, at most N new tokens,
-its model, untrained), a batch shaped like one step's, with every prompt Lp tokens wide (the
-widest arithmetic prompt) and every response at the cap N, goes through
-`PolicyEngine.update`: what a training step runs (shared-prefix forward, GRPO's loss,
-backward, gradient clipping, AdamW), R times after one warm-up; `update s` is the median.
-Then, on the same machine, with torch's default threads:
+its model, untrained), one step's samples are drawn by the `compact` engine (the setting's
+first P arithmetic prompts, keys 0..P*G-1, temperature 1: the lengths the benchmark's first
+step has) and go through `PolicyEngine.update`: what a training step runs (shared-prefix
+forward, GRPO's loss, backward, gradient clipping, AdamW), R times after one warm-up;
+`update s` is the median. Then, on the same machine, with torch's default threads:
 
-  GFLOP      6 x (weights of the model's Linear layers) x the tokens the update computes
-             (P x Lp prompt tokens, once per prompt, and P x G x N response tokens): the
-             forward's and backward's matrix multiplies; attention and elementwise work
-             are left out, so it undercounts the update's work
+  GFLOP      6 x (weights of the model's Linear layers) x the tokens the update must
+             compute (each distinct prompt's tokens once, and every response token, no
+             padding): the forward's and backward's matrix multiplies; attention and
+             elementwise work are left out, so it undercounts the update's work
   GEMM s     those matrix multiplies alone: for every Linear layer (in -> out) the forward
              product (tokens x in) @ (in x out) and the backward's two, (tokens x out) @
              (out x in) and (out x tokens) @ (tokens x in), run back to back with torch.mm
              on random fp32 tensors (median of R)
-  rollout GEMM s  the rollout's forward products alone: the prompts' prefill (P x Lp rows),
-             then N decode steps of P x G rows each: what generating the same tokens costs
-             at the least (a sampler that shares each prompt's prefill, as `compact` does)
+  rollout GEMM s  the rollout's forward products alone: the prompts' prefill (their tokens
+             as rows), then one product per decode step over the rows still running: what
+             generating the same tokens costs at the least (each prompt prefilled once,
+             finished rows dropped, as `compact` does)
   floor s    GEMM s + rollout GEMM s: no step of this setting can be shorter on this
              machine in fp32 (it still leaves out attention, norms, sampling, the optimizer)
-  peak       GFLOP/s of one large square fp32 product (2048^3; --quick: 512^3): the best
-             torch's matrix multiply reaches here
+  square     GFLOP/s of one large square fp32 product (2048^3; --quick: 512^3), for
+             reference (the model's smaller products can run faster: their operands stay
+             in cache)
 
 `update s / GEMM s` is the update's distance from the hardware on its own shapes; a
 measured step time (TRL's, from throughput.py's table) over `floor s` bounds the speed-up
-any engine could reach over it on this machine. Responses at the cap make the batch the
-widest a setting allows (the `long` setting's completions average ~33 of 64 tokens, so its
-real update is about half of this one). The table goes to stdout, the last line is one JSON
-object.
+any engine could reach over it on this machine in fp32. The table goes to stdout, the last
+line is one JSON object.
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -51,10 +53,10 @@ from distflow.comm import Comm
 from distflow.config.schema import AlgorithmConfig, OptimConfig, TrainerConfig
 from distflow.dag.update_stages import PolicyObjective
 from distflow.data.batch import Batch
+from distflow.engines.generation import generate
 from distflow.engines.policy import PolicyEngine
 from throughput import SETTINGS, build_model
 
-PROMPT_TOKENS = 7  # BOS + "99+99=": the widest prompt of the 2-digit arithmetic task
 SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 
 
@@ -79,16 +81,21 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def step_batch(prompts: int, generations: int, new_tokens: int, vocab: int) -> Batch:
-    """One step's samples: each prompt repeated G times, every response N tokens long."""
+def step_batch(model: torch.nn.Module, tokenizer, prompts: int, generations: int, new_tokens: int) -> Batch:
+    """One step's samples, drawn by the `compact` engine from the first `prompts` arithmetic prompts."""
+    from argparse import Namespace
+
+    from throughput import write_prompts
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = write_prompts(Path(tmp) / "prompts.jsonl", Namespace(prompts=prompts, steps=1)).read_text().splitlines()
+    texts = [json.loads(row)["prompt"] for row in rows]
+    out = generate(model, tokenizer, texts, max_new_tokens=new_tokens, temperature=1.0,
+                   sample_keys=list(range(prompts * generations)), samples_per_prompt=generations)
     g = torch.Generator().manual_seed(0)
-    prompt_ids = torch.randint(4, vocab, (prompts, PROMPT_TOKENS), generator=g).repeat_interleave(generations, 0)
-    rows = prompts * generations
-    response_ids = torch.randint(4, vocab, (rows, new_tokens), generator=g)
-    ids = torch.cat([prompt_ids, response_ids], dim=1)
-    return Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                  "response_mask": torch.ones((rows, new_tokens), dtype=torch.long),
-                  "advantage": torch.randn(rows, generator=g), "sample_mask": torch.ones(rows)})
+    return Batch({"input_ids": out.input_ids_BT, "attention_mask": out.attention_mask_BT,
+                  "response_mask": out.response_mask_BR, "advantage": torch.randn(len(out.input_ids_BT), generator=g),
+                  "sample_mask": torch.ones(len(out.input_ids_BT))})
 
 
 def update_seconds(model: torch.nn.Module, batch: Batch, repeats: int) -> float:
@@ -124,7 +131,7 @@ def gemm_seconds(shapes: list[tuple[int, int]], row_counts: list[int], repeats: 
     return median_seconds(run, repeats)
 
 
-def peak_gflops(size: int, repeats: int) -> float:
+def square_gflops(size: int, repeats: int) -> float:
     a, b = torch.randn(size, size), torch.randn(size, size)
     return 2 * size**3 / median_seconds(lambda: torch.mm(a, b), repeats) / 1e9
 
@@ -132,16 +139,24 @@ def peak_gflops(size: int, repeats: int) -> float:
 def measure(name: str, repeats: int) -> dict:
     prompts, generations, new_tokens, kind = SETTINGS[name]
     model, tokenizer = build_model(kind)
+    model.eval()  # as a run loads it: no dropout
     shapes = linear_shapes(model)
     weights = sum(i * o for i, o in shapes)
-    prompt_rows, response_rows = prompts * PROMPT_TOKENS, prompts * generations * new_tokens
+    batch = step_batch(model, tokenizer, prompts, generations, new_tokens)
+    width = batch["input_ids"].shape[1] - new_tokens
+    prompt_rows = int(batch["attention_mask"][::generations, :width].sum())  # each distinct prompt's tokens
+    lengths_B = batch["response_mask"].sum(-1)
+    response_rows = int(lengths_B.sum())
     tokens = prompt_rows + response_rows
-    update_s = update_seconds(model, step_batch(prompts, generations, new_tokens, len(tokenizer)), repeats)
+    update_s = update_seconds(model, batch, repeats)
     gemm_s = gemm_seconds(shapes, [prompt_rows, response_rows], repeats, backward=True)
-    rollout_s = gemm_seconds(shapes, [prompt_rows] + [prompts * generations] * new_tokens, repeats, backward=False)
+    # Decode step t feeds token t of the rows that go on past it (the last token is never fed).
+    decode_rows = [int((lengths_B > t + 1).sum()) for t in range(new_tokens - 1)]
+    rollout_s = gemm_seconds(shapes, [prompt_rows] + [r for r in decode_rows if r], repeats, backward=False)
     gflop = 6 * weights * tokens / 1e9
     return {"prompts": prompts, "generations": generations, "new_tokens": new_tokens, "model": kind,
-            "linear_weights": weights, "tokens": tokens, "gflop": round(gflop, 3),
+            "linear_weights": weights, "prompt_tokens": prompt_rows, "response_tokens": response_rows,
+            "tokens": tokens, "gflop": round(gflop, 3),
             "update_s": round(update_s, 4), "update_gflops": round(gflop / update_s, 1),
             "gemm_s": round(gemm_s, 4), "gemm_gflops": round(gflop / gemm_s, 1),
             "update_over_gemm": round(update_s / gemm_s, 2), "rollout_gemm_s": round(rollout_s, 4),
@@ -153,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     out = {"settings": {"repeats": args.repeats, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                         "load_avg_1min_at_start": round(os.getloadavg()[0], 2)}}
     size = 512 if args.quick else 2048
-    out["settings"][f"peak_gflops_{size}"] = round(peak_gflops(size, args.repeats), 1)
-    print(f"peak: {out['settings'][f'peak_gflops_{size}']} GFLOP/s ({size}^3 fp32 torch.mm, "
+    out["settings"][f"square_gflops_{size}"] = round(square_gflops(size, args.repeats), 1)
+    print(f"square GEMM: {out['settings'][f'square_gflops_{size}']} GFLOP/s ({size}^3 fp32 torch.mm, "
           f"{torch.get_num_threads()} threads)")
     print(f"{'setting':<10}{'tokens':>8}{'GFLOP':>8}{'update s':>10}{'GFLOP/s':>9}{'GEMM s':>9}{'GFLOP/s':>9}"
           f"{'update/GEMM':>13}{'rollout GEMM s':>16}{'floor s':>9}")
