@@ -43,9 +43,7 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
@@ -55,7 +53,7 @@ from distflow.dag.update_stages import PolicyObjective
 from distflow.data.batch import Batch
 from distflow.engines.generation import generate
 from distflow.engines.policy import PolicyEngine
-from throughput import SETTINGS, build_model
+from throughput import SETTINGS, build_model, prompt_rows
 
 SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 
@@ -83,13 +81,7 @@ def median_seconds(fn, repeats: int) -> float:
 
 def step_batch(model: torch.nn.Module, tokenizer, prompts: int, generations: int, new_tokens: int) -> Batch:
     """One step's samples, drawn by the `compact` engine from the first `prompts` arithmetic prompts."""
-    from argparse import Namespace
-
-    from throughput import write_prompts
-
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = write_prompts(Path(tmp) / "prompts.jsonl", Namespace(prompts=prompts, steps=1)).read_text().splitlines()
-    texts = [json.loads(row)["prompt"] for row in rows]
+    texts = [row["prompt"] for row in prompt_rows(prompts, steps=1)]
     out = generate(model, tokenizer, texts, max_new_tokens=new_tokens, temperature=1.0,
                    sample_keys=list(range(prompts * generations)), samples_per_prompt=generations)
     g = torch.Generator().manual_seed(0)

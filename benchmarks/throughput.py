@@ -226,17 +226,20 @@ def save_model(directory: Path, kind: str) -> Path:
     return directory
 
 
-def write_prompts(path: Path, args: argparse.Namespace) -> Path:
-    """Every prompt of the run, in the order distflow's loader serves them (so TRL, with
-    shuffling off, trains on the same prompts at the same steps)."""
+def prompt_rows(prompts: int, steps: int) -> list[dict]:
+    """Every prompt row of a run, in the order distflow's loader serves them."""
     from distflow.data.loader import PromptLoader
     from distflow.tasks.arithmetic import ArithmeticTask
 
     task = ArithmeticTask.build(num_digits=2, num_heldout=100, seed=0)
-    loader = PromptLoader(task.train.__getitem__, len(task.train), prompts_per_step=args.prompts, seed=0, rank=0,
+    loader = PromptLoader(task.train.__getitem__, len(task.train), prompts_per_step=prompts, seed=0, rank=0,
                           world_size=1)
-    rows = [row for _ in range(args.steps) for row in loader.next_batch()["sample"]]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return [row for _ in range(steps) for row in loader.next_batch()["sample"]]
+
+
+def write_prompts(path: Path, args: argparse.Namespace) -> Path:
+    """The run's prompts as jsonl (so TRL, with shuffling off, trains on the same prompts at the same steps)."""
+    path.write_text("".join(json.dumps(row) + "\n" for row in prompt_rows(args.prompts, args.steps)))
     return path
 
 
