@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/throughput.py --nproc 1 2          # distflow also with --nproc 2
     .venv/bin/python benchmarks/throughput.py --packed             # distflow also with packed passes
     .venv/bin/python benchmarks/throughput.py --padded             # distflow also with padded passes
+    .venv/bin/python benchmarks/throughput.py --roofline           # + each setting's fp32 floor (roofline.py)
     .venv/bin/python benchmarks/throughput.py --quick              # smoke test: `default` at 4 prompts x 4, <= 4 tokens, 3 steps
     .venv/bin/python benchmarks/throughput.py --setup-only         # only build .venv-bench (TRL); `make test` does this first
     python benchmarks/throughput.py --gpu --skip-trl               # on CUDA, bf16: the settings below + qwen
@@ -63,6 +64,12 @@ start-up and evaluation are outside the timed region. distflow reports `time/ste
     completions/s = P*G / median step seconds
     tokens/s      = mean generated tokens per step / median step seconds
 Generated tokens include EOS. The table goes to stdout and the last line is one JSON object.
+
+--roofline adds, right after each setting's systems, benchmarks/roofline.py's `floor s` for
+that setting (its Linear layers' matrix multiplies alone, for the update and the rollout of
+one step, in fp32 on this machine: no step can be shorter) and `trl/floor` = TRL's step over
+that floor, the most any fp32 engine could be faster than TRL here, measured in the same run
+as the ratios it bounds.
 """
 
 from __future__ import annotations
@@ -114,6 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also run each distflow system with trainer.padding_free=true (`..._packed_...`)")
     parser.add_argument("--padded", action="store_true",
                         help="also run each distflow system with trainer.shared_prefix=false (`..._padded_...`)")
+    parser.add_argument("--roofline", action="store_true",
+                        help="also time each setting's fp32 floor (benchmarks/roofline.py) and report TRL's step over it")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--quick", action="store_true",
                         help="smoke test (the test suite runs it): `default` at 3 steps of 4 prompts x 4, <= 4 tokens")
@@ -130,6 +139,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.steps = args.steps or 20
     if not args.gpu and set(args.settings) & set(GPU_SETTINGS):
         parser.error(f"settings {sorted(set(args.settings) & set(GPU_SETTINGS))} need --gpu")
+    if args.roofline and (args.gpu or args.prompts or args.generations or args.max_new_tokens):
+        parser.error("--roofline times the settings' own sizes on this CPU: not with --gpu, --quick or size overrides")
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must be > {WARMUP_STEPS} (the first {WARMUP_STEPS} steps are not timed)")
     if 2 in args.nproc and any((args.prompts or SETTINGS[name][0]) % 2 for name in args.settings):
@@ -385,7 +396,13 @@ def run_setting(args: argparse.Namespace, bench_python: Path | None, work: Path)
         steps = run_trl(bench_python, model_dir, write_prompts(work / "prompts.jsonl", args), work, args)
         results["trl"] = summarize(steps, completions, time.perf_counter() - start)
         results["trl"]["version"] = args.trl_version
+    floor = roofline(args.name) if args.roofline else None
     print_table(args.name, args, results)
+    if floor is not None:
+        print(f"  fp32 floor (roofline.py): {floor['floor_s']:.4f} s/step (update's GEMMs {floor['gemm_s']:.4f} + "
+              f"rollout's {floor['rollout_gemm_s']:.4f})" + (f"; TRL's step is {ceiling(results, floor):.2f}x it, "
+                                                             "the most any fp32 engine can beat TRL by here"
+                                                             if "trl" in results else ""))
     # Same seeds, same samples: every engine's steps generated the same tokens and earned the same rewards.
     identical = {(nproc, passes): len({repr(per_step[f"distflow_{e}_{passes}{nproc}proc"]) for e in args.engines}) == 1
                  for nproc in args.nproc for passes in passes_modes(args)}
@@ -395,7 +412,26 @@ def run_setting(args: argparse.Namespace, bench_python: Path | None, work: Path)
         model_params = sum(t.numel() for t in build_model(args.model)[0].parameters())
     return {"prompts_per_step": args.prompts, "generations": args.generations, "max_new_tokens": args.max_new_tokens,
             "model": args.model, "model_parameters": model_params, **results, **ratios(results),
+            **({"floor": floor} if floor else {}),
+            **({"trl/floor": round(ceiling(results, floor), 2)} if floor and "trl" in results else {}),
             "samples_identical": all(identical.values())}
+
+
+def roofline(name: str) -> dict:
+    """benchmarks/roofline.py's row for one setting, run now (a subprocess: its own clean process)."""
+    log(f"{name}: fp32 floor (roofline.py)")
+    out = run_checked([sys.executable, ROOT / "benchmarks" / "roofline.py", "--settings", name],
+                      what="roofline.py")
+    return json.loads(out.strip().splitlines()[-1])[name]
+
+
+def ceiling(results: dict, floor: dict) -> float:
+    """TRL's step over the fp32 floor: the largest distflow/TRL ratio a step at the floor would reach.
+
+    >>> ceiling({"trl": {"step_s": 0.15}}, {"floor_s": 0.05})
+    3.0
+    """
+    return round(results["trl"]["step_s"] / floor["floor_s"], 4)
 
 
 def main(argv: list[str] | None = None) -> int:

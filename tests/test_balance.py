@@ -52,6 +52,32 @@ def test_lognormal_workload_is_balanced_within_five_percent(seed):
         sum(weights) / num_bins + max(weights))
 
 
+def test_the_swap_pass_repairs_what_lpt_leaves_uneven():
+    # LPT: 18 | 17, 11 | 10, 3 (tie: lower bin) | 1 -> loads 31 and 29; one exchange (3 <-> 1) gives 30 and 30.
+    weights = [18, 11, 1, 3, 17, 10]
+    assert bin_loads(weights, balanced_assignment(weights, 2), 2) == [30, 30]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_no_single_exchange_lowers_the_heaviest_bin(seed):
+    # What the swap pass guarantees: equal counts, and no exchange of one unit of the heaviest bin for one
+    # lighter unit of another bin leaves both below the heaviest load.
+    rng = random.Random(seed)
+    num_bins, group = 3, 4
+    weights = [rng.randint(1, 64) for _ in range(num_bins * 5 * group)]
+    units = [i // group for i in range(len(weights))]
+    bins = balanced_assignment(weights, num_bins, units=units)
+    unit_bin = {u: b for u, b in zip(units, bins)}
+    unit_weight = {u: sum(w for w, v in zip(weights, units) if v == u) for u in unit_bin}
+    loads = bin_loads(weights, bins, num_bins)
+    assert [list(unit_bin.values()).count(b) for b in range(num_bins)] == [5] * num_bins
+    heavy = max(range(num_bins), key=lambda b: loads[b])
+    for out in (u for u, b in unit_bin.items() if b == heavy):
+        for into, other in ((u, b) for u, b in unit_bin.items() if b != heavy):
+            moved = unit_weight[out] - unit_weight[into]
+            assert not (0 < moved and loads[other] + moved < loads[heavy]), (out, into)
+
+
 def test_bad_splits_are_rejected():
     with pytest.raises(ValueError, match="same number of items"):
         balanced_assignment([1, 2, 3], 1, units=[0, 0, 1])

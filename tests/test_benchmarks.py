@@ -133,6 +133,25 @@ def test_throughput_gpu_mode_puts_every_system_on_cuda_in_bf16(tmp_path):
     assert padded["padding_free"] is False and padded["shared_prefix"] is False  # --padded's systems
 
 
+def test_throughput_roofline_is_the_settings_own_cpu_floor(monkeypatch):
+    """--roofline: roofline.py's row of each setting, run in the same run; only at the settings' sizes, on the CPU."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        throughput = importlib.import_module("throughput")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    for conflicting in (["--gpu"], ["--quick"], ["--prompts", "4"], ["--max-new-tokens", "16"]):
+        with pytest.raises(SystemExit):
+            throughput.parse_args(["--roofline", *conflicting])
+    assert throughput.parse_args(["--roofline", "--settings", "wide"]).roofline
+    calls = []
+    monkeypatch.setattr(throughput, "run_checked", lambda cmd, what: calls.append(cmd) or
+                        'table\n{"settings": {}, "wide": {"floor_s": 0.5, "gemm_s": 0.4, "rollout_gemm_s": 0.1}}\n')
+    floor = throughput.roofline("wide")
+    assert calls[0][-2:] == ["--settings", "wide"] and str(calls[0][1]).endswith("roofline.py")
+    assert throughput.ceiling({"trl": {"step_s": 1.25}}, floor) == 2.5  # TRL's step over the floor
+
+
 def test_data_plane_quick():
     out = run_quick("data_plane.py", timeout=1800)
     results = out["data_plane"]

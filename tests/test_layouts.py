@@ -115,7 +115,9 @@ def test_data_plane_counters(runs):
     assert disagg["data/bytes_sent"] > 0 and disagg["data/bytes_local"] == 0
     assert disagg["data/bytes_sent"] >= split["data/bytes_sent"]
     for record in (split, disagg):
-        assert record["data/imbalance_after_reward"] <= record["data/imbalance_before_reward"] + 1e-9
+        # Whole groups of 8 samples, 4 per replica: balanced to within a few percent. (Not "never worse than the
+        # arrival order": no order-independent balancer promises that; a run at 1.0126 vs 1.0095 showed it.)
+        assert 1.0 <= record["data/imbalance_after_reward"] <= 1.05
         assert record["time/redistribute_reward_s"] > 0
     assert disagg["sync/bytes_per_rank"] > 0  # the policy was sent to the rollout rank
     assert disagg["sync/bytes_sent_max"] == disagg["sync/bytes_per_rank"]  # one sender, one receiver: the model

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from collections.abc import Iterator
 
 import torch
@@ -47,6 +48,8 @@ _MESHES: dict[tuple, DeviceMesh] = {}
 """One device mesh per (train ranks, shard size): the policy, critic and reference share it
 (making a 2-D mesh creates process groups, which every rank must do the same number of times)."""
 
+_DDP_PARAMETERS = inspect.signature(DistributedDataParallel).parameters
+
 
 def parallelize(model: torch.nn.Module, comm: Comm, trainer: TrainerConfig | None = None) -> torch.nn.Module:
     """The module that training forwards through: DDP's wrapper, or `model` itself, sharded in place
@@ -62,10 +65,13 @@ def parallelize(model: torch.nn.Module, comm: Comm, trainer: TrainerConfig | Non
     if trainer.strategy == "fsdp2":
         return shard(model, comm, trainer)
     device_ids = [comm.device.index] if comm.device.type == "cuda" else None
-    # broadcast_buffers=False: a DDP forward is then no collective, so ranks may make different
+    # No buffer sync at forward: a DDP forward is then no collective, so ranks may make different
     # numbers of forward calls (shared-prefix passes split responses by length, per rank). A causal
     # LM's buffers are constants every rank computes alike at build time (rotary frequencies).
-    return DistributedDataParallel(model, device_ids=device_ids, process_group=comm.group, broadcast_buffers=False)
+    # torch >= 2.13 calls it forward_sync_buffers (and deprecates broadcast_buffers, warning per wrap).
+    no_forward_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_PARAMETERS
+                       else {"broadcast_buffers": False})
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=comm.group, **no_forward_sync)
 
 
 def frozen_copy(model: torch.nn.Module, comm: Comm, trainer: TrainerConfig) -> torch.nn.Module:
