@@ -97,6 +97,14 @@ def _local_rank(rank: int, fn: Callable, world: int, out: str, args: tuple) -> N
         torch.save(fn(Comm(rank, world, rank, world, torch.device("cpu")), *args), Path(out) / f"{rank}.pt")
     finally:
         dist.destroy_process_group()
+    # Done, result saved: leave without interpreter finalization. A gloo worker thread can still be
+    # releasing the last collective's work when the main thread exits; its tensors' Python objects
+    # then need the GIL during finalization, and the process aborts (SIGABRT or SIGSEGV: 5 of 10
+    # two-rank fsdp2 checkpoint saves, benchmarks/memory.py's export set-up; core dump: a
+    # ProcessGroupGloo::runLoop thread in ~AsyncAllreduceWork -> gil_scoped_acquire -> pthread_exit).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_local(fn: Callable, world: int, *args, start_method: str = "fork") -> list:
