@@ -42,6 +42,15 @@ def run_quick(script: str, timeout: float) -> dict:
     return json.loads(lines[-1])
 
 
+def throughput_module():
+    """benchmarks/throughput.py as a module (its functions, without running it)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module("throughput")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
 def distflow_imports(path) -> list[tuple[str, str]]:
     """(module, name) for every `from distflow... import name` in a file."""
     tree = ast.parse(path.read_text())
@@ -90,11 +99,7 @@ def test_throughput_quick():
 
 def test_throughput_models():
     """The `long` setting's model writes long answers of spread lengths; the `wide` one has 10-20M parameters."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        throughput = importlib.import_module("throughput")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    throughput = throughput_module()
     from distflow.engines.generation import generate
 
     model, tokenizer = throughput.build_model("long")
@@ -111,11 +116,7 @@ def test_throughput_models():
 
 def test_throughput_gpu_mode_puts_every_system_on_cuda_in_bf16(tmp_path):
     """What `--gpu` hands each system (this machine has no GPU to run it: see the README)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        throughput = importlib.import_module("throughput")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    throughput = throughput_module()
     with pytest.raises(SystemExit):
         throughput.parse_args(["--settings", "qwen"])  # the 0.36B model only with --gpu
     args = throughput.parse_args(["--gpu", "--skip-trl"])
@@ -135,11 +136,7 @@ def test_throughput_gpu_mode_puts_every_system_on_cuda_in_bf16(tmp_path):
 
 def test_throughput_roofline_is_the_settings_own_cpu_floor(monkeypatch):
     """--roofline: roofline.py's row of each setting, run in the same run; only at the settings' sizes, on the CPU."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        throughput = importlib.import_module("throughput")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    throughput = throughput_module()
     for conflicting in (["--gpu"], ["--quick"], ["--prompts", "4"], ["--max-new-tokens", "16"]):
         with pytest.raises(SystemExit):
             throughput.parse_args(["--roofline", *conflicting])
