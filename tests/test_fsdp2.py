@@ -9,6 +9,8 @@ its own number of prompts) match the plain model. Then the real CLI on 2 ranks.
 """
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -219,6 +221,43 @@ def test_cuda_auto_precision_is_bfloat16_compute_with_float32_reduction():
 
     trainer = load_config(None, ["trainer.strategy=fsdp2"]).trainer
     assert resolve_dtypes(trainer, torch.device("cuda", 0)) == (torch.bfloat16, torch.float32)
+
+
+def one_process_lower_precision() -> dict:
+    """Five steps of fsdp2 on one process in bfloat16 and in float32 (run in a fresh interpreter: the
+    bfloat16 engine makes this process join a one-rank process group)."""
+    from distflow.engines.parallelize import is_sharded
+
+    comm, out = Comm(0, 1, 0, 1, torch.device("cpu")), {}
+    for dtype in ("bfloat16", "float32"):
+        config = load_config(None, ["trainer.strategy=fsdp2", f"trainer.param_dtype={dtype}", f"optim.lr={LR}",
+                                    "optim.warmup_steps=0", "optim.grad_clip=1.0"])
+        engine = PolicyEngine(build_tiny_model(build_char_tokenizer(), seed=0), comm, config.optim, temperature=1.0,
+                              trainer=config.trainer)
+        losses = []
+        for step in range(NUM_STEPS):
+            batch = step_batch(step)
+            stats = engine.update(batch, pg_loss, float(batch["response_mask"].sum()), micro_batch_size=3)
+            losses.append(stats["loss"] / float(batch["response_mask"].sum()))
+        logits = engine.wrapped(input_ids=step_batch(0)["input_ids"]).logits
+        out[dtype] = {"sharded": is_sharded(engine.model), "logits_dtype": str(logits.dtype), "loss": losses,
+                      "param_dtypes": sorted({str(p.dtype) for p in engine.model.parameters()})}
+    return out
+
+
+def test_fsdp2_on_one_process_computes_in_the_dtype_asked():
+    # One process used to train the plain model whatever trainer.param_dtype said (float32, silently).
+    code = "import json, test_fsdp2; print(json.dumps(test_fsdp2.one_process_lower_precision()))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO / "tests", capture_output=True, text=True,
+                          timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    bf16, fp32 = out["bfloat16"], out["float32"]
+    assert bf16["sharded"] and bf16["logits_dtype"] == "torch.bfloat16"
+    assert bf16["param_dtypes"] == ["torch.float32"]  # the master copy AdamW steps stays float32
+    assert not fp32["sharded"] and fp32["logits_dtype"] == "torch.float32"  # float32 alone: the plain model
+    assert bf16["loss"] != fp32["loss"]  # computed in bfloat16...
+    assert bf16["loss"] == pytest.approx(fp32["loss"], rel=0.05, abs=1e-3)  # ...training the same model
 
 
 def test_cli_run_with_fsdp2_on_two_ranks(tmp_path, cache_dir):

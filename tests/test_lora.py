@@ -172,7 +172,9 @@ def test_cli_lora_run_checkpoints_adapters_resumes_and_exports(tmp_path, cache_d
     assert json.loads((step / "adapter_config.json").read_text())["r"] == 4
     merged = AutoModelForCausalLM.from_pretrained(_export(tmp_path, step, "merged", "--merged"))
     assert not any("lora_" in name for name, _ in merged.named_parameters())
-    torch.testing.assert_close(logits(merged.eval()), logits(adapters.eval()), rtol=0, atol=1e-5)
+    # W + BA folded into one matrix rounds differently from W x + B(A x): float32 noise relative to the logits
+    # (seen: 1.2e-5 on logits of ~5 on an AVX-512 machine), far below what the adapters move (> 1e-3, above).
+    torch.testing.assert_close(logits(merged.eval()), logits(adapters.eval()), rtol=1e-5, atol=1e-5)
     # Resumed from step 1 on one rank (colocated): step 2 is the uninterrupted run's.
     resumed = tmp_path / "resumed"
     result = run_cli("train", *common, "trainer.total_steps=2", f"trainer.output_dir={resumed}",

@@ -191,7 +191,8 @@ class TrainerConfig:
     strategy: str = "ddp"
     """How the policy, the critic and the reference are spread over the train ranks: ddp (a full
     replica per rank, gradients all-reduced) or fsdp2 (parameters, gradients and optimizer state
-    sharded with FSDP2; see `trainer.fsdp`). On one rank both are the plain model."""
+    sharded with FSDP2; see `trainer.fsdp`). On one rank both are the plain model, except fsdp2 with a
+    param_dtype below float32: FSDP2 over a one-rank group then keeps the float32 master copy."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     param_dtype: str = "auto"
     """fsdp2: the dtype of the gathered parameters that forward and backward compute in (float32,
