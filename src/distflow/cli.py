@@ -249,9 +249,12 @@ def _after_restart(config: Config, args: argparse.Namespace) -> bool:
 
     run_dir = _run_dir(config)
     latest = latest_checkpoint(checkpoint_root(config, run_dir))
-    print(f"distflow: rank {os.environ.get('RANK', 0)}: restart {os.environ['TORCHELASTIC_RESTART_COUNT']} after a "
-          f"failure: " + (f"resuming from {latest}" if latest else "no checkpoint yet, starting again"),
-          file=sys.stderr, flush=True)
+    # One write of the whole line (print writes the text and its newline apart): every rank says this at
+    # once on the shared stderr, and two ranks' lines once ran into one.
+    sys.stderr.write(f"distflow: rank {os.environ.get('RANK', 0)}: restart {os.environ['TORCHELASTIC_RESTART_COUNT']} "
+                     "after a failure: " + (f"resuming from {latest}" if latest else "no checkpoint yet, starting again")
+                     + "\n")
+    sys.stderr.flush()
     if latest is not None:
         args.resume = str(latest)
         os.environ[RESUME_ENV], os.environ[RUN_DIR_ENV] = str(latest), str(run_dir)
