@@ -49,7 +49,9 @@ from distflow.seeding import derive_seed
 
 
 def _stderr(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+    """One line in one write: stderr writes through, and print's separate newline lets ranks' lines run together."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def run(config: Config, run_dir: Path, resume: Path | None = None, *, fresh_restart: bool = False) -> int:
