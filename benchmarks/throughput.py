@@ -397,12 +397,13 @@ def run_setting(args: argparse.Namespace, bench_python: Path | None, work: Path)
         results["trl"] = summarize(steps, completions, time.perf_counter() - start)
         results["trl"]["version"] = args.trl_version
     floor = roofline(args.name) if args.roofline else None
+    trl_over_floor = ceiling(results, floor) if floor and "trl" in results else None
     print_table(args.name, args, results)
     if floor is not None:
         print(f"  fp32 floor (roofline.py): {floor['floor_s']:.4f} s/step (update's GEMMs {floor['gemm_s']:.4f} + "
-              f"rollout's {floor['rollout_gemm_s']:.4f})" + (f"; TRL's step is {ceiling(results, floor):.2f}x it, "
-                                                             "the most any fp32 engine can beat TRL by here"
-                                                             if "trl" in results else ""))
+              f"rollout's {floor['rollout_gemm_s']:.4f})" + (f"; TRL's step is {trl_over_floor:.2f}x it, the most "
+                                                             "any fp32 engine can beat TRL by here"
+                                                             if trl_over_floor else ""))
     # Same seeds, same samples: every engine's steps generated the same tokens and earned the same rewards.
     identical = {(nproc, passes): len({repr(per_step[f"distflow_{e}_{passes}{nproc}proc"]) for e in args.engines}) == 1
                  for nproc in args.nproc for passes in passes_modes(args)}
@@ -413,7 +414,7 @@ def run_setting(args: argparse.Namespace, bench_python: Path | None, work: Path)
     return {"prompts_per_step": args.prompts, "generations": args.generations, "max_new_tokens": args.max_new_tokens,
             "model": args.model, "model_parameters": model_params, **results, **ratios(results),
             **({"floor": floor} if floor else {}),
-            **({"trl/floor": round(ceiling(results, floor), 2)} if floor and "trl" in results else {}),
+            **({"trl/floor": round(trl_over_floor, 2)} if trl_over_floor else {}),
             "samples_identical": all(identical.values())}
 
 

@@ -26,6 +26,7 @@ from typing import NoReturn
 
 from distflow import preflight
 from distflow.config import Config, ConfigError, load_config
+from distflow.console import say
 from distflow.config.deprecated import DeprecatedKeyWarning
 from distflow.envvars import LAUNCHED_ENV, RESUME_ENV, RUN_DIR_ENV, RUN_NAME_ENV, STARTED_ENV
 
@@ -187,12 +188,8 @@ def exit_process(code: int) -> NoReturn:
     if not left:
         sys.exit(code)
     rank = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
-    # One write of the whole line: print() writes the text and its newline separately, and the
-    # ranks share stderr, so two ranks' warnings could run into one line.
-    sys.stderr.write(f"distflow: {rank}warning: exiting although user code left {len(left)} non-daemon thread(s) "
-                     f"running: {', '.join(repr(t.name) for t in left)}; end them before returning, or start them "
-                     "with daemon=True\n")
-    sys.stderr.flush()
+    say(f"distflow: {rank}warning: exiting although user code left {len(left)} non-daemon thread(s) "
+        f"running: {', '.join(repr(t.name) for t in left)}; end them before returning, or start them with daemon=True")
     sys.stdout.flush()
     os._exit(code)
 
@@ -249,12 +246,8 @@ def _after_restart(config: Config, args: argparse.Namespace) -> bool:
 
     run_dir = _run_dir(config)
     latest = latest_checkpoint(checkpoint_root(config, run_dir))
-    # One write of the whole line (print writes the text and its newline apart): every rank says this at
-    # once on the shared stderr, and two ranks' lines once ran into one.
-    sys.stderr.write(f"distflow: rank {os.environ.get('RANK', 0)}: restart {os.environ['TORCHELASTIC_RESTART_COUNT']} "
-                     "after a failure: " + (f"resuming from {latest}" if latest else "no checkpoint yet, starting again")
-                     + "\n")
-    sys.stderr.flush()
+    say(f"distflow: rank {os.environ.get('RANK', 0)}: restart {os.environ['TORCHELASTIC_RESTART_COUNT']} after a "
+        "failure: " + (f"resuming from {latest}" if latest else "no checkpoint yet, starting again"))
     if latest is not None:
         args.resume = str(latest)
         os.environ[RESUME_ENV], os.environ[RUN_DIR_ENV] = str(latest), str(run_dir)

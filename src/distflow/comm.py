@@ -180,6 +180,15 @@ def init_comm(*, device: str, timeout_s: int) -> Comm:
     return Comm(rank, world_size, local_rank, local_world_size, torch_device)
 
 
+def join_group_of_one(device: torch.device) -> None:
+    """A one-rank process group for a single process (unless one exists): what FSDP2's device mesh
+    needs when one process shards alone (engines/parallelize.py). `shutdown` ends it."""
+    if not dist.is_initialized():
+        cuda = device.type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=device if cuda else None)
+
+
 def _attempt_store(rank: int, world_size: int, timeout_s: int) -> dict:
     """Under torchrun with restarts (`--max-restarts`), the ranks of each attempt join through their own
     key space of the launcher's store. torch's env:// start-up reuses that store (which outlives a

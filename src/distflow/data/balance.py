@@ -13,8 +13,8 @@ unit id, never by arrival order, so the answer does not depend on who held what.
 LPT alone can end worse than a plain split in order when few heavy units must fill
 equal-count bins (whole prompt groups of 8 over 2 bins: a run's 1.0126 max/mean against
 1.0095 for the order it arrived in). A swap pass follows it: while exchanging one unit of
-the heaviest bin for a lighter unit of another bin lowers the heavier of the two below the
-heaviest load, the best such exchange is made (each one lowers the sum of squared loads, so
+the heaviest bin for a lighter unit of one of the lightest bins lowers the heavier of the two
+below the heaviest load, the best such exchange is made (each one lowers the sum of squared loads, so
 the pass ends); counts per bin do not change.
 """
 
@@ -86,16 +86,15 @@ PARTNER_BINS = 8
 always among them, and planning stays ~O(bins) per exchange at a thousand ranks."""
 
 
-def improve_by_swaps(units_in: list[list[int]], loads: list[int], unit_weight: dict[int, int],
-                     max_swaps: int | None = None) -> int:
+def improve_by_swaps(units_in: list[list[int]], loads: list[int], unit_weight: dict[int, int]) -> int:
     """Exchange units between the heaviest bin and the others while that lowers the heaviest
     load (in place); returns the number of exchanges made.
 
     Each exchange moves d = w(heavy unit) - w(other unit) > 0 from the heaviest bin H to one of
-    the `PARTNER_BINS` lightest bins O with load(O) + d < load(H), choosing the exchange whose heavier side ends lowest (ties:
-    lighter bin, then lower unit ids). Both new loads are below load(H), so the sum of squared
-    loads drops with every exchange and the loop ends; `max_swaps` (default: the number of
-    units) bounds the planning time of very large batches.
+    the `PARTNER_BINS` lightest bins O with load(O) + d < load(H), choosing the exchange whose
+    heavier side ends lowest (ties: lighter bin, then lower unit ids). Both new loads are below
+    load(H), so the sum of squared loads drops with every exchange and the loop ends; at most
+    one exchange per unit bounds the planning time of very large batches.
 
     >>> units_in, loads = [[0, 1], [2, 3]], [9 + 1, 5 + 4]
     >>> improve_by_swaps(units_in, loads, {0: 9, 1: 1, 2: 5, 3: 4}), units_in, loads
@@ -104,7 +103,7 @@ def improve_by_swaps(units_in: list[list[int]], loads: list[int], unit_weight: d
     >>> improve_by_swaps(units_in, loads, {0: 6, 1: 5, 2: 1, 3: 4}), units_in, loads
     (1, [[1, 3], [0, 2]], [9, 7])
     """
-    limit = sum(len(units) for units in units_in) if max_swaps is None else max_swaps
+    limit = sum(len(units) for units in units_in)
     swaps = 0
     while swaps < limit:
         heavy = max(range(len(loads)), key=lambda b: (loads[b], -b))

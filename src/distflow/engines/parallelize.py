@@ -39,7 +39,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from distflow.comm import Comm
+from distflow.comm import Comm, join_group_of_one
 from distflow.config import ConfigError
 from distflow.config.schema import TrainerConfig
 
@@ -60,7 +60,7 @@ def parallelize(model: torch.nn.Module, comm: Comm, trainer: TrainerConfig | Non
         return model
     if trainer.activation_checkpointing:
         checkpoint_blocks(model)
-    if trainer.strategy == "fsdp2" and (comm.distributed or computes_below_float32(trainer, comm.device)):
+    if shards(trainer, comm):
         return shard(model, comm, trainer)
     if not comm.distributed:
         return model
@@ -78,7 +78,7 @@ def frozen_copy(model: torch.nn.Module, comm: Comm, trainer: TrainerConfig) -> t
     """A frozen copy of `model` (the reference policy), sharded like the policy under fsdp2 (with no
     optimizer: it only runs forwards, inside `gathered`). `model` must not be sharded yet."""
     frozen = copy.deepcopy(model).eval().requires_grad_(False)
-    if trainer.strategy == "fsdp2" and (comm.distributed or computes_below_float32(trainer, comm.device)):
+    if shards(trainer, comm):
         shard(frozen, comm, trainer)
     return frozen
 
@@ -96,11 +96,14 @@ def shard(model: torch.nn.Module, comm: Comm, trainer: TrainerConfig) -> torch.n
     return model
 
 
-def computes_below_float32(trainer: TrainerConfig, device: torch.device) -> bool:
-    """fsdp2 computing in bfloat16/float16. On one rank too the model is then `fully_shard`ed (over a
-    one-rank mesh: the shard is the whole model), since FSDP2's mixed precision is what keeps the
-    float32 master copy and casts for compute; the plain model would silently compute in float32."""
-    return trainer.strategy == "fsdp2" and resolve_dtypes(trainer, device)[0] != torch.float32
+def shards(trainer: TrainerConfig, comm: Comm) -> bool:
+    """Whether models are `fully_shard`ed: fsdp2 on several ranks, and on one rank when it computes
+    below float32 (over a one-rank mesh, the shard the whole model), since FSDP2's mixed precision
+    is what keeps the float32 master copy and casts for compute; the plain model would silently
+    compute in float32."""
+    if trainer.strategy != "fsdp2":
+        return False
+    return comm.distributed or resolve_dtypes(trainer, comm.device)[0] != torch.float32
 
 
 def resolve_dtypes(trainer: TrainerConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
@@ -117,9 +120,8 @@ def device_mesh(comm: Comm, shard_size: int) -> DeviceMesh:
     ranks = comm.global_ranks or tuple(range(comm.world_size))
     shard_size = shard_size or comm.world_size
     key = (ranks, shard_size, comm.device.type)
-    if not comm.distributed and not dist.is_initialized():  # one process sharding alone: a one-rank group
-        dist.init_process_group("nccl" if comm.device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1, device_id=comm.device if comm.device.type == "cuda" else None)
+    if not comm.distributed:  # one process sharding alone
+        join_group_of_one(comm.device)
     if key not in _MESHES:
         if shard_size == comm.world_size:
             group = comm.group if comm.group is not None else dist.group.WORLD

@@ -30,6 +30,7 @@ import yaml
 from distflow.checkpoint.store import step_dir_name
 from distflow.comm import Comm, init_comm, node_address, shutdown
 from distflow.config import Config, to_dict
+from distflow.console import say
 from distflow.data.batch import Batch
 from distflow.engines.evaluation import Evaluation, evaluate
 from distflow.envvars import STARTED_ENV
@@ -46,12 +47,6 @@ from distflow.runtime.profiling import StepProfiler
 from distflow.runtime.stage_runner import Moved, record_step, run_stage, run_transition
 from distflow.runtime.worker import Worker, build_worker
 from distflow.seeding import derive_seed
-
-
-def _stderr(text: str) -> None:
-    """One line in one write: stderr writes through, and print's separate newline lets ranks' lines run together."""
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
 
 
 def run(config: Config, run_dir: Path, resume: Path | None = None, *, fresh_restart: bool = False) -> int:
@@ -121,7 +116,7 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
            resume: Path | None, fresh_restart: bool = False) -> dict:
     trainer = config.trainer  # the CLI validated config and world size before this rank started
     transformers.utils.logging.disable_progress_bar()
-    log = _stderr if comm.is_main else (lambda text: None)
+    log = say if comm.is_main else (lambda text: None)
     status.enter("setup")
     worker = build_worker(config, comm, log)
     torch.manual_seed(derive_seed(trainer.seed, "torch", comm.rank))  # sampling itself is keyed per sample
@@ -255,7 +250,7 @@ def _draw_curves(writer: RunWriter) -> None:
     try:
         writer.draw_curves()
     except Exception as err:  # noqa: BLE001 — any drawing failure: the line below names it
-        _stderr(f"distflow: warning: curves.png was not drawn ({type(err).__name__}: {err}); "
+        say(f"distflow: warning: curves.png was not drawn ({type(err).__name__}: {err}); "
                 f"`distflow report {writer.run_dir}` draws it again")
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from distflow.config.schema import Config, ConfigError
 from distflow.comm import is_peer_failure
+from distflow.console import say
 from distflow.envvars import LAUNCHED_ENV, STATUS_DIR_ENV
 from distflow.fileio import atomic_write_text
 
@@ -213,8 +214,7 @@ class RankStatus:
             traceback.print_exception(err, file=sys.stderr)  # a crash: where exactly, for whoever fixes it
             line = f"distflow: rank {self.rank} failed in {self.where()}: {_one_line(err)}"
         if os.environ.get(LAUNCHED_ENV) != "1":  # under `distflow train --nproc` the launcher prints it
-            sys.stderr.write(line + "\n")  # one write: ranks share stderr (print writes the newline apart)
-            sys.stderr.flush()
+            say(line)
         if self.status_dir is not None:
             self._write("failed", error=line, exit_code=code, comm_error=comm_error)
         return code
@@ -296,8 +296,7 @@ class RankStatus:
         print(f"{line}; Python stacks of its threads:", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         if os.environ.get(LAUNCHED_ENV) != "1":
-            sys.stderr.write(line + "\n")  # one write: ranks share stderr (print writes the newline apart)
-            sys.stderr.flush()
+            say(line)
         if self.status_dir is not None:
             self._write("stalled", error=line, exit_code=EXIT_STALLED)
         sys.stderr.flush()
