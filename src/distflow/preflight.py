@@ -89,7 +89,11 @@ def check_model_dir(config: Config) -> None:
         raise ConfigError(f"model.tokenizer_path={tokenizer_path!r} is not a directory")
     if config.model.path is None:
         return
-    model_dir = Path(config.model.path).expanduser()
+    from distflow.tasks.model_source import is_converted, resolve_model_dir
+
+    model_dir = resolve_model_dir(config.model.path, builder=False)
+    if is_converted(config.model.path) and not (model_dir / "config.json").is_file():
+        return  # a GGUF file not converted yet: `distflow train` converts it before any rank starts
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"model.path={config.model.path!r} is not a Hugging Face model directory (no config.json)")
     _check_readable(model_dir / "config.json", "model.path")

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from distflow.config.errors import check
 
+GYM_REWARD = "distflow.tasks.reasoning_gym:score_reward"
+"""`task.reward` of a reasoning-gym task left at the default: the datasets' own scorer."""
 FLOAT32_MAX = 3.4028234663852886e38
 """Rewards are float32 tensors: a larger default reward would be inf there."""
 
@@ -61,6 +63,54 @@ class DatasetSpec:
     """A text prompt is sent as one user message through the tokenizer's chat template; false: as is."""
 
 
+ANSWER_FORMATS = ("tag", "last_number", "last_line")
+
+
+@dataclass(kw_only=True)
+class GymDatasetSpec:
+    """One reasoning-gym dataset of a mix (`task.reasoning_gym.datasets`)."""
+
+    name: str
+    """A reasoning-gym dataset name (`reasoning_gym.factory.DATASETS`: chain_sum, basic_arithmetic, ...)."""
+    weight: float = 1.0
+    """Its share of the training and held-out rows (weights are normalized over the mix)."""
+    config: dict = field(default_factory=dict)
+    """Keyword arguments of the dataset's config (e.g. {min_terms: 2, max_terms: 2} for chain_sum)."""
+
+    def __post_init__(self) -> None:
+        check(bool(self.name), "task.reasoning_gym.datasets[].name must not be empty")
+        check(self.weight > 0, f"task.reasoning_gym.datasets[{self.name}].weight must be > 0 (got {self.weight})")
+
+
+@dataclass(kw_only=True)
+class ReasoningGymSpec:
+    """Procedural tasks from the `reasoning-gym` package (`pip install 'distflow[reasoning]'`):
+    rows are a pure function of (trainer.seed, index); scored by each dataset's own `score_answer`."""
+
+    datasets: list[GymDatasetSpec] = field(default_factory=list)
+    num_train: int = 10000
+    """Training rows in all (split over the mix by weight; held-out questions are left out of them)."""
+    instruction: str = "{question}"
+    """The user message; `{question}` is the dataset's question. Say here where the answer goes."""
+    system_prompt: str | None = None
+    """A system message before it (None: the chat template's default, if it has one)."""
+    answer_format: str = "last_number"
+    """How the answer is taken from a completion before it is scored: tag (the text of the last
+    <answer>...</answer>, reasoning-gym's convention), last_number (the last number in it, for
+    numeric tasks and models that do not follow a format) or last_line (its last non-empty line)."""
+
+    def __post_init__(self) -> None:
+        check(bool(self.datasets), "task.reasoning_gym.datasets must name at least one dataset, "
+              "e.g. [{name: chain_sum}]")
+        names = [d.name for d in self.datasets]
+        check(len(set(names)) == len(names), f"task.reasoning_gym.datasets names a dataset twice: {names}")
+        check(self.num_train >= 1, f"task.reasoning_gym.num_train must be >= 1 (got {self.num_train})")
+        check("{question}" in self.instruction,
+              f"task.reasoning_gym.instruction must contain {{question}} (got {self.instruction!r})")
+        check(self.answer_format in ANSWER_FORMATS, f"task.reasoning_gym.answer_format must be one of "
+              f"{', '.join(ANSWER_FORMATS)} (got {self.answer_format!r})")
+
+
 @dataclass(kw_only=True)
 class TaskConfig:
     num_digits: int = 2
@@ -89,8 +139,13 @@ class TaskConfig:
     """Held-out rows in the same format (evaluation); required with `train_file`."""
     dataset: DatasetSpec | None = None
     """Rows read with the `datasets` library instead of `train_file`/`heldout_file`. Needs `model.path`."""
+    reasoning_gym: ReasoningGymSpec | None = None
+    """Procedural reasoning-gym tasks instead of rows from files (`task.num_heldout` of them held out).
+    Needs `model.path`; the default `task.reward` becomes the datasets' own scorer."""
 
     def __post_init__(self) -> None:
+        if self.reasoning_gym is not None and self.reward == TaskConfig.reward:
+            self.reward = GYM_REWARD
         check(1 <= self.num_digits <= 3, f"task.num_digits must be in 1..3 (got {self.num_digits})")
         check(2 <= self.num_operands <= 4, f"task.num_operands must be in 2..4 (got {self.num_operands})")
         check(self.num_heldout >= 1, f"task.num_heldout must be >= 1 (got {self.num_heldout})")
@@ -98,7 +153,7 @@ class TaskConfig:
         check(self.reward_timeout_s >= 0, f"task.reward_timeout_s must be >= 0 (got {self.reward_timeout_s})")
         check(abs(self.default_reward) <= FLOAT32_MAX,
                f"task.default_reward must fit in float32, |x| <= 3.4e38 (got {self.default_reward})")
-        check(self.dataset is None or self.train_file is None,
-              "task.dataset and task.train_file are two ways to give the rows: set one")
+        sources = [k for k in ("train_file", "dataset", "reasoning_gym") if getattr(self, k) is not None]
+        check(len(sources) <= 1, f"task.{' and task.'.join(sources)} are ways to give the rows: set one")
         check((self.train_file is None) == (self.heldout_file is None),
                "task.train_file and task.heldout_file go together: set both (a dataset task) or neither")

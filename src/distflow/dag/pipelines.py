@@ -141,7 +141,8 @@ def _check_settings(config: Config) -> None:
         path = getattr(config.task, key)
         if path is not None and not Path(path).expanduser().is_file():
             raise GraphError(f"task.{key}={path!r} is not a file")
-    for key, value in (("task.train_file", config.task.train_file), ("task.dataset", config.task.dataset)):
+    for key, value in (("task.train_file", config.task.train_file), ("task.dataset", config.task.dataset),
+                       ("task.reasoning_gym", config.task.reasoning_gym)):
         if value is not None and config.model.path is None:
             raise GraphError(f"{key} needs a model that reads text: set model.path (the embedded model "
                              "only knows the addition task's characters)")

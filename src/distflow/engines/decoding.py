@@ -1,7 +1,7 @@
 """The `compact` rollout engine: each prompt prefilled once, finished rows dropped.
 
     prompts P_1..P_G ──prefill once──▶ KV cache [G, W] ──repeat n──▶ [G·n, W]
-         every step: forward only the rows still running; a row that samples EOS (or
+         every step: forward only the rows still running; a row that samples a stop token (or
          reaches max_new_tokens) leaves the batch, and its rows leave the KV cache
 
 Compared with Hugging Face `generate` on the expanded batch (the `generate` engine, kept as
@@ -45,20 +45,21 @@ def decode(
     *,
     samples_per_prompt: int,
     max_new_tokens: int,
-    eos_id: int,
+    stop_ids: tuple[int, ...],
     pad_id: int,
     temperature: float,
     top_p: float,
     keys_B: torch.Tensor | None,
     logprobs: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Response ids [G·n, max_new_tokens] (pad after a row's EOS) for left-padded prompts.
+    """Response ids [G·n, max_new_tokens] (pad after a row's stop token) for left-padded prompts.
 
     Row g·n + k is sample k of prompt g, drawn with keys_B[g·n + k] (greedy if keys_B is None).
     `logprobs`: also each drawn token's log-prob under softmax(logits / T), [G·n, max_new_tokens]
     (0 after a row's end), recorded while sampling.
     """
     n, device = samples_per_prompt, prompt_ids_GP.device
+    stop_S = torch.tensor(stop_ids, device=device)
     cache = DynamicCache(config=model.config)  # sliding-window layers get their own cache kind, as in generate
     positions_GP = (prompt_mask_GP.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=prompt_ids_GP, attention_mask=prompt_mask_GP, position_ids=positions_GP,
@@ -74,7 +75,7 @@ def decode(
         response_BR[rows_A, t] = token_A
         if logprobs:
             logp_BR[rows_A, t] = token_logprob_B(logits_BV, token_A, temperature=temperature)
-        running_A = token_A != eos_id
+        running_A = ~torch.isin(token_A, stop_S)
         if t == max_new_tokens - 1 or not running_A.any():
             break
         if not running_A.all():

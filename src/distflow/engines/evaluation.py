@@ -7,7 +7,7 @@ reward, so a shaped or custom reward cannot change what "accuracy" means.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -27,9 +27,21 @@ class Evaluation:
     sampled: float
     """Accuracy at the rollout temperature, mean over samples and prompts."""
     greedy: float
+    per_group: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """(sampled, greedy) accuracy of each group of held-out rows (the task's `group_of`, e.g. the
+    dataset of a reasoning-gym mix); empty when the task has fewer than two groups."""
 
 
-def count_correct(
+def count_correct(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, samples: Sequence[dict],
+                  is_correct: Verifier, sampling: SamplingSpec, *, sample_keys: Sequence[int] | None,
+                  samples_per_prompt: int = 1, chunk_size: int = 1024, env=None) -> tuple[float, int]:
+    """(number of correct completions, number of completions) of `judge`."""
+    judged = judge(model, tokenizer, samples, is_correct, sampling, sample_keys=sample_keys,
+                   samples_per_prompt=samples_per_prompt, chunk_size=chunk_size, env=env)
+    return float(sum(judged)), len(judged)
+
+
+def judge(
     model: torch.nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     samples: Sequence[dict],
@@ -40,15 +52,15 @@ def count_correct(
     samples_per_prompt: int = 1,
     chunk_size: int = 1024,
     env=None,
-) -> tuple[float, int]:
-    """(number of correct completions, number of completions): `samples_per_prompt` completions
-    of each sample (n keys per sample, in order), or one greedy completion when `sample_keys` is None.
-    With `env` (the `env` config section, `env.cls` set) a completion is a whole trajectory
-    against the environment, judged on its last action."""
-    correct, n = 0, samples_per_prompt
+) -> list[bool]:
+    """Whether each completion is correct, completion k of sample i at i·n + k: `samples_per_prompt`
+    completions of each sample (n keys per sample, in order), or one greedy completion when
+    `sample_keys` is None. With `env` (the `env` config section, `env.cls` set) a completion is a
+    whole trajectory against the environment, judged on its last action."""
+    n = samples_per_prompt
     if env is not None and env.cls is not None:
-        return _count_correct_multiturn(model, tokenizer, samples, is_correct, sampling, sample_keys, n, chunk_size,
-                                        env)
+        return _judge_multiturn(model, tokenizer, samples, is_correct, sampling, sample_keys, n, chunk_size, env)
+    judged: list[bool] = []
     step = max(1, chunk_size // n)  # samples per chunk
     for start in range(0, len(samples), step):
         chunk = samples[start : start + step]
@@ -56,23 +68,26 @@ def count_correct(
         out = generate(model, tokenizer, [s["prompt"] for s in chunk], max_new_tokens=sampling.max_new_tokens,
                        temperature=sampling.temperature, top_p=sampling.top_p, sample_keys=keys,
                        samples_per_prompt=n, engine=sampling.engine)
-        correct += sum(is_correct(c, private_copy(chunk[k // n])) for k, c in enumerate(out.completions))
-    return float(correct), len(samples) * n
+        judged += [bool(is_correct(c, private_copy(chunk[k // n]))) for k, c in enumerate(out.completions)]
+    return judged
 
 
-def _count_correct_multiturn(model, tokenizer, samples, is_correct, sampling, sample_keys, n, chunk_size,
-                             env) -> tuple[float, int]:
+def _judge_multiturn(model, tokenizer, samples, is_correct, sampling, sample_keys, n, chunk_size,
+                     env) -> list[bool]:
     from distflow.engines.multiturn import local_trajectories
 
-    correct, step = 0, max(1, chunk_size // n)
+    judged: list[bool] = []
+    step = max(1, chunk_size // n)
     for start in range(0, len(samples), step):
         chunk = samples[start : start + step]
         keys = None if sample_keys is None else list(sample_keys[start * n : (start + step) * n])
         trajs = local_trajectories(model, tokenizer, list(chunk), env, sampling,
                                    lambda t, turn: None if keys is None else derive_seed(keys[t.uid], "turn", turn),
                                    samples_per_prompt=n)
-        correct += sum(is_correct(t.actions[-1] if t.actions else "", private_copy(chunk[t.uid // n])) for t in trajs)
-    return float(correct), len(samples) * n
+        by_uid = {t.uid: bool(is_correct(t.actions[-1] if t.actions else "", private_copy(chunk[t.uid // n])))
+                  for t in trajs}
+        judged += [by_uid[uid] for uid in range(len(chunk) * n)]
+    return judged
 
 
 def evaluate(
@@ -86,8 +101,10 @@ def evaluate(
     comm: Comm,
     seed: int,
     env=None,
+    group_of: Callable[[dict], str] | None = None,
 ) -> Evaluation:
-    """Sampled and greedy accuracy over all of `heldout`; every rank gets the same answer.
+    """Sampled and greedy accuracy over all of `heldout` (and per group of rows, with `group_of`);
+    every rank gets the same answer.
 
     Sample k of held-out prompt i is drawn with the key (seed, i, k): two evaluations of
     the same policy give the same numbers, at any world size. Every rank calls it together.
@@ -96,9 +113,23 @@ def evaluate(
     mine = [heldout[i] for i in indices]
     keys = [derive_seed(seed, "eval", i, k) for i in indices for k in range(num_samples)]
     with gathered(model):  # fsdp2: the whole policy on each rank while it generates
-        sampled = count_correct(model, tokenizer, mine, is_correct, sampling, sample_keys=keys,
-                                samples_per_prompt=num_samples, env=env)
-        greedy = count_correct(model, tokenizer, mine, is_correct, sampling, sample_keys=None, env=env)
-    totals = torch.tensor([*sampled, *greedy], dtype=torch.float64, device=comm.device)
-    totals = comm.all_reduce_sum(totals).cpu()
-    return Evaluation(sampled=(totals[0] / totals[1]).item(), greedy=(totals[2] / totals[3]).item())
+        sampled = judge(model, tokenizer, mine, is_correct, sampling, sample_keys=keys,
+                        samples_per_prompt=num_samples, env=env)
+        greedy = judge(model, tokenizer, mine, is_correct, sampling, sample_keys=None, env=env)
+    # Every rank knows every row's group (the held-out rows are the same everywhere), so the
+    # groups, and the layout of the one summed vector, agree without a collective.
+    groups = sorted({group_of(heldout[i]) for i in range(len(heldout))}) if group_of is not None else []
+    groups = groups if len(groups) > 1 else []
+    mine_group = [groups.index(group_of(sample)) for sample in mine] if groups else []
+    totals = [0.0] * (4 * (1 + len(groups)))  # (sampled correct, sampled n, greedy correct, greedy n) per slot
+    for slot, who in [(0, None)] + [(g + 1, g) for g in range(len(groups))]:
+        rows = [j for j in range(len(mine)) if who is None or mine_group[j] == who]
+        totals[4 * slot] = sum(sampled[j * num_samples + k] for j in rows for k in range(num_samples))
+        totals[4 * slot + 1] = len(rows) * num_samples
+        totals[4 * slot + 2] = sum(greedy[j] for j in rows)
+        totals[4 * slot + 3] = len(rows)
+    summed = comm.all_reduce_sum(torch.tensor(totals, dtype=torch.float64, device=comm.device)).cpu().tolist()
+    rates = [(summed[4 * s] / max(summed[4 * s + 1], 1), summed[4 * s + 2] / max(summed[4 * s + 3], 1))
+             for s in range(1 + len(groups))]
+    return Evaluation(sampled=rates[0][0], greedy=rates[0][1],
+                      per_group={name: rates[g + 1] for g, name in enumerate(groups)})

@@ -22,7 +22,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedTokeni
 
 from distflow.engines.decoding import decode
 from distflow.engines.sampling import KeyedSampler
-from distflow.engines.sequences import encode_prompts, left_pad, response_mask_from_ids
+from distflow.engines.sequences import encode_prompts, left_pad, response_mask_from_ids, stop_token_ids
 
 
 @dataclass
@@ -80,7 +80,7 @@ def generate(
     finally:
         model.train(was_training)
     prompt_ids_BP, prompt_mask_BP = prompt_ids_GP.repeat_interleave(n, dim=0), prompt_mask_GP.repeat_interleave(n, dim=0)
-    response_mask_BR = response_mask_from_ids(response_BR, tokenizer.eos_token_id)
+    response_mask_BR = response_mask_from_ids(response_BR, stop_token_ids(tokenizer))
     response_BR = torch.where(response_mask_BR.bool(), response_BR, tokenizer.pad_token_id)
     completions = tokenizer.batch_decode(response_BR, skip_special_tokens=True)
     input_ids_BT = torch.cat([prompt_ids_BP, response_BR], dim=1)
@@ -127,7 +127,7 @@ def _responses(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, promp
     """Response ids [G·n, max_new_tokens] from `engine`, and (with `logprobs`) their log-probs."""
     if engine in ("compact", "compiled"):
         out = decode(compiled(model) if engine == "compiled" else model, prompt_ids_GP, prompt_mask_GP, samples_per_prompt=n, max_new_tokens=max_new_tokens,
-                     eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, temperature=temperature,
+                     stop_ids=stop_token_ids(tokenizer), pad_id=tokenizer.pad_token_id, temperature=temperature,
                      top_p=top_p, keys_B=keys_B, logprobs=logprobs)
         return out if logprobs else (out, None)
     if engine == "generate":
@@ -151,7 +151,7 @@ def _hf_generate(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, pro
         max_new_tokens=max_new_tokens,
         do_sample=False,  # the keyed sampler (if any) has already drawn the token
         pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=list(stop_token_ids(tokenizer)),
         bos_token_id=tokenizer.bos_token_id,
         use_cache=True,
     )

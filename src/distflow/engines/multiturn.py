@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from distflow.engines.sequences import end_of_turn
 from distflow.envs.calls import run_calls
 
 CHARS_PER_TOKEN = 32
@@ -68,10 +69,12 @@ def encode_observation(tokenizer, observation, *, first: bool) -> list[int]:
     """Ids of an observation: text as is (special tokens only on the first); chat messages
     through the tokenizer's chat template, with the assistant's generation prompt.
 
-    Messages after the first observation are rendered as what the template adds after a
-    conversation (`_CONTEXT` + messages, minus `_CONTEXT` rendered alone), so a template
-    that opens every conversation with a default system prompt does not repeat it; where
-    that rendering is not a prefix of the longer one they are rendered on their own.
+    Messages after the first observation are rendered as what the template adds after an
+    assistant turn (`_CONTEXT` + messages, minus `_CONTEXT` rendered alone up to the end of its
+    assistant turn: the model sampled that turn's end-of-turn token itself, so the observation
+    starts with what the template writes after it, e.g. ChatML's newline), so a template that
+    opens every conversation with a default system prompt does not repeat it; where that
+    rendering is not a prefix of the longer one they are rendered on their own.
     """
     if observation is None or observation == "" or observation == []:
         return []
@@ -81,6 +84,9 @@ def encode_observation(tokenizer, observation, *, first: bool) -> list[int]:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if not first:
         context = tokenizer.apply_chat_template(_CONTEXT, tokenize=False)
+        turn_end = end_of_turn(tokenizer)
+        if turn_end is not None and turn_end in context:
+            context = context[: context.rindex(turn_end) + len(turn_end)]
         extended = tokenizer.apply_chat_template(_CONTEXT + messages, tokenize=False, add_generation_prompt=True)
         text = extended[len(context):] if extended.startswith(context) else text
     return list(tokenizer(text, add_special_tokens=first)["input_ids"])

@@ -29,15 +29,55 @@ def left_pad(rows: list[list[int]], pad_id: int, *, width: int | None = None) ->
 
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[list[int]]:
-    return [list(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]]
+    """Token ids of each prompt, with the tokenizer's special tokens (BOS) added unless the text
+    already starts with its BOS (a chat template that writes it, as Llama 3's does): never twice."""
+    bos = getattr(tokenizer, "bos_token", None)
+    has_bos = [bool(bos) and text.startswith(bos) for text in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    for add in (True, False):
+        which = [i for i, has in enumerate(has_bos) if has != add]
+        if which:
+            encoded = tokenizer([prompts[i] for i in which], add_special_tokens=add)["input_ids"]
+            for i, ids in zip(which, encoded):
+                out[i] = list(ids)
+    return out
 
 
-def response_mask_from_ids(response_ids_BR: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """1 for generated tokens up to and including the first EOS, 0 after it.
+_PROBE_TURN = "distflow-probe-turn"
 
-    Only EOS ends a response: a pad id the model happened to sample mid-response is a
+
+def end_of_turn(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The special token the chat template closes an assistant turn with (ChatML's `<|im_end|>`,
+    Llama 3's `<|eot_id|>`, Gemma's `<end_of_turn>`), or None (no template, or none found)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "u"},
+                                              {"role": "assistant", "content": _PROBE_TURN}], tokenize=False)
+    except Exception:  # a template that refuses this conversation: no end-of-turn to learn from it
+        return None
+    after = text[text.rfind(_PROBE_TURN) + len(_PROBE_TURN):].lstrip(" ")
+    special = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special]
+    found = [token for token in special if token and after.startswith(token)]
+    return max(found, key=len) if found else None
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """Ids that end a response: the tokenizer's EOS and the chat template's end-of-turn token."""
+    ids = [tokenizer.eos_token_id]
+    token = end_of_turn(tokenizer)
+    if token is not None:
+        ids.append(tokenizer.convert_tokens_to_ids(token))
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+def response_mask_from_ids(response_ids_BR: torch.Tensor, stop_ids: int | tuple[int, ...]) -> torch.Tensor:
+    """1 for generated tokens up to and including the first stop token (EOS, end of turn), 0 after it.
+
+    Only a stop token ends a response: a pad id the model happened to sample mid-response is a
     real token (generation attended to it), so it stays inside the mask.
     """
-    is_eos_BR = (response_ids_BR == eos_id).long()
+    stop_S = torch.tensor(stop_ids if isinstance(stop_ids, tuple) else (stop_ids,), device=response_ids_BR.device)
+    is_eos_BR = torch.isin(response_ids_BR, stop_S).long()
     eos_before_BR = torch.cumsum(is_eos_BR, dim=-1) - is_eos_BR  # EOS tokens strictly before t
     return (eos_before_BR == 0).long()

