@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,7 +73,7 @@ def test_benchmark_imports_of_distflow_exist(script):
 def test_every_benchmark_has_a_quick_test():
     scripts = {p.name for p in BENCHMARKS.glob("*.py")} - {"trl_worker.py"}  # run by throughput.py
     assert scripts == {"throughput.py", "data_plane.py", "weight_sync.py", "memory.py", "lora.py", "async.py",
-                       "roofline.py"}, (
+                       "roofline.py", "learning.py"}, (
         f"benchmarks/ now holds {sorted(scripts)}: give each a --quick mode and a test here")
 
 
@@ -95,6 +96,24 @@ def test_throughput_quick():
     assert result["samples_identical"] is True  # the two engines, same seeds: same tokens and rewards per step
     assert result["distflow_compact_1proc/trl_completions"] > 0 and result["distflow_compact_1proc/generate_tokens"] > 0
     assert result["distflow_compact_1proc/generate_rollout_tokens"] > 0
+
+
+def test_learning_quick():
+    """Every system trains until its steps' summed time reaches the budget (6 s), evaluated at 0 s, at
+    each 1-s mark it passes and at the end, judged on the same 16 held-out sums."""
+    out = run_quick("learning.py", timeout=3600)
+    budget_s = out["settings"]["budget_min"] * 60
+    assert out["settings"]["num_heldout"] == 16
+    for system in ("distflow_1proc", "distflow_2proc", "trl"):
+        row = out[system]
+        assert row["steps"] >= 1 and row["train_s"] >= budget_s, system
+        times = [t for t, _ in row["evals"]]
+        assert times[0] == 0.0 and times == sorted(times) and times[-1] == row["train_s"], system
+        assert all(a * 16 == round(a * 16) and 0 <= a <= 1 for _, a in row["evals"]), system
+        assert row["completions_per_s"] == pytest.approx(row["steps"] * 16 / row["train_s"], rel=0.02)
+        assert row["steps"] * 16 <= row["tokens_per_s"] * row["train_s"] * 1.02 <= row["steps"] * 16 * 4 * 1.05
+    assert out["distflow_1proc/trl_completions"] > 0 and out["trl"]["version"]
+    assert Path(out["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_throughput_models():

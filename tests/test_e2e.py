@@ -78,6 +78,17 @@ def test_two_processes(tmp_path, cache_dir):
         assert table.startswith(f"rank {rank}, steps 2-3") and "aten::" in table
 
 
+def test_a_time_budget_ends_every_rank_at_the_same_step_evaluated_and_checkpointed(tmp_path, cache_dir):
+    """trainer.time_budget_s=0.01: step 1 alone outlasts it, so both ranks stop after step 1 (not
+    trainer.total_steps=3), evaluate and checkpoint it as a last step, and the summary says so."""
+    summary, run_dir = train(tmp_path, cache_dir, "warmstart.target_accuracy=0", "--nproc", "2",
+                             "trainer.time_budget_s=0.01", "trainer.eval_every=0", "checkpoint.every=0")
+    assert summary["steps"] == 1 and summary["last_checkpoint"].endswith("step-000001")
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [0, 1] and "eval/accuracy" in records[1]
+    assert records[1]["eval/accuracy"] == pytest.approx(summary["final_accuracy"], abs=1e-4)
+
+
 def test_local_model_directory(tmp_path, cache_dir):
     """Any local HF model + tokenizer works like the embedded one (here: a briefly trained tiny model)."""
     tok = build_char_tokenizer()

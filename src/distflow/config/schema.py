@@ -154,6 +154,8 @@ class TrainerConfig:
     """Seeds the task split, the warm-start, the data order and sampling."""
     eval_every: int = 25
     """Held-out evaluation every this many steps (0: only before and after training)."""
+    eval_every_s: float = 0
+    """Also evaluate each time the steps' summed wall time (`time/train_s`) passes a multiple of this; 0: off."""
     eval_samples: int = 4
     """Samples per held-out prompt at the rollout temperature."""
     output_dir: str = "runs"
@@ -216,6 +218,11 @@ class TrainerConfig:
     profile_steps: int = 0
     """Record a torch profiler trace of this many steps (from the second) into the run
     directory's profile/ (`--profile K` sets it); 0: off."""
+    time_budget_s: float = 0
+    """Stop after the step at which the steps' summed wall time (`time/step_s`, the slowest rank's;
+    evaluation and checkpoints not counted, a resumed run's earlier steps counted) reaches this,
+    then evaluate and checkpoint as after the last step; 0: run trainer.total_steps. Comparisons at
+    equal training time (benchmarks/learning.py) and job time limits use it."""
     max_staleness: int = 0
     """k >= 1: rollout ranks generate steps t+1..t+k while train ranks train step t; step t's
     samples come from the policy after max(0, t-1-k) updates (runtime/pipelined.py). Needs
@@ -235,12 +242,16 @@ class TrainerConfig:
               "exclude each other (packed rows hold several prompts); set one of them to false")
         if self.shared_prefix is None:
             self.shared_prefix = not self.padding_free
+        check(self.time_budget_s >= 0, f"trainer.time_budget_s must be >= 0 (0: off; got {self.time_budget_s})")
+        check(not (self.time_budget_s and self.max_staleness), "trainer.time_budget_s stops a synchronous run between "
+              "steps; with trainer.max_staleness > 0 the rollout runs ahead of training: set one of them to 0")
         check(self.profile_steps >= 0, f"trainer.profile_steps must be >= 0 (got {self.profile_steps})")
         check(self.max_staleness >= 0, f"trainer.max_staleness must be >= 0 (0: synchronous; got {self.max_staleness})")
         check(self.total_steps >= 1, f"trainer.total_steps must be >= 1 (got {self.total_steps})")
         check(self.prompts_per_step >= 1, f"trainer.prompts_per_step must be >= 1 (got {self.prompts_per_step})")
         check(self.micro_batch_size >= 1, f"trainer.micro_batch_size must be >= 1 (got {self.micro_batch_size})")
         check(self.eval_every >= 0, f"trainer.eval_every must be >= 0 (got {self.eval_every})")
+        check(self.eval_every_s >= 0, f"trainer.eval_every_s must be >= 0 (got {self.eval_every_s})")
         check(self.eval_samples >= 1, f"trainer.eval_samples must be >= 1 (got {self.eval_samples})")
         check(self.device in ("auto", "cpu", "cuda"), f"trainer.device must be auto, cpu or cuda (got {self.device!r})")
         check(self.timeout_s >= 10, f"trainer.timeout_s must be >= 10 (got {self.timeout_s})")

