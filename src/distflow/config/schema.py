@@ -3,7 +3,8 @@
 Each section is a kw-only dataclass documented field by field and validated in
 `__post_init__`; a violation raises `ConfigError` naming the dotted key and the fix.
 YAML files and `key.sub=value` overrides are turned into these by `config.loader`. The
-`algorithm` section and its sub-sections are in `algorithm.py`, the `task` section in `task.py`.
+`algorithm` section and its sub-sections are in `algorithm.py`, the `task` section in `task.py`,
+the `model` and `warmstart` sections in `model.py`.
 """
 
 from __future__ import annotations
@@ -15,68 +16,8 @@ from distflow.config.algorithm import AlgorithmConfig
 from distflow.config.deprecated import DeprecatedKeyWarning
 from distflow.config.env import EnvConfig
 from distflow.config.errors import ConfigError, check  # noqa: F401 (ConfigError is imported from here widely)
+from distflow.config.model import LoraConfig, ModelConfig, WarmstartConfig  # noqa: F401 (re-exported)
 from distflow.config.task import FLOAT32_MAX, RewardModelSpec, RewardSpec, TaskConfig  # noqa: F401 (re-exported)
-
-
-@dataclass(kw_only=True)
-class LoraConfig:
-    """Low-rank adapters (`peft`'s LoRA) instead of full fine-tuning: only the adapters are trained,
-    held by the optimizer, checkpointed and sent to rollout ranks; the reference policy is the base
-    model, i.e. the policy with its adapters disabled."""
-
-    rank: int = 0
-    """The adapters' rank r; 0 turns LoRA off (full fine-tuning)."""
-    alpha: float = 16.0
-    """The scaling numerator: an adapter's update is (alpha / rank) · B·A·x."""
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    """Module names (or name suffixes) that get adapters; `all-linear`: every linear layer but the output head."""
-    dropout: float = 0.0
-    """Dropout on the adapters' input while training (0 keeps the PPO ratio exactly 1 on-policy)."""
-
-    def __post_init__(self) -> None:
-        check(self.rank >= 0, f"model.lora.rank must be >= 0 (got {self.rank}; 0 turns LoRA off)")
-        check(self.alpha > 0, f"model.lora.alpha must be > 0 (got {self.alpha})")
-        check(0 <= self.dropout < 1, f"model.lora.dropout must be in [0, 1) (got {self.dropout})")
-        check(bool(self.target_modules) and all(self.target_modules),
-              "model.lora.target_modules must name at least one module (e.g. [all-linear] or [q_proj, v_proj])")
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-
-@dataclass(kw_only=True)
-class ModelConfig:
-    path: str | None = None
-    """Local Hugging Face model directory. None: the embedded tiny model, warm-started on the task."""
-    tokenizer_path: str | None = None
-    """Tokenizer directory; defaults to `path`."""
-    lora: LoraConfig = field(default_factory=LoraConfig)
-
-
-@dataclass(kw_only=True)
-class WarmstartConfig:
-    target_accuracy: float = 0.25
-    """Stop the supervised warm-start once validation accuracy at the rollout temperature
-    reaches this (embedded model only; 0 skips the warm-start)."""
-    max_steps: int = 2000
-    """Give up (and fail) if the target is not reached within this many steps."""
-    check_every: int = 10
-    num_validation: int = 300
-    """Training-split problems held back from the warm-start to measure its progress."""
-    batch_size: int = 128
-    lr: float = 3e-3
-    cache_dir: str = "~/.cache/distflow/warmstart"
-    """Warm-started checkpoints are kept here, keyed by everything that shapes them."""
-
-    def __post_init__(self) -> None:
-        check(0 <= self.target_accuracy < 1,
-               f"warmstart.target_accuracy must be in [0, 1) (got {self.target_accuracy})")
-        check(self.max_steps >= 1, f"warmstart.max_steps must be >= 1 (got {self.max_steps})")
-        check(self.check_every >= 1, f"warmstart.check_every must be >= 1 (got {self.check_every})")
-        check(self.num_validation >= 10, f"warmstart.num_validation must be >= 10 (got {self.num_validation})")
-        check(self.batch_size >= 1, f"warmstart.batch_size must be >= 1 (got {self.batch_size})")
-        check(self.lr > 0, f"warmstart.lr must be > 0 (got {self.lr})")
 
 
 ROLLOUT_ENGINES = ("compact", "compiled", "generate")
@@ -155,7 +96,7 @@ class TrainerConfig:
     eval_every: int = 25
     """Held-out evaluation every this many steps (0: only before and after training)."""
     eval_every_s: float = 0
-    """Also evaluate each time the steps' summed wall time (`time/train_s`) passes a multiple of this; 0: off."""
+    """Also evaluate each time the steps' summed wall time (`progress/train_s`) passes a multiple of this; 0: off."""
     eval_samples: int = 4
     """Samples per held-out prompt at the rollout temperature."""
     output_dir: str = "runs"

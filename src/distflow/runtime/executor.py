@@ -145,7 +145,7 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
     for step, metrics in _steps(worker, first_step, status, writer, profiler, pipeline, resumed):
         # The steps' summed time is the slowest rank's (reduced metrics): every rank stops at the same step.
         before_s, train_s = train_s, train_s + metrics.get("time/step_s", 0.0)
-        run_state["train_s"] = metrics["time/train_s"] = train_s
+        run_state["train_s"] = metrics["progress/train_s"] = train_s
         out_of_time = bool(trainer.time_budget_s) and train_s >= trainer.time_budget_s
         last = step == trainer.total_steps or out_of_time
         due = bool(trainer.eval_every) and step % trainer.eval_every == 0
