@@ -19,11 +19,14 @@ from distflow.envs.python_tool import run_python
 
 class CalculatorEnv:
     """An action ending in "=" is a calculator call on the text before it; the exact value
-    (or `error_text`) comes back as the observation. Any other action is the answer."""
+    (or `error_text`) comes back as the observation (as a `tool` chat message with `chat: true`,
+    for a chat model: the template then closes the model's turn, shows the result and opens the
+    next assistant turn). Any other action is the answer."""
 
-    def __init__(self, *, error_text: str = "()", step_reward: float = 0.0) -> None:
+    def __init__(self, *, error_text: str = "()", step_reward: float = 0.0, chat: bool = False) -> None:
         self.error_text = error_text
         self.step_reward = step_reward
+        self.chat = chat
 
     def reset(self, sample: dict) -> None:
         return None  # the row's prompt
@@ -33,9 +36,10 @@ class CalculatorEnv:
         if not text.endswith("="):
             return None, 0.0, True, {}
         try:
-            return str(calculate(text[:-1])), self.step_reward, False, {"tool_call": True}
+            value, info = str(calculate(text[:-1])), {"tool_call": True}
         except CalculatorError:
-            return self.error_text, self.step_reward, False, {"tool_call": True, "tool_error": True}
+            value, info = self.error_text, {"tool_call": True, "tool_error": True}
+        return [{"role": "tool", "content": value}] if self.chat else value, self.step_reward, False, info
 
 
 _CODE = re.compile(r"```python\n(.*?)```", re.DOTALL)
