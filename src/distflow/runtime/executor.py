@@ -17,6 +17,7 @@ stage that outlives its limit (faults.StageTimeouts) ends the job with every thr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -78,17 +79,18 @@ def run(config: Config, run_dir: Path, resume: Path | None = None, *, fresh_rest
 
 
 def _evaluate(worker: Worker) -> Evaluation:
-    cfg, engines = worker.config, worker.engines
-    return evaluate(
+    cfg, engines, start = worker.config, worker.engines, time.time()
+    result = evaluate(
         worker.eval_model, engines.tokenizer, worker.heldout if worker.heldout is not None else worker.task.heldout,
         worker.task.is_correct, engines.sampling, num_samples=cfg.trainer.eval_samples, comm=worker.world,
         seed=cfg.trainer.seed, env=cfg.env, group_of=getattr(worker.task, "group_of", None),
     )
+    return dataclasses.replace(result, seconds=time.time() - start)
 
 
 def _eval_metrics(result: Evaluation) -> dict[str, float]:
     """The evaluation's metrics: overall, and per group of held-out rows when the task has groups."""
-    metrics = {"eval/accuracy": result.sampled, "eval/greedy_accuracy": result.greedy}
+    metrics = {"eval/accuracy": result.sampled, "eval/greedy_accuracy": result.greedy, "eval/seconds": result.seconds}
     for group, (sampled, greedy) in result.per_group.items():
         metrics |= {f"eval/{group}/accuracy": sampled, f"eval/{group}/greedy_accuracy": greedy}
     return metrics
