@@ -98,3 +98,16 @@ def test_a_dataset_task_needs_a_text_model(tmp_path):
     result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), f"task.train_file={path}",
                      f"task.heldout_file={path}", cwd=tmp_path)
     assert result.returncode == 2 and "set model.path" in result.stderr
+
+
+def test_math_verify_does_not_warn_about_the_deadline_distflow_keeps(monkeypatch, caplog):
+    import math_verify.grader
+    import math_verify.parser
+
+    from distflow.tasks.math_answers import math_answer_reward
+
+    monkeypatch.setattr(math_verify.parser, "TIMEOUT_WARNING_SHOWN", False)  # as in a fresh process
+    monkeypatch.setattr(math_verify.grader, "TIMEOUT_WARNING_SHOWN", False, raising=False)
+    with caplog.at_level("WARNING"):
+        assert math_answer_reward("", "so $\\boxed{72}$", {"answer": "72"}) == 1.0
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("math_verify")] == []

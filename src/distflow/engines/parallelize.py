@@ -21,7 +21,9 @@ number of forwards. Its cost is a full copy of the parameters (in `trainer.param
 every rank while inside, as DDP holds at all times; sharding still saves the gradients, the
 optimizer state and the float32 master weights. The disaggregated weight sync needs no gathering:
 each train rank sends its own (float32) shard (engines/weight_shares.py). A world of one has
-nothing to shard: both strategies leave the model plain there.
+nothing to shard: both strategies leave the model plain there, except fsdp2 computing below
+float32 (`trainer.param_dtype`), which shards over a one-rank group to keep a float32 master
+copy beside its compute dtype (`shards`).
 """
 
 from __future__ import annotations

@@ -13,12 +13,15 @@ truth for mathematical equivalence (1/2 == 0.5 == \\frac{1}{2}) using `math-veri
 
 math-verify's own time-outs use `signal.alarm`, which only works on the main thread; they
 are turned off here because the reward runner calls rewards on a helper thread with its
-own deadline (`task.reward_timeout_s`, see `engines/reward.py`).
+own deadline (`task.reward_timeout_s`, see `engines/reward.py`). math-verify warns once per
+process that its time-out is off; that is this deliberate choice, so the warning is filtered
+out of the user's log (its other messages are kept).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +33,17 @@ SIMPLE_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }} {% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+
+
+class _DeadlineKeptByDistflow(logging.Filter):
+    """Drops math-verify's "Timeout is disabled ..." warning (distflow's reward runner keeps the deadline)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_DeadlineKeptByDistflow())
 
 
 def ground_truth(sample: dict) -> str:
