@@ -192,6 +192,14 @@ def test_invalid_rows_are_rejected_with_their_number(workdir, cache_dir, extra, 
     check_one_line_error(train(workdir, cache_dir, request.node.callspec.id.replace(" ", "-"), *extra), needle)
 
 
+def test_a_response_limit_beyond_the_models_positions_is_refused(workdir, cache_dir):
+    """The embedded model attends to 64 positions; a 7-token prompt leaves 57 (this used to hang
+    in the first evaluation)."""
+    check_one_line_error(train(workdir, cache_dir, "too-long", "rollout.max_new_tokens=100000"),
+                         "rollout.max_new_tokens=100000 + the longest held-out prompt (7 tokens) exceeds the model's "
+                         "max_position_embeddings=64: set rollout.max_new_tokens to at most 57")
+
+
 def test_invalid_rows_can_be_skipped_and_counted(workdir, cache_dir):
     # Prompts "a+b=" with two 2-digit operands are the longest (7 tokens with BOS): skip those.
     result = train(workdir, cache_dir, "skip", "data.max_prompt_tokens=6", "data.on_invalid_row=skip")

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from distflow.comm import Comm
-from distflow.config import Config
+from distflow.config import Config, ConfigError
 from distflow.dag.context import Engines
 from distflow.dag.pipelines import LOADER_FIELDS, build_graph
 from distflow.data.loader import PromptLoader, RowRules, ValidRows
@@ -89,6 +89,7 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
     # safe to share with the main thread's decoding.
     tokenize = functools.partial(encode_prompts, copy.deepcopy(tokenizer))
     rows, heldout = _valid_rows(config, task, tokenize, world, log)
+    _check_lengths(config, model.config, heldout, tokenize)
     loader = PromptLoader(rows.__getitem__, len(rows), prompts_per_step=trainer.prompts_per_step,
                           seed=trainer.seed, rank=plan.input_layout.replica_of(rank),
                           world_size=plan.input_layout.dp_size, tokenize=tokenize)
@@ -146,6 +147,23 @@ def _build_models(config: Config, uses: set[str], model: torch.nn.Module, train:
     else:
         model.requires_grad_(False)
     return model, engines
+
+
+def _check_lengths(config: Config, model_config, heldout: ValidRows, tokenize) -> None:
+    """A response must fit in what the model attends to beside its prompt: the longest held-out
+    prompt (and `data.max_prompt_tokens`, the bound of the training prompts, when set) plus
+    `rollout.max_new_tokens` (multi-turn: `env.max_tokens`) within `max_position_embeddings`."""
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if not limit:
+        return
+    key, width = (("env.max_tokens", config.env.max_tokens) if config.env.cls is not None
+                  else ("rollout.max_new_tokens", config.rollout.max_new_tokens))
+    longest = max(len(ids) for ids in tokenize([heldout[i]["prompt"] for i in range(len(heldout))]))
+    longest, what = max((longest, "the longest held-out prompt"),
+                        (config.data.max_prompt_tokens, "data.max_prompt_tokens"))
+    if longest + width > limit:
+        raise ConfigError(f"{key}={width} + {what} ({longest} tokens) exceeds the model's max_position_embeddings="
+                          f"{limit}: set {key} to at most {max(limit - longest, 1)}")
 
 
 def _group_comms(plan: Plan, world: Comm) -> dict[str, Comm | None]:
