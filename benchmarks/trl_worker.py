@@ -86,6 +86,11 @@ class StepTimer(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         self._start, self._tokens = time.perf_counter(), self.reward.tokens
 
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        """Out of rows (max_steps) before the budget: the last state is evaluated too."""
+        if self.heldout is not None and self.evals[-1][0] != sum(self.step_s):
+            self.evals.append((sum(self.step_s), self.evaluate(model)))
+
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self.step_s.append(time.perf_counter() - self._start)
         self.tokens.append(self.reward.tokens - self._tokens)

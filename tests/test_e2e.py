@@ -87,6 +87,10 @@ def test_a_time_budget_ends_every_rank_at_the_same_step_evaluated_and_checkpoint
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [0, 1] and "eval/accuracy" in records[1]
     assert records[1]["eval/accuracy"] == pytest.approx(summary["final_accuracy"], abs=1e-4)
+    again = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *TINY, f"warmstart.cache_dir={cache_dir}",
+                    f"trainer.output_dir={tmp_path}", "trainer.run_name=run", "trainer.time_budget_s=0.01", "--resume",
+                    cwd=tmp_path)
+    assert again.returncode == 2 and "nothing left to do; raise trainer.time_budget_s" in again.stderr
 
 
 def test_local_model_directory(tmp_path, cache_dir):

@@ -112,12 +112,19 @@ def one_rank(tmp_path_factory, model_dir):
     return _run(tmp_path_factory.mktemp("real"), "one")
 
 
-def test_same_first_step_samples_on_one_and_two_ranks(tmp_path, one_rank):
+def test_same_first_step_samples_on_one_and_two_ranks(tmp_path, one_rank, smollm2):
     _, records, samples = one_rank
+    _, tokenizer = smollm2
     assert len(samples) == 8 and len({uid for uid, _, _ in samples}) == 8
-    for record in records:  # prompt and template tokens never enter the loss: the mask starts at the response
-        for ids, mask in zip(record["ids"], record["mask"]):
-            assert len(mask) < len(ids) and set(mask) <= {0, 1}
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for record in records:  # the loss sees the response up to its end of turn: no prompt, template or padding
+        for ids, mask, prompt in zip(record["ids"], record["mask"], record["prompt"]):
+            width = len(ids) - len(mask)  # the response columns, which the mask covers, start here
+            assert tokenizer.decode(ids[:width], skip_special_tokens=False).replace("<|im_end|>", "").endswith(
+                prompt.replace("<|im_end|>", ""))  # left padding (pad = <|im_end|>) then the whole prompt
+            response = ids[width:]
+            end = response.index(im_end) + 1 if im_end in response else len(response)
+            assert mask == [1] * end + [0] * (len(mask) - end)
     _, _, two = _run(tmp_path, "two", "--nproc", "2")
     assert two == samples
 

@@ -79,3 +79,28 @@ def test_an_observation_continues_after_the_models_end_of_turn_token():
     tokenizer = chatml_tokenizer()
     ids = encode_observation(tokenizer, [{"role": "user", "content": "result: 5"}], first=False)
     assert tokenizer.decode(ids) == "\n<|im_start|>user\nresult: 5<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_turn_cut_by_the_token_limit_is_closed_before_the_observation():
+    """A turn that ran to rollout.max_new_tokens has no end-of-turn token: the template's is put in
+    before the observation (mask 0: not the model's token); a turn that ended by itself gets none."""
+    from distflow.engines.multiturn import Trajectory, TurnLimits, _after_step
+
+    tokenizer = chatml_tokenizer()
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    a = tokenizer.convert_tokens_to_ids("a")
+    limits = TurnLimits(max_turns=3, max_tokens=200, default_reward=0.0, num_workers=1)
+    observation = [{"role": "user", "content": "5"}]
+    after = "\n<|im_start|>user\n5<|im_end|>\n<|im_start|>assistant\n"
+    for model_ids, expected in (([a, a], "<|im_end|>" + after), ([a, im_end], after)):
+        traj = Trajectory(sample={}, env=None, env_seconds=60.0)
+        traj.add(model_ids, model=True)
+        _after_step(traj, (observation, 0.0, False, {}), tokenizer, limits, turn=0)
+        assert tokenizer.decode(traj.ids[2:]) == expected
+        assert traj.mask == [1, 1] + [0] * (len(traj.ids) - 2)
+
+
+def test_a_first_chat_observation_gets_one_bos():
+    tokenizer = chatml_tokenizer()
+    ids = encode_observation(tokenizer, [{"role": "user", "content": "1+2"}], first=True)
+    assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1

@@ -215,10 +215,14 @@ def _train(config: Config, args: argparse.Namespace, argv: list[str]) -> int:
         from distflow.checkpoint.store import read_meta
 
         resume, run_dir = _resume_target(config, os.environ.get(RESUME_ENV, args.resume))
-        step = read_meta(resume)["step"]
+        meta = read_meta(resume)
+        step, train_s, budget_s = meta["step"], meta["extra"].get("train_s", 0.0), config.trainer.time_budget_s
         if step >= config.trainer.total_steps:
             raise ConfigError(f"checkpoint {resume} is at step {step} >= trainer.total_steps="
                               f"{config.trainer.total_steps}: nothing left to do; raise trainer.total_steps")
+        if budget_s and train_s >= budget_s:
+            raise ConfigError(f"checkpoint {resume}'s steps took {train_s:.0f} s >= trainer.time_budget_s={budget_s:g}: "
+                              "nothing left to do; raise trainer.time_budget_s (or set it to 0)")
         os.environ.setdefault(RESUME_ENV, str(resume))
         os.environ.setdefault(RUN_DIR_ENV, str(run_dir))
     # One run directory for all ranks, chosen before they start.

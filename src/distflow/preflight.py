@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 from distflow.config.schema import Config, ConfigError
+from distflow.tasks.model_source import is_converted
 
 SAFETENSORS_HEADER_LIMIT = 100 * 2**20
 """safetensors refuses headers larger than this; a larger length means a damaged file."""
@@ -89,10 +90,11 @@ def check_model_dir(config: Config) -> None:
         raise ConfigError(f"model.tokenizer_path={tokenizer_path!r} is not a directory")
     if config.model.path is None:
         return
-    from distflow.tasks.model_source import is_converted, resolve_model_dir
+    from distflow.tasks.model_source import is_converted, resolve_model_dir, source_file
 
     model_dir = resolve_model_dir(config.model.path, builder=False)
-    if is_converted(config.model.path) and not (model_dir / "config.json").is_file():
+    if is_converted(config.model.path) and source_file(config.model.path).is_file() \
+            and not (model_dir / "config.json").is_file():
         return  # a GGUF file not converted yet: `distflow train` converts it before any rank starts
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"model.path={config.model.path!r} is not a Hugging Face model directory (no config.json)")
@@ -185,7 +187,11 @@ def check_strategy(config: Config) -> None:
     if trainer.strategy == "fsdp2" and {trainer.param_dtype, trainer.reduce_dtype} - {"auto", "float32"}:
         _check_precision(config)
     if trainer.activation_checkpointing and config.model.path is not None:
-        _check_decoder_blocks(Path(config.model.path).expanduser())
+        from distflow.tasks.model_source import resolve_model_dir
+
+        model_dir = resolve_model_dir(config.model.path, builder=False)
+        if (model_dir / "config.json").is_file() or not is_converted(config.model.path):
+            _check_decoder_blocks(model_dir)  # (a GGUF file not converted yet is checked by its first run)
 
 
 def _check_precision(config: Config) -> None:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from distflow.engines.sequences import end_of_turn
+from distflow.engines.sequences import encode_prompts, end_of_turn, stop_token_ids
 from distflow.envs.calls import run_calls
 
 CHARS_PER_TOKEN = 32
@@ -89,7 +89,9 @@ def encode_observation(tokenizer, observation, *, first: bool) -> list[int]:
             context = context[: context.rindex(turn_end) + len(turn_end)]
         extended = tokenizer.apply_chat_template(_CONTEXT + messages, tokenize=False, add_generation_prompt=True)
         text = extended[len(context):] if extended.startswith(context) else text
-    return list(tokenizer(text, add_special_tokens=first)["input_ids"])
+    if first:  # the conversation's start: special tokens as for a prompt (never a second BOS)
+        return encode_prompts(tokenizer, [text])[0]
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _contain(traj: Trajectory, outcome, default_reward: float) -> tuple[Any, float, bool, dict] | None:
@@ -184,6 +186,11 @@ def _after_step(traj: Trajectory, step, tokenizer, limits: TurnLimits, turn: int
     if isinstance(observation, str):  # a flood is cut before it is encoded (no token spans 32 characters here)
         observation = observation[: CHARS_PER_TOKEN * room]
     obs_ids = encode_observation(tokenizer, observation, first=False)
+    turn_end = end_of_turn(tokenizer) if obs_ids and not isinstance(observation, str) else None
+    if turn_end is not None and (not traj.ids or traj.ids[-1] not in stop_token_ids(tokenizer)):
+        # The turn ran out of tokens before its end-of-turn token: close it as the template would
+        # (not the model's token, so outside the loss), then the observation as rendered after one.
+        obs_ids = [tokenizer.convert_tokens_to_ids(turn_end)] + obs_ids
     traj.add(obs_ids[:room], model=False)
     traj.truncated = len(obs_ids) >= room
     traj.done = traj.truncated
@@ -214,7 +221,6 @@ def local_trajectories(model, tokenizer, samples: list[dict], env_cfg, sampling,
     """Finished trajectories of `samples_per_prompt` samples of each row (uid g·n + k), on this
     rank alone (evaluation: no peer to agree with)."""
     from distflow.envs import environment_class
-    from distflow.engines.sequences import encode_prompts
 
     n, cls = samples_per_prompt, environment_class(env_cfg.cls)
     limits = TurnLimits(env_cfg.max_turns, env_cfg.max_tokens, env_cfg.default_reward, env_cfg.num_workers)

@@ -156,14 +156,21 @@ def _check_lengths(config: Config, model_config, heldout: ValidRows, tokenize) -
     limit = getattr(model_config, "max_position_embeddings", None)
     if not limit:
         return
-    key, width = (("env.max_tokens", config.env.max_tokens) if config.env.cls is not None
+    # A multi-turn trajectory holds up to env.max_tokens, and its last turn generates up to
+    # rollout.max_new_tokens before the excess is dropped.
+    key, width = (("env.max_tokens", config.env.max_tokens + config.rollout.max_new_tokens) if config.env.cls is not None
                   else ("rollout.max_new_tokens", config.rollout.max_new_tokens))
-    longest = max(len(ids) for ids in tokenize([heldout[i]["prompt"] for i in range(len(heldout))]))
+    longest = max((len(ids) for ids in tokenize([heldout[i]["prompt"] for i in range(len(heldout))])), default=0)
     longest, what = max((longest, "the longest held-out prompt"),
                         (config.data.max_prompt_tokens, "data.max_prompt_tokens"))
+    if longest >= limit:
+        raise ConfigError(f"{what} ({longest} tokens) leaves no room within the model's max_position_embeddings="
+                          f"{limit}: shorten the prompts (data.max_prompt_tokens drops the longer ones)")
     if longest + width > limit:
-        raise ConfigError(f"{key}={width} + {what} ({longest} tokens) exceeds the model's max_position_embeddings="
-                          f"{limit}: set {key} to at most {max(limit - longest, 1)}")
+        room = limit - longest - (config.rollout.max_new_tokens if config.env.cls is not None else 0)
+        raise ConfigError(f"{key}={width if config.env.cls is None else config.env.max_tokens} + {what} ({longest} "
+                          f"tokens){' + rollout.max_new_tokens' if config.env.cls is not None else ''} exceeds the "
+                          f"model's max_position_embeddings={limit}: set {key} to at most {max(room, 1)}")
 
 
 def _group_comms(plan: Plan, world: Comm) -> dict[str, Comm | None]:

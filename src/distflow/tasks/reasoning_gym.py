@@ -5,12 +5,13 @@
     held-out rows  : dataset k gets round(w_k · num_heldout) rows from create_dataset(name, seed=s_k^heldout)
     row i          = the i-th entry of the concatenation (the loader shuffles); a training row whose
                      question is also a held-out question is left out, so evaluation never sees it
-    prompt         = [system?] + user message `instruction.format(question=...)`, rendered with the
+    prompt         = [system?] + user message `instruction` with {question} replaced, rendered with the
                      model's chat template (tasks/math_answers.ChatRows)
     reward         = dataset.score_answer(extract(completion), entry) in [0, 1]; correct: score == 1
 
-Every row is a pure function of (trainer.seed, dataset name, index): reasoning-gym seeds entry j of
-a dataset with (its seed + j), so 1 rank and N ranks read the same problems. The rows are made
+Every row is a pure function of the config (trainer.seed, the mix, num_train, num_heldout) and its
+index, whatever the ranks: reasoning-gym seeds entry j of a dataset with (its seed + j), and the
+rows left out for their held-out questions are the same everywhere. The rows are made
 once per process, when the task is built (a reasoning-gym entry takes microseconds to
 milliseconds), because leaving held-out questions out of training needs all of them.
 
