@@ -113,8 +113,8 @@ def training_rows(args: argparse.Namespace, shared: dict, num_steps: int) -> tup
 
 
 def run_trl(args: argparse.Namespace, shared: dict, python: Path, work: Path) -> dict:
-    # Rows for more steps than the budget can hold (a step takes >= 0.05 s even on the tiny model).
-    train, heldout = training_rows(args, shared, num_steps=int(args.budget_min * 60 / 0.05) if args.quick else 4000)
+    # Rows for more steps than the budget can hold (a step takes >= 0.01 s even on the tiny model).
+    train, heldout = training_rows(args, shared, num_steps=int(args.budget_min * 60 / 0.01) if args.quick else 4000)
     for name, rows in (("train", train), ("heldout", heldout)):
         (work / f"{name}.jsonl").write_text("".join(json.dumps(row, default=list) + "\n" for row in rows))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
