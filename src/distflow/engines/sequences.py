@@ -8,6 +8,8 @@ prompt sees the same positions during generation and during training.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -62,8 +64,18 @@ def end_of_turn(tokenizer: PreTrainedTokenizerBase) -> str | None:
     return max(found, key=len) if found else None
 
 
+_STOP_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """Ids that end a response: the tokenizer's EOS and the chat template's end-of-turn token."""
+    """Ids that end a response: the tokenizer's EOS and the chat template's end-of-turn token
+    (found once per tokenizer: every generate call and every multi-turn step asks)."""
+    if tokenizer not in _STOP_IDS:
+        _STOP_IDS[tokenizer] = _stop_token_ids(tokenizer)
+    return _STOP_IDS[tokenizer]
+
+
+def _stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     ids = [tokenizer.eos_token_id]
     token = end_of_turn(tokenizer)
     if token is not None:
