@@ -91,7 +91,7 @@ def run_distflow(args: argparse.Namespace, shared: dict, nproc: int, work: Path)
                  f"trainer.output_dir={work}", f"trainer.run_name={name}", "--nproc", nproc], what=name)
     rows = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 1]
-    evals = [(r.get("progress/train_s", 0.0), r["eval/greedy_accuracy"]) for r in rows if "eval/greedy_accuracy" in r]
+    evals = [(r.get("time/train_total_s", 0.0), r["eval/greedy_accuracy"]) for r in rows if "eval/greedy_accuracy" in r]
     return rates([r["time/step_s"] for r in steps], [r["tokens/generated"] for r in steps], evals, shared)
 
 

@@ -298,7 +298,9 @@ def run_distflow(name: str, nproc: int, config: Path, work: Path) -> tuple[list[
     untrained = [r["step"] for r in steps if not r.get("tokens/trained")]
     if untrained:  # a step without an update would be timed as rollout only
         raise SystemExit(f"[bench] {name}: steps {untrained} ran no policy update; the comparison would be unfair")
-    stages = [key[len("time/"):-len("_s")] for key in steps[0] if key.startswith("time/") and key != "time/step_s"]
+    from distflow.observability.curves import TOTAL_TIMES
+
+    stages = [key[len("time/"):-len("_s")] for key in steps[0] if key.startswith("time/") and key not in TOTAL_TIMES]
     split = {stage: round(statistics.median(r.get(f"time/{stage}_s", 0.0) for r in steps), 4) for stage in stages}
     return [(r["time/step_s"], r["tokens/generated"], r["reward/mean"]) for r in steps], split
 

@@ -96,7 +96,7 @@ class TrainerConfig:
     eval_every: int = 25
     """Held-out evaluation every this many steps (0: only before and after training)."""
     eval_every_s: float = 0
-    """Also evaluate each time the steps' summed wall time (`progress/train_s`) passes a multiple of this; 0: off."""
+    """Also evaluate each time the steps' summed wall time (`time/train_total_s`) passes a multiple of this; 0: off."""
     eval_samples: int = 4
     """Samples per held-out prompt at the rollout temperature."""
     output_dir: str = "runs"

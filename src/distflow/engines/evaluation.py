@@ -31,7 +31,7 @@ class Evaluation:
     """(sampled, greedy) accuracy of each group of held-out rows (the task's `group_of`, e.g. the
     dataset of a reasoning-gym mix); empty when the task has fewer than two groups."""
     seconds: float = 0.0
-    """How long the evaluation took (set by the runtime, logged as `eval/seconds`)."""
+    """How long the evaluation took (set by the runtime, logged as `time/eval_s`)."""
 
 
 def count_correct(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, samples: Sequence[dict],

@@ -22,7 +22,8 @@ PANELS = (
     ("train/entropy", "entropy"),
     ("train/grad_norm", "gradient norm"),
 )
-TOTAL_TIMES = ("time/step_s", "time/loader_wait_s")  # not stages of the split
+# Wall-clock totals, not stages of a step's split (every wall-clock metric is under time/).
+TOTAL_TIMES = ("time/step_s", "time/loader_wait_s", "time/train_total_s", "time/eval_s")
 
 
 def read_run(run_dir: Path) -> list[dict]:

@@ -90,7 +90,7 @@ def _evaluate(worker: Worker) -> Evaluation:
 
 def _eval_metrics(result: Evaluation) -> dict[str, float]:
     """The evaluation's metrics: overall, and per group of held-out rows when the task has groups."""
-    metrics = {"eval/accuracy": result.sampled, "eval/greedy_accuracy": result.greedy, "eval/seconds": result.seconds}
+    metrics = {"eval/accuracy": result.sampled, "eval/greedy_accuracy": result.greedy, "time/eval_s": result.seconds}
     for group, (sampled, greedy) in result.per_group.items():
         metrics |= {f"eval/{group}/accuracy": sampled, f"eval/{group}/greedy_accuracy": greedy}
     return metrics
@@ -147,7 +147,7 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
     for step, metrics in _steps(worker, first_step, status, writer, profiler, pipeline, resumed):
         # The steps' summed time is the slowest rank's (reduced metrics): every rank stops at the same step.
         before_s, train_s = train_s, train_s + metrics.get("time/step_s", 0.0)
-        run_state["train_s"] = metrics["progress/train_s"] = train_s
+        run_state["train_s"] = metrics["time/train_total_s"] = train_s
         out_of_time = bool(trainer.time_budget_s) and train_s >= trainer.time_budget_s
         last = step == trainer.total_steps or out_of_time
         due = bool(trainer.eval_every) and step % trainer.eval_every == 0
