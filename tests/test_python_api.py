@@ -39,7 +39,7 @@ after = {k: v for k, v in os.environ.items() if k.startswith("DISTFLOW_")}, sign
 print(json.dumps({"runs": [first.metrics(), second.metrics()], "final_eval": first.final_eval,
                   "summary": first.summary, "run_dirs": [str(first.run_dir), str(second.run_dir)],
                   "same_state": before == after, "process_group": dist.is_initialized(), "refused": refused,
-                  "threads": [t.name for t in threading.enumerate() if t is not threading.main_thread()]}))
+                  "threads": [(t.name, t.daemon) for t in threading.enumerate() if t is not threading.main_thread()]}))
 '''
 
 
@@ -65,7 +65,8 @@ def test_a_notebook_trains_twice_in_one_interpreter_and_cannot_launch_its_own_fu
     assert out["final_eval"]["eval/accuracy"] == pytest.approx(out["summary"]["final_accuracy"], abs=1e-4)
     assert_same_metrics(second, first)  # nothing the first run left behind changed the second
     assert out["same_state"] and not out["process_group"]
-    assert out["threads"] == []
+    # No thread of distflow's, and none that would keep the interpreter alive (tqdm's daemon monitor may stay).
+    assert [(name, daemon) for name, daemon in out["threads"] if name.startswith("distflow") or not daemon] == []
     assert out["refused"].startswith("rewards ('reward') is defined in __main__ of an interactive session (a "
                                      "notebook), which the 2 ranks that nproc=2 starts cannot import")
 
