@@ -88,6 +88,32 @@ def test_the_script_under_torchrun_matches_the_cli_with_two_processes(tmp_path, 
     assert_same_metrics(read[0], read[1])
 
 
+SCRIPT = '''
+import sys
+import distflow
+
+def reward(prompt, completion, sample):
+    return 1.0 if completion.strip() == sample["answer"] else -0.5
+
+if __name__ == "__main__":
+    result = distflow.train(overrides=sys.argv[1:], rewards=reward, nproc=2)
+    print(result.summary["world_size"], result.metrics()[1]["reward/mean"] < 0, sorted(result.final_eval))
+'''
+
+
+def test_a_script_starts_two_ranks_that_import_its_own_reward(tmp_path, cache_dir):
+    """The ranks import the script by its file name (from its folder, not the working directory)."""
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code/my_script.py").write_text(SCRIPT)
+    done = subprocess.run([sys.executable, str(tmp_path / "code/my_script.py"), *TINY, "trainer.total_steps=2",
+                           f"warmstart.cache_dir={cache_dir}", f"trainer.output_dir={tmp_path}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "2 True ['eval/accuracy', 'eval/greedy_accuracy']"
+    config = (next(tmp_path.glob("2*/config.yaml"))).read_text()
+    assert "reward: my_script:reward" in config
+
+
 def test_errors_are_the_cli_messages_raised(tmp_path):
     environ = dict(os.environ)
     cli = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), "trainer.total_stepz=3", cwd=tmp_path)

@@ -16,10 +16,8 @@ Failures: a ConfigError for user errors (before any rank, or from a one-process 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -97,22 +95,26 @@ def _prepare_model(config: Config) -> None:
 
 
 def _launch(config: Config, nproc: int, resume: str | None, max_restarts: int) -> tuple[dict, dict[str, float]]:
-    """`nproc` ranks of `python -m distflow train` on the resolved config; their results, read back."""
+    """`nproc` ranks of `python -m distflow train` on the resolved config, written into the run directory
+    for the launch (so the ranks' command lines name the run); their results, read back."""
+    import contextlib
     import json
 
     from distflow.runtime.launcher import Stopped, launch
 
-    folder = Path(tempfile.mkdtemp(prefix="distflow-config-"))
+    run_dir = run_dir_of(config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / ".launch-config.yaml"
     try:
-        path = folder / "config.yaml"
         path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False), encoding="utf-8")
         launch(nproc, ["train", str(path)] + (["--resume", resume] if resume is not None else []),
                max_restarts=max_restarts)
     except Stopped as stop:
         raise RunFailed(report_stopped(config, stop.signum), 128 + stop.signum) from None
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    run_dir = run_dir_of(config)
+        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a run that ended before writing anything leaves no directory
+            run_dir.rmdir()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     final = next((r for r in reversed(records) if "eval/accuracy" in r), {})
     return json.loads((run_dir / "summary.json").read_text()), {k: v for k, v in final.items() if k != "step"}
