@@ -159,3 +159,40 @@ def test_rows_become_the_files_the_file_task_reads():
             inputs.apply(data, num_heldout=10, dataset=[rows[0], "text"])
     finally:
         inputs.close()
+
+
+ROWS_SCRIPT = '''
+import json, string, sys
+import datasets
+import distflow
+from distflow.tasks.math_answers import SIMPLE_CHAT_TEMPLATE
+from distflow.tasks.tiny_model import build_tiny_model
+from distflow.tasks.tokenizer import build_char_tokenizer
+
+out = sys.argv[1]
+tokenizer = build_char_tokenizer("".join(c for c in string.printable if c not in "\\n\\r\\t\\x0b\\x0c"))
+tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE
+build_tiny_model(tokenizer, seed=0, max_positions=128).save_pretrained(out + "/model")
+tokenizer.save_pretrained(out + "/model")
+rows = [{"prompt": [{"role": "user", "content": f"What is {a}+{b}?"}], "answer": str(a + b), "level": a}
+        for a in range(1, 9) for b in range(1, 5)]
+splits = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[:8])})
+result = distflow.train(overrides={"model.path": out + "/model", "trainer.total_steps": 2, "trainer.prompts_per_step": 4,
+                                   "rollout.num_samples": 4, "rollout.max_new_tokens": 8, "trainer.eval_every": 0,
+                                   "trainer.eval_samples": 1, "trainer.progress_bar": False, "checkpoint.at_end": False,
+                                   "trainer.output_dir": out, "trainer.run_name": "run"},
+                        dataset=splits, rewards=[lambda prompt, completion, sample: sample["level"] / 10,
+                                                 lambda prompt, completion, sample: 1.0])
+print(json.dumps(result.metrics()))
+'''
+
+
+def test_a_hugging_face_dataset_and_lambdas_as_rewards(tmp_path):
+    done = subprocess.run([sys.executable, "-c", ROWS_SCRIPT, str(tmp_path)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for r in records[1:]:  # each row's own column reached the first reward; the second is named apart
+        assert 0.1 <= r["reward/<lambda>"] <= 0.8 and r["reward/<lambda>_2"] == 1.0
+        assert r["reward/mean"] == pytest.approx(r["reward/<lambda>"] + 1.0, rel=1e-5)

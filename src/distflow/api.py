@@ -87,28 +87,24 @@ def train(config: str | Path | Mapping[str, Any] | Config | None = None,
     Raises `ConfigError` for a user error (the CLI's message) and `RunFailed` for a run that
     started and failed (its line names the rank and the stage).
     """
+    from distflow.config.callables import provided
+    from distflow.runtime.start import LATEST, start, under_launcher
+
     if not _running.acquire(blocking=False):
         raise DistflowError("distflow.train was called while a run is in progress in this process (a module "
                             "that the ranks import calls it at import time?): put the call under "
                             "`if __name__ == \"__main__\":`")
-    saved = _SavedState.take()
+    saved, inputs = _SavedState.take(), Inputs(launched=nproc > 1 and not under_launcher(), nproc=nproc)
     try:
-        from distflow.runtime.start import LATEST, start, under_launcher
-
-        launched = nproc > 1 and not under_launcher()
-        inputs = Inputs(launched=launched, nproc=nproc)
         resolved = _config(config, overrides, inputs, rewards=rewards, dataset=dataset, heldout=heldout, env=env)
         if inputs.import_paths:  # launched ranks import the script's own functions by its name
-            os.environ["PYTHONPATH"] = os.pathsep.join(inputs.import_paths + [os.environ.get("PYTHONPATH", "")])
-        from distflow.config.callables import provided
-
+            os.environ["PYTHONPATH"] = os.pathsep.join(inputs.import_paths + [p for p in [os.environ.get("PYTHONPATH")] if p])
         with provided(inputs.objects):
             summary, final = start(resolved, nproc=nproc, resume=_resume_value(resume, LATEST),
                                    max_restarts=max_restarts)
     finally:
         saved.restore()
-        if "inputs" in locals():
-            inputs.close()
+        inputs.close()
         _running.release()
     return RunResult(Path(summary["run_dir"]), summary, {k: v for k, v in final.items() if k.startswith("eval/")})
 
