@@ -93,7 +93,7 @@ def _shard(batch: Batch, rows: slice) -> Batch:
 
 @pytest.mark.parametrize("name", WHITENED)
 def test_two_ranks_whiten_with_the_statistics_of_the_whole_batch(name):
-    batch, shared, barrier, outputs = _batch(seed=1), {}, threading.Barrier(2, timeout=600), {}
+    batch, shared, barrier, outputs = _batch(seed=1), {}, threading.Barrier(2, timeout=1800), {}
     shards = [_shard(batch, slice(0, 4)), _shard(batch, slice(4, 8))]
 
     def run(rank: int) -> None:
