@@ -213,10 +213,25 @@ class TrainerConfig:
                   f"trainer.{key}={value} needs trainer.strategy=fsdp2 (ddp computes in float32)")
         check(self.strategy == "fsdp2" or self.fsdp.shard_size == 0,
               "trainer.fsdp.shard_size is a setting of trainer.strategy=fsdp2; set the strategy too")
-        check(self.run_name is None or (self.run_name.strip() not in ("", ".", "..")
-                                         and not any(c in self.run_name for c in "/\\\0")),
-               f"trainer.run_name must be a plain directory name, without '/' and not '..' (got {self.run_name!r}); "
-               "to write elsewhere, set trainer.output_dir")
+        if self.run_name is not None:
+            _check_run_name(self.run_name)
+
+
+NAME_MAX_BYTES = 255
+"""The longest file name (in bytes) that Linux, macOS and Windows file systems all accept."""
+
+
+def _check_run_name(name: str) -> None:
+    """One path component that every file system accepts and every log shows on one line."""
+    check(name.strip() not in ("", ".", "..") and not any(c in name for c in "/\\\0"),
+          f"trainer.run_name must be a plain directory name, without '/' and not '..' (got {name!r}); "
+          "to write elsewhere, set trainer.output_dir")
+    control = sorted({c for c in name if ord(c) < 32 or ord(c) == 127})
+    check(not control, f"trainer.run_name must not hold control characters such as a newline or a tab (got "
+                       f"{name!r}); use letters, digits, '-', '_' or '.'")
+    size = len(name.encode("utf-8", "surrogatepass"))
+    check(size <= NAME_MAX_BYTES, f"trainer.run_name is {size} bytes long; a directory name may be at most "
+                                  f"{NAME_MAX_BYTES} bytes: choose a shorter name")
 
 
 @dataclass(kw_only=True)

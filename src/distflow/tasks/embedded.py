@@ -70,9 +70,13 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model_dir(model, tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "distflow_warmstart.json").write_text(json.dumps(info, indent=1))
+    try:
+        save_model_dir(model, tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "distflow_warmstart.json").write_text(json.dumps(info, indent=1))
+    except BaseException:  # a full disk, Ctrl-C: no half-written directory is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         tmp.rename(target)
     except OSError:  # another process finished the same (deterministic) checkpoint first
