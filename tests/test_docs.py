@@ -29,3 +29,17 @@ def test_the_readme_links_to_files_that_exist():
                if not target.startswith(("http://", "https://", "#"))]
     assert "docs/getting-started.md" in targets
     assert [target for target in targets if not (REPO / target).exists()] == []
+
+
+def test_the_api_page_example_runs():
+    """The Python API page's example builds configs as it says."""
+    page = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
+    code = page.split("```python\n", 1)[1].split("```", 1)[0]
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        namespace = {}
+        exec(compile(code, "docs/api.md", "exec"), namespace)
+    finally:
+        os.chdir(cwd)
+    assert namespace["config"].trainer.prompts_per_step == 16

@@ -196,7 +196,7 @@ class AlgorithmConfig:
     lam: float = 1.0
     """GAE's λ (PPO)."""
     ppo_epochs: int = 1
-    """Passes over one rollout batch (reshuffled each time)."""
+    """Passes over one rollout batch (reshuffled each time); >1 turns on the old-log-prob stage."""
     num_mini_batches: int = 1
     """Optimizer steps per epoch over one rollout batch; >1 turns on the old-log-prob stage."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
