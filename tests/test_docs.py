@@ -19,6 +19,8 @@ def test_the_site_builds_strict_with_no_broken_link(tmp_path):
     reference = (site / "configuration" / "index.html").read_text(encoding="utf-8")
     for key in ("algorithm.kl.coef", "trainer.fsdp.shard_size", "task.rewards[].weight", "env.num_workers"):
         assert f"<code>{key}</code>" in reference, key
+    home = (site / "index.html").read_text(encoding="utf-8")  # README.md, its docs/ links made relative
+    assert "Two commands" in home and 'href="getting-started/"' in home
     api = (site / "api" / "index.html").read_text(encoding="utf-8")
     assert "load_config" in api and "ConfigError" in api
 
