@@ -100,6 +100,11 @@ def yaml_value(value: object) -> str:
     return str(value)
 
 
+def _annotation(field: dataclasses.Field) -> str:
+    """The annotation as written: a string under `from __future__ import annotations`, else the type's name."""
+    return field.type if isinstance(field.type, str) else inspect.formatannotation(field.type)
+
+
 def _default(field: dataclasses.Field) -> str:
     if field.default is not dataclasses.MISSING:
         return yaml_value(field.default)
@@ -118,10 +123,10 @@ def entries(cls: type = Config, prefix: str = "") -> list[Entry]:
         nested, how = _nested_dataclass(hints[field.name])
         doc = docs.get(field.name, "")
         if how == "section":
-            rows.append(Entry(key=key, type=str(field.type), default="(section)", doc=doc))
+            rows.append(Entry(key=key, type=_annotation(field), default="(section)", doc=doc))
             rows += entries(nested, key + ".")
             continue
-        rows.append(Entry(key=key, type=str(field.type), default=_default(field), doc=doc))
+        rows.append(Entry(key=key, type=_annotation(field), default=_default(field), doc=doc))
         if nested is not None:
             rows += entries(nested, key + ("[]." if how == "list" else "."))
     return rows
