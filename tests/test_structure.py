@@ -1,6 +1,6 @@
 """The shape of the package: import direction, no import cycles, small files and functions.
 
-These are the rules ARCHITECTURE.md and STYLE.md state in prose; here they are checked, so
+These are the rules docs/architecture.md states in prose; here they are checked, so
 a change that breaks one says so in the suite rather than in a later review.
 """
 
