@@ -346,9 +346,16 @@ class StageSpec:
 
 @dataclass(kw_only=True)
 class PipelineConfig:
+    builder: str | None = None
+    """`package.module:function` called as fn(config) -> Graph: the run's pipeline, built from the
+    library's stages (dag/pieces.py) and your own; null: the built-in one of `algorithm.name`."""
     custom_stages: list[StageSpec] = field(default_factory=list)
     """User stages inserted into the built-in pipeline, each
     `{name, fn, after, before, reads, writes, placement, timeout_s}`."""
+
+    def __post_init__(self) -> None:
+        check(self.builder is None or ":" in self.builder,
+              f"pipeline.builder must look like 'package.module:function' (got {self.builder!r})")
 
 
 @dataclass(kw_only=True)

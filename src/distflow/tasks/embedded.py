@@ -49,6 +49,20 @@ def embedded_model_dir(config: Config) -> Path:
     return Path(config.warmstart.cache_dir).expanduser() / cache_key(config)
 
 
+CALCULATOR = "distflow.envs.tools:CalculatorEnv"
+
+
+def _tool_batches(tokenizer, train: list[dict], seed: int):
+    """Multi-turn warm-start batches (`env.cls` is the calculator): the transcripts of `tasks.tool_transcripts`."""
+    from distflow.seeding import derive_seed
+    from distflow.tasks.tool_transcripts import transcript_batch
+
+    def batch_of(indices: list[int], step: int):
+        return transcript_batch(tokenizer, [train[i] for i in indices], derive_seed(seed, "warmstart-tool", step))
+
+    return batch_of
+
+
 def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     """Build, warm-start and save the embedded model into `target` (atomically)."""
     from distflow.engines.sampling import SamplingSpec
@@ -66,8 +80,9 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     ws = config.warmstart
     validation, train = task.train[-ws.num_validation :], task.train[: -ws.num_validation]
     sampling = SamplingSpec.of(config.rollout)
+    tool = config.env.cls == CALCULATOR  # a multi-turn warm-start trains on the calculator's transcripts
     info = warm_start_to_target(model, tokenizer, train, validation, task.is_correct, sampling, ws, seed, log,
-                                env=config.env)
+                                env=config.env, batch_of=_tool_batches(tokenizer, train, seed) if tool else None)
     info["seconds"] = round(time.time() - start, 1)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
