@@ -82,19 +82,20 @@ def train(config: str | Path | Mapping[str, Any] | Config | None = None,
     env: an environment class (reset(sample), step(action)) or its import string: `env.cls`.
     nproc: ranks to start on this machine (ignored under torchrun, where each call is one rank).
     resume: True: the latest checkpoint of trainer.run_name's run; a path: that checkpoint or run.
-    max_restarts: with nproc > 1, restart the ranks up to this many times after a failure.
+    max_restarts: restart the ranks up to this many times after a failure, each time from the latest
+        checkpoint (the ranks are then launched processes, also with nproc=1).
 
     Raises `ConfigError` for a user error (the CLI's message) and `RunFailed` for a run that
     started and failed (its line names the rank and the stage).
     """
     from distflow.config.callables import provided
-    from distflow.runtime.start import LATEST, start, under_launcher
+    from distflow.runtime.start import LATEST, launches, start
 
     if not _running.acquire(blocking=False):
         raise DistflowError("distflow.train was called while a run is in progress in this process (a module "
                             "that the ranks import calls it at import time?): put the call under "
                             "`if __name__ == \"__main__\":`")
-    saved, inputs = _SavedState.take(), Inputs(launched=nproc > 1 and not under_launcher(), nproc=nproc)
+    saved, inputs = _SavedState.take(), Inputs(launched=launches(nproc, max_restarts), nproc=nproc)
     try:
         resolved = _config(config, overrides, inputs, rewards=rewards, dataset=dataset, heldout=heldout, env=env)
         if inputs.import_paths:  # launched ranks import the script's own functions by its name

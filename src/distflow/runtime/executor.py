@@ -29,6 +29,7 @@ import torch
 import transformers
 import yaml
 
+from distflow import gc_policy
 from distflow.checkpoint.store import step_dir_name
 from distflow.comm import Comm, init_comm, node_address, shutdown
 from distflow.config import Config, ConfigError, to_dict
@@ -140,6 +141,7 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
     log = say if comm.is_main else (lambda text: None)
     status.enter("setup")
     with contextlib.closing(build_worker(config, comm, log)) as worker:  # its threads end, whatever happens
+        gc_policy.after_startup()  # imports and model loading done: the usual collections from here on
         return _train_worker(worker, run_dir, comm, started, status, resume, fresh_restart, log)
 
 
@@ -279,7 +281,8 @@ def _open_writer(config: Config, run_dir: Path, *, resumed_step: int | None) -> 
     trainer = config.trainer
     return RunWriter(run_dir, total_steps=trainer.total_steps, loggers=trainer.loggers,
                      progress_bar=trainer.progress_bar, name=config.algorithm.name, resumed_step=resumed_step,
-                     wandb_project=trainer.wandb_project, config=resolved)
+                     wandb_project=trainer.wandb_project, config=resolved,
+                     checkpoint_root=checkpointing.checkpoint_root(config, run_dir))
 
 
 def _draw_curves(writer: RunWriter) -> None:

@@ -38,6 +38,11 @@ def under_launcher() -> bool:
     return "RANK" in os.environ
 
 
+def launches(nproc: int, max_restarts: int) -> bool:
+    """Whether `start` runs the ranks as processes of their own (else: in this process)."""
+    return (nproc > 1 or max_restarts > 0) and not under_launcher()
+
+
 def start(config: Config, *, nproc: int = 1, resume: str | None = None,
           max_restarts: int = 0) -> tuple[dict, dict[str, float]]:
     """Run `config`: (the summary, the final evaluation's metrics). Under a launcher, as its rank;
@@ -47,6 +52,9 @@ def start(config: Config, *, nproc: int = 1, resume: str | None = None,
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0 (got {max_restarts})")
     launcher = under_launcher()
+    if max_restarts and launcher and os.environ.get(LAUNCHED_ENV) != "1":
+        raise ConfigError("--max-restarts restarts the ranks that `distflow train` starts; under torchrun, give "
+                          f"torchrun --max-restarts {max_restarts} instead")
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if launcher else nproc
     os.environ.setdefault(STARTED_ENV, str(time.time()))
     checkpoint, fresh_restart = None, False
@@ -61,7 +69,8 @@ def start(config: Config, *, nproc: int = 1, resume: str | None = None,
              resuming=checkpoint is not None or fresh_restart)
     if not launcher:
         _prepare_model(config)
-    if nproc > 1 and not launcher:
+    # --max-restarts needs the launcher (a restart is a new set of rank processes), also for one rank.
+    if launches(nproc, max_restarts):
         return _launch(config, nproc, resume, max_restarts)
     from distflow.runtime.executor import run
 
@@ -87,11 +96,21 @@ def _checked_resume(config: Config, value: str) -> Path:
 
 
 def _prepare_model(config: Config) -> None:
-    """The embedded model's warm-start or a GGUF conversion, here, once, before any rank waits on it."""
-    from distflow.tasks.build import model_dirs, prepared_per_node
+    """The embedded model's warm-start or a GGUF conversion, here, once, before any rank waits on it.
+    Ctrl-C during it: one line, as in the ranks' loop (runtime/faults.py), and `RunFailed`."""
+    from distflow.tasks.model_source import model_dirs, prepared_per_node
 
-    if prepared_per_node(config):
+    if not prepared_per_node(config):
+        return
+    try:
         model_dirs(config, builder=True, log=lambda text: print(text, file=sys.stderr, flush=True))
+    except KeyboardInterrupt:
+        what = ("the warm-start of the embedded model" if config.model.path is None
+                else f"the conversion of {config.model.path}")
+        line = (f"distflow: interrupted during {what}, before any rank started; nothing half-done was kept: "
+                "run the command again to start over")
+        say(line)
+        raise RunFailed(line, 128 + signal.SIGINT) from None
 
 
 def _launch(config: Config, nproc: int, resume: str | None, max_restarts: int) -> tuple[dict, dict[str, float]]:
@@ -133,7 +152,7 @@ def validate(config: Config, world_size: int, *, check_run_dir: bool, resuming: 
     if config.env.cls is not None:
         from distflow.envs import environment_class
 
-        environment_class(config.env.cls)
+        environment_class(config.env.cls, kwargs=config.env.kwargs)
     if config.trainer.device == "cuda":
         import torch
 
@@ -146,6 +165,7 @@ def validate(config: Config, world_size: int, *, check_run_dir: bool, resuming: 
     preflight.check_directories(config, run_dir_of(config))
     if os.environ.get(LAUNCHED_ENV) != "1":  # else `distflow train --nproc` checked it before starting the ranks
         preflight.check_model_dir(config)
+        preflight.check_lora(config)
     if check_run_dir and not resuming and (run_dir_of(config) / "metrics.jsonl").exists():
         raise ConfigError(f"run directory {str(run_dir_of(config))!r} already holds a run; "
                           "choose another trainer.run_name, or continue it with --resume")
