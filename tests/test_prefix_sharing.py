@@ -231,3 +231,21 @@ def test_a_cli_run_with_shared_prefix_logs_what_the_padded_run_logs(tmp_path, ca
         assert got["reward/mean"] == want["reward/mean"] and got["tokens/generated"] == want["tokens/generated"]
         for key in ("train/pg_loss", "train/grad_norm", "train/entropy"):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+
+
+def test_the_lora_reference_passes_with_shared_prefixes_as_the_policy_does():
+    """The reference under LoRA (the policy, adapters off) runs the policy's pass mode: its
+    shared-prefix log-probs equal its padded ones and the base model's."""
+    from distflow.config.model import LoraConfig
+    from distflow.engines.lora import AdaptersOff, apply_lora
+
+    base = build_tiny_model(build_char_tokenizer(), seed=5)
+    reference = AdaptersOff(apply_lora(copy.deepcopy(base), LoraConfig(rank=4), seed=1))
+    ids, mask, response_mask = _groups(seed=3)
+    batch = Batch({"input_ids": ids, "attention_mask": mask, "response_mask": response_mask})
+    shared = batch_logprobs(reference, batch, micro_batch_size=6, temperature=1.0, shared_prefix=True)
+    padded = batch_logprobs(reference, batch, micro_batch_size=6, temperature=1.0)
+    of_base = batch_logprobs(base, batch, micro_batch_size=6, temperature=1.0)
+    valid = response_mask.bool()
+    assert (shared[valid] - padded[valid]).abs().max() <= 1e-6
+    assert (padded[valid] - of_base[valid]).abs().max() <= 1e-6

@@ -195,11 +195,12 @@ def reference_logprob(batch: Batch, ctx: StageContext) -> Batch:
     from distflow.engines.parallelize import gathered
 
     assert ctx.engines.reference is not None, "the pipeline builder adds this stage only with a reference model"
+    trainer = ctx.config.trainer
     with gathered(ctx.engines.reference):  # fsdp2: every train rank gathers the reference together
-        ref_logp = batch_logprobs(ctx.engines.reference, batch,
-                                  micro_batch_size=ctx.config.trainer.micro_batch_size,
+        # The policy's pass mode (trainer.padding_free / shared_prefix): same values, and as fast.
+        ref_logp = batch_logprobs(ctx.engines.reference, batch, micro_batch_size=trainer.micro_batch_size,
                                   temperature=ctx.engines.sampling.temperature,
-                                  padding_free=ctx.config.trainer.padding_free)
+                                  padding_free=trainer.padding_free, shared_prefix=trainer.shared_prefix)
     return batch.updated(ref_logp=ref_logp)
 
 

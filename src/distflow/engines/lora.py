@@ -105,6 +105,11 @@ class AdaptersOff(torch.nn.Module):
         object.__setattr__(self, "parameters_owner", policy)
         self.eval()
 
+    @property
+    def config(self):
+        """The policy's model config (shared-prefix passes read the model's kind from it)."""
+        return self.parameters_owner.config
+
     def forward(self, *args, **kwargs):
         with self.parameters_owner.disable_adapter():
             return self.parameters_owner(*args, **kwargs)
