@@ -20,7 +20,7 @@ from distflow.config.model import LoraConfig, ModelConfig, WarmstartConfig  # no
 from distflow.config.task import FLOAT32_MAX, RewardModelSpec, RewardSpec, TaskConfig  # noqa: F401 (re-exported)
 
 
-ROLLOUT_ENGINES = ("compact", "compiled", "generate")
+ROLLOUT_ENGINES = ("compact", "compiled", "generate", "vllm")
 
 
 @dataclass(kw_only=True)
