@@ -126,3 +126,27 @@ def test_recorded_log_probs_are_the_policys_and_samples_follow_their_keys(smollm
     assert alone.completions[0] == swapped.completions[0] == out.completions[3]
     assert swapped.completions[1] == out.completions[2] and swapped.completions[3] == out.completions[0]
     assert len(set(out.completions)) > 1  # different keys, different samples
+
+
+def test_the_engine_gets_the_merged_lora_weights_under_hugging_face_names():
+    """Under LoRA the engine is loaded with W + scale·B·A (no adapters): the weights of peft's own merge."""
+    from distflow.config.schema import LoraConfig
+    from distflow.engines.lora import apply_lora
+    from distflow.engines.vllm_rollout import hf_named_weights
+    from distflow.tasks.tiny_model import build_tiny_model
+    from distflow.tasks.tokenizer import build_char_tokenizer
+
+    base = build_tiny_model(build_char_tokenizer(), seed=0)
+    names = [name for name, _ in base.named_parameters()]
+    model = apply_lora(base, LoraConfig(rank=4), seed=0)
+    with torch.no_grad():  # trained adapters (B starts at zero, which would merge to the base weights)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1)
+    pushed = dict(hf_named_weights(model))
+    assert list(pushed) == names
+    merged = dict(model.merge_and_unload().named_parameters())
+    for name in names:
+        torch.testing.assert_close(pushed[name], merged[name], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(pushed["model.layers.0.self_attn.q_proj.weight"],
+                           build_tiny_model(build_char_tokenizer(), seed=0).model.layers[0].self_attn.q_proj.weight)
