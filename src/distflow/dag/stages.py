@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from distflow.dag.graph import every_rank
+from distflow.data.fields import POLICY_VERSION, ROLLOUT_LOGP
 from distflow.seeding import derive_seed
 
 if TYPE_CHECKING:
@@ -31,8 +32,8 @@ def behaviour_fields(config) -> tuple[str, ...]:
     the train/inference mismatch) and, with stale samples, `policy_version`."""
     staleness, correction = config.trainer.max_staleness, config.algorithm.off_policy_correction
     records = staleness > 0 or correction != "none" or config.rollout.engine == "vllm"
-    return (("rollout_logp",) if records else ()) + \
-        (("policy_version",) if staleness > 0 else ())
+    return ((ROLLOUT_LOGP,) if records else ()) + \
+        ((POLICY_VERSION,) if staleness > 0 else ())
 
 
 def policy_versions(ctx: StageContext, count: int) -> dict:

@@ -28,6 +28,7 @@ import torch
 import transformers
 import yaml
 
+from distflow import gc_policy
 from distflow.checkpoint.store import step_dir_name
 from distflow.comm import Comm, init_comm, node_address, shutdown
 from distflow.config import Config, to_dict
@@ -129,6 +130,7 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
     log = say if comm.is_main else (lambda text: None)
     status.enter("setup")
     worker = build_worker(config, comm, log)
+    gc_policy.after_startup()  # imports and model loading done: the usual collections from here on
     torch.manual_seed(derive_seed(trainer.seed, "torch", comm.rank))  # sampling itself is keyed per sample
     root = checkpointing.checkpoint_root(config, run_dir)
     resumed = _resume(worker, resume, status, log) if resume is not None else None
@@ -261,7 +263,8 @@ def _open_writer(config: Config, run_dir: Path, *, resumed_step: int | None) -> 
     trainer = config.trainer
     return RunWriter(run_dir, total_steps=trainer.total_steps, loggers=trainer.loggers,
                      progress_bar=trainer.progress_bar, name=config.algorithm.name, resumed_step=resumed_step,
-                     wandb_project=trainer.wandb_project, config=resolved)
+                     wandb_project=trainer.wandb_project, config=resolved,
+                     checkpoint_root=checkpointing.checkpoint_root(config, run_dir))
 
 
 def _draw_curves(writer: RunWriter) -> None:
