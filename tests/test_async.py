@@ -179,6 +179,9 @@ def test_a_pipelined_run_trains_on_the_scheduled_versions(k1_run):
     assert m[1]["off_policy/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
     assert m[1]["off_policy/is_weight_max"] == pytest.approx(1.0, abs=1e-3)
     assert m[1]["off_policy/truncated_fraction"] == 0.0
+    # The train/inference mismatch |proximal - behaviour log-prob|: float noise on-policy, the lag when stale.
+    assert m[1]["mismatch/logp_abs_diff_max"] < 1e-3 and m[1]["mismatch/over_threshold_fraction"] == 0.0
+    assert all(m[t]["mismatch/logp_abs_diff_mean"] > m[1]["mismatch/logp_abs_diff_mean"] for t in (2, 3))
     # Steps 2 and 3 are one update stale: the proximal policy has moved away from the behaviour one.
     for t in (2, 3):
         assert m[t]["off_policy/is_weight_max"] > 1.01 and 0.0 <= m[t]["off_policy/truncated_fraction"] <= 1.0

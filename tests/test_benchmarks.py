@@ -15,6 +15,7 @@ TRL worker nobody runs is how benchmarks/trl_worker.py rotted before.
 
 import ast
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -73,7 +74,7 @@ def test_benchmark_imports_of_distflow_exist(script):
 def test_every_benchmark_has_a_quick_test():
     scripts = {p.name for p in BENCHMARKS.glob("*.py")} - {"trl_worker.py"}  # run by throughput.py
     assert scripts == {"throughput.py", "data_plane.py", "weight_sync.py", "memory.py", "lora.py", "async.py",
-                       "roofline.py", "learning.py"}, (
+                       "roofline.py", "learning.py", "rollout_engines.py"}, (
         f"benchmarks/ now holds {sorted(scripts)}: give each a --quick mode and a test here")
 
 
@@ -166,6 +167,15 @@ def test_throughput_roofline_is_the_settings_own_cpu_floor(monkeypatch):
     floor = throughput.roofline("wide")
     assert calls[0][-2:] == ["--settings", "wide"] and str(calls[0][1]).endswith("roofline.py")
     assert throughput.ceiling({"trl": {"step_s": 1.25}}, floor) == 2.5  # TRL's step over the floor
+
+
+def test_rollout_engines_quick():
+    out = run_quick("rollout_engines.py", timeout=1800)
+    assert out["compact"]["tokens_per_s"] > 0 and 0 < out["compact"]["generated_tokens"] <= 4 * 4 * 4
+    if importlib.util.find_spec("vllm") is None:  # the default suite: vLLM's row says why it is missing
+        assert "make vllm" in out["vllm"]["skipped"]
+    else:  # .venv-vllm: the same prompts and keys through vLLM
+        assert out["vllm"]["tokens_per_s"] > 0 and out["vllm"]["generated_tokens"] <= 4 * 4 * 4
 
 
 def test_data_plane_quick():

@@ -43,6 +43,25 @@ def importance_weight_BR(prox_logp_BR: torch.Tensor, behav_logp_BR: torch.Tensor
     raise ValueError(f"unknown off-policy correction {mode!r}; choose none, tis or mask")
 
 
+MISMATCH_THRESHOLD = 0.1
+"""|Δlogp| above which a token counts in `mismatch/over_threshold_fraction` (ratio off by more than ~10%)."""
+
+
+def logp_mismatch(prox_logp_BR: torch.Tensor, behav_logp_BR: torch.Tensor, mask_BR: torch.Tensor, *,
+                  threshold: float = MISMATCH_THRESHOLD) -> tuple[float, float, float, float]:
+    """The train/inference mismatch over the masked tokens: (sum of |Δlogp|, max |Δlogp| (0 without
+    tokens), number of tokens with |Δlogp| > threshold, number of tokens), Δlogp = proximal − behaviour.
+
+    >>> logp_mismatch(torch.tensor([[-1.0, -2.0, -3.0]]), torch.tensor([[-1.0, -2.5, -9.0]]), torch.tensor([[1, 1, 0]]))
+    (0.5, 0.5, 1.0, 2.0)
+    """
+    mask_BR = mask_BR.to(torch.float32)
+    diff_BR = (prox_logp_BR.detach().float() - behav_logp_BR.float()).abs() * mask_BR
+    num_tokens = float(mask_BR.sum())
+    top = float(diff_BR.max()) if num_tokens else 0.0
+    return float(diff_BR.sum()), top, float(((diff_BR > threshold).float() * mask_BR).sum()), num_tokens
+
+
 def staleness_B(trained_version: int, policy_version_B: torch.Tensor) -> torch.Tensor:
     """Updates between the policy that drew each sample and the one it trains (0: on-policy).
 

@@ -21,7 +21,7 @@ from distflow.config.pipeline import LayoutSpec, PipelineConfig, PlacementConfig
 from distflow.config.task import FLOAT32_MAX, RewardModelSpec, RewardSpec, TaskConfig  # noqa: F401 (re-exported)
 
 
-ROLLOUT_ENGINES = ("compact", "compiled", "generate")
+ROLLOUT_ENGINES = ("compact", "compiled", "generate", "vllm")
 
 
 @dataclass(kw_only=True)
@@ -39,7 +39,11 @@ class RolloutConfig:
     once for its n samples and drops finished rows; `generate` is Hugging Face `generate` over the
     batch with each prompt repeated n times, kept as the reference; `compiled` is `compact` with
     the model's forward compiled by `torch.compile` (the first rollout pays the compile; not with
-    fsdp2)."""
+    fsdp2); `vllm` is an in-process vLLM engine on each rank, loaded with the policy's weights whenever
+    they change (its own sampler: samples differ from the others'; its sampling log-probs are recorded
+    as `rollout_logp` and their gap to the trainer's is logged under `mismatch/`). It needs vLLM
+    installed (`make vllm`), every rank rolling out (placement.rollout.ranks=all) and
+    trainer.max_staleness=0."""
 
     def __post_init__(self) -> None:
         check(self.engine in ROLLOUT_ENGINES,
@@ -329,6 +333,12 @@ class Config:
             f"{self.warmstart.num_validation} for the warm-start) leaves none of the {num_problems} problems "
             f"with task.num_digits={self.task.num_digits} for training; lower them or raise task.num_digits",
         )
+        check(self.rollout.engine != "vllm" or (self.placement.rollout.ranks == "all"
+                                                and self.placement.rollout.ranks_per_replica == 1),
+              "rollout.engine=vllm makes its engines together on every rank (vLLM builds process groups over the "
+              "whole world): set placement.rollout.ranks=all (colocated) or use another rollout.engine")
+        check(self.rollout.engine != "vllm" or self.trainer.max_staleness == 0,
+              "rollout.engine=vllm runs synchronously: set trainer.max_staleness=0 or use another rollout.engine")
         check(self.rollout.engine != "compiled" or self.trainer.strategy == "ddp",
               "rollout.engine=compiled compiles the rollout model's forward, which fsdp2 gathers from shards "
               "for every rollout; use rollout.engine=compact with trainer.strategy=fsdp2")

@@ -28,9 +28,11 @@ if TYPE_CHECKING:
 
 def behaviour_fields(config) -> tuple[str, ...]:
     """What the rollout also records about the policy that sampled: `rollout_logp` (each sampled
-    token's log-prob, for the off-policy correction) and, with stale samples, `policy_version`."""
+    token's log-prob, for the off-policy correction and, from a separate inference engine (`vllm`),
+    the train/inference mismatch) and, with stale samples, `policy_version`."""
     staleness, correction = config.trainer.max_staleness, config.algorithm.off_policy_correction
-    return ((ROLLOUT_LOGP,) if staleness > 0 or correction != "none" else ()) + \
+    records = staleness > 0 or correction != "none" or config.rollout.engine == "vllm"
+    return ((ROLLOUT_LOGP,) if records else ()) + \
         ((POLICY_VERSION,) if staleness > 0 else ())
 
 

@@ -98,8 +98,19 @@ class OffPolicyTally:
     ratio_max: float = float("-inf")
     num_over_cap: float = 0.0
     num_tokens: float = 0.0
+    abs_diff_sum: float = 0.0
+    """The train/inference mismatch |proximal − behaviour log-prob| (algorithms.off_policy.logp_mismatch)."""
+    abs_diff_max: float = 0.0
+    num_over_threshold: float = 0.0
 
-    def add(self, ratio_BR, mask_BR, cap: float) -> None:
+    def add(self, ratio_BR, mask_BR, cap: float, prox_BR=None, behav_BR=None) -> None:
+        if prox_BR is not None:
+            from distflow.algorithms.off_policy import logp_mismatch
+
+            diff_sum, diff_max, num_over, _ = logp_mismatch(prox_BR, behav_BR, mask_BR)
+            self.abs_diff_sum += diff_sum
+            self.abs_diff_max = max(self.abs_diff_max, diff_max)
+            self.num_over_threshold += num_over
         self.ratio_sum += float((ratio_BR * mask_BR).sum())
         if mask_BR.any():
             self.ratio_max = max(self.ratio_max, float(ratio_BR[mask_BR.bool()].max()))
@@ -110,6 +121,9 @@ class OffPolicyTally:
         ctx.metrics.mean("off_policy/is_weight_mean", self.ratio_sum, self.num_tokens)
         ctx.metrics.maximum("off_policy/is_weight_max", self.ratio_max)
         ctx.metrics.mean("off_policy/truncated_fraction", self.num_over_cap, self.num_tokens)
+        ctx.metrics.mean("mismatch/logp_abs_diff_mean", self.abs_diff_sum, self.num_tokens)
+        ctx.metrics.maximum("mismatch/logp_abs_diff_max", self.abs_diff_max)
+        ctx.metrics.mean("mismatch/over_threshold_fraction", self.num_over_threshold, self.num_tokens)
 
 
 @dataclass(frozen=True)
@@ -148,7 +162,7 @@ class PolicyObjective:
 
             weight_BR, ratio_BR = importance_weight_BR(old_BR, micro["rollout_logp"], mode=algo.off_policy_correction,
                                                        cap=algo.off_policy_cap)
-            self.tally.add(ratio_BR, mask_BR, algo.off_policy_cap)
+            self.tally.add(ratio_BR, mask_BR, algo.off_policy_cap, old_BR, micro["rollout_logp"])
             if algo.off_policy_correction != "none":
                 loss_BR = loss_BR * weight_BR
         stats = {

@@ -1,7 +1,7 @@
 """Sampling completions: the `compact` engine (engines.decoding), the same with the model's
-forward compiled (`compiled`), or Hugging Face `generate`.
+forward compiled (`compiled`), Hugging Face `generate`, or vLLM (`vllm`, engines.vllm_rollout).
 
-`rollout.engine` picks one; all give the same samples. `generate` (Hugging Face's, KV cache
+`rollout.engine` picks one; all but `vllm` give the same samples (vLLM has its own sampler). `generate` (Hugging Face's, KV cache
 on, over the batch with each prompt repeated n times) is the reference the other is tested
 against.
 
@@ -130,6 +130,12 @@ def _responses(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, promp
                      stop_ids=stop_token_ids(tokenizer), pad_id=tokenizer.pad_token_id, temperature=temperature,
                      top_p=top_p, keys_B=keys_B, logprobs=logprobs)
         return out if logprobs else (out, None)
+    if engine == "vllm":
+        from distflow.engines.vllm_rollout import vllm_responses
+
+        return vllm_responses(model, prompt_ids_GP, prompt_mask_GP, keys_B, n=n, max_new_tokens=max_new_tokens,
+                              temperature=temperature, top_p=top_p, stop_ids=stop_token_ids(tokenizer),
+                              pad_id=tokenizer.pad_token_id, logprobs=logprobs)
     if engine == "generate":
         return _hf_generate(model, tokenizer, prompt_ids_GP.repeat_interleave(n, dim=0),
                             prompt_mask_GP.repeat_interleave(n, dim=0), keys_B,

@@ -160,6 +160,7 @@ def validate(config: Config, world_size: int, *, check_run_dir: bool, resuming: 
             raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=auto or cpu")
     preflight.check_strategy(config)
     preflight.check_loggers(config)
+    preflight.check_rollout_engine(config)
     preflight.check_reward_models(config)
     preflight.check_data_files(config)
     preflight.check_directories(config, run_dir_of(config))
