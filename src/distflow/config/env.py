@@ -31,7 +31,8 @@ class EnvConfig:
     counted from when each call is issued (generation time does not count); a call still
     running past it ends the trajectory, scored `default_reward`, counted in `env/timeouts`."""
     default_reward: float = 0.0
-    """Reward of the turn whose environment call raised or timed out (the trajectory ends)."""
+    """Reward of the turn whose environment call raised, timed out or returned a turn reward
+    that is not a finite float32 (NaN, inf; counted in `env/errors`): the trajectory ends."""
     num_workers: int = 8
     """Environment calls running at once on a rank (threads)."""
 

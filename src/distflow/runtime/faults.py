@@ -39,6 +39,7 @@ from distflow.config.schema import Config, ConfigError
 from distflow.comm import is_peer_failure
 from distflow.console import say
 from distflow.envvars import LAUNCHED_ENV, STATUS_DIR_ENV
+from distflow.runtime.descendants import end_descendants
 from distflow.fileio import atomic_write_text
 
 EXIT_FAILED = 1
@@ -299,6 +300,7 @@ class RankStatus:
             say(line)
         if self.status_dir is not None:
             self._write("stalled", error=line, exit_code=EXIT_STALLED)
+        end_descendants()
         sys.stderr.flush()
         os._exit(EXIT_STALLED)
 
