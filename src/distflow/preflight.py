@@ -241,5 +241,5 @@ def check_resume_inflight(checkpoint: Path, extra: dict, config: Config, world_s
     if (k, world) != (config.trainer.max_staleness, world_size):
         raise ConfigError(f"checkpoint {checkpoint} holds the batches in flight of a run with trainer.max_staleness="
                           f"{k} on {world} ranks (steps {', '.join(map(str, inflight_steps(saved)))} drawn ahead): "
-                          f"resume it with trainer.max_staleness={k} and {world} ranks, or from the run's last "
-                          "checkpoint once it has finished")
+                          f"resume it with the same max_staleness and world size (trainer.max_staleness={k}, "
+                          f"{world} ranks), or from the run's last checkpoint once it has finished")
