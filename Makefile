@@ -1,20 +1,20 @@
 # Two commands do everything: `make run` (set-up + the main job on the embedded default)
 # and `make test` (set-up + the test suite). Set-up is a project virtualenv in .venv,
-# refreshed whenever pyproject.toml changes; torch is installed first, pinned, so pip
-# takes the local CPU build instead of pulling CUDA wheels.
+# refreshed whenever pyproject.toml changes, with the docs extra (the suite builds the site);
+# torch is installed first, pinned, so pip takes the local CPU build instead of pulling CUDA wheels.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup bench-setup smollm2 run test clean
+.PHONY: setup bench-setup smollm2 run test docs clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,docs]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -49,5 +49,9 @@ PYTEST_MARKS ?= $(if $(CI),,-m "not slow")
 test: setup bench-setup $(if $(CI),smollm2)
 	$(BIN)/python -m pytest -q src tests $(PYTEST_MARKS) $(PYTEST_ARGS)
 
+# The documentation site into site/ (mkdocs.yml); --strict fails on a link to a missing page or anchor.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .venv-bench runs
+	rm -rf $(VENV) .venv-bench runs site

@@ -134,7 +134,7 @@ def test_throughput_models():
 
 
 def test_throughput_gpu_mode_puts_every_system_on_cuda_in_bf16(tmp_path):
-    """What `--gpu` hands each system (this machine has no GPU to run it: see the README)."""
+    """What `--gpu` hands each system (this machine has no GPU to run it: see docs/features/rollout-engines.md)."""
     throughput = throughput_module()
     with pytest.raises(SystemExit):
         throughput.parse_args(["--settings", "qwen"])  # the 0.36B model only with --gpu

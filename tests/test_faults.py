@@ -24,7 +24,7 @@ from distflow.tasks.tokenizer import build_char_tokenizer
 
 # No wall-clock assertions: collectives get a 2-hour timeout, so a job that ends at all before
 # the 30-minute hang guard ended because of the fail-fast machinery, not a collective timeout.
-# Latencies are printed (the README quotes them), never asserted.
+# Latencies are printed (docs/features/faults.md quotes them), never asserted.
 ORPHAN_GUARD_S = 300.0
 CHAOS = '''
 import json, os, signal, time

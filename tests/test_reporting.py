@@ -131,3 +131,55 @@ def test_wandb_logger_without_the_package_is_a_user_error_before_launch(monkeypa
     with pytest.raises(ConfigError, match=r"pip install 'distflow\[wandb\]'"):
         preflight.check_loggers(load_config(None, ["trainer.loggers=[jsonl,wandb]"]))
     preflight.check_loggers(load_config(None, []))  # the default loggers need nothing extra
+
+
+@pytest.mark.parametrize("out, needle", [
+    ("{tmp}/missing/report.png", "--out '{tmp}/missing/report.png': the directory '{tmp}/missing' does not exist; "
+                                 "create it, or choose a path in an existing directory"),
+    ("{tmp}/report.txt", "--out '{tmp}/report.txt': '.txt' is not a picture format; end the name with .png (or one "
+                         "of .avif, .eps, .gif, .jpeg, .jpg, .pdf, .pgf, .ps, .raw, .rgba, .svg, .svgz, .tif, .tiff, "
+                         ".webp)"),
+], ids=["missing directory", "not a picture format"])
+def test_report_out_that_cannot_be_written_is_one_line(tmp_path, out, needle):
+    run = _fake_run(tmp_path, "a", [0.5] * 3, (0.1, 0.2))
+    result = run_cli("report", str(run), "--out", out.replace("{tmp}", str(tmp_path)), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [f"distflow: error: {needle.replace('{tmp}', str(tmp_path))}"]
+    assert result.stdout == ""  # refused before the runs are read: no table either
+
+
+@pytest.mark.parametrize("out, written", [
+    ("{tmp}/pictures", "{tmp}/pictures/report.png"),  # an existing directory: a picture inside it
+    ("{tmp}/curves", "{tmp}/curves.png"),  # no extension: the .png that matplotlib adds, named
+    ("{tmp}/curves.svg", "{tmp}/curves.svg"),
+], ids=["directory", "no extension", "svg"])
+def test_report_prints_the_path_it_writes(tmp_path, capsys, out, written):
+    run = _fake_run(tmp_path, "a", [0.5] * 3, (0.1, 0.2))
+    (tmp_path / "pictures").mkdir()
+    out, written = out.replace("{tmp}", str(tmp_path)), written.replace("{tmp}", str(tmp_path))
+    assert main(["report", str(run), "--out", out]) == 0
+    assert capsys.readouterr().err.strip() == f"curves of 1 run(s) -> {written}"
+    assert sorted(str(p) for p in tmp_path.rglob("*") if p.suffix in (".png", ".svg")) == [written]
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b'{"step": 0}\n{"step": 1, "reward/mean": 0.\n{"step": 2}\n', "metrics.jsonl: line 2 is not a metrics record"),
+    (b'{"step": 0}\n\xff\xfe\x00\n', "metrics.jsonl is not UTF-8 text (invalid start byte at byte 12)"),
+    (b'[1, 2]\n{"step": 1}\n', "metrics.jsonl: line 1 is not a metrics record (a JSON object with a step)"),
+], ids=["damaged line", "not text", "not records"])
+def test_report_of_an_unreadable_metrics_file_is_one_line(tmp_path, content, needle):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run/metrics.jsonl").write_bytes(content)
+    result = run_cli("report", str(tmp_path / "run"), "--out", str(tmp_path / "r.png"), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distflow: error: ") and needle in lines[0], result.stderr
+
+
+def test_report_leaves_out_a_torn_last_record(tmp_path, capsys):
+    """A run killed (or still running) mid-write: its last line is cut short; the rest is reported."""
+    run = _fake_run(tmp_path, "a", [0.0, 1.0], (0.1, 0.2))
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "reward/me')
+    assert main(["report", str(run), "--out", str(tmp_path / "r.png")]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[:2] == ["a", "2"]

@@ -278,7 +278,7 @@ if point == "metrics":  # half a JSON line, then gone
 
     def torn_log(self, step, metrics):
         if step == at:
-            self.jsonl.write('{"step": %d, "reward/mean": 0.12' % step)
+            self.jsonl.write(b'{"step": %d, "reward/mean": 0.12' % step)
             self.jsonl.flush()
             die()
         log(self, step, metrics)

@@ -85,3 +85,17 @@ def test_tiny_model_saves_loads_and_generates(tmp_path):
     # A keyed sample does not depend on its batch-mates or on the prompt padding.
     again = generate(loaded, tok, ["33+44="], max_new_tokens=4, temperature=1.0, sample_keys=[8], prompt_width=9)
     assert again.completions == out.completions[1:]
+
+
+def test_every_registered_task_has_a_builder_and_the_config_selects_one():
+    # (that the runtime reaches no task module but through the registry: tests/test_structure.py)
+    from distflow.config import load_config
+    from distflow.tasks.build import TASKS, build_task, task_builder, task_name
+
+    assert all(callable(task_builder(name)) for name in TASKS)
+    cases = {(): "arithmetic", ("task.train_file=t.jsonl", "task.heldout_file=h.jsonl", "model.path=m"): "verl_files"}
+    for overrides, name in cases.items():
+        assert task_name(load_config(None, list(overrides))) == name
+    config = load_config(None, ["task.num_heldout=30", "trainer.seed=3"])
+    task = build_task(config, build_char_tokenizer())
+    assert task == ArithmeticTask.build(num_digits=config.task.num_digits, num_heldout=30, seed=3)

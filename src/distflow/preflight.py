@@ -6,12 +6,16 @@ and the fix. What is checked:
 
     directories   trainer.output_dir (and the run directory), checkpoint.dir,
                   warmstart.cache_dir: each is, or can be created as, a writable directory
-    data files    task.train_file / task.heldout_file: readable files of a supported kind
+    data files    task.train_file / task.heldout_file: readable files of a supported kind, with
+                  rows; task.dataset's files: readable, with rows
     model         model.path: a readable config.json, weight files that are complete
                   (safetensors headers against file sizes), and a tokenizer whose ids all
-                  fit in the model's embeddings
+                  fit in the model's embeddings; task.reward_models[].path: a one-label
+                  sequence classifier with complete weight files
     strategy      trainer.param_dtype / reduce_dtype that the device can use; decoder blocks
-                  to checkpoint (trainer.activation_checkpointing, built on the meta device)
+                  to checkpoint (trainer.activation_checkpointing, built on the meta device);
+                  model.lora's adapters (built on the meta device), their rank within the
+                  adapted layers' dimensions
     resume        a pipelined checkpoint's batches in flight: the same max_staleness and world size
 
 Only the headers of weight files are read: this costs milliseconds, not a model load.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 from distflow.config.schema import Config, ConfigError
@@ -54,6 +59,7 @@ def check_writable_dir(path: Path, key: str) -> None:
 
 
 def check_data_files(config: Config) -> None:
+    """Every dataset file exists, is of a supported kind, is readable and has rows."""
     from distflow.data.sources import JSONL_SUFFIXES, PARQUET_SUFFIXES
 
     for key in ("train_file", "heldout_file"):
@@ -68,12 +74,23 @@ def check_data_files(config: Config) -> None:
             raise ConfigError(f"task.{key}={value!r}: unsupported dataset file, the extension must be one of "
                               f"{', '.join(PARQUET_SUFFIXES + JSONL_SUFFIXES)}")
         _check_readable(path, f"task.{key}")
+        _check_has_rows(path, f"task.{key}", value)
     dataset = config.task.dataset
     if dataset is not None:
         for key, value in (("path", dataset.path), ("heldout_path", dataset.heldout_path)):
             if value is not None and not Path(value).expanduser().exists():
                 raise ConfigError(f"task.dataset.{key}={value!r} does not exist; point it at a directory saved "
                                   "with datasets' save_to_disk or a .parquet/.jsonl/.json/.csv file")
+            if value is not None and Path(value).expanduser().is_file():
+                _check_readable(Path(value).expanduser(), f"task.dataset.{key}")
+                _check_has_rows(Path(value).expanduser(), f"task.dataset.{key}", value)
+
+
+def _check_has_rows(path: Path, key: str, value: str) -> None:
+    from distflow.data.sources import is_empty_file
+
+    if is_empty_file(path):
+        raise ConfigError(f"{key}={value!r} has no rows (the file is empty); give a file with at least one row")
 
 
 def _check_readable(path: Path, key: str) -> None:
@@ -106,17 +123,23 @@ def check_model_dir(config: Config) -> None:
         raise ConfigError(f"model.path: {str(model_dir / 'config.json')!r} is not valid JSON ({err})") from None
     if not isinstance(model_config, dict):
         raise ConfigError(f"model.path: {str(model_dir / 'config.json')!r} must hold a JSON object")
-    weights = sorted(model_dir.glob("*.safetensors"))
-    if not weights and not any(model_dir.glob("pytorch_model*.bin")):
-        raise ConfigError(f"model.path={config.model.path!r} has no weights (*.safetensors or pytorch_model*.bin)")
-    for path in weights:
-        _check_safetensors(path)
+    _check_weights(model_dir, "model.path", config.model.path)
     _check_vocabulary(model_config, model_dir, Path(tokenizer_path or model_dir).expanduser())
 
 
-def _check_safetensors(path: Path) -> None:
+def _check_weights(model_dir: Path, key: str, value: str) -> None:
+    """A model directory (the policy's, a reward model's) holds complete weight files."""
+    weights = sorted(model_dir.glob("*.safetensors"))
+    if not weights and not any(model_dir.glob("pytorch_model*.bin")):
+        raise ConfigError(f"{key}={value!r} has no weights (*.safetensors or pytorch_model*.bin); "
+                          "copy the model's weight files into it, or save it with save_pretrained")
+    for path in weights:
+        _check_safetensors(path, key)
+
+
+def _check_safetensors(path: Path, key: str) -> None:
     """The header is intact and the file holds every byte it announces (a copy cut short does not)."""
-    _check_readable(path, "model.path")
+    _check_readable(path, key)
     size = path.stat().st_size
     problem = None
     with path.open("rb") as f:
@@ -133,7 +156,7 @@ def _check_safetensors(path: Path) -> None:
             if header is not None and 8 + length + end > size:
                 problem = f"it is truncated: {size} bytes, its header describes {8 + length + end}"
     if problem:
-        raise ConfigError(f"model.path: weight file {str(path)!r} is damaged: {problem}; copy or download it again")
+        raise ConfigError(f"{key}: weight file {str(path)!r} is damaged: {problem}; copy or download it again")
 
 
 def _check_vocabulary(model_config: dict, model_dir: Path, tokenizer_dir: Path) -> None:
@@ -171,6 +194,36 @@ def check_reward_models(config: Config) -> None:
         labels = len(model_config.get("id2label") or {"0": "", "1": ""})  # transformers' default is 2
         if labels != 1:
             raise ConfigError(f"{key}: {spec.path!r} has {labels} labels; a reward model has one (its score)")
+        _check_weights(directory, key, spec.path)
+
+
+def check_lora(config: Config) -> None:
+    """`model.lora` fits the model: its adapters built on the meta device (no weights, no memory),
+    with peft's own choice of layers, and their rank checked against those layers' dimensions."""
+    if not config.model.lora.enabled:
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from distflow.engines.lora import apply_lora
+
+    if config.model.path is None:
+        from distflow.tasks.tiny_model import build_tiny_model
+        from distflow.tasks.tokenizer import build_char_tokenizer
+
+        with torch.device("meta"):
+            model = build_tiny_model(build_char_tokenizer(), seed=0)
+    else:
+        from distflow.tasks.model_source import resolve_model_dir
+
+        model_dir = resolve_model_dir(config.model.path, builder=False)
+        if not (model_dir / "config.json").is_file():
+            return  # a GGUF file not converted yet: checked by the ranks when they apply the adapters
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    with warnings.catch_warnings():  # transformers' deprecation notes, which every rank prints again anyway
+        warnings.simplefilter("ignore")
+        apply_lora(model, config.model.lora, seed=0)  # a ConfigError naming model.lora if they do not fit
 
 
 def check_loggers(config: Config) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from distflow.algorithms.whitening import masked_whiten
+from distflow.algorithms.whitening import ReduceSums, masked_whiten
 
 
 def _group_stats(reward_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -82,20 +82,21 @@ def reinforce_pp_baseline_advantages(
     mask_BR: torch.Tensor,
     *,
     whiten: bool = True,
+    reduce_sums: ReduceSums | None = None,
 ) -> torch.Tensor:
     """REINFORCE++-baseline: (r - group mean) on every valid token, then whitened over valid tokens.
 
-    The whitening is token-weighted (a long response counts once per token), as in verl.
-    A group of one keeps its raw reward (baseline 0, as verl does). With `whiten=False` this
-    returns the centred rewards: for statistics global across ranks, all-reduce
-    `masked_sums(advantage_BR, mask_BR)` and call `masked_whiten(..., sums=...)` yourself.
+    The whitening is token-weighted (a long response counts once per token), as in verl, and
+    in float64 before rounding; `reduce_sums` (an all-reduce of `masked_sums`' three numbers)
+    makes its statistics global across ranks. A group of one keeps its raw reward (baseline 0,
+    as verl does). With `whiten=False` this returns the centred rewards.
     Returns advantage_BR (float32, 0 on masked tokens).
     """
     reward_B, inverse_B, count_G, mean_G, _ = _group_stats(reward_B, group_B)
     baseline_B = torch.where(count_G[inverse_B] > 1, mean_G[inverse_B], torch.zeros_like(reward_B))
     valid_BR = mask_BR.bool()
     centred_BR = torch.where(valid_BR, (reward_B - baseline_B).unsqueeze(-1), 0.0)
-    advantage_BR = masked_whiten(centred_BR, valid_BR) if whiten else centred_BR
+    advantage_BR = masked_whiten(centred_BR, valid_BR, reduce_sums=reduce_sums) if whiten else centred_BR
     return advantage_BR.float()
 
 
@@ -104,6 +105,14 @@ def remax_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (Li et al. 2023): r - b, where b is the reward of the greedy completion of the
     sample's prompt (the same for every sample of a group). Not whitened, as in verl.
+
+    Convention for dense rewards (per-token KL-in-reward, multi-turn turn rewards): r is the
+    response's *total* reward, one scalar per response as in the paper, and the advantage
+    r - b applies to every token. verl's ReMax subtracts b from each token's return-to-go
+    instead: token rewards [0.5, 0.5] with b = 0 give [1, 1] here and [1, 0.5] in verl. The
+    two agree for a single outcome reward on the last token; with dense rewards verl's later
+    tokens compare a partial return against a whole-response baseline, which the paper's
+    estimator does not. (tests/test_algorithms_options.py checks the dense case.)
 
     Returns (advantage_B float32, no_signal_B bool), where no_signal marks groups whose
     every reward equals the baseline (every advantage exactly 0).

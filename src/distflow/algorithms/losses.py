@@ -27,10 +27,15 @@ bound: e^(very negative) is 0, not inf, and the tiny gradient there is verl's to
 
 
 def ppo_kl(logp_BR: torch.Tensor, old_logp_BR: torch.Tensor) -> torch.Tensor:
-    """Per-token -log(π/π_old), the `ppo_kl` metric's summand (verl's `actor/ppo_kl` is its
-    mean over the loss tokens), with the log-ratio clamped to ±MAX_LOG_RATIO as verl's PPO loss.
+    """Per-token -log(π/π_old), the `train/ppo_kl` metric's summand (the metric is its mean over
+    the loss tokens), with the log-ratio clamped to ±MAX_LOG_RATIO (20) as verl's PPO loss does.
 
     How far the policy moved from the one that sampled: 0 on the first update of a batch.
+    The clamp follows verl's PPO `actor/ppo_kl`; verl's GSPO loss and OpenRLHF log the raw,
+    unclamped value instead. They agree until some token's |log π - log π_old| exceeds 20
+    (a probability ratio beyond e^20 ≈ 5·10^8, i.e. a broken update or a corrupt old
+    log-prob); past that, distflow's metric is bounded where theirs is not, so compare
+    `train/ppo_kl` across frameworks only while it is small.
     """
     return -(logp_BR - old_logp_BR).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
 

@@ -9,15 +9,16 @@ padding that is the usual "the episode ends at the last valid token"; for a mult
 response whose tool-output tokens are masked it makes the scan behave as if those tokens
 were absent (verl does the same for GAE). Outputs are 0 on masked positions.
 
-Whitening is over valid tokens; for statistics global across ranks pass `whiten=False`,
-all-reduce `whitening.masked_sums(advantage_BR, mask_BR)`, and call `masked_whiten` with them.
+Whitening is over valid tokens, of the float64 values before they are rounded to float32;
+for statistics global across ranks pass `reduce_sums`, the caller's all-reduce of the three
+float64 sums of `whitening.masked_sums` (the advantage stages do: they call these functions).
 """
 
 from __future__ import annotations
 
 import torch
 
-from distflow.algorithms.whitening import masked_whiten
+from distflow.algorithms.whitening import ReduceSums, masked_whiten
 
 
 def outcome_to_token_rewards(reward_B: torch.Tensor, mask_BR: torch.Tensor) -> torch.Tensor:
@@ -63,12 +64,14 @@ def gae_advantages(
     gamma: float,
     lam: float,
     whiten: bool = True,
+    reduce_sums: ReduceSums | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016), computed right to left.
 
     δ_t = r_t + γ·V_{t+1} - V_t,   A_t = δ_t + γλ·A_{t+1},   R_t = A_t + V_t,
     with V and A past the last valid token taken as 0. The critic's target R is computed
-    before whitening. Returns (advantage_BR, return_BR), float32, 0 on masked tokens.
+    before whitening; the advantages are whitened in float64 (statistics over ranks with
+    `reduce_sums`), then rounded. Returns (advantage_BR, return_BR), float32, 0 on masked tokens.
 
     Multi-turn masks (observation tokens masked inside the response): t+1 is the next
     *valid* token — the scan carries V and A across a hole without discounting, so
@@ -77,7 +80,7 @@ def gae_advantages(
     valid_BR = mask_BR.bool()
     advantage_BR, return_BR = _gae_float64(reward_BR, value_BR, valid_BR, gamma=gamma, lam=lam)
     if whiten:
-        advantage_BR = masked_whiten(advantage_BR, valid_BR)
+        advantage_BR = masked_whiten(advantage_BR, valid_BR, reduce_sums=reduce_sums)
     return advantage_BR.float(), return_BR.float()
 
 
@@ -87,15 +90,17 @@ def reinforce_pp_advantages(
     *,
     gamma: float = 1.0,
     whiten: bool = True,
+    reduce_sums: ReduceSums | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025): discounted return-to-go G_t = r_t + γ·G_{t+1}, whitened over valid tokens.
 
     No critic: this is GAE with V = 0 and λ = 1, so per-token KL penalties folded into
     `reward_BR` accumulate into every earlier token's return. The returns are whitened in
-    float64, before rounding to float32 (as for GAE and the group estimators). Returns
+    float64, before rounding to float32 (as for GAE and the group estimators), with statistics
+    over every rank's tokens when `reduce_sums` all-reduces them. Returns
     (advantage_BR, return_BR), float32, 0 on masked tokens.
     """
     valid_BR = mask_BR.bool()
     return_BR, _ = _gae_float64(reward_BR, torch.zeros_like(reward_BR), valid_BR, gamma=gamma, lam=1.0)
-    advantage_BR = masked_whiten(return_BR, valid_BR) if whiten else return_BR
+    advantage_BR = masked_whiten(return_BR, valid_BR, reduce_sums=reduce_sums) if whiten else return_BR
     return advantage_BR.float(), return_BR.float()

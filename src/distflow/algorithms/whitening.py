@@ -9,13 +9,21 @@ process group):
     dist.all_reduce(sums)                         # caller: one all-reduce of 3 numbers
     white_BR = masked_whiten(value_BR, mask_BR, sums=sums)
 
-Without `sums` the statistics are the local ones. Sums are float64 so that
+or, in one call, `masked_whiten(value_BR, mask_BR, reduce_sums=f)` with `f` the caller's
+all-reduce of the 3 numbers (the estimators in `returns.py` and `advantages.py` take the
+same `reduce_sums`, so a stage computes exactly what the library function computes).
+Without either the statistics are the local ones. Sums are float64 so that
 E[x²] - E[x]² does not lose the variance to cancellation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+ReduceSums = Callable[[torch.Tensor], torch.Tensor]
+"""Sums `masked_sums`' float64 [Σx, Σx², n] over ranks and returns the global ones."""
 
 
 def masked_sums(value_BR: torch.Tensor, mask_BR: torch.Tensor) -> torch.Tensor:
@@ -31,15 +39,18 @@ def masked_whiten(
     mask_BR: torch.Tensor,
     *,
     sums: torch.Tensor | None = None,
+    reduce_sums: ReduceSums | None = None,
     eps: float = 1e-8,
 ) -> torch.Tensor:
     """(x - mean) / sqrt(unbiased var + eps) over valid tokens; masked tokens become 0.
 
-    `sums` is the (all-reduced) output of `masked_sums`; it defaults to this shard's own.
-    Returns a tensor of `value_BR`'s dtype.
+    `sums` is the (all-reduced) output of `masked_sums`; it defaults to this shard's own,
+    passed through `reduce_sums` when given. Returns a tensor of `value_BR`'s dtype.
     """
     if sums is None:
         sums = masked_sums(value_BR, mask_BR)
+        if reduce_sums is not None:
+            sums = reduce_sums(sums)
     total, total_sq, count = sums.double().unbind()
     mean = total / count.clamp(min=1)
     biased_var = (total_sq / count.clamp(min=1) - mean**2).clamp(min=0)

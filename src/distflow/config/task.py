@@ -20,6 +20,7 @@ class RewardSpec:
     """`package.module:function`, called as fn(prompt, completion, sample) -> float, or a dict
     with a "score" and other numbers (logged as `reward/<name>/<key>`)."""
     weight: float = 1.0
+    """Its weight in the sum."""
     name: str | None = None
     """Metric name (`reward/<name>`); defaults to the function's name."""
 
@@ -35,6 +36,7 @@ class RewardModelSpec:
     """A Hugging Face model directory holding an `AutoModelForSequenceClassification` with one
     label (its score) and its tokenizer."""
     weight: float = 1.0
+    """Its weight in the sum of rewards."""
     name: str | None = None
     """Metric name (`reward/<name>`); defaults to the directory's name."""
     batch_size: int = 32
@@ -52,7 +54,9 @@ class DatasetSpec:
     """A directory saved with `save_to_disk` (a Dataset or a DatasetDict), or a .parquet, .jsonl,
     .json or .csv file (converted to Arrow once, in the datasets cache)."""
     split: str = "train"
+    """The split that is trained on."""
     heldout_split: str = "test"
+    """The split that is evaluated (held-out accuracy)."""
     heldout_path: str | None = None
     """Where the held-out split is, when not in `path` (a single file or Dataset has one split, train)."""
     prompt_column: str = "prompt"
@@ -88,6 +92,7 @@ class ReasoningGymSpec:
     rows are a pure function of (trainer.seed, index); scored by each dataset's own `score_answer`."""
 
     datasets: list[GymDatasetSpec] = field(default_factory=list)
+    """The datasets of the mix, each `{name, weight, config}`; at least one."""
     num_train: int = 10000
     """Training rows in all (split over the mix by weight; held-out questions are left out of them)."""
     instruction: str = "{question}"
@@ -124,9 +129,11 @@ class TaskConfig:
     reward: str = "distflow.tasks.arithmetic:correctness_reward"
     """Reward function as `package.module:function`, called as fn(prompt, completion, sample)."""
     rewards: list[RewardSpec] = field(default_factory=list)
-    """Several reward functions summed with weights; when set, replaces `reward`."""
+    """Several reward functions summed with weights, `[{fn, weight, name}]`, each logged as
+    `reward/<name>`; when set, replaces `reward`."""
     reward_models: list[RewardModelSpec] = field(default_factory=list)
-    """Reward models whose weighted scores are added to the reward functions' sum."""
+    """Local reward models whose weighted scores are added to the reward functions' sum,
+    `[{path, weight, name, batch_size}]` (each an `AutoModelForSequenceClassification` with one label)."""
     default_reward: float = 0.0
     """What a reward function that raises, times out or returns a value float32 cannot hold
     (NaN, inf, |x| > 3.4e38) scores (counted in `reward/errors` and `reward/timeouts`)."""

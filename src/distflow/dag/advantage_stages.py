@@ -4,11 +4,16 @@ Every stage writes `advantage` (per sequence `[B]` for group estimators, per tok
 for token-level ones; the policy losses take either) and `sample_mask` (1 for samples that
 enter the loss). Rewards are the reward stage's scalar `reward`; with KL-in-reward the
 `kl_reward` stage's per-token `kl_penalty` is subtracted: summed over the sequence for
-outcome estimators (as verl does), token by token for return-based ones.
+outcome estimators, token by token for return-based ones. verl does the same for GRPO, RLOO
+and REINFORCE++-baseline; for ReMax it differs (see `remax_advantage`).
 
 Group statistics need whole prompt groups on one rank (the planner keeps them together).
-Whitening (REINFORCE++, PPO's GAE) uses statistics over every rank's tokens: one
-all-reduce of three numbers, so the advantage of a sample does not depend on the world size.
+Whitening (REINFORCE++, REINFORCE++-baseline, PPO's GAE) uses statistics over every rank's
+tokens: one all-reduce of three numbers, so the advantage of a sample does not depend on the
+world size. The stages call the library functions with that all-reduce (`reduce_sums`), so
+a stage computes what its function computes, whitened in float64 before rounding to float32.
+Rewards are composed (reward minus KL penalty, turn rewards) in float64 too: a small
+penalty subtracted from a large reward in float32 would lose its digits before the estimator.
 
 `ESTIMATORS` lists each stage with the fields it reads and writes, for the pipeline builders.
 """
@@ -29,22 +34,23 @@ if TYPE_CHECKING:
 
 
 def _sequence_reward_B(batch: Batch) -> torch.Tensor:
-    reward_B = batch["reward"]
+    reward_B = batch["reward"].double()
     if "kl_penalty" in batch.fields():
-        reward_B = reward_B - batch["kl_penalty"].sum(-1)
+        reward_B = reward_B - batch["kl_penalty"].double().sum(-1)
     return reward_B
 
 
 def _token_reward_BR(batch: Batch) -> torch.Tensor:
     from distflow.algorithms.returns import outcome_to_token_rewards
 
+    reward_B = batch["reward"].double()
     if "turn_reward" in batch.fields():  # multi-turn: each environment reward stays on its turn's last token
-        turn_BR = batch["turn_reward"].float()
-        reward_BR = outcome_to_token_rewards(batch["reward"].float() - turn_BR.sum(-1), batch["response_mask"]) + turn_BR
+        turn_BR = batch["turn_reward"].double()
+        reward_BR = outcome_to_token_rewards(reward_B - turn_BR.sum(-1), batch["response_mask"]) + turn_BR
     else:
-        reward_BR = outcome_to_token_rewards(batch["reward"].float(), batch["response_mask"])
+        reward_BR = outcome_to_token_rewards(reward_B, batch["response_mask"])
     if "kl_penalty" in batch.fields():
-        reward_BR = reward_BR - batch["kl_penalty"]
+        reward_BR = reward_BR - batch["kl_penalty"].double()
     return reward_BR
 
 
@@ -57,11 +63,10 @@ def _signal_mask_B(zero_variance_B: torch.Tensor, ctx: StageContext) -> torch.Te
     return keep_B.float()
 
 
-def _whiten_global(value_BR: torch.Tensor, mask_BR: torch.Tensor, ctx: StageContext) -> torch.Tensor:
-    from distflow.algorithms.whitening import masked_sums, masked_whiten
-
-    sums = ctx.comm.all_reduce_sum(masked_sums(value_BR, mask_BR).to(ctx.comm.device)).cpu()
-    return masked_whiten(value_BR.cpu(), mask_BR.cpu(), sums=sums).to(value_BR.device)
+def _global_sums(ctx: StageContext):
+    """The `reduce_sums` of the whitening estimators: one all-reduce of three float64 numbers
+    over the stage's ranks (on the communicator's device, back on the CPU)."""
+    return lambda sums_3: ctx.comm.all_reduce_sum(sums_3.to(ctx.comm.device)).cpu()
 
 
 def _record(ctx: StageContext, advantage, mask_BR) -> None:
@@ -96,7 +101,13 @@ def rloo_advantage(batch: Batch, ctx: StageContext) -> Batch:
 
 
 def remax_advantage(batch: Batch, ctx: StageContext) -> Batch:
-    """ReMax: each reward minus the reward of the greedy completion of its prompt (`greedy_baseline`)."""
+    """ReMax: each response's total reward minus the reward of the greedy completion of its prompt
+    (`greedy_baseline`), the same advantage on every token of the response.
+
+    The total includes the KL-in-reward penalty (summed over tokens) and multi-turn turn
+    rewards (already in `reward`); verl subtracts the baseline from the per-token return-to-go
+    instead, so dense rewards differ: see `advantages.remax_advantages`.
+    """
     from distflow.algorithms.advantages import remax_advantages
 
     baseline_B = batch["baseline_reward"].cpu()
@@ -104,15 +115,16 @@ def remax_advantage(batch: Batch, ctx: StageContext) -> Batch:
 
 
 def reinforce_pp_advantage(batch: Batch, ctx: StageContext) -> Batch:
-    """REINFORCE++: discounted return-to-go of the token rewards, whitened over the step's tokens."""
+    """REINFORCE++: discounted return-to-go of the token rewards, whitened over the step's tokens
+    (`returns.reinforce_pp_advantages` itself, with statistics over the stage's ranks)."""
     from distflow.algorithms.returns import reinforce_pp_advantages
 
-    mask_BR = batch["response_mask"]
-    _, return_BR = reinforce_pp_advantages(_token_reward_BR(batch), mask_BR, gamma=ctx.config.algorithm.gamma,
-                                           whiten=False)
-    advantage_BR = _whiten_global(return_BR, mask_BR, ctx)
+    mask_BR = batch["response_mask"].cpu()
+    advantage_BR, _ = reinforce_pp_advantages(_token_reward_BR(batch).cpu(), mask_BR,
+                                              gamma=ctx.config.algorithm.gamma, reduce_sums=_global_sums(ctx))
     _record(ctx, advantage_BR, mask_BR)
-    return batch.updated(advantage=advantage_BR, sample_mask=mask_BR.new_ones(len(batch)).float())
+    device = ctx.comm.device
+    return batch.updated(advantage=advantage_BR.to(device), sample_mask=mask_BR.new_ones(len(batch)).float().to(device))
 
 
 def reinforce_pp_baseline_advantage(batch: Batch, ctx: StageContext) -> Batch:
@@ -125,8 +137,7 @@ def reinforce_pp_baseline_advantage(batch: Batch, ctx: StageContext) -> Batch:
     _, zero_variance_B = grpo_advantages(reward_B, group_B, norm_by_std=False)
     keep_B = _signal_mask_B(zero_variance_B, ctx)
     mask_BR = batch["response_mask"].cpu() * keep_B.unsqueeze(-1).long()
-    centred_BR = reinforce_pp_baseline_advantages(reward_B, group_B, mask_BR, whiten=False)
-    advantage_BR = _whiten_global(centred_BR, mask_BR, ctx)
+    advantage_BR = reinforce_pp_baseline_advantages(reward_B, group_B, mask_BR, reduce_sums=_global_sums(ctx))
     _record(ctx, advantage_BR, mask_BR)
     device = ctx.comm.device
     return batch.updated(advantage=advantage_BR.to(device), sample_mask=keep_B.to(torch.float32).to(device))
@@ -136,14 +147,14 @@ def gae_advantage(batch: Batch, ctx: StageContext) -> Batch:
     """PPO: GAE on the token rewards and the critic's values; returns are the critic's targets."""
     from distflow.algorithms.returns import gae_advantages
 
-    algo, mask_BR = ctx.config.algorithm, batch["response_mask"]
-    advantage_BR, return_BR = gae_advantages(_token_reward_BR(batch), batch["values"], mask_BR, gamma=algo.gamma,
-                                             lam=algo.lam, whiten=False)
-    advantage_BR = _whiten_global(advantage_BR, mask_BR, ctx)
+    algo, mask_BR = ctx.config.algorithm, batch["response_mask"].cpu()
+    advantage_BR, return_BR = gae_advantages(_token_reward_BR(batch).cpu(), batch["values"].cpu(), mask_BR,
+                                             gamma=algo.gamma, lam=algo.lam, reduce_sums=_global_sums(ctx))
     _record(ctx, advantage_BR, mask_BR)
     ctx.metrics.mean("critic/returns", float((return_BR * mask_BR).sum()), float(mask_BR.sum()))
-    return batch.updated(advantage=advantage_BR, returns=return_BR,
-                         sample_mask=mask_BR.new_ones(len(batch)).float())
+    device = ctx.comm.device
+    return batch.updated(advantage=advantage_BR.to(device), returns=return_BR.to(device),
+                         sample_mask=mask_BR.new_ones(len(batch)).float().to(device))
 
 
 @dataclass(frozen=True)

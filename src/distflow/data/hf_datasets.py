@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from distflow.config.errors import ConfigError
-from distflow.data.sources import RowSource
+from distflow.data.sources import RowSource, is_empty_file
 
 FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 
@@ -43,6 +43,8 @@ def load_split(path: str, split: str, key: str):
     if split != "train":
         raise ConfigError(f"{key}: {path!r} is one file (split 'train'), so it has no split {split!r}; give the "
                           "held-out rows as task.dataset.heldout_path")
+    if is_empty_file(location):  # `datasets` would fail on it with a bare StopIteration
+        raise ConfigError(f"{key}={path!r} has no rows (the file is empty); give a file with at least one row")
     return datasets.load_dataset(builder, data_files=str(location), split="train")
 
 

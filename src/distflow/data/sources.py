@@ -170,6 +170,26 @@ class JsonlRows(RowSource):
         self._file.close()
 
 
+def is_empty_file(path: Path) -> bool:
+    """Whether a dataset file holds no row at all: nothing but whitespace in a text file (.jsonl,
+    .json, .csv), no row in a Parquet file's footer. Cheap: it stops at the first non-blank byte.
+    The checks before any rank starts use it to say "has no rows", as the row sources do."""
+    if path.stat().st_size == 0:
+        return True
+    if path.suffix.lower() in PARQUET_SUFFIXES:
+        try:
+            import pyarrow.parquet as pq
+
+            return pq.read_metadata(path).num_rows == 0
+        except Exception:  # noqa: BLE001 — not readable as Parquet: ParquetRows names that problem
+            return False
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
 def open_rows(path: str | Path) -> RowSource:
     """The `RowSource` for a dataset file, chosen by its extension."""
     path = Path(path)

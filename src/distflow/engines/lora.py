@@ -39,11 +39,33 @@ def apply_lora(model: torch.nn.Module, spec: LoraConfig, *, seed: int) -> torch.
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         try:
-            return get_peft_model(model, config)
+            peft_model = get_peft_model(model, config)
         except ValueError as err:  # e.g. target modules that match nothing
             from distflow.config import ConfigError
 
             raise ConfigError(f"model.lora: {err}".replace("\n", " ")) from None
+    check_rank(peft_model, spec)
+    return peft_model
+
+
+def check_rank(model: torch.nn.Module, spec: LoraConfig) -> None:
+    """A rank above an adapted layer's smaller dimension adds parameters and compute but no
+    expressiveness (B·A is at most min(in, out) ranked): refuse it. (Run before launch on the
+    meta device by preflight.check_lora, and again on every rank.)"""
+    from distflow.config import ConfigError
+
+    dims = {name: (module.in_features, module.out_features) for name, module in model.named_modules()
+            if hasattr(module, "lora_A") and hasattr(module, "in_features")}
+    if not dims:
+        return
+    name, (num_in, num_out) = min(dims.items(), key=lambda item: min(item[1]))
+    smallest = min(num_in, num_out)
+    if spec.rank > smallest:
+        short = name.removeprefix("base_model.model.")
+        raise ConfigError(f"model.lora.rank={spec.rank} exceeds the smallest dimension of the adapted layers "
+                          f"({short}: {num_in} -> {num_out}); a rank above {smallest} only adds cost: set "
+                          f"model.lora.rank to at most {smallest}, or leave such layers out of "
+                          "model.lora.target_modules")
 
 
 def is_lora(model: torch.nn.Module | None) -> bool:

@@ -24,8 +24,11 @@ class Environment(Protocol):
     def step(self, action: str) -> tuple[Observation, float, bool, dict[str, Any]]: ...
 
 
-def environment_class(spec: str, *, key: str = "env.cls") -> type:
-    """The class `spec` names, checked to have reset and step; a ConfigError otherwise."""
+def environment_class(spec: str, *, key: str = "env.cls", kwargs: dict | None = None) -> type:
+    """The class `spec` names, checked to have reset and step and, given `kwargs` (env.kwargs),
+    to accept Class(**kwargs); a ConfigError otherwise."""
+    import inspect
+
     from distflow.config.callables import import_callable
     from distflow.config.errors import ConfigError
 
@@ -34,4 +37,15 @@ def environment_class(spec: str, *, key: str = "env.cls") -> type:
     if missing:
         raise ConfigError(f"{key}: {spec!r} has no {' and no '.join(missing)} method; an environment needs "
                           f"reset(sample) and step(action)")
+    if kwargs is not None:
+        try:
+            signature = inspect.signature(cls)
+        except (TypeError, ValueError):  # a class without a signature (C-defined): its call decides
+            return cls
+        try:
+            signature.bind(**kwargs)
+        except TypeError as err:
+            shown = signature.replace(return_annotation=inspect.Signature.empty)
+            raise ConfigError(f"env.kwargs: {spec!r} is built as {spec.partition(':')[2]}(**env.kwargs): {err}; "
+                              f"its signature is {shown}: fix or remove the key") from None
     return cls

@@ -9,6 +9,7 @@ Drawn with matplotlib's Agg backend (no display needed).
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -27,10 +28,56 @@ TOTAL_TIMES = ("time/step_s", "time/loader_wait_s", "time/train_total_s", "time/
 
 
 def read_run(run_dir: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl. A torn last line (a run killed, or still running,
+    mid-write) is left out; any other damage is a ConfigError naming the file and the line."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"{run_dir}: no metrics.jsonl; give a run directory (trainer.output_dir/<run name>)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except OSError as err:
+        raise ConfigError(f"cannot read {path}: {err.strerror or err}; check its permissions") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}): it is not a "
+                          "metrics file, or it is damaged") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            ok = isinstance(record, dict) and isinstance(record.get("step"), int)
+        except ValueError:
+            ok = False
+        if not ok:
+            if number == len(lines):
+                break  # torn by a crash mid-write, or being written right now
+            raise ConfigError(f"{path}: line {number} is not a metrics record (a JSON object with a step); "
+                              "repair or remove that line")
+        records.append(record)
+    return records
+
+
+def picture_path(out: Path) -> Path:
+    """Where `distflow report --out OUT` writes: OUT itself (a picture format matplotlib writes, by its
+    extension; none: .png is added), or OUT/report.png for an existing directory. A ConfigError
+    for a format matplotlib cannot write or a directory that does not exist."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    if out.is_dir():
+        out = out / "report.png"
+    elif not out.suffix:
+        out = out.with_name(out.name + ".png")
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    if out.suffix[1:].lower() not in formats:
+        raise ConfigError(f"--out {str(out)!r}: {out.suffix!r} is not a picture format; end the name with .png "
+                          f"(or one of {', '.join('.' + f for f in sorted(formats) if f != 'png')})")
+    parent = out.parent
+    if not parent.is_dir():
+        raise ConfigError(f"--out {str(out)!r}: the directory {str(parent)!r} does not exist; create it, "
+                          "or choose a path in an existing directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {str(out)!r}: cannot write into {str(parent)!r} (permission denied); "
+                          "choose a writable place")
+    return out
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,14 +19,17 @@ from distflow.fileio import atomic_write_text
 class RunWriter:
     def __init__(self, run_dir: Path, *, total_steps: int, loggers: list[str], progress_bar: bool,
                  name: str = "train", resumed_step: int | None = None, wandb_project: str = "distflow",
-                 config: dict | None = None) -> None:
+                 config: dict | None = None, checkpoint_root: Path | None = None) -> None:
         """`resumed_step`: the run continues after this step; the metrics records and TensorBoard
         events of later steps written before are dropped (the run redoes them), so curves
-        have no duplicates (W&B: see observability/wandb_run.py)."""
+        have no duplicates (W&B: see observability/wandb_run.py). `checkpoint_root`: where the
+        run's checkpoints are, named when metrics.jsonl cannot be written."""
         self.run_dir = run_dir
         if resumed_step is not None:
             drop_records_after(run_dir / "metrics.jsonl", resumed_step)
-        self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        # Unbuffered bytes: each record goes to the file whole, in `_append_line`, or not at all.
+        self.jsonl = open(run_dir / "metrics.jsonl", "ab", buffering=0)
+        self.checkpoint_root = checkpoint_root
         self.wandb = None
         if "wandb" in loggers:
             from distflow.observability.wandb_run import WandbRun
@@ -42,7 +47,7 @@ class RunWriter:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         # JSON has no NaN/Infinity: a metric with nothing to average, or a non-finite grad norm, is null.
         record = {"step": step, **{k: (v if math.isfinite(v) else None) for k, v in metrics.items()}}
-        self.jsonl.write(json.dumps(record) + "\n")
+        self._append_line(step, (json.dumps(record) + "\n").encode())
         if self.tb is not None:
             for name, value in metrics.items():
                 if math.isfinite(value):
@@ -52,6 +57,21 @@ class RunWriter:
             self.tb.flush()
         if self.wandb is not None:
             self.wandb.log(step, metrics)
+
+    def _append_line(self, step: int, line: bytes) -> None:
+        """Append `line` whole. A write the filesystem refuses part-way (a full disk, a quota) is
+        cut back off, so the file never holds a torn record, and ends the run with one line."""
+        start = os.fstat(self.jsonl.fileno()).st_size
+        written = 0
+        try:
+            while written < len(line):
+                written += self.jsonl.write(line[written:])
+        except OSError as err:
+            try:
+                os.ftruncate(self.jsonl.fileno(), start)
+            except OSError:
+                pass  # a resume drops a torn last line anyway (drop_records_after)
+            raise metrics_write_failure(err, self.run_dir / "metrics.jsonl", step, self.checkpoint_root) from None
 
     def sync(self) -> None:
         """Make every record logged so far survive a power loss (called before a checkpoint);
@@ -88,6 +108,23 @@ class RunWriter:
         from distflow.observability.curves import draw, read_run
 
         return draw({self.run_dir.name: read_run(self.run_dir)}, self.run_dir / "curves.png")
+
+
+def metrics_write_failure(err: OSError, path: Path, step: int, checkpoint_root: Path | None) -> ConfigError:
+    """One line, as a checkpoint the filesystem refused (checkpoint/write_failure.py): what failed,
+    the free space, and the checkpoint to resume from once there is room."""
+    from distflow.checkpoint.directory import latest_checkpoint
+
+    what = f"{err.strerror or err} ({errno.errorcode.get(err.errno, err.errno)})"
+    try:
+        usage = shutil.disk_usage(path.parent)
+        what += f"; {usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB"
+    except OSError:
+        pass
+    latest = latest_checkpoint(checkpoint_root) if checkpoint_root is not None and checkpoint_root.is_dir() else None
+    resume = (f"the last complete checkpoint is {latest} (free space, then --resume {latest})" if latest
+              else "no checkpoint yet (free space, then start the run again)")
+    return ConfigError(f"cannot append step {step}'s metrics to {path}: {what}; {resume}")
 
 
 def drop_records_after(path: Path, step: int) -> None:

@@ -264,7 +264,8 @@ def _open_writer(config: Config, run_dir: Path, *, resumed_step: int | None) -> 
     trainer = config.trainer
     return RunWriter(run_dir, total_steps=trainer.total_steps, loggers=trainer.loggers,
                      progress_bar=trainer.progress_bar, name=config.algorithm.name, resumed_step=resumed_step,
-                     wandb_project=trainer.wandb_project, config=resolved)
+                     wandb_project=trainer.wandb_project, config=resolved,
+                     checkpoint_root=checkpointing.checkpoint_root(config, run_dir))
 
 
 def _draw_curves(writer: RunWriter) -> None:

@@ -36,7 +36,8 @@ from distflow.engines.sampling import SamplingSpec
 from distflow.engines.sequences import encode_prompts
 from distflow.engines.weight_sync import WeightSync
 from distflow.planner.plan import Plan, make_plan
-from distflow.tasks.build import Task, build_task, model_dirs, prepared_per_node
+from distflow.tasks.build import Task, build_task
+from distflow.tasks.model_source import model_dirs, prepared_per_node
 
 
 @dataclass
@@ -84,7 +85,7 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
     if receivers:  # every rank joins: the train ranks' shares are agreed with one world collective
         policy = models["policy"]
         weight_sync = WeightSync(world, train.ranks, receivers, policy.model if policy is not None else model)
-    task = build_task(config, tokenizer)  # the embedded addition task, or verl-format rows (task.train_file)
+    task = build_task(config, tokenizer)  # the registered task config.task selects (tasks/build.py)
     # The prefetch thread tokenizes with its own tokenizer: fast tokenizers are not
     # safe to share with the main thread's decoding.
     tokenize = functools.partial(encode_prompts, copy.deepcopy(tokenizer))

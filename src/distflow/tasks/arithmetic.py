@@ -14,8 +14,12 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from distflow.seeding import derive_seed
+
+if TYPE_CHECKING:
+    from distflow.config.schema import Config
 
 
 class ProblemRows(Sequence):
@@ -75,6 +79,13 @@ class ArithmeticTask:
         """
         value = parse_answer(completion)
         return value is not None and value == int(sample["answer"])
+
+
+def from_config(config: Config, tokenizer: Any = None) -> ArithmeticTask:
+    """The registry's builder (`tasks/build.py`): the embedded default, sized by `task.*`."""
+    task = config.task
+    return ArithmeticTask.build(num_digits=task.num_digits, num_heldout=task.num_heldout, seed=config.trainer.seed,
+                                num_operands=task.num_operands)
 
 
 def parse_answer(completion: str) -> int | None:

@@ -1,13 +1,25 @@
-"""The run's task (rows to train on, held-out rows, the verifier) from the config."""
+"""The run's task (rows to train on, held-out rows, the verifier): a small registry of tasks.
+
+    config.task ──task_name()──► "arithmetic" | "verl_files" | "hf_dataset" | "reasoning_gym"
+                ──TASKS[name]──► "module:builder", imported only now, for the task the run uses
+                ──builder(config, tokenizer)──► Task
+
+The entries are import paths, not Python references, on purpose: the runtime reaches tasks
+only through this module, so it imports no concrete task, and a task's own dependencies
+(math-verify, datasets, reasoning-gym) load only in the runs that use it. The embedded
+addition task is one entry like the others (the embedded model's warm-start builds it here too).
+Adding a task: one file with a `builder(config, tokenizer) -> Task`, one entry in `TASKS`,
+and the setting that selects it in `task_name`.
+"""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from distflow.config.schema import Config
-from distflow.tasks.arithmetic import ArithmeticTask
+if TYPE_CHECKING:
+    from distflow.config.schema import Config
 
 
 class Task(Protocol):
@@ -22,49 +34,39 @@ class Task(Protocol):
     def is_correct(self, completion: str, sample: dict) -> bool: ...
 
 
-def model_dirs(config: Config, *, builder: bool, log: Callable[[str], None]) -> tuple[Path, Path]:
-    """(model directory, tokenizer directory): `model.path`, or the embedded model, warm-started
-    into its cache first when this process is the `builder` and the cache misses."""
-    if config.model.path is None:
-        from distflow.tasks.embedded import ensure_embedded_model
-
-        model_dir = ensure_embedded_model(config, builder=builder, log=log)
-        return model_dir, model_dir
-    from distflow.tasks.model_source import resolve_model_dir
-
-    model_dir = resolve_model_dir(config.model.path, builder=builder, log=log)
-    return model_dir, Path(config.model.tokenizer_path or model_dir).expanduser()
+TASKS: dict[str, str] = {
+    "arithmetic": "distflow.tasks.arithmetic:from_config",
+    "verl_files": "distflow.tasks.math_answers:from_files",
+    "hf_dataset": "distflow.tasks.math_answers:from_dataset",
+    "reasoning_gym": "distflow.tasks.reasoning_gym:from_config",
+}
+"""Task name → `"module:function"` of its builder, `function(config, tokenizer) -> Task`."""
 
 
-def prepared_per_node(config: Config) -> bool:
-    """Whether the model directory is made by distflow (the embedded model's warm-start, a GGUF
-    conversion): by the launching process, or under a bare torchrun by each node's local rank 0."""
-    from distflow.tasks.model_source import is_converted
-
-    return config.model.path is None or is_converted(config.model.path)
-
-
-def build_task(config: Config, tokenizer: Any) -> Task:
-    """The embedded addition task, verl-format rows from `task.train_file` / `task.heldout_file`,
-    rows of a `datasets` dataset (`task.dataset`) or reasoning-gym's (`task.reasoning_gym`).
-
-    Either has `train` and `heldout` (row sequences with a "prompt" text) and `is_correct`.
-    (That `task.train_file` needs `model.path` is checked with the graph, before launch.)
-    """
+def task_name(config: Config) -> str:
+    """Which registered task `config.task` selects: reasoning-gym's (`task.reasoning_gym`), a
+    `datasets` dataset (`task.dataset`), verl-format files (`task.train_file`), else the
+    embedded addition task. (That `task.train_file` needs `model.path` is checked with the
+    graph, before launch.)"""
     task = config.task
     if task.reasoning_gym is not None:
-        from distflow.tasks.reasoning_gym import GymTask
-
-        return GymTask.build(task.reasoning_gym, num_heldout=task.num_heldout, seed=config.trainer.seed,
-                             tokenizer=tokenizer)
-    if task.train_file is None and task.dataset is None:
-        return ArithmeticTask.build(num_digits=task.num_digits, num_heldout=task.num_heldout, seed=config.trainer.seed,
-                                   num_operands=task.num_operands)
-    from distflow.tasks.math_answers import MathTask
-
+        return "reasoning_gym"
     if task.dataset is not None:
-        from distflow.data.hf_datasets import dataset_sources
+        return "hf_dataset"
+    if task.train_file is not None:
+        return "verl_files"
+    return "arithmetic"
 
-        return MathTask.of(*dataset_sources(task.dataset), tokenizer, task.num_heldout)
-    return MathTask.build(train_file=task.train_file, heldout_file=task.heldout_file, tokenizer=tokenizer,
-                          num_heldout=task.num_heldout)
+
+def task_builder(name: str) -> Callable[[Config, Any], Task]:
+    """The builder registered as `name`, imported now."""
+    module, function = TASKS[name].split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def build_task(config: Config, tokenizer: Any, *, name: str | None = None) -> Task:
+    """The task `config` selects (or the one registered as `name`), built for `tokenizer`.
+
+    Every task has `train` and `heldout` (row sequences with a "prompt" text) and `is_correct`.
+    """
+    return task_builder(name or task_name(config))(config, tokenizer)

@@ -27,7 +27,7 @@ from distflow.config import Config, to_dict
 from distflow.engines.sampling import SamplingSpec
 from distflow.engines.sft import warm_start_to_target
 from distflow.seeding import derive_seed
-from distflow.tasks.arithmetic import ArithmeticTask
+from distflow.tasks.build import build_task
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
 
@@ -60,8 +60,7 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     seed = config.trainer.seed
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tokenizer, seed=derive_seed(seed, "model-init"))
-    task = ArithmeticTask.build(num_digits=config.task.num_digits, num_heldout=config.task.num_heldout, seed=seed,
-                                num_operands=config.task.num_operands)
+    task = build_task(config, tokenizer, name="arithmetic")
     ws = config.warmstart
     validation, train = task.train[-ws.num_validation :], task.train[: -ws.num_validation]
     sampling = SamplingSpec.of(config.rollout)
@@ -71,9 +70,13 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model_dir(model, tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "distflow_warmstart.json").write_text(json.dumps(info, indent=1))
+    try:
+        save_model_dir(model, tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "distflow_warmstart.json").write_text(json.dumps(info, indent=1))
+    except BaseException:  # a full disk, Ctrl-C: no half-written directory is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         tmp.rename(target)
     except OSError:  # another process finished the same (deterministic) checkpoint first

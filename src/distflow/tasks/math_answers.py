@@ -24,9 +24,12 @@ import copy
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distflow.data.sources import RowSource, open_rows
+
+if TYPE_CHECKING:
+    from distflow.config.schema import Config
 
 # For tokenizers without a chat template (the embedded character tokenizer has no newline).
 SIMPLE_CHAT_TEMPLATE = (
@@ -133,3 +136,16 @@ class MathTask:
     @staticmethod
     def is_correct(completion: str, sample: dict) -> bool:
         return is_correct(completion, sample)
+
+
+def from_files(config: Config, tokenizer: Any) -> MathTask:
+    """The registry's builder for verl-format rows in `task.train_file` / `task.heldout_file`."""
+    return MathTask.build(train_file=config.task.train_file, heldout_file=config.task.heldout_file,
+                          tokenizer=tokenizer, num_heldout=config.task.num_heldout)
+
+
+def from_dataset(config: Config, tokenizer: Any) -> MathTask:
+    """The registry's builder for the rows of a `datasets` dataset (`task.dataset`)."""
+    from distflow.data.hf_datasets import dataset_sources
+
+    return MathTask.of(*dataset_sources(config.task.dataset), tokenizer, config.task.num_heldout)

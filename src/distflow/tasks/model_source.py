@@ -24,13 +24,35 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from distflow.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from distflow.config.schema import Config
 
 PACKAGE_PREFIX = "package:"
 CACHE_ENV = "DISTFLOW_MODEL_CACHE"
 DEFAULT_CACHE = "~/.cache/distflow/models"
 FORMAT_VERSION = 1
+
+
+def model_dirs(config: Config, *, builder: bool, log: Callable[[str], None]) -> tuple[Path, Path]:
+    """(model directory, tokenizer directory): `model.path`, or the embedded model, warm-started
+    into its cache first when this process is the `builder` and the cache misses."""
+    if config.model.path is None:
+        from distflow.tasks.embedded import ensure_embedded_model
+
+        model_dir = ensure_embedded_model(config, builder=builder, log=log)
+        return model_dir, model_dir
+    model_dir = resolve_model_dir(config.model.path, builder=builder, log=log)
+    return model_dir, Path(config.model.tokenizer_path or model_dir).expanduser()
+
+
+def prepared_per_node(config: Config) -> bool:
+    """Whether the model directory is made by distflow (the embedded model's warm-start, a GGUF
+    conversion): by the launching process, or under a bare torchrun by each node's local rank 0."""
+    return config.model.path is None or is_converted(config.model.path)
 
 
 def is_converted(path: str | None) -> bool:

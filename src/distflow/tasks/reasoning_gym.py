@@ -26,11 +26,14 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distflow.config.errors import ConfigError
 from distflow.seeding import derive_seed
 from distflow.tasks.math_answers import ChatRows
+
+if TYPE_CHECKING:
+    from distflow.config.schema import Config
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 ANSWER_TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
@@ -173,3 +176,9 @@ class GymTask:
     def group_of(sample: dict) -> str:
         """The dataset a row comes from: held-out accuracy is also reported per dataset."""
         return sample["source"]
+
+
+def from_config(config: Config, tokenizer: Any) -> GymTask:
+    """The registry's builder (`tasks/build.py`) for `task.reasoning_gym`."""
+    return GymTask.build(config.task.reasoning_gym, num_heldout=config.task.num_heldout, seed=config.trainer.seed,
+                         tokenizer=tokenizer)
