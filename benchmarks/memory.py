@@ -9,7 +9,7 @@ each) the way a run with `model.path` loads it:
 
     ddp     from_pretrained on every rank (a full model each), then DDP
     fsdp2   built on the meta device, sharded (engines/parallelize.py), its shards allocated
-            and filled from the safetensors files (checkpoint/hf_weights.py)
+            and filled from the safetensors files (engines/hf_weights.py)
 
 then trains a few AdamW steps (next-token loss on random tokens, micro-batch of B x T).
 
@@ -41,7 +41,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from distflow.checkpoint import export_hf, load_model_weights, save_checkpoint
-from distflow.checkpoint.hf_weights import allocate_and_load
+from distflow.engines.hf_weights import allocate_and_load
 from distflow.checkpoint.store import checkpoint_dtype
 from distflow.comm import Comm
 from distflow.runtime.launcher import run_local

@@ -1,4 +1,4 @@
-"""Sharded loading (checkpoint/hf_weights.py): a meta-built, FSDP2-sharded model filled from
+"""Sharded loading (engines/hf_weights.py): a meta-built, FSDP2-sharded model filled from
 a Hugging Face directory's safetensors equals the same model loaded by from_pretrained."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from distflow.comm import Comm
-from distflow.checkpoint.hf_weights import load_sharded_weights, stored_tensor_names
+from distflow.engines.hf_weights import load_sharded_weights, stored_tensor_names
 from distflow.config import ConfigError
 from distflow.engines.models import build_on_meta, materialize
 from distflow.runtime.launcher import run_local
@@ -87,9 +87,11 @@ def test_a_directory_without_safetensors_is_named(tmp_path):
 def sharded_critic_on_rank(comm, model_dir):
     from distflow.config.schema import OptimConfig, TrainerConfig
     from distflow.engines.critic import build_critic
+    from distflow.engines.registry import EngineBuild
 
+    loads = EngineBuild(config=None, model=None, comm=comm, sampling=None, sharded_from=model_dir)
     critic = build_critic(build_on_meta(model_dir), comm, OptimConfig(), lr=1e-5,
-                          trainer=TrainerConfig(strategy="fsdp2"), sharded_from=model_dir)
+                          trainer=TrainerConfig(strategy="fsdp2"), load_sharded=loads.load_sharded)
     return {"params": {name: p.full_tensor() for name, p in critic.model.named_parameters()},
             "local_rows": {name: p.to_local().shape[0] for name, p in critic.model.named_parameters()}}
 

@@ -125,3 +125,39 @@ def test_no_unused_imports_or_undefined_names():
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "F", "--no-cache", "--quiet",
                            "src", "tests", "benchmarks"], cwd=root, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+BATCH_NAMES = ("batch", "micro", "mb", "expanded")  # what src/ calls a Batch
+
+
+def test_every_batch_field_used_in_src_is_declared():
+    """`batch["x"]`, `batch.updated(x=...)` and stage declarations name fields of data/fields.py only."""
+    from distflow.data.fields import FIELDS
+
+    used = {}
+    for name, tree in _modules().items():
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in BATCH_NAMES
+                    and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)):
+                used.setdefault(node.slice.value, name)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "updated":
+                used.update({k.arg: name for k in node.keywords if k.arg and k.arg not in used})
+    assert len(used) > 15  # the scan sees the stages
+    assert {field: module for field, module in used.items() if field not in FIELDS} == {}
+
+
+def test_every_engine_name_used_is_registered():
+    """`uses=(...)` of every stage in src/ and `engines.get(...)` name engines of the registry."""
+    from distflow.engines.registry import ENGINES
+
+    used = {}
+    for name, tree in _modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.keyword) and node.arg == "uses" and isinstance(node.value, (ast.Tuple, ast.List)):
+                used.update({e.value: name for e in node.value.elts if isinstance(e, ast.Constant)})
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                  and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "engines"
+                  and node.args and isinstance(node.args[0], ast.Constant)):
+                used[node.args[0].value] = name
+    assert {"policy", "reference", "critic"} <= set(used)
+    assert {engine: module for engine, module in used.items() if engine not in ENGINES} == {}

@@ -26,7 +26,7 @@ import warnings
 from pathlib import Path
 from typing import NoReturn
 
-from distflow import cli_tools, preflight
+from distflow import cli_tools, gc_policy, preflight
 from distflow.config import Config, ConfigError, load_config
 from distflow.console import say
 from distflow.config.deprecated import DeprecatedKeyWarning
@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     # as under `python -m` / torchrun, also when started through the `distflow` script.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    gc_policy.during_startup()  # until the rank is built (runtime/executor.py)
     try:
         config = _load_config(args.config, args.overrides)
         if args.command == "plan":
@@ -171,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"distflow: error: {err}", file=sys.stderr)
         return USER_ERROR
+    finally:
+        gc_policy.after_startup()
 
 
 def _load_config(path: str, overrides: list[str]) -> Config:
@@ -204,6 +207,7 @@ def exit_process(code: int) -> NoReturn:
     from distflow.runtime.descendants import end_descendants
 
     end_descendants()
+    gc_policy.before_exit()  # the interpreter's last collections would traverse the whole heap
     left = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()
             and not t.name.startswith("distflow-")]
     if not left:

@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from distflow.dag.graph import StageFn
+from distflow.data.fields import (
+    ADVANTAGE, BASELINE_REWARD, GROUP, RESPONSE_MASK, RETURNS, REWARD, SAMPLE_MASK, VALUES,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -161,14 +164,14 @@ def gae_advantage(batch: Batch, ctx: StageContext) -> Batch:
 class Estimator:
     fn: StageFn
     reads: tuple[str, ...]
-    writes: tuple[str, ...] = ("advantage", "sample_mask")
+    writes: tuple[str, ...] = (ADVANTAGE, SAMPLE_MASK)
 
 
 ESTIMATORS = {
-    "grpo": Estimator(grpo_advantage, ("reward", "group", "response_mask")),
-    "rloo": Estimator(rloo_advantage, ("reward", "group", "response_mask")),
-    "remax": Estimator(remax_advantage, ("reward", "baseline_reward", "group", "response_mask")),
-    "reinforce_pp": Estimator(reinforce_pp_advantage, ("reward", "response_mask")),
-    "reinforce_pp_baseline": Estimator(reinforce_pp_baseline_advantage, ("reward", "group", "response_mask")),
-    "gae": Estimator(gae_advantage, ("reward", "response_mask", "values"), ("advantage", "returns", "sample_mask")),
+    "grpo": Estimator(grpo_advantage, (REWARD, GROUP, RESPONSE_MASK)),
+    "rloo": Estimator(rloo_advantage, (REWARD, GROUP, RESPONSE_MASK)),
+    "remax": Estimator(remax_advantage, (REWARD, BASELINE_REWARD, GROUP, RESPONSE_MASK)),
+    "reinforce_pp": Estimator(reinforce_pp_advantage, (REWARD, RESPONSE_MASK)),
+    "reinforce_pp_baseline": Estimator(reinforce_pp_baseline_advantage, (REWARD, GROUP, RESPONSE_MASK)),
+    "gae": Estimator(gae_advantage, (REWARD, RESPONSE_MASK, VALUES), (ADVANTAGE, RETURNS, SAMPLE_MASK)),
 }

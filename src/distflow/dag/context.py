@@ -1,7 +1,8 @@
 """What a stage function may use besides the batch.
 
     Engines        built once per rank by the runtime (runtime/worker.py), never replaced:
-                   the models, the reward functions, the sampling settings, the prompt source
+                   the models (from the engine registry, engines/registry.py), the reward
+                   functions, the sampling settings, the prompt source
     StageContext   made by the executor for each stage it runs, and not changed by stages:
                    config, engines, the stage's communicator, the world, the step, the metrics
 
@@ -12,7 +13,7 @@ owns it and hands it to checkpoints (`state_dict` / `load_state_dict`), not a fi
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from distflow.config.schema import Config
@@ -52,6 +53,12 @@ class Engines:
     """Set when some rollout ranks are not train ranks."""
     next_prompts: Callable[[], Batch] | None = None
     """This rank's share of the loader's next prompts (dynamic sampling draws extra batches)."""
+    built: dict[str, Any] = field(default_factory=dict)
+    """Every engine built from the registry on this rank, by name (engines/registry.py)."""
+
+    def get(self, name: str) -> Any:
+        """The registered engine `name` on this rank (None where no stage of this rank uses it)."""
+        return self.built.get(name)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The algorithm as a graph of stages, checked before anything launches.
 
 A `Stage` names the callable that runs it, the stages it depends on, and the batch
-fields it reads and writes. `Graph.validate` rejects unknown dependencies, cycles, and
+fields it reads and writes, and the engines it uses. `Graph.validate` rejects an engine the
+registry does not know (engines/registry.py), unknown dependencies, cycles, and
 a stage reading a field that no earlier stage (nor the loader) writes; it returns the
 deterministic topological order that every rank executes.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distflow.config.schema import ConfigError
+from distflow.engines.registry import check_uses
 
 StageFn = Callable[[Any, Any], Any]  # (batch, ctx) -> batch
 
@@ -48,8 +50,9 @@ class Stage:
     group: str = "train"
     """Worker group that runs it (`placement.<group>`): rollout, train, or sync (both)."""
     uses: tuple[str, ...] = ()
-    """Engines it needs on its ranks besides the rollout model: policy, reference, critic
-    (the runtime builds on a rank the engines that rank's stages use, and no others)."""
+    """Registered engines it needs on its ranks besides the rollout model: policy, reference,
+    critic, or one added with `distflow.engines.registry.register` (the runtime builds on a rank
+    the engines that rank's stages use, and no others)."""
 
 
 @dataclass
@@ -73,6 +76,7 @@ class Graph:
     def validate(self, initial_fields: Iterable[str]) -> list[Stage]:
         """Topological order (ties broken by insertion order), or a GraphError."""
         for stage in self.stages.values():
+            check_uses(stage.name, stage.uses)
             for dep in stage.deps:
                 if dep not in self.stages:
                     raise GraphError(

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from distflow.data.fields import COMPLETION, GROUP, ROLLOUT_LOGP, SEQUENCE, TURN_REWARD
 from distflow.seeding import derive_seed
 
 if TYPE_CHECKING:
     from distflow.dag.context import StageContext
     from distflow.data.batch import Batch
 
-WRITES = ("input_ids", "attention_mask", "response_mask", "completion", "group", "rollout_logp", "turn_reward")
+WRITES = (*SEQUENCE, COMPLETION, GROUP, ROLLOUT_LOGP, TURN_REWARD)
 
 
 def env_rollout(batch: Batch, ctx: StageContext) -> Batch:

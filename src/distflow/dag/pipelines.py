@@ -1,4 +1,5 @@
-"""The built-in pipelines: one skeleton, built by `policy_gradient`; copy it to write your own.
+"""The built-in pipelines: one skeleton of pieces (dag/pieces.py), built by `policy_gradient`;
+copy it, or compose the pieces, to write your own (`pipeline.builder`).
 
 Every built-in is the skeleton with its advantage estimator (and, for PPO, a critic), as
 `config.algorithm.ALGORITHMS` says; the rest is chosen by the algorithm's settings:
@@ -18,11 +19,10 @@ Every built-in is the skeleton with its advantage estimator (and, for PPO, a cri
     reinforce_pp(_baseline)     return-to-go (group-mean baseline), whitened over the step
     ppo                         GAE with a critic; the critic is trained after the policy
 
-`old_logprob` runs only when one rollout batch feeds several optimizer steps or the KL
-is folded into the reward (with a single on-policy step the ratio's denominator is the
-detached current log-prob, bit for bit). `reference_logprob` runs only with a KL term.
-Custom stages from the config are inserted by `build_graph`, which first checks the
-settings that name an entry of a dispatch table against that table (`check_choices`).
+`build_graph` takes the pipeline from `pipeline.builder` ("module:function", config → Graph;
+`builtin` here when unset: the built-ins come through the same door), adds the config's custom
+stages, and checks the whole: settings that name an entry of a dispatch table
+(`check_choices`), the engines the stages use (engines/registry.py), their fields.
 """
 
 from __future__ import annotations
@@ -36,78 +36,40 @@ from distflow.config.algorithm import ALGORITHMS
 from distflow.config.callables import import_callable
 from distflow.config.errors import check_one_of
 from distflow.config.schema import Config, ConfigError
-from distflow.dag import multiturn_stage, stages, update_stages
+from distflow.dag import update_stages
 from distflow.dag.advantage_stages import ESTIMATORS, Estimator
 from distflow.dag.dynamic_sampling import DynamicSampling
 from distflow.dag.graph import Graph, GraphError, Stage
+from distflow.dag.pieces import (
+    Chain, add_advantage, add_critic_update, add_greedy_baseline, add_kl_reward, add_logprobs, add_policy_update,
+    add_rewards, add_rollout, add_values, add_weight_sync, kl_in_reward,
+)
+from distflow.data.fields import BASELINE_REWARD, LOADER_FIELDS, SEQUENCE
 
-LOADER_FIELDS = ("uid", "prompt", "prompt_ids", "sample")
-SEQUENCE = ("input_ids", "attention_mask", "response_mask")
+__all__ = ["LOADER_FIELDS", "SEQUENCE", "BUILTIN", "build_graph", "builtin", "policy_gradient"]
 
-
-class _Chain:
-    """Adds stages one after another, each depending on the previous one."""
-
-    def __init__(self, graph: Graph) -> None:
-        self.graph = graph
-        self.last: str | None = None
-
-    def add(self, name, fn, role, reads=(), writes=(), group="train", uses=()) -> None:
-        deps = (self.last,) if self.last else ()
-        self.graph.add(Stage(name, fn, role, deps, tuple(reads), tuple(writes), group=group, uses=uses))
-        self.last = name
+BUILTIN = "distflow.dag.pipelines:builtin"
+"""What `pipeline.builder` is when unset."""
 
 
 def policy_gradient(config: Config, estimator: Estimator, *, critic: bool = False,
                     greedy_baseline: bool = False) -> Graph:
     """The skeleton above with `estimator` as the advantage stage."""
-    algo = config.algorithm
-    chain = _Chain(Graph())
-    behaviour = stages.behaviour_fields(config)  # rollout_logp, policy_version (off-policy correction)
-    if config.env.cls is not None:  # multi-turn trajectories against an environment (rollout_logp always)
-        chain.add("rollout", multiturn_stage.env_rollout, "rollout", LOADER_FIELDS,
-                  tuple(dict.fromkeys(multiturn_stage.WRITES + behaviour)), group="rollout")
-    else:
-        chain.add("rollout", stages.rollout, "rollout", ("uid", "prompt", "prompt_ids"),
-                  ("input_ids", "attention_mask", "response_mask", "completion", "group", *behaviour), group="rollout")
-    if greedy_baseline:  # ReMax: on the rollout ranks, where each group's prompt already is
-        chain.add("greedy_baseline", stages.greedy_baseline, "rollout", ("prompt", "prompt_ids", "group", "sample"),
-                  ("baseline_reward",), group="rollout")
-    chain.add("reward", stages.reward, "reward", ("prompt", "completion", "sample"), ("reward",))
-    if algo.reward_clip > 0:  # the reward functions' score, before any shaping (as OpenRLHF clips the RM's)
-        chain.add("reward_clip", stages.reward_clip, "reward", ("reward",), ("reward",))
-    if algo.dynamic_sampling.enabled:  # on the task's reward, before length shaping (DAPO keeps 0 < #correct < G)
-        chain.add("dynamic_sampling", DynamicSampling(), "filter", ("reward", "group"))
-    if algo.overlong.buffer > 0:
-        chain.add("overlong_penalty", stages.overlong_penalty, "reward", ("reward", "response_mask"), ("reward",))
-    kl_in_reward = algo.kl.coef > 0 and algo.kl.in_reward
-    old_logprob = algo.ppo_epochs * algo.num_mini_batches > 1 or kl_in_reward
-    update_reads = [*SEQUENCE, "advantage", "sample_mask", *behaviour] + (["old_logp"] if old_logprob else [])
-
-    def logprob_stages() -> None:
-        if old_logprob:
-            chain.add("old_logprob", stages.old_logprob, "logprob", SEQUENCE, ("old_logp",), uses=("policy",))
-        if algo.kl.coef > 0:
-            chain.add("reference_logprob", stages.reference_logprob, "logprob", SEQUENCE, ("ref_logp",),
-                      uses=("reference",))
-
-    if kl_in_reward:
-        logprob_stages()
-        chain.add("kl_reward", stages.KLPenalty(algo), "reward", ("old_logp", "ref_logp", "response_mask"),
-                  ("kl_penalty",))
+    chain = Chain(config)
+    add_rollout(chain)
+    if greedy_baseline:
+        add_greedy_baseline(chain)
+    add_rewards(chain)
+    add_kl_reward(chain)  # nothing unless the KL is in the reward
     if critic:
-        chain.add("values", stages.values, "value", SEQUENCE, ("values",), uses=("critic",))
-    extra = ("kl_penalty",) if kl_in_reward else ()
-    chain.add("advantage", estimator.fn, "advantage", estimator.reads + extra, estimator.writes)
-    if not kl_in_reward:
-        logprob_stages()
-        if algo.kl.coef > 0:
-            update_reads.append("ref_logp")
-    chain.add("policy_update", update_stages.policy_update, "train", update_reads, uses=("policy",))
+        add_values(chain)
+    add_advantage(chain, estimator)
+    if not kl_in_reward(config):
+        add_logprobs(chain)
+    add_policy_update(chain)
     if critic:
-        chain.add("critic_update", update_stages.critic_update, "train", (*SEQUENCE, "values", "returns"),
-                  uses=("critic",))
-    chain.graph.add(Stage("weight_sync", stages.weight_sync, "sync", ("policy_update",), group="sync"))
+        add_critic_update(chain)
+    add_weight_sync(chain)
     return chain.graph
 
 
@@ -116,11 +78,11 @@ def builtin(config: Config) -> Graph:
     algorithm = ALGORITHMS[config.algorithm.name]
     estimator = ESTIMATORS[algorithm.estimator]
     # An estimator that reads the greedy completion's reward gets the stage that writes it (ReMax).
-    if config.env.cls is not None and "baseline_reward" in estimator.reads:
+    if config.env.cls is not None and BASELINE_REWARD in estimator.reads:
         raise ConfigError(f"algorithm.name={config.algorithm.name} needs a greedy single-turn baseline, which "
                           "multi-turn rollouts (env.cls) do not make yet; choose grpo, rloo, reinforce_pp or ppo")
     return policy_gradient(config, estimator, critic=algorithm.critic,
-                           greedy_baseline="baseline_reward" in estimator.reads)
+                           greedy_baseline=BASELINE_REWARD in estimator.reads)
 
 
 def check_choices(config: Config) -> None:
@@ -172,10 +134,14 @@ def _bind_upstream(graph: Graph, name: str, initial_fields) -> None:
 
 
 def build_graph(config: Config) -> Graph:
-    """The configured built-in pipeline plus the config's custom stages."""
+    """The configured pipeline (`pipeline.builder`, or the built-in) plus the config's custom stages."""
     check_choices(config)
     _check_settings(config)
-    graph = builtin(config)
+    key = "pipeline.builder"
+    graph = import_callable(config.pipeline.builder or BUILTIN, key=key)(config)
+    if not isinstance(graph, Graph):
+        raise ConfigError(f"{key}={config.pipeline.builder!r} returned {type(graph).__name__}, not a "
+                          "distflow.dag.graph.Graph; a builder returns the graph it built (dag/pieces.py)")
     for spec in config.pipeline.custom_stages:
         fn = import_callable(spec.fn, key=f"custom stage {spec.name!r}")
         graph.add(Stage(spec.name, fn, "custom", tuple(spec.after), tuple(spec.reads), tuple(spec.writes),

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from distflow.dag.graph import every_rank
+from distflow.data.fields import POLICY_VERSION, ROLLOUT_LOGP
 from distflow.seeding import derive_seed
 
 if TYPE_CHECKING:
@@ -29,8 +30,8 @@ def behaviour_fields(config) -> tuple[str, ...]:
     """What the rollout also records about the policy that sampled: `rollout_logp` (each sampled
     token's log-prob, for the off-policy correction) and, with stale samples, `policy_version`."""
     staleness, correction = config.trainer.max_staleness, config.algorithm.off_policy_correction
-    return (("rollout_logp",) if staleness > 0 or correction != "none" else ()) + \
-        (("policy_version",) if staleness > 0 else ())
+    return ((ROLLOUT_LOGP,) if staleness > 0 or correction != "none" else ()) + \
+        ((POLICY_VERSION,) if staleness > 0 else ())
 
 
 def policy_versions(ctx: StageContext, count: int) -> dict:

@@ -22,6 +22,7 @@ import torch
 from distflow.config.schema import ConfigError
 
 from distflow.data.batch import Batch
+from distflow.data.fields import PROMPT, PROMPT_IDS, SAMPLE, UID
 from distflow.seeding import derive_seed
 
 RowReader = Callable[[int], dict]
@@ -79,9 +80,9 @@ class PromptLoader:
         mine = positions[self.rank * per_rank : (self.rank + 1) * per_rank]
         rows = [self.read_row(index) for _, index in mine]
         prompts = [r["prompt"] for r in rows]
-        meta = {"uid": [uid for uid, _ in mine], "prompt": prompts, "sample": rows}
+        meta = {UID: [uid for uid, _ in mine], PROMPT: prompts, SAMPLE: rows}  # data/fields.py: LOADER_FIELDS
         if self.tokenize is not None:
-            meta["prompt_ids"] = self.tokenize(prompts)
+            meta[PROMPT_IDS] = self.tokenize(prompts)
         return Batch(meta=meta)
 
     def state_dict(self) -> dict[str, int]:

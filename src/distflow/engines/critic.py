@@ -7,7 +7,8 @@ It starts from the policy's weights (as verl and OpenRLHF initialise the critic 
 actor when no reward model is given) with a zero-initialised head, so its first
 predictions are 0. Under fsdp2 with sharded loading the policy is still on the meta device:
 the critic is then built there too, sharded, and each rank reads its own rows of the
-backbone from the model directory's files (checkpoint/hf_weights.py), as the policy does. The value of response token t is read at the column that predicts it
+backbone from the model directory's files through the same path as the policy
+(`EngineBuild.load_sharded`, engines/hf_weights.py). The value of response token t is read at the column that predicts it
 (t - 1), the same alignment as the log-probs. Training is `TrainableEngine`'s, as the
 policy's: the same data-parallel wrapper, micro-batching, global normaliser, AdamW and
 clipping; only the forward pass differs.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from pathlib import Path
 
 import torch
 
@@ -36,8 +36,17 @@ class ValueModel(torch.nn.Module):
         super().__init__()
         self.backbone = backbone
         self.value_head = torch.nn.Linear(hidden_size, 1)
-        torch.nn.init.zeros_(self.value_head.weight)
-        torch.nn.init.zeros_(self.value_head.bias)
+        self.zero_head()
+
+    def zero_head(self) -> None:
+        with torch.no_grad():
+            self.value_head.weight.zero_()
+            self.value_head.bias.zero_()
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        """Buffers the files do not hold (rotary frequencies), computed as the backbone computes them
+        (engines.models.materialize calls this after allocating a meta-built critic)."""
+        self.backbone._init_weights(module)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
                 past_key_values=None, last_only: bool = False) -> torch.Tensor:
@@ -88,30 +97,18 @@ class CriticEngine(TrainableEngine):
 
 
 def build_critic(policy_model: torch.nn.Module, comm: Comm, optim: OptimConfig, *, lr: float,
-                 trainer: TrainerConfig | None = None, sharded_from: Path | None = None) -> CriticEngine:
+                 trainer: TrainerConfig | None = None, load_sharded=None) -> CriticEngine:
     """A critic initialised from the policy's current weights, trained with `optim` at `lr` and
     spread over `comm` as `trainer.strategy` says. The policy must not be sharded yet (its copy is).
-    `sharded_from`: the policy is on the meta device; the critic's shards are read from that directory."""
+    `load_sharded(module, rename)`: the policy is on the meta device; the critic is sharded, then its
+    backbone's shards are read from the model's files by it, and its head zeroed."""
     backbone = copy.deepcopy(policy_model.base_model)
     backbone.requires_grad_(True)
     device = next(policy_model.parameters()).device
     with torch.device(device):
         value_model = ValueModel(backbone, policy_model.config.hidden_size)
-    if sharded_from is not None:
-        _load_sharded(value_model, policy_model, sharded_from, comm, trainer or TrainerConfig())
+    if load_sharded is not None:
+        parallelize(value_model, comm, trainer or TrainerConfig())
+        load_sharded(value_model, rename=("backbone.", policy_model.base_model_prefix + "."))
+        value_model.zero_head()
     return CriticEngine(value_model, comm, dataclasses.replace(optim, lr=lr), trainer)
-
-
-def _load_sharded(value_model: ValueModel, policy_model: torch.nn.Module, model_dir: Path, comm: Comm,
-                  trainer: TrainerConfig) -> None:
-    """Shard the meta-built critic, allocate its shards, fill the backbone's from the files, zero the head."""
-    from distflow.checkpoint.hf_weights import load_sharded_weights
-    from distflow.engines.models import materialize
-
-    parallelize(value_model, comm, trainer)
-    value_model.value_head.to_empty(device=comm.device)
-    materialize(value_model.backbone, comm.device)  # the backbone computes its own buffers (rotary)
-    load_sharded_weights(value_model, model_dir, comm, rename=("backbone.", policy_model.base_model_prefix + "."))
-    with torch.no_grad():
-        value_model.value_head.weight.zero_()
-        value_model.value_head.bias.zero_()

@@ -88,12 +88,13 @@ def supervised_warmstart(
 
 def warm_start_to_target(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, train: Sequence[dict],
                          validation: Sequence[dict], is_correct, sampling, settings, seed: int, log,
-                         env=None) -> dict:
+                         env=None, batch_of=None) -> dict:
     """Supervised training on `train` rows ({"prompt", "answer"}) until the sampled accuracy on
     `validation` (each row twice, keyed per (step, sample)) reaches `settings.target_accuracy`.
 
     `settings` is the run's `warmstart` section; a target not reached in `settings.max_steps`
-    is a user error naming both. Returns {steps, validation_accuracy, final_loss}.
+    is a user error naming both; `batch_of` as in `supervised_warmstart` (the task's multi-turn
+    transcripts). Returns {steps, validation_accuracy, final_loss}.
     """
     from distflow.config import ConfigError
     from distflow.engines.evaluation import count_correct
@@ -115,7 +116,7 @@ def warm_start_to_target(model: torch.nn.Module, tokenizer: PreTrainedTokenizerB
             model, tokenizer, [r["prompt"] for r in train], [r["answer"] for r in train],
             max_steps=settings.max_steps, batch_size=settings.batch_size, lr=settings.lr,
             seed=derive_seed(seed, "warmstart-order"), should_stop=reached_target, check_every=settings.check_every,
-            batch_of=_tool_batches(tokenizer, train, seed) if env is not None and env.cls == CALCULATOR else None,
+            batch_of=batch_of,
         )
         if accuracy[0] < settings.target_accuracy:
             raise ConfigError(
@@ -124,15 +125,3 @@ def warm_start_to_target(model: torch.nn.Module, tokenizer: PreTrainedTokenizerB
                 "or lower the target")
     return {"steps": len(losses), "validation_accuracy": accuracy[0], "final_loss": losses[-1] if losses else None}
 
-
-CALCULATOR = "distflow.envs.tools:CalculatorEnv"
-
-
-def _tool_batches(tokenizer: PreTrainedTokenizerBase, train: Sequence[dict], seed: int):
-    """Multi-turn warm-start batches (`env.cls` is the calculator): the transcripts of `tasks.tool_transcripts`."""
-    from distflow.tasks.tool_transcripts import transcript_batch
-
-    def batch_of(indices: list[int], step: int):
-        return transcript_batch(tokenizer, [train[i] for i in indices], derive_seed(seed, "warmstart-tool", step))
-
-    return batch_of

@@ -19,16 +19,9 @@ from dataclasses import dataclass
 
 from distflow.config.schema import Config, ConfigError
 from distflow.dag.graph import Graph, Stage, needs_every_rank
+from distflow.data.fields import GROUP, bytes_per_sample as field_bytes
 from distflow.layout import Layout, format_ranks, parse_ranks
 
-# Bytes per sample of known tensor fields, for the plan's traffic estimate:
-# (width: "T" full sequence, "R" response, "1" one value; bytes per element).
-FIELD_SIZES = {
-    "input_ids": ("T", 8), "attention_mask": ("T", 8), "response_mask": ("R", 8), "group": ("1", 8),
-    "reward": ("1", 4), "advantage": ("1", 4), "sample_mask": ("1", 4), "old_logp": ("R", 4),
-    "ref_logp": ("R", 4), "values": ("R", 4), "returns": ("R", 4), "rollout_logp": ("R", 4), "turn_reward": ("R", 4),
-    "policy_version": ("1", 8),
-}
 META_BYTES_PER_FIELD = 64  # pickled per-sample Python values (prompt text, uid, ...), a rough mean
 
 
@@ -170,11 +163,12 @@ def make_plan(graph: Graph, config: Config, world_size: int, initial_fields: tup
     for i, p in enumerate(planned):
         if p.stage.group != "sync" and p.layout != current:
             later = [q.stage for q in planned[i:] if q.layout == p.layout]
-            keep_groups = any("group" in s.reads for s in later)
+            keep_groups = any(GROUP in s.reads for s in later)
             _check_divisible(samples, n if keep_groups else 1, p.layout, p.stage.name)
             items.append(Transition(p.stage.name, current, p.layout, keep_groups, tuple(sorted(fields))))
             samples_per_step[p.stage.name] = samples
-            bytes_per_sample[p.stage.name] = _bytes_per_sample(fields, seq_len, config.rollout.max_new_tokens)
+            bytes_per_sample[p.stage.name] = field_bytes(fields, seq_len, config.rollout.max_new_tokens,
+                                                         meta_bytes=META_BYTES_PER_FIELD)
             current = p.layout
         items.append(p)
         fields.update(p.stage.writes)
@@ -238,17 +232,6 @@ def _check_divisible(samples: int, unit: int, layout: Layout, stage: str) -> Non
         raise ConfigError(
             f"stage {stage!r} runs with data-parallel size {layout.dp_size} ({layout.describe()}), which does not "
             f"divide its {samples // unit} {what} per step; change trainer.prompts_per_step or the placement")
-
-
-def _bytes_per_sample(fields: set[str], seq_len: int, response_len: int) -> int:
-    total = 0
-    for name in fields:
-        width, itemsize = FIELD_SIZES.get(name, (None, 0))
-        if width is None:
-            total += META_BYTES_PER_FIELD
-        else:
-            total += itemsize * {"T": seq_len, "R": response_len, "1": 1}[width]
-    return total
 
 
 def _prompt_tokens_estimate(config: Config) -> int:

@@ -33,6 +33,7 @@ from distflow.checkpoint import (
 from distflow.checkpoint.store import COMPLETE, read_meta
 from distflow.config import Config, to_dict
 from distflow.config.deprecated import DeprecatedKeyWarning, upgrade_old_keys
+from distflow.engines.registry import checkpointed
 from distflow.planner.plan import PlannedStage
 from distflow.runtime.worker import Worker
 
@@ -79,7 +80,7 @@ def config_changes(saved: dict, current: dict) -> list[str]:
         if key.startswith(FREE_TO_CHANGE) or key in FREE_TO_CHANGE:
             continue
         old, new = flat_saved.get(key, "<unset>"), flat_current.get(key, "<unset>")
-        if old != new:
+        if old != new and not (old == "<unset>" and new is None):  # a key added since, left at null
             changes.append(f"{key}: {old!r} -> {new!r}")
     return changes
 
@@ -123,9 +124,8 @@ def _restore_stages(worker: Worker, extra: dict) -> None:
 
 
 def _others(worker: Worker) -> dict:
-    """Trained modules besides the policy: the critic (PPO) when there is one."""
-    critic = worker.engines.critic
-    return {"critic": (critic.model, critic.optimizer, critic.scheduler)} if critic is not None else {}
+    """Trained modules besides the policy (the critic under PPO): what the engine registry says."""
+    return checkpointed(worker.engines.built)
 
 
 @dataclass(frozen=True)

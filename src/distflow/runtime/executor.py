@@ -28,6 +28,7 @@ import torch
 import transformers
 import yaml
 
+from distflow import gc_policy
 from distflow.checkpoint.store import step_dir_name
 from distflow.comm import Comm, init_comm, node_address, shutdown
 from distflow.config import Config, to_dict
@@ -132,6 +133,7 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
     log = say if comm.is_main else (lambda text: None)
     status.enter("setup")
     worker = build_worker(config, comm, log)
+    gc_policy.after_startup()  # imports and model loading done: the usual collections from here on
     torch.manual_seed(derive_seed(trainer.seed, "torch", comm.rank))  # sampling itself is keyed per sample
     root = checkpointing.checkpoint_root(config, run_dir)
     resumed = _resume(worker, resume, status, log) if resume is not None else None

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from distflow.config import ConfigError
 from distflow.dag.context import StageContext
 from distflow.data.batch import Batch
+from distflow.data.fields import undeclared_writes
 from distflow.data.redistribute import redistribute
 from distflow.engines.reward import private_copy
 from distflow.observability.metrics import StepMetrics
@@ -36,10 +37,14 @@ def run_stage(worker: Worker, item: PlannedStage, batch: Batch, step: int, metri
         # Rows are shared by a group's samples and by the loader: a user stage that
         # edits one in place must not edit the others (what it returns is what counts).
         batch = batch.updated(sample=[private_copy(row) for row in batch["sample"]])
+    given = batch.fields()
     batch = item.stage.fn(batch, ctx)
     if not isinstance(batch, Batch):
         raise ConfigError(f"stage {name!r} returned {type(batch).__name__}, not a Batch; a stage returns "
                           "the batch it was given, or batch.updated(field=...)")
+    problem = undeclared_writes(name, item.stage.writes, given, batch.fields())
+    if problem is not None:
+        raise ConfigError(problem)
     return batch
 
 

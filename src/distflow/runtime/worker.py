@@ -1,9 +1,9 @@
 """What one rank builds before its first step: plan, communicators, engines, task and loader.
 
     build_graph(config) → make_plan (same on every rank) → a communicator per worker group
-    engines: what this rank's stages declare they use (`Stage.uses`), built on this rank only:
-        policy (train ranks) · reference (a frozen copy; LoRA: the policy, adapters off) · critic,
-        each spread over the train ranks by trainer.strategy (ddp or fsdp2)
+    engines: what this rank's stages declare they use (`Stage.uses`), built on this rank only,
+        from the registry in its dependency order (engines/registry.py): critic · model (LoRA)
+        · reference · policy, each spread over the train ranks by trainer.strategy (ddp or fsdp2)
         the rollout model: the policy's own module where rollout and training share ranks
     weight sync (disaggregated only): every rank learns which rows each train rank sends
     task (train + held-out rows, verifier) → rows checked by 1/N of the ranks each → loader
@@ -28,10 +28,8 @@ from distflow.dag.context import Engines
 from distflow.dag.pipelines import LOADER_FIELDS, build_graph
 from distflow.data.loader import PromptLoader, RowRules, ValidRows
 from distflow.data.prefetch import Prefetcher
-from distflow.checkpoint.hf_weights import allocate_and_load
 from distflow.engines.models import load_model_and_tokenizer
-from distflow.engines.parallelize import frozen_copy, parallelize
-from distflow.engines.policy import PolicyEngine
+from distflow.engines.registry import EngineBuild, build_order
 from distflow.engines.sampling import SamplingSpec
 from distflow.engines.sequences import encode_prompts
 from distflow.engines.weight_sync import WeightSync
@@ -78,12 +76,12 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
     sharded = _loads_sharded(config, uses, comms["train"], log)
     model, tokenizer = load_model_and_tokenizer(model_dir, tokenizer_dir, world.device, on_meta=sharded)
     sampling = SamplingSpec.of(config.rollout)
-    model, models = _build_models(config, uses, model, comms["train"], sampling,
+    model, built = _build_engines(config, uses, model, comms["train"], sampling,
                                   sharded_from=model_dir if sharded else None)
     receivers = tuple(r for r in rollout.ranks if r not in train)
     weight_sync = None
     if receivers:  # every rank joins: the train ranks' shares are agreed with one world collective
-        policy = models["policy"]
+        policy = built.get("policy")
         weight_sync = WeightSync(world, train.ranks, receivers, policy.model if policy is not None else model)
     task = build_task(config, tokenizer)  # the registered task config.task selects (tasks/build.py)
     # The prefetch thread tokenizes with its own tokenizer: fast tokenizers are not
@@ -99,7 +97,7 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
         tokenizer=tokenizer, rewards=build_rewards(config.task, world.device), is_correct=task.is_correct, sampling=sampling,
         rollout_model=model if rank in rollout else None, weight_sync=weight_sync,
         next_prompts=lambda: prefetcher.next()[0],  # dynamic sampling draws extra batches mid-step
-        **models,
+        policy=built.get("policy"), reference=built.get("reference"), critic=built.get("critic"), built=built,
     )
     return Worker(config, world, engines, plan, comms, prefetcher, task, model, loader=loader, heldout=heldout,
                   num_skipped_rows=sum(rows.skipped.values()))
@@ -107,7 +105,7 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
 
 def _loads_sharded(config: Config, uses: set[str], train: Comm | None, log) -> bool:
     """Whether this rank builds its models on the meta device and reads only its own shards
-    (checkpoint/hf_weights.py): a train rank of a sharded (fsdp2) policy, and its critic
+    (engines/hf_weights.py): a train rank of a sharded (fsdp2) policy, and its critic
     (engines/critic.py) under PPO."""
     if config.trainer.strategy != "fsdp2" or train is None or not train.distributed or "policy" not in uses:
         return False
@@ -117,37 +115,19 @@ def _loads_sharded(config: Config, uses: set[str], train: Comm | None, log) -> b
     return True
 
 
-def _build_models(config: Config, uses: set[str], model: torch.nn.Module, train: Comm | None,
-                  sampling: SamplingSpec, *, sharded_from: Path | None = None) -> tuple[torch.nn.Module, dict]:
+def _build_engines(config: Config, uses: set[str], model: torch.nn.Module, train: Comm | None,
+                   sampling: SamplingSpec, *, sharded_from: Path | None = None) -> tuple[torch.nn.Module, dict]:
     """This rank's model (with LoRA adapters if `model.lora` asks, on every rank alike) and the
-    policy, reference and critic its stages use (None for the others).
+    engines its stages use, built from the registry in its dependency order (engines/registry.py).
 
-    `sharded_from`: `model` is on the meta device; the policy and the reference are sharded,
-    then allocated and filled from that directory's files, each rank reading its own rows."""
-    from distflow.engines.critic import build_critic
-    from distflow.engines.lora import AdaptersOff, apply_lora
-
-    engines = {"policy": None, "reference": None, "critic": None}
-    trainer, lora = config.trainer, config.model.lora
-    # The critic starts as a copy of the base policy (fully trained, no adapters), and the
-    # reference as a frozen copy of it (under LoRA: the policy with its adapters disabled):
-    # both taken before the policy is sharded.
-    if "critic" in uses:
-        engines["critic"] = build_critic(model, train, config.optim, lr=config.algorithm.critic.lr, trainer=trainer,
-                                         sharded_from=sharded_from)
-    if lora.enabled:
-        model = apply_lora(model, lora, seed=trainer.seed)
-    if "reference" in uses:
-        engines["reference"] = AdaptersOff(model) if lora.enabled else frozen_copy(model, train, trainer)
-    if "policy" in uses:
-        if sharded_from is not None:
-            parallelize(model, train, trainer)
-            allocate_and_load([m for m in (model, engines["reference"]) if m is not None], sharded_from, train)
-        engines["policy"] = PolicyEngine(model, train, config.optim, temperature=sampling.temperature,
-                                         trainer=trainer)
-    else:
-        model.requires_grad_(False)
-    return model, engines
+    `sharded_from`: `model` is on the meta device; each engine shards its module and fills it
+    from that directory's files, each rank reading its own rows."""
+    build = EngineBuild(config, model, train, sampling, sharded_from=sharded_from)
+    for spec in build_order({"model", *uses}):
+        build.built[spec.name] = spec.build(build)
+    if "policy" not in uses:
+        build.model.requires_grad_(False)
+    return build.model, {name: engine for name, engine in build.built.items() if name != "model"}
 
 
 def _check_lengths(config: Config, model_config, heldout: ValidRows, tokenize) -> None:

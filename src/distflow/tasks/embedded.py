@@ -10,6 +10,9 @@
 bare `torchrun`, local rank 0 of every node prepares it while the node's other ranks wait.
 The build is deterministic, and the cache key hashes everything that shapes the checkpoint
 (task, warm-start settings, sampling settings of the stopping rule, seed, format version).
+
+A cache hit imports neither torch nor transformers (the builder's imports are inside it): under
+`--nproc N` the launching process only checks the cache, and each rank imports what it needs.
 """
 
 from __future__ import annotations
@@ -21,15 +24,7 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
-
 from distflow.config import Config, to_dict
-from distflow.engines.sampling import SamplingSpec
-from distflow.engines.sft import warm_start_to_target
-from distflow.seeding import derive_seed
-from distflow.tasks.build import build_task
-from distflow.tasks.tiny_model import build_tiny_model
-from distflow.tasks.tokenizer import build_char_tokenizer
 
 FORMAT_VERSION = 3  # 3: keyed sampling in the validation check
 
@@ -54,8 +49,29 @@ def embedded_model_dir(config: Config) -> Path:
     return Path(config.warmstart.cache_dir).expanduser() / cache_key(config)
 
 
+CALCULATOR = "distflow.envs.tools:CalculatorEnv"
+
+
+def _tool_batches(tokenizer, train: list[dict], seed: int):
+    """Multi-turn warm-start batches (`env.cls` is the calculator): the transcripts of `tasks.tool_transcripts`."""
+    from distflow.seeding import derive_seed
+    from distflow.tasks.tool_transcripts import transcript_batch
+
+    def batch_of(indices: list[int], step: int):
+        return transcript_batch(tokenizer, [train[i] for i in indices], derive_seed(seed, "warmstart-tool", step))
+
+    return batch_of
+
+
 def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     """Build, warm-start and save the embedded model into `target` (atomically)."""
+    from distflow.engines.sampling import SamplingSpec
+    from distflow.engines.sft import warm_start_to_target
+    from distflow.seeding import derive_seed
+    from distflow.tasks.build import build_task
+    from distflow.tasks.tiny_model import build_tiny_model
+    from distflow.tasks.tokenizer import build_char_tokenizer
+
     start = time.time()
     seed = config.trainer.seed
     tokenizer = build_char_tokenizer()
@@ -64,8 +80,9 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     ws = config.warmstart
     validation, train = task.train[-ws.num_validation :], task.train[: -ws.num_validation]
     sampling = SamplingSpec.of(config.rollout)
+    tool = config.env.cls == CALCULATOR  # a multi-turn warm-start trains on the calculator's transcripts
     info = warm_start_to_target(model, tokenizer, train, validation, task.is_correct, sampling, ws, seed, log,
-                                env=config.env)
+                                env=config.env, batch_of=_tool_batches(tokenizer, train, seed) if tool else None)
     info["seconds"] = round(time.time() - start, 1)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
@@ -111,6 +128,8 @@ def ensure_embedded_model(config: Config, *, builder: bool, log=print) -> Path:
     """The cached model directory, built first if this process is the `builder` and it is missing."""
     target = embedded_model_dir(config)
     if builder and not (target / "config.json").is_file():
+        import torch
+
         with torch.random.fork_rng():
             build_embedded_model(config, target, log)
     return target

@@ -73,12 +73,14 @@ def load_sharded_weights(model: torch.nn.Module, model_dir: Path, comm: Comm,
              no_dist=not comm.distributed)
 
 
-def allocate_and_load(models: list[torch.nn.Module], model_dir: Path, comm: Comm) -> None:
+def allocate_and_load(models: list[torch.nn.Module], model_dir: Path, comm: Comm,
+                      rename: tuple[str, str] | None = None) -> None:
     """Allocate each meta-built, sharded model's shards on `comm.device` and fill them from
-    `model_dir` (collective over `comm`, in the same order on every rank)."""
+    `model_dir` (collective over `comm`, in the same order on every rank); `rename` as in
+    `load_sharded_weights`."""
     for model in models:
         materialize(model, comm.device)
-        load_sharded_weights(model, model_dir, comm)
+        load_sharded_weights(model, model_dir, comm, rename=rename)
 
 
 def _tied_aliases(model: torch.nn.Module) -> set[str]:
