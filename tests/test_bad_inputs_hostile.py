@@ -65,7 +65,8 @@ BEFORE_ANY_RANK = [  # (id, arguments, needle in the one error line); "{tmp}" is
      "task.dataset.path='{tmp}/empty.jsonl' has no rows (the file is empty)"),
     ("empty dataset csv", [*DATASET, "task.dataset={path: {tmp}/empty.csv}"],
      "task.dataset.path='{tmp}/empty.csv' has no rows (the file is empty)"),
-    ("empty held-out dataset", [*DATASET, "task.dataset={path: {tmp}/rows.jsonl, heldout_path: {tmp}/blank.jsonl}"],
+    ("empty held-out dataset", [*DATASET, "task.dataset={path: {tmp}/rows.jsonl, heldout_path: {tmp}/blank.jsonl, "
+                                          "heldout_split: train}"],
      "task.dataset.heldout_path='{tmp}/blank.jsonl' has no rows"),
     ("empty train file", [*DATASET, "task.train_file={tmp}/blank.jsonl", "task.heldout_file={tmp}/blank.jsonl"],
      "task.train_file='{tmp}/blank.jsonl' has no rows (the file is empty)"),

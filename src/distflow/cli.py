@@ -18,22 +18,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import threading
-import time
 import warnings
 from pathlib import Path
 from typing import NoReturn
 
-from distflow import cli_tools, gc_policy, preflight
+from distflow import cli_tools, gc_policy
 from distflow.config import Config, ConfigError, load_config
 from distflow.console import say
 from distflow.config.deprecated import DeprecatedKeyWarning
-from distflow.envvars import LAUNCHED_ENV, RESUME_ENV, RUN_DIR_ENV, RUN_NAME_ENV, STARTED_ENV
+from distflow.envvars import LAUNCHED_ENV
+from distflow.errors import RunFailed
 
 USER_ERROR = 2
-LATEST = "latest"
+LATEST = "latest"  # runtime/start.py's LATEST: `--resume` alone
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,68 +75,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _validate(config: Config, world_size: int, *, check_run_dir: bool, resuming: bool) -> None:
-    """Everything that can be checked before a rank starts: layout arithmetic, graph, paths, imports.
-    (Without importing torch, which alone takes seconds: a config error shows up at once.)"""
-    from distflow.dag.pipelines import LOADER_FIELDS, build_graph
-    from distflow.planner.plan import make_plan
-
-    from distflow.config.callables import reward_functions
-
-    make_plan(build_graph(config), config, world_size, LOADER_FIELDS)
-    reward_functions(config.task)
-    if config.env.cls is not None:
-        from distflow.envs import environment_class
-
-        environment_class(config.env.cls, kwargs=config.env.kwargs)
-    if config.trainer.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=auto or cpu")
-    preflight.check_strategy(config)
-    preflight.check_loggers(config)
-    preflight.check_reward_models(config)
-    preflight.check_data_files(config)
-    preflight.check_directories(config, _run_dir(config))
-    if os.environ.get(LAUNCHED_ENV) != "1":  # else `distflow train --nproc` checked it before starting the ranks
-        preflight.check_model_dir(config)
-        preflight.check_lora(config)
-    if check_run_dir and not resuming and (_run_dir(config) / "metrics.jsonl").exists():
-        raise ConfigError(f"run directory {str(_run_dir(config))!r} already holds a run; "
-                          "choose another trainer.run_name, or continue it with --resume")
-
-
-def _run_dir(config: Config) -> Path:
-    if os.environ.get(RUN_DIR_ENV):  # chosen by the launching process (a resumed run's own directory)
-        return Path(os.environ[RUN_DIR_ENV])
-    name = config.trainer.run_name or os.environ.get(RUN_NAME_ENV) or time.strftime("%Y%m%d-%H%M%S")
-    return Path(config.trainer.output_dir) / name
-
-
-def _resume_target(config: Config, value: str) -> tuple[Path, Path]:
-    """(checkpoint to resume from, run directory to continue writing into)."""
-    from distflow.checkpoint.directory import latest_checkpoint
-    from distflow.checkpoint.store import read_meta
-    from distflow.runtime.checkpointing import checkpoint_root, resolve
-
-    if value == LATEST:
-        if not config.trainer.run_name and not os.environ.get(RUN_DIR_ENV):
-            raise ConfigError("--resume without a checkpoint continues trainer.run_name's run: set "
-                              "trainer.run_name=NAME, or pass the checkpoint or run directory to --resume")
-        run_dir = _run_dir(config)
-        latest = latest_checkpoint(checkpoint_root(config, run_dir))
-        if latest is None:
-            raise ConfigError(f"no complete checkpoint in {checkpoint_root(config, run_dir)} to resume from; "
-                              "start the run without --resume")
-        return latest, run_dir
-    checkpoint = resolve(Path(value))
-    if config.trainer.run_name or os.environ.get(RUN_DIR_ENV):
-        return checkpoint, _run_dir(config)
-    saved = read_meta(checkpoint)["extra"].get("run_dir")
-    return checkpoint, Path(saved) if saved else _run_dir(config)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = _parser()
@@ -168,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         config = _load_config(args.config, args.overrides)
         if args.command == "plan":
             return _plan(config, args.world_size)
-        return _train(config, args, argv)
+        return _train(config, args)
     except ConfigError as err:
         print(f"distflow: error: {err}", file=sys.stderr)
         return USER_ERROR
@@ -219,121 +156,15 @@ def exit_process(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _train(config: Config, args: argparse.Namespace, argv: list[str]) -> int:
-    under_launcher = "RANK" in os.environ
-    world_size = int(os.environ.get("WORLD_SIZE", 1)) if under_launcher else args.nproc
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc must be >= 1 (got {args.nproc})")
-    os.environ.setdefault(STARTED_ENV, str(time.time()))
-    if args.max_restarts < 0:
-        raise ConfigError(f"--max-restarts must be >= 0 (got {args.max_restarts})")
-    if args.max_restarts and under_launcher and os.environ.get(LAUNCHED_ENV) != "1":
-        raise ConfigError("--max-restarts restarts the ranks that `distflow train` starts; under torchrun, give "
-                          f"torchrun --max-restarts {args.max_restarts} instead")
-    resume, fresh_restart = None, False
-    if under_launcher and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        fresh_restart = _after_restart(config, args)
-    if args.resume is not None:
-        from distflow.checkpoint.store import read_meta
+def _train(config: Config, args: argparse.Namespace) -> int:
+    """`distflow.train` (api.py) is the engine: this only turns its outcome into an exit status."""
+    from distflow.api import train
 
-        resume, run_dir = _resume_target(config, os.environ.get(RESUME_ENV, args.resume))
-        meta = read_meta(resume)
-        step, train_s, budget_s = meta["step"], meta["extra"].get("train_s", 0.0), config.trainer.time_budget_s
-        if step >= config.trainer.total_steps:
-            raise ConfigError(f"checkpoint {resume} is at step {step} >= trainer.total_steps="
-                              f"{config.trainer.total_steps}: nothing left to do; raise trainer.total_steps")
-        if budget_s and train_s >= budget_s:
-            raise ConfigError(f"checkpoint {resume}'s steps took {train_s:.0f} s >= trainer.time_budget_s={budget_s:g}: "
-                              "nothing left to do; raise trainer.time_budget_s (or set it to 0)")
-        preflight.check_resume_inflight(resume, meta["extra"], config, world_size)
-        os.environ.setdefault(RESUME_ENV, str(resume))
-        os.environ.setdefault(RUN_DIR_ENV, str(run_dir))
-    # One run directory for all ranks, chosen before they start.
-    os.environ.setdefault(RUN_NAME_ENV, _run_dir(config).name)
-    # Under a launcher only rank 0 checks the run directory (rank 0 is about to write into it).
-    _validate(config, world_size, check_run_dir=os.environ.get("RANK", "0") == "0",
-              resuming=resume is not None or fresh_restart)
-    if not under_launcher:
-        try:
-            _prepare_model(config)
-        except KeyboardInterrupt:  # Ctrl-C: one line, as in the ranks' loop (runtime/faults.py), not a traceback
-            what = ("the warm-start of the embedded model" if config.model.path is None
-                    else f"the conversion of {config.model.path}")
-            say(f"distflow: interrupted during {what}, before any rank started; nothing half-done was kept: "
-                "run the command again to start over")
-            return 128 + signal.SIGINT
-    # --max-restarts needs the launcher (a restart is a new set of rank processes), also for one rank.
-    if (args.nproc > 1 or args.max_restarts > 0) and not under_launcher:
-        from distflow.runtime.launcher import Stopped, launch
-
-        try:
-            return launch(args.nproc, _strip_nproc(argv), max_restarts=args.max_restarts)
-        except Stopped as stop:
-            return _report_stopped(config, stop.signum)
-    from distflow.runtime.executor import run
-
-    return run(config, _run_dir(config), resume, fresh_restart=fresh_restart)
-
-
-def _prepare_model(config: Config) -> None:
-    """The embedded model (built and warm-started when not cached) or a GGUF model (converted),
-    here, once, before any rank waits on it."""
-    if config.model.path is None:
-        from distflow.tasks.embedded import ensure_embedded_model
-
-        ensure_embedded_model(config, builder=True, log=lambda text: print(text, file=sys.stderr, flush=True))
-        return
-    from distflow.tasks.model_source import is_converted, resolve_model_dir
-
-    if is_converted(config.model.path):
-        resolve_model_dir(config.model.path, builder=True, log=lambda text: say(text))
-
-
-def _after_restart(config: Config, args: argparse.Namespace) -> bool:
-    """torchrun restarted every rank after a failure (`--max-restarts`): continue from the run's
-    latest complete checkpoint (all ranks see the same one: they all stopped before restarting).
-    Returns True when there is none yet and the run begins again (its partial records go)."""
-    from distflow.checkpoint.directory import latest_checkpoint
-    from distflow.runtime.checkpointing import checkpoint_root
-
-    run_dir = _run_dir(config)
-    latest = latest_checkpoint(checkpoint_root(config, run_dir))
-    say(f"distflow: rank {os.environ.get('RANK', 0)}: restart {os.environ['TORCHELASTIC_RESTART_COUNT']} after a "
-        "failure: " + (f"resuming from {latest}" if latest else "no checkpoint yet, starting again"))
-    if latest is not None:
-        args.resume = str(latest)
-        os.environ[RESUME_ENV], os.environ[RUN_DIR_ENV] = str(latest), str(run_dir)
-        return False
-    if args.resume is not None:  # the first attempt resumed from elsewhere and saved nothing yet: again
-        return False
-    os.environ[RUN_DIR_ENV] = str(run_dir)
-    return True
-
-
-def _report_stopped(config: Config, signum: int) -> int:
-    """One line for a run stopped from outside (Ctrl-C, `kill`): what stopped it and what to resume from."""
-    from distflow.checkpoint.directory import latest_checkpoint
-    from distflow.runtime.checkpointing import checkpoint_root
-
-    root = checkpoint_root(config, _run_dir(config))
-    latest = latest_checkpoint(root) if root.is_dir() else None
-    where = (f"last complete checkpoint: {latest} (continue with --resume {latest})" if latest
-             else f"no complete checkpoint in {root} yet")
-    print(f"distflow: run stopped by {signal.Signals(signum).name}; the ranks were stopped; {where}",
-          file=sys.stderr, flush=True)
-    return 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
-
-
-def _strip_nproc(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--nproc":
-            skip = True
-        elif not arg.startswith("--nproc="):
-            out.append(arg)
-    return out
+    try:
+        train(config, nproc=args.nproc, resume=args.resume or False, max_restarts=args.max_restarts)
+    except RunFailed as failed:  # its line is printed already (by the rank, or by the launcher)
+        return failed.exit_code
+    return 0
 
 
 def _plan(config: Config, world_size: int) -> int:

@@ -1,16 +1,43 @@
-"""Resolving `package.module:function` references written in configs."""
+"""Resolving `package.module:function` references written in configs.
+
+`distflow.train` may be given the Python objects themselves (a reward function defined in a
+notebook, a lambda, an environment class): it names each in the config and, for a run in its
+own process, provides the object under that name for the run's duration (`provided`), so that
+the config stays plain text (config.yaml, checkpoints) and every consumer resolves it here.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
 from distflow.config.schema import ConfigError, TaskConfig
 
 
+_PROVIDED: dict[str, object] = {}
+"""Objects `distflow.train` provides for this process's run, by the name its config gives them."""
+
+
+@contextlib.contextmanager
+def provided(objects: Mapping[str, object]) -> Iterator[None]:
+    """Resolve each name of `objects` to its object (instead of importing it) until the block ends."""
+    taken = [name for name in objects if name in _PROVIDED]
+    if taken:
+        raise ConfigError(f"{taken[0]!r} is already provided by a run in progress in this process")
+    _PROVIDED.update(objects)
+    try:
+        yield
+    finally:
+        for name in objects:
+            _PROVIDED.pop(name, None)
+
+
 def import_callable(spec: str, *, key: str) -> Callable:
     """The function `spec` names; a ConfigError naming the config `key` otherwise."""
+    if spec in _PROVIDED:
+        return _PROVIDED[spec]
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from distflow.errors import DistflowError
 
-class ConfigError(ValueError):
-    """A user error in the configuration; the CLI prints it on one line and exits 2."""
+
+class ConfigError(DistflowError, ValueError):
+    """A user error in the configuration (or in what `distflow.train` was given); the CLI prints it
+    on one line and exits 2, `distflow.train` raises it."""
 
 
 def check(ok: bool, message: str) -> None:

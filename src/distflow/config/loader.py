@@ -19,7 +19,13 @@ from distflow.config.schema import Config, ConfigError
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """The config of YAML file `path` (None: the defaults) with `key=value` overrides applied.
     Old flat keys are read as their new ones, with a warning (`deprecated.py`)."""
-    data = _read_file(path) if path is not None else {}
+    return config_of(_read_file(path) if path is not None else {}, overrides)
+
+
+def config_of(data: dict[str, Any], overrides: list[str] = ()) -> Config:
+    """The config of `data` (what a YAML file holds; changed in place) with `key=value` overrides applied."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config must be a mapping (got {type(data).__name__})")
     upgrade_old_keys(data)
     for item in upgrade_old_overrides(list(overrides)):
         apply_override(data, item)

@@ -165,6 +165,11 @@ class Rewards:
         self.default_reward = default_reward
         self._call = DeadlineCaller(timeout_s) if timeout_s > 0 else (lambda fn, *args: fn(*args))
 
+    def close(self) -> None:
+        """Let the reward thread end (a call still running ends it when it returns)."""
+        if isinstance(self._call, DeadlineCaller):
+            self._call.close()
+
     def _one(self, term: RewardTerm, args: tuple, scores: Scores) -> float:
         try:
             value = self._call(term.fn, *args)

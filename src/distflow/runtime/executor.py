@@ -17,6 +17,7 @@ stage that outlives its limit (faults.StageTimeouts) ends the job with every thr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -31,11 +32,12 @@ import yaml
 from distflow import gc_policy
 from distflow.checkpoint.store import step_dir_name
 from distflow.comm import Comm, init_comm, node_address, shutdown
-from distflow.config import Config, to_dict
+from distflow.config import Config, ConfigError, to_dict
 from distflow.console import say
 from distflow.data.batch import Batch
 from distflow.engines.evaluation import Evaluation, evaluate
 from distflow.envvars import STARTED_ENV
+from distflow.errors import RunFailed
 from distflow.fileio import atomic_write_text
 from distflow.observability.derived import add_derived
 from distflow.observability.metrics import StepMetrics
@@ -52,8 +54,12 @@ from distflow.runtime.worker import Worker, build_worker
 from distflow.seeding import derive_seed
 
 
-def run(config: Config, run_dir: Path, resume: Path | None = None, *, fresh_restart: bool = False) -> int:
-    """This rank's whole run; returns its exit code. A failure is reported here, once.
+def run(config: Config, run_dir: Path, resume: Path | None = None, *,
+        fresh_restart: bool = False) -> tuple[dict, dict[str, float]]:
+    """This rank's whole run: (the summary, the final evaluation's metrics). A failure is reported
+    here, once. With several ranks this process then exits with its code (peers may be dead or
+    stuck: no teardown); alone, it raises: a ConfigError as it is (its caller prints it: the CLI,
+    one line, exit 2), anything else as `RunFailed` with the line printed here.
     `fresh_restart`: a restart before any checkpoint: the failed attempt's records are dropped."""
     started = float(os.environ.get(STARTED_ENV, time.time()))  # set by the CLI before any set-up
     status = RankStatus.from_env(timeouts=StageTimeouts.from_config(config))
@@ -67,19 +73,23 @@ def run(config: Config, run_dir: Path, resume: Path | None = None, *, fresh_rest
         comm = init_comm(device=config.trainer.device, timeout_s=config.trainer.timeout_s)
         run_dir = Path(comm.broadcast_object(str(run_dir)))  # one run directory, whichever clock named it
         status.node_addresses = comm.all_gather_object(node_address())  # to name the ranks of a lost machine
-        _train(config, run_dir, comm, started, status, resume, fresh_restart)
+        finished = _train(config, run_dir, comm, started, status, resume, fresh_restart)
     except BaseException as err:  # noqa: BLE001 — reported once, here, with rank and stage
-        code = status.fail(err)
-        if comm is not None and comm.distributed:
+        alone = comm is None or not comm.distributed
+        code = status.fail(err, say_line=not (alone and isinstance(err, ConfigError)))
+        if not alone:
             # Peers may be dead or stuck: no process-group teardown, no waiting on threads.
             end_descendants()
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
-        return code
+        shutdown()
+        if isinstance(err, ConfigError):
+            raise
+        raise RunFailed(status.failure or str(err), code) from err
     status.done()
     shutdown()
-    return 0
+    return finished
 
 
 def _evaluate(worker: Worker) -> Evaluation:
@@ -127,13 +137,22 @@ def _step(worker: Worker, step: int, previous: Batch | None, status: RankStatus)
 
 
 def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: RankStatus,
-           resume: Path | None, fresh_restart: bool = False) -> dict:
-    trainer = config.trainer  # the CLI validated config and world size before this rank started
+           resume: Path | None, fresh_restart: bool = False) -> tuple[dict, dict[str, float]]:
+    """(summary, final evaluation's metrics) of this rank's run; the CLI validated config and world
+    size before this rank started."""
     transformers.utils.logging.disable_progress_bar()
     log = say if comm.is_main else (lambda text: None)
     status.enter("setup")
-    worker = build_worker(config, comm, log)
-    gc_policy.after_startup()  # imports and model loading done: the usual collections from here on
+    with contextlib.closing(build_worker(config, comm, log)) as worker:  # its threads end, whatever happens
+        gc_policy.after_startup()  # imports and model loading done: the usual collections from here on
+        return _train_worker(worker, run_dir, comm, started, status, resume, fresh_restart, log)
+
+
+def _train_worker(worker: Worker, run_dir: Path, comm: Comm, started: float, status: RankStatus,
+                  resume: Path | None, fresh_restart: bool, log) -> tuple[dict, dict[str, float]]:
+    """Long because it is the run's outline, step loop included, in one place to read."""
+    config = worker.config
+    trainer = config.trainer
     torch.manual_seed(derive_seed(trainer.seed, "torch", comm.rank))  # sampling itself is keyed per sample
     root = checkpointing.checkpoint_root(config, run_dir)
     resumed = _resume(worker, resume, status, log) if resume is not None else None
@@ -179,13 +198,12 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
             break
     status.enter("finish")
     summary = _summary(config, before, after, first_step, resume, comm, started, run_dir, last_checkpoint, step)
-    worker.prefetcher.close()
     if writer:
         writer.close()
         atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=1))
         _draw_curves(writer)
         print(json.dumps(summary), flush=True)
-    return summary
+    return summary, _eval_metrics(after)
 
 
 def _steps(worker: Worker, first_step: int, status: RankStatus, writer: RunWriter | None, profiler: StepProfiler,

@@ -141,6 +141,8 @@ class RankStatus:
 
     def __init__(self, rank: int, *, status_dir: Path | None, timeouts: StageTimeouts) -> None:
         self.rank = rank
+        self.failure: str | None = None
+        """The line `fail` reported."""
         self.node_addresses: list[str] = []
         """Every rank's machine address, by rank (`comm.node_address`, gathered once at start-up)."""
         self.status_dir = status_dir
@@ -193,8 +195,9 @@ class RankStatus:
             with contextlib.suppress(OSError):  # the last rank out removes a bare torchrun's directory
                 self.status_dir.rmdir()
 
-    def fail(self, err: BaseException) -> int:
-        """Report `err` (one line; a traceback too for crashes) and return the exit code."""
+    def fail(self, err: BaseException, *, say_line: bool = True) -> int:
+        """Report `err` (one line, kept in `failure`; a traceback too for crashes) and return the
+        exit code. `say_line=False`: the caller prints the line itself (a one-process user error)."""
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's stop must not cut the report short
         self._stop.set()
@@ -219,7 +222,8 @@ class RankStatus:
         else:
             traceback.print_exception(err, file=sys.stderr)  # a crash: where exactly, for whoever fixes it
             line = f"distflow: rank {self.rank} failed in {self.where()}: {_one_line(err)}"
-        if os.environ.get(LAUNCHED_ENV) != "1":  # under `distflow train --nproc` the launcher prints it
+        self.failure = line
+        if say_line and os.environ.get(LAUNCHED_ENV) != "1":  # under `distflow train --nproc` the launcher prints it
             say(line)
         if self.status_dir is not None:
             self._write("failed", error=line, exit_code=code, comm_error=comm_error)

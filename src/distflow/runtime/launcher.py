@@ -3,8 +3,8 @@
 This is what `torchrun --standalone --nproc_per_node N -m distflow train ...` does; the
 launcher's agent only starts and watches the ranks (no data passes through it). If a
 rank fails, the agent stops the others at once (SIGTERM to each rank's process group,
-SIGKILL 30 s later), and this command prints one line naming the failed rank and the
-stage it was in (from the ranks' status files, runtime/diagnosis.py) and exits non-zero.
+SIGKILL 30 s later), and `launch` prints one line naming the failed rank and the stage it
+was in (from the ranks' status files, runtime/diagnosis.py) and raises `RunFailed` with it.
 A SIGINT (Ctrl-C) or SIGTERM to this command stops the ranks with the same signal and
 raises `Stopped` (the CLI says where the last checkpoint is).
 
@@ -37,6 +37,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from distflow.comm import Comm
 from distflow.envvars import LAUNCHED_ENV, STATUS_DIR_ENV
+from distflow.errors import RunFailed
 from distflow.runtime.descendants import become_subreaper
 from distflow.runtime.diagnosis import diagnose
 
@@ -49,9 +50,10 @@ class Stopped(Exception):
         self.signum = signum
 
 
-def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
-    """Run `python -m distflow <argv>` as `nproc` ranks; returns an exit code. After a failure the
-    agent restarts every rank up to `max_restarts` times (they resume from the latest checkpoint)."""
+def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> None:
+    """Run `python -m distflow <argv>` as `nproc` ranks; `RunFailed` (its line printed) if they fail.
+    After a failure the agent restarts every rank up to `max_restarts` times (they resume from the
+    latest checkpoint)."""
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -79,12 +81,13 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
         failures = {rank: (failure.exitcode, failure.timestamp or seen) for rank, failure in err.failures.items()}
         report = diagnose(status_dir, failures)
         print(report.line, file=sys.stderr, flush=True)
-        return report.exit_code
+        raise RunFailed(report.line, report.exit_code) from None
     except SignalException as err:
         raise Stopped(int(err.sigval)) from None
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)
-    return 0 if results is not None else 1
+    if results is None:
+        raise RunFailed("distflow: the ranks ended without a result", 1)
 
 
 LOCAL_TIMEOUT = timedelta(seconds=1800)  # generous: a loaded 2-core machine can stall a rank for minutes

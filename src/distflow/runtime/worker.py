@@ -58,6 +58,13 @@ class Worker:
     num_skipped_rows: int = 0
     """Invalid training rows left out (data.on_invalid_row=skip)."""
 
+    def close(self) -> None:
+        """End the threads this rank started (the prefetcher's, the reward runner's): a second run
+        in the same process (`distflow.train` in a notebook) starts without the first one's."""
+        self.prefetcher.close()
+        if self.engines.rewards is not None:
+            self.engines.rewards.close()
+
 
 def build_worker(config: Config, world: Comm, log) -> Worker:
     from distflow.engines.reward import build_rewards
