@@ -199,6 +199,30 @@ def test_a_rollout_rank_killed_with_batches_in_flight_ends_the_job_naming_it(tmp
     assert "rank 0 was killed by SIGKILL in stage 'chaos' at step 1" in result.stderr.strip().splitlines()[-1]
 
 
+def test_a_finished_pipelined_run_extended_with_resume_generates_the_missing_batch(tmp_path, cache_dir):
+    """A finished k = 1 run holds no batch in flight: raising trainer.total_steps and resuming
+    pre-rolls step 3 from the restored policy (2 updates). A checkpoint with a batch in flight
+    continues only with its own k and world size: anything else is refused in one line."""
+    quick = ["warmstart.target_accuracy=0", "checkpoint.every=1"]  # an untrained model will do here
+    done = train(tmp_path, cache_dir, "trainer.max_staleness=1", "trainer.total_steps=2", *quick)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for k, nproc in [(0, "2"), (0, "1"), (2, "2")]:  # step-1 holds step 2's batch, drawn for k = 1 on 2 ranks
+        refused = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *ARGS, f"trainer.max_staleness={k}",
+                          "trainer.total_steps=3", *quick, f"warmstart.cache_dir={cache_dir}",
+                          f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
+                          "--resume", str(tmp_path / "run/checkpoints/step-000001"),
+                          "--nproc", nproc, cwd=tmp_path, timeout=1800)
+        lines = refused.stderr.strip().splitlines()
+        assert refused.returncode == 2 and len(lines) == 1, refused.stderr[-3000:]
+        assert "holds the batches in flight of a run with trainer.max_staleness=1 on 2 ranks" in lines[0], lines[0]
+    extended = train(tmp_path, cache_dir, "trainer.max_staleness=1", "trainer.total_steps=3", *quick, "--resume")
+    assert extended.returncode == 0, extended.stderr[-3000:]
+    summary = json.loads(extended.stdout.strip().splitlines()[-1])
+    assert (summary["resumed_from_step"], summary["steps"]) == (2, 3)
+    assert {step: set(row["version"]) for step, row in records(tmp_path).items()} == {1: {0}, 2: {0}, 3: {2}}
+    assert metrics(tmp_path / "run")[3]["off_policy/staleness_max"] == 0.0  # drawn by the policy it trains
+
+
 @pytest.mark.slow  # four 2-rank launches (~80 s idle): CI runs it
 def test_same_seed_same_run_and_kill_9_resume_reproduces_it(tmp_path, cache_dir):
     extra = ["trainer.max_staleness=2", "trainer.total_steps=5", "checkpoint.every=2"]

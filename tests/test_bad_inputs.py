@@ -11,6 +11,9 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -309,13 +312,20 @@ def test_rewards_that_edit_the_row_or_overflow_float32_are_contained(userdir, ca
     assert all(r["train/consecutive_nonfinite_steps"] == 0 and math.isfinite(r["reward/mean"]) for r in records)
 
 
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2 ranks: CI
-def test_threads_left_by_a_reward_do_not_keep_the_run_alive(userdir, cache_dir, nproc):
+@pytest.mark.parametrize("nproc, script", [(1, False), (1, True), pytest.param(2, False, marks=pytest.mark.slow)])
+def test_threads_left_by_a_reward_do_not_keep_the_run_alive(userdir, cache_dir, nproc, script):
     # Without the fix the process waits for the thread (an hour): the subprocess timeout fails the test.
-    result = run_cli("train", CONFIG, *TINY, "trainer.total_steps=1", "warmstart.target_accuracy=0",
-                     f"warmstart.cache_dir={cache_dir}", f"trainer.output_dir={userdir}",
-                     f"trainer.run_name=thread-{nproc}", "task.reward=rewards_misbehave:leaves_thread",
-                     "task.reward_timeout_s=0", "--nproc", str(nproc), cwd=userdir, timeout=1800)
+    # `script`: the `distflow` command that pip installs, rather than `python -m distflow` (2 ranks: CI).
+    args = ["train", CONFIG, *TINY, "trainer.total_steps=1", "warmstart.target_accuracy=0",
+            f"warmstart.cache_dir={cache_dir}", f"trainer.output_dir={userdir}",
+            f"trainer.run_name=thread-{nproc}-{int(script)}", "task.reward=rewards_misbehave:leaves_thread",
+            "task.reward_timeout_s=0", "--nproc", str(nproc)]
+    if script:
+        result = subprocess.run([str(Path(sys.executable).parent / "distflow"), *args], cwd=userdir,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True,
+                                timeout=1800)
+    else:
+        result = run_cli(*args, cwd=userdir, timeout=1800)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1])["steps"] == 1
     warnings = [line for line in result.stderr.splitlines() if "non-daemon thread" in line]

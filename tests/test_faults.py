@@ -36,7 +36,7 @@ def _mark(name):
 
 
 def chaos(batch, ctx):
-    """FAULT=kill|raise|stall|sleep_all on rank FAULT_RANK at step 1."""
+    """FAULT=kill|raise|stop|stall|sleep_all on rank FAULT_RANK at step 1."""
     fault, rank = os.environ["FAULT"], int(os.environ.get("FAULT_RANK", 1))
     if ctx.step != 1 or (ctx.world.rank != rank and fault != "sleep_all"):
         return batch
@@ -45,6 +45,8 @@ def chaos(batch, ctx):
         os.kill(os.getpid(), signal.SIGKILL)
     if fault == "raise":
         raise ValueError("injected failure")
+    if fault == "stop":  # frozen, as by `kill -STOP`: not even its watchdog thread runs
+        os.kill(os.getpid(), signal.SIGSTOP)
     time.sleep(3600)  # stall / sleep_all
 '''
 ARGS = [
@@ -153,6 +155,21 @@ def test_a_stalled_stage_is_reported_with_stacks(tmp_path, cache_dir):
     assert last_line(stderr).startswith("distflow: rank 1 stalled: stage 'chaos' at step 1 has run for")
     assert "> 5s (pipeline.custom_stages[chaos].timeout_s=5)" in last_line(stderr)
     assert "Python stacks of its threads" in stderr and 'chaos.py", line' in stderr  # faulthandler's dump
+    assert_no_orphans(tmp_path)
+
+
+def test_a_frozen_rank_is_named_unresponsive_by_its_peer(tmp_path, cache_dir):
+    """Rank 1 stops itself (SIGSTOP) in its chaos stage: rank 0 names it, in that stage, once the
+    stage's limit has passed (not its own stage's limit plus a wait for the frozen peer), and
+    the launcher's teardown SIGKILL of the stopped process is no longer taken for the cause."""
+    proc = start(tmp_path, cache_dir, "stop", "--nproc", "2", chaos_timeout_s=5)
+    code, stderr, latency = finish(proc, tmp_path)
+    record("SIGSTOP (chaos timeout_s=5), --nproc 2", latency)
+    assert code == 3, stderr[-3000:]
+    assert last_line(stderr).startswith("distflow: rank 1 unresponsive: its process (pid "), stderr[-3000:]
+    assert "is stopped (SIGSTOP or a debugger) in stage 'chaos' at step 1 for" in last_line(stderr)
+    assert "rank 0 waited for it in stage" in last_line(stderr)
+    assert "Traceback" not in stderr
     assert_no_orphans(tmp_path)
 
 

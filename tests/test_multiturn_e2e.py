@@ -4,6 +4,10 @@ the loss mask where observations are, and the training pass's log-probs equal to
 rollout's on model tokens."""
 
 import json
+import math
+import os
+import signal
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +50,36 @@ class Bad:
             sys.exit(1)
         result = run_python("import os; print('bye'); os._exit(3)")
         return result.output, 0.0, True, {"tool_call": True, "tool_error": result.returncode != 0}
+''',
+    "nan_env.py": '''
+from echo_env import Echo
+
+class NanOnEvenRows(Echo):
+    """Echo, with a NaN turn reward for about half the prompts."""
+    def reset(self, sample):
+        self.nan = sum(map(ord, sample["prompt"])) % 2 == 0
+        return None
+    def step(self, action):
+        observation, reward, done, info = super().step(action)
+        return observation, float("nan") if self.nan else reward, done, info
+''',
+    "spawning_env.py": '''
+import os, subprocess
+from echo_env import Echo
+
+class Spawning(Echo):
+    """Echo, that once per process starts a server, one in its own session, and one that its
+    shell leaves behind (an orphan); their pids go to children-PID.txt."""
+    def reset(self, sample):
+        if not os.path.exists(f"children-{os.getpid()}.txt"):
+            quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}  # not the run's pipes
+            plain = subprocess.Popen(["sleep", "1000"], **quiet)
+            session = subprocess.Popen(["sleep", "1000"], start_new_session=True, **quiet)
+            orphan = subprocess.run(["sh", "-c", "sleep 1000 > /dev/null 2>&1 & echo $!"], capture_output=True,
+                                    text=True).stdout.strip()
+            with open(f"children-{os.getpid()}.txt", "w") as f:
+                f.write(f"{plain.pid} {session.pid} {orphan}")
+        return None
 ''',
     "recorder.py": '''
 import json, os
@@ -128,3 +162,45 @@ def test_failing_tools_are_contained_and_counted(tmp_path_factory, cache_dir):
     assert step["env/errors"] == 3 + 3  # kinds 1 and 3
     assert step["env/tool_errors"] == 3  # kind 4: the sandboxed process exited with 3
     assert step["env/truncated"] == pytest.approx(3 / 16)  # kind 2: the flood fills the token budget
+
+
+def test_a_nan_turn_reward_is_contained_and_counted(tmp_path_factory, cache_dir):
+    """A turn reward of NaN is scored env.default_reward and counted in env/errors, as a reward
+    function's non-finite value is: the rewards stay finite and no step is skipped."""
+    result = run(tmp_path_factory, cache_dir, "env.cls=nan_env:NanOnEvenRows", "env.default_reward=-1",
+                 "trainer.total_steps=2")
+    steps = result["metrics"][1:]
+    assert [s["step"] for s in steps] == [1, 2]
+    for step in steps:
+        assert math.isfinite(step["reward/mean"]) and step["train/consecutive_nonfinite_steps"] == 0
+        assert step["env/errors"] > 0
+    for row in result["rows"].values():  # step 1's: the NaN turn ends its trajectory with the default reward
+        assert all(math.isfinite(r) for r in row["turn_reward"])
+    assert any(row["turn_reward"].count(-1.0) == 1 for row in result["rows"].values())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_processes_an_environment_starts_end_with_the_run(tmp_path_factory, cache_dir, nproc):
+    """An environment's server, one in its own session, and an orphan its shell left: each rank
+    ends them when it exits (runtime/descendants.py)."""
+    cwd = tmp_path_factory.mktemp("spawning")
+    for name, text in USER_FILES.items():
+        (cwd / name).write_text(text)
+    result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *ARGS[:-1], "env.cls=spawning_env:Spawning",
+                     f"warmstart.cache_dir={cache_dir}", f"trainer.output_dir={cwd}", "trainer.run_name=run",
+                     "--nproc", str(nproc), cwd=cwd, timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    pids = [int(pid) for path in cwd.glob("children-*.txt") for pid in path.read_text().split()]
+    left = [pid for pid in pids if _alive(pid)]
+    for pid in left:  # a failing test leaves nothing behind either
+        os.kill(pid, signal.SIGKILL)
+    assert len(pids) == 3 * nproc  # per rank: a plain child, one in its own session, an orphan
+    assert left == []

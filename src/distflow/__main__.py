@@ -1,3 +1,3 @@
-from distflow.cli import exit_process, main
+from distflow.cli import console_main
 
-exit_process(main())
+console_main()

@@ -128,11 +128,22 @@ def _load_config(path: str, overrides: list[str]) -> Config:
     return config
 
 
+def console_main() -> NoReturn:
+    """The `distflow` command's entry point (pyproject's [project.scripts]), as `python -m distflow`:
+    a console script that returned `main()`'s code to Python's own exit would wait there for
+    threads user code left running."""
+    exit_process(main())
+
+
 def exit_process(code: int) -> NoReturn:
     """Exit with `code` now. Python's own exit waits for every non-daemon thread, so one that
     a reward or stage started and never ended would keep a finished run (and under
     `--nproc`, the whole job) alive forever: name such threads, then leave without them.
-    (distflow's own, named `distflow-*`, such as the prefetch pool's, end at exit by themselves.)"""
+    (distflow's own, named `distflow-*`, such as the prefetch pool's, end at exit by themselves.)
+    Processes that user code started end too (runtime/descendants.py)."""
+    from distflow.runtime.descendants import end_descendants
+
+    end_descendants()
     gc_policy.before_exit()  # the interpreter's last collections would traverse the whole heap
     left = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()
             and not t.name.startswith("distflow-")]

@@ -17,6 +17,7 @@ and the fix. What is checked:
                   to checkpoint (trainer.activation_checkpointing, built on the meta device);
                   model.lora's adapters (built on the meta device), their rank within the
                   adapted layers' dimensions
+    resume        a pipelined checkpoint's batches in flight: the same max_staleness and world size
 
 Only the headers of weight files are read: this costs milliseconds, not a model load.
 """
@@ -293,3 +294,26 @@ def _check_decoder_blocks(model_dir: Path) -> None:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     decoder_blocks(model)  # a ConfigError naming trainer.activation_checkpointing if there are none
+
+
+def inflight_steps(saved: dict) -> list[int]:
+    """The steps whose batches a checkpoint's pipeline state (runtime/pipelined.py) holds: drawn,
+    not yet trained. Checkpoints written before the state named them: rank 0's transfer records'."""
+    if "inflight_steps" in saved:
+        return [int(step) for step in saved["inflight_steps"]]
+    return sorted(int(step) for step in (saved["moved"][0] if saved.get("moved") else {}))
+
+
+def check_resume_inflight(checkpoint: Path, extra: dict, config: Config, world_size: int) -> None:
+    """A checkpoint of a pipelined run with batches in flight continues only as that run: the
+    same trainer.max_staleness and world size (the train ranks are checked when the ranks have
+    their plan). With nothing in flight (a finished run's last checkpoint) any will do."""
+    saved = extra.get("pipeline")
+    if not saved or not inflight_steps(saved):
+        return
+    k, world = saved["max_staleness"], saved["world_size"]
+    if (k, world) != (config.trainer.max_staleness, world_size):
+        raise ConfigError(f"checkpoint {checkpoint} holds the batches in flight of a run with trainer.max_staleness="
+                          f"{k} on {world} ranks (steps {', '.join(map(str, inflight_steps(saved)))} drawn ahead): "
+                          f"resume it with the same max_staleness and world size (trainer.max_staleness={k}, "
+                          f"{world} ranks), or from the run's last checkpoint once it has finished")

@@ -31,8 +31,8 @@ class EnvConfig:
     counted from when each call is issued (generation time does not count); a call still
     running past it ends the trajectory, scored `default_reward`, counted in `env/timeouts`."""
     default_reward: float = 0.0
-    """Reward of the turn whose environment call raised or timed out (the trajectory ends; counted in
-    `env/errors`, `env/timeouts`)."""
+    """Reward of the turn whose environment call raised, timed out or returned a turn reward that
+    is not a finite float32 (NaN, inf): the trajectory ends; counted in `env/errors`, `env/timeouts`."""
     num_workers: int = 8
     """Environment calls running at once on a rank (threads)."""
 

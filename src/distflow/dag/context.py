@@ -72,6 +72,8 @@ class StageContext:
     """Where the stage records its metrics (reduced over ranks once per step)."""
     step: int = 0
     """The current RL step (1-based); custom stages may use it for schedules."""
+    policy_version: int | None = None
+    """Pipelined runs: the updates the sampling policy has had (None: the schedule's, v(step))."""
 
     @property
     def tokenizer(self) -> Any:

@@ -38,7 +38,8 @@ def behaviour_fields(config) -> tuple[str, ...]:
 
 def policy_versions(ctx: StageContext, count: int) -> dict:
     """With stale samples (`trainer.max_staleness` > 0), each of `count` samples' `policy_version`:
-    the schedule's, max(0, step - 1 - k) (runtime/pipelined.py keeps to it); else nothing."""
+    the schedule's, max(0, step - 1 - k) (runtime/pipelined.py keeps to it, and says so in
+    `ctx.policy_version`: the steps pre-rolled after a resume come from the restored policy); else nothing."""
     import torch
 
     from distflow.algorithms.off_policy import behaviour_version
@@ -46,7 +47,7 @@ def policy_versions(ctx: StageContext, count: int) -> dict:
     k = ctx.config.trainer.max_staleness
     if k == 0:
         return {}
-    version = behaviour_version(ctx.step, k)
+    version = behaviour_version(ctx.step, k) if ctx.policy_version is None else ctx.policy_version
     return {"policy_version": torch.full((count,), version, dtype=torch.long, device=ctx.comm.device)}
 
 

@@ -14,9 +14,10 @@ re-encoded (only the action text handed to the environment is decoded); observat
 are encoded once, on their own, and appended after it. The sequence a trajectory trains on
 is therefore the one it was sampled as. A trajectory ends when the environment says done,
 at `max_turns`, at the `max_tokens` budget (the tokens past it are dropped), or when an
-environment call raises or runs past the environment time the trajectory has left
+environment call raises, returns a turn reward that is not a finite float32 (NaN, inf, 1e308: as
+a reward function's, engines/reward.py) or runs past the environment time the trajectory has left
 (`env.deadline_s` for all its calls together; generation does not count) — scored
-`default_reward`, counted. Turn t of sample uid draws token k from the key (seed, uid, t) at position k, and
+`default_reward`, counted (`env/errors`, `env/timeouts`). Turn t of sample uid draws token k from the key (seed, uid, t) at position k, and
 each turn pads to the worker group's widest running sequence, so a trajectory does not
 depend on the world size or on its batch-mates.
 """
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from distflow.engines.reward import representable
 from distflow.engines.sequences import encode_prompts, end_of_turn, stop_token_ids
 from distflow.envs.calls import run_calls
 
@@ -105,12 +107,15 @@ def _contain(traj: Trajectory, outcome, default_reward: float) -> tuple[Any, flo
         return None
     try:
         observation, reward, done, info = outcome.value
-        return observation, float(reward), bool(done), dict(info or {})
+        step = observation, float(reward), bool(done), dict(info or {})
     except (TypeError, ValueError):  # not (obs, reward, done, info): the environment's bug, contained
+        step = None
+    if step is None or not representable(step[1]):  # NaN, inf or beyond float32: as a reward function's
         traj.errors += 1
         traj.done = True
         _reward_last(traj, default_reward)
         return None
+    return step
 
 
 def _reward_last(traj: Trajectory, reward: float) -> None:

@@ -19,8 +19,8 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from distflow.runtime.faults import (EXIT_FAILED, EXIT_STALLED, EXIT_USER_ERROR, read_statuses, status_progress,
-                                     status_where)
+from distflow.runtime.faults import EXIT_FAILED, EXIT_STALLED, EXIT_USER_ERROR
+from distflow.runtime.status_files import read_statuses, status_progress, status_where
 
 
 @dataclass(frozen=True)
@@ -34,10 +34,17 @@ def diagnose(status_dir: Path, failures: dict[int, tuple[int, float]]) -> Diagno
 
     `failures`: {rank: (exit code or -signal, time it was seen)} for the ranks that ended on
     their own (not the ones the launcher stopped afterwards). The root cause is, in order:
-    a rank that died without reporting (a signal, e.g. kill -9), a rank that stalled, a rank
-    that raised something other than a lost connection, and else the first failure seen.
+    a rank that a peer reported unresponsive (stopped), a rank that died without reporting (a
+    signal, e.g. kill -9), a rank that stalled, a rank that raised something other than a lost
+    connection, and else the first failure seen.
     """
     statuses = {s["rank"]: s for s in read_statuses(status_dir)}
+    # A rank that found a peer frozen (stopped) spoke for it: the launcher's teardown killed that
+    # peer afterwards (SIGKILL, as it cannot take a SIGTERM while stopped), which is no root cause.
+    blamed = sorted((s for s in statuses.values() if s["state"] == "stalled" and "unresponsive_rank" in s),
+                    key=lambda s: s["time"])
+    if blamed:
+        return Diagnosis(blamed[0]["error"], EXIT_STALLED)
     # A rank that reported a stall may have been stopped before the launcher saw it exit.
     failures = {**{r: (EXIT_STALLED, s["time"]) for r, s in statuses.items() if s["state"] == "stalled"}, **failures}
 

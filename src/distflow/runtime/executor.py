@@ -44,6 +44,7 @@ from distflow.observability.metrics import StepMetrics
 from distflow.observability.writer import RunWriter
 from distflow.planner.plan import Transition
 from distflow.runtime import checkpointing
+from distflow.runtime.descendants import become_subreaper, end_descendants
 from distflow.runtime.faults import (RankStatus, StageTimeouts, TrainingAborted, die_with_parent,
                                      raise_on_sigterm)
 from distflow.runtime.pipelined import Pipeline
@@ -64,6 +65,7 @@ def run(config: Config, run_dir: Path, resume: Path | None = None, *,
     status = RankStatus.from_env(timeouts=StageTimeouts.from_config(config))
     if "RANK" in os.environ:  # started by torch's launcher: do not outlive it
         die_with_parent()
+    become_subreaper()  # what user code starts stays this rank's to end (runtime/descendants.py)
     raise_on_sigterm()
     comm = None
     try:
@@ -77,6 +79,7 @@ def run(config: Config, run_dir: Path, resume: Path | None = None, *,
         code = status.fail(err, say_line=not (alone and isinstance(err, ConfigError)))
         if not alone:
             # Peers may be dead or stuck: no process-group teardown, no waiting on threads.
+            end_descendants()
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)

@@ -7,6 +7,9 @@ rank says who and where.
        │      one stage older than its limit (StageTimeouts), and no live peer behind this
        │      rank (an earlier step, or an earlier position in the plan)
        │      → "rank r stalled in stage S" + every thread's Python stack → state "stalled", exit 3
+       │      a peer frozen (stopped: SIGSTOP, a debugger) past its own stage's limit, or while this
+       │      rank is past its own: its watchdog cannot speak for it, this one does
+       │      → "rank p unresponsive in stage S" → state "stalled" (naming p), exit 3
        └─ exception → status.fail(): state "failed" + one line naming rank, stage and step
                       (user errors: exit 2, no traceback; crashes: traceback, then exit 1)
     peers' files are only read: to let a peer that is behind fire first, and (under a bare
@@ -39,6 +42,9 @@ from distflow.config.schema import Config, ConfigError
 from distflow.comm import is_peer_failure
 from distflow.console import say
 from distflow.envvars import LAUNCHED_ENV, STATUS_DIR_ENV
+from distflow.runtime.descendants import end_descendants
+from distflow.runtime.status_files import (is_alive, is_stopped, read_statuses, remove_stale_status_dirs,
+                                           status_progress, status_where)
 from distflow.fileio import atomic_write_text
 
 EXIT_FAILED = 1
@@ -250,7 +256,7 @@ class RankStatus:
         deadline = time.monotonic() + (DEAD_PEER_WAIT_S if os.environ.get(LAUNCHED_ENV) != "1" else 0.0)
         while True:
             peers = [s for s in read_statuses(self.status_dir) if s["rank"] != self.rank]
-            gone = [s for s in peers if s["state"] == "running" and not _alive(s["pid"])]
+            gone = [s for s in peers if s["state"] == "running" and not is_alive(s["pid"])]
             reported = any(s["state"] != "running" for s in peers)
             if gone or reported or time.monotonic() >= deadline:
                 return "; ".join(f"rank {s['rank']} (pid {s['pid']}) died in {status_where(s)}" for s in gone)
@@ -274,6 +280,9 @@ class RankStatus:
                 since, limit = self.since, self.limit_s
                 me = status_progress({"step": self.step, "position": self.position, "since": self.since})
             now = time.time()
+            frozen = self._frozen_peer(now, past_own_limit=bool(limit) and now - since > limit)
+            if frozen is not None:
+                self._stalled(now - since, frozen=frozen)
             if not limit or now - since <= limit:
                 deferred_since = None
                 continue
@@ -282,9 +291,20 @@ class RankStatus:
                 continue
             self._stalled(now - since)
 
+    def _frozen_peer(self, now: float, *, past_own_limit: bool) -> dict | None:
+        """A peer whose process is stopped (its watchdog cannot report it) and whose stage has
+        outlived its own limit, or any stopped peer once this rank is past its own limit; the
+        one furthest behind. (A look at the peers' status files each watchdog tick: a few small reads.)"""
+        if self.status_dir is None:
+            return None
+        frozen = [s for s in read_statuses(self.status_dir) if s["rank"] != self.rank and s["state"] == "running"
+                  and (past_own_limit or 0 < (s.get("stage_timeout_s") or 0) < now - s["since"])
+                  and is_stopped(s["pid"])]
+        return min(frozen, key=status_progress) if frozen else None
+
     def _peer_behind(self, me: tuple) -> bool:
         return any(s["rank"] != self.rank and s["state"] in ("running", "stalled") and status_progress(s) < me
-                   and _alive(s["pid"]) for s in read_statuses(self.status_dir))
+                   and is_alive(s["pid"]) for s in read_statuses(self.status_dir))
 
     def _arm_backstop(self) -> None:
         """If this rank holds the GIL forever, the watchdog thread never runs; faulthandler's
@@ -294,77 +314,25 @@ class RankStatus:
         else:
             faulthandler.cancel_dump_traceback_later()
 
-    def _stalled(self, elapsed: float) -> None:
-        line = (f"distflow: rank {self.rank} stalled: {self.where()} has run for {elapsed:.0f}s "
-                f"> {self.limit_s:g}s ({self.limit_source})")
-        print(f"{line}; Python stacks of its threads:", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    def _stalled(self, elapsed: float, frozen: dict | None = None) -> None:
+        """Report this rank stalled, or its `frozen` peer unresponsive, and exit 3."""
+        if frozen is None:
+            line = (f"distflow: rank {self.rank} stalled: {self.where()} has run for {elapsed:.0f}s "
+                    f"> {self.limit_s:g}s ({self.limit_source})")
+            print(f"{line}; Python stacks of its threads:", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        else:
+            line = (f"distflow: rank {frozen['rank']} unresponsive: its process (pid {frozen['pid']}) is stopped "
+                    f"(SIGSTOP or a debugger) in {status_where(frozen)} for {time.time() - frozen['since']:.0f}s; "
+                    f"rank {self.rank} waited for it in {self.where()}")
         if os.environ.get(LAUNCHED_ENV) != "1":
             say(line)
         if self.status_dir is not None:
-            self._write("stalled", error=line, exit_code=EXIT_STALLED)
+            culprit = {} if frozen is None else {"unresponsive_rank": frozen["rank"]}
+            self._write("stalled", error=line, exit_code=EXIT_STALLED, **culprit)
+        end_descendants()
         sys.stderr.flush()
         os._exit(EXIT_STALLED)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie (exited, not yet reaped by the launcher) is dead too
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-def status_progress(status: dict) -> tuple:
-    """How far a rank has got: (step, position in the step, -time in it). Smaller is behind;
-    between ranks at the same place, the one that has waited longer is behind."""
-    step = status.get("step")
-    return (-1 if step is None else step, status.get("position", 0), status["since"])
-
-
-def remove_stale_status_dirs(parent: Path, prefix: str, *, keep: Path, min_age_s: float = 600) -> list[Path]:
-    """Remove the status directories of earlier bare-torchrun runs that failed (a failed run
-    keeps its own so that its ranks can name each other): those untouched for `min_age_s`
-    whose every rank process is gone. Returns what was removed."""
-    import shutil
-
-    removed = []
-    for path in parent.glob(f"{prefix}*"):
-        try:
-            if path == keep or not path.is_dir() or time.time() - path.stat().st_mtime < min_age_s:
-                continue
-        except OSError:
-            continue
-        if any(_alive(s["pid"]) for s in read_statuses(path) if "pid" in s):
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    return removed
-
-
-def status_where(status: dict) -> str:
-    """'stage S at step N' of a status record."""
-    step = status.get("step")
-    return f"stage {status['stage']!r}" + (f" at step {step}" if step is not None else "")
-
-
-def read_statuses(status_dir: Path | None) -> list[dict]:
-    if status_dir is None or not status_dir.is_dir():
-        return []
-    out = []
-    for path in sorted(status_dir.glob("rank*.json")):
-        try:
-            out.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    return out
 
 
 def die_with_parent() -> None:

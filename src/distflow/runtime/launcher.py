@@ -38,6 +38,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from distflow.comm import Comm
 from distflow.envvars import LAUNCHED_ENV, STATUS_DIR_ENV
 from distflow.errors import RunFailed
+from distflow.runtime.descendants import become_subreaper
 from distflow.runtime.diagnosis import diagnose
 
 
@@ -63,6 +64,7 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> None:
         max_restarts=max_restarts,
         monitor_interval=0.5,
     )
+    become_subreaper()  # a rank killed with SIGKILL leaves its children to this process (runtime/descendants.py)
     status_dir = Path(tempfile.mkdtemp(prefix="distflow-status-"))
     os.environ[STATUS_DIR_ENV] = str(status_dir)
     os.environ[LAUNCHED_ENV] = "1"

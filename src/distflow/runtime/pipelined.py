@@ -24,7 +24,10 @@ Invariants:
   cross once, the weights once per update.
 - A checkpoint after step c keeps the batches in flight (S_{c+1} .. S_{c+k}) in each train
   rank's `state-rank{R}.pt` and every rank's metrics recorded ahead of their step in
-  meta.json, so `--resume` continues exactly; it needs the same world size and placement.
+  meta.json, so `--resume` continues exactly; it needs the same k, world size and train ranks
+  (the CLI refuses another before any rank starts). A checkpoint with nothing in flight (the last
+  one of a finished run) resumes with any: the steps it lacks are pre-rolled as a fresh run's,
+  from the restored policy (a finished run extended by raising trainer.total_steps).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from distflow.data.batch import Batch
 from distflow.observability.derived import add_derived
 from distflow.observability.metrics import StepMetrics
 from distflow.planner.plan import PlannedStage, Transition
+from distflow.preflight import inflight_steps
 from distflow.runtime.faults import RankStatus
 from distflow.runtime.stage_runner import Moved, record_step, run_stage, run_transition
 from distflow.runtime.worker import Worker
@@ -61,12 +65,13 @@ class Pipeline:
         self.moved: dict[int, Moved] = {}
 
     def start(self, first_step: int, resumed_state: dict | None, rank_state) -> None:
-        """A fresh run pre-rolls S_first .. S_{first+k-1}; a resumed one takes them from its checkpoint."""
+        """A fresh run pre-rolls S_first .. S_{first+k-1}; a resumed one takes those its checkpoint
+        holds and pre-rolls the others (none, unless it ended before them: a finished run extended)."""
         if resumed_state is not None and "pipeline" in resumed_state:
             self._restore(first_step, resumed_state["pipeline"], rank_state)
-            return
         for step in range(first_step, min(first_step + self.k, self.total_steps + 1)):
-            self._make(step, iteration=first_step)
+            if step not in self.moved:  # every rank alike: `moved` holds the steps in flight on every rank
+                self._make(step, iteration=first_step)
 
     def step(self, t: int) -> dict[str, float]:
         """Iteration t: train step t here while step t + k is generated there; then the hand-overs."""
@@ -95,7 +100,7 @@ class Pipeline:
         moved_all = self.worker.world.all_gather_object(moved)
         state = {"pipeline": {"max_staleness": self.k, "world_size": self.worker.world.world_size,
                               "train_ranks": list(self.worker.plan.groups["train"].ranks),
-                              "ahead": everyone, "moved": moved_all}}
+                              "inflight_steps": sorted(self.moved), "ahead": everyone, "moved": moved_all}}
         return state, (dict(self.inflight) if self.is_train else None)
 
     def _make(self, step: int, *, iteration: int) -> None:
@@ -125,7 +130,9 @@ class Pipeline:
         if isinstance(item, Transition):
             batch = run_transition(self.worker, item, batch, self.moved[step], metrics)
         elif isinstance(item, PlannedStage) and self.worker.world.rank in item.layout:
-            batch = run_stage(self.worker, item, batch, step, metrics)
+            # The rollout ranks hold W_{iteration-1} while they produce (the schedule's v(step), or
+            # the restored policy's for the steps pre-rolled after a resume).
+            batch = run_stage(self.worker, item, batch, step, metrics, policy_version=iteration - 1)
         else:
             return batch
         metrics.maximum(f"time/{name}_s", time.time() - stage_start)
@@ -134,6 +141,9 @@ class Pipeline:
     def _restore(self, first_step: int, saved: dict, rank_state) -> None:
         world = self.worker.world
         train_ranks = list(self.worker.plan.groups["train"].ranks)
+        inflight = inflight_steps(saved)
+        if not inflight:  # a finished run's last checkpoint: nothing drawn ahead, any k and layout go on
+            return
         if (saved["max_staleness"], saved["world_size"], saved["train_ranks"]) != (self.k, world.world_size, train_ranks):
             raise CheckpointError(f"this checkpoint holds the batches in flight of a run with trainer.max_staleness="
                                   f"{saved['max_staleness']} on {saved['world_size']} ranks with train ranks "
@@ -145,6 +155,7 @@ class Pipeline:
             self.moved[int(step)] = Moved(sent, received, local)
         if self.is_train:
             self.inflight = dict(rank_state or {})
-        if self.is_rollout:  # its loader was k steps ahead of the checkpoint's (the train ranks')
-            for _ in range(min(self.k, self.total_steps - first_step + 1)):
+        if self.is_rollout:  # its loader was ahead of the checkpoint's (the train ranks') by the steps in flight
+            for _ in inflight:
                 self.worker.prefetcher.next()
+

@@ -61,7 +61,7 @@ def start(config: Config, *, nproc: int = 1, resume: str | None = None,
     if launcher and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         resume, fresh_restart = after_restart(config, resume)
     if resume is not None:
-        checkpoint = _checked_resume(config, os.environ.get(RESUME_ENV, resume))
+        checkpoint = _checked_resume(config, os.environ.get(RESUME_ENV, resume), world_size)
     # One run directory for all ranks, chosen before they start.
     os.environ.setdefault(RUN_NAME_ENV, run_dir_of(config).name)
     # Under a launcher only rank 0 checks the run directory (rank 0 is about to write into it).
@@ -77,7 +77,7 @@ def start(config: Config, *, nproc: int = 1, resume: str | None = None,
     return run(config, run_dir_of(config), checkpoint, fresh_restart=fresh_restart)
 
 
-def _checked_resume(config: Config, value: str) -> Path:
+def _checked_resume(config: Config, value: str, world_size: int) -> Path:
     """The checkpoint to resume from (its run directory handed to the ranks); a ConfigError when it has nothing left to do."""
     from distflow.checkpoint.store import read_meta
 
@@ -90,6 +90,7 @@ def _checked_resume(config: Config, value: str) -> Path:
     if budget_s and train_s >= budget_s:
         raise ConfigError(f"checkpoint {checkpoint}'s steps took {train_s:.0f} s >= trainer.time_budget_s="
                           f"{budget_s:g}: nothing left to do; raise trainer.time_budget_s (or set it to 0)")
+    preflight.check_resume_inflight(checkpoint, meta["extra"], config, world_size)
     os.environ.setdefault(RESUME_ENV, str(checkpoint))
     os.environ.setdefault(RUN_DIR_ENV, str(run_dir))
     return checkpoint

@@ -1,0 +1,86 @@
+"""A process's children end with it: whatever user code started (an environment's server, a
+sandbox, a reward's helper process) and whatever those started in turn.
+
+    start-up:  become_subreaper()   an orphan among this process's descendants (a daemonized
+                                    server whose parent exited) is re-parented to this process,
+                                    not to init, so it stays findable as a descendant
+    every exit of a rank (done, failed, stalled, interrupted):
+               end_descendants()    SIGTERM to every live descendant → up to `grace_s` for them
+                                    to go → SIGKILL to the rest
+    `distflow train --nproc N`: the launcher is a subreaper too and ends what is left after its
+               ranks ended (a rank killed with SIGKILL cannot end its own children)
+
+Descendants are found from /proc (parent pids), not from a process group: a child that starts
+its own session (`start_new_session=True`, a daemon) leaves the group but not the tree, and a
+one-process run shares its process group with the user's shell pipeline, which must survive.
+Linux only; elsewhere both are no-ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import time
+
+PR_SET_CHILD_SUBREAPER = 36
+"""prctl option (linux/prctl.h)."""
+
+
+def become_subreaper() -> None:
+    """Orphaned descendants are re-parented to this process (Linux: PR_SET_CHILD_SUBREAPER)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def descendants(pid: int | None = None) -> list[int]:
+    """The live (not zombie) processes below `pid` (default: this one), parents before children."""
+    root = os.getpid() if pid is None else pid
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                state, parent = f.read().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue  # gone meanwhile, or not ours to read
+        if state != "Z":
+            children.setdefault(int(parent), []).append(int(name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(0), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def end_descendants(grace_s: float = 2.0) -> list[int]:
+    """SIGTERM every descendant of this process, then SIGKILL those still there after
+    `grace_s`; returns the pids that were signalled. Never raises."""
+    ended: list[int] = []
+    try:
+        pending = descendants()
+        ended = list(pending)
+        for pid in pending:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+            live = set(descendants())
+            pending = [pid for pid in pending if pid in live]
+        for pid in pending + [p for p in descendants() if p not in ended]:  # and any started meanwhile
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    except Exception:  # noqa: BLE001 — cleaning up on the way out must not turn an exit into a crash
+        pass
+    return ended
