@@ -273,7 +273,6 @@ def read_meta(path: Path) -> dict[str, Any]:
         found = meta.get("format") if isinstance(meta, dict) else None
         raise CheckpointError(f"checkpoint {path} has format {found}, this distflow reads format {FORMAT_VERSION}")
     _check_shards(path)
-    _check_rng_files(path)
     return meta
 
 
@@ -297,9 +296,10 @@ def _check_shards(path: Path) -> None:
                                   "save); resume from another checkpoint")
 
 
-def _check_rng_files(path: Path) -> None:
-    """Each rank's RNG file loads (a few KiB each): a truncated one is named here, before any rank
-    starts, not as a traceback on the rank that reads it."""
+def check_rng_files(path: Path) -> None:
+    """Each rank's RNG file loads (a few KiB each): a truncated one is named before any rank
+    starts (runtime/start.py, once per resume), not as a traceback on the rank that reads it.
+    Not part of `read_meta`, which every rank calls when it loads: N ranks would load N² files."""
     for rng_file in sorted(path.glob("rng-rank*.pt")):
         try:
             torch.load(rng_file, weights_only=True)

@@ -79,10 +79,11 @@ def start(config: Config, *, nproc: int = 1, resume: str | None = None,
 
 def _checked_resume(config: Config, value: str, world_size: int) -> Path:
     """The checkpoint to resume from (its run directory handed to the ranks); a ConfigError when it has nothing left to do."""
-    from distflow.checkpoint.store import read_meta
+    from distflow.checkpoint.store import check_rng_files, read_meta
 
     checkpoint, run_dir = resume_target(config, value)
     meta = read_meta(checkpoint)
+    check_rng_files(checkpoint)
     step, train_s, budget_s = meta["step"], meta["extra"].get("train_s", 0.0), config.trainer.time_budget_s
     if step >= config.trainer.total_steps:
         raise ConfigError(f"checkpoint {checkpoint} is at step {step} >= trainer.total_steps="
