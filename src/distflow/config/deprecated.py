@@ -1,10 +1,16 @@
-"""The flat `algorithm.*` keys of the previous release, still read for one release.
+"""The keys of the previous release, still read for one release: the flat `algorithm.*` keys
+(`RENAMED`) and the `trainer.*` keys that moved to the sections of their concern (`MOVED`).
 
 `algorithm.kl_coef: 0.1` in a file, or `algorithm.kl_coef=0.1` on the command line, is read
 as `algorithm.kl.coef` with a `DeprecatedKeyWarning` naming the new key (the CLI prints it
-once, as `distflow: warning: ...`). A file, or the list of overrides, that gives an old key
-and its new one is a ConfigError; an override wins over the file under either name, as
-overrides do. When the old keys go, delete this module and its calls in `loader.py`.
+once, as `distflow: warning: ...`). A moved key carries its whole value, a sub-section
+included (`trainer.fsdp` → `parallel.fsdp`), and an override of a key inside one is moved
+too (`trainer.fsdp.shard_size=2` → `parallel.fsdp.shard_size=2`). A file, or the list of
+overrides, that gives an old key and its new one is a ConfigError; an override wins over the
+file under either name, as overrides do. A checkpoint's saved config goes through the same
+upgrade (runtime/checkpointing.config_changes), so a run saved with old keys resumes and its
+changes are named by the new keys. When the old keys go, delete this module and its calls
+in `loader.py` and `checkpointing.py`.
 """
 
 from __future__ import annotations
@@ -35,7 +41,28 @@ RENAMED = {
     "algorithm.value_clip": "algorithm.critic.value_clip",
     "algorithm.critic_warmup_steps": "algorithm.critic.warmup_steps",
 }
-"""Old dotted key → new dotted key."""
+"""Old dotted key → new dotted key (a scalar of a section that became a sub-section)."""
+
+MOVED = {
+    "trainer.strategy": "parallel.strategy",
+    "trainer.fsdp": "parallel.fsdp",
+    "trainer.param_dtype": "parallel.param_dtype",
+    "trainer.reduce_dtype": "parallel.reduce_dtype",
+    "trainer.activation_checkpointing": "parallel.activation_checkpointing",
+    "trainer.device": "parallel.device",
+    "trainer.timeout_s": "parallel.collective_timeout_s",
+    "trainer.micro_batch_size": "passes.micro_batch_size",
+    "trainer.micro_batch_tokens": "passes.micro_batch_tokens",
+    "trainer.padding_free": "passes.padding_free",
+    "trainer.shared_prefix": "passes.shared_prefix",
+    "trainer.stage_timeout_s": "watchdog.stage_timeout_s",
+    "trainer.stage_timeout_factor": "watchdog.stage_timeout_factor",
+    "trainer.stage_timeout_floor_s": "watchdog.stage_timeout_floor_s",
+    "trainer.max_nonfinite_steps": "watchdog.max_nonfinite_steps",
+    "trainer.max_staleness": "asynchronous.max_staleness",
+    "trainer.prefetch": "data.prefetch",
+}
+"""Old dotted key → new dotted key, for a key that moved with whatever value it holds (a sub-section too)."""
 
 _ABSENT = object()
 
@@ -51,10 +78,18 @@ def upgrade_old_keys(data: dict[str, Any]) -> None:
         parent = _get(data, old_path[:-1])
         if not isinstance(parent, dict) or isinstance(parent.get(old_path[-1], {}), dict):
             continue  # not given (or a mapping: not the old scalar)
-        if _get(data, new_path) is not _ABSENT:
-            raise ConfigError(_both(old, new))
-        _put(data, new_path, parent.pop(old_path[-1]))
-        _warn(old, new)
+        _move(data, parent, old, new)
+    for old, new in MOVED.items():
+        parent = _get(data, old.split(".")[:-1])
+        if isinstance(parent, dict) and old.rpartition(".")[2] in parent:
+            _move(data, parent, old, new)
+
+
+def _move(data: dict[str, Any], parent: dict[str, Any], old: str, new: str) -> None:
+    if _get(data, new.split(".")) is not _ABSENT:
+        raise ConfigError(_both(old, new))
+    _put(data, new.split("."), parent.pop(old.rpartition(".")[2]))
+    _warn(old, new, stacklevel=4)
 
 
 def upgrade_old_overrides(items: list[str]) -> list[str]:
@@ -62,22 +97,38 @@ def upgrade_old_overrides(items: list[str]) -> list[str]:
     out, renamed = [], {}
     for item in items:
         key, sep, raw = item.partition("=")
-        new = RENAMED.get(key)
-        if sep and new is not None and not _is_mapping(raw):
+        new = _new_key(key, raw) if sep else None
+        if new is not None:
             _warn(key, new)
             renamed[new] = key
             item = f"{new}={raw}"
         out.append(item)
     for item in items:
         key = item.partition("=")[0]
-        if key in renamed:
-            raise ConfigError(_both(renamed[key], key))
+        clash = next((new for new in renamed if _overlap(key, new)), None)
+        if clash is not None and key not in renamed.values():
+            raise ConfigError(_both(renamed[clash], key))
     return out
+
+
+def _new_key(key: str, raw: str) -> str | None:
+    """The new spelling of override key `key` (None: not an old key), a key inside a moved section included."""
+    if key in RENAMED and not _is_mapping(raw):
+        return RENAMED[key]
+    for old, new in MOVED.items():
+        if key == old or key.startswith(old + "."):
+            return new + key[len(old):]
+    return None
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether setting dotted keys `a` and `b` sets the same value (one is the other or inside it)."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
 
 
 def old_keys_of(where: str) -> dict[str, str]:
     """The old keys of section `where` (as names in it) → their new dotted keys."""
-    return {old.rpartition(".")[2]: new for old, new in RENAMED.items() if old.rpartition(".")[0] == where}
+    return {old.rpartition(".")[2]: new for old, new in (RENAMED | MOVED).items() if old.rpartition(".")[0] == where}
 
 
 def _get(tree: Any, path: list[str]) -> Any:
@@ -107,5 +158,5 @@ def _both(old: str, new: str) -> str:
     return f"{old} and {new} are both set; {old} is the deprecated name of {new}: keep only {new}"
 
 
-def _warn(old: str, new: str) -> None:
-    warnings.warn(f"{old} is deprecated; use {new}", DeprecatedKeyWarning, stacklevel=3)
+def _warn(old: str, new: str, stacklevel: int = 3) -> None:
+    warnings.warn(f"{old} is deprecated; use {new}", DeprecatedKeyWarning, stacklevel=stacklevel)

@@ -4,7 +4,9 @@ Each section is a kw-only dataclass documented field by field and validated in
 `__post_init__`; a violation raises `ConfigError` naming the dotted key and the fix.
 YAML files and `key.sub=value` overrides are turned into these by `config.loader`. The
 `algorithm` section and its sub-sections are in `algorithm.py`, the `task` section in `task.py`,
-the `model` and `warmstart` sections in `model.py`, `placement` and `pipeline` in `pipeline.py`.
+the `model` and `warmstart` sections in `model.py`, `placement` and `pipeline` in `pipeline.py`,
+`parallel` and `passes` in `parallel.py`, `watchdog` and `asynchronous` in `execution.py`. The
+rules between sections are `rules.py`'s, checked once every section is valid on its own.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from distflow.config.algorithm import AlgorithmConfig
 from distflow.config.deprecated import DeprecatedKeyWarning
 from distflow.config.env import EnvConfig
 from distflow.config.errors import ConfigError, check  # noqa: F401 (ConfigError is imported from here widely)
+from distflow.config.execution import AsynchronousConfig, WatchdogConfig
 from distflow.config.model import LoraConfig, ModelConfig, WarmstartConfig  # noqa: F401 (re-exported)
+from distflow.config.parallel import FSDPConfig, ParallelConfig, PassesConfig  # noqa: F401 (FSDPConfig re-exported)
 from distflow.config.pipeline import LayoutSpec, PipelineConfig, PlacementConfig, StageSpec  # noqa: F401 (re-exported)
+from distflow.config.rules import check_sections
 from distflow.config.task import FLOAT32_MAX, RewardModelSpec, RewardSpec, TaskConfig  # noqa: F401 (re-exported)
 
 
@@ -43,7 +48,7 @@ class RolloutConfig:
     they change (its own sampler: samples differ from the others'; its sampling log-probs are recorded
     as `rollout_logp` and their gap to the trainer's is logged under `mismatch/`). It needs vLLM
     installed (`make vllm`), every rank rolling out (placement.rollout.ranks=all) and
-    trainer.max_staleness=0."""
+    asynchronous.max_staleness=0."""
 
     def __post_init__(self) -> None:
         check(self.engine in ROLLOUT_ENGINES,
@@ -75,25 +80,7 @@ class OptimConfig:
         check(self.grad_clip > 0, f"optim.grad_clip must be > 0 (got {self.grad_clip})")
 
 
-STRATEGIES = ("ddp", "fsdp2")
 LOGGERS = ("jsonl", "tensorboard", "wandb")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-@dataclass(kw_only=True)
-class FSDPConfig:
-    """Settings of `trainer.strategy=fsdp2` (FSDP2's `fully_shard`: each decoder block, then the root)."""
-
-    shard_size: int = 0
-    """Shard parameters, gradients and optimizer state within groups of this many train ranks and
-    replicate across the groups (HSDP, a 2-D device mesh); 0: shard over all train ranks. Must
-    divide the number of train ranks; a value below it needs the train group to be every rank."""
-    reshard_after_forward: bool = True
-    """Free each block's gathered parameters after its forward pass (gathered again for the
-    backward: less memory, one more all-gather per block); false keeps them until the backward."""
-
-    def __post_init__(self) -> None:
-        check(self.shard_size >= 0, f"trainer.fsdp.shard_size must be >= 0 (got {self.shard_size})")
 
 
 @dataclass(kw_only=True)
@@ -102,8 +89,6 @@ class TrainerConfig:
     """RL steps (one rollout batch and its updates each)."""
     prompts_per_step: int = 32
     """Prompts per step across all ranks; must divide by the number of processes."""
-    micro_batch_size: int = 512
-    """Sequences per forward/backward pass; gradients accumulate over micro-batches."""
     seed: int = 0
     """Seeds the task split, the warm-start, the data order and sampling."""
     eval_every: int = 25
@@ -127,56 +112,6 @@ class TrainerConfig:
     """Deprecated: `false` removes tensorboard from `trainer.loggers`."""
     progress_bar: bool = True
     """A progress bar on stderr (rank 0)."""
-    device: str = "auto"
-    """auto (CUDA when present, else CPU), cpu or cuda."""
-    timeout_s: int = 1800
-    """Collective timeout: a rank waiting longer than this on its peers fails the job."""
-    prefetch: bool = True
-    """Read and tokenize the next step's prompts in a background thread while the current step runs
-    (false: inline, for comparison)."""
-    micro_batch_tokens: int = 0
-    """If > 0, training micro-batches are packed by this token budget (first-fit decreasing) instead
-    of micro_batch_size."""
-    stage_timeout_s: float = 1800
-    """A rank that spends longer than this in one stage (or in set-up, evaluation, a
-    checkpoint) prints its Python stacks and ends the job (exit 3); 0 turns the watchdog off. It is
-    the limit of a stage's first run and the cap of the adaptive limit below."""
-    stage_timeout_factor: float = 10.0
-    """Once a stage has completed, its limit becomes this many times its longest run so far
-    (at least stage_timeout_floor_s, at most stage_timeout_s): a stage that normally takes
-    seconds is declared stuck within minutes, not after stage_timeout_s. 0: always stage_timeout_s."""
-    stage_timeout_floor_s: float = 120.0
-    """The adaptive limit never goes below this (load spikes, the occasional slow step)."""
-    max_nonfinite_steps: int = 5
-    """Abort after this many consecutive optimizer steps skipped for a NaN/inf loss or
-    gradient (each skip is counted in train/nonfinite_grad_steps); 0 never aborts."""
-    strategy: str = "ddp"
-    """How the policy, the critic and the reference are spread over the train ranks: ddp (a full
-    replica per rank, gradients all-reduced) or fsdp2 (parameters, gradients and optimizer state
-    sharded with FSDP2; see `trainer.fsdp`). On one rank both are the plain model, except fsdp2 with a
-    param_dtype below float32: FSDP2 over a one-rank group then keeps the float32 master copy."""
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    """Settings of trainer.strategy=fsdp2."""
-    param_dtype: str = "auto"
-    """fsdp2: the dtype of the gathered parameters that forward and backward compute in (float32,
-    bfloat16, float16; the sharded master copy and the optimizer stay float32). auto: bfloat16 on
-    CUDA, float32 on CPU. float16 is refused on the CPU. ddp computes in float32 (auto or float32
-    only). Below float32 a single process is sharded too (FSDP2 over a one-rank group)."""
-    reduce_dtype: str = "auto"
-    """fsdp2: the dtype gradients are reduced in across ranks (auto: float32)."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder block's activations in the backward pass instead of keeping them
-    (less memory, about one more forward of compute); any strategy."""
-    padding_free: bool = False
-    """Log-prob, value and training passes pack each micro-batch's sequences end to end (positions
-    restart per sequence, attention kept within each) instead of padding them to the widest
-    (engines/packing.py): the same results without computing over padding. Off by default: on the
-    2-core CPU with the embedded model's short sequences the packing costs more than the padding
-    it saves (docs/features/rollout-engines.md)."""
-    shared_prefix: bool | None = None
-    """Log-prob, value and training passes compute each distinct prompt of a micro-batch once and the
-    responses over its KV cache (engines/prefix_sharing.py): the same results, a group's prompt not
-    computed n times. Not with padding_free; null (auto): on unless padding_free."""
     profile_steps: int = 0
     """Record a torch profiler trace of this many steps (from the second) into the run
     directory's profile/ (`--profile K` sets it): `rank{R}.trace.json` (Chrome/Perfetto, each stage a
@@ -185,11 +120,8 @@ class TrainerConfig:
     """Stop after the step at which the steps' summed wall time (`time/step_s`, the slowest rank's;
     evaluation and checkpoints not counted, a resumed run's earlier steps counted) reaches this,
     then evaluate and checkpoint as after the last step; 0: run trainer.total_steps. Comparisons at
-    equal training time (benchmarks/learning.py) and job time limits use it. Not with max_staleness."""
-    max_staleness: int = 0
-    """k >= 1: rollout ranks generate steps t+1..t+k while train ranks train step t; step t's
-    samples come from the policy after max(0, t-1-k) updates (runtime/pipelined.py). Needs
-    disjoint rollout and train ranks; not with dynamic sampling. 0: synchronous (on-policy)."""
+    equal training time (benchmarks/learning.py) and job time limits use it. Not with
+    asynchronous.max_staleness."""
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.loggers if name not in LOGGERS]
@@ -201,40 +133,13 @@ class TrainerConfig:
                           DeprecatedKeyWarning, stacklevel=2)
             if not self.tensorboard:
                 self.loggers = [name for name in self.loggers if name != "tensorboard"]
-        check(not (self.shared_prefix and self.padding_free), "trainer.shared_prefix=true and trainer.padding_free=true "
-              "exclude each other (packed rows hold several prompts); set one of them to false")
-        if self.shared_prefix is None:
-            self.shared_prefix = not self.padding_free
         check(self.time_budget_s >= 0, f"trainer.time_budget_s must be >= 0 (0: off; got {self.time_budget_s})")
-        check(not (self.time_budget_s and self.max_staleness), "trainer.time_budget_s stops a synchronous run between "
-              "steps; with trainer.max_staleness > 0 the rollout runs ahead of training: set one of them to 0")
         check(self.profile_steps >= 0, f"trainer.profile_steps must be >= 0 (got {self.profile_steps})")
-        check(self.max_staleness >= 0, f"trainer.max_staleness must be >= 0 (0: synchronous; got {self.max_staleness})")
         check(self.total_steps >= 1, f"trainer.total_steps must be >= 1 (got {self.total_steps})")
         check(self.prompts_per_step >= 1, f"trainer.prompts_per_step must be >= 1 (got {self.prompts_per_step})")
-        check(self.micro_batch_size >= 1, f"trainer.micro_batch_size must be >= 1 (got {self.micro_batch_size})")
         check(self.eval_every >= 0, f"trainer.eval_every must be >= 0 (got {self.eval_every})")
         check(self.eval_every_s >= 0, f"trainer.eval_every_s must be >= 0 (got {self.eval_every_s})")
         check(self.eval_samples >= 1, f"trainer.eval_samples must be >= 1 (got {self.eval_samples})")
-        check(self.device in ("auto", "cpu", "cuda"), f"trainer.device must be auto, cpu or cuda (got {self.device!r})")
-        check(self.timeout_s >= 10, f"trainer.timeout_s must be >= 10 (got {self.timeout_s})")
-        check(self.micro_batch_tokens >= 0, f"trainer.micro_batch_tokens must be >= 0 (got {self.micro_batch_tokens})")
-        check(self.stage_timeout_s == 0 or self.stage_timeout_s >= 1,
-               f"trainer.stage_timeout_s must be 0 (off) or >= 1 (got {self.stage_timeout_s})")
-        check(self.stage_timeout_factor == 0 or self.stage_timeout_factor >= 2,
-               f"trainer.stage_timeout_factor must be 0 (off) or >= 2 (got {self.stage_timeout_factor})")
-        check(self.stage_timeout_floor_s >= 1,
-               f"trainer.stage_timeout_floor_s must be >= 1 (got {self.stage_timeout_floor_s})")
-        check(self.max_nonfinite_steps >= 0,
-               f"trainer.max_nonfinite_steps must be >= 0 (got {self.max_nonfinite_steps})")
-        check(self.strategy in STRATEGIES, f"trainer.strategy must be ddp or fsdp2 (got {self.strategy!r})")
-        for key in ("param_dtype", "reduce_dtype"):
-            value = getattr(self, key)
-            check(value in DTYPES, f"trainer.{key} must be one of {', '.join(DTYPES)} (got {value!r})")
-            check(self.strategy == "fsdp2" or value in ("auto", "float32"),
-                  f"trainer.{key}={value} needs trainer.strategy=fsdp2 (ddp computes in float32)")
-        check(self.strategy == "fsdp2" or self.fsdp.shard_size == 0,
-              "trainer.fsdp.shard_size is a setting of trainer.strategy=fsdp2; set the strategy too")
         if self.run_name is not None:
             _check_run_name(self.run_name)
 
@@ -276,13 +181,17 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    """What a valid training row is, and what to do with the others (checked when the run starts)."""
+    """What a valid training row is, what to do with the others (checked when the run starts), and
+    how the next step's prompts are read."""
 
     required_fields: list[str] = field(default_factory=list)
     """Fields every row must have, not null (dotted for nested ones: `reward_model.ground_truth`);
     the prompt is always required and must not be empty."""
     max_prompt_tokens: int = 0
     """Rows whose prompt is longer than this many tokens are invalid (0: no limit)."""
+    prefetch: bool = True
+    """Read and tokenize the next step's prompts in a background thread while the current step runs
+    (false: inline, for comparison)."""
     on_invalid_row: str = "error"
     """error: stop before training, naming the first invalid row; skip: leave invalid rows
     out of the epoch order (counted by reason in the log and in `data/skipped_rows`)."""
@@ -310,11 +219,19 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     """The policy's optimizer: AdamW, linear warm-up then constant."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    """The step loop: batch sizes, evaluation, logging, the parallel strategy, timeouts, performance switches."""
+    """Run control: how long, how many prompts a step, evaluation, where the run goes and how it reports."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How models are spread over the train ranks (ddp or fsdp2), their precision, the device."""
+    passes: PassesConfig = field(default_factory=PassesConfig)
+    """How the log-prob, value and training passes batch their sequences (micro-batches, packing, shared prefixes)."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """When a stuck rank or a run of non-finite steps ends the job."""
+    asynchronous: AsynchronousConfig = field(default_factory=AsynchronousConfig)
+    """How far the rollout may run ahead of training (0: synchronous)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Training checkpoints (see `--resume` and `distflow export`)."""
     data: DataConfig = field(default_factory=DataConfig)
-    """What a valid training row is, and what to do with the others."""
+    """What a valid training row is, what to do with the others, and how the next step's prompts are read."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     """User stages added to the built-in pipeline."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
@@ -323,22 +240,4 @@ class Config:
     """Multi-turn rollouts against an environment (tools are environments); off by default."""
 
     def __post_init__(self) -> None:
-        num_problems = 10 ** (self.task.num_operands * self.task.num_digits)
-        held_back = self.task.num_heldout
-        if self.model.path is None and self.warmstart.target_accuracy > 0:
-            held_back += self.warmstart.num_validation
-        check(
-            held_back < num_problems,
-            f"task.num_heldout={self.task.num_heldout} (+ warmstart.num_validation="
-            f"{self.warmstart.num_validation} for the warm-start) leaves none of the {num_problems} problems "
-            f"with task.num_digits={self.task.num_digits} for training; lower them or raise task.num_digits",
-        )
-        check(self.rollout.engine != "vllm" or (self.placement.rollout.ranks == "all"
-                                                and self.placement.rollout.ranks_per_replica == 1),
-              "rollout.engine=vllm makes its engines together on every rank (vLLM builds process groups over the "
-              "whole world): set placement.rollout.ranks=all (colocated) or use another rollout.engine")
-        check(self.rollout.engine != "vllm" or self.trainer.max_staleness == 0,
-              "rollout.engine=vllm runs synchronously: set trainer.max_staleness=0 or use another rollout.engine")
-        check(self.rollout.engine != "compiled" or self.trainer.strategy == "ddp",
-              "rollout.engine=compiled compiles the rollout model's forward, which fsdp2 gathers from shards "
-              "for every rollout; use rollout.engine=compact with trainer.strategy=fsdp2")
+        check_sections(self)  # the rules between sections, in their order (config/rules.py)

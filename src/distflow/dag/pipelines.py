@@ -94,11 +94,8 @@ def check_choices(config: Config) -> None:
 
 
 def _check_settings(config: Config) -> None:
-    """Settings that involve more than the algorithm section."""
-    algo, placement = config.algorithm, config.placement
-    if algo.overlong.buffer >= config.rollout.max_new_tokens:
-        raise GraphError(f"algorithm.overlong.buffer={algo.overlong.buffer} must be below rollout.max_new_tokens="
-                         f"{config.rollout.max_new_tokens}")
+    """The task's files, and the model they need: checked here, after the pure rules of
+    config/rules.py, so that a missing file is named before what it would have needed."""
     for key in ("train_file", "heldout_file"):
         path = getattr(config.task, key)
         if path is not None and not Path(path).expanduser().is_file():
@@ -108,15 +105,6 @@ def _check_settings(config: Config) -> None:
         if value is not None and config.model.path is None:
             raise GraphError(f"{key} needs a model that reads text: set model.path (the embedded model "
                              "only knows the addition task's characters)")
-    colocated = placement.rollout == placement.train and placement.rollout.ranks_per_replica == 1
-    if algo.dynamic_sampling.enabled and config.trainer.max_staleness:
-        raise GraphError(f"trainer.max_staleness={config.trainer.max_staleness} cannot run DAPO's dynamic sampling "
-                         "(algorithm.dynamic_sampling): it refills a step with extra rollouts inside the step, on the "
-                         "ranks that train, from the policy being trained, so the rollout cannot run ahead; set "
-                         "algorithm.dynamic_sampling.enabled=false or trainer.max_staleness=0")
-    if algo.dynamic_sampling.enabled and not colocated:
-        raise GraphError("algorithm.dynamic_sampling draws extra batches inside the step and needs rollout and "
-                         "training on the same ranks: leave placement.rollout and placement.train at their defaults")
 
 
 def _bind_upstream(graph: Graph, name: str, initial_fields) -> None:

@@ -1,0 +1,103 @@
+"""The `parallel` section (how models are spread over the train ranks, in what precision, on
+which device) and the `passes` section (how a forward/backward pass batches its sequences).
+
+Both are frozen: the engine registry hands them to the engines that need them
+(`TrainableEngine(parallel=..., passes=...)`, `parallelize(model, comm, parallel)`), and an
+engine cannot change what every other rank was told.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from distflow.config.errors import check
+
+STRATEGIES = ("ddp", "fsdp2")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FSDPConfig:
+    """Settings of `parallel.strategy=fsdp2` (FSDP2's `fully_shard`: each decoder block, then the root)."""
+
+    shard_size: int = 0
+    """Shard parameters, gradients and optimizer state within groups of this many train ranks and
+    replicate across the groups (HSDP, a 2-D device mesh); 0: shard over all train ranks. Must
+    divide the number of train ranks; a value below it needs the train group to be every rank."""
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward pass (gathered again for the
+    backward: less memory, one more all-gather per block); false keeps them until the backward."""
+
+    def __post_init__(self) -> None:
+        check(self.shard_size >= 0, f"parallel.fsdp.shard_size must be >= 0 (got {self.shard_size})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How the policy, the critic and the reference are spread over the train ranks."""
+
+    strategy: str = "ddp"
+    """How the policy, the critic and the reference are spread over the train ranks: ddp (a full
+    replica per rank, gradients all-reduced) or fsdp2 (parameters, gradients and optimizer state
+    sharded with FSDP2; see `parallel.fsdp`). On one rank both are the plain model, except fsdp2 with a
+    param_dtype below float32: FSDP2 over a one-rank group then keeps the float32 master copy."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Settings of parallel.strategy=fsdp2."""
+    param_dtype: str = "auto"
+    """fsdp2: the dtype of the gathered parameters that forward and backward compute in (float32,
+    bfloat16, float16; the sharded master copy and the optimizer stay float32). auto: bfloat16 on
+    CUDA, float32 on CPU. float16 is refused on the CPU. ddp computes in float32 (auto or float32
+    only). Below float32 a single process is sharded too (FSDP2 over a one-rank group)."""
+    reduce_dtype: str = "auto"
+    """fsdp2: the dtype gradients are reduced in across ranks (auto: float32)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in the backward pass instead of keeping them
+    (less memory, about one more forward of compute); any strategy."""
+    device: str = "auto"
+    """auto (CUDA when present, else CPU), cpu or cuda."""
+    collective_timeout_s: int = 1800
+    """Collective timeout: a rank waiting longer than this on its peers fails the job."""
+
+    def __post_init__(self) -> None:
+        check(self.strategy in STRATEGIES, f"parallel.strategy must be ddp or fsdp2 (got {self.strategy!r})")
+        for key in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, key)
+            check(value in DTYPES, f"parallel.{key} must be one of {', '.join(DTYPES)} (got {value!r})")
+            check(self.strategy == "fsdp2" or value in ("auto", "float32"),
+                  f"parallel.{key}={value} needs parallel.strategy=fsdp2 (ddp computes in float32)")
+        check(self.strategy == "fsdp2" or self.fsdp.shard_size == 0,
+              "parallel.fsdp.shard_size is a setting of parallel.strategy=fsdp2; set the strategy too")
+        check(self.device in DEVICES, f"parallel.device must be auto, cpu or cuda (got {self.device!r})")
+        check(self.collective_timeout_s >= 10,
+              f"parallel.collective_timeout_s must be >= 10 (got {self.collective_timeout_s})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PassesConfig:
+    """How the log-prob, value and training passes batch their sequences (the same results either way)."""
+
+    micro_batch_size: int = 512
+    """Sequences per forward/backward pass; gradients accumulate over micro-batches."""
+    micro_batch_tokens: int = 0
+    """If > 0, training micro-batches are packed by this token budget (first-fit decreasing) instead
+    of micro_batch_size."""
+    padding_free: bool = False
+    """Log-prob, value and training passes pack each micro-batch's sequences end to end (positions
+    restart per sequence, attention kept within each) instead of padding them to the widest
+    (engines/packing.py): the same results without computing over padding. Off by default: on the
+    2-core CPU with the embedded model's short sequences the packing costs more than the padding
+    it saves (docs/features/rollout-engines.md)."""
+    shared_prefix: bool | None = None
+    """Log-prob, value and training passes compute each distinct prompt of a micro-batch once and the
+    responses over its KV cache (engines/prefix_sharing.py): the same results, a group's prompt not
+    computed n times. Not with padding_free; null (auto): on unless padding_free."""
+
+    def __post_init__(self) -> None:
+        check(self.micro_batch_size >= 1, f"passes.micro_batch_size must be >= 1 (got {self.micro_batch_size})")
+        check(self.micro_batch_tokens >= 0,
+              f"passes.micro_batch_tokens must be >= 0 (got {self.micro_batch_tokens})")
+        check(not (self.shared_prefix and self.padding_free), "passes.shared_prefix=true and passes.padding_free=true "
+              "exclude each other (packed rows hold several prompts); set one of them to false")
+        if self.shared_prefix is None:  # frozen: the one resolved default is set once, here
+            object.__setattr__(self, "shared_prefix", not self.padding_free)

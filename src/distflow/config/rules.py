@@ -1,0 +1,89 @@
+"""The rules between config sections, in one ordered place.
+
+A config is validated in four steps, each needing more than the one before; a mistake is
+reported by the first step that can see it, as one `ConfigError` line naming the keys:
+
+    1. sections      each dataclass's own `__post_init__`: a key's range, a section's own
+                     exclusions (`passes.shared_prefix` with `passes.padding_free`)
+    2. cross-section `check_sections` below, called from `Config.__post_init__` once every section
+                     is valid on its own: settings of different sections that exclude each other
+    3. graph / plan  `dag.pipelines.build_graph` (dispatch-table names, the stages' fields and
+                     engines) and `planner.plan.make_plan` (what needs the world size: divisibility,
+                     disjoint groups for `asynchronous.max_staleness`, `parallel.fsdp.shard_size`)
+    4. preflight     `preflight.py`, before launch: files, directories, models, the device's dtypes
+
+Steps 1 and 2 are pure (no torch, no filesystem): `Config(...)` in code and `load_config` both
+run them, so a config object that exists is valid as far as they go.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from distflow.config.errors import check
+
+if TYPE_CHECKING:
+    from distflow.config.schema import Config
+
+
+def check_sections(config: Config) -> None:
+    """Every cross-section rule, in this order (the first that fails is reported)."""
+    _check_heldout(config)
+    _check_staleness(config)
+    _check_dynamic_sampling(config)
+    _check_overlong(config)
+    _check_rollout_engine(config)
+
+
+def _check_heldout(config: Config) -> None:
+    """The held-out rows (and the warm-start's validation rows) leave problems to train on."""
+    num_problems = 10 ** (config.task.num_operands * config.task.num_digits)
+    held_back = config.task.num_heldout
+    if config.model.path is None and config.warmstart.target_accuracy > 0:
+        held_back += config.warmstart.num_validation
+    check(
+        held_back < num_problems,
+        f"task.num_heldout={config.task.num_heldout} (+ warmstart.num_validation="
+        f"{config.warmstart.num_validation} for the warm-start) leaves none of the {num_problems} problems "
+        f"with task.num_digits={config.task.num_digits} for training; lower them or raise task.num_digits",
+    )
+
+
+def _check_staleness(config: Config) -> None:
+    """A rollout running ahead has no step boundary where a time budget could stop it."""
+    check(not (config.trainer.time_budget_s and config.asynchronous.max_staleness),
+          "trainer.time_budget_s stops a synchronous run between steps; with asynchronous.max_staleness > 0 the "
+          "rollout runs ahead of training: set one of them to 0")
+
+
+def _check_dynamic_sampling(config: Config) -> None:
+    """DAPO's dynamic sampling refills a step from inside it, on the ranks that train."""
+    algo, placement, k = config.algorithm, config.placement, config.asynchronous.max_staleness
+    if not algo.dynamic_sampling.enabled:
+        return
+    check(not k, f"asynchronous.max_staleness={k} cannot run DAPO's dynamic sampling "
+                 "(algorithm.dynamic_sampling): it refills a step with extra rollouts inside the step, on the "
+                 "ranks that train, from the policy being trained, so the rollout cannot run ahead; set "
+                 "algorithm.dynamic_sampling.enabled=false or asynchronous.max_staleness=0")
+    colocated = placement.rollout == placement.train and placement.rollout.ranks_per_replica == 1
+    check(colocated, "algorithm.dynamic_sampling draws extra batches inside the step and needs rollout and "
+                     "training on the same ranks: leave placement.rollout and placement.train at their defaults")
+
+
+def _check_overlong(config: Config) -> None:
+    buffer = config.algorithm.overlong.buffer
+    check(buffer < config.rollout.max_new_tokens,
+          f"algorithm.overlong.buffer={buffer} must be below rollout.max_new_tokens={config.rollout.max_new_tokens}")
+
+
+def _check_rollout_engine(config: Config) -> None:
+    """What `rollout.engine=vllm` and `compiled` need of the placement, the schedule and the strategy."""
+    engine, rollout = config.rollout.engine, config.placement.rollout
+    check(engine != "vllm" or (rollout.ranks == "all" and rollout.ranks_per_replica == 1),
+          "rollout.engine=vllm makes its engines together on every rank (vLLM builds process groups over the "
+          "whole world): set placement.rollout.ranks=all (colocated) or use another rollout.engine")
+    check(engine != "vllm" or config.asynchronous.max_staleness == 0,
+          "rollout.engine=vllm runs synchronously: set asynchronous.max_staleness=0 or use another rollout.engine")
+    check(engine != "compiled" or config.parallel.strategy == "ddp",
+          "rollout.engine=compiled compiles the rollout model's forward, which fsdp2 gathers from shards "
+          "for every rollout; use rollout.engine=compact with parallel.strategy=fsdp2")
