@@ -13,8 +13,8 @@ and the fix. What is checked:
                   fit in the model's embeddings; task.reward_models[].path: a one-label
                   sequence classifier with complete weight files
     rollout       rollout.engine=vllm: vLLM imports
-    strategy      trainer.param_dtype / reduce_dtype that the device can use; decoder blocks
-                  to checkpoint (trainer.activation_checkpointing, built on the meta device);
+    strategy      parallel.param_dtype / reduce_dtype that the device can use; decoder blocks
+                  to checkpoint (parallel.activation_checkpointing, built on the meta device);
                   model.lora's adapters (built on the meta device), their rank within the
                   adapted layers' dimensions
     resume        a pipelined checkpoint's batches in flight: the same max_staleness and world size
@@ -29,6 +29,7 @@ import os
 import warnings
 from pathlib import Path
 
+from distflow.config.parallel import ParallelConfig
 from distflow.config.schema import Config, ConfigError
 from distflow.tasks.model_source import is_converted
 
@@ -258,10 +259,10 @@ def check_rollout_engine(config: Config) -> None:
 
 def check_strategy(config: Config) -> None:
     """Precision the device supports, and decoder blocks where activation checkpointing needs them."""
-    trainer = config.trainer
-    if trainer.strategy == "fsdp2" and {trainer.param_dtype, trainer.reduce_dtype} - {"auto", "float32"}:
-        _check_precision(config)
-    if trainer.activation_checkpointing and config.model.path is not None:
+    parallel = config.parallel
+    if parallel.strategy == "fsdp2" and {parallel.param_dtype, parallel.reduce_dtype} - {"auto", "float32"}:
+        _check_precision(parallel)
+    if parallel.activation_checkpointing and config.model.path is not None:
         from distflow.tasks.model_source import resolve_model_dir
 
         model_dir = resolve_model_dir(config.model.path, builder=False)
@@ -269,19 +270,18 @@ def check_strategy(config: Config) -> None:
             _check_decoder_blocks(model_dir)  # (a GGUF file not converted yet is checked by its first run)
 
 
-def _check_precision(config: Config) -> None:
+def _check_precision(parallel: ParallelConfig) -> None:
     import torch
 
-    trainer = config.trainer
-    cuda = trainer.device == "cuda" or (trainer.device == "auto" and torch.cuda.is_available())
+    cuda = parallel.device == "cuda" or (parallel.device == "auto" and torch.cuda.is_available())
     for key in ("param_dtype", "reduce_dtype"):
-        value = getattr(trainer, key)
+        value = getattr(parallel, key)
         # torch 2.13 runs float16 FSDP2 on CPU, but CPU has no loss scaling and bfloat16 has float32's range.
         if value == "float16" and not cuda:
-            raise ConfigError(f"trainer.{key}=float16 is not supported on the CPU (no loss scaling there); "
+            raise ConfigError(f"parallel.{key}=float16 is not supported on the CPU (no loss scaling there); "
                               "use bfloat16 or float32")
         if value == "bfloat16" and cuda and not torch.cuda.is_bf16_supported():
-            raise ConfigError(f"trainer.{key}=bfloat16: this CUDA device has no bfloat16; use float16 or float32")
+            raise ConfigError(f"parallel.{key}=bfloat16: this CUDA device has no bfloat16; use float16 or float32")
 
 
 def _check_decoder_blocks(model_dir: Path) -> None:
@@ -293,7 +293,7 @@ def _check_decoder_blocks(model_dir: Path) -> None:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    decoder_blocks(model)  # a ConfigError naming trainer.activation_checkpointing if there are none
+    decoder_blocks(model)  # a ConfigError naming parallel.activation_checkpointing if there are none
 
 
 def inflight_steps(saved: dict) -> list[int]:
@@ -306,14 +306,14 @@ def inflight_steps(saved: dict) -> list[int]:
 
 def check_resume_inflight(checkpoint: Path, extra: dict, config: Config, world_size: int) -> None:
     """A checkpoint of a pipelined run with batches in flight continues only as that run: the
-    same trainer.max_staleness and world size (the train ranks are checked when the ranks have
+    same asynchronous.max_staleness and world size (the train ranks are checked when the ranks have
     their plan). With nothing in flight (a finished run's last checkpoint) any will do."""
     saved = extra.get("pipeline")
     if not saved or not inflight_steps(saved):
         return
     k, world = saved["max_staleness"], saved["world_size"]
-    if (k, world) != (config.trainer.max_staleness, world_size):
-        raise ConfigError(f"checkpoint {checkpoint} holds the batches in flight of a run with trainer.max_staleness="
+    if (k, world) != (config.asynchronous.max_staleness, world_size):
+        raise ConfigError(f"checkpoint {checkpoint} holds the batches in flight of a run with asynchronous.max_staleness="
                           f"{k} on {world} ranks (steps {', '.join(map(str, inflight_steps(saved)))} drawn ahead): "
-                          f"resume it with the same max_staleness and world size (trainer.max_staleness={k}, "
+                          f"resume it with the same max_staleness and world size (asynchronous.max_staleness={k}, "
                           f"{world} ranks), or from the run's last checkpoint once it has finished")

@@ -1,6 +1,6 @@
 """Off-policy correction for stale samples (pure tensor code).
 
-With `trainer.max_staleness` k >= 1 a step's samples come from an older policy than the one
+With `asynchronous.max_staleness` k >= 1 a step's samples come from an older policy than the one
 being trained. Three policies meet in the loss (AReaL's decoupled PPO objective):
 
     behaviour π_b   the rollout's policy, which drew the tokens: `rollout_logp`, recorded while sampling

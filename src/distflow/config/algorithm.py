@@ -9,7 +9,7 @@
       dynamic_sampling: {enabled, max_rounds}          DAPO
       overlong:         {buffer, penalty}              DAPO's soft overlong penalty
       critic:           {lr, value_clip, warmup_steps} PPO
-      off_policy_correction, off_policy_cap            stale samples (trainer.max_staleness)
+      off_policy_correction, off_policy_cap            stale samples (asynchronous.max_staleness)
 
 A setting documented as "null: the algorithm's" takes the value of `algorithm.name` in
 `ALGORITHMS`. Names that select a function from a dispatch table (`policy_loss`, `loss_agg`,
@@ -206,7 +206,7 @@ class AlgorithmConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model of PPO."""
     off_policy_correction: str = "none"
-    """How the loss corrects for samples drawn by an older policy (`trainer.max_staleness`):
+    """How the loss corrects for samples drawn by an older policy (`asynchronous.max_staleness`):
     none, tis (PPO ratio to the proximal policy times the behaviour→proximal importance weight
     truncated at `off_policy_cap`) or mask (the weight, tokens above the cap dropped). Anything but
     none also records `rollout_logp` on synchronous runs."""

@@ -32,7 +32,7 @@ class PlacementConfig:
     train: LayoutSpec = field(default_factory=LayoutSpec)
     """Every other stage: reward, advantage, log-probs, the policy update; the same ranks as `rollout`
     or disjoint from them. Its ranks_per_replica must be 1: training is data-parallel
-    (`trainer.strategy`: a full replica per rank, or FSDP2 shards)."""
+    (`parallel.strategy`: a full replica per rank, or FSDP2 shards)."""
 
 
 @dataclass(kw_only=True)
@@ -54,7 +54,7 @@ class StageSpec:
     placement: str = "train"
     """Worker group that runs it: train or rollout."""
     timeout_s: float = 0
-    """> 0: a fixed stall limit for this stage instead of the trainer's (trainer.stage_timeout_*)."""
+    """> 0: a fixed stall limit for this stage instead of the watchdog's (watchdog.stage_timeout_*)."""
 
     def __post_init__(self) -> None:
         check(bool(self.name), "pipeline.custom_stages[].name must not be empty")

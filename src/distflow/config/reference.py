@@ -1,6 +1,6 @@
 """The configuration reference, generated from the config dataclasses.
 
-Every key of `Config`, walked section by section (`trainer.fsdp.shard_size`), with its type as
+Every key of `Config`, walked section by section (`parallel.fsdp.shard_size`), with its type as
 annotated, its default and its attribute docstring (the string right below the field, the
 house convention of this package). Optional sub-sections (`task.dataset`) and lists of entries
 (`task.rewards`) are listed as a key of their own and then field by field
@@ -115,7 +115,7 @@ def _default(field: dataclasses.Field) -> str:
 
 def entries(cls: type = Config, prefix: str = "") -> list[Entry]:
     """Every key of `cls` and of the dataclasses inside it, in declaration order: a sub-section
-    (`trainer.fsdp`), an optional sub-section or a list of entries is listed, then walked."""
+    (`parallel.fsdp`), an optional sub-section or a list of entries is listed, then walked."""
     hints, docs = typing.get_type_hints(cls), attribute_docs(cls)
     rows = []
     for field in dataclasses.fields(cls):

@@ -73,7 +73,8 @@ class StageContext:
     step: int = 0
     """The current RL step (1-based); custom stages may use it for schedules."""
     policy_version: int | None = None
-    """Pipelined runs: the updates the sampling policy has had (None: the schedule's, v(step))."""
+    """Pipelined runs: the updates the sampling policy has had, handed down by runtime/pipelined.py
+    (None: a synchronous run, on-policy)."""
 
     @property
     def tokenizer(self) -> Any:

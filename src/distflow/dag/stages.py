@@ -30,25 +30,22 @@ def behaviour_fields(config) -> tuple[str, ...]:
     """What the rollout also records about the policy that sampled: `rollout_logp` (each sampled
     token's log-prob, for the off-policy correction and, from a separate inference engine (`vllm`),
     the train/inference mismatch) and, with stale samples, `policy_version`."""
-    staleness, correction = config.trainer.max_staleness, config.algorithm.off_policy_correction
+    staleness, correction = config.asynchronous.max_staleness, config.algorithm.off_policy_correction
     records = staleness > 0 or correction != "none" or config.rollout.engine == "vllm"
     return ((ROLLOUT_LOGP,) if records else ()) + \
         ((POLICY_VERSION,) if staleness > 0 else ())
 
 
 def policy_versions(ctx: StageContext, count: int) -> dict:
-    """With stale samples (`trainer.max_staleness` > 0), each of `count` samples' `policy_version`:
-    the schedule's, max(0, step - 1 - k) (runtime/pipelined.py keeps to it, and says so in
-    `ctx.policy_version`: the steps pre-rolled after a resume come from the restored policy); else nothing."""
+    """With stale samples (`asynchronous.max_staleness` > 0), each of `count` samples' `policy_version`:
+    the one runtime/pipelined.py hands down in `ctx.policy_version` (the schedule's, max(0, step - 1 - k),
+    or the restored policy's for the steps pre-rolled after a resume); a synchronous run's samples
+    (`ctx.policy_version` None) carry none."""
     import torch
 
-    from distflow.algorithms.off_policy import behaviour_version
-
-    k = ctx.config.trainer.max_staleness
-    if k == 0:
+    if ctx.policy_version is None:
         return {}
-    version = behaviour_version(ctx.step, k) if ctx.policy_version is None else ctx.policy_version
-    return {"policy_version": torch.full((count,), version, dtype=torch.long, device=ctx.comm.device)}
+    return {"policy_version": torch.full((count,), ctx.policy_version, dtype=torch.long, device=ctx.comm.device)}
 
 
 def rollout(batch: Batch, ctx: StageContext) -> Batch:
@@ -56,7 +53,7 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
 
     Sample uid u is drawn with the key (seed, u) and prompts are padded to the widest
     prompt of the whole worker group, so a sample is the same on any rank and layout.
-    With stale samples (`trainer.max_staleness`), each sample records the policy version that
+    With stale samples (`asynchronous.max_staleness`), each sample records the policy version that
     drew it: the schedule's, max(0, step - 1 - k) (runtime/pipelined.py keeps to it).
     """
     import torch
@@ -190,7 +187,7 @@ def reward_clip(batch: Batch, ctx: StageContext) -> Batch:
 
 
 def old_logprob(batch: Batch, ctx: StageContext) -> Batch:
-    return batch.updated(old_logp=ctx.engines.policy.logprobs(batch, ctx.config.trainer.micro_batch_size))
+    return batch.updated(old_logp=ctx.engines.policy.logprobs(batch, ctx.config.passes.micro_batch_size))
 
 
 def reference_logprob(batch: Batch, ctx: StageContext) -> Batch:
@@ -198,19 +195,19 @@ def reference_logprob(batch: Batch, ctx: StageContext) -> Batch:
     from distflow.engines.parallelize import gathered
 
     assert ctx.engines.reference is not None, "the pipeline builder adds this stage only with a reference model"
-    trainer = ctx.config.trainer
+    passes = ctx.config.passes
     with gathered(ctx.engines.reference):  # fsdp2: every train rank gathers the reference together
-        # The policy's pass mode (trainer.padding_free / shared_prefix): same values, and as fast.
-        ref_logp = batch_logprobs(ctx.engines.reference, batch, micro_batch_size=trainer.micro_batch_size,
+        # The policy's pass mode (passes.padding_free / shared_prefix): same values, and as fast.
+        ref_logp = batch_logprobs(ctx.engines.reference, batch, micro_batch_size=passes.micro_batch_size,
                                   temperature=ctx.engines.sampling.temperature,
-                                  padding_free=trainer.padding_free, shared_prefix=trainer.shared_prefix)
+                                  padding_free=passes.padding_free, shared_prefix=passes.shared_prefix)
     return batch.updated(ref_logp=ref_logp)
 
 
 def values(batch: Batch, ctx: StageContext) -> Batch:
     """The critic's V(s_t) before each response token (PPO)."""
     assert ctx.engines.critic is not None, "the pipeline builder adds this stage only with a critic"
-    values_BR = ctx.engines.critic.values(batch, ctx.config.trainer.micro_batch_size)
+    values_BR = ctx.engines.critic.values(batch, ctx.config.passes.micro_batch_size)
     mask_BR = batch["response_mask"].float()
     ctx.metrics.mean("critic/values", float((values_BR * mask_BR).sum()), float(mask_BR.sum()))
     return batch.updated(values=values_BR)

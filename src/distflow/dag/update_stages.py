@@ -194,7 +194,7 @@ class PolicyObjective:
 
 
 def policy_update(batch: Batch, ctx: StageContext) -> Batch:
-    algo, trainer = ctx.config.algorithm, ctx.config.trainer
+    algo, passes = ctx.config.algorithm, ctx.config.passes
     if ctx.step <= algo.critic.warmup_steps:  # PPO: let the critic learn the values first
         ctx.metrics.total("train/critic_warmup_steps", 1.0 / ctx.comm.world_size)
         return batch
@@ -211,8 +211,8 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
         if normalizer == 0:  # every group of this mini-batch had equal rewards: no signal
             ctx.metrics.total("train/skipped_empty_steps", 1.0 / ctx.comm.world_size)
             continue
-        stats = ctx.engines.policy.update(mini, objective, normalizer, trainer.micro_batch_size,
-                                          micro_batch_tokens=trainer.micro_batch_tokens,
+        stats = ctx.engines.policy.update(mini, objective, normalizer, passes.micro_batch_size,
+                                          micro_batch_tokens=passes.micro_batch_tokens,
                                           entropy_grad=algo.entropy_coef > 0)
         _record_update(ctx, "train", stats, float(mask_BR.sum()))
         ctx.metrics.total("tokens/trained", float(mini["attention_mask"].sum()))
@@ -237,7 +237,7 @@ def critic_update(batch: Batch, ctx: StageContext) -> Batch:
     from distflow.algorithms.aggregation import loss_sum
     from distflow.algorithms.losses import value_clip_loss
 
-    algo, trainer = ctx.config.algorithm, ctx.config.trainer
+    algo, passes = ctx.config.algorithm, ctx.config.passes
 
     def loss_fn(micro: Batch, values_BR, _):
         mask_BR = micro["response_mask"].float()
@@ -248,7 +248,7 @@ def critic_update(batch: Batch, ctx: StageContext) -> Batch:
     for mini in mini_batches(batch, ctx):
         mask_BR = mini["response_mask"].float()
         normalizer = global_normalizer(mask_BR, "token-mean", ctx)
-        stats = ctx.engines.critic.update(mini, loss_fn, normalizer, trainer.micro_batch_size,
-                                  micro_batch_tokens=trainer.micro_batch_tokens)
+        stats = ctx.engines.critic.update(mini, loss_fn, normalizer, passes.micro_batch_size,
+                                          micro_batch_tokens=passes.micro_batch_tokens)
         _record_update(ctx, "critic", stats, float(mask_BR.sum()))
     return batch

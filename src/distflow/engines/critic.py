@@ -21,7 +21,8 @@ import dataclasses
 
 import torch
 
-from distflow.config.schema import OptimConfig, TrainerConfig
+from distflow.config.parallel import ParallelConfig, PassesConfig
+from distflow.config.schema import OptimConfig
 from distflow.data.batch import Batch
 from distflow.engines.parallelize import gathered, is_sharded, parallelize
 from distflow.engines.models import cache_kwargs
@@ -77,8 +78,8 @@ class CriticEngine(TrainableEngine):
     def forward(self, micro: Batch, *, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(values_BR, zeros): a critic has no entropy term."""
         values_BR = response_values(self.wrapped, micro["input_ids"], micro["attention_mask"],
-                                    micro["response_mask"].shape[1], padding_free=self.trainer.padding_free,
-                                    shared_prefix=self.trainer.shared_prefix, lockstep=is_sharded(self.wrapped))
+                                    micro["response_mask"].shape[1], padding_free=self.passes.padding_free,
+                                    shared_prefix=self.passes.shared_prefix, lockstep=is_sharded(self.wrapped))
         return values_BR, torch.zeros_like(values_BR.detach())
 
     @torch.no_grad()
@@ -89,17 +90,19 @@ class CriticEngine(TrainableEngine):
         width = batch["response_mask"].shape[1]
         with gathered(self.model):
             out = [response_values(self.model, mb["input_ids"], mb["attention_mask"], width,
-                                   padding_free=self.trainer.padding_free,
-                                   shared_prefix=self.trainer.shared_prefix)
+                                   padding_free=self.passes.padding_free,
+                                   shared_prefix=self.passes.shared_prefix)
                    for mb in batch.micro_batches(micro_batch_size)]
         self.model.train(was_training)
         return torch.cat(out) if out else torch.zeros((0, width), device=batch["input_ids"].device)
 
 
 def build_critic(policy_model: torch.nn.Module, comm: Comm, optim: OptimConfig, *, lr: float,
-                 trainer: TrainerConfig | None = None, load_sharded=None) -> CriticEngine:
-    """A critic initialised from the policy's current weights, trained with `optim` at `lr` and
-    spread over `comm` as `trainer.strategy` says. The policy must not be sharded yet (its copy is).
+                 parallel: ParallelConfig | None = None, passes: PassesConfig | None = None,
+                 load_sharded=None) -> CriticEngine:
+    """A critic initialised from the policy's current weights, trained with `optim` at `lr`, spread
+    over `comm` as `parallel.strategy` says, its passes batched as `passes` says. The policy must not
+    be sharded yet (its copy is).
     `load_sharded(module, rename)`: the policy is on the meta device; the critic is sharded, then its
     backbone's shards are read from the model's files by it, and its head zeroed."""
     backbone = copy.deepcopy(policy_model.base_model)
@@ -108,7 +111,7 @@ def build_critic(policy_model: torch.nn.Module, comm: Comm, optim: OptimConfig, 
     with torch.device(device):
         value_model = ValueModel(backbone, policy_model.config.hidden_size)
     if load_sharded is not None:
-        parallelize(value_model, comm, trainer or TrainerConfig())
+        parallelize(value_model, comm, parallel)
         load_sharded(value_model, rename=("backbone.", policy_model.base_model_prefix + "."))
         value_model.zero_head()
-    return CriticEngine(value_model, comm, dataclasses.replace(optim, lr=lr), trainer)
+    return CriticEngine(value_model, comm, dataclasses.replace(optim, lr=lr), parallel=parallel, passes=passes)

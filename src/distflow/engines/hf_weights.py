@@ -67,7 +67,7 @@ def load_sharded_weights(model: torch.nn.Module, model_dir: Path, comm: Comm,
     if missing:
         raise ConfigError(f"{str(model_dir)!r} has no tensor for {len(missing)} parameter(s) of the model, e.g. "
                           f"{missing[:3]}; its names differ from the model's (a renamed or converted checkpoint): "
-                          "use trainer.strategy=ddp, which loads through from_pretrained")
+                          "use parallel.strategy=ddp, which loads through from_pretrained")
     wanted = {name: tensor for name, tensor in state.items() if name in stored}
     dcp.load(wanted, storage_reader=dcp.HuggingFaceStorageReader(str(model_dir)), process_group=comm.group,
              no_dist=not comm.distributed)

@@ -76,5 +76,5 @@ def materialize(model: torch.nn.Module, device: torch.device) -> None:
         if any(True for _ in module.buffers(recurse=False)):
             if init is None:
                 raise ConfigError(f"{type(model).__name__} has buffers but no _init_weights to compute them; "
-                                  "use trainer.strategy=ddp, which loads through from_pretrained")
+                                  "use parallel.strategy=ddp, which loads through from_pretrained")
             init(module)

@@ -18,7 +18,7 @@ log-probs, values and losses against the padded pass.
 A model whose attention ignores the restarts (remote code with its own masks, an older
 transformers) would silently let sequences see each other, so the first packed pass of each
 model is preceded by a probe (two 4-token sequences, packed and alone) that stops the run
-with the fix (`trainer.padding_free=false`) if it does.
+with the fix (`passes.padding_free=false`) if it does.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def probe_packing(model: torch.nn.Module, forward: Forward, device: torch.device
     if leak > 0.1 * reach:
         raise ConfigError(f"{type(model).__name__} lets packed sequences attend to each other (output change "
                           f"{leak:.3g}, vs {reach:.3g} with a full causal mask): its attention does not read "
-                          "restarting position ids as sequence boundaries; set trainer.padding_free=false")
+                          "restarting position ids as sequence boundaries; set passes.padding_free=false")
     _PROBED.add(model)
 
 

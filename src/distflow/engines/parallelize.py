@@ -1,12 +1,12 @@
 """Applies data parallelism to a model from the outside (the model file stays plain).
 
-    trainer.strategy=ddp     every train rank: a full replica ──► DDP all-reduces the gradients
+    parallel.strategy=ddp    every train rank: a full replica ──► DDP all-reduces the gradients
                              (after the last micro-batch only: `gradient_sync`)
-    trainer.strategy=fsdp2   every train rank: 1/S of each parameter (a DTensor shard)
+    parallel.strategy=fsdp2  every train rank: 1/S of each parameter (a DTensor shard)
         forward/backward of decoder block i:  all-gather block i's shards ──► compute ──► free
-                                              (`trainer.fsdp.reshard_after_forward`)
+                                              (`parallel.fsdp.reshard_after_forward`)
         last micro-batch's backward:          reduce-scatter the gradients (averaged, like DDP)
-        HSDP (trainer.fsdp.shard_size = S < N): mesh [N/S replicas, S shards]; shards all-gather
+        HSDP (parallel.fsdp.shard_size = S < N): mesh [N/S replicas, S shards]; shards all-gather
                                               within a row, gradients reduce over the whole mesh
 
 Invariants. Under ddp only the backward of the last micro-batch communicates (buffers are not
@@ -17,12 +17,12 @@ share with zero-loss passes, and shared-prefix passes run in lockstep: the same 
 whatever the rows) and every inference pass (generation, log-probs, values,
 evaluation) runs inside `gathered(model)`: entered by every train rank
 together, it all-gathers the whole model once and leaves each rank free to run its own
-number of forwards. Its cost is a full copy of the parameters (in `trainer.param_dtype`) on
+number of forwards. Its cost is a full copy of the parameters (in `parallel.param_dtype`) on
 every rank while inside, as DDP holds at all times; sharding still saves the gradients, the
 optimizer state and the float32 master weights. The disaggregated weight sync needs no gathering:
 each train rank sends its own (float32) shard (engines/weight_shares.py). A world of one has
 nothing to shard: both strategies leave the model plain there, except fsdp2 computing below
-float32 (`trainer.param_dtype`), which shards over a one-rank group to keep a float32 master
+float32 (`parallel.param_dtype`), which shards over a one-rank group to keep a float32 master
 copy beside its compute dtype (`shards`).
 """
 
@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distflow.comm import Comm, join_group_of_one
 from distflow.config import ConfigError
-from distflow.config.schema import TrainerConfig
+from distflow.config.parallel import ParallelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MESHES: dict[tuple, DeviceMesh] = {}
@@ -53,17 +53,17 @@ _MESHES: dict[tuple, DeviceMesh] = {}
 _DDP_PARAMETERS = inspect.signature(DistributedDataParallel).parameters
 
 
-def parallelize(model: torch.nn.Module, comm: Comm, trainer: TrainerConfig | None = None) -> torch.nn.Module:
+def parallelize(model: torch.nn.Module, comm: Comm, parallel: ParallelConfig | None = None) -> torch.nn.Module:
     """The module that training forwards through: DDP's wrapper, or `model` itself, sharded in place
     (fsdp2). Activation checkpointing (if asked) wraps the decoder blocks first. A model sharded
     already (sharded loading shards before it allocates) is returned as it is."""
-    trainer = trainer or TrainerConfig()
+    parallel = parallel or ParallelConfig()
     if is_sharded(model):
         return model
-    if trainer.activation_checkpointing:
+    if parallel.activation_checkpointing:
         checkpoint_blocks(model)
-    if shards(trainer, comm):
-        return shard(model, comm, trainer)
+    if shards(parallel, comm):
+        return shard(model, comm, parallel)
     if not comm.distributed:
         return model
     device_ids = [comm.device.index] if comm.device.type == "cuda" else None
@@ -76,44 +76,44 @@ def parallelize(model: torch.nn.Module, comm: Comm, trainer: TrainerConfig | Non
     return DistributedDataParallel(model, device_ids=device_ids, process_group=comm.group, **no_forward_sync)
 
 
-def frozen_copy(model: torch.nn.Module, comm: Comm, trainer: TrainerConfig) -> torch.nn.Module:
+def frozen_copy(model: torch.nn.Module, comm: Comm, parallel: ParallelConfig) -> torch.nn.Module:
     """A frozen copy of `model` (the reference policy), sharded like the policy under fsdp2 (with no
     optimizer: it only runs forwards, inside `gathered`). `model` must not be sharded yet."""
     frozen = copy.deepcopy(model).eval().requires_grad_(False)
-    if shards(trainer, comm):
-        shard(frozen, comm, trainer)
+    if shards(parallel, comm):
+        shard(frozen, comm, parallel)
     return frozen
 
 
-def shard(model: torch.nn.Module, comm: Comm, trainer: TrainerConfig) -> torch.nn.Module:
+def shard(model: torch.nn.Module, comm: Comm, parallel: ParallelConfig) -> torch.nn.Module:
     """`fully_shard` each decoder block, then the root (which takes the rest: embeddings, head)."""
-    mesh = device_mesh(comm, trainer.fsdp.shard_size)
-    param_dtype, reduce_dtype = resolve_dtypes(trainer, comm.device)
-    options = dict(mesh=mesh, reshard_after_forward=trainer.fsdp.reshard_after_forward,
+    mesh = device_mesh(comm, parallel.fsdp.shard_size)
+    param_dtype, reduce_dtype = resolve_dtypes(parallel, comm.device)
+    options = dict(mesh=mesh, reshard_after_forward=parallel.fsdp.reshard_after_forward,
                    mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
     for block in decoder_blocks(model):
         fully_shard(block, **options)
     fully_shard(model, **options)
-    model._distflow_reshard_after_forward = trainer.fsdp.reshard_after_forward  # restored after `gathered`
+    model._distflow_reshard_after_forward = parallel.fsdp.reshard_after_forward  # restored after `gathered`
     return model
 
 
-def shards(trainer: TrainerConfig, comm: Comm) -> bool:
+def shards(parallel: ParallelConfig, comm: Comm) -> bool:
     """Whether models are `fully_shard`ed: fsdp2 on several ranks, and on one rank when it computes
     below float32 (over a one-rank mesh, the shard the whole model), since FSDP2's mixed precision
     is what keeps the float32 master copy and casts for compute; the plain model would silently
     compute in float32."""
-    if trainer.strategy != "fsdp2":
+    if parallel.strategy != "fsdp2":
         return False
-    return comm.distributed or resolve_dtypes(trainer, comm.device)[0] != torch.float32
+    return comm.distributed or resolve_dtypes(parallel, comm.device)[0] != torch.float32
 
 
-def resolve_dtypes(trainer: TrainerConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+def resolve_dtypes(parallel: ParallelConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
     """(param_dtype, reduce_dtype): `auto` is bfloat16 compute with float32 reduction on CUDA
     under fsdp2, float32 otherwise."""
-    auto_param = "bfloat16" if device.type == "cuda" and trainer.strategy == "fsdp2" else "float32"
-    param = auto_param if trainer.param_dtype == "auto" else trainer.param_dtype
-    reduce = "float32" if trainer.reduce_dtype == "auto" else trainer.reduce_dtype
+    auto_param = "bfloat16" if device.type == "cuda" and parallel.strategy == "fsdp2" else "float32"
+    param = auto_param if parallel.param_dtype == "auto" else parallel.param_dtype
+    reduce = "float32" if parallel.reduce_dtype == "auto" else parallel.reduce_dtype
     return DTYPES[param], DTYPES[reduce]
 
 
@@ -149,7 +149,7 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
         blocks = list(max(lists, key=len)) if lists else []
     if not blocks:
         raise ConfigError(f"found no decoder blocks in {type(model).__name__} (no `_no_split_modules` classes, "
-                          "no ModuleList of repeated layers): trainer.activation_checkpointing needs them")
+                          "no ModuleList of repeated layers): parallel.activation_checkpointing needs them")
     return blocks
 
 

@@ -28,7 +28,7 @@ holds each sample's gathered prompt keys and values and never changes. This need
 full-attention cache layers of transformers (`DynamicLayer`); a model with other kinds
 (sliding-window layers keep a window of the cache and their masks depend on what they stored)
 runs the padded pass, with a warning. Packed rows hold several prompts, so
-`trainer.padding_free` and this exclude each other (the config's `auto` picks this one unless
+`passes.padding_free` and this exclude each other (the config's `auto` picks this one unless
 padding_free is set).
 """
 
@@ -164,5 +164,5 @@ def _read(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor, *args, 
 
 @functools.cache
 def _warn_padded(model_kind: str, layer_kinds: str) -> None:
-    warnings.warn(f"trainer.shared_prefix: {model_kind}'s cache has {layer_kinds}; its log-prob and training "
+    warnings.warn(f"passes.shared_prefix: {model_kind}'s cache has {layer_kinds}; its log-prob and training "
                   "passes run padded (the same results, each sample computing its prompt)", stacklevel=3)

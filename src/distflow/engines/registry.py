@@ -110,8 +110,8 @@ def _critic(build: EngineBuild):
     from distflow.engines.critic import build_critic
 
     config = build.config
-    return build_critic(build.model, build.comm, config.optim, lr=config.algorithm.critic.lr, trainer=config.trainer,
-                        load_sharded=build.load_sharded if build.sharded_from is not None else None)
+    return build_critic(build.model, build.comm, config.optim, lr=config.algorithm.critic.lr,
+                        parallel=config.parallel, passes=config.passes, load_sharded=build.load_sharded if build.sharded_from is not None else None)
 
 
 def _model(build: EngineBuild):
@@ -130,7 +130,7 @@ def _reference(build: EngineBuild):
 
     if build.config.model.lora.enabled:
         return AdaptersOff(build.model)
-    reference = frozen_copy(build.model, build.comm, build.config.trainer)
+    reference = frozen_copy(build.model, build.comm, build.config.parallel)
     if build.sharded_from is not None:
         build.load_sharded(reference)
     return reference
@@ -142,10 +142,10 @@ def _policy(build: EngineBuild):
 
     config = build.config
     if build.sharded_from is not None:
-        parallelize(build.model, build.comm, config.trainer)
+        parallelize(build.model, build.comm, config.parallel)
         build.load_sharded(build.model)
     return PolicyEngine(build.model, build.comm, config.optim, temperature=build.sampling.temperature,
-                        trainer=config.trainer)
+                        parallel=config.parallel, passes=config.passes)
 
 
 def _trained_state(engine) -> tuple:

@@ -8,7 +8,7 @@ mini-batch across all ranks. Dividing every micro-batch's sum by that global cou
 multiplying by the world size, because DDP and FSDP2 both average gradients over ranks) makes
 the gradient independent of how the mini-batch is split over ranks and micro-batches.
 
-The wrapper is `trainer.strategy`'s (engines/parallelize.py). Under fsdp2 each forward is a
+The wrapper is `parallel.strategy`'s (engines/parallelize.py). Under fsdp2 each forward is a
 collective of the train group, so a rank with fewer micro-batches than its peers adds
 zero-loss passes until every rank has run as many; under ddp only the final backward
 communicates, and only a rank with no micro-batch at all adds one such pass.
@@ -22,7 +22,8 @@ from collections.abc import Callable
 import torch
 
 from distflow.comm import Comm
-from distflow.config.schema import OptimConfig, TrainerConfig
+from distflow.config.parallel import ParallelConfig, PassesConfig
+from distflow.config.schema import OptimConfig
 from distflow.data.balance import token_budget_micro_batches
 from distflow.data.batch import Batch
 from distflow.engines.lora import trainable_parameters
@@ -33,14 +34,16 @@ LossFn = Callable[[Batch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[
 
 
 class TrainableEngine(abc.ABC):
-    def __init__(self, model: torch.nn.Module, comm: Comm, optim: OptimConfig,
-                 trainer: TrainerConfig | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, comm: Comm, optim: OptimConfig, *,
+                 parallel: ParallelConfig | None = None, passes: PassesConfig | None = None) -> None:
         self.model = model
         """The model itself (sharded in place under fsdp2): what checkpoints and inference read."""
         self.comm = comm
-        self.trainer = trainer or TrainerConfig()
+        self.parallel = parallel or ParallelConfig()
         """Its strategy, precision and activation checkpointing (the defaults: ddp, float32)."""
-        self.wrapped = parallelize(model, comm, self.trainer)
+        self.passes = passes or PassesConfig()
+        """How its forward passes batch sequences (padded, packed or sharing prompts)."""
+        self.wrapped = parallelize(model, comm, self.parallel)
         self.optimizer = torch.optim.AdamW(
             trainable_parameters(model), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
         )

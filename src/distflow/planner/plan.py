@@ -189,41 +189,41 @@ def make_plan(graph: Graph, config: Config, world_size: int, initial_fields: tup
 
 
 def _check_staleness(config: Config, items: list[Item], groups: dict[str, Layout]) -> None:
-    """`trainer.max_staleness` >= 1 overlaps rollout and training (runtime/pipelined.py): they must
+    """`asynchronous.max_staleness` >= 1 overlaps rollout and training (runtime/pipelined.py): they must
     run on different ranks, with one hand-over of samples between them."""
-    k = config.trainer.max_staleness
+    k = config.asynchronous.max_staleness
     if k == 0:
         return
     rollout, train = groups["rollout"], groups["train"]
     if set(rollout.ranks) & set(train.ranks):
-        raise ConfigError(f"trainer.max_staleness={k} overlaps rollout and training, which needs them on different "
+        raise ConfigError(f"asynchronous.max_staleness={k} overlaps rollout and training, which needs them on different "
                           f"ranks, but placement.rollout.ranks and placement.train.ranks share ranks "
                           f"{format_ranks(tuple(sorted(set(rollout.ranks) & set(train.ranks))))}: use a disaggregated "
                           "placement (e.g. --nproc 2 placement.rollout.ranks=0 placement.train.ranks=1) or "
-                          "trainer.max_staleness=0")
+                          "asynchronous.max_staleness=0")
     transitions = [i for i, item in enumerate(items) if isinstance(item, Transition)]
     last = items[-1]
     if len(transitions) != 1 or not (isinstance(last, PlannedStage) and last.stage.name == "weight_sync") or any(
             isinstance(item, PlannedStage) and item.stage.group != ("rollout" if i < transitions[0] else "train")
             for i, item in enumerate(items[:-1])):
-        raise ConfigError(f"trainer.max_staleness={k} needs the rollout group's stages first, then the train "
+        raise ConfigError(f"asynchronous.max_staleness={k} needs the rollout group's stages first, then the train "
                           "group's, with one hand-over between them; a custom stage placed on the rollout group "
                           "after a train stage breaks that: place it on the train group, or set "
-                          "trainer.max_staleness=0")
+                          "asynchronous.max_staleness=0")
 
 
 def _check_sharding(config: Config, train: Layout, world_size: int) -> None:
     """fsdp2's shard groups split the train ranks evenly; HSDP's 2-D mesh is built over the world."""
-    shard_size, num_train = config.trainer.fsdp.shard_size, len(train.ranks)
-    if config.trainer.strategy != "fsdp2" or shard_size in (0, num_train):
+    shard_size, num_train = config.parallel.fsdp.shard_size, len(train.ranks)
+    if config.parallel.strategy != "fsdp2" or shard_size in (0, num_train):
         return
     if num_train % shard_size:
-        raise ConfigError(f"trainer.fsdp.shard_size={shard_size} does not divide the {num_train} train ranks; "
+        raise ConfigError(f"parallel.fsdp.shard_size={shard_size} does not divide the {num_train} train ranks; "
                           f"choose a divisor of {num_train} (0: shard over all of them)")
     if num_train != world_size:
-        raise ConfigError(f"trainer.fsdp.shard_size={shard_size} (HSDP) needs every rank in the train group, but "
+        raise ConfigError(f"parallel.fsdp.shard_size={shard_size} (HSDP) needs every rank in the train group, but "
                           f"placement.train.ranks is {format_ranks(train.ranks)} of 0-{world_size - 1}; "
-                          "set trainer.fsdp.shard_size=0 with a disaggregated placement")
+                          "set parallel.fsdp.shard_size=0 with a disaggregated placement")
 
 
 def _check_divisible(samples: int, unit: int, layout: Layout, stage: str) -> None:

@@ -40,11 +40,9 @@ from distflow.runtime.worker import Worker
 # Keys that may change between a run and its resumption without changing what it computes
 # next (where it runs, how long, how it reports); any other change is reported in the log.
 FREE_TO_CHANGE = ("trainer.total_steps", "trainer.output_dir", "trainer.run_name", "trainer.eval_every",
-                  "trainer.tensorboard", "trainer.progress_bar", "trainer.device", "trainer.timeout_s",
-                  "trainer.stage_timeout_", "trainer.prefetch", "trainer.micro_batch_size",
-                  "trainer.micro_batch_tokens", "trainer.loggers", "trainer.wandb_project", "trainer.profile_steps",
-                  "trainer.padding_free", "trainer.shared_prefix", "rollout.engine", "checkpoint.", "placement.",
-                  "warmstart.cache_dir")
+                  "trainer.tensorboard", "trainer.progress_bar", "trainer.loggers", "trainer.wandb_project",
+                  "trainer.profile_steps", "parallel.device", "parallel.collective_timeout_s", "watchdog.stage_timeout_",
+                  "data.prefetch", "passes.", "rollout.engine", "checkpoint.", "placement.", "warmstart.cache_dir")
 
 
 def checkpoint_root(config: Config, run_dir: Path) -> Path:
@@ -68,8 +66,9 @@ def resolve(path: Path) -> Path:
 
 
 def config_changes(saved: dict, current: dict) -> list[str]:
-    """`key: old -> new` for every setting that differs and is not free to change. A config
-    saved with the previous release's flat keys (`algorithm.kl_coef`) is read with the new ones."""
+    """`key: old -> new` for every setting that differs and is not free to change, named by the
+    current keys: a config saved with the previous release's keys (`algorithm.kl_coef`,
+    `trainer.micro_batch_size`) is read with the new ones (config/deprecated.py)."""
     saved = copy.deepcopy(saved)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecatedKeyWarning)

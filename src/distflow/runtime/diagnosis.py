@@ -65,7 +65,7 @@ def diagnose(status_dir: Path, failures: dict[int, tuple[int, float]]) -> Diagno
         return Diagnosis(status["error"], status.get("exit_code", EXIT_FAILED))
     timeout = (status or {}).get("stage_timeout_s") or 0
     if status and code == EXIT_FAILED and timeout and seen - status["since"] > timeout:
-        source = status.get("timeout_source") or f"trainer.stage_timeout_s={timeout:g}"
+        source = status.get("timeout_source") or f"watchdog.stage_timeout_s={timeout:g}"
         return Diagnosis(f"distflow: rank {rank} stalled: {status_where(status)} ran for {seen - status['since']:.0f}s "
                          f"> {timeout:g}s ({source}; faulthandler's stacks above)", EXIT_STALLED)
     if code == EXIT_USER_ERROR and not status:  # a user error found before the rank's run began (printed above)

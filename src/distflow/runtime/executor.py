@@ -70,7 +70,7 @@ def run(config: Config, run_dir: Path, resume: Path | None = None, *,
     comm = None
     try:
         status.enter("init")
-        comm = init_comm(device=config.trainer.device, timeout_s=config.trainer.timeout_s)
+        comm = init_comm(device=config.parallel.device, timeout_s=config.parallel.collective_timeout_s)
         run_dir = Path(comm.broadcast_object(str(run_dir)))  # one run directory, whichever clock named it
         status.node_addresses = comm.all_gather_object(node_address())  # to name the ranks of a lost machine
         finished = _train(config, run_dir, comm, started, status, resume, fresh_restart)
@@ -167,7 +167,8 @@ def _train_worker(worker: Worker, run_dir: Path, comm: Comm, started: float, sta
     run_state = {"eval_before": {"sampled": before.sampled, "greedy": before.greedy}, "run_dir": str(run_dir)}
     after, last_checkpoint, step = before, None, first_step - 1
     profiler = StepProfiler(trainer.profile_steps, first_step, trainer.total_steps, run_dir, comm.rank)
-    pipeline = Pipeline(worker, status) if trainer.max_staleness else None  # rollout runs ahead (pipelined.py)
+    staleness = config.asynchronous.max_staleness
+    pipeline = Pipeline(worker, status, staleness) if staleness else None  # rollout runs ahead (pipelined.py)
     for step, metrics in _steps(worker, first_step, status, writer, profiler, pipeline, resumed):
         # The steps' summed time is the slowest rank's (reduced metrics): every rank stops at the same step.
         before_s, train_s = train_s, train_s + metrics.get("time/step_s", 0.0)
@@ -220,7 +221,7 @@ def _steps(worker: Worker, first_step: int, status: RankStatus, writer: RunWrite
             else:
                 metrics, previous = _step(worker, step, previous, status)
         try:
-            _check_numerics(metrics, trainer.max_nonfinite_steps)
+            _check_numerics(metrics, worker.config.watchdog.max_nonfinite_steps)
         except TrainingAborted:
             if writer:
                 writer.log(step, metrics)
@@ -303,5 +304,5 @@ def _check_numerics(metrics: dict[str, float], limit: int) -> None:
     if limit and streak >= limit:
         raise TrainingAborted(
             f"{streak} optimizer steps in a row had a non-finite loss or gradient and were skipped "
-            f"(trainer.max_nonfinite_steps={limit}); lower optim.lr, check the reward and custom stages, "
+            f"(watchdog.max_nonfinite_steps={limit}); lower optim.lr, check the reward and custom stages, "
             "or resume from an earlier checkpoint")

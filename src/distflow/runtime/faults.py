@@ -20,7 +20,7 @@ rank says who and where.
 
 Invariants: a status file is replaced atomically (readers never see half a file); a rank
 writes only its own; the files outlive a `kill -9`, so a killed rank's last stage is known.
-Collectives themselves time out after trainer.timeout_s (the process group's timeout).
+Collectives themselves time out after parallel.collective_timeout_s (the process group's timeout).
 """
 from __future__ import annotations
 
@@ -109,9 +109,9 @@ class StageTimeouts:
 
     @classmethod
     def from_config(cls, config: Config) -> StageTimeouts:
-        trainer = config.trainer
-        return cls(ceiling_s=trainer.stage_timeout_s, factor=trainer.stage_timeout_factor,
-                   floor_s=trainer.stage_timeout_floor_s,
+        watchdog = config.watchdog
+        return cls(ceiling_s=watchdog.stage_timeout_s, factor=watchdog.stage_timeout_factor,
+                   floor_s=watchdog.stage_timeout_floor_s,
                    fixed={s.name: s.timeout_s for s in config.pipeline.custom_stages if s.timeout_s > 0})
 
     @property
@@ -125,14 +125,14 @@ class StageTimeouts:
         """(seconds, what set them) for `stage`'s current run; 0 seconds: no limit."""
         if stage in self.fixed:
             return self.fixed[stage], f"pipeline.custom_stages[{stage}].timeout_s={self.fixed[stage]:g}"
-        ceiling = (self.ceiling_s, f"trainer.stage_timeout_s={self.ceiling_s:g}")
+        ceiling = (self.ceiling_s, f"watchdog.stage_timeout_s={self.ceiling_s:g}")
         seen = self.longest.get(stage)
         if self.ceiling_s <= 0 or self.factor <= 0 or seen is None:
             return ceiling
         if self.factor * seen >= self.ceiling_s:
             return ceiling
         if self.factor * seen <= self.floor_s:
-            return self.floor_s, f"trainer.stage_timeout_floor_s={self.floor_s:g} (its longest earlier run: {seen:.1f}s)"
+            return self.floor_s, f"watchdog.stage_timeout_floor_s={self.floor_s:g} (its longest earlier run: {seen:.1f}s)"
         return self.factor * seen, f"{self.factor:g} x its longest earlier run ({seen:.1f}s)"
 
 

@@ -1,6 +1,6 @@
 """Pipelined steps with bounded staleness: rollout ranks run k steps ahead of train ranks.
 
-`trainer.max_staleness` = k >= 1 on a disaggregated placement (rollout ranks ≠ train ranks).
+`asynchronous.max_staleness` = k >= 1 on a disaggregated placement (rollout ranks ≠ train ranks).
 The plan's items split in four: produce (the rollout group's stages), the one transition
 (rollout → train), consume (the train group's stages) and the weight sync. Step s's samples
 S_s are drawn by the policy after v(s) = max(0, s - 1 - k) updates, W_v(s):
@@ -48,9 +48,10 @@ from distflow.runtime.worker import Worker
 class Pipeline:
     """This rank's side of the pipelined schedule (every rank makes one; all call the same methods)."""
 
-    def __init__(self, worker: Worker, status: RankStatus) -> None:
+    def __init__(self, worker: Worker, status: RankStatus, max_staleness: int) -> None:
+        """`max_staleness` (k >= 1): how many steps the rollout runs ahead (the executor hands it down)."""
         plan, rank = worker.plan, worker.world.rank
-        self.worker, self.status, self.k = worker, status, worker.config.trainer.max_staleness
+        self.worker, self.status, self.k = worker, status, max_staleness
         self.total_steps = worker.config.trainer.total_steps
         transitions = [i for i, item in enumerate(plan.items) if isinstance(item, Transition)]
         assert len(transitions) == 1 and plan.items[-1].stage.name == "weight_sync", "planner checks the shape"
@@ -145,7 +146,7 @@ class Pipeline:
         if not inflight:  # a finished run's last checkpoint: nothing drawn ahead, any k and layout go on
             return
         if (saved["max_staleness"], saved["world_size"], saved["train_ranks"]) != (self.k, world.world_size, train_ranks):
-            raise CheckpointError(f"this checkpoint holds the batches in flight of a run with trainer.max_staleness="
+            raise CheckpointError(f"this checkpoint holds the batches in flight of a run with asynchronous.max_staleness="
                                   f"{saved['max_staleness']} on {saved['world_size']} ranks with train ranks "
                                   f"{saved['train_ranks']}: resume it with the same "
                                   "max_staleness, world size and placement")

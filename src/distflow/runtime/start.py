@@ -155,11 +155,11 @@ def validate(config: Config, world_size: int, *, check_run_dir: bool, resuming: 
         from distflow.envs import environment_class
 
         environment_class(config.env.cls, kwargs=config.env.kwargs)
-    if config.trainer.device == "cuda":
+    if config.parallel.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=auto or cpu")
+            raise ConfigError("parallel.device=cuda but no CUDA device is visible; use parallel.device=auto or cpu")
     preflight.check_strategy(config)
     preflight.check_loggers(config)
     preflight.check_rollout_engine(config)

@@ -3,7 +3,7 @@
     build_graph(config) → make_plan (same on every rank) → a communicator per worker group
     engines: what this rank's stages declare they use (`Stage.uses`), built on this rank only,
         from the registry in its dependency order (engines/registry.py): critic · model (LoRA)
-        · reference · policy, each spread over the train ranks by trainer.strategy (ddp or fsdp2)
+        · reference · policy, each spread over the train ranks by parallel.strategy (ddp or fsdp2)
         the rollout model: the policy's own module where rollout and training share ranks
     weight sync (disaggregated only): every rank learns which rows each train rank sends
     task (train + held-out rows, verifier) → rows checked by 1/N of the ranks each → loader
@@ -99,7 +99,7 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
     loader = PromptLoader(rows.__getitem__, len(rows), prompts_per_step=trainer.prompts_per_step,
                           seed=trainer.seed, rank=plan.input_layout.replica_of(rank),
                           world_size=plan.input_layout.dp_size, tokenize=tokenize)
-    prefetcher = Prefetcher(loader.next_batch, loader.state_dict, enabled=trainer.prefetch)
+    prefetcher = Prefetcher(loader.next_batch, loader.state_dict, enabled=config.data.prefetch)
     engines = Engines(
         tokenizer=tokenizer, rewards=build_rewards(config.task, world.device), is_correct=task.is_correct, sampling=sampling,
         rollout_model=model if rank in rollout else None, weight_sync=weight_sync,
@@ -114,7 +114,7 @@ def _loads_sharded(config: Config, uses: set[str], train: Comm | None, log) -> b
     """Whether this rank builds its models on the meta device and reads only its own shards
     (engines/hf_weights.py): a train rank of a sharded (fsdp2) policy, and its critic
     (engines/critic.py) under PPO."""
-    if config.trainer.strategy != "fsdp2" or train is None or not train.distributed or "policy" not in uses:
+    if config.parallel.strategy != "fsdp2" or train is None or not train.distributed or "policy" not in uses:
         return False
     if config.model.lora.enabled:
         log("fsdp2 + LoRA: this rank loads the full base model once, adds the adapters, then shards it")
