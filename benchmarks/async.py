@@ -6,7 +6,7 @@
     .venv/bin/python benchmarks/async.py --quick     # smoke test: timing part, 3 tiny steps per run
 
 Timing: `distflow train --nproc 2 placement.rollout.ranks=0 placement.train.ranks=1` with
-`trainer.max_staleness` 0 (synchronous), 1 and 2, one after the other and repeated
+`asynchronous.max_staleness` 0 (synchronous), 1 and 2, one after the other and repeated
 (`--repeats`), on settings where both sides are busy: the embedded model without its
 warm-start (responses run to ~14 of 24 tokens, so generation takes a while), and every
 sample trained even when its group's rewards are equal (`algorithm.skip_zero_variance_groups:
@@ -61,7 +61,7 @@ def load_average() -> float:
 
 
 def time_one(work: Path, k: int, steps: int, extra: list[str]) -> dict:
-    run = train(work, [*TIMING, f"trainer.total_steps={steps}", f"trainer.max_staleness={k}", *extra])
+    run = train(work, [*TIMING, f"trainer.total_steps={steps}", f"asynchronous.max_staleness={k}", *extra])
     timed = run["steps"][2:] or run["steps"]
 
     def median(key: str) -> float:
@@ -95,7 +95,7 @@ def measure_timing(work: Path, quick: bool, repeats: int) -> dict:
 def measure_learning(work: Path) -> dict:
     out = {}
     for name, (k, correction) in LEARNING.items():
-        run = train(work / f"learn-{name}", [f"trainer.max_staleness={k}", f"algorithm.off_policy_correction={correction}"])
+        run = train(work / f"learn-{name}", [f"asynchronous.max_staleness={k}", f"algorithm.off_policy_correction={correction}"])
         summary, last = run["summary"], run["steps"][-1]
         out[name] = {key: summary[key] for key in ("warmstart_accuracy", "final_accuracy", "accuracy_gain",
                                                    "final_greedy_accuracy", "wall_seconds")}

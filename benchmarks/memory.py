@@ -1,4 +1,4 @@
-"""Memory per train rank under trainer.strategy=ddp and fsdp2: what sharding saves.
+"""Memory per train rank under parallel.strategy=ddp and fsdp2: what sharding saves.
 
     .venv/bin/python benchmarks/memory.py            # ~58M-parameter Llama, N = 1, 2, 4 gloo ranks
     .venv/bin/python benchmarks/memory.py --quick    # smoke test (tiny model, N = 2), run by the test suite
@@ -45,7 +45,7 @@ from distflow.engines.hf_weights import allocate_and_load
 from distflow.checkpoint.store import checkpoint_dtype
 from distflow.comm import Comm
 from distflow.runtime.launcher import run_local
-from distflow.config.schema import TrainerConfig
+from distflow.config.parallel import ParallelConfig
 from distflow.engines.models import build_on_meta, rl_model_config
 from distflow.engines.parallelize import parallelize
 from distflow.engines.trainable import local_bytes, optimizer_state_bytes
@@ -79,13 +79,13 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
 
 
 def load(strategy: str, model_dir: Path, comm: Comm) -> torch.nn.Module:
-    trainer = TrainerConfig(strategy=strategy)
+    parallel = ParallelConfig(strategy=strategy)
     if strategy == "ddp":
         model = AutoModelForCausalLM.from_pretrained(model_dir, config=rl_model_config(model_dir),
                                                      dtype=torch.float32)
-        return parallelize(model, comm, trainer)
+        return parallelize(model, comm, parallel)
     model = build_on_meta(model_dir)
-    wrapped = parallelize(model, comm, trainer)
+    wrapped = parallelize(model, comm, parallel)
     allocate_and_load([model], model_dir, comm)
     return wrapped
 

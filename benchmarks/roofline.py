@@ -48,7 +48,7 @@ import time
 import torch
 
 from distflow.comm import Comm
-from distflow.config.schema import AlgorithmConfig, OptimConfig, TrainerConfig
+from distflow.config.schema import AlgorithmConfig, OptimConfig
 from distflow.dag.update_stages import PolicyObjective
 from distflow.data.batch import Batch
 from distflow.engines.generation import generate
@@ -92,8 +92,7 @@ def step_batch(model: torch.nn.Module, tokenizer, prompts: int, generations: int
 
 def update_seconds(model: torch.nn.Module, batch: Batch, repeats: int) -> float:
     """Median seconds of distflow's optimizer step over the whole batch (one micro-batch, as throughput.py runs it)."""
-    engine = PolicyEngine(model, SINGLE, OptimConfig(lr=1e-6, warmup_steps=0), temperature=1.0,
-                          trainer=TrainerConfig(micro_batch_size=len(batch)))
+    engine = PolicyEngine(model, SINGLE, OptimConfig(lr=1e-6, warmup_steps=0), temperature=1.0)
     objective = PolicyObjective(AlgorithmConfig(name="grpo"), has_old=False)
     tokens = float(batch["response_mask"].sum())
     return median_seconds(lambda: engine.update(batch, objective, tokens, len(batch)), repeats)

@@ -23,8 +23,8 @@ Settings (P prompts x G samples per step, new-token cap, model; all untrained, r
               key-value heads, MLP 4864; 0.36B parameters with the character vocabulary),
               random init from the config: --gpu only (the default with --gpu: all five)
 
---gpu runs every system on CUDA in bf16: distflow with `trainer.device=cuda` and
-`trainer.strategy=fsdp2` (bf16 compute, float32 master weights and reductions; with one
+--gpu runs every system on CUDA in bf16: distflow with `parallel.device=cuda` and
+`parallel.strategy=fsdp2` (bf16 compute, float32 master weights and reductions; with one
 process the shard is the whole model), TRL with `bf16=True` on the GPU. The rest is the same.
 
 What runs for each setting, one after another (never at the same time: they would share
@@ -34,8 +34,8 @@ the cores): `distflow train` with each rollout engine (`compact`, `generate`), i
 benchmarks/requirements-trl.txt under a torch==2.13.0 constraint, so pip never swaps the
 local CPU torch). The two engines draw the same samples from the same seeds; the run checks
 it by comparing their per-step generated tokens and rewards (`samples_identical`). With
---packed every distflow system also runs with `trainer.padding_free=true` (packed log-prob
-and training passes), with --padded with `trainer.shared_prefix=false` (each sample computing
+--packed every distflow system also runs with `passes.padding_free=true` (packed log-prob
+and training passes), with --padded with `passes.shared_prefix=false` (each sample computing
 its prompt: the passes before shared prefixes became the default); the engines are compared
 within each mode of the passes, since their updates differ by float rounding and so may draw
 different samples later.
@@ -118,9 +118,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=[*ENGINES, "compiled"],
                         help="(default: compact generate; `compiled` compiles in its first steps, which are not timed)")
     parser.add_argument("--packed", action="store_true",
-                        help="also run each distflow system with trainer.padding_free=true (`..._packed_...`)")
+                        help="also run each distflow system with passes.padding_free=true (`..._packed_...`)")
     parser.add_argument("--padded", action="store_true",
-                        help="also run each distflow system with trainer.shared_prefix=false (`..._padded_...`)")
+                        help="also run each distflow system with passes.shared_prefix=false (`..._padded_...`)")
     parser.add_argument("--roofline", action="store_true",
                         help="also time each setting's fp32 floor (benchmarks/roofline.py) and report TRL's step over it")
     parser.add_argument("--lr", type=float, default=1e-5)
@@ -276,10 +276,10 @@ def distflow_config(path: Path, model_dir: Path, args: argparse.Namespace, engin
                       "skip_zero_variance_groups": False},
         "optim": {"lr": args.lr, "betas": [0.9, 0.99], "weight_decay": 0.0, "warmup_steps": 0, "grad_clip": 1.0},
         # One micro-batch per step, like TRL's single forward/backward over the batch.
-        "trainer": {"total_steps": args.steps, "prompts_per_step": args.prompts, "micro_batch_size": batch,
-                    "seed": 0, "eval_every": 0, "eval_samples": 1, "loggers": ["jsonl"],
-                    "progress_bar": False, "device": "cuda" if args.gpu else "cpu", **PASSES[passes],
-                    **({"strategy": "fsdp2"} if args.gpu else {})},
+        "trainer": {"total_steps": args.steps, "prompts_per_step": args.prompts, "seed": 0, "eval_every": 0,
+                    "eval_samples": 1, "loggers": ["jsonl"], "progress_bar": False},
+        "passes": {"micro_batch_size": batch, **PASSES[passes]},
+        "parallel": {"device": "cuda" if args.gpu else "cpu", **({"strategy": "fsdp2"} if args.gpu else {})},
     }
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path

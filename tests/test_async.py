@@ -1,4 +1,4 @@
-"""Asynchronous training with bounded staleness (`trainer.max_staleness`), by hand and end to end.
+"""Asynchronous training with bounded staleness (`asynchronous.max_staleness`), by hand and end to end.
 
 The importance weights and the decoupled loss by hand; the version schedule; the rollout's
 own log-probs against the training pass's; config errors before any rank starts; a
@@ -98,11 +98,11 @@ def test_rollout_logprobs_are_the_training_pass_s(engine):
     (["algorithm.name=dapo", *DISAGGREGATED], "dynamic sampling"),
 ])
 def test_staleness_needs_separate_ranks_and_no_dynamic_sampling(tmp_path, overrides, expected):
-    result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), "trainer.max_staleness=1", *overrides,
+    result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), "asynchronous.max_staleness=1", *overrides,
                      f"trainer.output_dir={tmp_path}", cwd=tmp_path, timeout=1800)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("distflow: error: trainer.max_staleness=1") and expected in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("distflow: error: asynchronous.max_staleness=1") and expected in lines[0]
     assert not (tmp_path / "runs").exists() and "plan:" not in result.stderr  # before any rank started
 
 
@@ -163,7 +163,7 @@ def metrics(run_dir) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def k1_run(tmp_path_factory, cache_dir):
     cwd = tmp_path_factory.mktemp("k1")
-    result = train(cwd, cache_dir, "trainer.max_staleness=1", "trainer.total_steps=3", "checkpoint.every=0")
+    result = train(cwd, cache_dir, "asynchronous.max_staleness=1", "trainer.total_steps=3", "checkpoint.every=0")
     assert result.returncode == 0, result.stderr[-3000:]
     return {"records": records(cwd), "metrics": metrics(cwd / "run")}
 
@@ -192,8 +192,8 @@ def test_a_rollout_rank_killed_with_batches_in_flight_ends_the_job_naming_it(tmp
     chaos = ("pipeline.custom_stages=[{name: chaos, fn: 'user_code:chaos', after: [rollout], before: [reward], placement: rollout}, "
              "{name: record, fn: 'user_code:record', after: [reward], before: [advantage], "
              "reads: [uid, completion, policy_version]}]")
-    result = train(tmp_path, cache_dir, "trainer.max_staleness=1", "trainer.total_steps=3", "checkpoint.every=0",
-                   "trainer.timeout_s=7200", chaos, env={"KILL_ROLLOUT_AT": "2"})
+    result = train(tmp_path, cache_dir, "asynchronous.max_staleness=1", "trainer.total_steps=3", "checkpoint.every=0",
+                   "parallel.collective_timeout_s=7200", chaos, env={"KILL_ROLLOUT_AT": "2"})
     assert result.returncode != 0
     # Step 2 is generated in iteration 1 (while step 1 trains): a rank's status names the iteration.
     assert "rank 0 was killed by SIGKILL in stage 'chaos' at step 1" in result.stderr.strip().splitlines()[-1]
@@ -204,18 +204,18 @@ def test_a_finished_pipelined_run_extended_with_resume_generates_the_missing_bat
     pre-rolls step 3 from the restored policy (2 updates). A checkpoint with a batch in flight
     continues only with its own k and world size: anything else is refused in one line."""
     quick = ["warmstart.target_accuracy=0", "checkpoint.every=1"]  # an untrained model will do here
-    done = train(tmp_path, cache_dir, "trainer.max_staleness=1", "trainer.total_steps=2", *quick)
+    done = train(tmp_path, cache_dir, "asynchronous.max_staleness=1", "trainer.total_steps=2", *quick)
     assert done.returncode == 0, done.stderr[-3000:]
     for k, nproc in [(0, "2"), (0, "1"), (2, "2")]:  # step-1 holds step 2's batch, drawn for k = 1 on 2 ranks
-        refused = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *ARGS, f"trainer.max_staleness={k}",
+        refused = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *ARGS, f"asynchronous.max_staleness={k}",
                           "trainer.total_steps=3", *quick, f"warmstart.cache_dir={cache_dir}",
                           f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
                           "--resume", str(tmp_path / "run/checkpoints/step-000001"),
                           "--nproc", nproc, cwd=tmp_path, timeout=1800)
         lines = refused.stderr.strip().splitlines()
         assert refused.returncode == 2 and len(lines) == 1, refused.stderr[-3000:]
-        assert "holds the batches in flight of a run with trainer.max_staleness=1 on 2 ranks" in lines[0], lines[0]
-    extended = train(tmp_path, cache_dir, "trainer.max_staleness=1", "trainer.total_steps=3", *quick, "--resume")
+        assert "holds the batches in flight of a run with asynchronous.max_staleness=1 on 2 ranks" in lines[0], lines[0]
+    extended = train(tmp_path, cache_dir, "asynchronous.max_staleness=1", "trainer.total_steps=3", *quick, "--resume")
     assert extended.returncode == 0, extended.stderr[-3000:]
     summary = json.loads(extended.stdout.strip().splitlines()[-1])
     assert (summary["resumed_from_step"], summary["steps"]) == (2, 3)
@@ -225,7 +225,7 @@ def test_a_finished_pipelined_run_extended_with_resume_generates_the_missing_bat
 
 @pytest.mark.slow  # four 2-rank launches (~80 s idle): CI runs it
 def test_same_seed_same_run_and_kill_9_resume_reproduces_it(tmp_path, cache_dir):
-    extra = ["trainer.max_staleness=2", "trainer.total_steps=5", "checkpoint.every=2"]
+    extra = ["asynchronous.max_staleness=2", "trainer.total_steps=5", "checkpoint.every=2"]
     first, second = train(tmp_path / "a", cache_dir, *extra), train(tmp_path / "b", cache_dir, *extra)
     assert first.returncode == 0 and second.returncode == 0, second.stderr[-3000:]
     reference = metrics(tmp_path / "a/run")
@@ -234,9 +234,9 @@ def test_same_seed_same_run_and_kill_9_resume_reproduces_it(tmp_path, cache_dir)
     killed = train(tmp_path / "c", cache_dir, *extra, env={"KILL_AT_STEP": "3"})
     assert killed.returncode != 0 and "rank 1 was killed by SIGKILL in stage 'record' at step 3" in killed.stderr
     # Its batches in flight were drawn for k = 2: resuming with k = 1 is refused, and nothing is lost.
-    wrong = train(tmp_path / "c", cache_dir, "trainer.max_staleness=1", *extra[1:], "--resume")
+    wrong = train(tmp_path / "c", cache_dir, "asynchronous.max_staleness=1", *extra[1:], "--resume")
     last = wrong.stderr.strip().splitlines()[-1]
-    assert wrong.returncode == 2 and "trainer.max_staleness=2" in last and "resume it with the same" in last, last
+    assert wrong.returncode == 2 and "asynchronous.max_staleness=2" in last and "resume it with the same" in last, last
     resumed = train(tmp_path / "c", cache_dir, *extra, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads(resumed.stdout.strip().splitlines()[-1])["resumed_from_step"] == 2
@@ -261,7 +261,7 @@ def test_same_seed_same_run_and_kill_9_resume_reproduces_it(tmp_path, cache_dir)
 def test_every_builtin_algorithm_but_dapo_trains_pipelined(tmp_path, cache_dir, algorithm):
     name, correction = ("grpo", "mask") if algorithm == "grpo_mask" else (algorithm, "tis")
     result = train(tmp_path, cache_dir, f"algorithm.name={name}", f"algorithm.off_policy_correction={correction}",
-                   "trainer.max_staleness=1", "trainer.total_steps=3", "checkpoint.every=0")
+                   "asynchronous.max_staleness=1", "trainer.total_steps=3", "checkpoint.every=0")
     assert result.returncode == 0, result.stderr[-3000:]
     got, m = records(tmp_path), metrics(tmp_path / "run")
     assert {step: set(row["version"]) for step, row in got.items()} == {1: {0}, 2: {0}, 3: {1}}

@@ -48,9 +48,9 @@ FAST = [
     ("range top_p", ["rollout.top_p=1.5"], "rollout.top_p must be in (0, 1]"),
     ("keep_last 0", ["checkpoint.keep_last=0"], "checkpoint.keep_last must be >= 1"),
     ("every < 0", ["checkpoint.every=-1"], "checkpoint.every must be >= 0"),
-    ("stage timeout", ["trainer.stage_timeout_s=0.5"], "trainer.stage_timeout_s must be 0 (off) or >= 1"),
-    ("collective timeout", ["trainer.timeout_s=5"], "trainer.timeout_s must be >= 10"),
-    ("nonfinite limit", ["trainer.max_nonfinite_steps=-1"], "trainer.max_nonfinite_steps must be >= 0"),
+    ("stage timeout", ["watchdog.stage_timeout_s=0.5"], "watchdog.stage_timeout_s must be 0 (off) or >= 1"),
+    ("collective timeout", ["parallel.collective_timeout_s=5"], "parallel.collective_timeout_s must be >= 10"),
+    ("nonfinite limit", ["watchdog.max_nonfinite_steps=-1"], "watchdog.max_nonfinite_steps must be >= 0"),
     ("row policy", ["data.on_invalid_row=ignore"], "data.on_invalid_row must be error or skip (got 'ignore')"),
     ("max prompt tokens", ["data.max_prompt_tokens=-3"], "data.max_prompt_tokens must be >= 0"),
     ("required fields type", ["data.required_fields=answer"], "data.required_fields must be a list"),
@@ -87,15 +87,15 @@ FAST = [
     ("stage dependency", ["pipeline.custom_stages=[{name: x, fn: 'distflow.dag.stages:weight_sync', after: [rewrd]}]"],
      "stage 'x' depends on unknown stage 'rewrd'"),
     ("nproc 0", ["--nproc", "0"], "--nproc must be >= 1"),
-    ("fsdp2 shard size", ["--nproc", "3", "trainer.prompts_per_step=3", "trainer.strategy=fsdp2",
-                          "trainer.fsdp.shard_size=2"], "trainer.fsdp.shard_size=2 does not divide the 3 train ranks"),
+    ("fsdp2 shard size", ["--nproc", "3", "trainer.prompts_per_step=3", "parallel.strategy=fsdp2",
+                          "parallel.fsdp.shard_size=2"], "parallel.fsdp.shard_size=2 does not divide the 3 train ranks"),
     ("hsdp disaggregated", ["--nproc", "3", "trainer.prompts_per_step=2", "placement.rollout.ranks=0",
-                            "placement.train.ranks=1-2", "trainer.strategy=fsdp2", "trainer.fsdp.shard_size=1"],
+                            "placement.train.ranks=1-2", "parallel.strategy=fsdp2", "parallel.fsdp.shard_size=1"],
      "(HSDP) needs every rank in the train group"),
-    ("fsdp2 float16 on cpu", ["trainer.strategy=fsdp2", "trainer.param_dtype=float16", "trainer.device=cpu"],
-     "trainer.param_dtype=float16 is not supported on the CPU"),
-    ("ddp mixed precision", ["trainer.reduce_dtype=bfloat16"], "trainer.reduce_dtype=bfloat16 needs trainer.strategy=fsdp2"),
-    ("strategy", ["trainer.strategy=fsdp"], "trainer.strategy must be ddp or fsdp2 (got 'fsdp')"),
+    ("fsdp2 float16 on cpu", ["parallel.strategy=fsdp2", "parallel.param_dtype=float16", "parallel.device=cpu"],
+     "parallel.param_dtype=float16 is not supported on the CPU"),
+    ("ddp mixed precision", ["parallel.reduce_dtype=bfloat16"], "parallel.reduce_dtype=bfloat16 needs parallel.strategy=fsdp2"),
+    ("strategy", ["parallel.strategy=fsdp"], "parallel.strategy must be ddp or fsdp2 (got 'fsdp')"),
     ("reward module", ["task.reward=no_such_module:fn"], "task.reward: cannot import module 'no_such_module'"),
     ("reward function", ["task.reward=rewards_ok:nope"], "task.reward: module 'rewards_ok' has no function 'nope'"),
     ("reward not callable", ["task.reward=rewards_ok:NOT_A_FUNCTION"], "has no function 'NOT_A_FUNCTION'"),
@@ -120,7 +120,7 @@ FAST = [
      "already holds a run; choose another trainer.run_name, or continue it with --resume"),
 ]
 if not torch.cuda.is_available():
-    FAST.append(("no cuda", ["trainer.device=cuda"], "trainer.device=cuda but no CUDA device is visible"))
+    FAST.append(("no cuda", ["parallel.device=cuda"], "parallel.device=cuda but no CUDA device is visible"))
 FILES = [  # (id, the whole command line, needle)
     ("invalid yaml", ["train", "{tmp}/bad.yaml"], "is not valid YAML"),
     ("yaml not a mapping", ["train", "{tmp}/list.yaml"], "must hold a mapping at the top level"),
@@ -254,13 +254,13 @@ def test_reward_that_always_raises_is_contained_and_counted(workdir, cache_dir):
 def test_nan_losses_are_skipped_then_abort(workdir, cache_dir):
     stage = ("pipeline.custom_stages=[{name: poison, fn: 'nan_stage:poison', after: [advantage], "
              "before: [policy_update], reads: [advantage], writes: [advantage]}]")
-    result = train(workdir, cache_dir, "nan", stage, "trainer.max_nonfinite_steps=2",
+    result = train(workdir, cache_dir, "nan", stage, "watchdog.max_nonfinite_steps=2",
                    "algorithm.skip_zero_variance_groups=false")
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "distflow: aborted at step 2: 2 optimizer steps in a row had a non-finite loss "
-        "or gradient and were skipped (trainer.max_nonfinite_steps=2); lower optim.lr, check the reward and custom "
+        "or gradient and were skipped (watchdog.max_nonfinite_steps=2); lower optim.lr, check the reward and custom "
         "stages, or resume from an earlier checkpoint")
     records = read_metrics(workdir / "nan")
     assert [r["train/nonfinite_grad_steps"] for r in records[1:]] == [1.0, 1.0]

@@ -144,13 +144,13 @@ def test_throughput_gpu_mode_puts_every_system_on_cuda_in_bf16(tmp_path):
     for gpu, device in ((True, "cuda"), (False, "cpu")):
         one = throughput.setting(throughput.parse_args([*(["--gpu"] if gpu else []), "--settings", "long"]), "long")
         config = yaml.safe_load(throughput.distflow_config(tmp_path / "c.yaml", tmp_path, one, "compact").read_text())
-        assert config["trainer"]["device"] == device and config["trainer"].get("strategy") == ("fsdp2" if gpu else None)
-        assert config["trainer"]["padding_free"] is False and config["trainer"]["shared_prefix"] is True
+        assert config["parallel"]["device"] == device and config["parallel"].get("strategy") == ("fsdp2" if gpu else None)
+        assert config["passes"]["padding_free"] is False and config["passes"]["shared_prefix"] is True
     packed = yaml.safe_load(throughput.distflow_config(tmp_path / "p.yaml", tmp_path, one, "compact",
-                                                       "packed_").read_text())["trainer"]
+                                                       "packed_").read_text())["passes"]
     assert packed["padding_free"] is True and packed["shared_prefix"] is False  # --packed's systems
     padded = yaml.safe_load(throughput.distflow_config(tmp_path / "s.yaml", tmp_path, one, "compact",
-                                                       "padded_").read_text())["trainer"]
+                                                       "padded_").read_text())["passes"]
     assert padded["padding_free"] is False and padded["shared_prefix"] is False  # --padded's systems
 
 

@@ -23,7 +23,7 @@ BAD = [
      "algorithm.num_mini_batches=1000 exceeds the 16 samples"),
 ]
 if not __import__("torch").cuda.is_available():
-    BAD.append((["trainer.device=cuda"], "trainer.device=cuda but no CUDA device is visible"))
+    BAD.append((["parallel.device=cuda"], "parallel.device=cuda but no CUDA device is visible"))
 
 
 @pytest.mark.parametrize("args, needle", BAD, ids=[b[1][:30] for b in BAD])

@@ -74,9 +74,9 @@ def test_the_reference_shows_defaults_as_yaml_and_sections_with_their_docs():
     rows = reference_rows()
     assert rows["trainer.loggers"][:2] == ["`list[str]`", "`[jsonl, tensorboard]`"]
     assert rows["optim.betas"][1] == "`[0.9, 0.99]`"
-    assert rows["model.path"][1] == "`null`" and rows["trainer.prefetch"][1] == "`true`"
+    assert rows["model.path"][1] == "`null`" and rows["data.prefetch"][1] == "`true`"
     assert rows["task.rewards[].fn"][1] == "`required`"
-    assert rows["trainer.fsdp"][1] == "`(section)`"
+    assert rows["parallel.fsdp"][1] == "`(section)`"
     text = reference_markdown()
     for field in dataclasses.fields(Config):
         heading = f"## `{field.name}`\n\n"

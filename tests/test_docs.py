@@ -17,7 +17,7 @@ def test_the_site_builds_strict_with_no_broken_link(tmp_path):
                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert done.returncode == 0, done.stdout + done.stderr
     reference = (site / "configuration" / "index.html").read_text(encoding="utf-8")
-    for key in ("algorithm.kl.coef", "trainer.fsdp.shard_size", "task.rewards[].weight", "env.num_workers"):
+    for key in ("algorithm.kl.coef", "parallel.fsdp.shard_size", "task.rewards[].weight", "env.num_workers"):
         assert f"<code>{key}</code>" in reference, key
     home = (site / "index.html").read_text(encoding="utf-8")  # README.md, its docs/ links made relative
     assert "Two commands" in home and 'href="getting-started/"' in home

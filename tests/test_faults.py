@@ -52,7 +52,7 @@ def chaos(batch, ctx):
 ARGS = [
     "trainer.total_steps=2", "trainer.prompts_per_step=4", "rollout.num_samples=4", "trainer.eval_every=0",
     "trainer.eval_samples=1", "task.num_heldout=40", "trainer.progress_bar=false", "warmstart.target_accuracy=0",
-    "checkpoint.every=0", "checkpoint.at_end=false", "trainer.timeout_s=7200",
+    "checkpoint.every=0", "checkpoint.at_end=false", "parallel.collective_timeout_s=7200",
 ]
 CHAOS_STAGE = "pipeline.custom_stages=[{name: chaos, fn: 'chaos:chaos', after: [reward], before: [advantage]%s}]"
 MEASURED: list[str] = []
@@ -263,7 +263,7 @@ def test_a_stage_limit_adapts_to_its_own_earlier_runs(tmp_path):
     from distflow.runtime.faults import RankStatus, StageTimeouts
 
     timeouts = StageTimeouts(ceiling_s=1800, factor=10, floor_s=60, fixed={"chaos": 3})
-    assert timeouts.limit("rollout") == (1800, "trainer.stage_timeout_s=1800")  # first run: the ceiling
+    assert timeouts.limit("rollout") == (1800, "watchdog.stage_timeout_s=1800")  # first run: the ceiling
     assert timeouts.limit("chaos") == (3, "pipeline.custom_stages[chaos].timeout_s=3")  # fixed from the start
     timeouts.record("rollout", 100.0)
     assert timeouts.limit("rollout") == (1000.0, "10 x its longest earlier run (100.0s)")
@@ -281,7 +281,7 @@ def test_a_stage_limit_adapts_to_its_own_earlier_runs(tmp_path):
         assert status.limit_s == 1e9
         status.enter("advantage", 1)
         status.enter("reward", 2)  # its first run is known now: the floor applies
-        assert status.limit_s == 1e6 and status.limit_source.startswith("trainer.stage_timeout_floor_s=1e+06")
+        assert status.limit_s == 1e6 and status.limit_source.startswith("watchdog.stage_timeout_floor_s=1e+06")
         written = json.loads((tmp_path / "rank0.json").read_text())
         assert (written["stage"], written["stage_timeout_s"]) == ("reward", 1e6)
     finally:

@@ -1,4 +1,4 @@
-"""trainer.strategy=fsdp2 (engines/parallelize.py) trains and samples like ddp.
+"""parallel.strategy=fsdp2 (engines/parallelize.py) trains and samples like ddp.
 
 On 2 gloo ranks in float32: five optimizer steps of fsdp2, of HSDP (shard_size=1: two
 replicas of one shard each), of either with activation checkpointing (all of them with the
@@ -34,14 +34,14 @@ from test_e2e import TINY, read_metrics
 NUM_STEPS = 5
 LR = 1e-2
 VARIANTS = {
-    "ddp": ["trainer.strategy=ddp"],
-    "fsdp2": ["trainer.strategy=fsdp2"],
-    "fsdp2, reshard_after_forward=false": ["trainer.strategy=fsdp2", "trainer.fsdp.reshard_after_forward=false"],
-    "hsdp (shard_size=1)": ["trainer.strategy=fsdp2", "trainer.fsdp.shard_size=1"],
-    "ddp + activation checkpointing": ["trainer.activation_checkpointing=true"],
-    "fsdp2 + activation checkpointing": ["trainer.strategy=fsdp2", "trainer.activation_checkpointing=true"],
-    "ddp, padded passes": ["trainer.shared_prefix=false"],
-    "fsdp2, padded passes": ["trainer.strategy=fsdp2", "trainer.shared_prefix=false"],
+    "ddp": ["parallel.strategy=ddp"],
+    "fsdp2": ["parallel.strategy=fsdp2"],
+    "fsdp2, reshard_after_forward=false": ["parallel.strategy=fsdp2", "parallel.fsdp.reshard_after_forward=false"],
+    "hsdp (shard_size=1)": ["parallel.strategy=fsdp2", "parallel.fsdp.shard_size=1"],
+    "ddp + activation checkpointing": ["parallel.activation_checkpointing=true"],
+    "fsdp2 + activation checkpointing": ["parallel.strategy=fsdp2", "parallel.activation_checkpointing=true"],
+    "ddp, padded passes": ["passes.shared_prefix=false"],
+    "fsdp2, padded passes": ["parallel.strategy=fsdp2", "passes.shared_prefix=false"],
 }
 
 
@@ -70,7 +70,7 @@ def pg_loss(micro: Batch, logp_BR: torch.Tensor, entropy_BR: torch.Tensor):
 def train_five_steps(comm: Comm, overrides: list[str]) -> dict:
     config = load_config(None, [*overrides, f"optim.lr={LR}", "optim.warmup_steps=0", "optim.grad_clip=1.0"])
     engine = PolicyEngine(build_tiny_model(build_char_tokenizer(), seed=0), comm, config.optim, temperature=1.0,
-                          trainer=config.trainer)
+                          parallel=config.parallel, passes=config.passes)
     losses, norms = [], []
     for step in range(NUM_STEPS):
         batch = step_batch(step)
@@ -121,10 +121,11 @@ def test_five_steps_match_ddp(trained, variant):
 def _inference(comm: Comm) -> dict:
     """fsdp2 policy and reference, each rank with its own number of prompts and micro-batches."""
     tok = build_char_tokenizer()
-    config = load_config(None, ["trainer.strategy=fsdp2"])
+    config = load_config(None, ["parallel.strategy=fsdp2"])
     model = build_tiny_model(tok, seed=3)
-    reference = frozen_copy(model, comm, config.trainer)
-    engine = PolicyEngine(model, comm, config.optim, temperature=0.7, trainer=config.trainer)
+    reference = frozen_copy(model, comm, config.parallel)
+    engine = PolicyEngine(model, comm, config.optim, temperature=0.7, parallel=config.parallel,
+                          passes=config.passes)
     prompts = ["12+3=", "4+5=", "7+70="][: 1 + 2 * comm.rank]
     with gathered(model):
         out = generate(model, tok, prompts, max_new_tokens=3 + 3 * comm.rank, temperature=0.7,
@@ -159,9 +160,9 @@ def _save_then_resume(comm: Comm, root: str, save_strategy: str, load_strategy: 
     from distflow.checkpoint import load_checkpoint, save_checkpoint
 
     def engine(strategy):
-        config = load_config(None, [f"trainer.strategy={strategy}", f"optim.lr={LR}", "optim.warmup_steps=0"])
+        config = load_config(None, [f"parallel.strategy={strategy}", f"optim.lr={LR}", "optim.warmup_steps=0"])
         return PolicyEngine(build_tiny_model(build_char_tokenizer(), seed=0), comm, config.optim, temperature=1.0,
-                            trainer=config.trainer)
+                            parallel=config.parallel, passes=config.passes)
 
     def step(policy, number):
         batch = step_batch(number)
@@ -211,7 +212,7 @@ def test_decoder_blocks_are_found_generically():
     assert [type(b).__name__ for b in decoder_blocks(model)] == ["LlamaDecoderLayer"] * 4
     layers = torch.nn.Sequential(torch.nn.Embedding(4, 8), torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)]))
     assert len(decoder_blocks(layers)) == 3  # no _no_split_modules: the ModuleList of repeated layers
-    with pytest.raises(ConfigError, match="trainer.activation_checkpointing needs them"):
+    with pytest.raises(ConfigError, match="parallel.activation_checkpointing needs them"):
         decoder_blocks(torch.nn.Linear(2, 2))
 
 
@@ -219,8 +220,8 @@ def test_decoder_blocks_are_found_generically():
 def test_cuda_auto_precision_is_bfloat16_compute_with_float32_reduction():
     from distflow.engines.parallelize import resolve_dtypes
 
-    trainer = load_config(None, ["trainer.strategy=fsdp2"]).trainer
-    assert resolve_dtypes(trainer, torch.device("cuda", 0)) == (torch.bfloat16, torch.float32)
+    parallel = load_config(None, ["parallel.strategy=fsdp2"]).parallel
+    assert resolve_dtypes(parallel, torch.device("cuda", 0)) == (torch.bfloat16, torch.float32)
 
 
 def one_process_lower_precision() -> dict:
@@ -230,10 +231,10 @@ def one_process_lower_precision() -> dict:
 
     comm, out = Comm(0, 1, 0, 1, torch.device("cpu")), {}
     for dtype in ("bfloat16", "float32"):
-        config = load_config(None, ["trainer.strategy=fsdp2", f"trainer.param_dtype={dtype}", f"optim.lr={LR}",
+        config = load_config(None, ["parallel.strategy=fsdp2", f"parallel.param_dtype={dtype}", f"optim.lr={LR}",
                                     "optim.warmup_steps=0", "optim.grad_clip=1.0"])
         engine = PolicyEngine(build_tiny_model(build_char_tokenizer(), seed=0), comm, config.optim, temperature=1.0,
-                              trainer=config.trainer)
+                              parallel=config.parallel, passes=config.passes)
         losses = []
         for step in range(NUM_STEPS):
             batch = step_batch(step)
@@ -246,7 +247,7 @@ def one_process_lower_precision() -> dict:
 
 
 def test_fsdp2_on_one_process_computes_in_the_dtype_asked():
-    # One process used to train the plain model whatever trainer.param_dtype said (float32, silently).
+    # One process used to train the plain model whatever parallel.param_dtype said (float32, silently).
     code = "import json, test_fsdp2; print(json.dumps(test_fsdp2.one_process_lower_precision()))"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO / "tests", capture_output=True, text=True,
                           timeout=1800)
@@ -263,7 +264,7 @@ def test_fsdp2_on_one_process_computes_in_the_dtype_asked():
 def test_cli_run_with_fsdp2_on_two_ranks(tmp_path, cache_dir):
     result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *TINY, f"warmstart.cache_dir={cache_dir}",
                      "warmstart.target_accuracy=0", f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
-                     "trainer.strategy=fsdp2", "algorithm.kl.coef=0.01", "--nproc", "2", cwd=tmp_path, timeout=1800)
+                     "parallel.strategy=fsdp2", "algorithm.kl.coef=0.01", "--nproc", "2", cwd=tmp_path, timeout=1800)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["world_size"] == 2 and summary["steps"] == 3
@@ -288,7 +289,7 @@ def test_ppo_from_a_model_directory_loads_sharded_and_matches_ddp(tmp_path):
                          "task.reward=length_reward:reward", "trainer.total_steps=3", "trainer.prompts_per_step=4",
                          "rollout.num_samples=4", "trainer.eval_every=0", "trainer.eval_samples=1",
                          "task.num_heldout=20", "trainer.progress_bar=false", f"trainer.output_dir={tmp_path}",
-                         f"trainer.run_name={strategy}", f"trainer.strategy={strategy}", "checkpoint.every=0",
+                         f"trainer.run_name={strategy}", f"parallel.strategy={strategy}", "checkpoint.every=0",
                          "checkpoint.at_end=false", "--nproc", "2", cwd=tmp_path, timeout=1800)
         assert result.returncode == 0, result.stderr[-3000:]
         assert "loads the full" not in result.stderr

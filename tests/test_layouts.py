@@ -31,7 +31,7 @@ LAYOUTS = {
     "rollout replicas of 2": ["--nproc", "2", "placement.rollout.ranks_per_replica=2"],
     "disaggregated": ["--nproc", "2", "placement.rollout.ranks=0", "placement.train.ranks=1"],
     "disaggregated 2 rollout, 2 train": ["--nproc", "4", "placement.rollout.ranks=0-1", "placement.train.ranks=2-3"],
-    "no prefetch": ["trainer.prefetch=false"],
+    "no prefetch": ["data.prefetch=false"],
 }
 
 

@@ -88,12 +88,13 @@ def _train_and_sync(comm: Comm) -> dict:
     train = comm.subgroup((0, 1))
     out = {}
     for strategy in ("ddp", "fsdp2"):
-        config = load_config(None, [f"trainer.strategy={strategy}", "model.lora.rank=4", "optim.lr=1e-2",
+        config = load_config(None, [f"parallel.strategy={strategy}", "model.lora.rank=4", "optim.lr=1e-2",
                                     "optim.warmup_steps=0"])
         model = apply_lora(base_model(), config.model.lora, seed=0)
         reference, losses, state_bytes = AdaptersOff(model), [], 0
         if train is not None:
-            engine = PolicyEngine(model, train, config.optim, temperature=1.0, trainer=config.trainer)
+            engine = PolicyEngine(model, train, config.optim, temperature=1.0, parallel=config.parallel,
+                                  passes=config.passes)
             for step in range(3):
                 batch = step_batch(step)
                 mine = batch.select(list(range(train.rank * 4, train.rank * 4 + 4)))

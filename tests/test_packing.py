@@ -87,5 +87,5 @@ def test_a_model_that_lets_packed_sequences_mix_is_stopped():
         return model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=positions, use_cache=False).logits
 
     ids, mask, response_mask = _batch(seed=2)
-    with pytest.raises(ConfigError, match="trainer.padding_free=false"):
+    with pytest.raises(ConfigError, match="passes.padding_free=false"):
         response_outputs(ignores_restarts, ids, mask, response_mask.shape[1], padding_free=True, model=model)

@@ -206,11 +206,11 @@ def test_a_model_with_sliding_window_layers_runs_the_padded_pass_and_says_so():
 
 
 def test_auto_shares_prefixes_unless_the_passes_are_packed():
-    assert load_config(None, []).trainer.shared_prefix is True
-    assert load_config(None, ["trainer.padding_free=true"]).trainer.shared_prefix is False
-    assert load_config(None, ["trainer.shared_prefix=false"]).trainer.shared_prefix is False
-    with pytest.raises(ConfigError, match="trainer.shared_prefix=true and trainer.padding_free=true"):
-        load_config(None, ["trainer.shared_prefix=true", "trainer.padding_free=true"])
+    assert load_config(None, []).passes.shared_prefix is True
+    assert load_config(None, ["passes.padding_free=true"]).passes.shared_prefix is False
+    assert load_config(None, ["passes.shared_prefix=false"]).passes.shared_prefix is False
+    with pytest.raises(ConfigError, match="passes.shared_prefix=true and passes.padding_free=true"):
+        load_config(None, ["passes.shared_prefix=true", "passes.padding_free=true"])
 
 
 @pytest.mark.slow  # two 2-rank CLI runs (~75 s); tests/test_fsdp2.py trains 2 ranks with it in the default suite
@@ -218,7 +218,7 @@ def test_a_cli_run_with_shared_prefix_logs_what_the_padded_run_logs(tmp_path, ca
     """The real CLI on 2 ranks, 3 steps: the same rewards, and training metrics equal to float rounding."""
     rows = {}
     for shared in ("false", "true"):  # true: the default
-        result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), f"trainer.shared_prefix={shared}",
+        result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), f"passes.shared_prefix={shared}",
                          "trainer.total_steps=3", "trainer.prompts_per_step=4", "rollout.num_samples=4",
                          "trainer.eval_every=0", "trainer.progress_bar=false", "checkpoint.every=0",
                          "checkpoint.at_end=false", f"warmstart.cache_dir={cache_dir}", f"trainer.output_dir={tmp_path}",

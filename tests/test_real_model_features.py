@@ -78,7 +78,7 @@ def trained(metrics, steps):
 
 
 def test_fsdp2_on_two_ranks_trains_and_holds_half_the_state_of_ddp(tmp_path, model_dir):  # noqa: F811
-    done, metrics = train(tmp_path, "--nproc", "2", "trainer.strategy=fsdp2")
+    done, metrics = train(tmp_path, "--nproc", "2", "parallel.strategy=fsdp2")
     assert done.returncode == 0, done.stderr[-3000:]
     trained(metrics, 1)
     sys.path.insert(0, str(REPO / "benchmarks"))  # benchmarks/memory.py's ranks (spawned) import it too
@@ -105,7 +105,7 @@ def test_lora_trains_only_adapters(tmp_path, model_dir):  # noqa: F811
 
 def test_bounded_staleness_on_a_disaggregated_placement(tmp_path, model_dir):  # noqa: F811
     done, metrics = train(tmp_path, "--nproc", "2", "placement.rollout.ranks=0", "placement.train.ranks=1",
-                          "trainer.max_staleness=1", "trainer.total_steps=3")
+                          "asynchronous.max_staleness=1", "trainer.total_steps=3")
     assert done.returncode == 0, done.stderr[-3000:]
     trained(metrics, 3)
 

@@ -135,14 +135,14 @@ def test_max_restarts_recovers_from_two_kills_by_itself(tmp_path, cache_dir, uni
 @pytest.mark.slow
 @pytest.mark.parametrize("first, second", [("ddp", "fsdp2"), ("fsdp2", "ddp")])
 def test_resume_after_kill_across_strategies(tmp_path, cache_dir, uninterrupted, first, second):
-    """A checkpoint of one trainer.strategy on 2 ranks, killed at step 3, resumes under the other on
+    """A checkpoint of one parallel.strategy on 2 ranks, killed at step 3, resumes under the other on
     1 rank (DCP reshards the policy and its optimizer state) and reproduces the uninterrupted run."""
     out = tmp_path / "out"
-    killed = train(tmp_path / "first", out, cache_dir, "trainer.run_name=run", f"trainer.strategy={first}",
+    killed = train(tmp_path / "first", out, cache_dir, "trainer.run_name=run", f"parallel.strategy={first}",
                    "--nproc", "2", env={"KILL_AT_STEP": "3", "KILL_RANK": "1"})
     assert killed.returncode != 0
     assert sorted(p.name for p in (out / "run/checkpoints").iterdir()) == ["step-000002"]
-    resumed = train(tmp_path / "second", out, cache_dir, "trainer.run_name=run", f"trainer.strategy={second}",
+    resumed = train(tmp_path / "second", out, cache_dir, "trainer.run_name=run", f"parallel.strategy={second}",
                     "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])
@@ -170,7 +170,7 @@ def test_fsdp2_disaggregated_run_reproduces_the_colocated_one(tmp_path, cache_di
     """Rollout on rank 0, a policy sharded over ranks 1-2: the weight broadcast sends the gathered
     (whole) policy, so the rollout rank samples what the 1-rank run sampled at every step."""
     result = train(tmp_path / "cwd", tmp_path, cache_dir, "trainer.run_name=fsdp2", "--nproc", "3",
-                   "trainer.strategy=fsdp2", "placement.rollout.ranks=0", "placement.train.ranks=1-2")
+                   "parallel.strategy=fsdp2", "placement.rollout.ranks=0", "placement.train.ranks=1-2")
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = {r["step"]: r for r in read_metrics(tmp_path / "fsdp2")}
     worst = assert_same_run(samples(tmp_path / "cwd"), metrics, uninterrupted, steps=(1, 2, 3, 4), rel=1e-5)

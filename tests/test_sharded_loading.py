@@ -75,7 +75,7 @@ def test_files_whose_names_differ_from_the_model_are_one_clear_error(tmp_path):
     model = build_on_meta(tmp_path)
     model.model.layers[0].self_attn.register_parameter("extra", torch.nn.Parameter(torch.zeros(2)))
     materialize(model, torch.device("cpu"))
-    with pytest.raises(ConfigError, match=r"has no tensor for 1 parameter\(s\).*self_attn\.extra.*trainer.strategy=ddp"):
+    with pytest.raises(ConfigError, match=r"has no tensor for 1 parameter\(s\).*self_attn\.extra.*parallel.strategy=ddp"):
         load_sharded_weights(model, tmp_path, Comm(0, 1, 0, 1, torch.device("cpu")))
 
 
@@ -85,13 +85,14 @@ def test_a_directory_without_safetensors_is_named(tmp_path):
 
 
 def sharded_critic_on_rank(comm, model_dir):
-    from distflow.config.schema import OptimConfig, TrainerConfig
+    from distflow.config.parallel import ParallelConfig
+    from distflow.config.schema import OptimConfig
     from distflow.engines.critic import build_critic
     from distflow.engines.registry import EngineBuild
 
     loads = EngineBuild(config=None, model=None, comm=comm, sampling=None, sharded_from=model_dir)
     critic = build_critic(build_on_meta(model_dir), comm, OptimConfig(), lr=1e-5,
-                          trainer=TrainerConfig(strategy="fsdp2"), load_sharded=loads.load_sharded)
+                          parallel=ParallelConfig(strategy="fsdp2"), load_sharded=loads.load_sharded)
     return {"params": {name: p.full_tensor() for name, p in critic.model.named_parameters()},
             "local_rows": {name: p.to_local().shape[0] for name, p in critic.model.named_parameters()}}
 

@@ -3,7 +3,7 @@
 For every loss aggregation mode, both policy losses (token-ratio PPO and sequence-ratio
 GSPO), a KL loss term with an entropy bonus and dual-clip, token-level advantages, and the
 critic's value loss: 1 micro-batch of 8 == 8 micro-batches of 1 == 2 ranks of 4, with the
-2 ranks under either trainer.strategy (ddp, or fsdp2's sharded gradients gathered back whole).
+2 ranks under either parallel.strategy (ddp, or fsdp2's sharded gradients gathered back whole).
 Two rows are multi-turn: their loss masks have interior holes (observation tokens).
 """
 
@@ -72,15 +72,17 @@ def make_batch(token_level: bool = False) -> Batch:
 
 def _context(comm: Comm, overrides: list[str], micro_batch_size: int, *, critic: bool = False,
              strategy: str = "ddp") -> StageContext:
-    config = load_config(None, [*overrides, *NO_CLIP, f"trainer.micro_batch_size={micro_batch_size}",
-                                f"trainer.strategy={strategy}"])
+    config = load_config(None, [*overrides, *NO_CLIP, f"passes.micro_batch_size={micro_batch_size}",
+                                f"parallel.strategy={strategy}"])
     model = build_tiny_model(build_char_tokenizer(), seed=0)
     value_model = None
     if critic:  # built as build_critic does, with a non-zero head (a zero head has no gradient into the body)
         values = ValueModel(copy.deepcopy(model.base_model), model.config.hidden_size)
         torch.nn.init.normal_(values.value_head.weight, std=0.1, generator=torch.Generator().manual_seed(1))
-        value_model = CriticEngine(values, comm, dataclasses.replace(config.optim, lr=1e-3), config.trainer)
-    policy = PolicyEngine(model, comm, config.optim, temperature=1.0, trainer=config.trainer)
+        value_model = CriticEngine(values, comm, dataclasses.replace(config.optim, lr=1e-3),
+                                   parallel=config.parallel, passes=config.passes)
+    policy = PolicyEngine(model, comm, config.optim, temperature=1.0, parallel=config.parallel,
+                          passes=config.passes)
     engines = Engines(tokenizer=None, rewards=None, is_correct=None, sampling=SamplingSpec.of(config.rollout),
                       policy=policy, critic=value_model)
     return StageContext(config, engines, comm=comm, world=comm, metrics=StepMetrics(), step=1)

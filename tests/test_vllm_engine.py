@@ -20,8 +20,8 @@ PROMPT = [{"role": "user", "content": "What is 23 + 58? Answer with just the num
 def test_vllm_needs_every_rank_rolling_out_and_synchronous_training():
     with pytest.raises(ConfigError, match="placement.rollout.ranks=all"):
         load_config(None, ["rollout.engine=vllm", "placement.rollout.ranks=first:1", "placement.train.ranks=last:1"])
-    with pytest.raises(ConfigError, match="trainer.max_staleness=0"):
-        load_config(None, ["rollout.engine=vllm", "trainer.max_staleness=1"])
+    with pytest.raises(ConfigError, match="asynchronous.max_staleness=0"):
+        load_config(None, ["rollout.engine=vllm", "asynchronous.max_staleness=1"])
 
 
 def test_vllm_rollout_records_its_log_probs_for_the_mismatch():
