@@ -163,3 +163,113 @@ def test_every_engine_name_used_is_registered():
                 used[node.args[0].value] = name
     assert {"policy", "reference", "critic"} <= set(used)
     assert {engine: module for engine, module in used.items() if engine not in ENGINES} == {}
+
+
+LAYERS = (
+    ("distflow.errors", "distflow.console", "distflow.envvars", "distflow.fileio", "distflow.seeding",
+     "distflow.gc_policy", "distflow.comm"),
+    ("distflow.config",),
+    ("distflow.layout",),
+    ("distflow.algorithms", "distflow.data", "distflow.envs"),
+    ("distflow.engines",),
+    ("distflow.checkpoint", "distflow.tasks", "distflow.observability"),
+    ("distflow.dag", "distflow.planner"),
+    ("distflow.preflight", "distflow.inputs"),
+    ("distflow.runtime",),
+    ("distflow.api", "distflow.cli", "distflow.cli_tools", "distflow.__main__", "distflow"),
+)
+"""Floors from the ground up (docs/architecture.md, "Layers"): a module imports its own floor and
+those below, never one above (function-level and TYPE_CHECKING imports included)."""
+
+
+def _layer(module: str) -> int:
+    matches = [(len(prefix), floor) for floor, prefixes in enumerate(LAYERS) for prefix in prefixes
+               if module == prefix or module.startswith(prefix + ".")]
+    assert matches, f"{module} is on no floor of LAYERS: add it where it belongs"
+    return max(matches)[1]
+
+
+def test_no_import_climbs_a_layer():
+    graph = _graph()
+    climbs = sorted(f"{name} -> {dep}" for name, deps in graph.items() for dep in deps
+                    if dep != "distflow" and _layer(dep) > _layer(name))
+    assert climbs == []
+
+
+MOVED_FROM_TRAINER = {old.split(".", 1)[1] for old in __import__("distflow.config.deprecated",
+                                                                   fromlist=["MOVED"]).MOVED}
+SECTION_READERS = {
+    "parallel": ("distflow.config", "distflow.engines.registry", "distflow.planner.plan", "distflow.preflight",
+                 "distflow.runtime.executor", "distflow.runtime.worker", "distflow.runtime.start"),
+    "passes": ("distflow.config", "distflow.engines.registry", "distflow.dag.stages", "distflow.dag.update_stages"),
+    "watchdog": ("distflow.config", "distflow.runtime.faults", "distflow.runtime.executor"),
+    "asynchronous": ("distflow.config", "distflow.planner.plan", "distflow.preflight", "distflow.runtime.executor",
+                     "distflow.dag.stages"),
+}
+"""The modules that may read a section of the config (`config.parallel`, `ctx.config.passes`, ...);
+an engine gets its sections handed down by the registry (`self.parallel`, `self.passes`)."""
+
+
+def _is_config(node: ast.expr) -> bool:
+    """`config`, `cfg`, or `<anything>.config` (`ctx.config`, `worker.config`, `build.config`)."""
+    return (isinstance(node, ast.Name) and node.id in ("config", "cfg")
+            or isinstance(node, ast.Attribute) and node.attr in ("config", "cfg"))
+
+
+def _config_reads(tree: ast.Module) -> list[tuple[str, str]]:
+    """(section, key) of what `tree` reads: `config.<section>` as (section, ''), and `trainer.<key>` or
+    `<...>.trainer.<key>` as ('trainer', key)."""
+    reads = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        if _is_config(node.value):
+            reads.append((node.attr, ""))
+        owner = node.value
+        if isinstance(owner, ast.Name) and owner.id == "trainer" or isinstance(owner, ast.Attribute) and owner.attr == "trainer":
+            reads.append(("trainer", node.attr))
+    return reads
+
+
+def test_modules_read_only_the_config_sections_of_their_concern():
+    """No module outside config/ reads a key that left `trainer` under its old name (`config.trainer.device`,
+    `trainer.max_staleness`), and the sections split from it are read only where they act."""
+    old_names, outside = {}, {}
+    for name, tree in _modules().items():
+        if name.startswith("distflow.config"):
+            continue
+        for section, key in _config_reads(tree):
+            if section == "trainer" and key in MOVED_FROM_TRAINER:
+                old_names.setdefault(name, set()).add(f"trainer.{key}")
+            elif section in SECTION_READERS and not name.startswith(SECTION_READERS[section]):
+                outside.setdefault(name, set()).add(section)
+    assert old_names == {}
+    assert outside == {}
+
+
+def test_engines_never_receive_the_whole_config():
+    """Engines get the sections they need (`parallel=`, `passes=`, `OptimConfig`, a `LoraConfig`, a
+    `SamplingSpec`); only the registry, which builds them, sees the `Config`."""
+    takes_config = {}
+    for name, tree in _modules().items():
+        if not name.startswith("distflow.engines") or name == "distflow.engines.registry":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in ("distflow.config", "distflow.config.schema"):
+                takes_config.update({f"{name}: imports {a.name}": 1 for a in node.names
+                                     if a.name in ("Config", "TrainerConfig")})
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.args + node.args.kwonlyargs
+                takes_config.update({f"{name}.{node.name}({a.arg})": 1 for a in args if a.arg in ("config", "trainer")})
+    assert takes_config == {}
+
+
+def test_max_staleness_is_read_only_where_it_acts():
+    """`asynchronous.max_staleness` is validated (config/rules.py, the planner, preflight), chooses the
+    pipelined loop (the executor, which hands it to runtime/pipelined.py), and decides what a rollout
+    records (dag/stages.py); everyone else is handed what they need."""
+    readers = {name for name, tree in _modules().items() for node in ast.walk(tree)
+               if isinstance(node, ast.Attribute) and node.attr == "max_staleness"
+               and not (isinstance(node.value, ast.Name) and node.value.id == "self")}
+    assert readers == {"distflow.config.rules", "distflow.planner.plan", "distflow.preflight",
+                       "distflow.runtime.executor", "distflow.dag.stages"}

@@ -74,7 +74,7 @@ class DeprecatedKeyWarning(FutureWarning):
 def upgrade_old_keys(data: dict[str, Any]) -> None:
     """Move every old key of `data` (a whole config as nested mappings) to its new key."""
     for old, new in RENAMED.items():
-        old_path, new_path = old.split("."), new.split(".")
+        old_path = old.split(".")
         parent = _get(data, old_path[:-1])
         if not isinstance(parent, dict) or isinstance(parent.get(old_path[-1], {}), dict):
             continue  # not given (or a mapping: not the old scalar)

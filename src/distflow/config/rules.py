@@ -18,16 +18,14 @@ run them, so a config object that exists is valid as far as they go.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from distflow.config.errors import check
 
-if TYPE_CHECKING:
-    from distflow.config.schema import Config
+# The functions below take a `Config` (config/schema.py), unannotated: schema.py calls
+# `check_sections` from `Config.__post_init__`, so importing it here would be a cycle.
 
 
-def check_sections(config: Config) -> None:
-    """Every cross-section rule, in this order (the first that fails is reported)."""
+def check_sections(config) -> None:
+    """Every cross-section rule of `config` (a `Config`), in this order (the first that fails is reported)."""
     _check_heldout(config)
     _check_staleness(config)
     _check_dynamic_sampling(config)
@@ -35,7 +33,7 @@ def check_sections(config: Config) -> None:
     _check_rollout_engine(config)
 
 
-def _check_heldout(config: Config) -> None:
+def _check_heldout(config) -> None:
     """The held-out rows (and the warm-start's validation rows) leave problems to train on."""
     num_problems = 10 ** (config.task.num_operands * config.task.num_digits)
     held_back = config.task.num_heldout
@@ -49,14 +47,14 @@ def _check_heldout(config: Config) -> None:
     )
 
 
-def _check_staleness(config: Config) -> None:
+def _check_staleness(config) -> None:
     """A rollout running ahead has no step boundary where a time budget could stop it."""
     check(not (config.trainer.time_budget_s and config.asynchronous.max_staleness),
           "trainer.time_budget_s stops a synchronous run between steps; with asynchronous.max_staleness > 0 the "
           "rollout runs ahead of training: set one of them to 0")
 
 
-def _check_dynamic_sampling(config: Config) -> None:
+def _check_dynamic_sampling(config) -> None:
     """DAPO's dynamic sampling refills a step from inside it, on the ranks that train."""
     algo, placement, k = config.algorithm, config.placement, config.asynchronous.max_staleness
     if not algo.dynamic_sampling.enabled:
@@ -70,13 +68,13 @@ def _check_dynamic_sampling(config: Config) -> None:
                      "training on the same ranks: leave placement.rollout and placement.train at their defaults")
 
 
-def _check_overlong(config: Config) -> None:
+def _check_overlong(config) -> None:
     buffer = config.algorithm.overlong.buffer
     check(buffer < config.rollout.max_new_tokens,
           f"algorithm.overlong.buffer={buffer} must be below rollout.max_new_tokens={config.rollout.max_new_tokens}")
 
 
-def _check_rollout_engine(config: Config) -> None:
+def _check_rollout_engine(config) -> None:
     """What `rollout.engine=vllm` and `compiled` need of the placement, the schedule and the strategy."""
     engine, rollout = config.rollout.engine, config.placement.rollout
     check(engine != "vllm" or (rollout.ranks == "all" and rollout.ranks_per_replica == 1),
