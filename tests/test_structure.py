@@ -232,8 +232,8 @@ def _config_reads(tree: ast.Module) -> list[tuple[str, str]]:
 
 
 def test_modules_read_only_the_config_sections_of_their_concern():
-    """No module outside config/ reads a key that left `trainer` under its old name (`config.trainer.device`,
-    `trainer.max_staleness`), and the sections split from it are read only where they act."""
+    """No module outside config/ reads a key that left `trainer` under its old name (`config.trainer.<key>`,
+    or `trainer.<key>` through a local name), and the sections split from it are read only where they act."""
     old_names, outside = {}, {}
     for name, tree in _modules().items():
         if name.startswith("distflow.config"):

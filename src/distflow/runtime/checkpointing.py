@@ -67,8 +67,8 @@ def resolve(path: Path) -> Path:
 
 def config_changes(saved: dict, current: dict) -> list[str]:
     """`key: old -> new` for every setting that differs and is not free to change, named by the
-    current keys: a config saved with the previous release's keys (`algorithm.kl_coef`,
-    `trainer.micro_batch_size`) is read with the new ones (config/deprecated.py)."""
+    current keys: a config saved with the previous release's keys (`algorithm.kl_coef`, the
+    `trainer` keys that moved to other sections) is read with the new ones (config/deprecated.py)."""
     saved = copy.deepcopy(saved)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecatedKeyWarning)
