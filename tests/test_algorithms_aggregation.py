@@ -99,9 +99,12 @@ def test_split_invariance_of_value_and_gradient(mode, split):
     # Each micro-batch is padded only to its own longest row, as a packing collator would do.
     widths = [max(1, max(LENGTHS[r] for r in rows)) for rows in micro_batches]
     # Σ over micro-batches within a rank, then over ranks: what the caller's all-reduce computes.
-    normalizer = finish_normalizer(sum(
-        loss_normalizer(_mask_BR(rows, width), mode, horizon=HORIZON) for rows, width in zip(micro_batches, widths)
-    ), mode)
+    normalizer = finish_normalizer(
+        sum(
+            loss_normalizer(_mask_BR(rows, width), mode, horizon=HORIZON) for rows, width in zip(micro_batches, widths)
+        ),
+        mode,
+    )
     total = torch.zeros((), dtype=torch.float64)
     for rows, width in zip(micro_batches, widths):
         part = loss_sum(_loss_BR(weight, rows, width), _mask_BR(rows, width), mode) / normalizer

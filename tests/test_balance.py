@@ -49,7 +49,8 @@ def test_lognormal_workload_is_balanced_within_five_percent(seed):
     assert after <= 1.05 < before
     # LPT's bound: the heaviest bin exceeds the mean by at most the heaviest item.
     assert max(bin_loads(weights, balanced_assignment(weights, num_bins), num_bins)) <= (
-        sum(weights) / num_bins + max(weights))
+        sum(weights) / num_bins + max(weights)
+    )
 
 
 def test_the_swap_pass_repairs_what_lpt_leaves_uneven():

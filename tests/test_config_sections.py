@@ -8,8 +8,17 @@ import dataclasses
 import pytest
 import yaml
 
-from distflow.config import (AsynchronousConfig, Config, ConfigError, FSDPConfig, ParallelConfig, PassesConfig,
-                             WatchdogConfig, load_config, to_dict)
+from distflow.config import (
+    AsynchronousConfig,
+    Config,
+    ConfigError,
+    FSDPConfig,
+    ParallelConfig,
+    PassesConfig,
+    WatchdogConfig,
+    load_config,
+    to_dict,
+)
 from distflow.config.deprecated import MOVED, DeprecatedKeyWarning
 
 OLD_VALUES = {
@@ -67,11 +76,19 @@ def test_every_moved_key_has_a_value_here():
 def test_old_keys_give_the_config_of_the_new_keys(tmp_path, where):
     new = load_config(write(tmp_path, nested(NEW_VALUES)))
     with pytest.warns(DeprecatedKeyWarning) as caught:
-        old = (load_config(write(tmp_path, nested(OLD_VALUES))) if where == "file"
-               else load_config(None, overrides(OLD_VALUES)))
+        old = (
+            load_config(write(tmp_path, nested(OLD_VALUES)))
+            if where == "file"
+            else load_config(None, overrides(OLD_VALUES))
+        )
     assert old == new
-    assert (new.parallel.fsdp.shard_size, new.passes.micro_batch_size, new.asynchronous.max_staleness,
-            new.parallel.collective_timeout_s, new.data.prefetch) == (2, 8, 1, 600, False)
+    assert (
+        new.parallel.fsdp.shard_size,
+        new.passes.micro_batch_size,
+        new.asynchronous.max_staleness,
+        new.parallel.collective_timeout_s,
+        new.data.prefetch,
+    ) == (2, 8, 1, 600, False)
     assert {str(w.message) for w in caught} == {f"{old} is deprecated; use {new}" for old, new in MOVED.items()}
 
 
@@ -83,18 +100,28 @@ def test_a_key_inside_a_moved_section(tmp_path, where):
         else:
             config = load_config(None, ["parallel.strategy=fsdp2", "trainer.fsdp.shard_size=2"])
     assert config.parallel.fsdp == FSDPConfig(shard_size=2)
-    expected = {"file": "trainer.fsdp is deprecated; use parallel.fsdp",
-                "overrides": "trainer.fsdp.shard_size is deprecated; use parallel.fsdp.shard_size"}[where]
+    expected = {
+        "file": "trainer.fsdp is deprecated; use parallel.fsdp",
+        "overrides": "trainer.fsdp.shard_size is deprecated; use parallel.fsdp.shard_size",
+    }[where]
     assert expected in {str(w.message) for w in caught}
 
 
 def test_an_override_wins_over_the_file_under_either_name(tmp_path):
     with pytest.warns(DeprecatedKeyWarning):
-        assert load_config(write(tmp_path, {"passes": {"micro_batch_size": 4}}),
-                           ["trainer.micro_batch_size=8"]).passes.micro_batch_size == 8
+        assert (
+            load_config(
+                write(tmp_path, {"passes": {"micro_batch_size": 4}}), ["trainer.micro_batch_size=8"]
+            ).passes.micro_batch_size
+            == 8
+        )
     with pytest.warns(DeprecatedKeyWarning):
-        assert load_config(write(tmp_path, {"trainer": {"micro_batch_size": 4}}),
-                           ["passes.micro_batch_size=8"]).passes.micro_batch_size == 8
+        assert (
+            load_config(
+                write(tmp_path, {"trainer": {"micro_batch_size": 4}}), ["passes.micro_batch_size=8"]
+            ).passes.micro_batch_size
+            == 8
+        )
     with pytest.warns(DeprecatedKeyWarning):  # a whole section given as an override, with an old key in it
         assert load_config(None, ["trainer={total_steps: 3, max_staleness: 2}"]).asynchronous.max_staleness == 2
 
@@ -102,19 +129,52 @@ def test_an_override_wins_over_the_file_under_either_name(tmp_path):
 @pytest.mark.filterwarnings("ignore::distflow.config.deprecated.DeprecatedKeyWarning")
 @pytest.mark.parametrize(
     "text, items, old, new",
-    [({"trainer": {"micro_batch_size": 4}, "passes": {"micro_batch_size": 8}}, [],
-      "trainer.micro_batch_size", "passes.micro_batch_size"),
-     ({"trainer": {"fsdp": {"shard_size": 2}}, "parallel": {"fsdp": {"reshard_after_forward": False}}}, [],
-      "trainer.fsdp", "parallel.fsdp"),
-     ({}, ["trainer.max_staleness=1", "asynchronous.max_staleness=1"], "trainer.max_staleness",
-      "asynchronous.max_staleness"),
-     ({}, ["watchdog.stage_timeout_s=60", "trainer.stage_timeout_s=60"], "trainer.stage_timeout_s",
-      "watchdog.stage_timeout_s"),
-     ({}, ["trainer.fsdp.shard_size=2", "parallel.fsdp.shard_size=2"], "trainer.fsdp.shard_size",
-      "parallel.fsdp.shard_size"),
-     ({}, ["trainer.fsdp.shard_size=2", "parallel.fsdp={shard_size: 2}"], "trainer.fsdp.shard_size", "parallel.fsdp")],
-    ids=["file", "file-subsection", "overrides", "overrides-reversed", "override-in-subsection",
-         "override-and-its-section"],
+    [
+        (
+            {"trainer": {"micro_batch_size": 4}, "passes": {"micro_batch_size": 8}},
+            [],
+            "trainer.micro_batch_size",
+            "passes.micro_batch_size",
+        ),
+        (
+            {"trainer": {"fsdp": {"shard_size": 2}}, "parallel": {"fsdp": {"reshard_after_forward": False}}},
+            [],
+            "trainer.fsdp",
+            "parallel.fsdp",
+        ),
+        (
+            {},
+            ["trainer.max_staleness=1", "asynchronous.max_staleness=1"],
+            "trainer.max_staleness",
+            "asynchronous.max_staleness",
+        ),
+        (
+            {},
+            ["watchdog.stage_timeout_s=60", "trainer.stage_timeout_s=60"],
+            "trainer.stage_timeout_s",
+            "watchdog.stage_timeout_s",
+        ),
+        (
+            {},
+            ["trainer.fsdp.shard_size=2", "parallel.fsdp.shard_size=2"],
+            "trainer.fsdp.shard_size",
+            "parallel.fsdp.shard_size",
+        ),
+        (
+            {},
+            ["trainer.fsdp.shard_size=2", "parallel.fsdp={shard_size: 2}"],
+            "trainer.fsdp.shard_size",
+            "parallel.fsdp",
+        ),
+    ],
+    ids=[
+        "file",
+        "file-subsection",
+        "overrides",
+        "overrides-reversed",
+        "override-in-subsection",
+        "override-and-its-section",
+    ],
 )
 def test_an_old_key_and_its_new_key_together_are_an_error_naming_both(tmp_path, text, items, old, new):
     with pytest.raises(ConfigError) as err:
@@ -147,13 +207,18 @@ def test_a_checkpoint_saved_with_the_old_keys_resumes_without_changes_and_names_
     assert config_changes(saved, current) == []
     saved["trainer"]["strategy"], saved["trainer"]["fsdp"]["shard_size"] = "ddp", 2
     saved["trainer"]["max_staleness"], saved["trainer"]["micro_batch_size"] = 2, 4  # the last: free to change
-    assert config_changes(saved, current) == ["asynchronous.max_staleness: 2 -> 0",
-                                              "parallel.fsdp.shard_size: 2 -> 0",
-                                              "parallel.strategy: 'ddp' -> 'fsdp2'"]
+    assert config_changes(saved, current) == [
+        "asynchronous.max_staleness: 2 -> 0",
+        "parallel.fsdp.shard_size: 2 -> 0",
+        "parallel.strategy: 'ddp' -> 'fsdp2'",
+    ]
 
 
-@pytest.mark.parametrize("section", [ParallelConfig(), PassesConfig(), WatchdogConfig(), AsynchronousConfig(),
-                                     FSDPConfig()], ids=lambda s: type(s).__name__)
+@pytest.mark.parametrize(
+    "section",
+    [ParallelConfig(), PassesConfig(), WatchdogConfig(), AsynchronousConfig(), FSDPConfig()],
+    ids=lambda s: type(s).__name__,
+)
 def test_sections_handed_down_are_frozen(section):
     name = dataclasses.fields(section)[0].name
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -171,26 +236,50 @@ def test_passes_resolve_shared_prefix_once():
 
 @pytest.mark.parametrize(
     "items, message",
-    [(["task.num_digits=1", "task.num_heldout=100"],
-      "task.num_heldout=100 (+ warmstart.num_validation=300 for the warm-start) leaves none of the 100 problems"),
-     (["trainer.time_budget_s=60", "asynchronous.max_staleness=1"],
-      "trainer.time_budget_s stops a synchronous run between steps; with asynchronous.max_staleness > 0"),
-     (["algorithm.name=dapo", "asynchronous.max_staleness=1"],
-      "asynchronous.max_staleness=1 cannot run DAPO's dynamic sampling (algorithm.dynamic_sampling)"),
-     (["algorithm.name=dapo", "placement.rollout.ranks=0", "placement.train.ranks=1"],
-      "algorithm.dynamic_sampling draws extra batches inside the step and needs rollout and training on the same"),
-     (["algorithm.overlong.buffer=6"], "algorithm.overlong.buffer=6 must be below rollout.max_new_tokens=6"),
-     (["rollout.engine=vllm", "placement.rollout.ranks=0", "placement.train.ranks=1"],
-      "rollout.engine=vllm makes its engines together on every rank"),
-     (["rollout.engine=vllm", "asynchronous.max_staleness=1"],
-      "rollout.engine=vllm runs synchronously: set asynchronous.max_staleness=0"),
-     (["rollout.engine=compiled", "parallel.strategy=fsdp2"],
-      "rollout.engine=compiled compiles the rollout model's forward, which fsdp2 gathers"),
-     # Two rules broken: the first in config/rules.py's order is reported.
-     (["task.num_digits=1", "task.num_heldout=100", "algorithm.overlong.buffer=6"], "task.num_heldout=100 "),
-     ],
-    ids=["heldout", "time-budget-staleness", "dynamic-sampling-staleness", "dynamic-sampling-placement",
-         "overlong", "vllm-placement", "vllm-staleness", "compiled-fsdp2", "first-rule-first"],
+    [
+        (
+            ["task.num_digits=1", "task.num_heldout=100"],
+            "task.num_heldout=100 (+ warmstart.num_validation=300 for the warm-start) leaves none of the 100 problems",
+        ),
+        (
+            ["trainer.time_budget_s=60", "asynchronous.max_staleness=1"],
+            "trainer.time_budget_s stops a synchronous run between steps; with asynchronous.max_staleness > 0",
+        ),
+        (
+            ["algorithm.name=dapo", "asynchronous.max_staleness=1"],
+            "asynchronous.max_staleness=1 cannot run DAPO's dynamic sampling (algorithm.dynamic_sampling)",
+        ),
+        (
+            ["algorithm.name=dapo", "placement.rollout.ranks=0", "placement.train.ranks=1"],
+            "algorithm.dynamic_sampling draws extra batches inside the step and needs rollout and training on the same",
+        ),
+        (["algorithm.overlong.buffer=6"], "algorithm.overlong.buffer=6 must be below rollout.max_new_tokens=6"),
+        (
+            ["rollout.engine=vllm", "placement.rollout.ranks=0", "placement.train.ranks=1"],
+            "rollout.engine=vllm makes its engines together on every rank",
+        ),
+        (
+            ["rollout.engine=vllm", "asynchronous.max_staleness=1"],
+            "rollout.engine=vllm runs synchronously: set asynchronous.max_staleness=0",
+        ),
+        (
+            ["rollout.engine=compiled", "parallel.strategy=fsdp2"],
+            "rollout.engine=compiled compiles the rollout model's forward, which fsdp2 gathers",
+        ),
+        # Two rules broken: the first in config/rules.py's order is reported.
+        (["task.num_digits=1", "task.num_heldout=100", "algorithm.overlong.buffer=6"], "task.num_heldout=100 "),
+    ],
+    ids=[
+        "heldout",
+        "time-budget-staleness",
+        "dynamic-sampling-staleness",
+        "dynamic-sampling-placement",
+        "overlong",
+        "vllm-placement",
+        "vllm-staleness",
+        "compiled-fsdp2",
+        "first-rule-first",
+    ],
 )
 def test_each_rule_between_sections_is_one_error_when_the_config_is_loaded(items, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
@@ -199,4 +288,6 @@ def test_each_rule_between_sections_is_one_error_when_the_config_is_loaded(items
 
 def test_the_rules_between_sections_hold_for_a_config_built_in_code():
     with pytest.raises(ConfigError, match="rollout.engine=compiled compiles"):
-        Config(rollout=load_config(None, ["rollout.engine=compiled"]).rollout, parallel=ParallelConfig(strategy="fsdp2"))
+        Config(
+            rollout=load_config(None, ["rollout.engine=compiled"]).rollout, parallel=ParallelConfig(strategy="fsdp2")
+        )

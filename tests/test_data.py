@@ -8,8 +8,7 @@ ROWS = [{"prompt": f"p{i}", "answer": str(i)} for i in range(10)]
 
 
 def loader(rank, world, per_step=4, seed=0):
-    return PromptLoader(lambda i: ROWS[i], len(ROWS), prompts_per_step=per_step, seed=seed, rank=rank,
-                        world_size=world)
+    return PromptLoader(lambda i: ROWS[i], len(ROWS), prompts_per_step=per_step, seed=seed, rank=rank, world_size=world)
 
 
 def test_step_multiset_does_not_depend_on_world_size():
@@ -25,8 +24,7 @@ def test_step_multiset_does_not_depend_on_world_size():
 
 def test_each_rank_reads_only_its_rows():
     read = []
-    l = PromptLoader(lambda i: read.append(i) or ROWS[i], len(ROWS), prompts_per_step=4, seed=0, rank=1,
-                     world_size=2)
+    l = PromptLoader(lambda i: read.append(i) or ROWS[i], len(ROWS), prompts_per_step=4, seed=0, rank=1, world_size=2)
     l.next_batch()
     assert len(read) == 2
 

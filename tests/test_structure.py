@@ -52,7 +52,7 @@ def test_no_import_cycles():
             if dep == "distflow" or node == "distflow":
                 continue
             if state.get(dep) == "open":
-                cycles.append(path[path.index(dep):] + [dep] if dep in path else [node, dep])
+                cycles.append(path[path.index(dep) :] + [dep] if dep in path else [node, dep])
             elif dep not in state:
                 visit(dep, path + [dep])
         state[node] = "done"
@@ -66,9 +66,11 @@ def test_no_import_cycles():
 def test_only_the_entry_points_import_the_runtime():
     """The entry points are the CLI and the Python API (`distflow.train`, the CLI's engine)."""
     graph = _graph()
-    outside = {name: sorted(dep for dep in deps if dep.startswith("distflow.runtime"))
-               for name, deps in graph.items() if not name.startswith(("distflow.runtime", "distflow.cli",
-                                                                         "distflow.api"))}
+    outside = {
+        name: sorted(dep for dep in deps if dep.startswith("distflow.runtime"))
+        for name, deps in graph.items()
+        if not name.startswith(("distflow.runtime", "distflow.cli", "distflow.api"))
+    }
     assert {name: deps for name, deps in outside.items() if deps} == {}
 
 
@@ -113,10 +115,13 @@ def test_subprocess_hang_guards_in_tests_are_generous():
     import re
 
     tests = Path(__file__).parent
-    short = {f"{path.name}:{number}": line.strip()
-             for path in sorted(tests.glob("*.py"))
-             for number, line in enumerate(path.read_text().splitlines(), 1)
-             for value in re.findall(r"\btimeout=(\d+(?:\.\d+)?)\b", line) if float(value) < 1800}
+    short = {
+        f"{path.name}:{number}": line.strip()
+        for path in sorted(tests.glob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        for value in re.findall(r"\btimeout=(\d+(?:\.\d+)?)\b", line)
+        if float(value) < 1800
+    }
     assert short == {}
 
 
@@ -124,8 +129,13 @@ def test_no_unused_imports_or_undefined_names():
     """pyflakes' rules (ruff's F set) over the package, the tests and the benchmarks: an import
     left behind by a refactor, or a name that no longer exists, fails here instead of rotting."""
     root = PACKAGE.parent.parent
-    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "F", "--no-cache", "--quiet",
-                           "src", "tests", "benchmarks"], cwd=root, capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--select", "F", "--no-cache", "--quiet", "src", "tests", "benchmarks"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -139,8 +149,13 @@ def test_every_batch_field_used_in_src_is_declared():
     used = {}
     for name, tree in _modules().items():
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in BATCH_NAMES
-                    and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)):
+            if (
+                isinstance(node, ast.Subscript)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in BATCH_NAMES
+                and isinstance(node.slice, ast.Constant)
+                and isinstance(node.slice.value, str)
+            ):
                 used.setdefault(node.slice.value, name)
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "updated":
                 used.update({k.arg: name for k in node.keywords if k.arg and k.arg not in used})
@@ -157,17 +172,30 @@ def test_every_engine_name_used_is_registered():
         for node in ast.walk(tree):
             if isinstance(node, ast.keyword) and node.arg == "uses" and isinstance(node.value, (ast.Tuple, ast.List)):
                 used.update({e.value: name for e in node.value.elts if isinstance(e, ast.Constant)})
-            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
-                  and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "engines"
-                  and node.args and isinstance(node.args[0], ast.Constant)):
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "get"
+                and isinstance(node.func.value, ast.Attribute)
+                and node.func.value.attr == "engines"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
                 used[node.args[0].value] = name
     assert {"policy", "reference", "critic"} <= set(used)
     assert {engine: module for engine, module in used.items() if engine not in ENGINES} == {}
 
 
 LAYERS = (
-    ("distflow.errors", "distflow.console", "distflow.envvars", "distflow.fileio", "distflow.seeding",
-     "distflow.gc_policy", "distflow.comm"),
+    (
+        "distflow.errors",
+        "distflow.console",
+        "distflow.envvars",
+        "distflow.fileio",
+        "distflow.seeding",
+        "distflow.gc_policy",
+        "distflow.comm",
+    ),
     ("distflow.config",),
     ("distflow.layout",),
     ("distflow.algorithms", "distflow.data", "distflow.envs"),
@@ -183,28 +211,49 @@ those below, never one above (function-level and TYPE_CHECKING imports included)
 
 
 def _layer(module: str) -> int:
-    matches = [(len(prefix), floor) for floor, prefixes in enumerate(LAYERS) for prefix in prefixes
-               if module == prefix or module.startswith(prefix + ".")]
+    matches = [
+        (len(prefix), floor)
+        for floor, prefixes in enumerate(LAYERS)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
+    ]
     assert matches, f"{module} is on no floor of LAYERS: add it where it belongs"
     return max(matches)[1]
 
 
 def test_no_import_climbs_a_layer():
     graph = _graph()
-    climbs = sorted(f"{name} -> {dep}" for name, deps in graph.items() for dep in deps
-                    if dep != "distflow" and _layer(dep) > _layer(name))
+    climbs = sorted(
+        f"{name} -> {dep}"
+        for name, deps in graph.items()
+        for dep in deps
+        if dep != "distflow" and _layer(dep) > _layer(name)
+    )
     assert climbs == []
 
 
-MOVED_FROM_TRAINER = {old.split(".", 1)[1] for old in __import__("distflow.config.deprecated",
-                                                                   fromlist=["MOVED"]).MOVED}
+MOVED_FROM_TRAINER = {
+    old.split(".", 1)[1] for old in __import__("distflow.config.deprecated", fromlist=["MOVED"]).MOVED
+}
 SECTION_READERS = {
-    "parallel": ("distflow.config", "distflow.engines.registry", "distflow.planner.plan", "distflow.preflight",
-                 "distflow.runtime.executor", "distflow.runtime.worker", "distflow.runtime.start"),
+    "parallel": (
+        "distflow.config",
+        "distflow.engines.registry",
+        "distflow.planner.plan",
+        "distflow.preflight",
+        "distflow.runtime.executor",
+        "distflow.runtime.worker",
+        "distflow.runtime.start",
+    ),
     "passes": ("distflow.config", "distflow.engines.registry", "distflow.dag.stages", "distflow.dag.update_stages"),
     "watchdog": ("distflow.config", "distflow.runtime.faults", "distflow.runtime.executor"),
-    "asynchronous": ("distflow.config", "distflow.planner.plan", "distflow.preflight", "distflow.runtime.executor",
-                     "distflow.dag.stages"),
+    "asynchronous": (
+        "distflow.config",
+        "distflow.planner.plan",
+        "distflow.preflight",
+        "distflow.runtime.executor",
+        "distflow.dag.stages",
+    ),
 }
 """The modules that may read a section of the config (`config.parallel`, `ctx.config.passes`, ...);
 an engine gets its sections handed down by the registry (`self.parallel`, `self.passes`)."""
@@ -212,8 +261,12 @@ an engine gets its sections handed down by the registry (`self.parallel`, `self.
 
 def _is_config(node: ast.expr) -> bool:
     """`config`, `cfg`, or `<anything>.config` (`ctx.config`, `worker.config`, `build.config`)."""
-    return (isinstance(node, ast.Name) and node.id in ("config", "cfg")
-            or isinstance(node, ast.Attribute) and node.attr in ("config", "cfg"))
+    return (
+        isinstance(node, ast.Name)
+        and node.id in ("config", "cfg")
+        or isinstance(node, ast.Attribute)
+        and node.attr in ("config", "cfg")
+    )
 
 
 def _config_reads(tree: ast.Module) -> list[tuple[str, str]]:
@@ -226,7 +279,12 @@ def _config_reads(tree: ast.Module) -> list[tuple[str, str]]:
         if _is_config(node.value):
             reads.append((node.attr, ""))
         owner = node.value
-        if isinstance(owner, ast.Name) and owner.id == "trainer" or isinstance(owner, ast.Attribute) and owner.attr == "trainer":
+        if (
+            isinstance(owner, ast.Name)
+            and owner.id == "trainer"
+            or isinstance(owner, ast.Attribute)
+            and owner.attr == "trainer"
+        ):
             reads.append(("trainer", node.attr))
     return reads
 
@@ -256,8 +314,9 @@ def test_engines_never_receive_the_whole_config():
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module in ("distflow.config", "distflow.config.schema"):
-                takes_config.update({f"{name}: imports {a.name}": 1 for a in node.names
-                                     if a.name in ("Config", "TrainerConfig")})
+                takes_config.update(
+                    {f"{name}: imports {a.name}": 1 for a in node.names if a.name in ("Config", "TrainerConfig")}
+                )
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 args = node.args.args + node.args.kwonlyargs
                 takes_config.update({f"{name}.{node.name}({a.arg})": 1 for a in args if a.arg in ("config", "trainer")})
@@ -268,8 +327,18 @@ def test_max_staleness_is_read_only_where_it_acts():
     """`asynchronous.max_staleness` is validated (config/rules.py, the planner, preflight), chooses the
     pipelined loop (the executor, which hands it to runtime/pipelined.py), and decides what a rollout
     records (dag/stages.py); everyone else is handed what they need."""
-    readers = {name for name, tree in _modules().items() for node in ast.walk(tree)
-               if isinstance(node, ast.Attribute) and node.attr == "max_staleness"
-               and not (isinstance(node.value, ast.Name) and node.value.id == "self")}
-    assert readers == {"distflow.config.rules", "distflow.planner.plan", "distflow.preflight",
-                       "distflow.runtime.executor", "distflow.dag.stages"}
+    readers = {
+        name
+        for name, tree in _modules().items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr == "max_staleness"
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+    }
+    assert readers == {
+        "distflow.config.rules",
+        "distflow.planner.plan",
+        "distflow.preflight",
+        "distflow.runtime.executor",
+        "distflow.dag.stages",
+    }

@@ -73,9 +73,18 @@ Trainable = tuple  # (module, its optimizer, its LR scheduler)
 
 
 def save_checkpoint(
-    root: Path, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler, extra: dict, comm: Comm, keep_last: int,
-    tokenizer: Any = None, others: dict[str, Trainable] | None = None, rank_state: Any = None,
+    root: Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    extra: dict,
+    comm: Comm,
+    keep_last: int,
+    tokenizer: Any = None,
+    others: dict[str, Trainable] | None = None,
+    rank_state: Any = None,
 ) -> Path:
     """Save on every rank of `comm` (collective); returns `root/step-{step:06d}` once it is complete.
 
@@ -95,9 +104,14 @@ def save_checkpoint(
         raise ValueError(f"keep_last must be >= 1 (got {keep_last})")
     root = Path(root)
     others = others or {}
-    meta = {"format": FORMAT_VERSION, "step": step, "world_size": comm.world_size,
-            "scheduler": scheduler.state_dict(), "extra": extra,
-            "others": {name: {"scheduler": sched.state_dict()} for name, (_, _, sched) in others.items()}}
+    meta = {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "world_size": comm.world_size,
+        "scheduler": scheduler.state_dict(),
+        "extra": extra,
+        "others": {name: {"scheduler": sched.state_dict()} for name, (_, _, sched) in others.items()},
+    }
     try:  # fail before any rank writes anything
         meta_text = json.dumps(meta, indent=2)
     except (TypeError, ValueError) as err:
@@ -111,16 +125,28 @@ def save_checkpoint(
     _write_shards(tmp, root, step, model=model, optimizer=optimizer, others=others, comm=comm, rank_state=rank_state)
     comm.barrier()
     final = root / step_dir_name(step)
-    _complete_on_main(tmp, final, root, step, meta_text=meta_text, model=model, tokenizer=tokenizer,
-                      keep_last=keep_last, comm=comm)
+    _complete_on_main(
+        tmp, final, root, step, meta_text=meta_text, model=model, tokenizer=tokenizer, keep_last=keep_last, comm=comm
+    )
     return final
 
 
-def _write_shards(tmp: Path, root: Path, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  others: dict[str, Trainable], comm: Comm, rank_state: Any = None) -> None:
+def _write_shards(
+    tmp: Path,
+    root: Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    others: dict[str, Trainable],
+    comm: Comm,
+    rank_state: Any = None,
+) -> None:
     """Every rank: its DCP shards of every trained module and optimizer, and its RNG states."""
-    state = {"model": get_model_state_dict(model, options=_options(model)),
-             "optimizer": get_optimizer_state_dict(model, optimizer)}
+    state = {
+        "model": get_model_state_dict(model, options=_options(model)),
+        "optimizer": get_optimizer_state_dict(model, optimizer),
+    }
     for name, (other, other_optimizer, _) in others.items():
         state[f"{name}_model"] = get_model_state_dict(other)
         state[f"{name}_optimizer"] = get_optimizer_state_dict(other, other_optimizer)
@@ -131,14 +157,25 @@ def _write_shards(tmp: Path, root: Path, step: int, *, model: torch.nn.Module, o
             torch.save(rank_state, tmp / f"state-rank{comm.rank}.pt")
             _fsync(tmp / f"state-rank{comm.rank}.pt")
         with quiet_single_process():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=comm.group,
-                     no_dist=not comm.distributed)
+            dcp.save(
+                state, storage_writer=dcp.FileSystemWriter(tmp), process_group=comm.group, no_dist=not comm.distributed
+            )
     except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure: all ranks get here alike
         raise write_failure(err, tmp, root, step, needed_bytes=state_bytes(state)) from None
 
 
-def _complete_on_main(tmp: Path, final: Path, root: Path, step: int, *, meta_text: str, model: torch.nn.Module,
-                      tokenizer: Any, keep_last: int, comm: Comm) -> None:
+def _complete_on_main(
+    tmp: Path,
+    final: Path,
+    root: Path,
+    step: int,
+    *,
+    meta_text: str,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    keep_last: int,
+    comm: Comm,
+) -> None:
     """Rank 0 writes the side files and COMPLETE, publishes `tmp` as `final` and prunes;
     then every rank learns whether it failed (and raises if so)."""
     failed = torch.zeros(1, device=comm.device)  # NCCL reduces only device tensors
@@ -168,8 +205,13 @@ def _complete_on_main(tmp: Path, final: Path, root: Path, step: int, *, meta_tex
 
 
 def load_checkpoint(
-    path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler, comm: Comm, others: dict[str, Trainable] | None = None,
+    path: Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    comm: Comm,
+    others: dict[str, Trainable] | None = None,
 ) -> dict[str, Any]:
     """Restore model, optimizer and scheduler (and `others`, as saved) in place (collective when distributed).
 
@@ -196,8 +238,9 @@ def load_checkpoint(
         state[f"{name}_optimizer"] = get_optimizer_state_dict(other, other_optimizer)
         check_matches(metadata, f"{name}_optimizer", state[f"{name}_optimizer"].get("state", {}), path, ("state",))
     with quiet_single_process():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=comm.group,
-                 no_dist=not comm.distributed)
+        dcp.load(
+            state, storage_reader=dcp.FileSystemReader(path), process_group=comm.group, no_dist=not comm.distributed
+        )
     set_model_state_dict(model, state["model"], options=_options(model))
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     scheduler.load_state_dict(meta["scheduler"])
@@ -264,11 +307,13 @@ def read_meta(path: Path) -> dict[str, Any]:
     try:
         meta = json.loads((path / META).read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} has no {META}: it was damaged after it was saved; "
-                              "resume from another checkpoint") from None
+        raise CheckpointError(
+            f"checkpoint {path} has no {META}: it was damaged after it was saved; resume from another checkpoint"
+        ) from None
     except (OSError, ValueError) as err:
-        raise CheckpointError(f"checkpoint {path}: {META} is unreadable ({type(err).__name__}); "
-                              "resume from another checkpoint") from None
+        raise CheckpointError(
+            f"checkpoint {path}: {META} is unreadable ({type(err).__name__}); resume from another checkpoint"
+        ) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         found = meta.get("format") if isinstance(meta, dict) else None
         raise CheckpointError(f"checkpoint {path} has format {found}, this distflow reads format {FORMAT_VERSION}")
@@ -282,8 +327,10 @@ def _check_shards(path: Path) -> None:
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
     except Exception as err:  # noqa: BLE001 — any unreadable metadata is the same user-facing problem
-        raise CheckpointError(f"checkpoint {path}: its tensor metadata (.metadata) is unreadable "
-                              f"({type(err).__name__}); resume from another checkpoint") from None
+        raise CheckpointError(
+            f"checkpoint {path}: its tensor metadata (.metadata) is unreadable "
+            f"({type(err).__name__}); resume from another checkpoint"
+        ) from None
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -292,8 +339,10 @@ def _check_shards(path: Path) -> None:
         have = shard.stat().st_size if shard.is_file() else None
         if have is None or have < size:
             state = "is missing" if have is None else f"holds {have} of its {size} bytes"
-            raise CheckpointError(f"checkpoint {path}: shard {name} {state} (truncated or damaged after the "
-                                  "save); resume from another checkpoint")
+            raise CheckpointError(
+                f"checkpoint {path}: shard {name} {state} (truncated or damaged after the "
+                "save); resume from another checkpoint"
+            )
 
 
 def check_rng_files(path: Path) -> None:
@@ -305,9 +354,11 @@ def check_rng_files(path: Path) -> None:
             torch.load(rng_file, weights_only=True)
         except Exception as err:  # noqa: BLE001 — any unreadable file is the same user-facing problem
             size = rng_file.stat().st_size
-            raise CheckpointError(f"checkpoint {path}: {rng_file.name} is unreadable ({size} bytes, "
-                                  f"{type(err).__name__}: truncated or damaged after the save); resume from another "
-                                  f"checkpoint, or delete {rng_file.name} to reseed that rank's generators") from None
+            raise CheckpointError(
+                f"checkpoint {path}: {rng_file.name} is unreadable ({size} bytes, "
+                f"{type(err).__name__}: truncated or damaged after the save); resume from another "
+                f"checkpoint, or delete {rng_file.name} to reseed that rank's generators"
+            ) from None
 
 
 def check_matches(
@@ -323,7 +374,7 @@ def check_matches(
     saved = {}
     for key, (saved_top, *rest) in _tensor_paths(metadata):
         if saved_top == top and tuple(rest[: len(prefix)]) == prefix:
-            saved[tuple(str(part) for part in rest[len(prefix):])] = metadata.state_dict_metadata[key].size
+            saved[tuple(str(part) for part in rest[len(prefix) :])] = metadata.state_dict_metadata[key].size
     for key in wanted:  # in the model's order, so the first mismatch named is the outermost
         shown = ".".join(key)
         if key not in saved:

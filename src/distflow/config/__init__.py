@@ -13,12 +13,47 @@ from distflow.config.loader import load_config, to_dict
 from distflow.config.model import LoraConfig, ModelConfig, WarmstartConfig
 from distflow.config.parallel import FSDPConfig, ParallelConfig, PassesConfig
 from distflow.config.pipeline import LayoutSpec, PipelineConfig, PlacementConfig, StageSpec
-from distflow.config.schema import (CheckpointConfig, Config, ConfigError, DataConfig, OptimConfig, RolloutConfig,
-                                    TrainerConfig)
+from distflow.config.schema import (
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    OptimConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
 from distflow.config.task import DatasetSpec, ReasoningGymSpec, RewardModelSpec, RewardSpec, TaskConfig
 
-__all__ = ["AlgorithmConfig", "AsynchronousConfig", "CheckpointConfig", "ClipConfig", "Config", "ConfigError",
-           "CriticConfig", "DataConfig", "DatasetSpec", "EnvConfig", "FSDPConfig", "KLConfig", "LayoutSpec", "LoraConfig",
-           "ModelConfig", "OptimConfig", "ParallelConfig", "PassesConfig", "PipelineConfig", "PlacementConfig",
-           "ReasoningGymSpec", "RewardModelSpec", "RewardSpec", "RolloutConfig", "StageSpec", "TaskConfig",
-           "TrainerConfig", "WarmstartConfig", "WatchdogConfig", "load_config", "to_dict"]
+__all__ = [
+    "AlgorithmConfig",
+    "AsynchronousConfig",
+    "CheckpointConfig",
+    "ClipConfig",
+    "Config",
+    "ConfigError",
+    "CriticConfig",
+    "DataConfig",
+    "DatasetSpec",
+    "EnvConfig",
+    "FSDPConfig",
+    "KLConfig",
+    "LayoutSpec",
+    "LoraConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "PassesConfig",
+    "PipelineConfig",
+    "PlacementConfig",
+    "ReasoningGymSpec",
+    "RewardModelSpec",
+    "RewardSpec",
+    "RolloutConfig",
+    "StageSpec",
+    "TaskConfig",
+    "TrainerConfig",
+    "WarmstartConfig",
+    "WatchdogConfig",
+    "load_config",
+    "to_dict",
+]

@@ -117,7 +117,7 @@ def _new_key(key: str, raw: str) -> str | None:
         return RENAMED[key]
     for old, new in MOVED.items():
         if key == old or key.startswith(old + "."):
-            return new + key[len(old):]
+            return new + key[len(old) :]
     return None
 
 
@@ -143,7 +143,7 @@ def _put(tree: dict[str, Any], path: list[str], value: Any) -> None:
     for i, part in enumerate(path[:-1]):
         tree = tree.setdefault(part, {})
         if not isinstance(tree, dict):
-            raise ConfigError(f"{'.'.join(path[:i + 1])} must be a mapping (got {type(tree).__name__})")
+            raise ConfigError(f"{'.'.join(path[: i + 1])} must be a mapping (got {type(tree).__name__})")
     tree[path[-1]] = value
 
 

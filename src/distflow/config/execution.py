@@ -33,14 +33,21 @@ class WatchdogConfig:
     gradient (each skip is counted in train/nonfinite_grad_steps); 0 never aborts."""
 
     def __post_init__(self) -> None:
-        check(self.stage_timeout_s == 0 or self.stage_timeout_s >= 1,
-              f"watchdog.stage_timeout_s must be 0 (off) or >= 1 (got {self.stage_timeout_s})")
-        check(self.stage_timeout_factor == 0 or self.stage_timeout_factor >= 2,
-              f"watchdog.stage_timeout_factor must be 0 (off) or >= 2 (got {self.stage_timeout_factor})")
-        check(self.stage_timeout_floor_s >= 1,
-              f"watchdog.stage_timeout_floor_s must be >= 1 (got {self.stage_timeout_floor_s})")
-        check(self.max_nonfinite_steps >= 0,
-              f"watchdog.max_nonfinite_steps must be >= 0 (got {self.max_nonfinite_steps})")
+        check(
+            self.stage_timeout_s == 0 or self.stage_timeout_s >= 1,
+            f"watchdog.stage_timeout_s must be 0 (off) or >= 1 (got {self.stage_timeout_s})",
+        )
+        check(
+            self.stage_timeout_factor == 0 or self.stage_timeout_factor >= 2,
+            f"watchdog.stage_timeout_factor must be 0 (off) or >= 2 (got {self.stage_timeout_factor})",
+        )
+        check(
+            self.stage_timeout_floor_s >= 1,
+            f"watchdog.stage_timeout_floor_s must be >= 1 (got {self.stage_timeout_floor_s})",
+        )
+        check(
+            self.max_nonfinite_steps >= 0, f"watchdog.max_nonfinite_steps must be >= 0 (got {self.max_nonfinite_steps})"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,5 +60,7 @@ class AsynchronousConfig:
     disjoint rollout and train ranks; not with dynamic sampling. 0: synchronous (on-policy)."""
 
     def __post_init__(self) -> None:
-        check(self.max_staleness >= 0,
-              f"asynchronous.max_staleness must be >= 0 (0: synchronous; got {self.max_staleness})")
+        check(
+            self.max_staleness >= 0,
+            f"asynchronous.max_staleness must be >= 0 (0: synchronous; got {self.max_staleness})",
+        )

@@ -64,13 +64,19 @@ class ParallelConfig:
         for key in ("param_dtype", "reduce_dtype"):
             value = getattr(self, key)
             check(value in DTYPES, f"parallel.{key} must be one of {', '.join(DTYPES)} (got {value!r})")
-            check(self.strategy == "fsdp2" or value in ("auto", "float32"),
-                  f"parallel.{key}={value} needs parallel.strategy=fsdp2 (ddp computes in float32)")
-        check(self.strategy == "fsdp2" or self.fsdp.shard_size == 0,
-              "parallel.fsdp.shard_size is a setting of parallel.strategy=fsdp2; set the strategy too")
+            check(
+                self.strategy == "fsdp2" or value in ("auto", "float32"),
+                f"parallel.{key}={value} needs parallel.strategy=fsdp2 (ddp computes in float32)",
+            )
+        check(
+            self.strategy == "fsdp2" or self.fsdp.shard_size == 0,
+            "parallel.fsdp.shard_size is a setting of parallel.strategy=fsdp2; set the strategy too",
+        )
         check(self.device in DEVICES, f"parallel.device must be auto, cpu or cuda (got {self.device!r})")
-        check(self.collective_timeout_s >= 10,
-              f"parallel.collective_timeout_s must be >= 10 (got {self.collective_timeout_s})")
+        check(
+            self.collective_timeout_s >= 10,
+            f"parallel.collective_timeout_s must be >= 10 (got {self.collective_timeout_s})",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,9 +101,11 @@ class PassesConfig:
 
     def __post_init__(self) -> None:
         check(self.micro_batch_size >= 1, f"passes.micro_batch_size must be >= 1 (got {self.micro_batch_size})")
-        check(self.micro_batch_tokens >= 0,
-              f"passes.micro_batch_tokens must be >= 0 (got {self.micro_batch_tokens})")
-        check(not (self.shared_prefix and self.padding_free), "passes.shared_prefix=true and passes.padding_free=true "
-              "exclude each other (packed rows hold several prompts); set one of them to false")
+        check(self.micro_batch_tokens >= 0, f"passes.micro_batch_tokens must be >= 0 (got {self.micro_batch_tokens})")
+        check(
+            not (self.shared_prefix and self.padding_free),
+            "passes.shared_prefix=true and passes.padding_free=true "
+            "exclude each other (packed rows hold several prompts); set one of them to false",
+        )
         if self.shared_prefix is None:  # frozen: the one resolved default is set once, here
             object.__setattr__(self, "shared_prefix", not self.padding_free)

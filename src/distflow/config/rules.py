@@ -49,9 +49,11 @@ def _check_heldout(config) -> None:
 
 def _check_staleness(config) -> None:
     """A rollout running ahead has no step boundary where a time budget could stop it."""
-    check(not (config.trainer.time_budget_s and config.asynchronous.max_staleness),
-          "trainer.time_budget_s stops a synchronous run between steps; with asynchronous.max_staleness > 0 the "
-          "rollout runs ahead of training: set one of them to 0")
+    check(
+        not (config.trainer.time_budget_s and config.asynchronous.max_staleness),
+        "trainer.time_budget_s stops a synchronous run between steps; with asynchronous.max_staleness > 0 the "
+        "rollout runs ahead of training: set one of them to 0",
+    )
 
 
 def _check_dynamic_sampling(config) -> None:
@@ -59,29 +61,43 @@ def _check_dynamic_sampling(config) -> None:
     algo, placement, k = config.algorithm, config.placement, config.asynchronous.max_staleness
     if not algo.dynamic_sampling.enabled:
         return
-    check(not k, f"asynchronous.max_staleness={k} cannot run DAPO's dynamic sampling "
-                 "(algorithm.dynamic_sampling): it refills a step with extra rollouts inside the step, on the "
-                 "ranks that train, from the policy being trained, so the rollout cannot run ahead; set "
-                 "algorithm.dynamic_sampling.enabled=false or asynchronous.max_staleness=0")
+    check(
+        not k,
+        f"asynchronous.max_staleness={k} cannot run DAPO's dynamic sampling "
+        "(algorithm.dynamic_sampling): it refills a step with extra rollouts inside the step, on the "
+        "ranks that train, from the policy being trained, so the rollout cannot run ahead; set "
+        "algorithm.dynamic_sampling.enabled=false or asynchronous.max_staleness=0",
+    )
     colocated = placement.rollout == placement.train and placement.rollout.ranks_per_replica == 1
-    check(colocated, "algorithm.dynamic_sampling draws extra batches inside the step and needs rollout and "
-                     "training on the same ranks: leave placement.rollout and placement.train at their defaults")
+    check(
+        colocated,
+        "algorithm.dynamic_sampling draws extra batches inside the step and needs rollout and "
+        "training on the same ranks: leave placement.rollout and placement.train at their defaults",
+    )
 
 
 def _check_overlong(config) -> None:
     buffer = config.algorithm.overlong.buffer
-    check(buffer < config.rollout.max_new_tokens,
-          f"algorithm.overlong.buffer={buffer} must be below rollout.max_new_tokens={config.rollout.max_new_tokens}")
+    check(
+        buffer < config.rollout.max_new_tokens,
+        f"algorithm.overlong.buffer={buffer} must be below rollout.max_new_tokens={config.rollout.max_new_tokens}",
+    )
 
 
 def _check_rollout_engine(config) -> None:
     """What `rollout.engine=vllm` and `compiled` need of the placement, the schedule and the strategy."""
     engine, rollout = config.rollout.engine, config.placement.rollout
-    check(engine != "vllm" or (rollout.ranks == "all" and rollout.ranks_per_replica == 1),
-          "rollout.engine=vllm makes its engines together on every rank (vLLM builds process groups over the "
-          "whole world): set placement.rollout.ranks=all (colocated) or use another rollout.engine")
-    check(engine != "vllm" or config.asynchronous.max_staleness == 0,
-          "rollout.engine=vllm runs synchronously: set asynchronous.max_staleness=0 or use another rollout.engine")
-    check(engine != "compiled" or config.parallel.strategy == "ddp",
-          "rollout.engine=compiled compiles the rollout model's forward, which fsdp2 gathers from shards "
-          "for every rollout; use rollout.engine=compact with parallel.strategy=fsdp2")
+    check(
+        engine != "vllm" or (rollout.ranks == "all" and rollout.ranks_per_replica == 1),
+        "rollout.engine=vllm makes its engines together on every rank (vLLM builds process groups over the "
+        "whole world): set placement.rollout.ranks=all (colocated) or use another rollout.engine",
+    )
+    check(
+        engine != "vllm" or config.asynchronous.max_staleness == 0,
+        "rollout.engine=vllm runs synchronously: set asynchronous.max_staleness=0 or use another rollout.engine",
+    )
+    check(
+        engine != "compiled" or config.parallel.strategy == "ddp",
+        "rollout.engine=compiled compiles the rollout model's forward, which fsdp2 gathers from shards "
+        "for every rollout; use rollout.engine=compact with parallel.strategy=fsdp2",
+    )

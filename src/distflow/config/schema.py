@@ -25,7 +25,6 @@ from distflow.config.pipeline import LayoutSpec, PipelineConfig, PlacementConfig
 from distflow.config.rules import check_sections
 from distflow.config.task import FLOAT32_MAX, RewardModelSpec, RewardSpec, TaskConfig  # noqa: F401 (re-exported)
 
-
 ROLLOUT_ENGINES = ("compact", "compiled", "generate", "vllm")
 
 
@@ -51,8 +50,10 @@ class RolloutConfig:
     asynchronous.max_staleness=0."""
 
     def __post_init__(self) -> None:
-        check(self.engine in ROLLOUT_ENGINES,
-              f"rollout.engine must be one of {', '.join(ROLLOUT_ENGINES)} (got {self.engine!r})")
+        check(
+            self.engine in ROLLOUT_ENGINES,
+            f"rollout.engine must be one of {', '.join(ROLLOUT_ENGINES)} (got {self.engine!r})",
+        )
         check(self.num_samples >= 2, f"rollout.num_samples must be >= 2 for group advantages (got {self.num_samples})")
         check(self.temperature > 0, f"rollout.temperature must be > 0 (got {self.temperature})")
         check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1] (got {self.top_p})")
@@ -126,11 +127,17 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         unknown = [name for name in self.loggers if name not in LOGGERS]
         check(not unknown, f"trainer.loggers: unknown {unknown}; choose from {', '.join(LOGGERS)}")
-        check("jsonl" in self.loggers, "trainer.loggers must include jsonl (metrics.jsonl is the run's record: "
-              "resume, curves.png and `distflow report` read it)")
+        check(
+            "jsonl" in self.loggers,
+            "trainer.loggers must include jsonl (metrics.jsonl is the run's record: "
+            "resume, curves.png and `distflow report` read it)",
+        )
         if self.tensorboard is not None:
-            warnings.warn("trainer.tensorboard is deprecated; use trainer.loggers (e.g. trainer.loggers=[jsonl])",
-                          DeprecatedKeyWarning, stacklevel=2)
+            warnings.warn(
+                "trainer.tensorboard is deprecated; use trainer.loggers (e.g. trainer.loggers=[jsonl])",
+                DeprecatedKeyWarning,
+                stacklevel=2,
+            )
             if not self.tensorboard:
                 self.loggers = [name for name in self.loggers if name != "tensorboard"]
         check(self.time_budget_s >= 0, f"trainer.time_budget_s must be >= 0 (0: off; got {self.time_budget_s})")
@@ -150,15 +157,23 @@ NAME_MAX_BYTES = 255
 
 def _check_run_name(name: str) -> None:
     """One path component that every file system accepts and every log shows on one line."""
-    check(name.strip() not in ("", ".", "..") and not any(c in name for c in "/\\\0"),
-          f"trainer.run_name must be a plain directory name, without '/' and not '..' (got {name!r}); "
-          "to write elsewhere, set trainer.output_dir")
+    check(
+        name.strip() not in ("", ".", "..") and not any(c in name for c in "/\\\0"),
+        f"trainer.run_name must be a plain directory name, without '/' and not '..' (got {name!r}); "
+        "to write elsewhere, set trainer.output_dir",
+    )
     control = sorted({c for c in name if ord(c) < 32 or ord(c) == 127})
-    check(not control, f"trainer.run_name must not hold control characters such as a newline or a tab (got "
-                       f"{name!r}); use letters, digits, '-', '_' or '.'")
+    check(
+        not control,
+        f"trainer.run_name must not hold control characters such as a newline or a tab (got "
+        f"{name!r}); use letters, digits, '-', '_' or '.'",
+    )
     size = len(name.encode("utf-8", "surrogatepass"))
-    check(size <= NAME_MAX_BYTES, f"trainer.run_name is {size} bytes long; a directory name may be at most "
-                                  f"{NAME_MAX_BYTES} bytes: choose a shorter name")
+    check(
+        size <= NAME_MAX_BYTES,
+        f"trainer.run_name is {size} bytes long; a directory name may be at most "
+        f"{NAME_MAX_BYTES} bytes: choose a shorter name",
+    )
 
 
 @dataclass(kw_only=True)
@@ -197,8 +212,10 @@ class DataConfig:
     out of the epoch order (counted by reason in the log and in `data/skipped_rows`)."""
 
     def __post_init__(self) -> None:
-        check(self.on_invalid_row in ("error", "skip"),
-               f"data.on_invalid_row must be error or skip (got {self.on_invalid_row!r})")
+        check(
+            self.on_invalid_row in ("error", "skip"),
+            f"data.on_invalid_row must be error or skip (got {self.on_invalid_row!r})",
+        )
         check(self.max_prompt_tokens >= 0, f"data.max_prompt_tokens must be >= 0 (got {self.max_prompt_tokens})")
 
 

@@ -151,8 +151,7 @@ class JsonlRows(RowSource):
             raise ConfigError(f"{self.path}:{self._line_number(offset)} is not valid JSON: {error}") from error
         if not isinstance(row, dict):
             raise ConfigError(
-                f"{self.path}:{self._line_number(offset)} must hold one JSON object per line "
-                f"(got {type(row).__name__})"
+                f"{self.path}:{self._line_number(offset)} must hold one JSON object per line (got {type(row).__name__})"
             )
         return row
 

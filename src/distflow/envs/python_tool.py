@@ -68,8 +68,9 @@ class PythonResult:
     truncated: bool
 
 
-def run_python(code: str, *, cpu_s: int = 5, wall_s: float = 10.0, memory_mb: int = 512,
-               max_output: int = 4096) -> PythonResult:
+def run_python(
+    code: str, *, cpu_s: int = 5, wall_s: float = 10.0, memory_mb: int = 512, max_output: int = 4096
+) -> PythonResult:
     """Run `code` sandboxed; never raises for anything the code does."""
     with tempfile.TemporaryDirectory(prefix="distflow-py-") as workdir:
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
@@ -81,9 +82,15 @@ def run_python(code: str, *, cpu_s: int = 5, wall_s: float = 10.0, memory_mb: in
             prelude = prelude.replace("{file_bytes}", str(max(max_output, 1 << 20)))
             # The limits are set by the child itself (first lines of the prelude), not in a
             # preexec_fn, which is unsafe when other threads run (the env calls' do).
-            proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", prelude], cwd=workdir, env=env,
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # its own process group, killed whole on timeout
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", prelude],
+                cwd=workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # its own process group, killed whole on timeout
             timed_out = False
             try:
                 proc.wait(timeout=wall_s)
