@@ -11,7 +11,8 @@ Timing: `distflow train --nproc 2 placement.rollout.ranks=0 placement.train.rank
 warm-start (responses run to ~14 of 24 tokens, so generation takes a while), and every
 sample trained even when its group's rewards are equal (`algorithm.skip_zero_variance_groups:
 false`, as benchmarks/throughput.py does), so every step is a full update. The two sides then
-take about the same time (the table's rollout and train columns), where overlap pays most. Per run: the median of `time/step_s` (wall time of
+take about the same time (the table's rollout and train columns), where overlap pays most.
+Per run: the median of `time/step_s` (wall time of
 one step, max over ranks) over the steps after the first two, and the medians of the
 rollout and train-side stage times. `k1/k0` is the ratio of the medians over repeats.
 
@@ -36,19 +37,41 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples/arith_grpo.yaml"
 DISAGGREGATED = ["--nproc", "2", "placement.rollout.ranks=0", "placement.train.ranks=1"]
 QUIET = ["trainer.progress_bar=false", "trainer.loggers=[jsonl]", "checkpoint.every=0", "checkpoint.at_end=false"]
-TIMING = ["warmstart.target_accuracy=0", "algorithm.skip_zero_variance_groups=false", "trainer.prompts_per_step=8",
-          "rollout.num_samples=4", "rollout.max_new_tokens=24", "trainer.eval_every=0", "trainer.eval_samples=1",
-          "task.num_heldout=20"]
+TIMING = [
+    "warmstart.target_accuracy=0",
+    "algorithm.skip_zero_variance_groups=false",
+    "trainer.prompts_per_step=8",
+    "rollout.num_samples=4",
+    "rollout.max_new_tokens=24",
+    "trainer.eval_every=0",
+    "trainer.eval_samples=1",
+    "task.num_heldout=20",
+]
 TRAIN_STAGES = ("time/reward_s", "time/reference_logprob_s", "time/advantage_s", "time/policy_update_s")
-LEARNING = {"k0": (0, "none"), "k1_tis": (1, "tis"), "k2_tis": (2, "tis"), "k1_none": (1, "none"),
-            "k2_none": (2, "none")}
+LEARNING = {
+    "k0": (0, "none"),
+    "k1_tis": (1, "tis"),
+    "k2_tis": (2, "tis"),
+    "k1_none": (1, "none"),
+    "k2_none": (2, "none"),
+}
 
 
 def train(out: Path, overrides: list[str]) -> dict:
     """Run `distflow train`; returns its summary line and its per-step metrics."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "distflow", "train", str(CONFIG), f"trainer.output_dir={out}", "trainer.run_name=run",
-           *QUIET, *DISAGGREGATED, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "distflow",
+        "train",
+        str(CONFIG),
+        f"trainer.output_dir={out}",
+        "trainer.run_name=run",
+        *QUIET,
+        *DISAGGREGATED,
+        *overrides,
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=out)
     if result.returncode != 0:
         sys.exit(f"[bench] {' '.join(cmd)} exited {result.returncode}:\n{result.stderr[-3000:]}")
@@ -67,9 +90,14 @@ def time_one(work: Path, k: int, steps: int, extra: list[str]) -> dict:
     def median(key: str) -> float:
         return statistics.median(step.get(key, 0.0) for step in timed)
 
-    return {"step_s": median("time/step_s"), "rollout_s": median("time/rollout_s"),
-            "train_side_s": sum(median(key) for key in TRAIN_STAGES), "timed_steps": len(timed),
-            "sync_bytes_per_rank": timed[-1]["sync/bytes_per_rank"], "samples_bytes_sent": timed[-1]["data/bytes_sent"]}
+    return {
+        "step_s": median("time/step_s"),
+        "rollout_s": median("time/rollout_s"),
+        "train_side_s": sum(median(key) for key in TRAIN_STAGES),
+        "timed_steps": len(timed),
+        "sync_bytes_per_rank": timed[-1]["sync/bytes_per_rank"],
+        "samples_bytes_sent": timed[-1]["data/bytes_sent"],
+    }
 
 
 def measure_timing(work: Path, quick: bool, repeats: int) -> dict:
@@ -80,12 +108,18 @@ def measure_timing(work: Path, quick: bool, repeats: int) -> dict:
         for name in runs:  # side by side: k = 0, 1, 2, then again
             runs[name].append(time_one(work / f"timing-{name}-{repeat}", int(name[1]), steps, extra))
             loads.append(load_average())
-    out = {name: {"step_s_runs": [round(r["step_s"], 4) for r in rs],
-                  "step_s": round(statistics.median(r["step_s"] for r in rs), 4),
-                  "rollout_s": round(statistics.median(r["rollout_s"] for r in rs), 4),
-                  "train_side_s": round(statistics.median(r["train_side_s"] for r in rs), 4),
-                  "timed_steps": rs[0]["timed_steps"], "sync_bytes_per_rank": rs[0]["sync_bytes_per_rank"],
-                  "samples_bytes_sent": rs[0]["samples_bytes_sent"]} for name, rs in runs.items()}
+    out = {
+        name: {
+            "step_s_runs": [round(r["step_s"], 4) for r in rs],
+            "step_s": round(statistics.median(r["step_s"] for r in rs), 4),
+            "rollout_s": round(statistics.median(r["rollout_s"] for r in rs), 4),
+            "train_side_s": round(statistics.median(r["train_side_s"] for r in rs), 4),
+            "timed_steps": rs[0]["timed_steps"],
+            "sync_bytes_per_rank": rs[0]["sync_bytes_per_rank"],
+            "samples_bytes_sent": rs[0]["samples_bytes_sent"],
+        }
+        for name, rs in runs.items()
+    }
     out["k1/k0"] = round(out["k1"]["step_s"] / out["k0"]["step_s"], 3)
     out["k2/k0"] = round(out["k2"]["step_s"] / out["k0"]["step_s"], 3)
     out["load_average_1min"] = [round(x, 2) for x in loads]
@@ -95,10 +129,20 @@ def measure_timing(work: Path, quick: bool, repeats: int) -> dict:
 def measure_learning(work: Path) -> dict:
     out = {}
     for name, (k, correction) in LEARNING.items():
-        run = train(work / f"learn-{name}", [f"trainer.max_staleness={k}", f"algorithm.off_policy_correction={correction}"])
+        run = train(
+            work / f"learn-{name}", [f"trainer.max_staleness={k}", f"algorithm.off_policy_correction={correction}"]
+        )
         summary, last = run["summary"], run["steps"][-1]
-        out[name] = {key: summary[key] for key in ("warmstart_accuracy", "final_accuracy", "accuracy_gain",
-                                                   "final_greedy_accuracy", "wall_seconds")}
+        out[name] = {
+            key: summary[key]
+            for key in (
+                "warmstart_accuracy",
+                "final_accuracy",
+                "accuracy_gain",
+                "final_greedy_accuracy",
+                "wall_seconds",
+            )
+        }
         out[name]["truncated_fraction_last"] = last.get("off_policy/truncated_fraction")
         out[name]["load_average_1min"] = round(load_average(), 2)
     return out
@@ -110,13 +154,17 @@ def report(result: dict) -> None:
         print(f"{'':6}{'s/step':>9}{'rollout s':>11}{'train s':>9}{'vs k=0':>8}   runs (s/step)")
         for name in ("k0", "k1", "k2"):
             row = timing[name]
-            print(f"{name:6}{row['step_s']:>9.3f}{row['rollout_s']:>11.3f}{row['train_side_s']:>9.3f}"
-                  f"{row['step_s'] / timing['k0']['step_s']:>8.3f}   {row['step_s_runs']}")
+            print(
+                f"{name:6}{row['step_s']:>9.3f}{row['rollout_s']:>11.3f}{row['train_side_s']:>9.3f}"
+                f"{row['step_s'] / timing['k0']['step_s']:>8.3f}   {row['step_s_runs']}"
+            )
         print(f"load average (1 min) before/after each run: {timing['load_average_1min']}")
     for name, learned in result.get("learning", {}).items():
-        print(f"learning {name:8}: held-out accuracy {learned['warmstart_accuracy']:.4f} -> "
-              f"{learned['final_accuracy']:.4f} (gain {learned['accuracy_gain']:+.4f}, greedy "
-              f"{learned['final_greedy_accuracy']:.3f}) in {learned['wall_seconds']:.0f} s")
+        print(
+            f"learning {name:8}: held-out accuracy {learned['warmstart_accuracy']:.4f} -> "
+            f"{learned['final_accuracy']:.4f} (gain {learned['accuracy_gain']:+.4f}, greedy "
+            f"{learned['final_greedy_accuracy']:.3f}) in {learned['wall_seconds']:.0f} s"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -47,11 +47,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distflow.comm import Comm
 from distflow.data.balance import balanced_assignment, bin_loads, imbalance
 from distflow.data.batch import Batch
 from distflow.data.redistribute import redistribute
 from distflow.layout import Layout
-from distflow.comm import Comm
 from distflow.runtime.launcher import run_local
 
 GROUP_SIZE = 8  # samples per prompt
@@ -154,8 +154,10 @@ def move_central(batch: Batch, src: Layout, dst: Layout, comm: Comm) -> Moved:
             work.wait()
         parts = [_loads(payload)] if payload else []
         parts += [_loads(bufs[r].numpy().tobytes()) for r in sorted(bufs)]
-        merged = Batch({k: torch.cat([p.tensors[k] for p in parts]) for k in parts[0].tensors},
-                       {k: sum((p.meta[k] for p in parts), []) for k in parts[0].meta})
+        merged = Batch(
+            {k: torch.cat([p.tensors[k] for p in parts]) for k in parts[0].tensors},
+            {k: sum((p.meta[k] for p in parts), []) for k in parts[0].meta},
+        )
         tokens = merged["attention_mask"].sum(-1).tolist()
         bin_of = balanced_assignment(tokens, dst.dp_size, units=merged["group"].tolist())
         naive = [i * dst.dp_size // len(tokens) for i in range(len(tokens))]
@@ -189,8 +191,13 @@ def move_central(batch: Batch, src: Layout, dst: Layout, comm: Comm) -> Moved:
     return Moved(handled, wire, seconds, before, after)
 
 
-MOVES = {"p2p": move_p2p, "p2p-disjoint": move_p2p, "local": move_local, "central": move_central,
-         "central-disjoint": move_central}
+MOVES = {
+    "p2p": move_p2p,
+    "p2p-disjoint": move_p2p,
+    "local": move_local,
+    "central": move_central,
+    "central-disjoint": move_central,
+}
 
 
 def measure(mode: str, comm: Comm, args: argparse.Namespace) -> dict[str, float]:
@@ -208,10 +215,16 @@ def measure(mode: str, comm: Comm, args: argparse.Namespace) -> dict[str, float]
         busiest = torch.tensor([moved.handled, moved.wire, moved.seconds], dtype=torch.float64)
         comm.all_reduce_max(busiest)
         if step >= WARMUP_STEPS:
-            steps.append({"handled_MB": busiest[0].item() / 1e6, "wire_MB": busiest[1].item() / 1e6,
-                          "seconds": busiest[2].item(), "imbalance_before": moved.imbalance_before,
-                          "imbalance_after": moved.imbalance_after,
-                          "batch_MB": sum(map(len, lengths)) * (pad_len * 36 + 8) / 1e6})  # 3×int64 + 3×fp32 per token, group
+            steps.append(
+                {
+                    "handled_MB": busiest[0].item() / 1e6,
+                    "wire_MB": busiest[1].item() / 1e6,
+                    "seconds": busiest[2].item(),
+                    "imbalance_before": moved.imbalance_before,
+                    "imbalance_after": moved.imbalance_after,
+                    "batch_MB": sum(map(len, lengths)) * (pad_len * 36 + 8) / 1e6,
+                }
+            )  # 3×int64 + 3×fp32 per token, group
     return {key: round(statistics.fmean(s[key] for s in steps), 4) for key in steps[0]}
 
 
@@ -229,8 +242,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help=f"measured steps per mode (after {WARMUP_STEPS} warm-up)")
     parser.add_argument("--samples-per-rank", type=int, default=64, help="samples each destination rank receives")
     parser.add_argument("--max-len", type=int, default=2048)
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke test: W = 2 4, 1 measured step, 16 samples per rank, lengths <= 256")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: W = 2 4, 1 measured step, 16 samples per rank, lengths <= 256"
+    )
     args = parser.parse_args()
     if args.quick:
         args.world_sizes, args.steps, args.samples_per_rank, args.max_len = [2, 4], 1, 16, 256
@@ -243,20 +257,29 @@ def main() -> None:
     for world in args.world_sizes:
         for mode, row in run_world(world, args).items():
             results[mode][str(world)] = row
-    print("handled = busiest rank's bytes into + out of the exchange (own chunk counted both ways); "
-          "wire = busiest rank's bytes to + from other ranks; seconds = slowest rank; batch = the step's tensor bytes; MB = 1e6 B")
-    print(f"{'mode':<16} {'W':>2} {'batch MB':>9} {'handled MB':>11} {'wire MB':>9} {'seconds':>8}  imbalance before → after")
+    print(
+        "handled = busiest rank's bytes into + out of the exchange (own chunk counted both ways); "
+        "wire = busiest rank's bytes to + from other ranks; seconds = slowest rank; "
+        "batch = the step's tensor bytes; MB = 1e6 B"
+    )
+    print(
+        f"{'mode':<16} {'W':>2} {'batch MB':>9} {'handled MB':>11} {'wire MB':>9} {'seconds':>8}"
+        "  imbalance before → after"
+    )
     for mode in MODES:
         for world, r in results[mode].items():
-            print(f"{mode:<16} {world:>2} {r['batch_MB']:>9.1f} {r['handled_MB']:>11.1f} {r['wire_MB']:>9.1f} "
-                  f"{r['seconds']:>8.3f}  {r['imbalance_before']:.3f} → {r['imbalance_after']:.3f}")
+            print(
+                f"{mode:<16} {world:>2} {r['batch_MB']:>9.1f} {r['handled_MB']:>11.1f} {r['wire_MB']:>9.1f} "
+                f"{r['seconds']:>8.3f}  {r['imbalance_before']:.3f} → {r['imbalance_after']:.3f}"
+            )
     low, high = str(min(args.world_sizes)), str(max(args.world_sizes))
     ratios = {}
     for mode in ("p2p", "p2p-disjoint", "central", "central-disjoint"):
         for key in ("handled_MB", "wire_MB"):
             base = results[mode][low][key]
             ratios[f"{mode}/{key.removesuffix('_MB')}/W{high}_over_W{low}"] = (
-                round(results[mode][high][key] / base, 3) if base else None)
+                round(results[mode][high][key] / base, 3) if base else None
+            )
     print(json.dumps({"data_plane": results, "ratios": ratios}))
 
 

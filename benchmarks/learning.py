@@ -64,31 +64,71 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def settings(args: argparse.Namespace, model_dir: Path) -> dict:
     """The run's shared settings: from the recipe (real) or the quick harness's."""
     if args.quick:
-        return {"task": "arith", "model": str(model_dir), "prompts": 4, "generations": 4, "max_new_tokens": 4,
-                "temperature": 1.0, "lr": 1e-4, "warmup_steps": 0}
+        return {
+            "task": "arith",
+            "model": str(model_dir),
+            "prompts": 4,
+            "generations": 4,
+            "max_new_tokens": 4,
+            "temperature": 1.0,
+            "lr": 1e-4,
+            "warmup_steps": 0,
+        }
     recipe = yaml.safe_load(RECIPE.read_text())
-    return {"task": "gym", "model": str(model_dir), "prompts": recipe["trainer"]["prompts_per_step"],
-            "generations": recipe["rollout"]["num_samples"], "max_new_tokens": recipe["rollout"]["max_new_tokens"],
-            "temperature": recipe["rollout"]["temperature"], "lr": recipe["optim"]["lr"],
-            "warmup_steps": recipe["optim"]["warmup_steps"]}
+    return {
+        "task": "gym",
+        "model": str(model_dir),
+        "prompts": recipe["trainer"]["prompts_per_step"],
+        "generations": recipe["rollout"]["num_samples"],
+        "max_new_tokens": recipe["rollout"]["max_new_tokens"],
+        "temperature": recipe["rollout"]["temperature"],
+        "lr": recipe["optim"]["lr"],
+        "warmup_steps": recipe["optim"]["warmup_steps"],
+    }
 
 
 def distflow_overrides(args: argparse.Namespace, shared: dict) -> list[str]:
-    return [f"model.path={shared['model']}", f"trainer.prompts_per_step={shared['prompts']}",
-            f"rollout.num_samples={shared['generations']}", f"rollout.max_new_tokens={shared['max_new_tokens']}",
-            f"rollout.temperature={shared['temperature']}", f"optim.lr={shared['lr']}",
-            f"optim.warmup_steps={shared['warmup_steps']}", "algorithm.kl.coef=0", "trainer.total_steps=100000",
-            f"trainer.time_budget_s={args.budget_min * 60}", "trainer.eval_every=0",
-            f"trainer.eval_every_s={args.eval_every_min * 60}", "trainer.eval_samples=1",
-            f"task.num_heldout={args.num_heldout}", "trainer.loggers=[jsonl]", "trainer.progress_bar=false",
-            "checkpoint.every=0", "checkpoint.at_end=false", "trainer.seed=0"]
+    return [
+        f"model.path={shared['model']}",
+        f"trainer.prompts_per_step={shared['prompts']}",
+        f"rollout.num_samples={shared['generations']}",
+        f"rollout.max_new_tokens={shared['max_new_tokens']}",
+        f"rollout.temperature={shared['temperature']}",
+        f"optim.lr={shared['lr']}",
+        f"optim.warmup_steps={shared['warmup_steps']}",
+        "algorithm.kl.coef=0",
+        "trainer.total_steps=100000",
+        f"trainer.time_budget_s={args.budget_min * 60}",
+        "trainer.eval_every=0",
+        f"trainer.eval_every_s={args.eval_every_min * 60}",
+        "trainer.eval_samples=1",
+        f"task.num_heldout={args.num_heldout}",
+        "trainer.loggers=[jsonl]",
+        "trainer.progress_bar=false",
+        "checkpoint.every=0",
+        "checkpoint.at_end=false",
+        "trainer.seed=0",
+    ]
 
 
 def run_distflow(args: argparse.Namespace, shared: dict, nproc: int, work: Path) -> dict:
     config = RECIPE if not args.quick else ROOT / "examples" / "arith_grpo.yaml"
     name = f"distflow_{nproc}proc"
-    run_checked([sys.executable, "-m", "distflow", "train", config, *distflow_overrides(args, shared),
-                 f"trainer.output_dir={work}", f"trainer.run_name={name}", "--nproc", nproc], what=name)
+    run_checked(
+        [
+            sys.executable,
+            "-m",
+            "distflow",
+            "train",
+            config,
+            *distflow_overrides(args, shared),
+            f"trainer.output_dir={work}",
+            f"trainer.run_name={name}",
+            "--nproc",
+            nproc,
+        ],
+        what=name,
+    )
     rows = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 1]
     evals = [(r.get("time/train_total_s", 0.0), r["eval/greedy_accuracy"]) for r in rows if "eval/greedy_accuracy" in r]
@@ -103,11 +143,13 @@ def training_rows(args: argparse.Namespace, shared: dict, num_steps: int) -> tup
     from distflow.data.loader import PromptLoader
     from distflow.tasks.build import build_task
 
-    config = load_config(RECIPE if not args.quick else ROOT / "examples" / "arith_grpo.yaml",
-                         distflow_overrides(args, shared))
+    config = load_config(
+        RECIPE if not args.quick else ROOT / "examples" / "arith_grpo.yaml", distflow_overrides(args, shared)
+    )
     task = build_task(config, AutoTokenizer.from_pretrained(shared["model"]))
-    loader = PromptLoader(task.train.__getitem__, len(task.train), prompts_per_step=shared["prompts"], seed=0,
-                          rank=0, world_size=1)
+    loader = PromptLoader(
+        task.train.__getitem__, len(task.train), prompts_per_step=shared["prompts"], seed=0, rank=0, world_size=1
+    )
     train = [row for _ in range(num_steps) for row in loader.next_batch()["sample"]]
     return train, [task.heldout[i] for i in range(len(task.heldout))]
 
@@ -118,34 +160,77 @@ def run_trl(args: argparse.Namespace, shared: dict, python: Path, work: Path) ->
     for name, rows in (("train", train), ("heldout", heldout)):
         (work / f"{name}.jsonl").write_text("".join(json.dumps(row, default=list) + "\n" for row in rows))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
-    cmd = [python, ROOT / "benchmarks" / "trl_worker.py", "--model-dir", shared["model"], "--data",
-           work / "train.jsonl", "--output-dir", work / "trl", "--prompts", shared["prompts"], "--generations",
-           shared["generations"], "--max-new-tokens", shared["max_new_tokens"], "--steps", len(train) // shared["prompts"],
-           "--lr", shared["lr"], "--temperature", shared["temperature"], "--warmup-steps", shared["warmup_steps"],
-           "--task", shared["task"], "--budget-s", args.budget_min * 60, "--heldout", work / "heldout.jsonl",
-           "--eval-every-s", args.eval_every_min * 60]
+    cmd = [
+        python,
+        ROOT / "benchmarks" / "trl_worker.py",
+        "--model-dir",
+        shared["model"],
+        "--data",
+        work / "train.jsonl",
+        "--output-dir",
+        work / "trl",
+        "--prompts",
+        shared["prompts"],
+        "--generations",
+        shared["generations"],
+        "--max-new-tokens",
+        shared["max_new_tokens"],
+        "--steps",
+        len(train) // shared["prompts"],
+        "--lr",
+        shared["lr"],
+        "--temperature",
+        shared["temperature"],
+        "--warmup-steps",
+        shared["warmup_steps"],
+        "--task",
+        shared["task"],
+        "--budget-s",
+        args.budget_min * 60,
+        "--heldout",
+        work / "heldout.jsonl",
+        "--eval-every-s",
+        args.eval_every_min * 60,
+    ]
     result = json.loads(run_checked(cmd, env=env, what="TRL worker").strip().splitlines()[-1])
-    return {**rates(result["step_s"], result["tokens"], [tuple(e) for e in result["evals"]], shared),
-            "version": result["trl_version"]}
+    return {
+        **rates(result["step_s"], result["tokens"], [tuple(e) for e in result["evals"]], shared),
+        "version": result["trl_version"],
+    }
 
 
 def rates(step_s: list[float], tokens: list[float], evals: list[tuple[float, float]], shared: dict) -> dict:
     train_s = sum(step_s)
     if train_s < shared["budget_s"]:
         log(f"warning: a system stopped after {train_s:.0f} s of steps, before the {shared['budget_s']:.0f} s budget")
-    return {"steps": len(step_s), "train_s": round(train_s, 1),
-            "completions_per_s": round(len(step_s) * shared["prompts"] * shared["generations"] / train_s, 3),
-            "tokens_per_s": round(sum(tokens) / train_s, 1),
-            "evals": [(round(t, 1), round(a, 4)) for t, a in evals],
-            "accuracy_at_start": evals[0][1], "accuracy_at_budget": evals[-1][1]}
+    return {
+        "steps": len(step_s),
+        "train_s": round(train_s, 1),
+        "completions_per_s": round(len(step_s) * shared["prompts"] * shared["generations"] / train_s, 3),
+        "tokens_per_s": round(sum(tokens) / train_s, 1),
+        "evals": [(round(t, 1), round(a, 4)) for t, a in evals],
+        "accuracy_at_start": evals[0][1],
+        "accuracy_at_budget": evals[-1][1],
+    }
 
 
 def ensure_gym(python: Path) -> None:
     """reasoning-gym in .venv-bench too (its worker scores with the task's own scorer)."""
     if subprocess.run([python, "-c", "import reasoning_gym"], capture_output=True).returncode != 0:
         log("installing reasoning-gym into .venv-bench (once)")
-        run_checked([python, "-m", "pip", "install", "--quiet", "-c", python.parent.parent / "constraints.txt",
-                     GYM_REQUIREMENT], what="installing reasoning-gym")
+        run_checked(
+            [
+                python,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "-c",
+                python.parent.parent / "constraints.txt",
+                GYM_REQUIREMENT,
+            ],
+            what="installing reasoning-gym",
+        )
 
 
 def plot(results: dict, path: Path, title: str) -> None:
@@ -192,16 +277,35 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'system':<16}{'steps':>7}{'train s':>9}{'completions/s':>15}{'tokens/s':>10}  greedy accuracy at minute")
     for system, r in results.items():
         points = "  ".join(f"{t / 60:.1f}:{a:.3f}" for t, a in r["evals"])
-        print(f"{system:<16}{r['steps']:>7}{r['train_s']:>9.1f}{r['completions_per_s']:>15.2f}{r['tokens_per_s']:>10.1f}"
-              f"  {points}")
+        print(
+            f"{system:<16}{r['steps']:>7}{r['train_s']:>9.1f}{r['completions_per_s']:>15.2f}{r['tokens_per_s']:>10.1f}"
+            f"  {points}"
+        )
     print("settings (both systems):", json.dumps(shared))
-    ratios = {f"{s}/trl_completions": round(r["completions_per_s"] / results["trl"]["completions_per_s"], 2)
-              for s, r in results.items() if s != "trl" and "trl" in results}
+    ratios = {
+        f"{s}/trl_completions": round(r["completions_per_s"] / results["trl"]["completions_per_s"], 2)
+        for s, r in results.items()
+        if s != "trl" and "trl" in results
+    }
     plot(results, args.plot, f"{'tiny random model, addition' if args.quick else 'SmolLM2-135M-Instruct, chain_sum'}")
-    print(json.dumps({"settings": {**shared, "budget_min": args.budget_min, "eval_every_min": args.eval_every_min,
-                                   "num_heldout": args.num_heldout, "load_avg_1min_at_start": load,
-                                   "cpu_count": os.cpu_count(), "wall_s": round(time.time() - started, 1)},
-                      **results, **ratios, "plot": str(args.plot)}))
+    print(
+        json.dumps(
+            {
+                "settings": {
+                    **shared,
+                    "budget_min": args.budget_min,
+                    "eval_every_min": args.eval_every_min,
+                    "num_heldout": args.num_heldout,
+                    "load_avg_1min_at_start": load,
+                    "cpu_count": os.cpu_count(),
+                    "wall_s": round(time.time() - started, 1),
+                },
+                **results,
+                **ratios,
+                "plot": str(args.plot),
+            }
+        )
+    )
     return 0
 
 

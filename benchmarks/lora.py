@@ -32,8 +32,17 @@ QUIET = ["trainer.progress_bar=false", "trainer.loggers=[jsonl]"]
 
 def train(config: Path, out: Path, overrides: list[str]) -> dict:
     """Run `distflow train`; returns its summary line and its per-step metrics."""
-    cmd = [sys.executable, "-m", "distflow", "train", str(config), f"trainer.output_dir={out}",
-           "trainer.run_name=run", *QUIET, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "distflow",
+        "train",
+        str(config),
+        f"trainer.output_dir={out}",
+        "trainer.run_name=run",
+        *QUIET,
+        *overrides,
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=out.parent)
     if result.returncode != 0:
         sys.exit(f"[bench] {' '.join(cmd)} exited {result.returncode}:\n{result.stderr[-3000:]}")
@@ -47,19 +56,31 @@ def directory_bytes(path: Path) -> int:
 
 def measure_bytes(work: Path, quick: bool) -> dict:
     steps = 2 if quick else 3
-    extra = ["trainer.eval_every=0", "trainer.eval_samples=1", "task.num_heldout=20", f"trainer.total_steps={steps}",
-             "checkpoint.every=0", "checkpoint.at_end=true"]
+    extra = [
+        "trainer.eval_every=0",
+        "trainer.eval_samples=1",
+        "task.num_heldout=20",
+        f"trainer.total_steps={steps}",
+        "checkpoint.every=0",
+        "checkpoint.at_end=true",
+    ]
     if quick:
         # Untrained, the model earns no reward: a small KL term makes every step an optimizer step.
-        extra += ["trainer.prompts_per_step=4", "rollout.num_samples=4", "warmstart.target_accuracy=0",
-                  "algorithm.kl.coef=0.001"]
+        extra += [
+            "trainer.prompts_per_step=4",
+            "rollout.num_samples=4",
+            "warmstart.target_accuracy=0",
+            "algorithm.kl.coef=0.001",
+        ]
     out = {}
     for name, config in CONFIGS.items():
         run = train(config, work / f"bytes-{name}", [*extra, *DISAGGREGATED])
         last = run["steps"][-1]
-        out[name] = {"optimizer_state_bytes": int(last["train/optimizer_state_bytes"]),
-                     "sync_bytes_per_update": int(last["sync/bytes_per_rank"]),
-                     "checkpoint_bytes": directory_bytes(Path(run["summary"]["last_checkpoint"]))}
+        out[name] = {
+            "optimizer_state_bytes": int(last["train/optimizer_state_bytes"]),
+            "sync_bytes_per_update": int(last["sync/bytes_per_rank"]),
+            "checkpoint_bytes": directory_bytes(Path(run["summary"]["last_checkpoint"])),
+        }
     return out
 
 
@@ -67,8 +88,16 @@ def measure_learning(work: Path) -> dict:
     out = {}
     for name, config in CONFIGS.items():
         summary = train(config, work / f"learn-{name}", ["checkpoint.every=0", "checkpoint.at_end=false"])["summary"]
-        out[name] = {key: summary[key] for key in ("warmstart_accuracy", "final_accuracy", "accuracy_gain",
-                                                   "final_greedy_accuracy", "wall_seconds")}
+        out[name] = {
+            key: summary[key]
+            for key in (
+                "warmstart_accuracy",
+                "final_accuracy",
+                "accuracy_gain",
+                "final_greedy_accuracy",
+                "wall_seconds",
+            )
+        }
     return out
 
 
@@ -87,9 +116,12 @@ def main(argv: list[str] | None = None) -> None:
         result["bytes"][f"{key}_ratio"] = round(lora[key] / full[key], 4)
         print(f"{key:28}{full[key]:>14,}{lora[key]:>14,}{lora[key] / full[key]:>11.3f}")
     for name, learned in result.get("learning", {}).items():
-        print(f"learning {name}: held-out accuracy {learned['warmstart_accuracy']:.4f} -> {learned['final_accuracy']:.4f} "
-              f"(gain {learned['accuracy_gain']:+.4f}, greedy {learned['final_greedy_accuracy']:.3f}) "
-              f"in {learned['wall_seconds']:.0f} s")
+        print(
+            f"learning {name}: held-out accuracy {learned['warmstart_accuracy']:.4f} "
+            f"-> {learned['final_accuracy']:.4f} "
+            f"(gain {learned['accuracy_gain']:+.4f}, greedy {learned['final_greedy_accuracy']:.3f}) "
+            f"in {learned['wall_seconds']:.0f} s"
+        )
     print(json.dumps(result))
 
 

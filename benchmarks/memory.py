@@ -41,20 +41,32 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from distflow.checkpoint import export_hf, load_model_weights, save_checkpoint
-from distflow.engines.hf_weights import allocate_and_load
-from distflow.checkpoint.store import checkpoint_dtype
+from distflow.checkpoint.contents import checkpoint_dtype
 from distflow.comm import Comm
-from distflow.runtime.launcher import run_local
 from distflow.config.schema import TrainerConfig
+from distflow.engines.hf_weights import allocate_and_load
 from distflow.engines.models import build_on_meta, rl_model_config
 from distflow.engines.parallelize import parallelize
 from distflow.engines.trainable import local_bytes, optimizer_state_bytes
+from distflow.runtime.launcher import run_local
 
 MiB = 2**20
-FULL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-            num_attention_heads=8, num_key_value_heads=8)
-QUICK = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=4)
+FULL = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+)
+QUICK = dict(
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+)
 
 
 def rss_mib(field: str) -> float:
@@ -81,8 +93,7 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
 def load(strategy: str, model_dir: Path, comm: Comm) -> torch.nn.Module:
     trainer = TrainerConfig(strategy=strategy)
     if strategy == "ddp":
-        model = AutoModelForCausalLM.from_pretrained(model_dir, config=rl_model_config(model_dir),
-                                                     dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, config=rl_model_config(model_dir), dtype=torch.float32)
         return parallelize(model, comm, trainer)
     model = build_on_meta(model_dir)
     wrapped = parallelize(model, comm, trainer)
@@ -111,8 +122,13 @@ def worker(comm: Comm, strategy: str, model_dir: str, shape: tuple[int, int, int
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         times.append(time.perf_counter() - start)
-    result = {"load_peak_mib": load_peak, "load_growth_mib": load_peak - before, "step_peak_mib": rss_mib("VmHWM"),
-              "step_s": sum(times[1:]) / max(1, len(times) - 1), **state_bytes(model, optimizer)}
+    result = {
+        "load_peak_mib": load_peak,
+        "load_growth_mib": load_peak - before,
+        "step_peak_mib": rss_mib("VmHWM"),
+        "step_s": sum(times[1:]) / max(1, len(times) - 1),
+        **state_bytes(model, optimizer),
+    }
     return result
 
 
@@ -130,8 +146,9 @@ def save_worker(comm: Comm, model_dir: str, root: str) -> None:
     wrapped(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    save_checkpoint(Path(root), 1, model=wrapped, optimizer=optimizer, scheduler=scheduler, extra={}, comm=comm,
-                    keep_last=1)
+    save_checkpoint(
+        Path(root), 1, model=wrapped, optimizer=optimizer, scheduler=scheduler, extra={}, comm=comm, keep_last=1
+    )
 
 
 def export_worker(comm: Comm, checkpoint: str, out: str, max_shard_bytes: int | None) -> dict:
@@ -145,25 +162,30 @@ def export_worker(comm: Comm, checkpoint: str, out: str, max_shard_bytes: int | 
         model.save_pretrained(out, safe_serialization=True)
     else:
         export_hf(Path(checkpoint), Path(out), max_shard_bytes=max_shard_bytes)
-    return {"export_growth_mib": rss_mib("VmHWM") - before,
-            "files": len(list(Path(out).glob("*.safetensors")))}
+    return {"export_growth_mib": rss_mib("VmHWM") - before, "files": len(list(Path(out).glob("*.safetensors")))}
 
 
 def measure_export(model_dir: Path, work: Path, shard_mib: float) -> dict:
     run_local(save_worker, 2, str(model_dir), str(work / "ckpt"), start_method="spawn")
     checkpoint = str(work / "ckpt" / "step-000001")
-    variants = {"streamed, one file": 5 * 10**9, f"streamed, {shard_mib:g} MiB files": int(shard_mib * MiB),
-                "full model + save_pretrained": None}
-    return {name: run_local(export_worker, 1, checkpoint, str(work / f"out{i}"), cap, start_method="spawn")[0]
-            for i, (name, cap) in enumerate(variants.items())}
+    variants = {
+        "streamed, one file": 5 * 10**9,
+        f"streamed, {shard_mib:g} MiB files": int(shard_mib * MiB),
+        "full model + save_pretrained": None,
+    }
+    return {
+        name: run_local(export_worker, 1, checkpoint, str(work / f"out{i}"), cap, start_method="spawn")[0]
+        for i, (name, cap) in enumerate(variants.items())
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--worlds", default=None, help="comma-separated rank counts (default 1,2,4; quick 2)")
-    parser.add_argument("--export-shard-mib", type=float, default=None, help="file cap of the capped export "
-                        "(default 32; quick 0.25)")
+    parser.add_argument(
+        "--export-shard-mib", type=float, default=None, help="file cap of the capped export (default 32; quick 0.25)"
+    )
     args = parser.parse_args()
     worlds = [int(w) for w in (args.worlds or ("2" if args.quick else "1,2,4")).split(",")]
     shape = (2, 32, 2) if args.quick else (4, 128, 3)  # batch, tokens, steps
@@ -177,22 +199,31 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as work:
             shard_mib = args.export_shard_mib or (0.25 if args.quick else 32)
             exports = measure_export(Path(model_dir), Path(work), shard_mib)
-    print(f"Llama-style model, {num_params / 1e6:.1f}M parameters (fp32); micro-batch {shape[0]} x {shape[1]} "
-          f"tokens; busiest rank")
-    print(f"{'strategy':8} {'N':>2} {'state MiB':>10} {'vs ddp/N':>9} {'load peak':>10} {'+load':>8} "
-          f"{'step peak':>10} {'s/step':>7}")
+    print(
+        f"Llama-style model, {num_params / 1e6:.1f}M parameters (fp32); micro-batch {shape[0]} x {shape[1]} "
+        f"tokens; busiest rank"
+    )
+    print(
+        f"{'strategy':8} {'N':>2} {'state MiB':>10} {'vs ddp/N':>9} {'load peak':>10} {'+load':>8} "
+        f"{'step peak':>10} {'s/step':>7}"
+    )
     summary: dict = {"num_params": num_params, "worlds": worlds, "strategies": {}}
     for strategy, by_world in results.items():
         for world, row in by_world.items():
             share = row["state"] / (results["ddp"][world]["state"] / world)
-            print(f"{strategy:8} {world:>2} {row['state'] / MiB:>10.1f} {share:>9.2f} {row['load_peak_mib']:>10.0f} "
-                  f"{row['load_growth_mib']:>8.0f} {row['step_peak_mib']:>10.0f} {row['step_s']:>7.3f}")
+            print(
+                f"{strategy:8} {world:>2} {row['state'] / MiB:>10.1f} {share:>9.2f} {row['load_peak_mib']:>10.0f} "
+                f"{row['load_growth_mib']:>8.0f} {row['step_peak_mib']:>10.0f} {row['step_s']:>7.3f}"
+            )
             summary["strategies"].setdefault(strategy, {})[str(world)] = {**row, "state_vs_ddp_share": share}
     model_mib = num_params * 4 / MiB
     print(f"\nexport of a 2-rank fsdp2 checkpoint (model {model_mib:.0f} MiB + AdamW state), in a fresh process")
     print(f"{'export':34} {'files':>5} {'+export MiB':>12} {'/ model':>8}")
     for name, row in exports.items():
-        print(f"{name:34} {row['files']:>5} {row['export_growth_mib']:>12.0f} {row['export_growth_mib'] / model_mib:>8.2f}")
+        print(
+            f"{name:34} {row['files']:>5} {row['export_growth_mib']:>12.0f} "
+            f"{row['export_growth_mib'] / model_mib:>8.2f}"
+        )
     summary["export"] = {"model_mib": model_mib, "variants": exports}
     print(json.dumps(summary))
 

@@ -43,8 +43,10 @@ def _prompts(tokenizer, count: int, quick: bool) -> list[str]:
     questions = [f"What is {7 + 13 * i % 90} + {11 + 29 * i % 80}? Answer with just the number." for i in range(count)]
     if quick:
         return [f"{7 + i}+{11 + i}=" for i in range(count)]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-            for q in questions]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in questions
+    ]
 
 
 def _time_engine(engine: str, model, tokenizer, prompts, *, samples: int, max_new_tokens: int, repeats: int) -> dict:
@@ -55,15 +57,27 @@ def _time_engine(engine: str, model, tokenizer, prompts, *, samples: int, max_ne
 
     def once():
         start = time.perf_counter()
-        out = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=1.0, sample_keys=keys,
-                       samples_per_prompt=samples, engine=engine)
+        out = generate(
+            model,
+            tokenizer,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=1.0,
+            sample_keys=keys,
+            samples_per_prompt=samples,
+            engine=engine,
+        )
         return time.perf_counter() - start, int(out.response_mask_BR.sum())
 
     start_s, _ = once()
     timed = [once() for _ in range(repeats)]
     seconds, tokens = min(timed)
-    return {"tokens_per_s": round(tokens / seconds, 1), "seconds": round(seconds, 3), "generated_tokens": tokens,
-            "start_s": round(start_s, 2)}
+    return {
+        "tokens_per_s": round(tokens / seconds, 1),
+        "seconds": round(seconds, 3),
+        "generated_tokens": tokens,
+        "start_s": round(start_s, 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -81,16 +95,28 @@ def main(argv: list[str] | None = None) -> dict:
     model, tokenizer, name = _model(args.quick)
     model.eval()
     prompts = _prompts(tokenizer, args.prompts, args.quick)
-    print(f"[bench] {name}: {args.prompts} prompts x {args.samples} samples, <= {args.max_new_tokens} tokens, "
-          f"torch threads {torch.get_num_threads()}", file=sys.stderr)
+    print(
+        f"[bench] {name}: {args.prompts} prompts x {args.samples} samples, <= {args.max_new_tokens} tokens, "
+        f"torch threads {torch.get_num_threads()}",
+        file=sys.stderr,
+    )
     results: dict = {}
     for engine in sorted(args.engines, key=lambda e: e == "vllm"):  # vLLM last (it binds the OpenMP threads)
         if engine == "vllm" and importlib.util.find_spec("vllm") is None:
-            results[engine] = {"skipped": "vLLM is not installed here: make vllm, then run this with .venv-vllm/bin/python"}
+            results[engine] = {
+                "skipped": "vLLM is not installed here: make vllm, then run this with .venv-vllm/bin/python"
+            }
             print(f"[bench] vllm: skipped ({results[engine]['skipped']})", file=sys.stderr)
             continue
-        results[engine] = _time_engine(engine, model, tokenizer, prompts, samples=args.samples,
-                                       max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+        results[engine] = _time_engine(
+            engine,
+            model,
+            tokenizer,
+            prompts,
+            samples=args.samples,
+            max_new_tokens=args.max_new_tokens,
+            repeats=args.repeats,
+        )
         print(f"[bench] {engine}: {results[engine]}", file=sys.stderr)
     print(json.dumps(results))
     return results

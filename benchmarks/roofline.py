@@ -46,6 +46,7 @@ import sys
 import time
 
 import torch
+from throughput import SETTINGS, build_model, prompt_rows
 
 from distflow.comm import Comm
 from distflow.config.schema import AlgorithmConfig, OptimConfig, TrainerConfig
@@ -53,7 +54,6 @@ from distflow.dag.update_stages import PolicyObjective
 from distflow.data.batch import Batch
 from distflow.engines.generation import generate
 from distflow.engines.policy import PolicyEngine
-from throughput import SETTINGS, build_model, prompt_rows
 
 SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 
@@ -82,18 +82,36 @@ def median_seconds(fn, repeats: int) -> float:
 def step_batch(model: torch.nn.Module, tokenizer, prompts: int, generations: int, new_tokens: int) -> Batch:
     """One step's samples, drawn by the `compact` engine from the first `prompts` arithmetic prompts."""
     texts = [row["prompt"] for row in prompt_rows(prompts, steps=1)]
-    out = generate(model, tokenizer, texts, max_new_tokens=new_tokens, temperature=1.0,
-                   sample_keys=list(range(prompts * generations)), samples_per_prompt=generations)
+    out = generate(
+        model,
+        tokenizer,
+        texts,
+        max_new_tokens=new_tokens,
+        temperature=1.0,
+        sample_keys=list(range(prompts * generations)),
+        samples_per_prompt=generations,
+    )
     g = torch.Generator().manual_seed(0)
-    return Batch({"input_ids": out.input_ids_BT, "attention_mask": out.attention_mask_BT,
-                  "response_mask": out.response_mask_BR, "advantage": torch.randn(len(out.input_ids_BT), generator=g),
-                  "sample_mask": torch.ones(len(out.input_ids_BT))})
+    return Batch(
+        {
+            "input_ids": out.input_ids_BT,
+            "attention_mask": out.attention_mask_BT,
+            "response_mask": out.response_mask_BR,
+            "advantage": torch.randn(len(out.input_ids_BT), generator=g),
+            "sample_mask": torch.ones(len(out.input_ids_BT)),
+        }
+    )
 
 
 def update_seconds(model: torch.nn.Module, batch: Batch, repeats: int) -> float:
     """Median seconds of distflow's optimizer step over the whole batch (one micro-batch, as throughput.py runs it)."""
-    engine = PolicyEngine(model, SINGLE, OptimConfig(lr=1e-6, warmup_steps=0), temperature=1.0,
-                          trainer=TrainerConfig(micro_batch_size=len(batch)))
+    engine = PolicyEngine(
+        model,
+        SINGLE,
+        OptimConfig(lr=1e-6, warmup_steps=0),
+        temperature=1.0,
+        trainer=TrainerConfig(micro_batch_size=len(batch)),
+    )
     objective = PolicyObjective(AlgorithmConfig(name="grpo"), has_old=False)
     tokens = float(batch["response_mask"].sum())
     return median_seconds(lambda: engine.update(batch, objective, tokens, len(batch)), repeats)
@@ -146,30 +164,53 @@ def measure(name: str, repeats: int) -> dict:
     decode_rows = [int((lengths_B > t + 1).sum()) for t in range(new_tokens - 1)]
     rollout_s = gemm_seconds(shapes, [prompt_rows] + [r for r in decode_rows if r], repeats, backward=False)
     gflop = 6 * weights * tokens / 1e9
-    return {"prompts": prompts, "generations": generations, "new_tokens": new_tokens, "model": kind,
-            "linear_weights": weights, "prompt_tokens": prompt_rows, "response_tokens": response_rows,
-            "tokens": tokens, "gflop": round(gflop, 3),
-            "update_s": round(update_s, 4), "update_gflops": round(gflop / update_s, 1),
-            "gemm_s": round(gemm_s, 4), "gemm_gflops": round(gflop / gemm_s, 1),
-            "update_over_gemm": round(update_s / gemm_s, 2), "rollout_gemm_s": round(rollout_s, 4),
-            "floor_s": round(gemm_s + rollout_s, 4)}
+    return {
+        "prompts": prompts,
+        "generations": generations,
+        "new_tokens": new_tokens,
+        "model": kind,
+        "linear_weights": weights,
+        "prompt_tokens": prompt_rows,
+        "response_tokens": response_rows,
+        "tokens": tokens,
+        "gflop": round(gflop, 3),
+        "update_s": round(update_s, 4),
+        "update_gflops": round(gflop / update_s, 1),
+        "gemm_s": round(gemm_s, 4),
+        "gemm_gflops": round(gflop / gemm_s, 1),
+        "update_over_gemm": round(update_s / gemm_s, 2),
+        "rollout_gemm_s": round(rollout_s, 4),
+        "floor_s": round(gemm_s + rollout_s, 4),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = {"settings": {"repeats": args.repeats, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-                        "load_avg_1min_at_start": round(os.getloadavg()[0], 2)}}
+    out = {
+        "settings": {
+            "repeats": args.repeats,
+            "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "load_avg_1min_at_start": round(os.getloadavg()[0], 2),
+        }
+    }
     size = 512 if args.quick else 2048
     out["settings"][f"square_gflops_{size}"] = round(square_gflops(size, args.repeats), 1)
-    print(f"square GEMM: {out['settings'][f'square_gflops_{size}']} GFLOP/s ({size}^3 fp32 torch.mm, "
-          f"{torch.get_num_threads()} threads)")
-    print(f"{'setting':<10}{'tokens':>8}{'GFLOP':>8}{'update s':>10}{'GFLOP/s':>9}{'GEMM s':>9}{'GFLOP/s':>9}"
-          f"{'update/GEMM':>13}{'rollout GEMM s':>16}{'floor s':>9}")
+    print(
+        f"square GEMM: {out['settings'][f'square_gflops_{size}']} GFLOP/s ({size}^3 fp32 torch.mm, "
+        f"{torch.get_num_threads()} threads)"
+    )
+    print(
+        f"{'setting':<10}{'tokens':>8}{'GFLOP':>8}{'update s':>10}{'GFLOP/s':>9}{'GEMM s':>9}{'GFLOP/s':>9}"
+        f"{'update/GEMM':>13}{'rollout GEMM s':>16}{'floor s':>9}"
+    )
     for name in args.settings:
         r = out[name] = measure(name, args.repeats)
-        print(f"{name:<10}{r['tokens']:>8}{r['gflop']:>8.2f}{r['update_s']:>10.4f}{r['update_gflops']:>9.1f}"
-              f"{r['gemm_s']:>9.4f}{r['gemm_gflops']:>9.1f}{r['update_over_gemm']:>13.2f}"
-              f"{r['rollout_gemm_s']:>16.4f}{r['floor_s']:>9.4f}")
+        print(
+            f"{name:<10}{r['tokens']:>8}{r['gflop']:>8.2f}{r['update_s']:>10.4f}{r['update_gflops']:>9.1f}"
+            f"{r['gemm_s']:>9.4f}{r['gemm_gflops']:>9.1f}{r['update_over_gemm']:>13.2f}"
+            f"{r['rollout_gemm_s']:>16.4f}{r['floor_s']:>9.4f}"
+        )
     out["settings"]["load_avg_1min_at_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(out))
     return 0

@@ -6,8 +6,8 @@
     .venv/bin/python benchmarks/throughput.py --packed             # distflow also with packed passes
     .venv/bin/python benchmarks/throughput.py --padded             # distflow also with padded passes
     .venv/bin/python benchmarks/throughput.py --roofline           # + each setting's fp32 floor (roofline.py)
-    .venv/bin/python benchmarks/throughput.py --quick              # smoke test: `default` at 4 prompts x 4, <= 4 tokens, 3 steps
-    .venv/bin/python benchmarks/throughput.py --setup-only         # only build .venv-bench (TRL); `make test` does this first
+    .venv/bin/python benchmarks/throughput.py --quick              # smoke test: `default`, 4x4, <= 4 tokens, 3 steps
+    .venv/bin/python benchmarks/throughput.py --setup-only         # build .venv-bench (TRL) only; make test does
     python benchmarks/throughput.py --gpu --skip-trl               # on CUDA, bf16: the settings below + qwen
 
 Settings (P prompts x G samples per step, new-token cap, model; all untrained, random init):
@@ -108,28 +108,49 @@ def log(text: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="GRPO throughput: distflow (each rollout engine) vs TRL.")
-    parser.add_argument("--settings", nargs="+", choices=[*SETTINGS, *GPU_SETTINGS],
-                        help="(default: all; --quick: default)")
+    parser.add_argument(
+        "--settings", nargs="+", choices=[*SETTINGS, *GPU_SETTINGS], help="(default: all; --quick: default)"
+    )
     parser.add_argument("--prompts", type=int, help="prompts per optimizer step (overrides every setting's)")
     parser.add_argument("--generations", type=int, help="completions per prompt, the group size (overrides)")
     parser.add_argument("--max-new-tokens", type=int, help="(overrides every setting's)")
     parser.add_argument("--steps", type=int, help="optimizer steps per system (default 20, --quick 3)")
     parser.add_argument("--nproc", type=int, nargs="+", default=[1], choices=[1, 2], help="distflow process counts")
-    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=[*ENGINES, "compiled"],
-                        help="(default: compact generate; `compiled` compiles in its first steps, which are not timed)")
-    parser.add_argument("--packed", action="store_true",
-                        help="also run each distflow system with trainer.padding_free=true (`..._packed_...`)")
-    parser.add_argument("--padded", action="store_true",
-                        help="also run each distflow system with trainer.shared_prefix=false (`..._padded_...`)")
-    parser.add_argument("--roofline", action="store_true",
-                        help="also time each setting's fp32 floor (benchmarks/roofline.py) and report TRL's step over it")
+    parser.add_argument(
+        "--engines",
+        nargs="+",
+        default=list(ENGINES),
+        choices=[*ENGINES, "compiled"],
+        help="(default: compact generate; `compiled` compiles in its first steps, which are not timed)",
+    )
+    parser.add_argument(
+        "--packed",
+        action="store_true",
+        help="also run each distflow system with trainer.padding_free=true (`..._packed_...`)",
+    )
+    parser.add_argument(
+        "--padded",
+        action="store_true",
+        help="also run each distflow system with trainer.shared_prefix=false (`..._padded_...`)",
+    )
+    parser.add_argument(
+        "--roofline",
+        action="store_true",
+        help="also time each setting's fp32 floor (benchmarks/roofline.py) and report TRL's step over it",
+    )
     parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke test (the test suite runs it): `default` at 3 steps of 4 prompts x 4, <= 4 tokens")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test (the test suite runs it): `default` at 3 steps of 4 prompts x 4, <= 4 tokens",
+    )
     parser.add_argument("--skip-trl", action="store_true", help="only the distflow runs")
     parser.add_argument("--gpu", action="store_true", help="every system on CUDA in bf16 (adds the qwen setting)")
-    parser.add_argument("--setup-only", action="store_true",
-                        help="build .venv-bench (TRL) and exit; `make test` runs this as set-up, before the timed suite")
+    parser.add_argument(
+        "--setup-only",
+        action="store_true",
+        help="build .venv-bench (TRL) and exit; `make test` runs this as set-up, before the timed suite",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.settings = args.settings or ["default"]
@@ -151,9 +172,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def setting(args: argparse.Namespace, name: str) -> argparse.Namespace:
     """The arguments of one setting: its sizes unless given on the command line."""
     prompts, generations, max_new_tokens, model = {**SETTINGS, **GPU_SETTINGS}[name]
-    return argparse.Namespace(**{**vars(args), "name": name, "model": model, "prompts": args.prompts or prompts,
-                                 "generations": args.generations or generations,
-                                 "max_new_tokens": args.max_new_tokens or max_new_tokens})
+    return argparse.Namespace(
+        **{
+            **vars(args),
+            "name": name,
+            "model": model,
+            "prompts": args.prompts or prompts,
+            "generations": args.generations or generations,
+            "max_new_tokens": args.max_new_tokens or max_new_tokens,
+        }
+    )
 
 
 # --- set-up -----------------------------------------------------------------------------
@@ -183,8 +211,9 @@ def ensure_bench_venv() -> Path:
     run_checked([python, "-m", "pip", "install", "--quiet", TORCH_PIN], what="installing torch")
     constraints = BENCH_VENV / "constraints.txt"
     constraints.write_text(TORCH_PIN + "\n")
-    run_checked([python, "-m", "pip", "install", "--quiet", "-c", constraints, "-r", REQUIREMENTS],
-                what="installing TRL")
+    run_checked(
+        [python, "-m", "pip", "install", "--quiet", "-c", constraints, "-r", REQUIREMENTS], what="installing TRL"
+    )
     stamp.write_text(wanted)
     return python
 
@@ -201,8 +230,9 @@ def build_model(kind: str):
     if kind == "qwen0.5b":
         return qwen_model(tokenizer), tokenizer
     if kind == "wide":
-        return build_tiny_model(tokenizer, seed=0, hidden_size=384, num_layers=8, num_heads=6,
-                                num_kv_heads=2), tokenizer
+        return build_tiny_model(
+            tokenizer, seed=0, hidden_size=384, num_layers=8, num_heads=6, num_kv_heads=2
+        ), tokenizer
     model = build_tiny_model(tokenizer, seed=0, max_positions=128)
     if kind == "long":
         with torch.no_grad():  # tied: the same rows embed the input and score the output
@@ -217,11 +247,21 @@ def qwen_model(tokenizer):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=512,
-                         rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config)
 
@@ -243,8 +283,9 @@ def prompt_rows(prompts: int, steps: int) -> list[dict]:
     from distflow.tasks.arithmetic import ArithmeticTask
 
     task = ArithmeticTask.build(num_digits=2, num_heldout=100, seed=0)
-    loader = PromptLoader(task.train.__getitem__, len(task.train), prompts_per_step=prompts, seed=0, rank=0,
-                          world_size=1)
+    loader = PromptLoader(
+        task.train.__getitem__, len(task.train), prompts_per_step=prompts, seed=0, rank=0, world_size=1
+    )
     return [row for _ in range(steps) for row in loader.next_batch()["sample"]]
 
 
@@ -257,8 +298,11 @@ def write_prompts(path: Path, args: argparse.Namespace) -> Path:
 # --- the systems ------------------------------------------------------------------------
 
 
-PASSES = {"": {"padding_free": False, "shared_prefix": True}, "packed_": {"padding_free": True, "shared_prefix": False},
-          "padded_": {"padding_free": False, "shared_prefix": False}}
+PASSES = {
+    "": {"padding_free": False, "shared_prefix": True},
+    "packed_": {"padding_free": True, "shared_prefix": False},
+    "padded_": {"padding_free": False, "shared_prefix": False},
+}
 """The log-prob and training passes' modes, by system-name infix: shared prefix (the default), packed, padded."""
 
 
@@ -267,19 +311,38 @@ def distflow_config(path: Path, model_dir: Path, args: argparse.Namespace, engin
     config = {
         "model": {"path": str(model_dir)},
         "task": {"num_heldout": 100},
-        "rollout": {"num_samples": args.generations, "temperature": 1.0, "top_p": 1.0,
-                    "max_new_tokens": args.max_new_tokens, "engine": engine},
+        "rollout": {
+            "num_samples": args.generations,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "max_new_tokens": args.max_new_tokens,
+            "engine": engine,
+        },
         # The untrained model scores 0 on (almost) every completion, so every group has equal
         # rewards; distflow would skip the update of such a step, TRL still runs it (with zero
         # advantages). Keep those samples so both systems do the same forward/backward/update.
-        "algorithm": {"name": "grpo", "kl": {"coef": 0.0}, "ppo_epochs": 1, "num_mini_batches": 1,
-                      "skip_zero_variance_groups": False},
+        "algorithm": {
+            "name": "grpo",
+            "kl": {"coef": 0.0},
+            "ppo_epochs": 1,
+            "num_mini_batches": 1,
+            "skip_zero_variance_groups": False,
+        },
         "optim": {"lr": args.lr, "betas": [0.9, 0.99], "weight_decay": 0.0, "warmup_steps": 0, "grad_clip": 1.0},
         # One micro-batch per step, like TRL's single forward/backward over the batch.
-        "trainer": {"total_steps": args.steps, "prompts_per_step": args.prompts, "micro_batch_size": batch,
-                    "seed": 0, "eval_every": 0, "eval_samples": 1, "loggers": ["jsonl"],
-                    "progress_bar": False, "device": "cuda" if args.gpu else "cpu", **PASSES[passes],
-                    **({"strategy": "fsdp2"} if args.gpu else {})},
+        "trainer": {
+            "total_steps": args.steps,
+            "prompts_per_step": args.prompts,
+            "micro_batch_size": batch,
+            "seed": 0,
+            "eval_every": 0,
+            "eval_samples": 1,
+            "loggers": ["jsonl"],
+            "progress_bar": False,
+            "device": "cuda" if args.gpu else "cpu",
+            **PASSES[passes],
+            **({"strategy": "fsdp2"} if args.gpu else {}),
+        },
     }
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -290,8 +353,17 @@ def run_distflow(name: str, nproc: int, config: Path, work: Path) -> tuple[list[
     the median seconds of each stage over those steps (the slowest rank's, as metrics.jsonl has them)."""
     # Overrides before --nproc: argparse does not collect positionals that follow an option.
     # This interpreter's distflow (the project venv that runs the benchmark).
-    cmd = [sys.executable, "-m", "distflow", "train", config,
-           f"trainer.output_dir={work}", f"trainer.run_name={name}", "--nproc", nproc]
+    cmd = [
+        sys.executable,
+        "-m",
+        "distflow",
+        "train",
+        config,
+        f"trainer.output_dir={work}",
+        f"trainer.run_name={name}",
+        "--nproc",
+        nproc,
+    ]
     run_checked(cmd, what=f"distflow --nproc {nproc}")
     rows = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
     steps = sorted((r for r in rows if r["step"] >= 1 and "time/step_s" in r), key=lambda r: r["step"])[WARMUP_STEPS:]
@@ -300,21 +372,41 @@ def run_distflow(name: str, nproc: int, config: Path, work: Path) -> tuple[list[
         raise SystemExit(f"[bench] {name}: steps {untrained} ran no policy update; the comparison would be unfair")
     from distflow.observability.curves import TOTAL_TIMES
 
-    stages = [key[len("time/"):-len("_s")] for key in steps[0] if key.startswith("time/") and key not in TOTAL_TIMES]
+    stages = [key[len("time/") : -len("_s")] for key in steps[0] if key.startswith("time/") and key not in TOTAL_TIMES]
     split = {stage: round(statistics.median(r.get(f"time/{stage}_s", 0.0) for r in steps), 4) for stage in stages}
     return [(r["time/step_s"], r["tokens/generated"], r["reward/mean"]) for r in steps], split
 
 
-def run_trl(python: Path, model_dir: Path, data: Path, work: Path,
-            args: argparse.Namespace) -> list[tuple[float, float, None]]:
+def run_trl(
+    python: Path, model_dir: Path, data: Path, work: Path, args: argparse.Namespace
+) -> list[tuple[float, float, None]]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
-    cmd = [python, ROOT / "benchmarks" / "trl_worker.py", "--model-dir", model_dir, "--data", data,
-           "--output-dir", work / "trl", "--prompts", args.prompts, "--generations", args.generations,
-           "--max-new-tokens", args.max_new_tokens, "--steps", args.steps, "--lr", args.lr,
-           *(["--gpu"] if args.gpu else [])]
+    cmd = [
+        python,
+        ROOT / "benchmarks" / "trl_worker.py",
+        "--model-dir",
+        model_dir,
+        "--data",
+        data,
+        "--output-dir",
+        work / "trl",
+        "--prompts",
+        args.prompts,
+        "--generations",
+        args.generations,
+        "--max-new-tokens",
+        args.max_new_tokens,
+        "--steps",
+        args.steps,
+        "--lr",
+        args.lr,
+        *(["--gpu"] if args.gpu else []),
+    ]
     result = json.loads(run_checked(cmd, env=env, what="TRL worker").strip().splitlines()[-1])
     args.trl_version = result["trl_version"]  # the setting's namespace; run_setting reports it
-    return [(step_s, tokens, None) for step_s, tokens in zip(result["step_s"], result["tokens"])][WARMUP_STEPS:]
+    return [(step_s, tokens, None) for step_s, tokens in zip(result["step_s"], result["tokens"], strict=True)][
+        WARMUP_STEPS:
+    ]
 
 
 # --- report -----------------------------------------------------------------------------
@@ -340,13 +432,18 @@ def significant(value: float, digits: int = 4) -> float:
 
 
 def print_table(name: str, args: argparse.Namespace, results: dict) -> None:
-    print(f"setting {name}: {args.prompts} prompts x {args.generations}, <= {args.max_new_tokens} tokens, "
-          f"model {args.model}")
-    print(f"  {'system':<32}{'step s (median)':>17}{'completions/s':>15}{'tokens/s':>11}{'tokens/step':>13}"
-          f"{'wall s':>9}")
+    print(
+        f"setting {name}: {args.prompts} prompts x {args.generations}, <= {args.max_new_tokens} tokens, "
+        f"model {args.model}"
+    )
+    print(
+        f"  {'system':<32}{'step s (median)':>17}{'completions/s':>15}{'tokens/s':>11}{'tokens/step':>13}{'wall s':>9}"
+    )
     for system, r in results.items():
-        print(f"  {system:<32}{r['step_s']:>17.4f}{r['completions_per_s']:>15.1f}{r['tokens_per_s']:>11.1f}"
-              f"{r['tokens_per_step']:>13.1f}{r['wall_s']:>9.1f}")
+        print(
+            f"  {system:<32}{r['step_s']:>17.4f}{r['completions_per_s']:>15.1f}{r['tokens_per_s']:>11.1f}"
+            f"{r['tokens_per_step']:>13.1f}{r['wall_s']:>9.1f}"
+        )
     splits = {system: r["stage_s"] for system, r in results.items() if "stage_s" in r}
     stages = list(dict.fromkeys(stage for split in splits.values() for stage in split))
     print("  where a distflow step goes (median seconds per stage, slowest rank):")
@@ -369,7 +466,8 @@ def ratios(results: dict) -> dict:
             out[f"{system}/generate_tokens"] = round(r["tokens_per_s"] / results[reference]["tokens_per_s"], 2)
             # The rollout alone: generated tokens per rollout second (the same tokens in both).
             out[f"{system}/generate_rollout_tokens"] = round(
-                results[reference]["stage_s"]["rollout"] / r["stage_s"]["rollout"], 2)
+                results[reference]["stage_s"]["rollout"] / r["stage_s"]["rollout"], 2
+            )
     return out
 
 
@@ -385,8 +483,10 @@ def run_setting(args: argparse.Namespace, bench_python: Path | None, work: Path)
     for nproc in args.nproc:
         for passes, engine in [(p, e) for p in passes_modes(args) for e in args.engines]:
             name = f"distflow_{engine}_{passes}{nproc}proc"
-            log(f"{args.name}: distflow, engine {engine}{', ' + passes[:-1] if passes else ''}, {nproc} process(es), "
-                f"{args.steps} steps")
+            log(
+                f"{args.name}: distflow, engine {engine}{', ' + passes[:-1] if passes else ''}, {nproc} process(es), "
+                f"{args.steps} steps"
+            )
             start = time.perf_counter()
             config = distflow_config(work / f"{name}.yaml", model_dir, args, engine, passes)
             steps, split = run_distflow(name, nproc, config, work)
@@ -402,29 +502,43 @@ def run_setting(args: argparse.Namespace, bench_python: Path | None, work: Path)
     trl_over_floor = ceiling(results, floor) if floor and "trl" in results else None
     print_table(args.name, args, results)
     if floor is not None:
-        print(f"  fp32 floor (roofline.py): {floor['floor_s']:.4f} s/step (update's GEMMs {floor['gemm_s']:.4f} + "
-              f"rollout's {floor['rollout_gemm_s']:.4f})" + (f"; TRL's step is {trl_over_floor:.2f}x it, the most "
-                                                             "any fp32 engine can beat TRL by here"
-                                                             if trl_over_floor else ""))
+        print(
+            f"  fp32 floor (roofline.py): {floor['floor_s']:.4f} s/step (update's GEMMs {floor['gemm_s']:.4f} + "
+            f"rollout's {floor['rollout_gemm_s']:.4f})"
+            + (
+                f"; TRL's step is {trl_over_floor:.2f}x it, the most any fp32 engine can beat TRL by here"
+                if trl_over_floor
+                else ""
+            )
+        )
     # Same seeds, same samples: every engine's steps generated the same tokens and earned the same rewards.
-    identical = {(nproc, passes): len({repr(per_step[f"distflow_{e}_{passes}{nproc}proc"]) for e in args.engines}) == 1
-                 for nproc in args.nproc for passes in passes_modes(args)}
+    identical = {
+        (nproc, passes): len({repr(per_step[f"distflow_{e}_{passes}{nproc}proc"]) for e in args.engines}) == 1
+        for nproc in args.nproc
+        for passes in passes_modes(args)
+    }
     import torch
 
     with torch.device("meta"):  # only the count
         model_params = sum(t.numel() for t in build_model(args.model)[0].parameters())
-    return {"prompts_per_step": args.prompts, "generations": args.generations, "max_new_tokens": args.max_new_tokens,
-            "model": args.model, "model_parameters": model_params, **results, **ratios(results),
-            **({"floor": floor} if floor else {}),
-            **({"trl/floor": round(trl_over_floor, 2)} if trl_over_floor else {}),
-            "samples_identical": all(identical.values())}
+    return {
+        "prompts_per_step": args.prompts,
+        "generations": args.generations,
+        "max_new_tokens": args.max_new_tokens,
+        "model": args.model,
+        "model_parameters": model_params,
+        **results,
+        **ratios(results),
+        **({"floor": floor} if floor else {}),
+        **({"trl/floor": round(trl_over_floor, 2)} if trl_over_floor else {}),
+        "samples_identical": all(identical.values()),
+    }
 
 
 def roofline(name: str) -> dict:
     """benchmarks/roofline.py's row for one setting, run now (a subprocess: its own clean process)."""
     log(f"{name}: fp32 floor (roofline.py)")
-    out = run_checked([sys.executable, ROOT / "benchmarks" / "roofline.py", "--settings", name],
-                      what="roofline.py")
+    out = run_checked([sys.executable, ROOT / "benchmarks" / "roofline.py", "--settings", name], what="roofline.py")
     return json.loads(out.strip().splitlines()[-1])[name]
 
 
@@ -442,8 +556,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.setup_only:
         log(f"TRL baseline ready in {ensure_bench_venv().parent.parent.name}")
         return 0
-    settings = {"steps": args.steps, "timed_steps": args.steps - WARMUP_STEPS, "lr": args.lr, "temperature": 1.0,
-                "top_p": 1.0, "kl": 0.0, "device": "cuda" if args.gpu else "cpu", "cpu_count": os.cpu_count()}
+    settings = {
+        "steps": args.steps,
+        "timed_steps": args.steps - WARMUP_STEPS,
+        "lr": args.lr,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "kl": 0.0,
+        "device": "cuda" if args.gpu else "cpu",
+        "cpu_count": os.cpu_count(),
+    }
     bench_python = None if args.skip_trl else ensure_bench_venv()
     settings["load_avg_1min_at_start"] = round(os.getloadavg()[0], 2)
     if settings["load_avg_1min_at_start"] > 0.5:

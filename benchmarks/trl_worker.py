@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 
 import torch
+import trl
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-import trl
 from trl import GRPOConfig, GRPOTrainer
 
 # The reward is distflow's own code (torch and the standard library only), not a copy:
@@ -71,8 +71,9 @@ class StepTimer(TrainerCallback):
     stops training once the steps' summed seconds reach it; with held-out rows, evaluates each
     time that sum passes a multiple of `eval_every_s`, and at the end (outside the timed steps)."""
 
-    def __init__(self, reward: TokenCountingReward, *, budget_s: float = 0, heldout=None, eval_every_s: float = 0,
-                 evaluate=None) -> None:
+    def __init__(
+        self, reward: TokenCountingReward, *, budget_s: float = 0, heldout=None, eval_every_s: float = 0, evaluate=None
+    ) -> None:
         self.reward = reward
         self.step_s: list[float] = []
         self.tokens: list[int] = []
@@ -98,8 +99,9 @@ class StepTimer(TrainerCallback):
         done = bool(self.budget_s) and train_s >= self.budget_s
         if done:
             control.should_training_stop = True
-        if self.heldout is not None and (done or int(train_s // self.eval_every_s) > int(
-                (train_s - self.step_s[-1]) // self.eval_every_s)):
+        if self.heldout is not None and (
+            done or int(train_s // self.eval_every_s) > int((train_s - self.step_s[-1]) // self.eval_every_s)
+        ):
             self.evals.append((train_s, self.evaluate(model)))
 
 
@@ -164,9 +166,16 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     reward_fn, is_correct = task_functions(args.task)
     reward = TokenCountingReward(reward_fn)
-    heldout = None if args.heldout is None else [json.loads(line) for line in Path(args.heldout).read_text().splitlines()]
-    timer = StepTimer(reward, budget_s=args.budget_s, heldout=heldout, eval_every_s=args.eval_every_s or float("inf"),
-                      evaluate=lambda m: greedy_accuracy(m, tokenizer, heldout, is_correct, args.max_new_tokens))
+    heldout = (
+        None if args.heldout is None else [json.loads(line) for line in Path(args.heldout).read_text().splitlines()]
+    )
+    timer = StepTimer(
+        reward,
+        budget_s=args.budget_s,
+        heldout=heldout,
+        eval_every_s=args.eval_every_s or float("inf"),
+        evaluate=lambda m: greedy_accuracy(m, tokenizer, heldout, is_correct, args.max_new_tokens),
+    )
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[reward],
@@ -176,9 +185,18 @@ def main() -> None:
         callbacks=[timer],
     )
     trainer.train()
-    print(json.dumps({"step_s": timer.step_s, "tokens": timer.tokens, "evals": timer.evals,
-                      "torch_threads": torch.get_num_threads(), "trl_version": trl.__version__}),
-          flush=True)
+    print(
+        json.dumps(
+            {
+                "step_s": timer.step_s,
+                "tokens": timer.tokens,
+                "evals": timer.evals,
+                "torch_threads": torch.get_num_threads(),
+                "trl_version": trl.__version__,
+            }
+        ),
+        flush=True,
+    )
 
 
 def greedy_accuracy(model, tokenizer, rows, is_correct, max_new_tokens: int) -> float:

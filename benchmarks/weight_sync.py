@@ -37,18 +37,30 @@ from pathlib import Path
 import torch
 
 from distflow.comm import Comm
-from distflow.runtime.launcher import run_local
 from distflow.engines.weight_sync import BUCKET_BYTES, WeightSync
+from distflow.runtime.launcher import run_local
 
 WORLD = 6
 TRAIN_COUNTS = (1, 2, 4)
 ROLLOUT_COUNTS = (1, 2)
 ROLLOUT_RANKS = (4, 5)
 WARMUP_SYNCS = 1
-MODEL = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
-         "num_key_value_heads": 4, "vocab_size": 4096}
-QUICK_MODEL = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-               "num_key_value_heads": 2, "vocab_size": 512}
+MODEL = {
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 4096,
+}
+QUICK_MODEL = {
+    "hidden_size": 64,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+}
 
 
 def llama_parameters(sizes: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -120,14 +132,20 @@ def measure(comm: Comm, params: dict[str, torch.Tensor], syncs: int) -> dict[str
             key = f"T{num_train}R{num_rollout}"
             sync = WeightSync(comm, tuple(range(num_train)), receivers, model)
             last = {}
-            seconds = timed(comm, lambda: last.update(moved=sync.sync(model)), syncs)
+            seconds = timed(comm, lambda last=last, sync=sync: last.update(moved=sync.sync(model)), syncs)
             moved = torch.tensor([last["moved"].sent, last["moved"].received], dtype=torch.float64)
             busiest = comm.all_reduce_max(moved)
-            results["new"][key] = {"sent_max_bytes": int(busiest[0]), "received_per_rollout_bytes": int(busiest[1]),
-                                   "seconds": seconds}
-            seconds = timed(comm, lambda: old_broadcast(old_group, model), syncs)
-            results["old"][key] = {"sent_max_bytes": model_bytes * math.ceil(math.log2(num_rollout + 1)),
-                                   "received_per_rollout_bytes": model_bytes, "seconds": seconds}
+            results["new"][key] = {
+                "sent_max_bytes": int(busiest[0]),
+                "received_per_rollout_bytes": int(busiest[1]),
+                "seconds": seconds,
+            }
+            seconds = timed(comm, lambda old_group=old_group: old_broadcast(old_group, model), syncs)
+            results["old"][key] = {
+                "sent_max_bytes": model_bytes * math.ceil(math.log2(num_rollout + 1)),
+                "received_per_rollout_bytes": model_bytes,
+                "seconds": seconds,
+            }
     return results
 
 
@@ -142,28 +160,39 @@ def run(params: dict[str, torch.Tensor], syncs: int) -> dict:
 
 
 def report(results: dict, model_bytes: int, num_params: int, syncs: int) -> dict:
-    print(f"model: {num_params / 1e6:.2f}M parameters, {model_bytes / 1e6:.1f} MB; {syncs} syncs per row after "
-          f"{WARMUP_SYNCS} warm-up; sent max = busiest rank's bytes sent per sync; MB = 1e6 B")
+    print(
+        f"model: {num_params / 1e6:.2f}M parameters, {model_bytes / 1e6:.1f} MB; {syncs} syncs per row after "
+        f"{WARMUP_SYNCS} warm-up; sent max = busiest rank's bytes sent per sync; MB = 1e6 B"
+    )
     print(f"{'scheme':<6} {'train':>5} {'rollout':>7} {'sent max MB':>12} {'recv/rollout MB':>16} {'s/sync':>8}")
     for scheme in ("old", "new"):
         for key, row in results[scheme].items():
             train, rollout = key[1:].split("R")
-            print(f"{scheme:<6} {train:>5} {rollout:>7} {row['sent_max_bytes'] / 1e6:>12.2f} "
-                  f"{row['received_per_rollout_bytes'] / 1e6:>16.2f} {row['seconds']:>8.4f}")
+            print(
+                f"{scheme:<6} {train:>5} {rollout:>7} {row['sent_max_bytes'] / 1e6:>12.2f} "
+                f"{row['received_per_rollout_bytes'] / 1e6:>16.2f} {row['seconds']:>8.4f}"
+            )
     ratios = {}
     for scheme in ("new", "old"):
         for num_rollout in ROLLOUT_COUNTS:
             four, two = (results[scheme][f"T{t}R{num_rollout}"]["sent_max_bytes"] for t in (4, 2))
             ratios[f"{scheme}/sent_max/T4_over_T2/R{num_rollout}"] = round(four / two, 4)
     for key in results["new"]:
-        ratios[f"seconds/new_over_old/{key}"] = round(results["new"][key]["seconds"] / results["old"][key]["seconds"], 3)
-    return {"weight_sync": results, "ratios": ratios,
-            "settings": {"model_bytes": model_bytes, "num_params": num_params, "syncs": syncs, "world": WORLD}}
+        ratios[f"seconds/new_over_old/{key}"] = round(
+            results["new"][key]["seconds"] / results["old"][key]["seconds"], 3
+        )
+    return {
+        "weight_sync": results,
+        "ratios": ratios,
+        "settings": {"model_bytes": model_bytes, "num_params": num_params, "syncs": syncs, "world": WORLD},
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Weight-sync bytes and seconds: every train rank vs one.")
-    parser.add_argument("--syncs", type=int, default=5, help=f"measured syncs per layout (after {WARMUP_SYNCS} warm-up)")
+    parser.add_argument(
+        "--syncs", type=int, default=5, help=f"measured syncs per layout (after {WARMUP_SYNCS} warm-up)"
+    )
     parser.add_argument("--quick", action="store_true", help="smoke test: a ~0.2M-parameter model, 1 measured sync")
     args = parser.parse_args()
     if args.syncs < 1:

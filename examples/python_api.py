@@ -1,5 +1,6 @@
 """The embedded default trained from Python with a reward written here; arguments are overrides, e.g. `python
 examples/python_api.py trainer.total_steps=20`; `python -m torch.distributed.run --nproc_per_node 2 ...` too."""
+
 import sys
 
 import distflow

@@ -27,19 +27,28 @@ def _batch(seed: int = 0, num_samples: int = 8, num_tokens: int = 7) -> Batch:
     generator = torch.Generator().manual_seed(seed)
     lengths_B = torch.randint(2, num_tokens + 1, (num_samples,), generator=generator)
     mask_BR = (torch.arange(num_tokens) < lengths_B.unsqueeze(-1)).long()
-    return Batch({
-        "reward": 1000.0 + torch.rand(num_samples, generator=generator),
-        "kl_penalty": 1e-3 * torch.rand(num_samples, num_tokens, generator=generator) * mask_BR,
-        "values": torch.randn(num_samples, num_tokens, generator=generator) * mask_BR,
-        "group": torch.arange(num_samples) // 2,
-        "response_mask": mask_BR,
-    })
+    return Batch(
+        {
+            "reward": 1000.0 + torch.rand(num_samples, generator=generator),
+            "kl_penalty": 1e-3 * torch.rand(num_samples, num_tokens, generator=generator) * mask_BR,
+            "values": torch.randn(num_samples, num_tokens, generator=generator) * mask_BR,
+            "group": torch.arange(num_samples) // 2,
+            "response_mask": mask_BR,
+        }
+    )
 
 
 def _context(comm: Comm, estimator: str) -> StageContext:
     name = {"gae": "ppo"}.get(estimator, estimator)
-    config = load_config(None, [f"algorithm.name={name}", f"algorithm.gamma={GAMMA}", f"algorithm.lam={LAM}",
-                                "algorithm.skip_zero_variance_groups=false"])
+    config = load_config(
+        None,
+        [
+            f"algorithm.name={name}",
+            f"algorithm.gamma={GAMMA}",
+            f"algorithm.lam={LAM}",
+            "algorithm.skip_zero_variance_groups=false",
+        ],
+    )
     engines = Engines(tokenizer=None, rewards=None, is_correct=None, sampling=None)
     return StageContext(config, engines, comm=comm, world=comm, metrics=StepMetrics())
 
@@ -139,9 +148,15 @@ def test_reinforce_pp_stage_is_within_one_float32_ulp_of_float64():
 
 def _remax(reward: float, **dense) -> torch.Tensor:
     """The ReMax stage's per-token advantage of one two-token response, greedy baseline 0."""
-    batch = Batch({"reward": torch.tensor([reward]), "baseline_reward": torch.tensor([0.0]),
-                   "group": torch.tensor([0]), "response_mask": torch.tensor([[1, 1]]),
-                   **{name: torch.tensor([values]) for name, values in dense.items()}})
+    batch = Batch(
+        {
+            "reward": torch.tensor([reward]),
+            "baseline_reward": torch.tensor([0.0]),
+            "group": torch.tensor([0]),
+            "response_mask": torch.tensor([[1, 1]]),
+            **{name: torch.tensor([values]) for name, values in dense.items()},
+        }
+    )
     single = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=CPU)
     out = ESTIMATORS["remax"].fn(batch, _context(single, "remax"))
     return per_token(out["advantage"]).expand(1, 2)

@@ -20,8 +20,14 @@ def test_gae_skips_observation_tokens():
     t=2: δ = 1 + 0 - 0.25 = 0.75, A = 0.75, R = 1.0
     t=0: δ = 0 + 0.9·0.25 - 0.5 = -0.275 (V of the next *model* token), A = -0.275 + 0.45·0.75 = 0.0625, R = 0.5625
     """
-    adv_BR, ret_BR = gae_advantages(torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.5, 9.0, 0.25]]),
-                                    torch.tensor([[1, 0, 1]]), gamma=0.9, lam=0.5, whiten=False)
+    adv_BR, ret_BR = gae_advantages(
+        torch.tensor([[0.0, 0.0, 1.0]]),
+        torch.tensor([[0.5, 9.0, 0.25]]),
+        torch.tensor([[1, 0, 1]]),
+        gamma=0.9,
+        lam=0.5,
+        whiten=False,
+    )
     assert torch.allclose(adv_BR, torch.tensor([[0.0625, 0.0, 0.75]]))
     assert torch.allclose(ret_BR, torch.tensor([[0.5625, 0.0, 1.0]]))
 
@@ -34,8 +40,14 @@ def test_gae_with_a_hole_equals_gae_without_the_hole_tokens():
     adv_BR, ret_BR = gae_advantages(reward_BR, value_BR, mask_BR, gamma=0.95, lam=0.9, whiten=False)
     for b in range(3):
         keep = mask_BR[b].bool()
-        dense_adv, dense_ret = gae_advantages(reward_BR[b, keep][None], value_BR[b, keep][None],
-                                              torch.ones(1, int(keep.sum())), gamma=0.95, lam=0.9, whiten=False)
+        dense_adv, dense_ret = gae_advantages(
+            reward_BR[b, keep][None],
+            value_BR[b, keep][None],
+            torch.ones(1, int(keep.sum())),
+            gamma=0.95,
+            lam=0.9,
+            whiten=False,
+        )
         assert torch.allclose(adv_BR[b, keep], dense_adv[0]) and torch.allclose(ret_BR[b, keep], dense_ret[0])
         assert (adv_BR[b, ~keep] == 0).all() and (ret_BR[b, ~keep] == 0).all()
 
@@ -81,6 +93,12 @@ def test_kl_aggregation_over_holes():
 def test_turn_rewards_stay_on_their_turn():
     """reward = 3 (2 from the task's reward function + 1 the environment gave turn 1 on its
     last token): token rewards [1, 0, 0, 0, 2], the remainder on the last model token."""
-    batch = Batch({"reward": torch.tensor([3.0]), "response_mask": HOLE_R,
-                   "turn_reward": torch.tensor([[1.0, 0.0, 0.0, 0.0, 0.0]])}, {})
+    batch = Batch(
+        {
+            "reward": torch.tensor([3.0]),
+            "response_mask": HOLE_R,
+            "turn_reward": torch.tensor([[1.0, 0.0, 0.0, 0.0, 0.0]]),
+        },
+        {},
+    )
     assert _token_reward_BR(batch).tolist() == [[1.0, 0.0, 0.0, 0.0, 2.0]]

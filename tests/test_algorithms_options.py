@@ -139,9 +139,11 @@ def test_ppo_kl_by_hand():
 def test_config_choices_are_the_tables_names():
     """One list per option: the check names exactly the dispatch table's keys, in its order."""
     config = load_config(None)
-    for option, value, table in [("loss_agg", "mean", [mode.value for mode in aggregation.LossAgg]),
-                                 ("kl.estimator", "k4", list(kl.KL_ESTIMATORS)),
-                                 ("policy_loss", "grpo", list(update_stages.POLICY_LOSSES))]:
+    for option, value, table in [
+        ("loss_agg", "mean", [mode.value for mode in aggregation.LossAgg]),
+        ("kl.estimator", "k4", list(kl.KL_ESTIMATORS)),
+        ("policy_loss", "grpo", list(update_stages.POLICY_LOSSES)),
+    ]:
         bad = load_config(None, [f"algorithm.{option}={value}"])
         with pytest.raises(ConfigError, match=re.escape(f"algorithm.{option} must be one of: {', '.join(table)} ")):
             check_choices(bad)

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, run_cli
+
 from distflow.algorithms.off_policy import behaviour_version, importance_weight_BR, staleness_B
 from distflow.config.algorithm import AlgorithmConfig
 from distflow.dag.update_stages import OffPolicyTally, PolicyObjective
@@ -53,8 +53,14 @@ def _objective_loss(correction: str):
     algo = AlgorithmConfig(off_policy_correction=correction, off_policy_cap=2.0)
     logp_BR = torch.log(torch.tensor([[0.5, 0.3, 0.2]])).requires_grad_()
     behav_BR = logp_BR.detach() - torch.log(torch.tensor([[1.0, 3.0, 0.5]]))
-    micro = Batch(tensors={"response_mask": torch.ones(1, 3), "sample_mask": torch.ones(1),
-                           "advantage": torch.ones(1), "rollout_logp": behav_BR})
+    micro = Batch(
+        tensors={
+            "response_mask": torch.ones(1, 3),
+            "sample_mask": torch.ones(1),
+            "advantage": torch.ones(1),
+            "rollout_logp": behav_BR,
+        }
+    )
     tally = OffPolicyTally()
     total, stats = PolicyObjective(algo, has_old=False, tally=tally)(micro, logp_BR, torch.zeros(1, 3))
     total.backward()
@@ -79,8 +85,9 @@ def test_rollout_logprobs_are_the_training_pass_s(engine):
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tokenizer, seed=3, max_positions=64).eval()
     prompts, n = ["1+2=", "33+44=", "9-9="], 3
-    kwargs = dict(max_new_tokens=12, temperature=0.7, sample_keys=list(range(100, 109)), samples_per_prompt=n,
-                  engine=engine)
+    kwargs = dict(
+        max_new_tokens=12, temperature=0.7, sample_keys=list(range(100, 109)), samples_per_prompt=n, engine=engine
+    )
     plain = generate(model, tokenizer, prompts, **kwargs)
     out = generate(model, tokenizer, prompts, logprobs=True, **kwargs)
     assert torch.equal(out.input_ids_BT, plain.input_ids_BT) and plain.logp_BR is None  # same samples
@@ -92,14 +99,24 @@ def test_rollout_logprobs_are_the_training_pass_s(engine):
     assert (out.logp_BR[~mask_BR] == 0).all() and (out.logp_BR[mask_BR] < 0).all()
 
 
-@pytest.mark.parametrize("overrides,expected", [
-    (["--nproc", "2"], "share ranks 0-1"),  # colocated
-    (["--nproc", "2", "placement.rollout.ranks_per_replica=2"], "share ranks 0-1"),  # rollout replicas
-    (["algorithm.name=dapo", *DISAGGREGATED], "dynamic sampling"),
-])
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["--nproc", "2"], "share ranks 0-1"),  # colocated
+        (["--nproc", "2", "placement.rollout.ranks_per_replica=2"], "share ranks 0-1"),  # rollout replicas
+        (["algorithm.name=dapo", *DISAGGREGATED], "dynamic sampling"),
+    ],
+)
 def test_staleness_needs_separate_ranks_and_no_dynamic_sampling(tmp_path, overrides, expected):
-    result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), "trainer.max_staleness=1", *overrides,
-                     f"trainer.output_dir={tmp_path}", cwd=tmp_path, timeout=1800)
+    result = run_cli(
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        "trainer.max_staleness=1",
+        *overrides,
+        f"trainer.output_dir={tmp_path}",
+        cwd=tmp_path,
+        timeout=1800,
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("distflow: error: trainer.max_staleness=1") and expected in lines[0]
@@ -130,8 +147,14 @@ def chaos(batch, ctx):
     return batch
 '''
 ARGS = [
-    "trainer.prompts_per_step=8", "rollout.num_samples=4", "trainer.eval_every=0", "trainer.eval_samples=1",
-    "task.num_heldout=40", "trainer.progress_bar=false", "trainer.loggers=[jsonl]", "optim.lr=1e-3",
+    "trainer.prompts_per_step=8",
+    "rollout.num_samples=4",
+    "trainer.eval_every=0",
+    "trainer.eval_samples=1",
+    "task.num_heldout=40",
+    "trainer.progress_bar=false",
+    "trainer.loggers=[jsonl]",
+    "optim.lr=1e-3",
     "algorithm.off_policy_correction=tis",
     "pipeline.custom_stages=[{name: record, fn: 'user_code:record', after: [reward], before: [advantage], "
     "reads: [uid, completion, policy_version]}]",
@@ -142,10 +165,24 @@ NOT_COMPARED = ("time/", "throughput/")
 def train(cwd, cache_dir, *extra, env=None, run_name="run"):
     cwd.mkdir(exist_ok=True)
     (cwd / "user_code.py").write_text(RECORDER)
-    args = ["train", str(REPO / "examples/arith_grpo.yaml"), *ARGS, *DISAGGREGATED, f"warmstart.cache_dir={cache_dir}",
-            f"trainer.output_dir={cwd}", f"trainer.run_name={run_name}", *extra]
-    return subprocess.run([sys.executable, "-m", "distflow", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=1800, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+    args = [
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        *ARGS,
+        *DISAGGREGATED,
+        f"warmstart.cache_dir={cache_dir}",
+        f"trainer.output_dir={cwd}",
+        f"trainer.run_name={run_name}",
+        *extra,
+    ]
+    return subprocess.run(
+        [sys.executable, "-m", "distflow", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+    )
 
 
 def records(cwd) -> dict[int, dict]:
@@ -189,11 +226,22 @@ def test_a_pipelined_run_trains_on_the_scheduled_versions(k1_run):
 
 
 def test_a_rollout_rank_killed_with_batches_in_flight_ends_the_job_naming_it(tmp_path, cache_dir):
-    chaos = ("pipeline.custom_stages=[{name: chaos, fn: 'user_code:chaos', after: [rollout], before: [reward], placement: rollout}, "
-             "{name: record, fn: 'user_code:record', after: [reward], before: [advantage], "
-             "reads: [uid, completion, policy_version]}]")
-    result = train(tmp_path, cache_dir, "trainer.max_staleness=1", "trainer.total_steps=3", "checkpoint.every=0",
-                   "trainer.timeout_s=7200", chaos, env={"KILL_ROLLOUT_AT": "2"})
+    chaos = (
+        "pipeline.custom_stages=[{name: chaos, fn: 'user_code:chaos', after: [rollout], before: [reward], "
+        "placement: rollout}, "
+        "{name: record, fn: 'user_code:record', after: [reward], before: [advantage], "
+        "reads: [uid, completion, policy_version]}]"
+    )
+    result = train(
+        tmp_path,
+        cache_dir,
+        "trainer.max_staleness=1",
+        "trainer.total_steps=3",
+        "checkpoint.every=0",
+        "trainer.timeout_s=7200",
+        chaos,
+        env={"KILL_ROLLOUT_AT": "2"},
+    )
     assert result.returncode != 0
     # Step 2 is generated in iteration 1 (while step 1 trains): a rank's status names the iteration.
     assert "rank 0 was killed by SIGKILL in stage 'chaos' at step 1" in result.stderr.strip().splitlines()[-1]
@@ -207,11 +255,23 @@ def test_a_finished_pipelined_run_extended_with_resume_generates_the_missing_bat
     done = train(tmp_path, cache_dir, "trainer.max_staleness=1", "trainer.total_steps=2", *quick)
     assert done.returncode == 0, done.stderr[-3000:]
     for k, nproc in [(0, "2"), (0, "1"), (2, "2")]:  # step-1 holds step 2's batch, drawn for k = 1 on 2 ranks
-        refused = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *ARGS, f"trainer.max_staleness={k}",
-                          "trainer.total_steps=3", *quick, f"warmstart.cache_dir={cache_dir}",
-                          f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
-                          "--resume", str(tmp_path / "run/checkpoints/step-000001"),
-                          "--nproc", nproc, cwd=tmp_path, timeout=1800)
+        refused = run_cli(
+            "train",
+            str(REPO / "examples/arith_grpo.yaml"),
+            *ARGS,
+            f"trainer.max_staleness={k}",
+            "trainer.total_steps=3",
+            *quick,
+            f"warmstart.cache_dir={cache_dir}",
+            f"trainer.output_dir={tmp_path}",
+            "trainer.run_name=run",
+            "--resume",
+            str(tmp_path / "run/checkpoints/step-000001"),
+            "--nproc",
+            nproc,
+            cwd=tmp_path,
+            timeout=1800,
+        )
         lines = refused.stderr.strip().splitlines()
         assert refused.returncode == 2 and len(lines) == 1, refused.stderr[-3000:]
         assert "holds the batches in flight of a run with trainer.max_staleness=1 on 2 ranks" in lines[0], lines[0]
@@ -256,12 +316,20 @@ def test_same_seed_same_run_and_kill_9_resume_reproduces_it(tmp_path, cache_dir)
 
 
 @pytest.mark.slow  # eight 2-rank launches: CI runs it (the default suite runs GRPO above)
-@pytest.mark.parametrize("algorithm", ["dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gspo",
-                                       "ppo", "grpo_mask"])
+@pytest.mark.parametrize(
+    "algorithm", ["dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gspo", "ppo", "grpo_mask"]
+)
 def test_every_builtin_algorithm_but_dapo_trains_pipelined(tmp_path, cache_dir, algorithm):
     name, correction = ("grpo", "mask") if algorithm == "grpo_mask" else (algorithm, "tis")
-    result = train(tmp_path, cache_dir, f"algorithm.name={name}", f"algorithm.off_policy_correction={correction}",
-                   "trainer.max_staleness=1", "trainer.total_steps=3", "checkpoint.every=0")
+    result = train(
+        tmp_path,
+        cache_dir,
+        f"algorithm.name={name}",
+        f"algorithm.off_policy_correction={correction}",
+        "trainer.max_staleness=1",
+        "trainer.total_steps=3",
+        "checkpoint.every=0",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     got, m = records(tmp_path), metrics(tmp_path / "run")
     assert {step: set(row["version"]) for step, row in got.items()} == {1: {0}, 2: {0}, 3: {1}}

@@ -15,8 +15,13 @@ SURROGATE_ROW = '{"prompt": [{"role": "user", "content": "2+2=\\ud800"}], "rewar
 
 def rows_of(path, **rules):
     source = open_rows(path)  # left open: the view reads kept rows from it later
-    return ValidRows(source.__getitem__, len(source), RowRules(**rules),
-                     tokenize=lambda prompts: [list(p) for p in prompts], where=str(path))
+    return ValidRows(
+        source.__getitem__,
+        len(source),
+        RowRules(**rules),
+        tokenize=lambda prompts: [list(p) for p in prompts],
+        where=str(path),
+    )
 
 
 def jsonl(tmp_path, *lines, name="train.jsonl"):
@@ -33,13 +38,30 @@ DATA = [  # (id, lines after one good row, rules, needle)
     ("empty prompt", ['{"prompt": "   ", "answer": "2"}'], {}, "row 2 of 2: empty prompt"),
     ("empty chat prompt", ['{"prompt": [{"role": "user", "content": ""}]}'], {}, "row 2 of 2: empty prompt"),
     ("prompt type", ['{"prompt": 12}'], {}, "row 2 of 2: prompt is of type int, not text or chat messages"),
-    ("missing required", ['{"prompt": "2+2="}'], {"required_fields": ("answer",)}, "row 2 of 2: missing field 'answer'"),
-    ("missing nested", ['{"prompt": "2+2=", "reward_model": {}}'], {"required_fields": ("reward_model.ground_truth",)},
-     "row 2 of 2: missing field 'reward_model.ground_truth'"),
-    ("null required", ['{"prompt": "2+2=", "answer": null}'], {"required_fields": ("answer",)},
-     "missing field 'answer'"),
-    ("overlong", ['{"prompt": "12345678+1=", "answer": "2"}'], {"max_prompt_tokens": 5},
-     "row 2 of 2: prompt has 11 tokens > data.max_prompt_tokens=5"),
+    (
+        "missing required",
+        ['{"prompt": "2+2="}'],
+        {"required_fields": ("answer",)},
+        "row 2 of 2: missing field 'answer'",
+    ),
+    (
+        "missing nested",
+        ['{"prompt": "2+2=", "reward_model": {}}'],
+        {"required_fields": ("reward_model.ground_truth",)},
+        "row 2 of 2: missing field 'reward_model.ground_truth'",
+    ),
+    (
+        "null required",
+        ['{"prompt": "2+2=", "answer": null}'],
+        {"required_fields": ("answer",)},
+        "missing field 'answer'",
+    ),
+    (
+        "overlong",
+        ['{"prompt": "12345678+1=", "answer": "2"}'],
+        {"max_prompt_tokens": 5},
+        "row 2 of 2: prompt has 11 tokens > data.max_prompt_tokens=5",
+    ),
 ]
 
 
@@ -54,10 +76,14 @@ def test_invalid_data_rows_name_the_row(tmp_path, lines, rules, needle):
     assert len(kept) == 1 and kept[0]["prompt"] == "1+1=" and sum(kept.skipped.values()) == 1
 
 
-@pytest.mark.parametrize("name, text, needle", [
-    ("empty.jsonl", "\n\n", "dataset file has no rows"),
-    ("train.csv", "prompt\n1+1=\n", "the extension must be one of"),
-], ids=["empty file", "unsupported format"])
+@pytest.mark.parametrize(
+    "name, text, needle",
+    [
+        ("empty.jsonl", "\n\n", "dataset file has no rows"),
+        ("train.csv", "prompt\n1+1=\n", "the extension must be one of"),
+    ],
+    ids=["empty file", "unsupported format"],
+)
 def test_unusable_data_files(tmp_path, name, text, needle):
     (tmp_path / name).write_text(text)
     with pytest.raises(ConfigError, match=needle):
@@ -100,8 +126,14 @@ def _validate_shard(comm, path, skip):
         return source[i]
 
     try:
-        view = ValidRows(read_row, len(source), RowRules(skip_invalid=skip), where=str(path),
-                         shard=(comm.rank, comm.world_size), gather=comm.all_gather_object)
+        view = ValidRows(
+            read_row,
+            len(source),
+            RowRules(skip_invalid=skip),
+            where=str(path),
+            shard=(comm.rank, comm.world_size),
+            gather=comm.all_gather_object,
+        )
     except ConfigError as err:
         return {"error": str(err), "read": read}
     return {"kept": view.kept, "skipped": view.skipped, "read": read}

@@ -17,21 +17,21 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, run_cli
-from distflow.checkpoint import save_checkpoint
-from distflow.config.schema import OptimConfig
-from distflow.engines.policy import PolicyEngine
-from distflow.comm import Comm
-from distflow.tasks.tiny_model import build_tiny_model
-from distflow.tasks.tokenizer import build_char_tokenizer
 from test_bad_data import NO_TRUTH_ROW, SURROGATE_ROW, jsonl
 from test_e2e import TINY, read_metrics
+
+from distflow.checkpoint import save_checkpoint
+from distflow.comm import Comm
+from distflow.config.schema import OptimConfig
+from distflow.engines.policy import PolicyEngine
+from distflow.tasks.tiny_model import build_tiny_model
+from distflow.tasks.tokenizer import build_char_tokenizer
 
 CONFIG = str(REPO / "examples/arith_grpo.yaml")
 USER_FILES = {
     "rewards_ok.py": "def one_arg(completion):\n    return 1.0\n\nNOT_A_FUNCTION = 3\n\n"
-                     "def always_raises(prompt, completion, sample):\n    return 1 / 0\n",
+    "def always_raises(prompt, completion, sample):\n    return 1 / 0\n",
     "rewards_syntax.py": "def reward(prompt, completion, sample)\n    return 1.0\n",
     "rewards_crash.py": "raise RuntimeError('module crashed at import')\n",
     "bad.yaml": "trainer: [1\n",
@@ -55,69 +55,148 @@ FAST = [
     ("max prompt tokens", ["data.max_prompt_tokens=-3"], "data.max_prompt_tokens must be >= 0"),
     ("required fields type", ["data.required_fields=answer"], "data.required_fields must be a list"),
     ("batch vs world size", ["trainer.prompts_per_step=3", "--nproc", "2"], "does not divide its 3 prompts per step"),
-    ("mini-batches", ["algorithm.num_mini_batches=1000", "trainer.prompts_per_step=4", "rollout.num_samples=4"],
-     "algorithm.num_mini_batches=1000 exceeds the 16 samples"),
+    (
+        "mini-batches",
+        ["algorithm.num_mini_batches=1000", "trainer.prompts_per_step=4", "rollout.num_samples=4"],
+        "algorithm.num_mini_batches=1000 exceeds the 16 samples",
+    ),
     ("group size", ["rollout.num_samples=1"], "rollout.num_samples must be >= 2"),
-    ("env class", ["env.cls=distflow.envs.tools:NoSuchEnv"], "env.cls: module 'distflow.envs.tools' has no function "
-     "'NoSuchEnv'"),
+    (
+        "env class",
+        ["env.cls=distflow.envs.tools:NoSuchEnv"],
+        "env.cls: module 'distflow.envs.tools' has no function 'NoSuchEnv'",
+    ),
     ("env not an environment", ["env.cls=distflow.envs.calculator:calculate"], "has no reset and no step method"),
     ("env turns", ["env.cls=distflow.envs.tools:CalculatorEnv", "env.max_turns=0"], "env.max_turns must be >= 1"),
     ("env kwargs", ["env.kwargs=3"], "env.kwargs must be a mapping (got 3)"),
-    ("env with remax", ["env.cls=distflow.envs.tools:CalculatorEnv", "algorithm.name=remax"],
-     "algorithm.name=remax needs a greedy single-turn baseline"),
-    ("algorithm name", ["algorithm.name=grpo2"], "algorithm.name must be one of: grpo, dr_grpo, dapo, rloo, "
-     "reinforce_pp, reinforce_pp_baseline, remax, gspo, ppo (got 'grpo2')"),
-    ("algorithm loss_agg", ["algorithm.loss_agg=mean"], "algorithm.loss_agg must be one of: token-mean, token-sum, "
-     "seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm (got 'mean')"),
-    ("algorithm kl estimator", ["algorithm.kl.estimator=low_var_kl"],
-     "algorithm.kl.estimator must be one of: k1, k2, k3, abs, k1+, k3+ (got 'low_var_kl')"),
+    (
+        "env with remax",
+        ["env.cls=distflow.envs.tools:CalculatorEnv", "algorithm.name=remax"],
+        "algorithm.name=remax needs a greedy single-turn baseline",
+    ),
+    (
+        "algorithm name",
+        ["algorithm.name=grpo2"],
+        "algorithm.name must be one of: grpo, dr_grpo, dapo, rloo, "
+        "reinforce_pp, reinforce_pp_baseline, remax, gspo, ppo (got 'grpo2')",
+    ),
+    (
+        "algorithm loss_agg",
+        ["algorithm.loss_agg=mean"],
+        "algorithm.loss_agg must be one of: token-mean, token-sum, "
+        "seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm (got 'mean')",
+    ),
+    (
+        "algorithm kl estimator",
+        ["algorithm.kl.estimator=low_var_kl"],
+        "algorithm.kl.estimator must be one of: k1, k2, k3, abs, k1+, k3+ (got 'low_var_kl')",
+    ),
     ("algorithm policy loss", ["algorithm.policy_loss=vanilla"], "algorithm.policy_loss must be one of: ppo, gspo"),
-    ("algorithm old and new key", ["algorithm.kl_coef=0.1", "algorithm.kl.coef=0.2"],
-     "algorithm.kl_coef and algorithm.kl.coef are both set"),
-    ("placement overlap", ["--nproc", "2", "placement.rollout.ranks=0-1", "placement.train.ranks=1"],
-     "overlap partly"),
-    ("idle rank", ["--nproc", "3", "trainer.prompts_per_step=3", "placement.rollout.ranks=0",
-                   "placement.train.ranks=1"], "rank 2 is in no worker group"),
+    (
+        "algorithm old and new key",
+        ["algorithm.kl_coef=0.1", "algorithm.kl.coef=0.2"],
+        "algorithm.kl_coef and algorithm.kl.coef are both set",
+    ),
+    ("placement overlap", ["--nproc", "2", "placement.rollout.ranks=0-1", "placement.train.ranks=1"], "overlap partly"),
+    (
+        "idle rank",
+        ["--nproc", "3", "trainer.prompts_per_step=3", "placement.rollout.ranks=0", "placement.train.ranks=1"],
+        "rank 2 is in no worker group",
+    ),
     ("model path", ["model.path=/nonexistent/model"], "model.path='/nonexistent/model' is not a Hugging Face model"),
-    ("tokenizer path", ["model.tokenizer_path=/nonexistent/tok"], "model.tokenizer_path='/nonexistent/tok' is not a dir"),
+    (
+        "tokenizer path",
+        ["model.tokenizer_path=/nonexistent/tok"],
+        "model.tokenizer_path='/nonexistent/tok' is not a dir",
+    ),
     ("digits", ["task.num_digits=4"], "task.num_digits must be in 1..3"),
     ("no training rows", ["task.num_digits=1"], "leaves none of the 100 problems"),
-    ("stage cycle", ["pipeline.custom_stages=[{name: loop, fn: 'distflow.dag.stages:weight_sync', "
-                     "after: [policy_update], before: [rollout]}]"], "cycle"),
-    ("stage dependency", ["pipeline.custom_stages=[{name: x, fn: 'distflow.dag.stages:weight_sync', after: [rewrd]}]"],
-     "stage 'x' depends on unknown stage 'rewrd'"),
+    (
+        "stage cycle",
+        [
+            "pipeline.custom_stages=[{name: loop, fn: 'distflow.dag.stages:weight_sync', "
+            "after: [policy_update], before: [rollout]}]"
+        ],
+        "cycle",
+    ),
+    (
+        "stage dependency",
+        ["pipeline.custom_stages=[{name: x, fn: 'distflow.dag.stages:weight_sync', after: [rewrd]}]"],
+        "stage 'x' depends on unknown stage 'rewrd'",
+    ),
     ("nproc 0", ["--nproc", "0"], "--nproc must be >= 1"),
-    ("fsdp2 shard size", ["--nproc", "3", "trainer.prompts_per_step=3", "trainer.strategy=fsdp2",
-                          "trainer.fsdp.shard_size=2"], "trainer.fsdp.shard_size=2 does not divide the 3 train ranks"),
-    ("hsdp disaggregated", ["--nproc", "3", "trainer.prompts_per_step=2", "placement.rollout.ranks=0",
-                            "placement.train.ranks=1-2", "trainer.strategy=fsdp2", "trainer.fsdp.shard_size=1"],
-     "(HSDP) needs every rank in the train group"),
-    ("fsdp2 float16 on cpu", ["trainer.strategy=fsdp2", "trainer.param_dtype=float16", "trainer.device=cpu"],
-     "trainer.param_dtype=float16 is not supported on the CPU"),
-    ("ddp mixed precision", ["trainer.reduce_dtype=bfloat16"], "trainer.reduce_dtype=bfloat16 needs trainer.strategy=fsdp2"),
+    (
+        "fsdp2 shard size",
+        ["--nproc", "3", "trainer.prompts_per_step=3", "trainer.strategy=fsdp2", "trainer.fsdp.shard_size=2"],
+        "trainer.fsdp.shard_size=2 does not divide the 3 train ranks",
+    ),
+    (
+        "hsdp disaggregated",
+        [
+            "--nproc",
+            "3",
+            "trainer.prompts_per_step=2",
+            "placement.rollout.ranks=0",
+            "placement.train.ranks=1-2",
+            "trainer.strategy=fsdp2",
+            "trainer.fsdp.shard_size=1",
+        ],
+        "(HSDP) needs every rank in the train group",
+    ),
+    (
+        "fsdp2 float16 on cpu",
+        ["trainer.strategy=fsdp2", "trainer.param_dtype=float16", "trainer.device=cpu"],
+        "trainer.param_dtype=float16 is not supported on the CPU",
+    ),
+    (
+        "ddp mixed precision",
+        ["trainer.reduce_dtype=bfloat16"],
+        "trainer.reduce_dtype=bfloat16 needs trainer.strategy=fsdp2",
+    ),
     ("strategy", ["trainer.strategy=fsdp"], "trainer.strategy must be ddp or fsdp2 (got 'fsdp')"),
     ("reward module", ["task.reward=no_such_module:fn"], "task.reward: cannot import module 'no_such_module'"),
     ("reward function", ["task.reward=rewards_ok:nope"], "task.reward: module 'rewards_ok' has no function 'nope'"),
     ("reward not callable", ["task.reward=rewards_ok:NOT_A_FUNCTION"], "has no function 'NOT_A_FUNCTION'"),
     ("reward syntax", ["task.reward=rewards_syntax:reward"], "cannot import module 'rewards_syntax'"),
     ("reward import crash", ["task.reward=rewards_crash:reward"], "RuntimeError: module crashed at import"),
-    ("reward signature", ["task.reward=rewards_ok:one_arg"],
-     "task.reward: 'rewards_ok:one_arg' must accept (prompt, completion, sample)"),
+    (
+        "reward signature",
+        ["task.reward=rewards_ok:one_arg"],
+        "task.reward: 'rewards_ok:one_arg' must accept (prompt, completion, sample)",
+    ),
     ("resume without run", ["--resume"], "--resume without a checkpoint continues trainer.run_name's run"),
     ("resume missing", ["--resume", "/nonexistent/ckpt"], "checkpoint /nonexistent/ckpt does not exist"),
     ("resume incomplete", ["--resume", "{tmp}/ckpt/step-000007"], "is incomplete (no COMPLETE marker)"),
-    ("resume empty run", ["--resume", "trainer.run_name=empty", "trainer.output_dir={tmp}"],
-     "no complete checkpoint in {tmp}/empty/checkpoints to resume from; start the run without --resume"),
-    ("resume without meta.json", ["--resume", "{tmp}/ckpt-nometa/step-000003"],
-     "checkpoint {tmp}/ckpt-nometa/step-000003 has no meta.json: it was damaged after it was saved"),
-    ("resume truncated shard", ["--resume", "{tmp}/ckpt-truncated/step-000003"],
-     "checkpoint {tmp}/ckpt-truncated/step-000003: shard __0_0.distcp holds 1000 of its"),
-    ("resume empty shard", ["--resume", "{tmp}/ckpt-emptied/step-000003"],
-     "checkpoint {tmp}/ckpt-emptied/step-000003: shard __0_0.distcp holds 0 of its"),
-    ("resume finished", ["--resume", "{tmp}/done", "trainer.total_steps=3"],
-     "is at step 3 >= trainer.total_steps=3: nothing left to do"),
-    ("run dir taken", ["trainer.run_name=taken", "trainer.output_dir={tmp}"],
-     "already holds a run; choose another trainer.run_name, or continue it with --resume"),
+    (
+        "resume empty run",
+        ["--resume", "trainer.run_name=empty", "trainer.output_dir={tmp}"],
+        "no complete checkpoint in {tmp}/empty/checkpoints to resume from; start the run without --resume",
+    ),
+    (
+        "resume without meta.json",
+        ["--resume", "{tmp}/ckpt-nometa/step-000003"],
+        "checkpoint {tmp}/ckpt-nometa/step-000003 has no meta.json: it was damaged after it was saved",
+    ),
+    (
+        "resume truncated shard",
+        ["--resume", "{tmp}/ckpt-truncated/step-000003"],
+        "checkpoint {tmp}/ckpt-truncated/step-000003: shard __0_0.distcp holds 1000 of its",
+    ),
+    (
+        "resume empty shard",
+        ["--resume", "{tmp}/ckpt-emptied/step-000003"],
+        "checkpoint {tmp}/ckpt-emptied/step-000003: shard __0_0.distcp holds 0 of its",
+    ),
+    (
+        "resume finished",
+        ["--resume", "{tmp}/done", "trainer.total_steps=3"],
+        "is at step 3 >= trainer.total_steps=3: nothing left to do",
+    ),
+    (
+        "run dir taken",
+        ["trainer.run_name=taken", "trainer.output_dir={tmp}"],
+        "already holds a run; choose another trainer.run_name, or continue it with --resume",
+    ),
 ]
 if not torch.cuda.is_available():
     FAST.append(("no cuda", ["trainer.device=cuda"], "trainer.device=cuda but no CUDA device is visible"))
@@ -132,11 +211,23 @@ FILES = [  # (id, the whole command line, needle)
 
 def tiny_checkpoint(root, step, *, hidden_size=32):
     comm = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
-    engine = PolicyEngine(build_tiny_model(build_char_tokenizer(), seed=0, hidden_size=hidden_size, num_layers=1),
-                          comm, OptimConfig(), temperature=1.0)
+    engine = PolicyEngine(
+        build_tiny_model(build_char_tokenizer(), seed=0, hidden_size=hidden_size, num_layers=1),
+        comm,
+        OptimConfig(),
+        temperature=1.0,
+    )
     extra = {"config": {}, "loader": {"epoch": 0, "cursor": 0, "num_rows": 9960}}
-    return save_checkpoint(root, step, model=engine.model, optimizer=engine.optimizer, scheduler=engine.scheduler,
-                           extra=extra, comm=comm, keep_last=1)
+    return save_checkpoint(
+        root,
+        step,
+        model=engine.model,
+        optimizer=engine.optimizer,
+        scheduler=engine.scheduler,
+        extra=extra,
+        comm=comm,
+        keep_last=1,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -149,9 +240,11 @@ def workdir(tmp_path_factory):
     (tmp / "taken").mkdir()
     (tmp / "taken/metrics.jsonl").write_text('{"step": 1}\n')
     done = tiny_checkpoint(tmp / "done/checkpoints", 3)
-    for damaged, damage in (("ckpt-nometa", lambda c: (c / "meta.json").unlink()),
-                            ("ckpt-truncated", lambda c: os.truncate(c / "__0_0.distcp", 1000)),
-                            ("ckpt-emptied", lambda c: os.truncate(c / "__0_0.distcp", 0))):
+    for damaged, damage in (
+        ("ckpt-nometa", lambda c: (c / "meta.json").unlink()),
+        ("ckpt-truncated", lambda c: os.truncate(c / "__0_0.distcp", 1000)),
+        ("ckpt-emptied", lambda c: os.truncate(c / "__0_0.distcp", 0)),
+    ):
         shutil.copytree(done, tmp / damaged / done.name)
         damage(tmp / damaged / done.name)
     return tmp
@@ -183,14 +276,27 @@ def test_file_errors(workdir, args, needle):
 
 
 def train(workdir, cache_dir, name, *extra):
-    return run_cli("train", CONFIG, *TINY, "warmstart.target_accuracy=0", f"warmstart.cache_dir={cache_dir}",
-                   f"trainer.output_dir={workdir}", f"trainer.run_name={name}", *extra, cwd=workdir)
+    return run_cli(
+        "train",
+        CONFIG,
+        *TINY,
+        "warmstart.target_accuracy=0",
+        f"warmstart.cache_dir={cache_dir}",
+        f"trainer.output_dir={workdir}",
+        f"trainer.run_name={name}",
+        *extra,
+        cwd=workdir,
+    )
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["data.max_prompt_tokens=3"], "the task's training rows: row 1 of 9960: prompt has"),
-    (["data.required_fields=[solution]"], "the task's training rows: row 1 of 9960: missing field 'solution'"),
-], ids=["overlong prompts", "missing field"])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["data.max_prompt_tokens=3"], "the task's training rows: row 1 of 9960: prompt has"),
+        (["data.required_fields=[solution]"], "the task's training rows: row 1 of 9960: missing field 'solution'"),
+    ],
+    ids=["overlong prompts", "missing field"],
+)
 def test_invalid_rows_are_rejected_with_their_number(workdir, cache_dir, extra, needle, request):
     check_one_line_error(train(workdir, cache_dir, request.node.callspec.id.replace(" ", "-"), *extra), needle)
 
@@ -198,9 +304,11 @@ def test_invalid_rows_are_rejected_with_their_number(workdir, cache_dir, extra, 
 def test_a_response_limit_beyond_the_models_positions_is_refused(workdir, cache_dir):
     """The embedded model attends to 64 positions; a 7-token prompt leaves 57 (this used to hang
     in the first evaluation)."""
-    check_one_line_error(train(workdir, cache_dir, "too-long", "rollout.max_new_tokens=100000"),
-                         "rollout.max_new_tokens=100000 + the longest held-out prompt (7 tokens) exceeds the model's "
-                         "max_position_embeddings=64: set rollout.max_new_tokens to at most 57")
+    check_one_line_error(
+        train(workdir, cache_dir, "too-long", "rollout.max_new_tokens=100000"),
+        "rollout.max_new_tokens=100000 + the longest held-out prompt (7 tokens) exceeds the model's "
+        "max_position_embeddings=64: set rollout.max_new_tokens to at most 57",
+    )
 
 
 def test_invalid_rows_can_be_skipped_and_counted(workdir, cache_dir):
@@ -223,19 +331,35 @@ def text_model(workdir):
 CHAT_ROW = {"prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"}}
 
 
-@pytest.mark.parametrize("bad_line, needle", [
-    (json.dumps({"prompt": [{"role": "user", "content": "2+2="}], "reward_model": {}}),
-     "row 2 of 3: missing field 'reward_model.ground_truth'"),
-    ('{"prompt": [{"role": "user", "content": "2+', "row 2 of 3: {path}:2 is not valid JSON"),
-    (json.dumps({"prompt": [{"role": "user", "content": " "}], "reward_model": {"ground_truth": "4"}}),
-     "row 2 of 3: empty prompt"),
-], ids=["missing ground truth", "invalid json line", "empty chat prompt"])
+@pytest.mark.parametrize(
+    "bad_line, needle",
+    [
+        (
+            json.dumps({"prompt": [{"role": "user", "content": "2+2="}], "reward_model": {}}),
+            "row 2 of 3: missing field 'reward_model.ground_truth'",
+        ),
+        ('{"prompt": [{"role": "user", "content": "2+', "row 2 of 3: {path}:2 is not valid JSON"),
+        (
+            json.dumps({"prompt": [{"role": "user", "content": " "}], "reward_model": {"ground_truth": "4"}}),
+            "row 2 of 3: empty prompt",
+        ),
+    ],
+    ids=["missing ground truth", "invalid json line", "empty chat prompt"],
+)
 def test_invalid_rows_of_a_dataset_file_stop_the_run(workdir, cache_dir, text_model, bad_line, needle, request):
     name = request.node.callspec.id.replace(" ", "-")
     path = jsonl(workdir, json.dumps(CHAT_ROW), bad_line, json.dumps(CHAT_ROW), name=f"{name}.jsonl")
-    result = train(workdir, cache_dir, name, f"model.path={text_model}", f"task.train_file={path}",
-                   f"task.heldout_file={path}", "data.required_fields=[reward_model.ground_truth]",
-                   "trainer.prompts_per_step=2", "task.num_heldout=2")
+    result = train(
+        workdir,
+        cache_dir,
+        name,
+        f"model.path={text_model}",
+        f"task.train_file={path}",
+        f"task.heldout_file={path}",
+        "data.required_fields=[reward_model.ground_truth]",
+        "trainer.prompts_per_step=2",
+        "task.num_heldout=2",
+    )
     check_one_line_error(result, f"{path}: " + needle.replace("{path}", str(path)))
 
 
@@ -252,16 +376,20 @@ def test_reward_that_always_raises_is_contained_and_counted(workdir, cache_dir):
 
 
 def test_nan_losses_are_skipped_then_abort(workdir, cache_dir):
-    stage = ("pipeline.custom_stages=[{name: poison, fn: 'nan_stage:poison', after: [advantage], "
-             "before: [policy_update], reads: [advantage], writes: [advantage]}]")
-    result = train(workdir, cache_dir, "nan", stage, "trainer.max_nonfinite_steps=2",
-                   "algorithm.skip_zero_variance_groups=false")
+    stage = (
+        "pipeline.custom_stages=[{name: poison, fn: 'nan_stage:poison', after: [advantage], "
+        "before: [policy_update], reads: [advantage], writes: [advantage]}]"
+    )
+    result = train(
+        workdir, cache_dir, "nan", stage, "trainer.max_nonfinite_steps=2", "algorithm.skip_zero_variance_groups=false"
+    )
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "distflow: aborted at step 2: 2 optimizer steps in a row had a non-finite loss "
         "or gradient and were skipped (trainer.max_nonfinite_steps=2); lower optim.lr, check the reward and custom "
-        "stages, or resume from an earlier checkpoint")
+        "stages, or resume from an earlier checkpoint"
+    )
     records = read_metrics(workdir / "nan")
     assert [r["train/nonfinite_grad_steps"] for r in records[1:]] == [1.0, 1.0]
 
@@ -270,7 +398,7 @@ def test_nan_losses_are_skipped_then_abort(workdir, cache_dir):
 # (Issue 15, items 4, 5, 7, 8.) Self-contained: its files, fixtures and cases are all below.
 
 MORE_USER_FILES = {
-    "rewards_misbehave.py": '''
+    "rewards_misbehave.py": """
 import threading
 import time
 
@@ -292,7 +420,7 @@ def leaves_thread(prompt, completion, sample):
     if not any(t.name == "user-poller" for t in threading.enumerate()):
         threading.Thread(target=time.sleep, args=(3600,), name="user-poller").start()  # never ends
     return 0.0
-''',
+""",
 }
 
 
@@ -316,14 +444,29 @@ def test_rewards_that_edit_the_row_or_overflow_float32_are_contained(userdir, ca
 def test_threads_left_by_a_reward_do_not_keep_the_run_alive(userdir, cache_dir, nproc, script):
     # Without the fix the process waits for the thread (an hour): the subprocess timeout fails the test.
     # `script`: the `distflow` command that pip installs, rather than `python -m distflow` (2 ranks: CI).
-    args = ["train", CONFIG, *TINY, "trainer.total_steps=1", "warmstart.target_accuracy=0",
-            f"warmstart.cache_dir={cache_dir}", f"trainer.output_dir={userdir}",
-            f"trainer.run_name=thread-{nproc}-{int(script)}", "task.reward=rewards_misbehave:leaves_thread",
-            "task.reward_timeout_s=0", "--nproc", str(nproc)]
+    args = [
+        "train",
+        CONFIG,
+        *TINY,
+        "trainer.total_steps=1",
+        "warmstart.target_accuracy=0",
+        f"warmstart.cache_dir={cache_dir}",
+        f"trainer.output_dir={userdir}",
+        f"trainer.run_name=thread-{nproc}-{int(script)}",
+        "task.reward=rewards_misbehave:leaves_thread",
+        "task.reward_timeout_s=0",
+        "--nproc",
+        str(nproc),
+    ]
     if script:
-        result = subprocess.run([str(Path(sys.executable).parent / "distflow"), *args], cwd=userdir,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True,
-                                timeout=1800)
+        result = subprocess.run(
+            [str(Path(sys.executable).parent / "distflow"), *args],
+            cwd=userdir,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
     else:
         result = run_cli(*args, cwd=userdir, timeout=1800)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -360,24 +503,45 @@ BEFORE_ANY_RANK = [
     ("default reward past float32", ["task.default_reward=1e300"], "task.default_reward must fit in float32"),
     ("run name escapes", ["trainer.run_name=../../x"], "trainer.run_name must be a plain directory name"),
     ("run name with slash", ["trainer.run_name=a/b"], "trainer.run_name must be a plain directory name"),
-    ("checkpoint dir is a file", ["checkpoint.dir={tmp}/rewards_ok.py"],
-     "checkpoint.dir: '{tmp}/rewards_ok.py' is a file; point it at a directory"),
-    ("output dir is a file", ["trainer.output_dir={tmp}/rewards_ok.py"],
-     "trainer.output_dir: '{tmp}/rewards_ok.py' is a file"),
-    ("output dir under a file", ["trainer.output_dir={tmp}/rewards_ok.py/runs"],
-     "'{tmp}/rewards_ok.py', a parent of '{tmp}/rewards_ok.py/runs', is a file"),
+    (
+        "checkpoint dir is a file",
+        ["checkpoint.dir={tmp}/rewards_ok.py"],
+        "checkpoint.dir: '{tmp}/rewards_ok.py' is a file; point it at a directory",
+    ),
+    (
+        "output dir is a file",
+        ["trainer.output_dir={tmp}/rewards_ok.py"],
+        "trainer.output_dir: '{tmp}/rewards_ok.py' is a file",
+    ),
+    (
+        "output dir under a file",
+        ["trainer.output_dir={tmp}/rewards_ok.py/runs"],
+        "'{tmp}/rewards_ok.py', a parent of '{tmp}/rewards_ok.py/runs', is a file",
+    ),
     ("run dir is a file", ["trainer.output_dir={tmp}", "trainer.run_name=rewards_ok.py"], "is a file"),
-    ("cache dir is a file", ["warmstart.cache_dir={tmp}/rewards_ok.py"],
-     "warmstart.cache_dir: '{tmp}/rewards_ok.py' is a file"),
+    (
+        "cache dir is a file",
+        ["warmstart.cache_dir={tmp}/rewards_ok.py"],
+        "warmstart.cache_dir: '{tmp}/rewards_ok.py' is a file",
+    ),
     ("truncated safetensors", ["model.path={tmp}/truncated"], "model.safetensors' is damaged: it is truncated"),
-    ("tokenizer past the embeddings", ["model.path={tmp}/big-vocab"],
-     "has 47 token ids but the model in '{tmp}/big-vocab' has embeddings for 21"),
+    (
+        "tokenizer past the embeddings",
+        ["model.path={tmp}/big-vocab"],
+        "has 47 token ids but the model in '{tmp}/big-vocab' has embeddings for 21",
+    ),
     ("config.json not json", ["model.path={tmp}/bad-config"], "config.json' is not valid JSON"),
     ("no weights", ["model.path={tmp}/no-weights"], "has no weights (*.safetensors or pytorch_model*.bin)"),
-    ("data file of another kind", ["model.path={tmp}/model", "task.train_file={tmp}/data.csv",
-                                   "task.heldout_file={tmp}/data.csv"], "the extension must be one of .parquet"),
-    ("data file is a directory", ["model.path={tmp}/model", "task.train_file={tmp}", "task.heldout_file={tmp}"],
-     "is not a file"),
+    (
+        "data file of another kind",
+        ["model.path={tmp}/model", "task.train_file={tmp}/data.csv", "task.heldout_file={tmp}/data.csv"],
+        "the extension must be one of .parquet",
+    ),
+    (
+        "data file is a directory",
+        ["model.path={tmp}/model", "task.train_file={tmp}", "task.heldout_file={tmp}"],
+        "is not a file",
+    ),
 ]
 
 
@@ -388,10 +552,14 @@ def test_inputs_checked_before_any_rank(bad_models, args, needle):
     assert len(check_one_line_error(result, needle.replace("{tmp}", str(bad_models)))) == 1
 
 
-@pytest.mark.parametrize("content, needle", [
-    (b"trainer:\n  total_steps: \xff\n", "is not UTF-8 text (invalid start byte at byte 24)"),
-    (None, "config file '{tmp}/config-dir' is a directory"),
-], ids=["config not utf-8", "config is a directory"])
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        (b"trainer:\n  total_steps: \xff\n", "is not UTF-8 text (invalid start byte at byte 24)"),
+        (None, "config file '{tmp}/config-dir' is a directory"),
+    ],
+    ids=["config not utf-8", "config is a directory"],
+)
 def test_unreadable_config_files(userdir, content, needle):
     path = userdir / "config-dir"
     if content is None:
@@ -403,22 +571,43 @@ def test_unreadable_config_files(userdir, content, needle):
     assert len(check_one_line_error(result, needle.replace("{tmp}", str(userdir)))) == 1
 
 
-@pytest.mark.parametrize("train_line, heldout_line, needle", [
-    (NO_TRUTH_ROW, None,
-     "train.jsonl: row 2 of 3: missing field 'reward_model.ground_truth' or 'answer', which the task's verifier reads"),
-    (SURROGATE_ROW, None, "train.jsonl: row 2 of 3: prompt holds a lone UTF-16 surrogate"),
-    (None, SURROGATE_ROW, "heldout.jsonl: row 2 of 3: prompt holds a lone UTF-16 surrogate"),
-    (None, NO_TRUTH_ROW, "heldout.jsonl: row 2 of 3: missing field 'reward_model.ground_truth' or 'answer'"),
-], ids=["train row without ground truth", "train prompt surrogate", "heldout prompt surrogate",
-        "heldout row without ground truth"])
-def test_rows_the_task_cannot_use_stop_the_run_before_training(userdir, cache_dir, text_model, train_line,
-                                                                heldout_line, needle, request):
+@pytest.mark.parametrize(
+    "train_line, heldout_line, needle",
+    [
+        (
+            NO_TRUTH_ROW,
+            None,
+            "train.jsonl: row 2 of 3: missing field 'reward_model.ground_truth' or 'answer', "
+            "which the task's verifier reads",
+        ),
+        (SURROGATE_ROW, None, "train.jsonl: row 2 of 3: prompt holds a lone UTF-16 surrogate"),
+        (None, SURROGATE_ROW, "heldout.jsonl: row 2 of 3: prompt holds a lone UTF-16 surrogate"),
+        (None, NO_TRUTH_ROW, "heldout.jsonl: row 2 of 3: missing field 'reward_model.ground_truth' or 'answer'"),
+    ],
+    ids=[
+        "train row without ground truth",
+        "train prompt surrogate",
+        "heldout prompt surrogate",
+        "heldout row without ground truth",
+    ],
+)
+def test_rows_the_task_cannot_use_stop_the_run_before_training(
+    userdir, cache_dir, text_model, train_line, heldout_line, needle, request
+):
     name = request.node.callspec.id.replace(" ", "-")
     good = json.dumps(CHAT_ROW)
     train_path = jsonl(userdir, good, train_line or good, good, name=f"{name}-train.jsonl")
     heldout_path = jsonl(userdir, good, heldout_line or good, good, name=f"{name}-heldout.jsonl")
-    result = train(userdir, cache_dir, name, f"model.path={text_model}", f"task.train_file={train_path}",
-                   f"task.heldout_file={heldout_path}", "trainer.prompts_per_step=2", "task.num_heldout=3")
+    result = train(
+        userdir,
+        cache_dir,
+        name,
+        f"model.path={text_model}",
+        f"task.train_file={train_path}",
+        f"task.heldout_file={heldout_path}",
+        "trainer.prompts_per_step=2",
+        "task.num_heldout=3",
+    )
     check_one_line_error(result, f"{name}-{needle}")
     assert "held-out accuracy before RL" not in result.stderr  # stopped before any step or evaluation
 
@@ -438,8 +627,11 @@ def _alive_with(marker):
     return pids
 
 
-@pytest.mark.parametrize("signum, code", [(15, 143), pytest.param(2, 130, marks=pytest.mark.slow)],  # SIGINT: CI
-                         ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    "signum, code",
+    [(15, 143), pytest.param(2, 130, marks=pytest.mark.slow)],  # SIGINT: CI
+    ids=["SIGTERM", "SIGINT"],
+)
 def test_a_signal_to_the_launcher_stops_the_run_with_one_line(userdir, cache_dir, signum, code):
     import os
     import subprocess
@@ -447,11 +639,30 @@ def test_a_signal_to_the_launcher_stops_the_run_with_one_line(userdir, cache_dir
     import time
 
     name = f"stopped-{signum}"
-    command = [sys.executable, "-m", "distflow", "train", CONFIG, *TINY, "trainer.total_steps=10000",
-               "checkpoint.every=1", "warmstart.target_accuracy=0", f"warmstart.cache_dir={cache_dir}",
-               f"trainer.output_dir={userdir}", f"trainer.run_name={name}", "--nproc", "2"]
-    launcher = subprocess.Popen(command, cwd=userdir, stderr=subprocess.PIPE, text=True,
-                                stdout=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    command = [
+        sys.executable,
+        "-m",
+        "distflow",
+        "train",
+        CONFIG,
+        *TINY,
+        "trainer.total_steps=10000",
+        "checkpoint.every=1",
+        "warmstart.target_accuracy=0",
+        f"warmstart.cache_dir={cache_dir}",
+        f"trainer.output_dir={userdir}",
+        f"trainer.run_name={name}",
+        "--nproc",
+        "2",
+    ]
+    launcher = subprocess.Popen(
+        command,
+        cwd=userdir,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdout=subprocess.DEVNULL,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     try:
         first = userdir / name / "checkpoints/step-000001/COMPLETE"
         while not first.exists():
@@ -464,14 +675,18 @@ def test_a_signal_to_the_launcher_stops_the_run_with_one_line(userdir, cache_dir
     assert launcher.returncode == code, stderr[-3000:]
     assert "Traceback" not in stderr and "SignalException" not in stderr
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith(f"distflow: run stopped by {'SIGTERM' if signum == 15 else 'SIGINT'}; the ranks were "
-                           f"stopped; last complete checkpoint: {userdir / name / 'checkpoints'}/step-"), stderr[-3000:]
+    assert last.startswith(
+        f"distflow: run stopped by {'SIGTERM' if signum == 15 else 'SIGINT'}; the ranks were "
+        f"stopped; last complete checkpoint: {userdir / name / 'checkpoints'}/step-"
+    ), stderr[-3000:]
     assert last.endswith(")") and "continue with --resume" in last
     assert _alive_with(f"trainer.run_name={name}") == []  # no rank outlives the launcher
 
 
 def test_a_stage_that_returns_no_batch_is_named(userdir, cache_dir):
-    stage = ("pipeline.custom_stages=[{name: forgetful, fn: 'rewards_misbehave:returns_nothing', after: [reward], "
-             "before: [advantage]}]")
+    stage = (
+        "pipeline.custom_stages=[{name: forgetful, fn: 'rewards_misbehave:returns_nothing', after: [reward], "
+        "before: [advantage]}]"
+    )
     result = train(userdir, cache_dir, "stage-returns-none", stage)
     check_one_line_error(result, "stage 'forgetful' returned NoneType, not a Batch")

@@ -17,13 +17,13 @@ import subprocess
 import sys
 
 import pytest
-from transformers import LlamaConfig, LlamaForSequenceClassification
-
 from conftest import REPO, run_cli
-from distflow.tasks.tiny_model import build_tiny_model
-from distflow.tasks.tokenizer import build_char_tokenizer
 from test_bad_inputs import check_one_line_error, tiny_checkpoint
 from test_e2e import TINY, read_metrics
+from transformers import LlamaConfig, LlamaForSequenceClassification
+
+from distflow.tasks.tiny_model import build_tiny_model
+from distflow.tasks.tokenizer import build_char_tokenizer
 
 CONFIG = str(REPO / "examples/arith_grpo.yaml")
 
@@ -36,9 +36,16 @@ def inputs(tmp_path_factory):
     tokenizer = build_char_tokenizer()
     build_tiny_model(tokenizer, seed=0, hidden_size=32, num_layers=1).save_pretrained(tmp / "model")
     tokenizer.save_pretrained(tmp / "model")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, pad_token_id=tokenizer.pad_token_id,
-                         num_labels=1)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        pad_token_id=tokenizer.pad_token_id,
+        num_labels=1,
+    )
     LlamaForSequenceClassification(config).save_pretrained(tmp / "rm")
     tokenizer.save_pretrained(tmp / "rm")
     (tmp / "rm/model.safetensors").unlink()  # config and tokenizer copied, the weights not
@@ -55,34 +62,69 @@ def inputs(tmp_path_factory):
 
 DATASET = ["model.path={tmp}/model", "trainer.prompts_per_step=1"]
 BEFORE_ANY_RANK = [  # (id, arguments, needle in the one error line); "{tmp}" is the fixture's directory
-    ("env kwargs unknown key", ["env.cls=distflow.envs.tools:CalculatorEnv", "env.kwargs={chatt: true}"],
-     "env.kwargs: 'distflow.envs.tools:CalculatorEnv' is built as CalculatorEnv(**env.kwargs): got an unexpected "
-     "keyword argument 'chatt'; its signature is (*, error_text: 'str' = '()', step_reward: 'float' = 0.0, "
-     "chat: 'bool' = False): fix or remove the key"),
-    ("reward model without weights", ["task.reward_models=[{path: {tmp}/rm}]"],
-     "task.reward_models[0].path='{tmp}/rm' has no weights (*.safetensors or pytorch_model*.bin)"),
-    ("empty dataset jsonl", [*DATASET, "task.dataset={path: {tmp}/empty.jsonl}"],
-     "task.dataset.path='{tmp}/empty.jsonl' has no rows (the file is empty)"),
-    ("empty dataset csv", [*DATASET, "task.dataset={path: {tmp}/empty.csv}"],
-     "task.dataset.path='{tmp}/empty.csv' has no rows (the file is empty)"),
-    ("empty held-out dataset", [*DATASET, "task.dataset={path: {tmp}/rows.jsonl, heldout_path: {tmp}/blank.jsonl, "
-                                          "heldout_split: train}"],
-     "task.dataset.heldout_path='{tmp}/blank.jsonl' has no rows"),
-    ("empty train file", [*DATASET, "task.train_file={tmp}/blank.jsonl", "task.heldout_file={tmp}/blank.jsonl"],
-     "task.train_file='{tmp}/blank.jsonl' has no rows (the file is empty)"),
-    ("empty parquet", [*DATASET, "task.train_file={tmp}/empty.parquet", "task.heldout_file={tmp}/empty.parquet"],
-     "task.train_file='{tmp}/empty.parquet' has no rows"),
-    ("truncated rng file", ["--resume", "{tmp}/rng-truncated/step-000003"],
-     "checkpoint {tmp}/rng-truncated/step-000003: rng-rank0.pt is unreadable ("),
-    ("run name too long", ["trainer.run_name=" + "r" * 300],
-     "trainer.run_name is 300 bytes long; a directory name may be at most 255 bytes: choose a shorter name"),
-    ("run name with a newline", ['trainer.run_name="a\\nb"'],
-     "trainer.run_name must not hold control characters such as a newline or a tab (got 'a\\nb')"),
-    ("lora rank above the layers", ["model.lora.rank=65"],
-     "model.lora.rank=65 exceeds the smallest dimension of the adapted layers (model.layers.0.self_attn.k_proj: "
-     "128 -> 64); a rank above 64 only adds cost: set model.lora.rank to at most 64"),
-    ("lora rank of a local model", ["model.path={tmp}/model", "model.lora.rank=17"],
-     "set model.lora.rank to at most 16"),
+    (
+        "env kwargs unknown key",
+        ["env.cls=distflow.envs.tools:CalculatorEnv", "env.kwargs={chatt: true}"],
+        "env.kwargs: 'distflow.envs.tools:CalculatorEnv' is built as CalculatorEnv(**env.kwargs): got an unexpected "
+        "keyword argument 'chatt'; its signature is (*, error_text: 'str' = '()', step_reward: 'float' = 0.0, "
+        "chat: 'bool' = False): fix or remove the key",
+    ),
+    (
+        "reward model without weights",
+        ["task.reward_models=[{path: {tmp}/rm}]"],
+        "task.reward_models[0].path='{tmp}/rm' has no weights (*.safetensors or pytorch_model*.bin)",
+    ),
+    (
+        "empty dataset jsonl",
+        [*DATASET, "task.dataset={path: {tmp}/empty.jsonl}"],
+        "task.dataset.path='{tmp}/empty.jsonl' has no rows (the file is empty)",
+    ),
+    (
+        "empty dataset csv",
+        [*DATASET, "task.dataset={path: {tmp}/empty.csv}"],
+        "task.dataset.path='{tmp}/empty.csv' has no rows (the file is empty)",
+    ),
+    (
+        "empty held-out dataset",
+        [*DATASET, "task.dataset={path: {tmp}/rows.jsonl, heldout_path: {tmp}/blank.jsonl, heldout_split: train}"],
+        "task.dataset.heldout_path='{tmp}/blank.jsonl' has no rows",
+    ),
+    (
+        "empty train file",
+        [*DATASET, "task.train_file={tmp}/blank.jsonl", "task.heldout_file={tmp}/blank.jsonl"],
+        "task.train_file='{tmp}/blank.jsonl' has no rows (the file is empty)",
+    ),
+    (
+        "empty parquet",
+        [*DATASET, "task.train_file={tmp}/empty.parquet", "task.heldout_file={tmp}/empty.parquet"],
+        "task.train_file='{tmp}/empty.parquet' has no rows",
+    ),
+    (
+        "truncated rng file",
+        ["--resume", "{tmp}/rng-truncated/step-000003"],
+        "checkpoint {tmp}/rng-truncated/step-000003: rng-rank0.pt is unreadable (",
+    ),
+    (
+        "run name too long",
+        ["trainer.run_name=" + "r" * 300],
+        "trainer.run_name is 300 bytes long; a directory name may be at most 255 bytes: choose a shorter name",
+    ),
+    (
+        "run name with a newline",
+        ['trainer.run_name="a\\nb"'],
+        "trainer.run_name must not hold control characters such as a newline or a tab (got 'a\\nb')",
+    ),
+    (
+        "lora rank above the layers",
+        ["model.lora.rank=65"],
+        "model.lora.rank=65 exceeds the smallest dimension of the adapted layers (model.layers.0.self_attn.k_proj: "
+        "128 -> 64); a rank above 64 only adds cost: set model.lora.rank to at most 64",
+    ),
+    (
+        "lora rank of a local model",
+        ["model.path={tmp}/model", "model.lora.rank=17"],
+        "set model.lora.rank to at most 16",
+    ),
 ]
 
 
@@ -102,10 +144,19 @@ def test_the_longest_run_name_a_file_system_takes_is_accepted(inputs):
 def test_max_restarts_under_a_bare_torchrun_is_refused(inputs):
     """torchrun restarts its ranks with its own --max-restarts; the ranks' flag would be ignored."""
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    result = subprocess.run([sys.executable, "-m", "distflow", "train", CONFIG, "--max-restarts", "2"], cwd=inputs,
-                            env=env, capture_output=True, text=True, timeout=1800)
-    lines = check_one_line_error(result, "--max-restarts restarts the ranks that `distflow train` starts; under "
-                                         "torchrun, give torchrun --max-restarts 2 instead")
+    result = subprocess.run(
+        [sys.executable, "-m", "distflow", "train", CONFIG, "--max-restarts", "2"],
+        cwd=inputs,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    lines = check_one_line_error(
+        result,
+        "--max-restarts restarts the ranks that `distflow train` starts; under "
+        "torchrun, give torchrun --max-restarts 2 instead",
+    )
     assert len(lines) == 1
 
 
@@ -113,9 +164,21 @@ def test_ctrl_c_during_the_embedded_warm_start_is_one_line_and_130(tmp_path):
     """A fresh cache: the warm-start runs in the launching process, before any rank; Ctrl-C there used
     to print a ~30-line KeyboardInterrupt traceback."""
     cache = tmp_path / "cache"
-    process = subprocess.Popen([sys.executable, "-m", "distflow", "train", CONFIG, f"warmstart.cache_dir={cache}",
-                                f"trainer.output_dir={tmp_path}"], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
-                               env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "distflow",
+            "train",
+            CONFIG,
+            f"warmstart.cache_dir={cache}",
+            f"trainer.output_dir={tmp_path}",
+        ],
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     try:
         first = process.stderr.readline()  # "warm-start: supervised training on ... (cached afterwards)"
         assert first.startswith("warm-start: "), first
@@ -127,14 +190,15 @@ def test_ctrl_c_during_the_embedded_warm_start_is_one_line_and_130(tmp_path):
     assert "Traceback" not in rest
     assert rest.strip().splitlines() == [
         "distflow: interrupted during the warm-start of the embedded model, before any rank started; nothing "
-        "half-done was kept: run the command again to start over"]
+        "half-done was kept: run the command again to start over"
+    ]
     assert not cache.exists() or list(cache.iterdir()) == []
 
 
 # sitecustomize runs in every Python process started with its directory on PYTHONPATH. The file
 # object rank 0 appends metrics.jsonl through behaves as a filling disk does at step FULL_AT:
 # write(2) takes half the record, then refuses the rest with ENOSPC.
-FULL_DISK_HOOK = '''
+FULL_DISK_HOOK = """
 import errno
 import os
 
@@ -166,22 +230,43 @@ def filling_disk_init(self, *args, **kwargs):
 
 
 writer.RunWriter.__init__ = filling_disk_init
-'''
+"""
 
 
 def test_a_disk_that_fills_while_metrics_are_appended_is_one_line_without_a_torn_record(tmp_path, cache_dir):
     hooks = tmp_path / "hooks"
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(FULL_DISK_HOOK)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", FULL_AT="2",
-               PYTHONPATH=os.pathsep.join(p for p in (str(hooks), os.environ.get("PYTHONPATH", "")) if p))
-    result = subprocess.run([sys.executable, "-m", "distflow", "train", CONFIG, *TINY, "warmstart.target_accuracy=0",
-                             f"warmstart.cache_dir={cache_dir}", f"trainer.output_dir={tmp_path}",
-                             "trainer.run_name=run", "checkpoint.every=1"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=1800)
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        FULL_AT="2",
+        PYTHONPATH=os.pathsep.join(p for p in (str(hooks), os.environ.get("PYTHONPATH", "")) if p),
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "distflow",
+            "train",
+            CONFIG,
+            *TINY,
+            "warmstart.target_accuracy=0",
+            f"warmstart.cache_dir={cache_dir}",
+            f"trainer.output_dir={tmp_path}",
+            "trainer.run_name=run",
+            "checkpoint.every=1",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     run = tmp_path / "run"
-    line = check_one_line_error(result, f"cannot append step 2's metrics to {run / 'metrics.jsonl'}: "
-                                        "No space left on device (ENOSPC); ")[-1]
+    line = check_one_line_error(
+        result, f"cannot append step 2's metrics to {run / 'metrics.jsonl'}: No space left on device (ENOSPC); "
+    )[-1]
     assert " MiB free of " in line
     checkpoint = run / "checkpoints/step-000001"
     assert line.endswith(f"the last complete checkpoint is {checkpoint} (free space, then --resume {checkpoint})")
@@ -195,8 +280,15 @@ def test_max_restarts_with_one_process_restarts_it(tmp_path, cache_dir):
     from test_resume import train
 
     out = tmp_path / "out"
-    result = train(tmp_path / "cwd", out, cache_dir, "trainer.run_name=run", "--max-restarts", "1",
-                   env={"KILL_ONCE_AT": "3", "KILL_RANK": "0"})
+    result = train(
+        tmp_path / "cwd",
+        out,
+        cache_dir,
+        "trainer.run_name=run",
+        "--max-restarts",
+        "1",
+        env={"KILL_ONCE_AT": "3", "KILL_RANK": "0"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "cwd/killed-once-step3").exists()
     restarts = [line for line in result.stderr.splitlines() if "after a failure: resuming from" in line]

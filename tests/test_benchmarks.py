@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from conftest import REPO
 
 BENCHMARKS = REPO / "benchmarks"
@@ -36,8 +35,14 @@ DATA_PLANE_MODES = ("p2p", "p2p-disjoint", "local", "central", "central-disjoint
 def run_quick(script: str, timeout: float) -> dict:
     """Run `benchmarks/<script> --quick`; return its last stdout line, parsed."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    result = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick"], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--quick"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert result.returncode == 0, f"{script} --quick exited {result.returncode}:\n{result.stderr[-4000:]}"
     lines = result.stdout.strip().splitlines()
     assert lines, f"{script} --quick printed nothing on stdout:\n{result.stderr[-2000:]}"
@@ -56,9 +61,12 @@ def throughput_module():
 def distflow_imports(path) -> list[tuple[str, str]]:
     """(module, name) for every `from distflow... import name` in a file."""
     tree = ast.parse(path.read_text())
-    return [(node.module, alias.name) for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("distflow")
-            for alias in node.names]
+    return [
+        (node.module, alias.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("distflow")
+        for alias in node.names
+    ]
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.py")))
@@ -66,16 +74,23 @@ def test_benchmark_imports_of_distflow_exist(script):
     # Fast and without TRL: names the missing symbol when a refactor breaks a benchmark
     # (trl_worker.py cannot be imported here, its TRL imports live in .venv-bench).
     imports = distflow_imports(BENCHMARKS / script)
-    missing = [f"{module}.{name}" for module, name in imports
-               if not hasattr(importlib.import_module(module), name)]
+    missing = [f"{module}.{name}" for module, name in imports if not hasattr(importlib.import_module(module), name)]
     assert not missing, f"benchmarks/{script} imports names distflow no longer has: {missing}"
 
 
 def test_every_benchmark_has_a_quick_test():
     scripts = {p.name for p in BENCHMARKS.glob("*.py")} - {"trl_worker.py"}  # run by throughput.py
-    assert scripts == {"throughput.py", "data_plane.py", "weight_sync.py", "memory.py", "lora.py", "async.py",
-                       "roofline.py", "learning.py", "rollout_engines.py"}, (
-        f"benchmarks/ now holds {sorted(scripts)}: give each a --quick mode and a test here")
+    assert scripts == {
+        "throughput.py",
+        "data_plane.py",
+        "weight_sync.py",
+        "memory.py",
+        "lora.py",
+        "async.py",
+        "roofline.py",
+        "learning.py",
+        "rollout_engines.py",
+    }, f"benchmarks/ now holds {sorted(scripts)}: give each a --quick mode and a test here"
 
 
 def test_throughput_quick():
@@ -123,8 +138,15 @@ def test_throughput_models():
     from distflow.engines.generation import generate
 
     model, tokenizer = throughput.build_model("long")
-    out = generate(model, tokenizer, ["12+34=", "5+67="], max_new_tokens=64, temperature=1.0,
-                   sample_keys=list(range(64)), samples_per_prompt=32)
+    out = generate(
+        model,
+        tokenizer,
+        ["12+34=", "5+67="],
+        max_new_tokens=64,
+        temperature=1.0,
+        sample_keys=list(range(64)),
+        samples_per_prompt=32,
+    )
     lengths = out.response_mask_BR.sum(-1).float()
     assert 20 <= lengths.mean() <= 50 and (lengths == 64).sum() >= 4 and (lengths <= 8).sum() >= 4
     wide = sum(p.numel() for p in throughput.build_model("wide")[0].parameters())
@@ -146,11 +168,13 @@ def test_throughput_gpu_mode_puts_every_system_on_cuda_in_bf16(tmp_path):
         config = yaml.safe_load(throughput.distflow_config(tmp_path / "c.yaml", tmp_path, one, "compact").read_text())
         assert config["trainer"]["device"] == device and config["trainer"].get("strategy") == ("fsdp2" if gpu else None)
         assert config["trainer"]["padding_free"] is False and config["trainer"]["shared_prefix"] is True
-    packed = yaml.safe_load(throughput.distflow_config(tmp_path / "p.yaml", tmp_path, one, "compact",
-                                                       "packed_").read_text())["trainer"]
+    packed = yaml.safe_load(
+        throughput.distflow_config(tmp_path / "p.yaml", tmp_path, one, "compact", "packed_").read_text()
+    )["trainer"]
     assert packed["padding_free"] is True and packed["shared_prefix"] is False  # --packed's systems
-    padded = yaml.safe_load(throughput.distflow_config(tmp_path / "s.yaml", tmp_path, one, "compact",
-                                                       "padded_").read_text())["trainer"]
+    padded = yaml.safe_load(
+        throughput.distflow_config(tmp_path / "s.yaml", tmp_path, one, "compact", "padded_").read_text()
+    )["trainer"]
     assert padded["padding_free"] is False and padded["shared_prefix"] is False  # --padded's systems
 
 
@@ -162,8 +186,14 @@ def test_throughput_roofline_is_the_settings_own_cpu_floor(monkeypatch):
             throughput.parse_args(["--roofline", *conflicting])
     assert throughput.parse_args(["--roofline", "--settings", "wide"]).roofline
     calls = []
-    monkeypatch.setattr(throughput, "run_checked", lambda cmd, what: calls.append(cmd) or
-                        'table\n{"settings": {}, "wide": {"floor_s": 0.5, "gemm_s": 0.4, "rollout_gemm_s": 0.1}}\n')
+    monkeypatch.setattr(
+        throughput,
+        "run_checked",
+        lambda cmd, what: (
+            calls.append(cmd)
+            or 'table\n{"settings": {}, "wide": {"floor_s": 0.5, "gemm_s": 0.4, "rollout_gemm_s": 0.1}}\n'
+        ),
+    )
     floor = throughput.roofline("wide")
     assert calls[0][-2:] == ["--settings", "wide"] and str(calls[0][1]).endswith("roofline.py")
     assert throughput.ceiling({"trl": {"step_s": 1.25}}, floor) == 2.5  # TRL's step over the floor

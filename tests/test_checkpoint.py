@@ -16,14 +16,14 @@ from distflow.checkpoint import (
     load_checkpoint,
     restore_rng,
     save_checkpoint,
+    store,
 )
-from distflow.checkpoint import store
+from distflow.comm import Comm
 from distflow.config.schema import ConfigError, OptimConfig
 from distflow.engines.policy import PolicyEngine
-from distflow.comm import Comm
+from distflow.runtime.launcher import run_local
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
-from distflow.runtime.launcher import run_local
 
 SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 EXTRA = {"config": {"seed": 3, "trainer": {"steps": 10}}, "loader": {"epoch": 1, "cursor": 7}}
@@ -45,12 +45,14 @@ def train_step(engine: PolicyEngine, seed: int) -> None:
 
 def snapshot(engine: PolicyEngine) -> dict:
     """A copy (state dicts hold references to the live tensors)."""
-    return copy.deepcopy({
-        "model": engine.model.state_dict(),
-        "optimizer": engine.optimizer.state_dict()["state"],
-        "lr": [group["lr"] for group in engine.optimizer.param_groups],
-        "scheduler": engine.scheduler.state_dict(),
-    })
+    return copy.deepcopy(
+        {
+            "model": engine.model.state_dict(),
+            "optimizer": engine.optimizer.state_dict()["state"],
+            "lr": [group["lr"] for group in engine.optimizer.param_groups],
+            "scheduler": engine.scheduler.state_dict(),
+        }
+    )
 
 
 def assert_same(a: dict, b: dict) -> None:
@@ -58,8 +60,16 @@ def assert_same(a: dict, b: dict) -> None:
 
 
 def save(root: Path, step: int, engine: PolicyEngine, keep_last: int = 3, comm: Comm = SINGLE) -> Path:
-    return save_checkpoint(root, step, model=engine.model, optimizer=engine.optimizer, scheduler=engine.scheduler,
-                           extra=EXTRA, comm=comm, keep_last=keep_last)
+    return save_checkpoint(
+        root,
+        step,
+        model=engine.model,
+        optimizer=engine.optimizer,
+        scheduler=engine.scheduler,
+        extra=EXTRA,
+        comm=comm,
+        keep_last=keep_last,
+    )
 
 
 def load(path: Path, engine: PolicyEngine, comm: Comm = SINGLE) -> dict:
@@ -196,7 +206,9 @@ def test_export_streams_one_file_of_tensors_at_a_time_and_never_reads_the_optimi
     reads, real_load = [], export_module.dcp.load
 
     def recording_load(state, **kwargs):
-        reads.append({top: sum(t.numel() * t.element_size() for t in tensors.values()) for top, tensors in state.items()})
+        reads.append(
+            {top: sum(t.numel() * t.element_size() for t in tensors.values()) for top, tensors in state.items()}
+        )
         return real_load(state, **kwargs)
 
     monkeypatch.setattr(export_module.dcp, "load", recording_load)
@@ -247,16 +259,35 @@ def test_other_trained_modules_round_trip(tmp_path):
     train_step(policy, 0)
     train_step(critic, 1)
     others = {"critic": (critic.model, critic.optimizer, critic.scheduler)}
-    path = save_checkpoint(tmp_path, 1, model=policy.model, optimizer=policy.optimizer, scheduler=policy.scheduler,
-                           extra={}, comm=SINGLE, keep_last=1, others=others)
+    path = save_checkpoint(
+        tmp_path,
+        1,
+        model=policy.model,
+        optimizer=policy.optimizer,
+        scheduler=policy.scheduler,
+        extra={},
+        comm=SINGLE,
+        keep_last=1,
+        others=others,
+    )
     fresh_policy, fresh_critic = make_engine(SINGLE, seed=1), make_engine(SINGLE, seed=2)
-    load_checkpoint(path, model=fresh_policy.model, optimizer=fresh_policy.optimizer,
-                    scheduler=fresh_policy.scheduler, comm=SINGLE,
-                    others={"critic": (fresh_critic.model, fresh_critic.optimizer, fresh_critic.scheduler)})
+    load_checkpoint(
+        path,
+        model=fresh_policy.model,
+        optimizer=fresh_policy.optimizer,
+        scheduler=fresh_policy.scheduler,
+        comm=SINGLE,
+        others={"critic": (fresh_critic.model, fresh_critic.optimizer, fresh_critic.scheduler)},
+    )
     assert_same(snapshot(fresh_policy), snapshot(policy))
     assert_same(snapshot(fresh_critic), snapshot(critic))
     without = save(tmp_path / "plain", 1, policy)
     with pytest.raises(CheckpointError, match="holds no critic"):
-        load_checkpoint(without, model=fresh_policy.model, optimizer=fresh_policy.optimizer,
-                        scheduler=fresh_policy.scheduler, comm=SINGLE,
-                        others={"critic": (fresh_critic.model, fresh_critic.optimizer, fresh_critic.scheduler)})
+        load_checkpoint(
+            without,
+            model=fresh_policy.model,
+            optimizer=fresh_policy.optimizer,
+            scheduler=fresh_policy.scheduler,
+            comm=SINGLE,
+            others={"critic": (fresh_critic.model, fresh_critic.optimizer, fresh_critic.scheduler)},
+        )

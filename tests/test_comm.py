@@ -28,8 +28,14 @@ def test_the_modules_that_import_torch_distributed_are_the_ones_comm_lists():
 
     package = Path(distflow.comm.__file__).parent
     listed = set(re.findall(r"^    (\S+\.py) ", distflow.comm.__doc__, flags=re.M))
-    importing = {str(p.relative_to(package)) for p in package.rglob("*.py")
-                 if re.search(r"^\s*(import torch\.distributed|from torch\.distributed|from torch import distributed"
-                              r"|from torch\.nn\.parallel import DistributedDataParallel)",
-                              p.read_text(), flags=re.M)}
+    importing = {
+        str(p.relative_to(package))
+        for p in package.rglob("*.py")
+        if re.search(
+            r"^\s*(import torch\.distributed|from torch\.distributed|from torch import distributed"
+            r"|from torch\.nn\.parallel import DistributedDataParallel)",
+            p.read_text(),
+            flags=re.M,
+        )
+    }
     assert listed == importing

@@ -29,11 +29,19 @@ def test_int_is_accepted_for_float_and_none_for_optional(tmp_path):
 @pytest.mark.parametrize(
     "text, overrides, needle",
     [
-        ("trainer:\n  total_step: 5\n", [], "unknown config key 'trainer.total_step'; did you mean 'trainer.total_steps'?"),
+        (
+            "trainer:\n  total_step: 5\n",
+            [],
+            "unknown config key 'trainer.total_step'; did you mean 'trainer.total_steps'?",
+        ),
         ("trainr:\n  total_steps: 5\n", [], "did you mean 'trainer'?"),
         ("", ["trainer.total_steps=many"], "trainer.total_steps must be an integer (got 'many')"),
         ("", ["trainer.progress_bar=3"], "trainer.progress_bar must be true or false"),
-        ("", ["trainer.loggers=[jsonl,mlflow]"], "trainer.loggers: unknown ['mlflow']; choose from jsonl, tensorboard, wandb"),
+        (
+            "",
+            ["trainer.loggers=[jsonl,mlflow]"],
+            "trainer.loggers: unknown ['mlflow']; choose from jsonl, tensorboard, wandb",
+        ),
         ("", ["trainer.loggers=[tensorboard]"], "trainer.loggers must include jsonl"),
         ("", ["rollout.temperature=0"], "rollout.temperature must be > 0"),
         ("", ["optim.betas=[0.9]"], "optim.betas must be a list of 2 values"),
@@ -56,7 +64,10 @@ def test_missing_file():
 
 
 def test_custom_stages_parse(tmp_path):
-    cfg = load_config(write(tmp_path, """
+    cfg = load_config(
+        write(
+            tmp_path,
+            """
 pipeline:
   custom_stages:
     - name: shape
@@ -65,7 +76,9 @@ pipeline:
       before: [advantage]
       reads: [reward]
       writes: [reward]
-"""))
+""",
+        )
+    )
     (spec,) = cfg.pipeline.custom_stages
     assert (spec.name, spec.fn, spec.after, spec.before) == ("shape", "mypkg.mod:shape", ["reward"], ["advantage"])
 
@@ -86,11 +99,21 @@ def test_to_dict_round_trips(tmp_path):
 
 # Every flat algorithm key of the previous release (config/deprecated.py), with a value.
 OLD_KEYS = {
-    "algorithm.clip_low": "0.1", "algorithm.clip_high": "0.3", "algorithm.dual_clip_c": "3",
-    "algorithm.kl_coef": "0.1", "algorithm.kl_estimator": "k2", "algorithm.kl_in_reward": "true",
-    "algorithm.kl_controller": "adaptive", "algorithm.kl_target": "0.2", "algorithm.kl_horizon": "500",
-    "algorithm.dynamic_sampling": "true", "algorithm.max_sampling_rounds": "2", "algorithm.overlong_buffer": "2",
-    "algorithm.overlong_penalty": "0.5", "algorithm.critic_lr": "0.002", "algorithm.value_clip": "0.3",
+    "algorithm.clip_low": "0.1",
+    "algorithm.clip_high": "0.3",
+    "algorithm.dual_clip_c": "3",
+    "algorithm.kl_coef": "0.1",
+    "algorithm.kl_estimator": "k2",
+    "algorithm.kl_in_reward": "true",
+    "algorithm.kl_controller": "adaptive",
+    "algorithm.kl_target": "0.2",
+    "algorithm.kl_horizon": "500",
+    "algorithm.dynamic_sampling": "true",
+    "algorithm.max_sampling_rounds": "2",
+    "algorithm.overlong_buffer": "2",
+    "algorithm.overlong_penalty": "0.5",
+    "algorithm.critic_lr": "0.002",
+    "algorithm.value_clip": "0.3",
     "algorithm.critic_warmup_steps": "1",
 }
 
@@ -105,8 +128,14 @@ def test_old_flat_keys_still_work_and_warn_with_the_new_name(tmp_path, where):
         else:
             algo = load_config(None, ["algorithm.name=ppo", *(f"{k}={v}" for k, v in OLD_KEYS.items())]).algorithm
     assert (algo.clip.low, algo.clip.high, algo.clip.dual_c) == (0.1, 0.3, 3.0)
-    assert (algo.kl.coef, algo.kl.estimator, algo.kl.in_reward, algo.kl.controller, algo.kl.target,
-            algo.kl.horizon) == (0.1, "k2", True, "adaptive", 0.2, 500.0)
+    assert (
+        algo.kl.coef,
+        algo.kl.estimator,
+        algo.kl.in_reward,
+        algo.kl.controller,
+        algo.kl.target,
+        algo.kl.horizon,
+    ) == (0.1, "k2", True, "adaptive", 0.2, 500.0)
     assert (algo.dynamic_sampling.enabled, algo.dynamic_sampling.max_rounds) == (True, 2)
     assert (algo.overlong.buffer, algo.overlong.penalty) == (2, 0.5)
     assert (algo.critic.lr, algo.critic.value_clip, algo.critic.warmup_steps) == (0.002, 0.3, 1)
@@ -125,19 +154,30 @@ def test_old_keys_inside_a_section_given_whole_and_next_to_new_sections(tmp_path
         sampling = load_config(path, ["algorithm.dynamic_sampling=true"]).algorithm.dynamic_sampling
     assert (sampling.enabled, sampling.max_rounds) == (True, 3)
     with pytest.warns(DeprecatedKeyWarning):
-        assert load_config(write(tmp_path, "algorithm:\n  kl:\n    coef: 0.1\n"),
-                           ["algorithm.kl_coef=0.2"]).algorithm.kl.coef == 0.2
+        assert (
+            load_config(
+                write(tmp_path, "algorithm:\n  kl:\n    coef: 0.1\n"), ["algorithm.kl_coef=0.2"]
+            ).algorithm.kl.coef
+            == 0.2
+        )
     with pytest.warns(DeprecatedKeyWarning):
-        assert load_config(write(tmp_path, "algorithm:\n  name: dapo\n  dynamic_sampling: true\n"),
-                           ["algorithm.dynamic_sampling.enabled=false"]).algorithm.dynamic_sampling.enabled is False
+        assert (
+            load_config(
+                write(tmp_path, "algorithm:\n  name: dapo\n  dynamic_sampling: true\n"),
+                ["algorithm.dynamic_sampling.enabled=false"],
+            ).algorithm.dynamic_sampling.enabled
+            is False
+        )
 
 
 @pytest.mark.filterwarnings("ignore::distflow.config.deprecated.DeprecatedKeyWarning")
 @pytest.mark.parametrize(
     "text, overrides",
-    [("algorithm:\n  kl_coef: 0.1\n  kl:\n    coef: 0.2\n", []),
-     ("", ["algorithm.kl.coef=0.2", "algorithm.kl_coef=0.1"]),
-     ("", ["algorithm.critic_lr=0.1", "algorithm.critic.lr=0.2"])],
+    [
+        ("algorithm:\n  kl_coef: 0.1\n  kl:\n    coef: 0.2\n", []),
+        ("", ["algorithm.kl.coef=0.2", "algorithm.kl_coef=0.1"]),
+        ("", ["algorithm.critic_lr=0.1", "algorithm.critic.lr=0.2"]),
+    ],
     ids=["file", "overrides", "overrides-reversed"],
 )
 def test_an_old_key_and_its_new_key_together_are_an_error(tmp_path, text, overrides):
@@ -147,10 +187,12 @@ def test_an_old_key_and_its_new_key_together_are_an_error(tmp_path, text, overri
 
 @pytest.mark.parametrize(
     "override, needle",
-    [("algorithm.kl_coeff=0.1", "unknown config key 'algorithm.kl_coeff'; did you mean 'algorithm.kl.coef'?"),
-     ("algorithm.kl.coeff=0.1", "unknown config key 'algorithm.kl.coeff'; did you mean 'algorithm.kl.coef'?"),
-     ("algorithm.critic.warmup=1", "did you mean 'algorithm.critic.warmup_steps'?"),
-     ("algorithm.nmae=grpo", "did you mean 'algorithm.name'?")],
+    [
+        ("algorithm.kl_coeff=0.1", "unknown config key 'algorithm.kl_coeff'; did you mean 'algorithm.kl.coef'?"),
+        ("algorithm.kl.coeff=0.1", "unknown config key 'algorithm.kl.coeff'; did you mean 'algorithm.kl.coef'?"),
+        ("algorithm.critic.warmup=1", "did you mean 'algorithm.critic.warmup_steps'?"),
+        ("algorithm.nmae=grpo", "did you mean 'algorithm.name'?"),
+    ],
 )
 def test_unknown_keys_still_get_did_you_mean(override, needle):
     with pytest.raises(ConfigError) as err:

@@ -8,6 +8,7 @@ import types
 import typing
 
 from conftest import REPO
+
 from distflow.config import Config
 from distflow.config.algorithm import ALGORITHMS
 from distflow.config.reference import reference_markdown
@@ -25,8 +26,11 @@ def every_key(cls: type, prefix: str = "") -> set[str]:
         args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
         if dataclasses.is_dataclass(hint):
             keys |= every_key(hint, key + ".")
-        elif typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1 \
-                and dataclasses.is_dataclass(args[0]):
+        elif (
+            typing.get_origin(hint) in (typing.Union, types.UnionType)
+            and len(args) == 1
+            and dataclasses.is_dataclass(args[0])
+        ):
             keys |= every_key(args[0], key + ".")
         elif typing.get_origin(hint) is list and args and dataclasses.is_dataclass(args[0]):
             keys |= every_key(args[0], key + "[].")
@@ -61,13 +65,19 @@ def reference_rows() -> dict[str, list[str]]:
 
 def test_the_reference_lists_every_key_with_its_type_default_and_doc():
     rows, keys = reference_rows(), every_key(Config) - set(f.name for f in dataclasses.fields(Config))
-    assert {"algorithm.kl.coef", "placement.train.ranks_per_replica", "task.rewards[].weight",
-            "task.reasoning_gym.datasets[].name", "pipeline.custom_stages[].fn"} <= keys
+    assert {
+        "algorithm.kl.coef",
+        "placement.train.ranks_per_replica",
+        "task.rewards[].weight",
+        "task.reasoning_gym.datasets[].name",
+        "pipeline.custom_stages[].fn",
+    } <= keys
     assert sorted(keys - set(rows)) == [], "config keys missing from the generated reference"
     assert sorted(set(rows) - keys) == [], "reference rows that are no config key"
     undocumented = sorted(key for key, (type_, default, doc) in rows.items() if not (type_ and default and doc))
-    assert undocumented == [], ("config keys without an attribute docstring (the string right below the field, "
-                                "which the reference prints)")
+    assert undocumented == [], (
+        "config keys without an attribute docstring (the string right below the field, which the reference prints)"
+    )
 
 
 def test_the_reference_shows_defaults_as_yaml_and_sections_with_their_docs():
@@ -87,6 +97,9 @@ def test_the_algorithms_table_names_every_built_in_algorithm():
     page = (REPO / "docs" / "features" / "algorithms.md").read_text(encoding="utf-8")
     header = "| `algorithm.name` | what it is |"
     table = page.split(header, 1)[1].split("\n\n", 1)[0]
-    names = [line.split("|")[1].strip().strip("`") for line in table.splitlines()
-             if line.startswith("|") and not line.startswith("|---")]
+    names = [
+        line.split("|")[1].strip().strip("`")
+        for line in table.splitlines()
+        if line.startswith("|") and not line.startswith("|---")
+    ]
     assert names == list(ALGORITHMS)

@@ -17,8 +17,10 @@ def model_and_tokenizer():
 
 
 def _both(model, tokenizer, n, **kwargs):
-    return [generate(model, tokenizer, PROMPTS, samples_per_prompt=n, engine=engine, **kwargs)
-            for engine in ("generate", "compact")]
+    return [
+        generate(model, tokenizer, PROMPTS, samples_per_prompt=n, engine=engine, **kwargs)
+        for engine in ("generate", "compact")
+    ]
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
@@ -26,8 +28,9 @@ def test_compact_draws_the_reference_samples(model_and_tokenizer, temperature, t
     model, tokenizer = model_and_tokenizer
     n = 4
     keys = [1000 + 7 * row for row in range(len(PROMPTS) * n)]
-    reference, compact = _both(model, tokenizer, n, max_new_tokens=48, temperature=temperature, top_p=top_p,
-                               sample_keys=keys, prompt_width=14)
+    reference, compact = _both(
+        model, tokenizer, n, max_new_tokens=48, temperature=temperature, top_p=top_p, sample_keys=keys, prompt_width=14
+    )
     lengths = reference.response_mask_BR.sum(-1)
     assert lengths.min() < lengths.max()  # rows end at different steps: compaction runs
     assert torch.equal(compact.input_ids_BT, reference.input_ids_BT)
@@ -46,12 +49,21 @@ def test_greedy_matches_the_reference(model_and_tokenizer):
 def test_each_prompt_is_prefilled_once_and_finished_rows_cost_nothing(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     rows_per_call = []
-    hook = model.model.register_forward_pre_hook(lambda _, args, kwargs: rows_per_call.append(
-        tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    hook = model.model.register_forward_pre_hook(
+        lambda _, args, kwargs: rows_per_call.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
     try:
         n = 4
-        out = generate(model, tokenizer, PROMPTS, samples_per_prompt=n, engine="compact", max_new_tokens=40,
-                       temperature=1.0, sample_keys=list(range(len(PROMPTS) * n)))
+        out = generate(
+            model,
+            tokenizer,
+            PROMPTS,
+            samples_per_prompt=n,
+            engine="compact",
+            max_new_tokens=40,
+            temperature=1.0,
+            sample_keys=list(range(len(PROMPTS) * n)),
+        )
     finally:
         hook.remove()
     prefill, decode_steps = rows_per_call[0], rows_per_call[1:]
@@ -68,8 +80,14 @@ def test_compiled_engine_draws_the_compact_samples_and_follows_weight_updates(mo
     tokenizer = model_and_tokenizer[1]
     model = build_tiny_model(tokenizer, seed=12, max_positions=96).eval()  # its own: the test changes its weights
     n = 4
-    kwargs = dict(samples_per_prompt=n, max_new_tokens=32, temperature=1.0, top_p=1.0, logprobs=True,
-                  sample_keys=[500 + row for row in range(len(PROMPTS) * n)])
+    kwargs = dict(
+        samples_per_prompt=n,
+        max_new_tokens=32,
+        temperature=1.0,
+        top_p=1.0,
+        logprobs=True,
+        sample_keys=[500 + row for row in range(len(PROMPTS) * n)],
+    )
     for _ in range(2):  # the second time with updated weights, in place as an optimizer step makes them
         compact = generate(model, tokenizer, PROMPTS, engine="compact", **kwargs)
         compiled = generate(model, tokenizer, PROMPTS, engine="compiled", **kwargs)
@@ -78,7 +96,9 @@ def test_compiled_engine_draws_the_compact_samples_and_follows_weight_updates(mo
         with torch.no_grad():
             for param in model.parameters():
                 param.mul_(1.05)
-    assert not torch.equal(compact.input_ids_BT, generate(model, tokenizer, PROMPTS, engine="compiled", **kwargs).input_ids_BT)
+    assert not torch.equal(
+        compact.input_ids_BT, generate(model, tokenizer, PROMPTS, engine="compiled", **kwargs).input_ids_BT
+    )
 
 
 @pytest.mark.slow  # two 2-rank CLI runs, one compiling: CI runs it
@@ -89,14 +109,29 @@ def test_a_compiled_run_on_two_ranks_logs_what_the_compact_run_logs(tmp_path, ca
 
     rows = {}
     for engine in ("compact", "compiled"):
-        result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), f"rollout.engine={engine}", "--nproc", "2",
-                         "trainer.total_steps=3", "trainer.eval_every=0", "trainer.progress_bar=false",
-                         "trainer.loggers=[jsonl]", "checkpoint.every=0", "checkpoint.at_end=false",
-                         f"warmstart.cache_dir={cache_dir}", f"trainer.output_dir={tmp_path}",
-                         f"trainer.run_name={engine}", cwd=tmp_path, timeout=1800)
+        result = run_cli(
+            "train",
+            str(REPO / "examples/arith_grpo.yaml"),
+            f"rollout.engine={engine}",
+            "--nproc",
+            "2",
+            "trainer.total_steps=3",
+            "trainer.eval_every=0",
+            "trainer.progress_bar=false",
+            "trainer.loggers=[jsonl]",
+            "checkpoint.every=0",
+            "checkpoint.at_end=false",
+            f"warmstart.cache_dir={cache_dir}",
+            f"trainer.output_dir={tmp_path}",
+            f"trainer.run_name={engine}",
+            cwd=tmp_path,
+            timeout=1800,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         assert "warning" not in result.stderr  # no compile-worker threads left behind
         lines = (tmp_path / engine / "metrics.jsonl").read_text().splitlines()
-        rows[engine] = [{k: v for k, v in json.loads(line).items() if k.startswith(("reward/", "response/", "train/"))}
-                        for line in lines]
+        rows[engine] = [
+            {k: v for k, v in json.loads(line).items() if k.startswith(("reward/", "response/", "train/"))}
+            for line in lines
+        ]
     assert rows["compiled"] == rows["compact"] and len(rows["compact"]) == 4

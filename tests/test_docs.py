@@ -12,9 +12,14 @@ from conftest import REPO
 
 def test_the_site_builds_strict_with_no_broken_link(tmp_path):
     site = tmp_path / "site"
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-                          cwd=REPO, capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     reference = (site / "configuration" / "index.html").read_text(encoding="utf-8")
     for key in ("algorithm.kl.coef", "trainer.fsdp.shard_size", "task.rewards[].weight", "env.num_workers"):
@@ -27,8 +32,11 @@ def test_the_site_builds_strict_with_no_broken_link(tmp_path):
 
 def test_the_readme_links_to_files_that_exist():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    targets = [target.split("#", 1)[0] for target in re.findall(r"\]\(([^)\s]+)\)", readme)
-               if not target.startswith(("http://", "https://", "#"))]
+    targets = [
+        target.split("#", 1)[0]
+        for target in re.findall(r"\]\(([^)\s]+)\)", readme)
+        if not target.startswith(("http://", "https://", "#"))
+    ]
     assert "docs/getting-started.md" in targets
     assert [target for target in targets if not (REPO / target).exists()] == []
 

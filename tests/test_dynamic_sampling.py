@@ -11,13 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from distflow.comm import Comm
 from distflow.config import load_config
 from distflow.dag.context import Engines, StageContext
 from distflow.dag.dynamic_sampling import DynamicSampling
 from distflow.dag.graph import Stage
 from distflow.data.batch import Batch
 from distflow.observability.metrics import StepMetrics
-from distflow.comm import Comm
 from distflow.runtime.launcher import run_local
 
 SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
@@ -47,24 +47,44 @@ def fake_rollout(batch: Batch, ctx, *, no_signal: set[int]) -> Batch:
     reward = [float(k % 2) if has_signal(u) and u not in no_signal else 1.0 for k, u in enumerate(prompt_uids)]
     ids = torch.full((len(expanded), width + 2), 7)
     return expanded.updated(
-        uid=[u * N + k % N for k, u in enumerate(prompt_uids)], group=torch.tensor(prompt_uids),
-        input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=torch.ones(len(expanded), 2),
+        uid=[u * N + k % N for k, u in enumerate(prompt_uids)],
+        group=torch.tensor(prompt_uids),
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        response_mask=torch.ones(len(expanded), 2),
         reward=torch.tensor(reward),
     )
 
 
 def run_filter(comm: Comm, prompts_per_step: int, max_rounds: int, no_signal: tuple[int, ...] = ()) -> dict:
-    config = load_config(None, ["algorithm.name=dapo", f"trainer.prompts_per_step={prompts_per_step}",
-                                f"algorithm.dynamic_sampling.max_rounds={max_rounds}", f"rollout.num_samples={N}"])
+    config = load_config(
+        None,
+        [
+            "algorithm.name=dapo",
+            f"trainer.prompts_per_step={prompts_per_step}",
+            f"algorithm.dynamic_sampling.max_rounds={max_rounds}",
+            f"rollout.num_samples={N}",
+        ],
+    )
     loader = FakeLoader(prompts_per_step, comm)
-    engines = Engines(tokenizer=SimpleNamespace(pad_token_id=0), rewards=None, is_correct=None, sampling=None,
-                      next_prompts=loader.next_prompts)
+    engines = Engines(
+        tokenizer=SimpleNamespace(pad_token_id=0),
+        rewards=None,
+        is_correct=None,
+        sampling=None,
+        next_prompts=loader.next_prompts,
+    )
     ctx = StageContext(config, engines, comm=comm, world=comm, metrics=StepMetrics())
     rollout = functools.partial(fake_rollout, no_signal=set(no_signal))
     batch = rollout(loader.next_prompts(), ctx)
     out = DynamicSampling((Stage("rollout", rollout, "rollout"),))(batch, ctx)
-    return {"groups": out["group"].tolist(), "uids": out["uid"], "width": out["input_ids"].shape[1],
-            "padding": int((out["attention_mask"] == 0).sum()), "metrics": ctx.metrics.reduce(comm)}
+    return {
+        "groups": out["group"].tolist(),
+        "uids": out["uid"],
+        "width": out["input_ids"].shape[1],
+        "padding": int((out["attention_mask"] == 0).sum()),
+        "metrics": ctx.metrics.reduce(comm),
+    }
 
 
 def _on_ranks(comm: Comm, cases: list[tuple]) -> list[dict]:

@@ -4,21 +4,33 @@ import json
 
 import pytest
 import torch
-
 from conftest import REPO, run_cli
+
 from distflow.config.loader import load_config
-from distflow.tasks.embedded import embedded_model_dir
 from distflow.engines.sft import supervised_warmstart
 from distflow.tasks.arithmetic import ArithmeticTask
+from distflow.tasks.embedded import embedded_model_dir
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
 
 TINY = [
-    "trainer.total_steps=3", "trainer.prompts_per_step=4", "rollout.num_samples=4", "trainer.eval_every=2",
-    "trainer.eval_samples=2", "task.num_heldout=40", "trainer.progress_bar=false",
+    "trainer.total_steps=3",
+    "trainer.prompts_per_step=4",
+    "rollout.num_samples=4",
+    "trainer.eval_every=2",
+    "trainer.eval_samples=2",
+    "task.num_heldout=40",
+    "trainer.progress_bar=false",
 ]
-SUMMARY_KEYS = {"warmstart_accuracy", "final_accuracy", "warmstart_greedy_accuracy", "final_greedy_accuracy",
-                "steps", "world_size", "wall_seconds"}
+SUMMARY_KEYS = {
+    "warmstart_accuracy",
+    "final_accuracy",
+    "warmstart_greedy_accuracy",
+    "final_greedy_accuracy",
+    "steps",
+    "world_size",
+    "wall_seconds",
+}
 
 
 def read_metrics(run_dir):
@@ -28,8 +40,17 @@ def read_metrics(run_dir):
 def train(tmp_path, cache_dir, *extra):
     # Generous timeout: the first run of a session also builds the warm-start (~1 min alone,
     # several on a loaded machine).
-    result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *TINY, f"warmstart.cache_dir={cache_dir}",
-                     f"trainer.output_dir={tmp_path}", "trainer.run_name=run", *extra, cwd=tmp_path, timeout=1800)
+    result = run_cli(
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        *TINY,
+        f"warmstart.cache_dir={cache_dir}",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=run",
+        *extra,
+        cwd=tmp_path,
+        timeout=1800,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     return summary, tmp_path / "run"
@@ -48,16 +69,20 @@ def test_single_process_run_writes_everything(tmp_path, cache_dir):
     assert info["validation_accuracy"] >= 0.02 and info["steps"] % 20 == 0
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
-    assert records[0]["eval/accuracy"] == summary["warmstart_accuracy"] or abs(
-        records[0]["eval/accuracy"] - summary["warmstart_accuracy"]) < 1e-4
+    assert (
+        records[0]["eval/accuracy"] == summary["warmstart_accuracy"]
+        or abs(records[0]["eval/accuracy"] - summary["warmstart_accuracy"]) < 1e-4
+    )
     step = records[1]
     assert step["tokens/generated"] > 0 and step["time/rollout_s"] > 0
     # 4 prompts x 4 samples; response length is the mean over those 16 completions.
     assert 1 <= step["response/length"] <= 6
     assert step["tokens/generated"] == step["response/length"] * 16
     assert "eval/accuracy" in records[2] and "eval/accuracy" in records[3]
-    assert records[3]["eval/accuracy"] == summary["final_accuracy"] or abs(
-        records[3]["eval/accuracy"] - summary["final_accuracy"]) < 1e-4
+    assert (
+        records[3]["eval/accuracy"] == summary["final_accuracy"]
+        or abs(records[3]["eval/accuracy"] - summary["final_accuracy"]) < 1e-4
+    )
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "total_steps: 3" in (run_dir / "config.yaml").read_text()
@@ -81,15 +106,31 @@ def test_two_processes(tmp_path, cache_dir):
 def test_a_time_budget_ends_every_rank_at_the_same_step_evaluated_and_checkpointed(tmp_path, cache_dir):
     """trainer.time_budget_s=0.01: step 1 alone outlasts it, so both ranks stop after step 1 (not
     trainer.total_steps=3), evaluate and checkpoint it as a last step, and the summary says so."""
-    summary, run_dir = train(tmp_path, cache_dir, "warmstart.target_accuracy=0", "--nproc", "2",
-                             "trainer.time_budget_s=0.01", "trainer.eval_every=0", "checkpoint.every=0")
+    summary, run_dir = train(
+        tmp_path,
+        cache_dir,
+        "warmstart.target_accuracy=0",
+        "--nproc",
+        "2",
+        "trainer.time_budget_s=0.01",
+        "trainer.eval_every=0",
+        "checkpoint.every=0",
+    )
     assert summary["steps"] == 1 and summary["last_checkpoint"].endswith("step-000001")
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [0, 1] and "eval/accuracy" in records[1]
     assert records[1]["eval/accuracy"] == pytest.approx(summary["final_accuracy"], abs=1e-4)
-    again = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *TINY, f"warmstart.cache_dir={cache_dir}",
-                    f"trainer.output_dir={tmp_path}", "trainer.run_name=run", "trainer.time_budget_s=0.01", "--resume",
-                    cwd=tmp_path)
+    again = run_cli(
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        *TINY,
+        f"warmstart.cache_dir={cache_dir}",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=run",
+        "trainer.time_budget_s=0.01",
+        "--resume",
+        cwd=tmp_path,
+    )
     assert again.returncode == 2 and "nothing left to do; raise trainer.time_budget_s" in again.stderr
 
 
@@ -98,17 +139,33 @@ def test_local_model_directory(tmp_path, cache_dir):
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, seed=5)
     train_set = ArithmeticTask.build(num_digits=1, num_heldout=20, seed=0).train
-    supervised_warmstart(model, tok, [p["prompt"] for p in train_set], [p["answer"] for p in train_set],
-                         max_steps=5, batch_size=16, lr=1e-3, seed=0)
+    supervised_warmstart(
+        model,
+        tok,
+        [p["prompt"] for p in train_set],
+        [p["answer"] for p in train_set],
+        max_steps=5,
+        batch_size=16,
+        lr=1e-3,
+        seed=0,
+    )
     model_dir = tmp_path / "my-model"
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     # A reward that differs between samples, so every group carries signal and updates happen.
-    (tmp_path / "length_reward.py").write_text("def reward(prompt, completion, sample):\n"
-                                               "    return float(len(completion))\n")
-    summary, run_dir = train(tmp_path, cache_dir, f"model.path={model_dir}", "task.num_digits=1",
-                             "task.num_heldout=20", "algorithm.kl.coef=0.01", "algorithm.ppo_epochs=2",
-                             "task.reward=length_reward:reward")
+    (tmp_path / "length_reward.py").write_text(
+        "def reward(prompt, completion, sample):\n    return float(len(completion))\n"
+    )
+    summary, run_dir = train(
+        tmp_path,
+        cache_dir,
+        f"model.path={model_dir}",
+        "task.num_digits=1",
+        "task.num_heldout=20",
+        "algorithm.kl.coef=0.01",
+        "algorithm.ppo_epochs=2",
+        "task.reward=length_reward:reward",
+    )
     assert summary["steps"] == 3
     records = read_metrics(run_dir)
     for r in records[1:]:
@@ -124,8 +181,18 @@ def test_warmstart_stops_at_target():
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, seed=0)
     checks = []
-    losses = supervised_warmstart(model, tok, ["1+1="] * 4, ["2"] * 4, max_steps=50, batch_size=4, lr=1e-3, seed=0,
-                                  should_stop=lambda step: checks.append(step) or step >= 20, check_every=10)
+    losses = supervised_warmstart(
+        model,
+        tok,
+        ["1+1="] * 4,
+        ["2"] * 4,
+        max_steps=50,
+        batch_size=4,
+        lr=1e-3,
+        seed=0,
+        should_stop=lambda step: checks.append(step) or step >= 20,
+        check_every=10,
+    )
     assert checks == [10, 20] and len(losses) == 20
     assert losses[-1] < losses[0]
     assert not model.training and torch.is_grad_enabled()
@@ -138,8 +205,14 @@ def test_grpo_improves_held_out_accuracy(tmp_path, cache_dir):
     The full default run gains ~0.2 in 150 steps; 40 steps of the same recipe gain ~0.1 here.
     """
     summary, run_dir = train(
-        tmp_path, cache_dir, "trainer.total_steps=40", "trainer.prompts_per_step=32", "rollout.num_samples=16",
-        "task.num_heldout=1000", "trainer.eval_samples=4", "trainer.eval_every=0",
+        tmp_path,
+        cache_dir,
+        "trainer.total_steps=40",
+        "trainer.prompts_per_step=32",
+        "rollout.num_samples=16",
+        "task.num_heldout=1000",
+        "trainer.eval_samples=4",
+        "trainer.eval_every=0",
     )
     assert 0.1 <= summary["warmstart_accuracy"] <= 0.45  # partly competent: room to improve
     assert summary["final_accuracy"] >= summary["warmstart_accuracy"] + 0.05, summary
@@ -149,20 +222,22 @@ def test_grpo_improves_held_out_accuracy(tmp_path, cache_dir):
     assert late > early, (early, late)
 
 
-USER_CODE = '''
+USER_CODE = """
 def half(prompt, completion, sample):
     return 0.5
 
 
 def shift_reward(batch, ctx):
     return batch.updated(reward=batch["reward"] - 0.25 * batch["response_mask"][:, 0])
-'''
+"""
 
 
 def test_user_reward_and_custom_stage_from_the_working_directory(tmp_path, cache_dir):
     (tmp_path / "my_code.py").write_text(USER_CODE)
-    stage = ("pipeline.custom_stages=[{name: shift, fn: 'my_code:shift_reward', after: [reward], "
-             "before: [advantage], reads: [reward, response_mask], writes: [reward]}]")
+    stage = (
+        "pipeline.custom_stages=[{name: shift, fn: 'my_code:shift_reward', after: [reward], "
+        "before: [advantage], reads: [reward, response_mask], writes: [reward]}]"
+    )
     summary, run_dir = train(tmp_path, cache_dir, "warmstart.target_accuracy=0", "task.reward=my_code:half", stage)
     records = read_metrics(run_dir)
     assert [r["reward/mean"] for r in records[1:]] == [0.5, 0.5, 0.5]  # the reward stage's own view
@@ -179,10 +254,23 @@ def test_torchrun_builds_the_embedded_model_on_local_rank_0(tmp_path):
     import sys
 
     cache = tmp_path / "fresh-cache"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "distflow", "train", str(REPO / "examples/arith_grpo.yaml"), *TINY,
-           "warmstart.target_accuracy=0", f"warmstart.cache_dir={cache}", f"trainer.output_dir={tmp_path}",
-           "trainer.run_name=run"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "distflow",
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        *TINY,
+        "warmstart.target_accuracy=0",
+        f"warmstart.cache_dir={cache}",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=run",
+    ]
     result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])

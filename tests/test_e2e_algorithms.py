@@ -9,14 +9,22 @@ ranks, whatever the algorithm.
 import json
 
 import pytest
-
 from conftest import REPO, run_cli
+
 from distflow.config.algorithm import ALGORITHMS
 
 ARGS = [
-    "trainer.total_steps=2", "trainer.prompts_per_step=4", "rollout.num_samples=4", "trainer.eval_every=0",
-    "trainer.eval_samples=1", "task.num_heldout=40", "trainer.progress_bar=false", "warmstart.target_accuracy=0.02",
-    "warmstart.check_every=20", "checkpoint.at_end=false", "trainer.loggers=[jsonl]",
+    "trainer.total_steps=2",
+    "trainer.prompts_per_step=4",
+    "rollout.num_samples=4",
+    "trainer.eval_every=0",
+    "trainer.eval_samples=1",
+    "task.num_heldout=40",
+    "trainer.progress_bar=false",
+    "warmstart.target_accuracy=0.02",
+    "warmstart.check_every=20",
+    "checkpoint.at_end=false",
+    "trainer.loggers=[jsonl]",
     "task.rewards=[{fn: 'distflow.tasks.arithmetic:correctness_reward'}, {fn: 'shaping:length', weight: 0.1}]",
 ]
 SHAPING = "def length(prompt, completion, sample):\n    return float(len(completion))\n"
@@ -26,17 +34,31 @@ EXTRA = {  # exercise the optional stages where they belong
     "ppo": ["algorithm.kl.coef=0.01", "algorithm.kl.in_reward=true", "algorithm.kl.controller=adaptive"],
     "rloo": ["algorithm.kl.coef=0.01", "algorithm.kl.estimator=k2", "algorithm.entropy_coef=0.001"],
     "gspo": ["algorithm.ppo_epochs=2"],
-    "remax": ["algorithm.reward_clip=1.2", "algorithm.kl.coef=0.01", "algorithm.kl.estimator=k3+",
-              "algorithm.loss_agg=token-sum"],
+    "remax": [
+        "algorithm.reward_clip=1.2",
+        "algorithm.kl.coef=0.01",
+        "algorithm.kl.estimator=k3+",
+        "algorithm.loss_agg=token-sum",
+    ],
 }
 
 
 def run(tmp_path_factory, cache_dir, name: str, nproc: int) -> list[dict]:
     cwd = tmp_path_factory.mktemp(f"{name}-{nproc}")
     (cwd / "shaping.py").write_text(SHAPING)
-    result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *ARGS, f"algorithm.name={name}",
-                     *EXTRA.get(name, []), f"warmstart.cache_dir={cache_dir}", f"trainer.output_dir={cwd}",
-                     "trainer.run_name=run", "--nproc", str(nproc), cwd=cwd)
+    result = run_cli(
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        *ARGS,
+        f"algorithm.name={name}",
+        *EXTRA.get(name, []),
+        f"warmstart.cache_dir={cache_dir}",
+        f"trainer.output_dir={cwd}",
+        "trainer.run_name=run",
+        "--nproc",
+        str(nproc),
+        cwd=cwd,
+    )
     assert result.returncode == 0, f"{name} on {nproc}: {result.stderr[-3000:]}"
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2 and summary["world_size"] == nproc
@@ -48,8 +70,9 @@ def run(tmp_path_factory, cache_dir, name: str, nproc: int) -> list[dict]:
 DEFAULT_SUITE = ("grpo", "ppo")
 
 
-@pytest.mark.parametrize("name", [n if n in DEFAULT_SUITE else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in ALGORITHMS])
+@pytest.mark.parametrize(
+    "name", [n if n in DEFAULT_SUITE else pytest.param(n, marks=pytest.mark.slow) for n in ALGORITHMS]
+)
 def test_pipeline_runs_on_one_and_two_processes(tmp_path_factory, cache_dir, name):
     one = run(tmp_path_factory, cache_dir, name, 1)
     two = run(tmp_path_factory, cache_dir, name, 2)
@@ -74,15 +97,23 @@ def test_pipeline_runs_on_one_and_two_processes(tmp_path_factory, cache_dir, nam
             resampled = r.get("time/resample_rollout_s", 0.0)
             assert (resampled > 0) == (r["dynamic_sampling/rounds"] > 1)
             assert r["throughput/generated_tokens_per_s"] == pytest.approx(
-                r["tokens/generated"] / (r["time/rollout_s"] + resampled), rel=1e-6)
+                r["tokens/generated"] / (r["time/rollout_s"] + resampled), rel=1e-6
+            )
 
 
 def test_the_custom_example_runs_from_its_directory(tmp_path, cache_dir):
     """examples/custom: a user stage and a user reward from a user file, no framework change."""
-    result = run_cli("train", "config.yaml", "trainer.total_steps=2", "trainer.prompts_per_step=4",
-                     *[a for a in ARGS if a.startswith(("trainer.eval", "task.num_heldout", "warmstart", "checkpoint"))],
-                     f"warmstart.cache_dir={cache_dir}", f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
-                     cwd=REPO / "examples/custom")
+    result = run_cli(
+        "train",
+        "config.yaml",
+        "trainer.total_steps=2",
+        "trainer.prompts_per_step=4",
+        *[a for a in ARGS if a.startswith(("trainer.eval", "task.num_heldout", "warmstart", "checkpoint"))],
+        f"warmstart.cache_dir={cache_dir}",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=run",
+        cwd=REPO / "examples/custom",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert all("custom/truncated_fraction" in r and "reward/well_formed" in r for r in records[1:])

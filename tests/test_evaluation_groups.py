@@ -5,8 +5,11 @@ import pytest
 
 from distflow.runtime.launcher import run_local
 
-ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "source": "odd" if (a + b) % 2 else "even"}
-        for a in range(1, 5) for b in range(1, 4)]  # 12 rows: 6 odd sums, 6 even
+ROWS = [
+    {"prompt": f"{a}+{b}=", "answer": str(a + b), "source": "odd" if (a + b) % 2 else "even"}
+    for a in range(1, 5)
+    for b in range(1, 4)
+]  # 12 rows: 6 odd sums, 6 even
 
 
 def odd_sums_are_right(completion, sample):
@@ -22,8 +25,17 @@ def _evaluate(comm, rows):
 
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tokenizer, seed=0)
-    result = evaluate(model, tokenizer, rows, odd_sums_are_right, SamplingSpec(1.0, 1.0, 3), num_samples=2,
-                      comm=comm, seed=0, group_of=lambda row: row["source"])
+    result = evaluate(
+        model,
+        tokenizer,
+        rows,
+        odd_sums_are_right,
+        SamplingSpec(1.0, 1.0, 3),
+        num_samples=2,
+        comm=comm,
+        seed=0,
+        group_of=lambda row: row["source"],
+    )
     return result.sampled, result.greedy, result.per_group
 
 
@@ -36,8 +48,9 @@ def test_per_group_accuracy(world):
 
 
 def test_one_group_reports_none():
-    from distflow.comm import Comm
     import torch
+
+    from distflow.comm import Comm
 
     comm = Comm(0, 1, 0, 1, torch.device("cpu"))
     assert _evaluate(comm, [dict(r, source="all") for r in ROWS])[2] == {}

@@ -5,8 +5,8 @@ import json
 import sys
 
 import pytest
-
 from conftest import REPO, run_cli
+
 from distflow.config import ConfigError, load_config
 from distflow.dag.graph import Graph, Stage
 from distflow.dag.pipelines import LOADER_FIELDS, build_graph
@@ -14,7 +14,7 @@ from distflow.data.batch import Batch
 
 # A user's module: a toy engine (a constant bonus, built from the config on the train ranks) and a
 # GRPO pipeline with one stage of its own between the reward and the advantage that uses it.
-TOY = '''
+TOY = """
 from distflow.dag import pieces
 from distflow.dag.advantage_stages import ESTIMATORS
 from distflow.data.fields import REWARD
@@ -56,7 +56,7 @@ def misspelt(config):
 
 def not_a_graph(config):
     return [build(config)]
-'''
+"""
 
 
 @pytest.fixture()
@@ -70,16 +70,27 @@ def toy_module(tmp_path, monkeypatch):
 def test_a_custom_pipeline_composes_the_library_pieces_and_its_own_engine(toy_module):
     graph = build_graph(load_config(None, ["pipeline.builder=toy_pipeline:build"]))
     assert [s.name for s in graph.validate(LOADER_FIELDS)] == [
-        "rollout", "reward", "bonus", "advantage", "policy_update", "weight_sync"]
+        "rollout",
+        "reward",
+        "bonus",
+        "advantage",
+        "policy_update",
+        "weight_sync",
+    ]
     assert graph.stages["bonus"].uses == ("bonus",)
 
 
-@pytest.mark.parametrize("builder, needle", [
-    ("toy_pipeline:misspelt", "uses engine 'bonsu', which is not registered; engines are: critic, model, reference, "
-                              "policy, bonus"),
-    ("toy_pipeline:not_a_graph", "returned list, not a distflow.dag.graph.Graph"),
-    ("toy_pipeline:nothing", "module 'toy_pipeline' has no function 'nothing'"),
-])
+@pytest.mark.parametrize(
+    "builder, needle",
+    [
+        (
+            "toy_pipeline:misspelt",
+            "uses engine 'bonsu', which is not registered; engines are: critic, model, reference, policy, bonus",
+        ),
+        ("toy_pipeline:not_a_graph", "returned list, not a distflow.dag.graph.Graph"),
+        ("toy_pipeline:nothing", "module 'toy_pipeline' has no function 'nothing'"),
+    ],
+)
 def test_a_bad_builder_is_a_config_error_naming_the_problem(toy_module, builder, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         build_graph(load_config(None, [f"pipeline.builder={builder}"]))
@@ -100,8 +111,10 @@ def test_a_stage_that_writes_an_undeclared_field_is_named_at_run_time():
     worker = SimpleNamespace(world=SimpleNamespace(rank=0), config=None, engines=None, comms={"train": None})
     layout = SimpleNamespace(member_of=lambda rank: 0)
     batch = Batch(meta={"uid": [0, 1], "prompt": ["a", "b"]})
-    for fn, writes, needle in [(sneaky, (), "stage 'custom' wrote field 'score', which it does not declare"),
-                               (forgetful, ("score",), "stage 'custom' declares it writes field 'score' but")]:
+    for fn, writes, needle in [
+        (sneaky, (), "stage 'custom' wrote field 'score', which it does not declare"),
+        (forgetful, ("score",), "stage 'custom' declares it writes field 'score' but"),
+    ]:
         item = SimpleNamespace(stage=Stage("custom", fn, "filter", writes=writes), layout=layout)
         with pytest.raises(ConfigError, match=needle):
             run_stage(worker, item, batch, 1, StepMetrics())
@@ -113,12 +126,25 @@ def test_a_run_trains_through_a_custom_pipeline_with_its_own_engine(tmp_path):
     """The real entry point: the builder's module registers the engine on the rank, the rank builds it
     (it is used by a train stage), and the stage reads it: the bonus is 0.25 x 4 samples = 1.0."""
     (tmp_path / "toy_pipeline.py").write_text(TOY)
-    result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), "pipeline.builder=toy_pipeline:build",
-                     "trainer.total_steps=1", "trainer.prompts_per_step=2", "rollout.num_samples=4",
-                     "trainer.eval_every=0", "task.num_heldout=40", "warmstart.target_accuracy=0",
-                     "trainer.progress_bar=false", "checkpoint.at_end=false", "trainer.loggers=[jsonl]",
-                     f"warmstart.cache_dir={tmp_path / 'cache'}", f"trainer.output_dir={tmp_path}",
-                     "trainer.run_name=run", cwd=tmp_path, timeout=1800)
+    result = run_cli(
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        "pipeline.builder=toy_pipeline:build",
+        "trainer.total_steps=1",
+        "trainer.prompts_per_step=2",
+        "rollout.num_samples=4",
+        "trainer.eval_every=0",
+        "task.num_heldout=40",
+        "warmstart.target_accuracy=0",
+        "trainer.progress_bar=false",
+        "checkpoint.at_end=false",
+        "trainer.loggers=[jsonl]",
+        f"warmstart.cache_dir={tmp_path / 'cache'}",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=run",
+        cwd=tmp_path,
+        timeout=1800,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     step = next(r for r in records if r.get("step") == 1)

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO
+
+from distflow.comm import Comm
 from distflow.config.schema import OptimConfig
 from distflow.data.batch import Batch
 from distflow.engines.policy import PolicyEngine
-from distflow.comm import Comm
 from distflow.runtime.faults import remove_stale_status_dirs
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
@@ -50,9 +50,17 @@ def chaos(batch, ctx):
     time.sleep(3600)  # stall / sleep_all
 '''
 ARGS = [
-    "trainer.total_steps=2", "trainer.prompts_per_step=4", "rollout.num_samples=4", "trainer.eval_every=0",
-    "trainer.eval_samples=1", "task.num_heldout=40", "trainer.progress_bar=false", "warmstart.target_accuracy=0",
-    "checkpoint.every=0", "checkpoint.at_end=false", "trainer.timeout_s=7200",
+    "trainer.total_steps=2",
+    "trainer.prompts_per_step=4",
+    "rollout.num_samples=4",
+    "trainer.eval_every=0",
+    "trainer.eval_samples=1",
+    "task.num_heldout=40",
+    "trainer.progress_bar=false",
+    "warmstart.target_accuracy=0",
+    "checkpoint.every=0",
+    "checkpoint.at_end=false",
+    "trainer.timeout_s=7200",
 ]
 CHAOS_STAGE = "pipeline.custom_stages=[{name: chaos, fn: 'chaos:chaos', after: [reward], before: [advantage]%s}]"
 MEASURED: list[str] = []
@@ -63,11 +71,28 @@ def start(tmp_path, cache_dir, fault, *extra, torchrun=False, fault_rank=1, chao
     limits, so a loaded machine cannot make them time out first)."""
     (tmp_path / "chaos.py").write_text(CHAOS)
     stage = CHAOS_STAGE % (f", timeout_s: {chaos_timeout_s}" if chaos_timeout_s else "")
-    train = ["train", str(REPO / "examples/arith_grpo.yaml"), *ARGS, stage, f"warmstart.cache_dir={cache_dir}",
-             f"trainer.output_dir={tmp_path}", "trainer.run_name=run", *extra]
+    train = [
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        *ARGS,
+        stage,
+        f"warmstart.cache_dir={cache_dir}",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=run",
+        *extra,
+    ]
     if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "distflow", *train]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "distflow",
+            *train,
+        ]
     else:
         cmd = [sys.executable, "-m", "distflow", *train]
     env = dict(os.environ, PYTHONUNBUFFERED="1", FAULT=fault, FAULT_RANK=str(fault_rank))
@@ -80,7 +105,7 @@ def finish(proc, tmp_path, marker="fault-rank1.json"):
         _, stderr = proc.communicate(timeout=1800)
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise AssertionError("the job hung")
+        raise AssertionError("the job hung") from None
     ended = time.time()
     fault = json.loads((tmp_path / marker).read_text())
     return proc.returncode, stderr, ended - fault["time"]
@@ -122,8 +147,9 @@ def test_kill_9_of_one_rank_ends_the_job_naming_it(tmp_path, cache_dir):
     code, stderr, latency = finish(start(tmp_path, cache_dir, "kill", "--nproc", "2"), tmp_path)
     record("kill -9, --nproc 2", latency)
     assert code != 0
-    assert last_line(stderr) == ("distflow: rank 1 was killed by SIGKILL in stage 'chaos' at step 1; "
-                                 "the other ranks were stopped")
+    assert last_line(stderr) == (
+        "distflow: rank 1 was killed by SIGKILL in stage 'chaos' at step 1; the other ranks were stopped"
+    )
     assert "Traceback" not in stderr
     assert_no_orphans(tmp_path)
 
@@ -212,13 +238,15 @@ def test_stale_status_dirs_of_failed_runs_are_removed(tmp_path):
     def run_dir(name, pid, age_s):
         path = tmp_path / f"distflow-status-0-{name}"
         path.mkdir()
-        (path / "rank0.json").write_text(json.dumps({"rank": 0, "pid": pid, "stage": "rollout", "since": 0.0,
-                                                     "state": "failed"}))
+        (path / "rank0.json").write_text(
+            json.dumps({"rank": 0, "pid": pid, "stage": "rollout", "since": 0.0, "state": "failed"})
+        )
         os.utime(path, (time.time() - age_s, time.time() - age_s))
         return path
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     old_dead = run_dir("old-dead", int(dead), 3600)
     old_alive = run_dir("old-alive", os.getpid(), 3600)  # a live rank: a run still going
     recent = run_dir("recent", int(dead), 5)
@@ -234,11 +262,20 @@ def test_stale_status_dirs_of_failed_runs_are_removed(tmp_path):
 def test_nonfinite_loss_skips_the_step_and_is_counted():
     comm = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
     tokenizer = build_char_tokenizer()
-    engine = PolicyEngine(build_tiny_model(tokenizer, seed=0, hidden_size=32, num_layers=1), comm,
-                          OptimConfig(lr=1e-2, warmup_steps=0), temperature=1.0)
+    engine = PolicyEngine(
+        build_tiny_model(tokenizer, seed=0, hidden_size=32, num_layers=1),
+        comm,
+        OptimConfig(lr=1e-2, warmup_steps=0),
+        temperature=1.0,
+    )
     ids = torch.randint(4, 20, (2, 6), generator=torch.Generator().manual_seed(0))
-    batch = Batch(tensors={"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                           "response_mask": torch.ones(2, 3, dtype=torch.long)})
+    batch = Batch(
+        tensors={
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "response_mask": torch.ones(2, 3, dtype=torch.long),
+        }
+    )
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}
 
     def loss(scale):

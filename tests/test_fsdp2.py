@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, run_cli
+from test_e2e import TINY, read_metrics
 from transformers import AutoModelForCausalLM
 
-from conftest import REPO, run_cli
 from distflow.checkpoint import export_hf
 from distflow.comm import Comm
 from distflow.config import ConfigError, load_config
@@ -26,10 +27,9 @@ from distflow.engines.generation import generate
 from distflow.engines.logprobs import batch_logprobs
 from distflow.engines.parallelize import decoder_blocks, frozen_copy, full_parameters, gathered
 from distflow.engines.policy import PolicyEngine
+from distflow.runtime.launcher import run_local
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
-from distflow.runtime.launcher import run_local
-from test_e2e import TINY, read_metrics
 
 NUM_STEPS = 5
 LR = 1e-2
@@ -54,10 +54,16 @@ def step_batch(step: int) -> Batch:
     attention = torch.ones_like(ids)
     attention[:4, :2] = 0
     response_mask = torch.ones(8, 4, dtype=torch.long)
-    response_mask[::2, 2 + step % 2:] = 0
+    response_mask[::2, 2 + step % 2 :] = 0
     attention[:, 5:] = response_mask
-    return Batch({"input_ids": ids, "attention_mask": attention, "response_mask": response_mask,
-                  "advantage": torch.randn(8, generator=g)})
+    return Batch(
+        {
+            "input_ids": ids,
+            "attention_mask": attention,
+            "response_mask": response_mask,
+            "advantage": torch.randn(8, generator=g),
+        }
+    )
 
 
 def pg_loss(micro: Batch, logp_BR: torch.Tensor, entropy_BR: torch.Tensor):
@@ -69,8 +75,9 @@ def pg_loss(micro: Batch, logp_BR: torch.Tensor, entropy_BR: torch.Tensor):
 
 def train_five_steps(comm: Comm, overrides: list[str]) -> dict:
     config = load_config(None, [*overrides, f"optim.lr={LR}", "optim.warmup_steps=0", "optim.grad_clip=1.0"])
-    engine = PolicyEngine(build_tiny_model(build_char_tokenizer(), seed=0), comm, config.optim, temperature=1.0,
-                          trainer=config.trainer)
+    engine = PolicyEngine(
+        build_tiny_model(build_char_tokenizer(), seed=0), comm, config.optim, temperature=1.0, trainer=config.trainer
+    )
     losses, norms = [], []
     for step in range(NUM_STEPS):
         batch = step_batch(step)
@@ -127,15 +134,27 @@ def _inference(comm: Comm) -> dict:
     engine = PolicyEngine(model, comm, config.optim, temperature=0.7, trainer=config.trainer)
     prompts = ["12+3=", "4+5=", "7+70="][: 1 + 2 * comm.rank]
     with gathered(model):
-        out = generate(model, tok, prompts, max_new_tokens=3 + 3 * comm.rank, temperature=0.7,
-                       sample_keys=list(range(len(prompts))))
-    batch = Batch({"input_ids": out.input_ids_BT, "attention_mask": out.attention_mask_BT,
-                   "response_mask": out.response_mask_BR})
+        out = generate(
+            model,
+            tok,
+            prompts,
+            max_new_tokens=3 + 3 * comm.rank,
+            temperature=0.7,
+            sample_keys=list(range(len(prompts))),
+        )
+    batch = Batch(
+        {"input_ids": out.input_ids_BT, "attention_mask": out.attention_mask_BT, "response_mask": out.response_mask_BR}
+    )
     policy_logp = engine.logprobs(batch, micro_batch_size=1)
     with gathered(reference):
         reference_logp = batch_logprobs(reference, batch, micro_batch_size=2, temperature=0.7)
-    return {"completions": out.completions, "batch": batch, "policy": policy_logp, "reference": reference_logp,
-            "sharded": sorted({type(p).__name__ for p in model.parameters()})}
+    return {
+        "completions": out.completions,
+        "batch": batch,
+        "policy": policy_logp,
+        "reference": reference_logp,
+        "sharded": sorted({type(p).__name__ for p in model.parameters()}),
+    }
 
 
 def test_generation_and_logprobs_inside_gathered_match_the_plain_model():
@@ -145,8 +164,9 @@ def test_generation_and_logprobs_inside_gathered_match_the_plain_model():
     for rank, got in enumerate(per_rank):
         assert got["sharded"] == ["DTensor"]  # resharded after use
         prompts = ["12+3=", "4+5=", "7+70="][: 1 + 2 * rank]
-        want = generate(plain, tok, prompts, max_new_tokens=3 + 3 * rank, temperature=0.7,
-                        sample_keys=list(range(len(prompts))))
+        want = generate(
+            plain, tok, prompts, max_new_tokens=3 + 3 * rank, temperature=0.7, sample_keys=list(range(len(prompts)))
+        )
         assert got["completions"] == want.completions
         logp = batch_logprobs(plain, got["batch"], micro_batch_size=8, temperature=0.7)
         torch.testing.assert_close(got["policy"], logp, rtol=1e-5, atol=1e-6)
@@ -160,8 +180,13 @@ def _save_then_resume(comm: Comm, root: str, save_strategy: str, load_strategy: 
 
     def engine(strategy):
         config = load_config(None, [f"trainer.strategy={strategy}", f"optim.lr={LR}", "optim.warmup_steps=0"])
-        return PolicyEngine(build_tiny_model(build_char_tokenizer(), seed=0), comm, config.optim, temperature=1.0,
-                            trainer=config.trainer)
+        return PolicyEngine(
+            build_tiny_model(build_char_tokenizer(), seed=0),
+            comm,
+            config.optim,
+            temperature=1.0,
+            trainer=config.trainer,
+        )
 
     def step(policy, number):
         batch = step_batch(number)
@@ -170,11 +195,24 @@ def _save_then_resume(comm: Comm, root: str, save_strategy: str, load_strategy: 
 
     first = engine(save_strategy)
     step(first, 0), step(first, 1)
-    save_checkpoint(Path(root), 2, model=first.model, optimizer=first.optimizer, scheduler=first.scheduler,
-                    extra={}, comm=comm, keep_last=1)
+    save_checkpoint(
+        Path(root),
+        2,
+        model=first.model,
+        optimizer=first.optimizer,
+        scheduler=first.scheduler,
+        extra={},
+        comm=comm,
+        keep_last=1,
+    )
     second = engine(load_strategy)
-    load_checkpoint(Path(root) / "step-000002", model=second.model, optimizer=second.optimizer,
-                    scheduler=second.scheduler, comm=comm)
+    load_checkpoint(
+        Path(root) / "step-000002",
+        model=second.model,
+        optimizer=second.optimizer,
+        scheduler=second.scheduler,
+        comm=comm,
+    )
     saved, loaded = whole(first.model), whole(second.model)
     norm = step(second, 2)
     return {"saved": saved, "loaded": loaded, "grad_norm": norm, "params": whole(second.model)}
@@ -185,8 +223,9 @@ def whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in full_parameters(model)}
 
 
-@pytest.mark.parametrize("save_strategy, load_strategy",
-                         [("ddp", "fsdp2"), pytest.param("fsdp2", "ddp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "save_strategy, load_strategy", [("ddp", "fsdp2"), pytest.param("fsdp2", "ddp", marks=pytest.mark.slow)]
+)
 def test_checkpoint_of_one_strategy_resumes_under_the_other(tmp_path, save_strategy, load_strategy):
     want = run_local(_save_then_resume, 2, str(tmp_path / "same"), load_strategy, load_strategy)
     got = run_local(_save_then_resume, 2, str(tmp_path / "across"), save_strategy, load_strategy)
@@ -209,7 +248,9 @@ def test_checkpoint_of_one_strategy_resumes_under_the_other(tmp_path, save_strat
 def test_decoder_blocks_are_found_generically():
     model = build_tiny_model(build_char_tokenizer(), seed=0)
     assert [type(b).__name__ for b in decoder_blocks(model)] == ["LlamaDecoderLayer"] * 4
-    layers = torch.nn.Sequential(torch.nn.Embedding(4, 8), torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)]))
+    layers = torch.nn.Sequential(
+        torch.nn.Embedding(4, 8), torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)])
+    )
     assert len(decoder_blocks(layers)) == 3  # no _no_split_modules: the ModuleList of repeated layers
     with pytest.raises(ConfigError, match="trainer.activation_checkpointing needs them"):
         decoder_blocks(torch.nn.Linear(2, 2))
@@ -230,26 +271,44 @@ def one_process_lower_precision() -> dict:
 
     comm, out = Comm(0, 1, 0, 1, torch.device("cpu")), {}
     for dtype in ("bfloat16", "float32"):
-        config = load_config(None, ["trainer.strategy=fsdp2", f"trainer.param_dtype={dtype}", f"optim.lr={LR}",
-                                    "optim.warmup_steps=0", "optim.grad_clip=1.0"])
-        engine = PolicyEngine(build_tiny_model(build_char_tokenizer(), seed=0), comm, config.optim, temperature=1.0,
-                              trainer=config.trainer)
+        config = load_config(
+            None,
+            [
+                "trainer.strategy=fsdp2",
+                f"trainer.param_dtype={dtype}",
+                f"optim.lr={LR}",
+                "optim.warmup_steps=0",
+                "optim.grad_clip=1.0",
+            ],
+        )
+        engine = PolicyEngine(
+            build_tiny_model(build_char_tokenizer(), seed=0),
+            comm,
+            config.optim,
+            temperature=1.0,
+            trainer=config.trainer,
+        )
         losses = []
         for step in range(NUM_STEPS):
             batch = step_batch(step)
             stats = engine.update(batch, pg_loss, float(batch["response_mask"].sum()), micro_batch_size=3)
             losses.append(stats["loss"] / float(batch["response_mask"].sum()))
         logits = engine.wrapped(input_ids=step_batch(0)["input_ids"]).logits
-        out[dtype] = {"sharded": is_sharded(engine.model), "logits_dtype": str(logits.dtype), "loss": losses,
-                      "param_dtypes": sorted({str(p.dtype) for p in engine.model.parameters()})}
+        out[dtype] = {
+            "sharded": is_sharded(engine.model),
+            "logits_dtype": str(logits.dtype),
+            "loss": losses,
+            "param_dtypes": sorted({str(p.dtype) for p in engine.model.parameters()}),
+        }
     return out
 
 
 def test_fsdp2_on_one_process_computes_in_the_dtype_asked():
     # One process used to train the plain model whatever trainer.param_dtype said (float32, silently).
     code = "import json, test_fsdp2; print(json.dumps(test_fsdp2.one_process_lower_precision()))"
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO / "tests", capture_output=True, text=True,
-                          timeout=1800)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO / "tests", capture_output=True, text=True, timeout=1800
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     bf16, fp32 = out["bfloat16"], out["float32"]
@@ -261,9 +320,21 @@ def test_fsdp2_on_one_process_computes_in_the_dtype_asked():
 
 
 def test_cli_run_with_fsdp2_on_two_ranks(tmp_path, cache_dir):
-    result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *TINY, f"warmstart.cache_dir={cache_dir}",
-                     "warmstart.target_accuracy=0", f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
-                     "trainer.strategy=fsdp2", "algorithm.kl.coef=0.01", "--nproc", "2", cwd=tmp_path, timeout=1800)
+    result = run_cli(
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        *TINY,
+        f"warmstart.cache_dir={cache_dir}",
+        "warmstart.target_accuracy=0",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=run",
+        "trainer.strategy=fsdp2",
+        "algorithm.kl.coef=0.01",
+        "--nproc",
+        "2",
+        cwd=tmp_path,
+        timeout=1800,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["world_size"] == 2 and summary["steps"] == 3
@@ -280,16 +351,33 @@ def test_ppo_from_a_model_directory_loads_sharded_and_matches_ddp(tmp_path):
     model_dir = tmp_path / "model"
     build_tiny_model(build_char_tokenizer(), seed=5).save_pretrained(model_dir)
     build_char_tokenizer().save_pretrained(model_dir)
-    (tmp_path / "length_reward.py").write_text("def reward(prompt, completion, sample):\n"
-                                               "    return float(len(completion))\n")  # signal in every group
+    (tmp_path / "length_reward.py").write_text(
+        "def reward(prompt, completion, sample):\n    return float(len(completion))\n"
+    )  # signal in every group
     runs = {}
     for strategy in ("ddp", "fsdp2"):
-        result = run_cli("train", str(REPO / "examples/arith_ppo.yaml"), f"model.path={model_dir}",
-                         "task.reward=length_reward:reward", "trainer.total_steps=3", "trainer.prompts_per_step=4",
-                         "rollout.num_samples=4", "trainer.eval_every=0", "trainer.eval_samples=1",
-                         "task.num_heldout=20", "trainer.progress_bar=false", f"trainer.output_dir={tmp_path}",
-                         f"trainer.run_name={strategy}", f"trainer.strategy={strategy}", "checkpoint.every=0",
-                         "checkpoint.at_end=false", "--nproc", "2", cwd=tmp_path, timeout=1800)
+        result = run_cli(
+            "train",
+            str(REPO / "examples/arith_ppo.yaml"),
+            f"model.path={model_dir}",
+            "task.reward=length_reward:reward",
+            "trainer.total_steps=3",
+            "trainer.prompts_per_step=4",
+            "rollout.num_samples=4",
+            "trainer.eval_every=0",
+            "trainer.eval_samples=1",
+            "task.num_heldout=20",
+            "trainer.progress_bar=false",
+            f"trainer.output_dir={tmp_path}",
+            f"trainer.run_name={strategy}",
+            f"trainer.strategy={strategy}",
+            "checkpoint.every=0",
+            "checkpoint.at_end=false",
+            "--nproc",
+            "2",
+            cwd=tmp_path,
+            timeout=1800,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         assert "loads the full" not in result.stderr
         runs[strategy] = read_metrics(tmp_path / strategy)

@@ -10,31 +10,65 @@ updates them in the same commit and says why; the assertion message prints the n
 import json
 
 import pytest
-
 from conftest import REPO, run_cli
 
 ARGS = [
-    "trainer.total_steps=3", "trainer.prompts_per_step=4", "rollout.num_samples=4", "trainer.eval_every=0",
-    "trainer.eval_samples=1", "task.num_heldout=40", "trainer.progress_bar=false", "warmstart.target_accuracy=0",
-    "checkpoint.at_end=false", "trainer.loggers=[jsonl]", "optim.lr=1e-3", "optim.warmup_steps=0",
+    "trainer.total_steps=3",
+    "trainer.prompts_per_step=4",
+    "rollout.num_samples=4",
+    "trainer.eval_every=0",
+    "trainer.eval_samples=1",
+    "task.num_heldout=40",
+    "trainer.progress_bar=false",
+    "warmstart.target_accuracy=0",
+    "checkpoint.at_end=false",
+    "trainer.loggers=[jsonl]",
+    "optim.lr=1e-3",
+    "optim.warmup_steps=0",
     "task.rewards=[{fn: 'distflow.tasks.arithmetic:correctness_reward'}, {fn: 'shaping:length', weight: 0.1}]",
 ]
 SHAPING = "def length(prompt, completion, sample):\n    return float(len(completion))\n"
 KEYS = ("reward/mean", "response/length", "tokens/trained", "train/pg_loss", "train/grad_norm", "train/entropy")
 GOLDEN = {
-    1: {"reward/mean": 0.48749998, "response/length": 5.8125, "tokens/trained": 197.0,
-        "train/pg_loss": -0.047280753, "train/grad_norm": 2.8043826, "train/entropy": 3.0037123},
-    2: {"reward/mean": 0.52499998, "response/length": 5.75, "tokens/trained": 196.0,
-        "train/pg_loss": -0.087038517, "train/grad_norm": 2.0952148, "train/entropy": 2.9573586},
-    3: {"reward/mean": 0.47499996, "response/length": 5.1875, "tokens/trained": 195.0,
-        "train/pg_loss": -0.41482239, "train/grad_norm": 1.9613736, "train/entropy": 2.8726386},
+    1: {
+        "reward/mean": 0.48749998,
+        "response/length": 5.8125,
+        "tokens/trained": 197.0,
+        "train/pg_loss": -0.047280753,
+        "train/grad_norm": 2.8043826,
+        "train/entropy": 3.0037123,
+    },
+    2: {
+        "reward/mean": 0.52499998,
+        "response/length": 5.75,
+        "tokens/trained": 196.0,
+        "train/pg_loss": -0.087038517,
+        "train/grad_norm": 2.0952148,
+        "train/entropy": 2.9573586,
+    },
+    3: {
+        "reward/mean": 0.47499996,
+        "response/length": 5.1875,
+        "tokens/trained": 195.0,
+        "train/pg_loss": -0.41482239,
+        "train/grad_norm": 1.9613736,
+        "train/entropy": 2.8726386,
+    },
 }
 
 
 def test_first_steps_of_a_seeded_run_match_the_golden_values(tmp_path):
     (tmp_path / "shaping.py").write_text(SHAPING)
-    result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *ARGS, f"warmstart.cache_dir={tmp_path / 'cache'}",
-                     f"trainer.output_dir={tmp_path}", "trainer.run_name=run", cwd=tmp_path, timeout=1800)
+    result = run_cli(
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        *ARGS,
+        f"warmstart.cache_dir={tmp_path / 'cache'}",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=run",
+        cwd=tmp_path,
+        timeout=1800,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     actual = {r["step"]: {key: r[key] for key in KEYS} for r in records[1:]}
@@ -42,4 +76,5 @@ def test_first_steps_of_a_seeded_run_match_the_golden_values(tmp_path):
     for step, values in GOLDEN.items():
         for key, value in values.items():
             assert actual[step][key] == pytest.approx(value, rel=1e-4, abs=1e-7), (
-                f"step {step} {key}: {actual[step][key]!r} != golden {value!r}; all values now: {actual}")
+                f"step {step} {key}: {actual[step][key]!r} != golden {value!r}; all values now: {actual}"
+            )

@@ -52,15 +52,24 @@ def test_grpo_pipeline_shape_follows_config():
     assert names(load_config(None)) == ["rollout", "reward", "advantage", "policy_update", "weight_sync"]
     full = load_config(None, ["algorithm.kl.coef=0.01", "algorithm.ppo_epochs=2"])
     assert names(full) == [
-        "rollout", "reward", "advantage", "old_logprob", "reference_logprob", "policy_update", "weight_sync",
+        "rollout",
+        "reward",
+        "advantage",
+        "old_logprob",
+        "reference_logprob",
+        "policy_update",
+        "weight_sync",
     ]
 
 
 def test_custom_stage_is_inserted(tmp_path):
-    cfg = load_config(None, [
-        "pipeline.custom_stages=[{name: shape, fn: 'distflow.dag.stages:weight_sync', after: [reward], "
-        "before: [advantage], reads: [reward], writes: [reward]}]"
-    ])
+    cfg = load_config(
+        None,
+        [
+            "pipeline.custom_stages=[{name: shape, fn: 'distflow.dag.stages:weight_sync', after: [reward], "
+            "before: [advantage], reads: [reward], writes: [reward]}]"
+        ],
+    )
     order = [item.stage.name for item in make_plan(build_graph(cfg), cfg, 2, LOADER_FIELDS).stages_for(1)]
     assert order.index("reward") < order.index("shape") < order.index("advantage")
 
@@ -69,11 +78,17 @@ def test_custom_stage_errors():
     with pytest.raises(ConfigError, match="custom stage .x.: cannot import module .no_such_pkg.m."):
         build_graph(load_config(None, ["pipeline.custom_stages=[{name: x, fn: 'no_such_pkg.m:f'}]"]))
     with pytest.raises(GraphError, match="runs before unknown stage 'rewrd'"):
-        build_graph(load_config(None, [
-            "pipeline.custom_stages=[{name: x, fn: 'distflow.dag.stages:weight_sync', before: [rewrd]}]"]))
+        build_graph(
+            load_config(
+                None, ["pipeline.custom_stages=[{name: x, fn: 'distflow.dag.stages:weight_sync', before: [rewrd]}]"]
+            )
+        )
     with pytest.raises(GraphError, match="reads field 'bonus'"):
-        build_graph(load_config(None, [
-            "pipeline.custom_stages=[{name: x, fn: 'distflow.dag.stages:weight_sync', reads: [bonus]}]"]))
+        build_graph(
+            load_config(
+                None, ["pipeline.custom_stages=[{name: x, fn: 'distflow.dag.stages:weight_sync', reads: [bonus]}]"]
+            )
+        )
 
 
 def test_plan_rejects_bad_rank():

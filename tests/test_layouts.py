@@ -6,7 +6,6 @@ from both train ranks), and with the prefetch thread off."""
 import json
 
 import pytest
-
 from conftest import REPO, run_cli
 
 RECORDER = '''
@@ -20,8 +19,13 @@ def record(batch, ctx):
     return batch
 '''
 ARGS = [  # the learning test's warm-start (same cache key): partly competent, so groups carry signal
-    "trainer.total_steps=2", "trainer.prompts_per_step=8", "rollout.num_samples=8", "trainer.eval_every=0",
-    "trainer.eval_samples=1", "task.num_heldout=1000", "trainer.progress_bar=false",
+    "trainer.total_steps=2",
+    "trainer.prompts_per_step=8",
+    "rollout.num_samples=8",
+    "trainer.eval_every=0",
+    "trainer.eval_samples=1",
+    "task.num_heldout=1000",
+    "trainer.progress_bar=false",
     "pipeline.custom_stages=[{name: record, fn: 'recorder:record', after: [reward], "
     "before: [advantage], reads: [uid, prompt, completion]}]",
 ]
@@ -53,15 +57,24 @@ class Runs(dict):
 def run_layout(name: str, tmp_path_factory, cache_dir) -> dict:
     cwd = tmp_path_factory.mktemp("layout")
     (cwd / "recorder.py").write_text(RECORDER)
-    result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *ARGS, f"warmstart.cache_dir={cache_dir}",
-                     f"trainer.output_dir={cwd}", "trainer.run_name=run", *LAYOUTS[name], cwd=cwd, timeout=1800)
+    result = run_cli(
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        *ARGS,
+        f"warmstart.cache_dir={cache_dir}",
+        f"trainer.output_dir={cwd}",
+        "trainer.run_name=run",
+        *LAYOUTS[name],
+        cwd=cwd,
+        timeout=1800,
+    )
     assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
     metrics = [json.loads(line) for line in (cwd / "run/metrics.jsonl").read_text().splitlines()]
     samples = {}
     for path in (cwd / "records").glob("step*-rank*.json"):
         step = int(path.name[4:].split("-")[0])
         data = json.loads(path.read_text())
-        samples.setdefault(step, []).extend(zip(data["uid"], data["prompt"], data["completion"]))
+        samples.setdefault(step, []).extend(zip(data["uid"], data["prompt"], data["completion"], strict=True))
     return {"metrics": metrics, "samples": samples, "summary": json.loads(result.stdout.splitlines()[-1])}
 
 
@@ -70,8 +83,9 @@ def runs(tmp_path_factory, cache_dir):
     return Runs(tmp_path_factory, cache_dir)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n
-                                  for n in LAYOUTS if n != "1 rank"])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n for n in LAYOUTS if n != "1 rank"]
+)
 def test_same_samples_and_first_step_as_one_rank(runs, name):
     ref, other = runs["1 rank"], runs[name]
     for step in (1, 2):

@@ -12,10 +12,12 @@ import json
 
 import pytest
 import torch
+from conftest import REPO, run_cli
 from peft import AutoPeftModelForCausalLM
+from test_e2e import read_metrics
+from test_fsdp2 import pg_loss, step_batch
 from transformers import AutoModelForCausalLM
 
-from conftest import REPO, run_cli
 from distflow.comm import Comm
 from distflow.config import ConfigError, load_config
 from distflow.engines.lora import AdaptersOff, apply_lora, is_lora, synced_parameters, trainable_parameters
@@ -25,8 +27,6 @@ from distflow.engines.weight_sync import WeightSync
 from distflow.runtime.launcher import run_local
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
-from test_e2e import read_metrics
-from test_fsdp2 import pg_loss, step_batch
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 4, 12, 13, 6, 7]])
 
@@ -58,7 +58,7 @@ def test_adapters_start_at_the_base_model_and_are_all_that_trains():
     assert [name for name, _ in synced_parameters(model)] == trained
     assert len(trainable_parameters(model)) == len(trained)
     again = apply_lora(base_model(), lora_spec(), seed=3)
-    for (name, a), (_, b) in zip(model.named_parameters(), again.named_parameters()):
+    for (name, a), (_, b) in zip(model.named_parameters(), again.named_parameters(), strict=True):
         assert torch.equal(a, b), name  # every rank builds the same adapters
 
 
@@ -88,8 +88,9 @@ def _train_and_sync(comm: Comm) -> dict:
     train = comm.subgroup((0, 1))
     out = {}
     for strategy in ("ddp", "fsdp2"):
-        config = load_config(None, [f"trainer.strategy={strategy}", "model.lora.rank=4", "optim.lr=1e-2",
-                                    "optim.warmup_steps=0"])
+        config = load_config(
+            None, [f"trainer.strategy={strategy}", "model.lora.rank=4", "optim.lr=1e-2", "optim.warmup_steps=0"]
+        )
         model = apply_lora(base_model(), config.model.lora, seed=0)
         reference, losses, state_bytes = AdaptersOff(model), [], 0
         if train is not None:
@@ -107,8 +108,14 @@ def _train_and_sync(comm: Comm) -> dict:
             model.eval()
             policy, ref = logits(model), logits(reference)
             params = {name: p.clone() for name, p in full_parameters(model)}
-        out[strategy] = {"losses": losses, "moved": moved, "policy": policy, "reference": ref, "params": params,
-                         "state_bytes": state_bytes}
+        out[strategy] = {
+            "losses": losses,
+            "moved": moved,
+            "policy": policy,
+            "reference": ref,
+            "params": params,
+            "state_bytes": state_bytes,
+        }
     return out
 
 
@@ -121,7 +128,9 @@ def test_ddp_and_fsdp2_train_the_same_adapters(synced):
     ddp, fsdp2 = synced[0]["ddp"], synced[0]["fsdp2"]
     assert fsdp2["losses"] == pytest.approx(ddp["losses"], rel=1e-5)
     for name, tensor in ddp["params"].items():
-        torch.testing.assert_close(fsdp2["params"][name], tensor, rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            fsdp2["params"][name], tensor, rtol=1e-3, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
@@ -148,9 +157,20 @@ def test_rollout_rank_receives_only_the_adapters_and_ends_with_the_policy(synced
         torch.testing.assert_close(synced[rank][strategy]["reference"], want, rtol=0, atol=1e-5)
 
 
-LORA_RUN = ["trainer.prompts_per_step=4", "rollout.num_samples=4", "trainer.eval_every=0", "trainer.eval_samples=1",
-            "task.num_heldout=20", "trainer.progress_bar=false", "trainer.loggers=[jsonl]", "model.lora.rank=4",
-            "optim.lr=1e-3", "algorithm.kl.coef=0.01", "checkpoint.every=1", "trainer.run_name=run"]
+LORA_RUN = [
+    "trainer.prompts_per_step=4",
+    "rollout.num_samples=4",
+    "trainer.eval_every=0",
+    "trainer.eval_samples=1",
+    "task.num_heldout=20",
+    "trainer.progress_bar=false",
+    "trainer.loggers=[jsonl]",
+    "model.lora.rank=4",
+    "optim.lr=1e-3",
+    "algorithm.kl.coef=0.01",
+    "checkpoint.every=1",
+    "trainer.run_name=run",
+]
 
 
 @pytest.mark.slow  # ~90 s idle, four launches: CI runs it; the unit tests above cover the adapters themselves
@@ -158,8 +178,17 @@ def test_cli_lora_run_checkpoints_adapters_resumes_and_exports(tmp_path, cache_d
     common = [str(REPO / "examples/arith_grpo.yaml"), *LORA_RUN, f"warmstart.cache_dir={cache_dir}"]
     # disaggregated (rank 0 rolls out, rank 1 trains), with the KL reference (adapters off)
     full = tmp_path / "full"
-    result = run_cli("train", *common, "trainer.total_steps=2", f"trainer.output_dir={full}", "--nproc", "2",
-                     "placement.rollout.ranks=0", "placement.train.ranks=1", cwd=tmp_path)
+    result = run_cli(
+        "train",
+        *common,
+        "trainer.total_steps=2",
+        f"trainer.output_dir={full}",
+        "--nproc",
+        "2",
+        "placement.rollout.ranks=0",
+        "placement.train.ranks=1",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     steps = read_metrics(full / "run")[1:]
     step = full / "run/checkpoints/step-000002"
@@ -177,8 +206,15 @@ def test_cli_lora_run_checkpoints_adapters_resumes_and_exports(tmp_path, cache_d
     torch.testing.assert_close(logits(merged.eval()), logits(adapters.eval()), rtol=1e-5, atol=1e-5)
     # Resumed from step 1 on one rank (colocated): step 2 is the uninterrupted run's.
     resumed = tmp_path / "resumed"
-    result = run_cli("train", *common, "trainer.total_steps=2", f"trainer.output_dir={resumed}",
-                     "--resume", str(full / "run/checkpoints/step-000001"), cwd=tmp_path)
+    result = run_cli(
+        "train",
+        *common,
+        "trainer.total_steps=2",
+        f"trainer.output_dir={resumed}",
+        "--resume",
+        str(full / "run/checkpoints/step-000001"),
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     again = read_metrics(resumed / "run")[-1]
     for key in ("reward/mean", "train/pg_loss", "train/grad_norm", "tokens/trained"):

@@ -6,8 +6,8 @@ import string
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import REPO, run_cli
+
 from distflow.engines.reward import Rewards, RewardTerm
 from distflow.tasks.math_answers import SIMPLE_CHAT_TEMPLATE, MathTask, chat_prompt, math_answer_reward
 from distflow.tasks.tiny_model import build_tiny_model
@@ -17,8 +17,13 @@ ALPHABET = "".join(c for c in string.printable if c not in "\n\r\t\x0b\x0c")
 
 
 def row(question: str, answer: str, source: str = "openai/gsm8k") -> dict:
-    return {"data_source": source, "prompt": [{"role": "user", "content": question}], "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": answer}, "extra_info": {"split": "train"}}
+    return {
+        "data_source": source,
+        "prompt": [{"role": "user", "content": question}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"split": "train"},
+    }
 
 
 ROWS = [row(f"What is {a}+{b}?", str(a + b)) for a in range(1, 9) for b in range(1, 5)]
@@ -81,11 +86,24 @@ def test_a_run_on_verl_rows(tmp_path, tokenizer):
     train = write_jsonl(tmp_path / "train.jsonl", ROWS)
     heldout = write_parquet(tmp_path / "heldout.parquet", ROWS[:8])
     result = run_cli(
-        "train", str(REPO / "examples/arith_grpo.yaml"), f"model.path={tmp_path / 'model'}",
-        f"task.train_file={train}", f"task.heldout_file={heldout}", "task.reward=distflow.tasks.math_answers:"
-        "math_answer_reward", "trainer.total_steps=2", "trainer.prompts_per_step=4", "rollout.num_samples=4",
-        "rollout.max_new_tokens=8", "trainer.eval_every=0", "trainer.eval_samples=1", "trainer.progress_bar=false",
-        "checkpoint.at_end=false", f"trainer.output_dir={tmp_path}", "trainer.run_name=run", cwd=tmp_path)
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        f"model.path={tmp_path / 'model'}",
+        f"task.train_file={train}",
+        f"task.heldout_file={heldout}",
+        "task.reward=distflow.tasks.math_answers:math_answer_reward",
+        "trainer.total_steps=2",
+        "trainer.prompts_per_step=4",
+        "rollout.num_samples=4",
+        "rollout.max_new_tokens=8",
+        "trainer.eval_every=0",
+        "trainer.eval_samples=1",
+        "trainer.progress_bar=false",
+        "checkpoint.at_end=false",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=run",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2
@@ -95,8 +113,13 @@ def test_a_run_on_verl_rows(tmp_path, tokenizer):
 
 def test_a_dataset_task_needs_a_text_model(tmp_path):
     path = write_jsonl(tmp_path / "rows.jsonl", ROWS)
-    result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), f"task.train_file={path}",
-                     f"task.heldout_file={path}", cwd=tmp_path)
+    result = run_cli(
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        f"task.train_file={path}",
+        f"task.heldout_file={path}",
+        cwd=tmp_path,
+    )
     assert result.returncode == 2 and "set model.path" in result.stderr
 
 

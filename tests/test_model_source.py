@@ -5,8 +5,8 @@ SmolLM2 file, is in test_real_model.py (slow)."""
 import sys
 
 import pytest
-
 from conftest import REPO, run_cli
+
 from distflow.config import ConfigError
 from distflow.tasks.model_source import converted_dir, is_converted, resolve_model_dir, source_file
 
@@ -27,8 +27,11 @@ def test_package_and_gguf_sources_resolve_to_one_cache_directory(shipped, tmp_pa
     assert is_converted("package:shipped_model") and is_converted("/x/M.GGUF") and not is_converted("/x/dir")
     assert source_file("package:shipped_model") == shipped / "tiny.Q4.gguf"
     target = resolve_model_dir("package:shipped_model", builder=False)
-    assert target == resolve_model_dir(str(shipped / "tiny.Q4.gguf"), builder=False) == converted_dir(
-        shipped / "tiny.Q4.gguf")
+    assert (
+        target
+        == resolve_model_dir(str(shipped / "tiny.Q4.gguf"), builder=False)
+        == converted_dir(shipped / "tiny.Q4.gguf")
+    )
     assert target.parent == tmp_path / "cache" and target.name.startswith("tiny.Q4-")
     assert "shipped_model" not in sys.modules
     (shipped / "tiny.Q4.gguf").write_bytes(b"GGUF, another version")  # another file: another directory

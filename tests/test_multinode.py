@@ -15,12 +15,19 @@ import time
 import uuid
 
 import pytest
-
 from conftest import REPO
 
-TINY = ["trainer.prompts_per_step=4", "rollout.num_samples=4", "trainer.eval_every=0", "trainer.eval_samples=1",
-        "task.num_heldout=20", "trainer.progress_bar=false", "warmstart.target_accuracy=0",
-        "checkpoint.at_end=false", "trainer.loggers=[jsonl]"]
+TINY = [
+    "trainer.prompts_per_step=4",
+    "rollout.num_samples=4",
+    "trainer.eval_every=0",
+    "trainer.eval_samples=1",
+    "task.num_heldout=20",
+    "trainer.progress_bar=false",
+    "warmstart.target_accuracy=0",
+    "checkpoint.at_end=false",
+    "trainer.loggers=[jsonl]",
+]
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:
@@ -42,8 +49,11 @@ def two_nodes():
         _ip("link", "add", nodes[0][1], "type", "veth", "peer", "name", nodes[1][1]).check_returncode()
         for namespace, interface, address in nodes:
             _ip("link", "set", interface, "netns", namespace).check_returncode()
-            for command in (["addr", "add", f"{address}/24", "dev", interface], ["link", "set", interface, "up"],
-                            ["link", "set", "lo", "up"]):
+            for command in (
+                ["addr", "add", f"{address}/24", "dev", interface],
+                ["link", "set", interface, "up"],
+                ["link", "set", "lo", "up"],
+            ):
                 _ip("netns", "exec", namespace, "ip", *command).check_returncode()
         yield nodes
     finally:
@@ -63,19 +73,54 @@ def _start(nodes, tmp_path, port: int, run_id: str, steps: int) -> list[subproce
         node_tmp = tmp_path / f"node{i}-tmp"  # each machine its own /tmp: no status file is shared
         node_tmp.mkdir(exist_ok=True)
         env = dict(os.environ, GLOO_SOCKET_IFNAME=interface, TMPDIR=str(node_tmp), PYTHONUNBUFFERED="1")
-        cmd = ["ip", "netns", "exec", namespace, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-               "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{nodes[0][2]}:{port}",
-               "--rdzv-id", run_id, "--rdzv-conf", f"is_host={'true' if i == 0 else 'false'}", "--local-addr",
-               address, "-m", "distflow", "train", str(REPO / "examples/arith_grpo.yaml"), *TINY,
-               f"trainer.total_steps={steps}", f"trainer.output_dir={tmp_path}", f"trainer.run_name={run_id}"]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=open(tmp_path / f"{run_id}-{i}.out", "w"),
-                                      stderr=open(tmp_path / f"{run_id}-{i}.err", "w")))
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            namespace,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{nodes[0][2]}:{port}",
+            "--rdzv-id",
+            run_id,
+            "--rdzv-conf",
+            f"is_host={'true' if i == 0 else 'false'}",
+            "--local-addr",
+            address,
+            "-m",
+            "distflow",
+            "train",
+            str(REPO / "examples/arith_grpo.yaml"),
+            *TINY,
+            f"trainer.total_steps={steps}",
+            f"trainer.output_dir={tmp_path}",
+            f"trainer.run_name={run_id}",
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                env=env,
+                cwd=tmp_path,
+                stdout=open(tmp_path / f"{run_id}-{i}.out", "w"),
+                stderr=open(tmp_path / f"{run_id}-{i}.err", "w"),
+            )
+        )
     return procs
 
 
 def _node_ranks(tmp_path, node: int) -> set[int]:
     """The global ranks that ran on a node, from the status files in its own temporary directory."""
-    return {json.loads(p.read_text())["rank"] for p in (tmp_path / f"node{node}-tmp").glob("distflow-status-*/rank*.json")}
+    return {
+        json.loads(p.read_text())["rank"] for p in (tmp_path / f"node{node}-tmp").glob("distflow-status-*/rank*.json")
+    }
 
 
 @pytest.mark.slow  # two network namespaces, torchrun on each: CI runs it

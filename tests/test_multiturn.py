@@ -150,8 +150,11 @@ def test_python_env_runs_code_blocks_and_reports_failures():
 
     env = PythonEnv(wall_s=5)
     observation, reward, done, info = env.step("Let me compute.\n```python\nprint(sum(range(10)))\n```")
-    assert observation == "\n```output\n45\n\n```\n" and (reward, done, info) == (0.0, False,
-                                                                                  {"tool_call": True, "tool_error": False})
+    assert observation == "\n```output\n45\n\n```\n" and (reward, done, info) == (
+        0.0,
+        False,
+        {"tool_call": True, "tool_error": False},
+    )
     observation, _, _, info = env.step("```python\nraise ValueError('no')\n```")
     assert "ValueError: no" in observation and info["tool_error"]
     assert PythonEnv(chat=True).step("```python\nprint(1)\n```")[0] == [{"role": "tool", "content": "1\n"}]
@@ -166,8 +169,13 @@ def test_model_tokens_are_kept_as_sampled_not_re_encoded():
     limits = TurnLimits(2, 32, 0.0, num_workers=1)
     reset_all([traj], TOK, [ids("1+3=")], limits)
     turns = iter([sampled, ids("4") + [EOS]])
-    roll_out([traj], tokenizer=TOK, limits=limits, agree=lambda *v: v,
-             generate_turn=lambda running, turn, width: ([new := next(turns)], [[0.0] * len(new)]))
+    roll_out(
+        [traj],
+        tokenizer=TOK,
+        limits=limits,
+        agree=lambda *v: v,
+        generate_turn=lambda running, turn, width: ([new := next(turns)], [[0.0] * len(new)]),
+    )
     assert traj.actions[0] == "4=" and TOK(traj.actions[0], add_special_tokens=False)["input_ids"] != sampled[:-1]
     assert traj.ids[:5] == sampled and traj.ids[5:6] == ids("4")  # the calculator's "4", then the answer
 
@@ -198,13 +206,16 @@ def test_calls_keep_their_order_and_bound_threads():
 def test_chat_observations_render_as_the_templates_continuation():
     """A template that opens every rendering with a default system prompt: the first
     observation gets it, later ones only what the template adds for the new message."""
-    from distflow.engines.multiturn import encode_observation
     from transformers import PreTrainedTokenizerFast
 
+    from distflow.engines.multiturn import encode_observation
+
     tok = PreTrainedTokenizerFast(tokenizer_object=TOK.backend_tokenizer, eos_token="<eos>", pad_token="<pad>")
-    tok.chat_template = ("{% if messages[0]['role'] != 'system' %}0={% endif %}"
-                         "{% for m in messages %}({{ m['content'] }}){% endfor %}"
-                         "{% if add_generation_prompt %}={% endif %}")
+    tok.chat_template = (
+        "{% if messages[0]['role'] != 'system' %}0={% endif %}"
+        "{% for m in messages %}({{ m['content'] }}){% endfor %}"
+        "{% if add_generation_prompt %}={% endif %}"
+    )
     message = [{"role": "tool", "content": "42"}]
     assert tok.decode(encode_observation(tok, message, first=True), skip_special_tokens=True) == "0=(42)="
     assert tok.decode(encode_observation(tok, message, first=False)) == "(42)="
@@ -212,6 +223,7 @@ def test_chat_observations_render_as_the_templates_continuation():
 
 def test_tool_example_builds_a_multiturn_pipeline():
     from conftest import REPO
+
     from distflow.config import load_config
     from distflow.dag.multiturn_stage import env_rollout
     from distflow.dag.pipelines import build_graph

@@ -10,7 +10,6 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, run_cli
 
 USER_FILES = {
@@ -81,7 +80,7 @@ class Spawning(Echo):
                 f.write(f"{plain.pid} {session.pid} {orphan}")
         return None
 ''',
-    "recorder.py": '''
+    "recorder.py": """
 import json, os
 
 def record(batch, ctx):
@@ -90,13 +89,24 @@ def record(batch, ctx):
         json.dump({k: (batch[k].tolist() if hasattr(batch[k], "tolist") else batch[k])
                    for k in ("uid", "input_ids", "response_mask", "rollout_logp", "old_logp", "turn_reward")}, f)
     return batch
-''',
+""",
 }
 ARGS = [
-    "warmstart.target_accuracy=0", "trainer.total_steps=1", "trainer.prompts_per_step=4", "rollout.num_samples=4",
-    "trainer.eval_every=0", "trainer.eval_samples=1", "task.num_heldout=20", "trainer.progress_bar=false",
-    "algorithm.num_mini_batches=2", "rollout.max_new_tokens=4", "env.cls=echo_env:Echo", "env.max_turns=3",
-    "env.max_tokens=20", "trainer.loggers=[jsonl]", "checkpoint.at_end=false",
+    "warmstart.target_accuracy=0",
+    "trainer.total_steps=1",
+    "trainer.prompts_per_step=4",
+    "rollout.num_samples=4",
+    "trainer.eval_every=0",
+    "trainer.eval_samples=1",
+    "task.num_heldout=20",
+    "trainer.progress_bar=false",
+    "algorithm.num_mini_batches=2",
+    "rollout.max_new_tokens=4",
+    "env.cls=echo_env:Echo",
+    "env.max_turns=3",
+    "env.max_tokens=20",
+    "trainer.loggers=[jsonl]",
+    "checkpoint.at_end=false",
     "pipeline.custom_stages=[{name: record, fn: 'recorder:record', after: [old_logprob], before: [policy_update], "
     "reads: [uid, input_ids, response_mask, rollout_logp, old_logp, turn_reward]}]",
 ]
@@ -106,8 +116,17 @@ def run(tmp_path_factory, cache_dir, *extra) -> dict:
     cwd = tmp_path_factory.mktemp("multiturn")
     for name, text in USER_FILES.items():
         (cwd / name).write_text(text)
-    result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *ARGS, f"warmstart.cache_dir={cache_dir}",
-                     f"trainer.output_dir={cwd}", "trainer.run_name=run", *extra, cwd=cwd, timeout=1800)
+    result = run_cli(
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        *ARGS,
+        f"warmstart.cache_dir={cache_dir}",
+        f"trainer.output_dir={cwd}",
+        "trainer.run_name=run",
+        *extra,
+        cwd=cwd,
+        timeout=1800,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {}
     for path in (cwd / "records").glob("step1-rank*.json"):
@@ -130,13 +149,13 @@ def test_trajectories_have_holes_and_rollout_logprobs_match_training(one_rank):
     for row in rows.values():
         mask, logp, old = row["response_mask"], row["rollout_logp"], row["old_logp"]
         ones = [t for t, m in enumerate(mask) if m]
-        assert any(m == 0 for m in mask[ones[0]:ones[-1]]), "an observation between two model turns"
-        assert all(lp == 0.0 for lp, m in zip(logp, mask) if not m)
-        for lp, o, m in zip(logp, old, mask):
+        assert any(m == 0 for m in mask[ones[0] : ones[-1]]), "an observation between two model turns"
+        assert all(lp == 0.0 for lp, m in zip(logp, mask, strict=True) if not m)
+        for lp, o, m in zip(logp, old, mask, strict=True):
             if m:
                 assert lp == pytest.approx(o, abs=1e-4)  # the training pass sees the sampled sequence
         # each environment reward sits on a model token (the last one of its turn)
-        assert all(m == 1 for r, m in zip(row["turn_reward"], mask) if r != 0)
+        assert all(m == 1 for r, m in zip(row["turn_reward"], mask, strict=True) if r != 0)
     step = one_rank["metrics"][-1]
     assert step["env/tool_call_rate"] == 1.0 and step["env/errors"] == 0 and step["env/timeouts"] == 0
     assert 2.0 <= step["env/turns"] <= 3.0
@@ -167,8 +186,9 @@ def test_failing_tools_are_contained_and_counted(tmp_path_factory, cache_dir):
 def test_a_nan_turn_reward_is_contained_and_counted(tmp_path_factory, cache_dir):
     """A turn reward of NaN is scored env.default_reward and counted in env/errors, as a reward
     function's non-finite value is: the rewards stay finite and no step is skipped."""
-    result = run(tmp_path_factory, cache_dir, "env.cls=nan_env:NanOnEvenRows", "env.default_reward=-1",
-                 "trainer.total_steps=2")
+    result = run(
+        tmp_path_factory, cache_dir, "env.cls=nan_env:NanOnEvenRows", "env.default_reward=-1", "trainer.total_steps=2"
+    )
     steps = result["metrics"][1:]
     assert [s["step"] for s in steps] == [1, 2]
     for step in steps:
@@ -194,9 +214,19 @@ def test_processes_an_environment_starts_end_with_the_run(tmp_path_factory, cach
     cwd = tmp_path_factory.mktemp("spawning")
     for name, text in USER_FILES.items():
         (cwd / name).write_text(text)
-    result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), *ARGS[:-1], "env.cls=spawning_env:Spawning",
-                     f"warmstart.cache_dir={cache_dir}", f"trainer.output_dir={cwd}", "trainer.run_name=run",
-                     "--nproc", str(nproc), cwd=cwd, timeout=1800)
+    result = run_cli(
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        *ARGS[:-1],
+        "env.cls=spawning_env:Spawning",
+        f"warmstart.cache_dir={cache_dir}",
+        f"trainer.output_dir={cwd}",
+        "trainer.run_name=run",
+        "--nproc",
+        str(nproc),
+        cwd=cwd,
+        timeout=1800,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     pids = [int(pid) for path in cwd.glob("children-*.txt") for pid in path.read_text().split()]
     left = [pid for pid in pids if _alive(pid)]

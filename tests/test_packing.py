@@ -5,9 +5,9 @@ import copy
 import pytest
 import torch
 
+from distflow.config.errors import ConfigError
 from distflow.engines.critic import ValueModel, response_values
 from distflow.engines.logprobs import response_logprobs
-from distflow.config.errors import ConfigError
 from distflow.engines.packing import pack, response_outputs
 from distflow.engines.sequences import left_pad, response_mask_from_ids
 from distflow.tasks.tiny_model import build_tiny_model
@@ -20,8 +20,9 @@ def _batch(seed: int = 0, rows: int = 12, response_width: int = 7):
     """Prompts of 2-9 tokens (left-padded), responses ending at an EOS at different columns or running to
     the end (right-padded after the EOS)."""
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 21, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(rows)]
+    prompts = [
+        torch.randint(3, 21, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist() for _ in range(rows)
+    ]
     ids_BP, mask_BP = left_pad(prompts, PAD)
     response_BR = torch.randint(3, 21, (rows, response_width), generator=g)
     for b in range(rows):
@@ -43,9 +44,13 @@ def test_pack_places_each_sequence_once_with_restarting_positions():
     # Response token (column 3..5) t is predicted by the packed output one position before it.
     rows, cols = packing.source_BR
     assert packing.valid_BR.tolist() == [[True, True, True], [True, False, False], [True, True, False]]
-    assert [(r, c) for r, c, v in zip(rows.flatten().tolist(), cols.flatten().tolist(),
-                                      packing.valid_BR.flatten().tolist()) if v] == [
-        (1, 0), (1, 1), (1, 2), (2, 1), (0, 2), (0, 3)]
+    assert [
+        (r, c)
+        for r, c, v in zip(
+            rows.flatten().tolist(), cols.flatten().tolist(), packing.valid_BR.flatten().tolist(), strict=True
+        )
+        if v
+    ] == [(1, 0), (1, 1), (1, 2), (2, 1), (0, 2), (0, 3)]
 
 
 def test_logprobs_entropies_and_gradients_equal_the_padded_pass():
@@ -55,8 +60,16 @@ def test_logprobs_entropies_and_gradients_equal_the_padded_pass():
     results = {}
     for padding_free in (False, True):
         model.zero_grad()
-        logp, entropy = response_logprobs(model, ids, mask, response_mask.shape[1], temperature=0.7,
-                                          with_entropy=True, entropy_grad=True, padding_free=padding_free)
+        logp, entropy = response_logprobs(
+            model,
+            ids,
+            mask,
+            response_mask.shape[1],
+            temperature=0.7,
+            with_entropy=True,
+            entropy_grad=True,
+            padding_free=padding_free,
+        )
         loss = ((logp + 0.1 * entropy) * response_mask).sum() / response_mask.sum()
         loss.backward()
         results[padding_free] = (logp[valid], entropy[valid], loss, [p.grad.clone() for p in model.parameters()])
@@ -64,7 +77,7 @@ def test_logprobs_entropies_and_gradients_equal_the_padded_pass():
     assert (logp_a - logp_b).abs().max() <= 1e-6
     assert (ent_a - ent_b).abs().max() <= 1e-6
     assert abs(loss_a.item() - loss_b.item()) <= 1e-6
-    for grad_a, grad_b in zip(grads_a, grads_b):
+    for grad_a, grad_b in zip(grads_a, grads_b, strict=True):
         assert (grad_a - grad_b).abs().max() <= 1e-6 * max(1.0, grad_a.abs().max().item())
 
 

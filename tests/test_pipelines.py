@@ -53,45 +53,73 @@ def _overrides(data, prefix=""):
 def test_algorithm_settings_and_user_overrides():
     dapo = load_config(None, ["algorithm.name=dapo"]).algorithm
     assert (dapo.clip.low, dapo.clip.high, dapo.dynamic_sampling.enabled, dapo.loss_agg) == (
-        0.2, 0.28, True, "token-mean")
+        0.2,
+        0.28,
+        True,
+        "token-mean",
+    )
     gspo = load_config(None, ["algorithm.name=gspo"]).algorithm
     assert (gspo.clip.low, gspo.clip.high, gspo.policy_loss, gspo.loss_agg) == (
-        3e-4, 4e-4, "gspo", "seq-mean-token-mean")
+        3e-4,
+        4e-4,
+        "gspo",
+        "seq-mean-token-mean",
+    )
     dr = load_config(None, ["algorithm.name=dr_grpo"]).algorithm
-    assert (dr.norm_adv_by_std, dr.loss_agg, dr.skip_zero_variance_groups) == (
-        False, "seq-mean-token-sum-norm", False)
+    assert (dr.norm_adv_by_std, dr.loss_agg, dr.skip_zero_variance_groups) == (False, "seq-mean-token-sum-norm", False)
     baseline = load_config(None, ["algorithm.name=reinforce_pp_baseline"]).algorithm
     assert baseline.skip_zero_variance_groups is False  # whitened over every token, as verl/OpenRLHF
     grpo = load_config(None).algorithm
     assert (grpo.clip.high, grpo.norm_adv_by_std, grpo.dynamic_sampling.enabled) == (0.2, True, False)
-    mine = load_config(None, ["algorithm.name=dapo", "algorithm.clip.high=0.3",
-                              "algorithm.dynamic_sampling.enabled=false"])
+    mine = load_config(
+        None, ["algorithm.name=dapo", "algorithm.clip.high=0.3", "algorithm.dynamic_sampling.enabled=false"]
+    )
     assert (mine.algorithm.clip.high, mine.algorithm.dynamic_sampling.enabled) == (0.3, False)
     assert "dynamic_sampling" not in order("algorithm.name=dapo", "algorithm.dynamic_sampling.enabled=false")
 
 
 def test_optional_stages_follow_the_settings():
     assert order("algorithm.name=dapo", "algorithm.overlong.buffer=2") == (
-        HEAD + ["dynamic_sampling", "overlong_penalty", "advantage"] + TAIL)  # filter on the task reward
+        HEAD + ["dynamic_sampling", "overlong_penalty", "advantage"] + TAIL
+    )  # filter on the task reward
     assert order("algorithm.kl.coef=0.1", "algorithm.ppo_epochs=2") == (
-        HEAD + ["advantage", "old_logprob", "reference_logprob"] + TAIL)
+        HEAD + ["advantage", "old_logprob", "reference_logprob"] + TAIL
+    )
     assert order("algorithm.name=dapo", "algorithm.overlong.buffer=2", "algorithm.reward_clip=1") == (
-        HEAD + ["reward_clip", "dynamic_sampling", "overlong_penalty", "advantage"] + TAIL)  # clip the functions' score
+        HEAD + ["reward_clip", "dynamic_sampling", "overlong_penalty", "advantage"] + TAIL
+    )  # clip the functions' score
     graph = build_graph(load_config(None, ["algorithm.name=remax"]))
     assert graph.stages["greedy_baseline"].group == "rollout"  # decoded where the groups are
     in_reward = HEAD + ["old_logprob", "reference_logprob", "kl_reward", "advantage"] + TAIL
     assert order("algorithm.name=reinforce_pp", "algorithm.kl.coef=0.1", "algorithm.kl.in_reward=true") == in_reward
-    assert order("algorithm.name=ppo", "algorithm.kl.coef=0.1", "algorithm.kl.in_reward=true",
-                 "algorithm.kl.controller=adaptive") == (
-        HEAD + ["old_logprob", "reference_logprob", "kl_reward", "values", "advantage", "policy_update",
-                "critic_update", "weight_sync"])
+    assert order(
+        "algorithm.name=ppo", "algorithm.kl.coef=0.1", "algorithm.kl.in_reward=true", "algorithm.kl.controller=adaptive"
+    ) == (
+        HEAD
+        + [
+            "old_logprob",
+            "reference_logprob",
+            "kl_reward",
+            "values",
+            "advantage",
+            "policy_update",
+            "critic_update",
+            "weight_sync",
+        ]
+    )
 
 
 def test_dynamic_sampling_reruns_its_upstream_stages_including_user_stages():
-    graph = build_graph(load_config(None, [
-        "algorithm.name=dapo",
-        "pipeline.custom_stages=[{name: shape, fn: 'distflow.dag.stages:weight_sync', after: [reward], "
-        "before: [dynamic_sampling], reads: [reward], writes: [reward]}]"]))
+    graph = build_graph(
+        load_config(
+            None,
+            [
+                "algorithm.name=dapo",
+                "pipeline.custom_stages=[{name: shape, fn: 'distflow.dag.stages:weight_sync', after: [reward], "
+                "before: [dynamic_sampling], reads: [reward], writes: [reward]}]",
+            ],
+        )
+    )
     upstream = graph.stages["dynamic_sampling"].fn.upstream
     assert tuple(stage.fn for stage in upstream) == (stages.rollout, stages.reward, stages.weight_sync)
 
@@ -104,14 +132,32 @@ def test_the_kl_penalty_stage_owns_its_adaptive_coefficient_and_a_checkpoint_res
     from distflow.data.batch import Batch
     from distflow.observability.metrics import StepMetrics
 
-    config = load_config(None, ["algorithm.name=ppo", "algorithm.kl.coef=0.1", "algorithm.kl.in_reward=true",
-                                "algorithm.kl.controller=adaptive", "algorithm.kl.target=0.01"])
+    config = load_config(
+        None,
+        [
+            "algorithm.name=ppo",
+            "algorithm.kl.coef=0.1",
+            "algorithm.kl.in_reward=true",
+            "algorithm.kl.controller=adaptive",
+            "algorithm.kl.target=0.01",
+        ],
+    )
     comm = Comm(0, 1, 0, 1, torch.device("cpu"))
-    ctx = StageContext(config, Engines(tokenizer=None, rewards=None, is_correct=None, sampling=None), comm=comm,
-                       world=comm, metrics=StepMetrics())
+    ctx = StageContext(
+        config,
+        Engines(tokenizer=None, rewards=None, is_correct=None, sampling=None),
+        comm=comm,
+        world=comm,
+        metrics=StepMetrics(),
+    )
     g = torch.Generator().manual_seed(0)
-    batch = Batch({"old_logp": -1 + torch.randn(4, 3, generator=g), "ref_logp": -1 + torch.randn(4, 3, generator=g),
-                   "response_mask": torch.ones(4, 3)})
+    batch = Batch(
+        {
+            "old_logp": -1 + torch.randn(4, 3, generator=g),
+            "ref_logp": -1 + torch.randn(4, 3, generator=g),
+            "response_mask": torch.ones(4, 3),
+        }
+    )
     stage = build_graph(config).stages["kl_reward"].fn
     first = stage(batch, ctx)["kl_penalty"]
     assert stage.coef > 0.1  # the step's KL is far above the target: β grows (by at most 1 + 0.2·4/10000)
@@ -163,8 +209,10 @@ def test_reward_functions_are_imported_before_launch():
 def test_building_and_checking_the_graph_imports_no_torch():
     """The choice check reads the dispatch tables (`algorithms/kl.py`, `aggregation.py`, the dag's)
     without importing torch, so a config error shows up at once."""
-    code = ("import sys; from distflow.config import load_config; from distflow.dag.pipelines import build_graph; "
-            "build_graph(load_config(None, ['algorithm.name=ppo', 'algorithm.kl.coef=0.1'])); "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys; from distflow.config import load_config; from distflow.dag.pipelines import build_graph; "
+        "build_graph(load_config(None, ['algorithm.name=ppo', 'algorithm.kl.coef=0.1'])); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stderr

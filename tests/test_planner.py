@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
 from distflow.config import ConfigError, load_config
@@ -54,29 +53,41 @@ def test_disaggregated_placement_gives_unique_execution_flows():
 
 
 def test_custom_stage_on_the_rollout_group_moves_the_transition():
-    plan = plan_for(2, "placement.rollout.ranks=0", "placement.train.ranks=1", "pipeline.custom_stages=[{name: "
-                    "shape, fn: 'distflow.dag.stages:reward_clip', after: [reward], before: [advantage], "
-                    "placement: rollout}]")
+    plan = plan_for(
+        2,
+        "placement.rollout.ranks=0",
+        "placement.train.ranks=1",
+        "pipeline.custom_stages=[{name: "
+        "shape, fn: 'distflow.dag.stages:reward_clip', after: [reward], before: [advantage], "
+        "placement: rollout}]",
+    )
     order = [item.before if isinstance(item, Transition) else item.stage.name for item in plan.items]
     # rollout → [→reward] → reward (train) → [→shape] → shape (rollout) → [→advantage] → advantage ...
     assert order[:7] == ["rollout", "reward", "reward", "shape", "shape", "advantage", "advantage"]
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["placement.rollout.ranks=0-4"], "names rank 4, outside a world of 4"),
-    (["placement.rollout.ranks=first:0"], "selects 0 of 4 ranks"),
-    (["placement.rollout.ranks=a-b"], "use all, first:K"),
-    (["placement.rollout.ranks=0,0"], "names a rank twice"),
-    (["placement.rollout.ranks_per_replica=3"], "must divide the 4 ranks"),
-    (["placement.train.ranks_per_replica=2"], "training is data-parallel"),
-    (["placement.rollout.ranks=0-2", "placement.train.ranks=2-3"], "overlap partly"),
-    (["placement.rollout.ranks=0", "placement.train.ranks=1-2"], "rank 3 is in no worker group"),
-    (["trainer.prompts_per_step=6"], "does not divide its 6 prompts"),
-    (["placement.rollout.ranks=0", "placement.train.ranks=1-3", "trainer.prompts_per_step=4"],
-     "does not divide its 4 prompt groups"),
-    (["algorithm.num_mini_batches=200", "trainer.prompts_per_step=4", "rollout.num_samples=4"],
-     "exceeds the 4 samples"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["placement.rollout.ranks=0-4"], "names rank 4, outside a world of 4"),
+        (["placement.rollout.ranks=first:0"], "selects 0 of 4 ranks"),
+        (["placement.rollout.ranks=a-b"], "use all, first:K"),
+        (["placement.rollout.ranks=0,0"], "names a rank twice"),
+        (["placement.rollout.ranks_per_replica=3"], "must divide the 4 ranks"),
+        (["placement.train.ranks_per_replica=2"], "training is data-parallel"),
+        (["placement.rollout.ranks=0-2", "placement.train.ranks=2-3"], "overlap partly"),
+        (["placement.rollout.ranks=0", "placement.train.ranks=1-2"], "rank 3 is in no worker group"),
+        (["trainer.prompts_per_step=6"], "does not divide its 6 prompts"),
+        (
+            ["placement.rollout.ranks=0", "placement.train.ranks=1-3", "trainer.prompts_per_step=4"],
+            "does not divide its 4 prompt groups",
+        ),
+        (
+            ["algorithm.num_mini_batches=200", "trainer.prompts_per_step=4", "rollout.num_samples=4"],
+            "exceeds the 4 samples",
+        ),
+    ],
+)
 def test_invalid_placements_are_clear_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         plan_for(4, *overrides)
@@ -90,10 +101,12 @@ def test_rank_specs():
 
 def test_plan_command_for_4096_ranks_needs_neither_torch_nor_a_launch():
     # `distflow plan` stays fast by importing no engine (torch alone takes ~1.5 s to import).
-    code = ("import sys; from distflow.cli import main; "
-            "rc = main(['plan', 'examples/arith_grpo.yaml', '--world-size', '4096', "
-            "'placement.rollout.ranks=first:25%', 'placement.train.ranks=last:75%', "
-            "'trainer.prompts_per_step=3072']); assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys; from distflow.cli import main; "
+        "rc = main(['plan', 'examples/arith_grpo.yaml', '--world-size', '4096', "
+        "'placement.rollout.ranks=first:25%', 'placement.train.ranks=last:75%', "
+        "'trainer.prompts_per_step=3072']); assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stderr
     assert "ranks 0-1023: rollout → [send → reward] → weight_sync" in result.stdout
@@ -107,10 +120,13 @@ def test_a_stage_that_needs_every_rank_cannot_run_on_a_subset():
     from distflow.dag.pipelines import LOADER_FIELDS, build_graph
     from distflow.planner.plan import make_plan
 
-    stage = ("pipeline.custom_stages=[{name: sync_again, fn: 'distflow.dag.stages:weight_sync', "
-             "placement: rollout, after: [rollout], before: [reward]}]")
-    disaggregated = load_config(None, [stage, "placement.rollout.ranks=0", "placement.train.ranks=1-3",
-                                       "trainer.prompts_per_step=3"])
+    stage = (
+        "pipeline.custom_stages=[{name: sync_again, fn: 'distflow.dag.stages:weight_sync', "
+        "placement: rollout, after: [rollout], before: [reward]}]"
+    )
+    disaggregated = load_config(
+        None, [stage, "placement.rollout.ranks=0", "placement.train.ranks=1-3", "trainer.prompts_per_step=3"]
+    )
     with pytest.raises(ConfigError, match="'sync_again' enters collectives over every rank.*ranks 0 of 0-3"):
         make_plan(build_graph(disaggregated), disaggregated, 4, LOADER_FIELDS)
     colocated = load_config(None, [stage])  # every rank runs the rollout group: fine

@@ -5,13 +5,13 @@ token-mean over the whole step: 1 micro-batch of 8 == 8 micro-batches of 1 == 2 
 
 import torch
 
+from distflow.comm import Comm
 from distflow.config.schema import OptimConfig
 from distflow.data.batch import Batch
 from distflow.engines.policy import PolicyEngine
-from distflow.comm import Comm
+from distflow.runtime.launcher import run_local
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
-from distflow.runtime.launcher import run_local
 
 SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 
@@ -24,10 +24,14 @@ def make_batch() -> Batch:
     response_mask = torch.ones(8, 4, dtype=torch.long)
     response_mask[::2, 2:] = 0  # short responses: different token counts per sample
     attention[:, 5:] = response_mask
-    return Batch({
-        "input_ids": ids, "attention_mask": attention, "response_mask": response_mask,
-        "advantage": torch.randn(8, generator=g),
-    })
+    return Batch(
+        {
+            "input_ids": ids,
+            "attention_mask": attention,
+            "response_mask": response_mask,
+            "advantage": torch.randn(8, generator=g),
+        }
+    )
 
 
 def loss_fn(micro, logp_BR, entropy_BR):
@@ -47,7 +51,7 @@ def test_micro_batch_split_does_not_change_gradient():
     whole = grads_after_update(SINGLE, make_batch(), micro_batch_size=8)
     pieces = grads_after_update(SINGLE, make_batch(), micro_batch_size=1)
     uneven = grads_after_update(SINGLE, make_batch(), micro_batch_size=3)
-    for a, b, c in zip(whole, pieces, uneven):
+    for a, b, c in zip(whole, pieces, uneven, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-6)
 

@@ -13,8 +13,15 @@ from distflow.data.prefetch import Prefetcher
 
 def make_loader():
     rows = [{"prompt": f"p{i}"} for i in range(20)]
-    return PromptLoader(rows.__getitem__, 20, prompts_per_step=4, seed=0, rank=0, world_size=1,
-                        tokenize=lambda prompts: [[len(p)] for p in prompts])
+    return PromptLoader(
+        rows.__getitem__,
+        20,
+        prompts_per_step=4,
+        seed=0,
+        rank=0,
+        world_size=1,
+        tokenize=lambda prompts: [[len(p)] for p in prompts],
+    )
 
 
 def test_same_batches_and_states_with_and_without_prefetch():

@@ -5,17 +5,17 @@ import json
 
 import pytest
 import torch
+from conftest import REPO, run_cli
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from conftest import REPO, run_cli
 from distflow.config import ConfigError, load_config
+from distflow.data.batch import Batch
 from distflow.engines.critic import ValueModel, response_values
 from distflow.engines.logprobs import batch_logprobs, response_logprobs
 from distflow.engines.models import cache_kwargs
 from distflow.engines.parallelize import checkpoint_blocks
 from distflow.engines.prefix_sharing import distinct_prompts, length_buckets, response_lengths, shared_prefix_outputs
 from distflow.engines.sequences import left_pad, position_ids_from_mask, response_mask_from_ids
-from distflow.data.batch import Batch
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
 
@@ -26,8 +26,10 @@ def _groups(seed: int = 0, prompts: int = 5, n: int = 4, response_width: int = 7
     """Groups of n samples of prompts of 2-9 tokens (left-padded), the rows shuffled and one prompt
     alone; responses ending at an EOS at different columns or running to the end."""
     g = torch.Generator().manual_seed(seed)
-    distinct = [torch.randint(3, 21, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist()
-                for _ in range(prompts)]
+    distinct = [
+        torch.randint(3, 21, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(prompts)
+    ]
     rows = [p for p in distinct[:-1] for _ in range(n)] + [distinct[-1]]
     order = torch.randperm(len(rows), generator=g).tolist()
     ids_BP, mask_BP = left_pad([rows[i] for i in order], PAD)
@@ -81,8 +83,16 @@ def test_logprobs_entropies_loss_and_gradients_equal_the_padded_pass():
     results = {}
     for shared in (False, True):
         model.zero_grad()
-        logp, entropy = response_logprobs(model, ids, mask, response_mask.shape[1], temperature=0.7,
-                                          with_entropy=True, entropy_grad=True, shared_prefix=shared)
+        logp, entropy = response_logprobs(
+            model,
+            ids,
+            mask,
+            response_mask.shape[1],
+            temperature=0.7,
+            with_entropy=True,
+            entropy_grad=True,
+            shared_prefix=shared,
+        )
         loss = ((logp + 0.1 * entropy) * response_mask).sum() / response_mask.sum()
         loss.backward()
         results[shared] = (logp[valid], entropy[valid], loss, [p.grad.clone() for p in model.parameters()])
@@ -91,7 +101,7 @@ def test_logprobs_entropies_loss_and_gradients_equal_the_padded_pass():
     assert (ent_a - ent_b).abs().max() <= 1e-6
     assert abs(loss_a.item() - loss_b.item()) <= 1e-6
     assert all(g.abs().max() > 0 for g in grads_a)  # every parameter gets a gradient, prompt-only rows too
-    for grad_a, grad_b in zip(grads_a, grads_b):
+    for grad_a, grad_b in zip(grads_a, grads_b, strict=True):
         assert (grad_a - grad_b).abs().max() <= 1e-6 * max(1.0, grad_a.abs().max().item())
 
 
@@ -102,8 +112,13 @@ def test_each_distinct_prompt_goes_through_the_model_once():
 
     def forward(ids, mask, positions, cache, last_only):
         calls.append((tuple(ids.shape), cache is not None, last_only))
-        return model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache),
-                     use_cache=cache is not None).logits
+        return model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            **cache_kwargs(cache),
+            use_cache=cache is not None,
+        ).logits
 
     shared_prefix_outputs(forward, model.config, ids, mask, response_mask.shape[1])
     width = ids.shape[1] - response_mask.shape[1]
@@ -133,17 +148,23 @@ def test_in_lockstep_every_call_makes_the_same_two_forward_calls():
     for rows in (list(range(17)), lone, lone[:1]):
         calls = []
 
-        def forward(ids, mask, positions, cache, last_only):
+        def forward(ids, mask, positions, cache, last_only, calls=calls):
             calls.append((tuple(ids.shape), cache is not None, last_only))
-            return model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache),
-                         use_cache=cache is not None).logits
+            return model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                **cache_kwargs(cache),
+                use_cache=cache is not None,
+            ).logits
 
         out = shared_prefix_outputs(forward, model.config, ids[rows], mask[rows], width, lockstep=True)
         distinct = len(set(index[rows].tolist()))
         # the prompts (keeping the cache), then every response at full width
         assert calls == [((distinct, ids.shape[1] - width), True, True), ((len(rows), width), True, False)]
-        padded = model(input_ids=ids[rows], attention_mask=mask[rows],
-                       position_ids=position_ids_from_mask(mask[rows])).logits[:, -width - 1 : -1]
+        padded = model(
+            input_ids=ids[rows], attention_mask=mask[rows], position_ids=position_ids_from_mask(mask[rows])
+        ).logits[:, -width - 1 : -1]
         valid = response_mask[rows].bool()
         assert (out[valid] - padded[valid]).abs().max() <= 1e-5
 
@@ -162,7 +183,7 @@ def test_values_and_their_gradients_equal_the_padded_pass():
         results[shared] = (out[valid], [p.grad.clone() for p in values.parameters()])
     (padded, grads_a), (shared, grads_b) = results[False], results[True]
     assert (padded - shared).abs().max() <= 1e-6 * padded.abs().max()  # values of up to ~9
-    for grad_a, grad_b in zip(grads_a, grads_b):
+    for grad_a, grad_b in zip(grads_a, grads_b, strict=True):
         assert (grad_a - grad_b).abs().max() <= 1e-5 * max(1.0, grad_a.abs().max().item())
 
 
@@ -187,15 +208,23 @@ def test_with_activation_checkpointing_the_gradients_equal_the_padded_pass():
         logp, _ = response_logprobs(model, ids, mask, response_mask.shape[1], shared_prefix=shared)
         ((logp * response_mask).sum() / response_mask.sum()).backward()
         grads[shared] = [p.grad.clone() for p in model.parameters()]
-    for grad_a, grad_b in zip(grads[False], grads[True]):
+    for grad_a, grad_b in zip(grads[False], grads[True], strict=True):
         assert (grad_a - grad_b).abs().max() <= 1e-6 * max(1.0, grad_a.abs().max().item())
 
 
 def test_a_model_with_sliding_window_layers_runs_the_padded_pass_and_says_so():
     tokenizer = build_char_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True, sliding_window=4,
-                         max_window_layers=0)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=0,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     ids, mask, response_mask = _groups(seed=4)
@@ -218,16 +247,30 @@ def test_a_cli_run_with_shared_prefix_logs_what_the_padded_run_logs(tmp_path, ca
     """The real CLI on 2 ranks, 3 steps: the same rewards, and training metrics equal to float rounding."""
     rows = {}
     for shared in ("false", "true"):  # true: the default
-        result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), f"trainer.shared_prefix={shared}",
-                         "trainer.total_steps=3", "trainer.prompts_per_step=4", "rollout.num_samples=4",
-                         "trainer.eval_every=0", "trainer.progress_bar=false", "checkpoint.every=0",
-                         "checkpoint.at_end=false", f"warmstart.cache_dir={cache_dir}", f"trainer.output_dir={tmp_path}",
-                         f"trainer.run_name=shared_{shared}", "--nproc", "2", cwd=tmp_path, timeout=1800)
+        result = run_cli(
+            "train",
+            str(REPO / "examples/arith_grpo.yaml"),
+            f"trainer.shared_prefix={shared}",
+            "trainer.total_steps=3",
+            "trainer.prompts_per_step=4",
+            "rollout.num_samples=4",
+            "trainer.eval_every=0",
+            "trainer.progress_bar=false",
+            "checkpoint.every=0",
+            "checkpoint.at_end=false",
+            f"warmstart.cache_dir={cache_dir}",
+            f"trainer.output_dir={tmp_path}",
+            f"trainer.run_name=shared_{shared}",
+            "--nproc",
+            "2",
+            cwd=tmp_path,
+            timeout=1800,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         lines = (tmp_path / f"shared_{shared}" / "metrics.jsonl").read_text().splitlines()
         rows[shared] = [json.loads(line) for line in lines if json.loads(line)["step"] >= 1]
     assert len(rows["true"]) == len(rows["false"]) == 3
-    for want, got in zip(rows["false"], rows["true"]):
+    for want, got in zip(rows["false"], rows["true"], strict=True):
         assert got["reward/mean"] == want["reward/mean"] and got["tokens/generated"] == want["tokens/generated"]
         for key in ("train/pg_loss", "train/grad_norm", "train/entropy"):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key

@@ -7,19 +7,36 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO, run_cli
 
 import distflow
-from conftest import REPO, run_cli
 from distflow.config import Config, TrainerConfig
 from distflow.inputs import Inputs
 
-TINY = ["trainer.total_steps=3", "trainer.prompts_per_step=4", "rollout.num_samples=4", "trainer.eval_every=2",
-        "trainer.eval_samples=2", "task.num_heldout=40", "trainer.progress_bar=false", "warmstart.target_accuracy=0"]
-COMPARED = ("reward/mean", "reward/reward", "response/length", "tokens/trained", "train/pg_loss", "train/grad_norm",
-            "train/entropy", "eval/accuracy", "eval/greedy_accuracy")
+TINY = [
+    "trainer.total_steps=3",
+    "trainer.prompts_per_step=4",
+    "rollout.num_samples=4",
+    "trainer.eval_every=2",
+    "trainer.eval_samples=2",
+    "task.num_heldout=40",
+    "trainer.progress_bar=false",
+    "warmstart.target_accuracy=0",
+]
+COMPARED = (
+    "reward/mean",
+    "reward/reward",
+    "response/length",
+    "tokens/trained",
+    "train/pg_loss",
+    "train/grad_norm",
+    "train/entropy",
+    "eval/accuracy",
+    "eval/greedy_accuracy",
+)
 
 # What a notebook does: functions defined in __main__ (no file), two runs in one interpreter.
-NOTEBOOK = '''
+NOTEBOOK = """
 import json, os, signal, sys, threading
 import torch.distributed as dist
 import distflow
@@ -40,12 +57,12 @@ print(json.dumps({"runs": [first.metrics(), second.metrics()], "final_eval": fir
                   "summary": first.summary, "run_dirs": [str(first.run_dir), str(second.run_dir)],
                   "same_state": before == after, "process_group": dist.is_initialized(), "refused": refused,
                   "threads": [(t.name, t.daemon) for t in threading.enumerate() if t is not threading.main_thread()]}))
-'''
+"""
 
 
 def assert_same_metrics(got: list[dict], want: list[dict]) -> None:
     assert [r["step"] for r in got] == [r["step"] for r in want]
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         for key in COMPARED:
             if b.get(key) is not None:
                 assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (b["step"], key)
@@ -53,8 +70,13 @@ def assert_same_metrics(got: list[dict], want: list[dict]) -> None:
 
 def test_a_notebook_trains_twice_in_one_interpreter_and_cannot_launch_its_own_functions(tmp_path, cache_dir):
     overrides = TINY + [f"warmstart.cache_dir={cache_dir}", f"trainer.output_dir={tmp_path}"]
-    done = subprocess.run([sys.executable, "-c", NOTEBOOK, json.dumps(overrides)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=1800)
+    done = subprocess.run(
+        [sys.executable, "-c", NOTEBOOK, json.dumps(overrides)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     first, second = out["runs"]
@@ -67,28 +89,54 @@ def test_a_notebook_trains_twice_in_one_interpreter_and_cannot_launch_its_own_fu
     assert out["same_state"] and not out["process_group"]
     # No thread of distflow's, and none that would keep the interpreter alive (tqdm's daemon monitor may stay).
     assert [(name, daemon) for name, daemon in out["threads"] if name.startswith("distflow") or not daemon] == []
-    assert out["refused"].startswith("rewards ('reward') is defined in __main__ of an interactive session (a "
-                                     "notebook), which the 2 ranks that nproc=2 starts cannot import")
+    assert out["refused"].startswith(
+        "rewards ('reward') is defined in __main__ of an interactive session (a "
+        "notebook), which the 2 ranks that nproc=2 starts cannot import"
+    )
 
 
 def test_the_script_under_torchrun_matches_the_cli_with_two_processes(tmp_path, cache_dir):
     common = TINY + [f"warmstart.cache_dir={cache_dir}", f"trainer.output_dir={tmp_path}"]
-    script = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             str(REPO / "examples/python_api.py"), *common, "trainer.run_name=script"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=1800)
+    script = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(REPO / "examples/python_api.py"),
+            *common,
+            "trainer.run_name=script",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert script.returncode == 0, script.stderr[-3000:]
     (tmp_path / "default.yaml").write_text("# the embedded default\n")
-    cli = run_cli("train", str(tmp_path / "default.yaml"), *common, "trainer.run_name=cli", "task.reward=python_api:reward",
-                  "--nproc", "2", cwd=REPO / "examples")
+    cli = run_cli(
+        "train",
+        str(tmp_path / "default.yaml"),
+        *common,
+        "trainer.run_name=cli",
+        "task.reward=python_api:reward",
+        "--nproc",
+        "2",
+        cwd=REPO / "examples",
+    )
     assert cli.returncode == 0, cli.stderr[-3000:]
-    read = [[json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-            for name in ("script", "cli")]
+    read = [
+        [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        for name in ("script", "cli")
+    ]
     assert json.loads((tmp_path / "script/summary.json").read_text())["world_size"] == 2
     assert any(r["reward/mean"] < 0 for r in read[1][1:])  # the script's reward, imported by the CLI's ranks
     assert_same_metrics(read[0], read[1])
 
 
-SCRIPT = '''
+SCRIPT = """
 import sys
 import distflow
 
@@ -98,16 +146,27 @@ def reward(prompt, completion, sample):
 if __name__ == "__main__":
     result = distflow.train(overrides=sys.argv[1:], rewards=reward, nproc=2)
     print(result.summary["world_size"], result.metrics()[1]["reward/mean"] < 0, sorted(result.final_eval))
-'''
+"""
 
 
 def test_a_script_starts_two_ranks_that_import_its_own_reward(tmp_path, cache_dir):
     """The ranks import the script by its file name (from its folder, not the working directory)."""
     (tmp_path / "code").mkdir()
     (tmp_path / "code/my_script.py").write_text(SCRIPT)
-    done = subprocess.run([sys.executable, str(tmp_path / "code/my_script.py"), *TINY, "trainer.total_steps=2",
-                           f"warmstart.cache_dir={cache_dir}", f"trainer.output_dir={tmp_path}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(tmp_path / "code/my_script.py"),
+            *TINY,
+            "trainer.total_steps=2",
+            f"warmstart.cache_dir={cache_dir}",
+            f"trainer.output_dir={tmp_path}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "2 True ['eval/accuracy', 'eval/greedy_accuracy']"
     config = (next(tmp_path.glob("2*/config.yaml"))).read_text()
@@ -126,8 +185,11 @@ def test_errors_are_the_cli_messages_raised(tmp_path):
     def two_arguments(prompt, completion):
         return 0.0
 
-    with pytest.raises(distflow.ConfigError, match=r"task.reward: .*two_arguments' must accept \(prompt, completion, "
-                                                    r"sample\)"):
+    with pytest.raises(
+        distflow.ConfigError,
+        match=r"task.reward: .*two_arguments' must accept \(prompt, completion, "
+        r"sample\)",
+    ):
         distflow.train(overrides={"trainer.output_dir": str(tmp_path)}, rewards=two_arguments)
     with pytest.raises(distflow.ConfigError, match="rewards .'<lambda>'. is not a top-level function"):
         distflow.train(rewards=lambda p, c, s: 0.0, nproc=2)
@@ -139,8 +201,10 @@ def test_config_objects_mappings_and_files_give_the_same_config(tmp_path):
 
     path = tmp_path / "c.yaml"
     path.write_text("trainer: {total_steps: 7}\n")
-    made = [_config(config, {"rollout.num_samples": 8}, Inputs(launched=False, nproc=1))
-            for config in (path, {"trainer": {"total_steps": 7}}, Config(trainer=TrainerConfig(total_steps=7)))]
+    made = [
+        _config(config, {"rollout.num_samples": 8}, Inputs(launched=False, nproc=1))
+        for config in (path, {"trainer": {"total_steps": 7}}, Config(trainer=TrainerConfig(total_steps=7)))
+    ]
     assert made[0] == made[1] == made[2]
     assert made[0].trainer.total_steps == 7 and made[0].rollout.num_samples == 8
 
@@ -161,7 +225,7 @@ def test_rows_become_the_files_the_file_task_reads():
         inputs.close()
 
 
-ROWS_SCRIPT = '''
+ROWS_SCRIPT = """
 import json, string, sys
 import datasets
 import distflow
@@ -176,20 +240,23 @@ build_tiny_model(tokenizer, seed=0, max_positions=128).save_pretrained(out + "/m
 tokenizer.save_pretrained(out + "/model")
 rows = [{"prompt": [{"role": "user", "content": f"What is {a}+{b}?"}], "answer": str(a + b), "level": a}
         for a in range(1, 9) for b in range(1, 5)]
-splits = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[:8])})
-result = distflow.train(overrides={"model.path": out + "/model", "trainer.total_steps": 2, "trainer.prompts_per_step": 4,
+splits = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
+                               "test": datasets.Dataset.from_list(rows[:8])})
+result = distflow.train(overrides={"model.path": out + "/model", "trainer.total_steps": 2,
+                                   "trainer.prompts_per_step": 4,
                                    "rollout.num_samples": 4, "rollout.max_new_tokens": 8, "trainer.eval_every": 0,
                                    "trainer.eval_samples": 1, "trainer.progress_bar": False, "checkpoint.at_end": False,
                                    "trainer.output_dir": out, "trainer.run_name": "run"},
                         dataset=splits, rewards=[lambda prompt, completion, sample: sample["level"] / 10,
                                                  lambda prompt, completion, sample: 1.0])
 print(json.dumps(result.metrics()))
-'''
+"""
 
 
 def test_a_hugging_face_dataset_and_lambdas_as_rewards(tmp_path):
-    done = subprocess.run([sys.executable, "-c", ROWS_SCRIPT, str(tmp_path)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=1800)
+    done = subprocess.run(
+        [sys.executable, "-c", ROWS_SCRIPT, str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=1800
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     records = json.loads(done.stdout.strip().splitlines()[-1])
     assert [r["step"] for r in records] == [0, 1, 2]

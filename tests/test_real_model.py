@@ -9,16 +9,23 @@ import importlib.util
 import json
 
 import pytest
-
 from conftest import REPO, run_cli
 
 pytestmark = pytest.mark.slow
 
 PROMPT = [{"role": "user", "content": "What is 23 + 58? Answer with just the number."}]
 RECIPE = str(REPO / "examples/smollm2_chain_sum.yaml")
-TINY = ["trainer.total_steps=1", "trainer.prompts_per_step=2", "rollout.num_samples=4", "rollout.max_new_tokens=16",
-        "task.num_heldout=4", "task.reasoning_gym.num_train=64", "trainer.eval_every=0", "trainer.progress_bar=false",
-        "checkpoint.every=0"]
+TINY = [
+    "trainer.total_steps=1",
+    "trainer.prompts_per_step=2",
+    "rollout.num_samples=4",
+    "rollout.max_new_tokens=16",
+    "task.num_heldout=4",
+    "task.reasoning_gym.num_train=64",
+    "trainer.eval_every=0",
+    "trainer.progress_bar=false",
+    "checkpoint.every=0",
+]
 RECORDER = '''
 import json, os
 from distflow.engines.generation import generate
@@ -36,8 +43,10 @@ def record(batch, ctx):
                    "greedy_after_update": out.completions[0]}, f)
     return batch
 '''
-RECORD_STAGE = ("pipeline.custom_stages=[{name: record, fn: 'recorder:record', after: [policy_update], "
-                "reads: [uid, prompt, completion, input_ids, response_mask]}]")
+RECORD_STAGE = (
+    "pipeline.custom_stages=[{name: record, fn: 'recorder:record', after: [policy_update], "
+    "reads: [uid, prompt, completion, input_ids, response_mask]}]"
+)
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +76,15 @@ def test_the_materialized_model_is_smollm2_135m_instruct(model_dir, smollm2):
     model, tokenizer = smollm2
     config = json.loads((model_dir / "config.json").read_text())
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
-    assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
-            config["num_key_value_heads"], config["vocab_size"], config["tie_word_embeddings"]) == (
-        "llama", 30, 576, 9, 3, 49152, True)
+    assert (
+        config["model_type"],
+        config["num_hidden_layers"],
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["vocab_size"],
+        config["tie_word_embeddings"],
+    ) == ("llama", 30, 576, 9, 3, 49152, True)
     assert "quantization_config" not in config  # float32 safetensors now, nothing GGUF left
     text = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
     out = generate(model, tokenizer, [text], max_new_tokens=20, temperature=1.0)
@@ -93,8 +108,15 @@ def test_its_tokenizer_ends_turns_at_im_end_and_adds_no_second_special_token(smo
 
 
 def test_a_prompt_over_the_limit_is_named_or_skipped_never_cut(tmp_path, model_dir):
-    done = run_cli("train", RECIPE, *TINY, "data.max_prompt_tokens=40", f"trainer.output_dir={tmp_path}",
-                   "trainer.run_name=over", cwd=tmp_path)
+    done = run_cli(
+        "train",
+        RECIPE,
+        *TINY,
+        "data.max_prompt_tokens=40",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=over",
+        cwd=tmp_path,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "row 1 of" in done.stderr and "tokens > data.max_prompt_tokens=40" in done.stderr
 
@@ -103,11 +125,12 @@ def _run(tmp_path, name, *extra):
     cwd = tmp_path / name
     cwd.mkdir()
     (cwd / "recorder.py").write_text(RECORDER)
-    done = run_cli("train", RECIPE, *TINY, RECORD_STAGE, f"trainer.output_dir={cwd}", "trainer.run_name=run",
-                   *extra, cwd=cwd)
+    done = run_cli(
+        "train", RECIPE, *TINY, RECORD_STAGE, f"trainer.output_dir={cwd}", "trainer.run_name=run", *extra, cwd=cwd
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(p.read_text()) for p in sorted((cwd / "records").glob("step1-rank*.json"))]
-    samples = sorted(s for r in records for s in zip(r["uid"], r["prompt"], r["completion"]))
+    samples = sorted(s for r in records for s in zip(r["uid"], r["prompt"], r["completion"], strict=True))
     return cwd, records, samples
 
 
@@ -122,10 +145,13 @@ def test_same_first_step_samples_on_one_and_two_ranks(tmp_path, one_rank, smollm
     assert len(samples) == 8 and len({uid for uid, _, _ in samples}) == 8
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     for record in records:  # the loss sees the response up to its end of turn: no prompt, template or padding
-        for ids, mask, prompt in zip(record["ids"], record["mask"], record["prompt"]):
+        for ids, mask, prompt in zip(record["ids"], record["mask"], record["prompt"], strict=True):
             width = len(ids) - len(mask)  # the response columns, which the mask covers, start here
-            assert tokenizer.decode(ids[:width], skip_special_tokens=False).replace("<|im_end|>", "").endswith(
-                prompt.replace("<|im_end|>", ""))  # left padding (pad = <|im_end|>) then the whole prompt
+            assert (
+                tokenizer.decode(ids[:width], skip_special_tokens=False)
+                .replace("<|im_end|>", "")
+                .endswith(prompt.replace("<|im_end|>", ""))
+            )  # left padding (pad = <|im_end|>) then the whole prompt
             response = ids[width:]
             end = response.index(im_end) + 1 if im_end in response else len(response)
             assert mask == [1] * end + [0] * (len(mask) - end)
@@ -144,5 +170,5 @@ def test_export_loads_in_transformers_and_answers_as_the_policy_did(tmp_path, on
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
-    text = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    text = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert text == records[0]["greedy_after_update"]

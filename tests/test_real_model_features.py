@@ -9,10 +9,13 @@ import os
 import sys
 
 import pytest
-
 from conftest import REPO, run_cli
-from test_real_model import PROMPT, RECIPE, TINY  # noqa: F401 (PROMPT: the same fixed question)
-from test_real_model import model_dir  # noqa: F401 (the fixture)
+from test_real_model import (  # noqa: F401 (PROMPT: the same fixed question)
+    PROMPT,
+    RECIPE,
+    TINY,
+    model_dir,  # noqa: F401 (the fixture)
+)
 
 pytestmark = pytest.mark.slow
 
@@ -47,8 +50,10 @@ def record(batch, ctx):
         os.kill(os.getpid(), signal.SIGKILL)
     return batch
 '''
-RECORD = ("pipeline.custom_stages=[{name: record, fn: 'user_code:record', after: [reward], before: [advantage], "
-          "reads: [uid, completion, input_ids, response_mask]}]")
+RECORD = (
+    "pipeline.custom_stages=[{name: record, fn: 'user_code:record', after: [reward], before: [advantage], "
+    "reads: [uid, completion, input_ids, response_mask]}]"
+)
 
 
 def train(cwd, *extra, env=None):
@@ -57,13 +62,25 @@ def train(cwd, *extra, env=None):
     old = dict(os.environ)
     os.environ.update(env or {})
     try:
-        done = run_cli("train", RECIPE, *TINY, RECORD, "task.reward=user_code:length_reward",
-                       f"trainer.output_dir={cwd}", "trainer.run_name=run", *extra, cwd=cwd)
+        done = run_cli(
+            "train",
+            RECIPE,
+            *TINY,
+            RECORD,
+            "task.reward=user_code:length_reward",
+            f"trainer.output_dir={cwd}",
+            "trainer.run_name=run",
+            *extra,
+            cwd=cwd,
+        )
     finally:
         os.environ.clear()
         os.environ.update(old)
-    metrics = [json.loads(line) for line in (cwd / "run/metrics.jsonl").read_text().splitlines()] \
-        if (cwd / "run/metrics.jsonl").exists() else []
+    metrics = (
+        [json.loads(line) for line in (cwd / "run/metrics.jsonl").read_text().splitlines()]
+        if (cwd / "run/metrics.jsonl").exists()
+        else []
+    )
     return done, metrics
 
 
@@ -104,8 +121,15 @@ def test_lora_trains_only_adapters(tmp_path, model_dir):  # noqa: F811
 
 
 def test_bounded_staleness_on_a_disaggregated_placement(tmp_path, model_dir):  # noqa: F811
-    done, metrics = train(tmp_path, "--nproc", "2", "placement.rollout.ranks=0", "placement.train.ranks=1",
-                          "trainer.max_staleness=1", "trainer.total_steps=3")
+    done, metrics = train(
+        tmp_path,
+        "--nproc",
+        "2",
+        "placement.rollout.ranks=0",
+        "placement.train.ranks=1",
+        "trainer.max_staleness=1",
+        "trainer.total_steps=3",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     trained(metrics, 3)
 
@@ -122,8 +146,8 @@ def test_a_tool_turn_follows_the_chat_template(tmp_path, model_dir):  # noqa: F8
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     seen = 0
     for record in records(tmp_path, 1):
-        for ids, mask in zip(record["ids"], record["mask"]):
-            response = ids[len(ids) - len(mask):]
+        for ids, mask in zip(record["ids"], record["mask"], strict=True):
+            response = ids[len(ids) - len(mask) :]
             first_gap = mask.index(0) if 0 in mask else None
             if first_gap is None or response[first_gap - 1] != im_end:
                 continue  # the first turn ran to rollout.max_new_tokens, or the episode ended

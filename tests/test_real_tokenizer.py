@@ -11,8 +11,10 @@ from distflow.engines.sequences import encode_prompts, end_of_turn, response_mas
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
 
-CHATML = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def chatml_tokenizer():
@@ -32,7 +34,10 @@ def test_the_chat_templates_end_of_turn_token_stops_a_response():
     a, b = tokenizer.convert_tokens_to_ids(["a", "b"])
     ids_BR = torch.tensor([[a, im_end, b, b], [a, b, tokenizer.eos_token_id, a], [a, a, a, a]])
     assert response_mask_from_ids(ids_BR, stop_token_ids(tokenizer)).tolist() == [
-        [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+        [1, 1, 0, 0],
+        [1, 1, 1, 0],
+        [1, 1, 1, 1],
+    ]
 
 
 def scripted(model, script):
@@ -57,16 +62,26 @@ def test_the_decode_loop_ends_a_row_at_the_end_of_turn_token():
     a = tokenizer.convert_tokens_to_ids("a")
     model = scripted(build_tiny_model(tokenizer, seed=0), [a, a, im_end, a, a])
     prompt_GP = torch.tensor([[a, a]])
-    out_BR = decode(model, prompt_GP, torch.ones_like(prompt_GP), samples_per_prompt=1, max_new_tokens=5,
-                    stop_ids=stop_token_ids(tokenizer), pad_id=tokenizer.pad_token_id, temperature=1.0, top_p=1.0,
-                    keys_B=None)
+    out_BR = decode(
+        model,
+        prompt_GP,
+        torch.ones_like(prompt_GP),
+        samples_per_prompt=1,
+        max_new_tokens=5,
+        stop_ids=stop_token_ids(tokenizer),
+        pad_id=tokenizer.pad_token_id,
+        temperature=1.0,
+        top_p=1.0,
+        keys_B=None,
+    )
     assert out_BR.tolist() == [[a, a, im_end, tokenizer.pad_token_id, tokenizer.pad_token_id]]
 
 
 def test_a_template_that_writes_bos_does_not_get_a_second_one():
     tokenizer = chatml_tokenizer()
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "1+2"}], add_generation_prompt=True,
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "1+2"}], add_generation_prompt=True, tokenize=False
+    )
     assert text.startswith("<bos>")
     templated, plain = encode_prompts(tokenizer, [text, "1+2="])
     assert templated.count(tokenizer.bos_token_id) == 1 and templated[0] == tokenizer.bos_token_id

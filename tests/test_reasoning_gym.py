@@ -66,10 +66,13 @@ def test_held_out_questions_never_train_and_rows_depend_on_seed_and_index_only(f
 
 
 def test_a_mix_splits_rows_by_weight_and_names_each_rows_dataset(fake_gym):
-    mix = [GymDatasetSpec(name="small", weight=1, config={"top": 1000}),
-           GymDatasetSpec(name="large", weight=3, config={"top": 1000})]
-    task = GymTask.build(spec(datasets=mix, num_train=100), num_heldout=40, seed=0,
-                         tokenizer=build_char_tokenizer("0123456789+ "))
+    mix = [
+        GymDatasetSpec(name="small", weight=1, config={"top": 1000}),
+        GymDatasetSpec(name="large", weight=3, config={"top": 1000}),
+    ]
+    task = GymTask.build(
+        spec(datasets=mix, num_train=100), num_heldout=40, seed=0, tokenizer=build_char_tokenizer("0123456789+ ")
+    )
     sources = [task.heldout[i]["source"] for i in range(len(task.heldout))]
     assert sources.count("small") == 10 and sources.count("large") == 30
     assert {GymTask.group_of(task.train[i]) for i in range(len(task.train))} == {"small", "large"}
@@ -78,14 +81,22 @@ def test_a_mix_splits_rows_by_weight_and_names_each_rows_dataset(fake_gym):
 def test_the_prompt_is_the_instruction_through_the_chat_template(fake_gym):
     from test_real_tokenizer import chatml_tokenizer
 
-    task = GymTask.build(spec(num_train=10, instruction="q {question} a", system_prompt="be brief"), num_heldout=2,
-                         seed=0, tokenizer=chatml_tokenizer())
+    task = GymTask.build(
+        spec(num_train=10, instruction="q {question} a", system_prompt="be brief"),
+        num_heldout=2,
+        seed=0,
+        tokenizer=chatml_tokenizer(),
+    )
     row = task.train[0]
     question = row["entry"]["question"]
-    assert row["messages"] == [{"role": "system", "content": "be brief"},
-                               {"role": "user", "content": f"q {question} a"}]
-    assert row["prompt"] == (f"<bos><|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nq {question} a"
-                             "<|im_end|>\n<|im_start|>assistant\n")
+    assert row["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": f"q {question} a"},
+    ]
+    assert row["prompt"] == (
+        f"<bos><|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nq {question} a"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_reward_and_verifier_are_the_datasets_scorer_on_the_extracted_answer(fake_gym):
@@ -108,15 +119,23 @@ def test_config_rules():
     assert config.task.reward == GYM_REWARD  # the datasets' own scorer unless task.reward says otherwise
     config = load_config(None, ["task.reasoning_gym.datasets=[{name: chain_sum}]", "task.reward=m:f"])
     assert config.task.reward == "m:f"
-    for bad, message in [(["task.reasoning_gym.datasets=[]"], "at least one dataset"),
-                         (["task.reasoning_gym.datasets=[{name: a}, {name: a}]"], "names a dataset twice"),
-                         (["task.reasoning_gym.datasets=[{name: a}]", "task.reasoning_gym.instruction=Solve."],
-                          "must contain {question}"),
-                         (["task.reasoning_gym.datasets=[{name: a}]", "task.reasoning_gym.answer_format=xml"],
-                          "answer_format must be one of"),
-                         (["task.reasoning_gym.datasets=[{name: a, weight: 0}]"], "weight must be > 0"),
-                         (["task.reasoning_gym.datasets=[{name: a}]", "task.train_file=x.jsonl",
-                           "task.heldout_file=x.jsonl"], "are ways to give the rows: set one")]:
+    for bad, message in [
+        (["task.reasoning_gym.datasets=[]"], "at least one dataset"),
+        (["task.reasoning_gym.datasets=[{name: a}, {name: a}]"], "names a dataset twice"),
+        (
+            ["task.reasoning_gym.datasets=[{name: a}]", "task.reasoning_gym.instruction=Solve."],
+            "must contain {question}",
+        ),
+        (
+            ["task.reasoning_gym.datasets=[{name: a}]", "task.reasoning_gym.answer_format=xml"],
+            "answer_format must be one of",
+        ),
+        (["task.reasoning_gym.datasets=[{name: a, weight: 0}]"], "weight must be > 0"),
+        (
+            ["task.reasoning_gym.datasets=[{name: a}]", "task.train_file=x.jsonl", "task.heldout_file=x.jsonl"],
+            "are ways to give the rows: set one",
+        ),
+    ]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, bad)
 
@@ -127,10 +146,11 @@ def test_reasoning_gyms_own_datasets_and_scorers():
     from distflow.tasks import reasoning_gym
 
     reasoning_gym._dataset.cache_clear()
-    mix = [GymDatasetSpec(name="chain_sum", config={"min_terms": 2, "max_terms": 2, "max_digits": 2}),
-           GymDatasetSpec(name="leg_counting", weight=0.5)]
-    task = GymTask.build(spec(datasets=mix, num_train=300), num_heldout=60, seed=0,
-                         tokenizer=build_char_tokenizer())
+    mix = [
+        GymDatasetSpec(name="chain_sum", config={"min_terms": 2, "max_terms": 2, "max_digits": 2}),
+        GymDatasetSpec(name="leg_counting", weight=0.5),
+    ]
+    task = GymTask.build(spec(datasets=mix, num_train=300), num_heldout=60, seed=0, tokenizer=build_char_tokenizer())
     assert [task.heldout[i]["source"] for i in range(60)].count("leg_counting") == 20
     for i in range(0, len(task.train), 37):
         row = task.train[i]

@@ -16,21 +16,27 @@ def sample_rows(uid: int) -> dict:
     g = torch.Generator().manual_seed(uid)
     length = int(torch.randint(1, 12, (), generator=g))
     ids = torch.zeros(12, dtype=torch.long)
-    ids[12 - length:] = torch.randint(3, 1000, (length,), generator=g)
+    ids[12 - length :] = torch.randint(3, 1000, (length,), generator=g)
     return {
-        "input_ids": ids, "attention_mask": (ids != 0).long(),
-        "logp": torch.randn(5, generator=g), "reward": torch.rand((), generator=g).half(),
-        "group": torch.tensor(uid // GROUP), "flag": torch.rand((), generator=g) > 0.5,
-        "prompt": f"prompt {uid // GROUP} ✓", "sample": {"answer": uid, "nested": [uid, "x" * (uid % 7)]},
+        "input_ids": ids,
+        "attention_mask": (ids != 0).long(),
+        "logp": torch.randn(5, generator=g),
+        "reward": torch.rand((), generator=g).half(),
+        "group": torch.tensor(uid // GROUP),
+        "flag": torch.rand((), generator=g) > 0.5,
+        "prompt": f"prompt {uid // GROUP} ✓",
+        "sample": {"answer": uid, "nested": [uid, "x" * (uid % 7)]},
     }
 
 
 def make_batch(uids: list[int]) -> Batch:
     rows = [sample_rows(u) for u in uids]
-    tensors = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "attention_mask", "logp", "reward",
-                                                                  "group", "flag")}
-    return Batch(tensors, {"uid": list(uids), "prompt": [r["prompt"] for r in rows],
-                           "sample": [r["sample"] for r in rows]})
+    tensors = {
+        k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "attention_mask", "logp", "reward", "group", "flag")
+    }
+    return Batch(
+        tensors, {"uid": list(uids), "prompt": [r["prompt"] for r in rows], "sample": [r["sample"] for r in rows]}
+    )
 
 
 def move(comm, src: Layout, dst: Layout, per_replica: int, keep_groups: bool):
@@ -48,11 +54,11 @@ def move(comm, src: Layout, dst: Layout, per_replica: int, keep_groups: bool):
 
 
 CASES = [  # world, src, dst, samples per source replica, keep groups
-    (2, Layout((0, 1), 2), Layout((0, 1)), 16, True),        # rollout replica of 2 → train DP 2
+    (2, Layout((0, 1), 2), Layout((0, 1)), 16, True),  # rollout replica of 2 → train DP 2
     (4, Layout((0, 1, 2, 3), 2), Layout((0, 1, 2, 3)), 16, True),
-    (4, Layout((0, 1)), Layout((2, 3)), 8, False),            # disjoint: rollout ranks → train ranks
+    (4, Layout((0, 1)), Layout((2, 3)), 8, False),  # disjoint: rollout ranks → train ranks
     (3, Layout((0,)), Layout((1, 2)), 8, True),
-    (2, Layout((0, 1)), Layout((0, 1), 2), 6, False),         # DP 2 → one replica of 2 ranks
+    (2, Layout((0, 1)), Layout((0, 1), 2), 6, False),  # DP 2 → one replica of 2 ranks
 ]
 
 
@@ -110,6 +116,7 @@ def test_replica_to_data_parallel_on_one_world_moves_nothing_with_a_single_rank(
 
 # The move plan alone: gathered rows in, who sends what to whom out (no processes).
 
+
 def gathered_rows(src: Layout, world: int, per_replica: int, meta_bytes=lambda rank, uid: 10):
     """counts and rows as every rank would gather them: replica r holds uids r*per_replica + p."""
     counts, rows = [0] * world, [[[0, 0, 0, 0]] * per_replica for _ in range(world)]
@@ -130,10 +137,13 @@ def test_plan_disjoint_move_gives_each_destination_its_share_from_the_holders():
     assert len(received[2]) == len(received[3]) == 8 and not received[0] and not received[1]
     assert sorted(received[2] + received[3]) == list(range(16))
     assert all(s in (0, 1) for s, _ in plan.pairs)  # only the holders send
-    assert plan.send_sizes(0)[:2] == [0, 0] and sum(plan.send_sizes(0)) == plan.chunk_bytes(0, 2) + plan.chunk_bytes(0, 3)
+    assert plan.send_sizes(0)[:2] == [0, 0] and sum(plan.send_sizes(0)) == plan.chunk_bytes(0, 2) + plan.chunk_bytes(
+        0, 3
+    )
     assert sum(plan.recv_sizes(2)) == 8 * (100 + 10)
-    assert [plan.send_sizes(s)[q] for s in range(4) for q in range(4)] == \
-           [plan.recv_sizes(q)[s] for s in range(4) for q in range(4)]
+    assert [plan.send_sizes(s)[q] for s in range(4) for q in range(4)] == [
+        plan.recv_sizes(q)[s] for s in range(4) for q in range(4)
+    ]
 
 
 def test_plan_replica_to_data_parallel_uses_the_copy_already_on_the_destination():

@@ -5,8 +5,8 @@ import json
 import struct
 
 import pytest
-
 from conftest import REPO, run_cli
+
 from distflow.cli import main
 from distflow.observability.curves import stage_times, summary_rows
 
@@ -24,9 +24,20 @@ def _fake_run(root, name, rewards, accuracies):
     run.mkdir()
     records = [{"step": 0, "eval/accuracy": accuracies[0]}]
     for step, reward in enumerate(rewards, 1):
-        records.append({"step": step, "reward/mean": reward, "response/length": 3.0 + step, "train/kl": 0.01 * step,
-                        "train/entropy": 1.0, "train/grad_norm": 0.5, "time/step_s": 1.0 + step,
-                        "time/rollout_s": 0.25 * step, "time/policy_update_s": 0.5, "time/loader_wait_s": 0.0})
+        records.append(
+            {
+                "step": step,
+                "reward/mean": reward,
+                "response/length": 3.0 + step,
+                "train/kl": 0.01 * step,
+                "train/entropy": 1.0,
+                "train/grad_norm": 0.5,
+                "time/step_s": 1.0 + step,
+                "time/rollout_s": 0.25 * step,
+                "time/policy_update_s": 0.5,
+                "time/loader_wait_s": 0.0,
+            }
+        )
     records[-1]["eval/accuracy"] = accuracies[1]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return run
@@ -39,8 +50,15 @@ def test_report_overlays_runs_and_prints_their_summary(tmp_path, capsys):
     assert main(["report", str(a), str(b), "--out", str(out)]) == 0
     assert _png_size(out) == (1440, 640)  # 18 x 8 inches at 80 dpi
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split() == ["run", "steps", "accuracy_first", "accuracy_last", "reward_first", "reward_last",
-                                "step_s_median"]
+    assert table[0].split() == [
+        "run",
+        "steps",
+        "accuracy_first",
+        "accuracy_last",
+        "reward_first",
+        "reward_last",
+        "step_s_median",
+    ]
     # Run a: steps 1-10, reward mean of the first tenth 0, of the last tenth 1; median step time over
     # steps 2-10 (the first left out) = 7 s.
     assert table[1].split() == ["a", "10", "0.2", "0.6", "0", "1", "7"]
@@ -73,8 +91,8 @@ def _history_steps(run_dir) -> list[tuple[str, int, dict]]:
             if 32768 - pos % 32768 < 7:
                 pos += 32768 - pos % 32768
                 continue
-            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-            pending += data[pos + 7:pos + 7 + length]
+            _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            pending += data[pos + 7 : pos + 7 + length]
             pos += 7 + length
             if kind in (1, 4):  # a full record, or the last piece of one
                 record = wandb_internal_pb2.Record()
@@ -89,25 +107,44 @@ def _history_steps(run_dir) -> list[tuple[str, int, dict]]:
 def test_wandb_offline_run_has_every_step_once_across_a_resume(tmp_path, cache_dir, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    common = ["trainer.prompts_per_step=4", "rollout.num_samples=4", "trainer.eval_every=0", "trainer.eval_samples=1",
-              "task.num_heldout=20", "trainer.progress_bar=false", "warmstart.target_accuracy=0",
-              f"warmstart.cache_dir={cache_dir}", f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
-              "trainer.loggers=[jsonl,wandb]", "checkpoint.every=2"]
+    common = [
+        "trainer.prompts_per_step=4",
+        "rollout.num_samples=4",
+        "trainer.eval_every=0",
+        "trainer.eval_samples=1",
+        "task.num_heldout=20",
+        "trainer.progress_bar=false",
+        "warmstart.target_accuracy=0",
+        f"warmstart.cache_dir={cache_dir}",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=run",
+        "trainer.loggers=[jsonl,wandb]",
+        "checkpoint.every=2",
+    ]
     config = str(REPO / "examples/arith_grpo.yaml")
     first = run_cli("train", config, *common, "trainer.total_steps=3", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     run_dir = tmp_path / "run"
     assert _png_size(run_dir / "curves.png") == (1440, 640)
     # Resume from step 2: step 3 is redone (W&B already has it: not sent again), step 4 is new.
-    second = run_cli("train", config, *common, "trainer.total_steps=4", "--resume",
-                     str(run_dir / "checkpoints" / "step-000002"), cwd=tmp_path)
+    second = run_cli(
+        "train",
+        config,
+        *common,
+        "trainer.total_steps=4",
+        "--resume",
+        str(run_dir / "checkpoints" / "step-000002"),
+        cwd=tmp_path,
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     history = _history_steps(run_dir)
     run_ids = {run_id for run_id, _, _ in history}
     assert len(run_ids) == 1 and run_ids == {json.loads((run_dir / "wandb.json").read_text())["id"]}
     steps = [step for _, step, _ in history]
     assert sorted(steps) == [0, 1, 2, 3, 4]  # every step once: 0 (evaluation before training) .. 4
-    logged = {json.loads(line)["step"]: json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()}
+    logged = {
+        json.loads(line)["step"]: json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    }
     # W&B holds step 3 from the first run, metrics.jsonl from the resumed one: a resumed run reproduces
     # the step, so the values agree (timings aside).
     compared = set()
@@ -133,13 +170,23 @@ def test_wandb_logger_without_the_package_is_a_user_error_before_launch(monkeypa
     preflight.check_loggers(load_config(None, []))  # the default loggers need nothing extra
 
 
-@pytest.mark.parametrize("out, needle", [
-    ("{tmp}/missing/report.png", "--out '{tmp}/missing/report.png': the directory '{tmp}/missing' does not exist; "
-                                 "create it, or choose a path in an existing directory"),
-    ("{tmp}/report.txt", "--out '{tmp}/report.txt': '.txt' is not a picture format; end the name with .png (or one "
-                         "of .avif, .eps, .gif, .jpeg, .jpg, .pdf, .pgf, .ps, .raw, .rgba, .svg, .svgz, .tif, .tiff, "
-                         ".webp)"),
-], ids=["missing directory", "not a picture format"])
+@pytest.mark.parametrize(
+    "out, needle",
+    [
+        (
+            "{tmp}/missing/report.png",
+            "--out '{tmp}/missing/report.png': the directory '{tmp}/missing' does not exist; "
+            "create it, or choose a path in an existing directory",
+        ),
+        (
+            "{tmp}/report.txt",
+            "--out '{tmp}/report.txt': '.txt' is not a picture format; end the name with .png (or one "
+            "of .avif, .eps, .gif, .jpeg, .jpg, .pdf, .pgf, .ps, .raw, .rgba, .svg, .svgz, .tif, .tiff, "
+            ".webp)",
+        ),
+    ],
+    ids=["missing directory", "not a picture format"],
+)
 def test_report_out_that_cannot_be_written_is_one_line(tmp_path, out, needle):
     run = _fake_run(tmp_path, "a", [0.5] * 3, (0.1, 0.2))
     result = run_cli("report", str(run), "--out", out.replace("{tmp}", str(tmp_path)), cwd=tmp_path)
@@ -148,11 +195,15 @@ def test_report_out_that_cannot_be_written_is_one_line(tmp_path, out, needle):
     assert result.stdout == ""  # refused before the runs are read: no table either
 
 
-@pytest.mark.parametrize("out, written", [
-    ("{tmp}/pictures", "{tmp}/pictures/report.png"),  # an existing directory: a picture inside it
-    ("{tmp}/curves", "{tmp}/curves.png"),  # no extension: the .png that matplotlib adds, named
-    ("{tmp}/curves.svg", "{tmp}/curves.svg"),
-], ids=["directory", "no extension", "svg"])
+@pytest.mark.parametrize(
+    "out, written",
+    [
+        ("{tmp}/pictures", "{tmp}/pictures/report.png"),  # an existing directory: a picture inside it
+        ("{tmp}/curves", "{tmp}/curves.png"),  # no extension: the .png that matplotlib adds, named
+        ("{tmp}/curves.svg", "{tmp}/curves.svg"),
+    ],
+    ids=["directory", "no extension", "svg"],
+)
 def test_report_prints_the_path_it_writes(tmp_path, capsys, out, written):
     run = _fake_run(tmp_path, "a", [0.5] * 3, (0.1, 0.2))
     (tmp_path / "pictures").mkdir()
@@ -162,11 +213,15 @@ def test_report_prints_the_path_it_writes(tmp_path, capsys, out, written):
     assert sorted(str(p) for p in tmp_path.rglob("*") if p.suffix in (".png", ".svg")) == [written]
 
 
-@pytest.mark.parametrize("content, needle", [
-    (b'{"step": 0}\n{"step": 1, "reward/mean": 0.\n{"step": 2}\n', "metrics.jsonl: line 2 is not a metrics record"),
-    (b'{"step": 0}\n\xff\xfe\x00\n', "metrics.jsonl is not UTF-8 text (invalid start byte at byte 12)"),
-    (b'[1, 2]\n{"step": 1}\n', "metrics.jsonl: line 1 is not a metrics record (a JSON object with a step)"),
-], ids=["damaged line", "not text", "not records"])
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        (b'{"step": 0}\n{"step": 1, "reward/mean": 0.\n{"step": 2}\n', "metrics.jsonl: line 2 is not a metrics record"),
+        (b'{"step": 0}\n\xff\xfe\x00\n', "metrics.jsonl is not UTF-8 text (invalid start byte at byte 12)"),
+        (b'[1, 2]\n{"step": 1}\n', "metrics.jsonl: line 1 is not a metrics record (a JSON object with a step)"),
+    ],
+    ids=["damaged line", "not text", "not records"],
+)
 def test_report_of_an_unreadable_metrics_file_is_one_line(tmp_path, content, needle):
     (tmp_path / "run").mkdir()
     (tmp_path / "run/metrics.jsonl").write_bytes(content)

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, run_cli
 from test_e2e import read_metrics
 
@@ -38,23 +37,52 @@ def record(batch, ctx):
     return batch
 '''
 ARGS = [
-    "trainer.total_steps=4", "trainer.prompts_per_step=4", "rollout.num_samples=4", "trainer.eval_every=2",
-    "trainer.eval_samples=1", "task.num_heldout=40", "trainer.progress_bar=false", "warmstart.target_accuracy=0",
-    "checkpoint.every=2", "optim.lr=1e-2", "optim.warmup_steps=0", "task.reward=user_code:length_reward",
+    "trainer.total_steps=4",
+    "trainer.prompts_per_step=4",
+    "rollout.num_samples=4",
+    "trainer.eval_every=2",
+    "trainer.eval_samples=1",
+    "task.num_heldout=40",
+    "trainer.progress_bar=false",
+    "warmstart.target_accuracy=0",
+    "checkpoint.every=2",
+    "optim.lr=1e-2",
+    "optim.warmup_steps=0",
+    "task.reward=user_code:length_reward",
     "pipeline.custom_stages=[{name: record, fn: 'user_code:record', after: [reward], before: [advantage], "
     "reads: [uid, prompt, completion]}]",
 ]
-COMPARED = ("reward/mean", "response/length", "tokens/trained", "train/pg_loss", "train/grad_norm", "train/entropy",
-            "eval/accuracy", "eval/greedy_accuracy")
+COMPARED = (
+    "reward/mean",
+    "response/length",
+    "tokens/trained",
+    "train/pg_loss",
+    "train/grad_norm",
+    "train/entropy",
+    "eval/accuracy",
+    "eval/greedy_accuracy",
+)
 
 
 def train(cwd, out_dir, cache_dir, *extra, env=None):
     cwd.mkdir(exist_ok=True)
     (cwd / "user_code.py").write_text(USER_CODE)
-    args = ["train", str(REPO / "examples/arith_grpo.yaml"), *ARGS, f"warmstart.cache_dir={cache_dir}",
-            f"trainer.output_dir={out_dir}", *extra]
-    return subprocess.run([sys.executable, "-m", "distflow", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=1800, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+    args = [
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        *ARGS,
+        f"warmstart.cache_dir={cache_dir}",
+        f"trainer.output_dir={out_dir}",
+        *extra,
+    ]
+    return subprocess.run(
+        [sys.executable, "-m", "distflow", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+    )
 
 
 def samples(cwd) -> dict[int, list]:
@@ -62,7 +90,7 @@ def samples(cwd) -> dict[int, list]:
     for path in (cwd / "records").glob("step*-rank*.json"):
         step = int(path.name[4:].split("-")[0])
         data = json.loads(path.read_text())
-        out.setdefault(step, []).extend(zip(data["uid"], data["prompt"], data["completion"]))
+        out.setdefault(step, []).extend(zip(data["uid"], data["prompt"], data["completion"], strict=True))
     return {step: sorted(rows) for step, rows in out.items()}
 
 
@@ -89,8 +117,15 @@ def assert_same_run(got_samples, got_metrics, ref, steps, rel=1e-3) -> float:
 
 def test_resume_after_kill_reproduces_the_run_on_fewer_ranks(tmp_path, cache_dir, uninterrupted):
     out = tmp_path / "out"
-    killed = train(tmp_path / "first", out, cache_dir, "trainer.run_name=run", "--nproc", "2",
-                   env={"KILL_AT_STEP": "3", "KILL_RANK": "1"})
+    killed = train(
+        tmp_path / "first",
+        out,
+        cache_dir,
+        "trainer.run_name=run",
+        "--nproc",
+        "2",
+        env={"KILL_AT_STEP": "3", "KILL_RANK": "1"},
+    )
     assert killed.returncode != 0
     assert "rank 1 was killed by SIGKILL in stage 'record' at step 3" in killed.stderr.strip().splitlines()[-1]
     assert sorted(p.name for p in (out / "run/checkpoints").iterdir()) == ["step-000002"]
@@ -104,8 +139,9 @@ def test_resume_after_kill_reproduces_the_run_on_fewer_ranks(tmp_path, cache_dir
     got = {**samples(tmp_path / "first"), **samples(tmp_path / "second")}
     worst = assert_same_run(got, metrics, uninterrupted, steps=(1, 2, 3, 4))
     print(f"resume 2->1 after kill: max relative metric difference {worst:.2e}")
-    assert summary["final_accuracy"] == pytest.approx(json.loads((uninterrupted["run"] / "summary.json").read_text())[
-        "final_accuracy"], abs=1e-6)
+    assert summary["final_accuracy"] == pytest.approx(
+        json.loads((uninterrupted["run"] / "summary.json").read_text())["final_accuracy"], abs=1e-6
+    )
 
 
 @pytest.mark.slow  # ~30 s idle, three launches: CI runs it
@@ -114,11 +150,22 @@ def test_max_restarts_recovers_from_two_kills_by_itself(tmp_path, cache_dir, uni
     checkpoint; killed again at step 4, it restarts from step 2 again and finishes; the result is
     the uninterrupted run's."""
     out = tmp_path / "out"
-    result = train(tmp_path / "cwd", out, cache_dir, "trainer.run_name=run", "--nproc", "2", "--max-restarts", "2",
-                   env={"KILL_ONCE_AT": "3,4", "KILL_RANK": "1"})
+    result = train(
+        tmp_path / "cwd",
+        out,
+        cache_dir,
+        "trainer.run_name=run",
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "2",
+        env={"KILL_ONCE_AT": "3,4", "KILL_RANK": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(p.name for p in (tmp_path / "cwd").glob("killed-once-*")) == ["killed-once-step3",
-                                                                                 "killed-once-step4"]
+    assert sorted(p.name for p in (tmp_path / "cwd").glob("killed-once-*")) == [
+        "killed-once-step3",
+        "killed-once-step4",
+    ]
     restarts = [line for line in result.stderr.splitlines() if "after a failure: resuming from" in line]
     assert len(restarts) == 4 and all(line.endswith("step-000002") for line in restarts)  # 2 restarts x 2 ranks
     summary = json.loads(result.stdout.strip().splitlines()[-1])
@@ -138,12 +185,21 @@ def test_resume_after_kill_across_strategies(tmp_path, cache_dir, uninterrupted,
     """A checkpoint of one trainer.strategy on 2 ranks, killed at step 3, resumes under the other on
     1 rank (DCP reshards the policy and its optimizer state) and reproduces the uninterrupted run."""
     out = tmp_path / "out"
-    killed = train(tmp_path / "first", out, cache_dir, "trainer.run_name=run", f"trainer.strategy={first}",
-                   "--nproc", "2", env={"KILL_AT_STEP": "3", "KILL_RANK": "1"})
+    killed = train(
+        tmp_path / "first",
+        out,
+        cache_dir,
+        "trainer.run_name=run",
+        f"trainer.strategy={first}",
+        "--nproc",
+        "2",
+        env={"KILL_AT_STEP": "3", "KILL_RANK": "1"},
+    )
     assert killed.returncode != 0
     assert sorted(p.name for p in (out / "run/checkpoints").iterdir()) == ["step-000002"]
-    resumed = train(tmp_path / "second", out, cache_dir, "trainer.run_name=run", f"trainer.strategy={second}",
-                    "--resume")
+    resumed = train(
+        tmp_path / "second", out, cache_dir, "trainer.run_name=run", f"trainer.strategy={second}", "--resume"
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])
     assert summary["resumed_from_step"] == 2 and summary["world_size"] == 1
@@ -155,8 +211,18 @@ def test_resume_after_kill_across_strategies(tmp_path, cache_dir, uninterrupted,
 
 def test_disaggregated_resume_gives_rollout_ranks_the_restored_weights(tmp_path, cache_dir, uninterrupted):
     checkpoint = uninterrupted["run"] / "checkpoints/step-000002"
-    result = train(tmp_path / "cwd", tmp_path, cache_dir, "trainer.run_name=disagg", "--nproc", "2",
-                   "placement.rollout.ranks=0", "placement.train.ranks=1", "--resume", str(checkpoint))
+    result = train(
+        tmp_path / "cwd",
+        tmp_path,
+        cache_dir,
+        "trainer.run_name=disagg",
+        "--nproc",
+        "2",
+        "placement.rollout.ranks=0",
+        "placement.train.ranks=1",
+        "--resume",
+        str(checkpoint),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = {r["step"]: r for r in read_metrics(tmp_path / "disagg")}
     # lr 1e-2 moves the policy far in 2 steps: stale rollout weights would sample differently.
@@ -164,13 +230,21 @@ def test_disaggregated_resume_gives_rollout_ranks_the_restored_weights(tmp_path,
     print(f"disaggregated resume: max relative metric difference {worst:.2e}")
 
 
-
 @pytest.mark.slow  # 3 ranks on 2 cores (~20 s idle): CI runs it
 def test_fsdp2_disaggregated_run_reproduces_the_colocated_one(tmp_path, cache_dir, uninterrupted):
     """Rollout on rank 0, a policy sharded over ranks 1-2: the weight broadcast sends the gathered
     (whole) policy, so the rollout rank samples what the 1-rank run sampled at every step."""
-    result = train(tmp_path / "cwd", tmp_path, cache_dir, "trainer.run_name=fsdp2", "--nproc", "3",
-                   "trainer.strategy=fsdp2", "placement.rollout.ranks=0", "placement.train.ranks=1-2")
+    result = train(
+        tmp_path / "cwd",
+        tmp_path,
+        cache_dir,
+        "trainer.run_name=fsdp2",
+        "--nproc",
+        "3",
+        "trainer.strategy=fsdp2",
+        "placement.rollout.ranks=0",
+        "placement.train.ranks=1-2",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = {r["step"]: r for r in read_metrics(tmp_path / "fsdp2")}
     worst = assert_same_run(samples(tmp_path / "cwd"), metrics, uninterrupted, steps=(1, 2, 3, 4), rel=1e-5)
@@ -180,19 +254,32 @@ def test_fsdp2_disaggregated_run_reproduces_the_colocated_one(tmp_path, cache_di
 def test_resume_restores_a_stage_s_own_state_the_adaptive_kl_coefficient(tmp_path, cache_dir):
     """The in-reward KL coefficient lives in its stage (KLPenalty) and travels in the checkpoint:
     the resumed steps use the coefficient the uninterrupted run had reached, not the initial one."""
-    kl = ["algorithm.kl.coef=0.05", "algorithm.kl.in_reward=true", "algorithm.kl.controller=adaptive",
-          "algorithm.kl.target=0.001", "algorithm.kl.horizon=10"]
+    kl = [
+        "algorithm.kl.coef=0.05",
+        "algorithm.kl.in_reward=true",
+        "algorithm.kl.controller=adaptive",
+        "algorithm.kl.target=0.001",
+        "algorithm.kl.horizon=10",
+    ]
     full = train(tmp_path / "cwd", tmp_path, cache_dir, "trainer.run_name=full", *kl)
     assert full.returncode == 0, full.stderr[-3000:]
-    resumed = train(tmp_path / "cwd", tmp_path, cache_dir, "trainer.run_name=resumed", *kl,
-                    "--resume", str(tmp_path / "full/checkpoints/step-000002"))
+    resumed = train(
+        tmp_path / "cwd",
+        tmp_path,
+        cache_dir,
+        "trainer.run_name=resumed",
+        *kl,
+        "--resume",
+        str(tmp_path / "full/checkpoints/step-000002"),
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     want = {r["step"]: r["kl/coef"] for r in read_metrics(tmp_path / "full") if "kl/coef" in r}
     got = {r["step"]: r["kl/coef"] for r in read_metrics(tmp_path / "resumed") if "kl/coef" in r}
     assert want[3] != pytest.approx(0.05, rel=1e-3)  # the coefficient moved in steps 1-2
     assert [got[3], got[4]] == pytest.approx([want[3], want[4]], rel=1e-9)
 
-CRASH_IN_SAVE = '''
+
+CRASH_IN_SAVE = """
 import os, signal, sys
 from distflow.checkpoint import store
 from distflow.cli import main
@@ -208,7 +295,7 @@ def crash_on_step_4(tmp, final):
 
 store._publish = crash_on_step_4
 sys.exit(main(sys.argv[1:]))
-'''
+"""
 
 
 def test_kill_during_checkpoint_save_keeps_the_previous_one(tmp_path, cache_dir, uninterrupted):
@@ -216,10 +303,16 @@ def test_kill_during_checkpoint_save_keeps_the_previous_one(tmp_path, cache_dir,
     cwd.mkdir()
     (cwd / "user_code.py").write_text(USER_CODE)
     (cwd / "crash_in_save.py").write_text(CRASH_IN_SAVE)
-    args = [str(REPO / "examples/arith_grpo.yaml"), *ARGS, f"warmstart.cache_dir={cache_dir}",
-            f"trainer.output_dir={tmp_path}", "trainer.run_name=run"]
-    crashed = subprocess.run([sys.executable, "crash_in_save.py", "train", *args], cwd=cwd, capture_output=True,
-                             text=True, timeout=1800)
+    args = [
+        str(REPO / "examples/arith_grpo.yaml"),
+        *ARGS,
+        f"warmstart.cache_dir={cache_dir}",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=run",
+    ]
+    crashed = subprocess.run(
+        [sys.executable, "crash_in_save.py", "train", *args], cwd=cwd, capture_output=True, text=True, timeout=1800
+    )
     assert crashed.returncode == -9
     root = tmp_path / "run/checkpoints"
     assert sorted(p.name for p in root.iterdir()) == [".tmp-step-000004", "step-000002"]
@@ -259,7 +352,7 @@ def test_export_writes_a_from_pretrained_directory(tmp_path, uninterrupted):
 # sitecustomize runs in every Python process started with this directory on PYTHONPATH, so the
 # hooks reach the ranks that torch's launcher starts too. CRASH_AT=<point>:<step> makes the
 # process kill itself with SIGKILL in the middle of that write, leaving what a real crash leaves.
-CRASH_HOOKS = '''
+CRASH_HOOKS = """
 import os
 import signal
 
@@ -337,7 +430,7 @@ elif point == "checkpoint_meta":  # the new checkpoint's meta.json half written,
         durable(path, text)
 
     store._write_durably = torn_meta
-'''
+"""
 CRASH_POINTS = {  # point: (step, extra arguments, checkpoint it resumes from)
     "metrics": (3, [], 2),
     "tensorboard": (3, [], 2),
@@ -346,16 +439,26 @@ CRASH_POINTS = {  # point: (step, extra arguments, checkpoint it resumes from)
 }
 
 
-@pytest.mark.parametrize("point", [  # the torn metrics line broke resume before; the others run in CI (slow)
-    p if p == "metrics" else pytest.param(p, marks=pytest.mark.slow) for p in CRASH_POINTS])
+@pytest.mark.parametrize(
+    "point",
+    [  # the torn metrics line broke resume before; the others run in CI (slow)
+        p if p == "metrics" else pytest.param(p, marks=pytest.mark.slow) for p in CRASH_POINTS
+    ],
+)
 def test_a_crash_at_any_write_point_resumes_like_the_uninterrupted_run(tmp_path, cache_dir, uninterrupted, point):
     step, extra, resumed_from = CRASH_POINTS[point]
     hooks = tmp_path / "hooks"
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(CRASH_HOOKS)
     path = os.pathsep.join(p for p in (str(hooks), os.environ.get("PYTHONPATH", "")) if p)
-    crashed = train(tmp_path / "first", tmp_path, cache_dir, "trainer.run_name=run", *extra,
-                    env={"CRASH_AT": f"{point}:{step}", "PYTHONPATH": path})
+    crashed = train(
+        tmp_path / "first",
+        tmp_path,
+        cache_dir,
+        "trainer.run_name=run",
+        *extra,
+        env={"CRASH_AT": f"{point}:{step}", "PYTHONPATH": path},
+    )
     assert crashed.returncode != 0
     if extra:  # under the launcher: one line naming the killed rank, though its status file was being written
         assert "rank 1 was killed by SIGKILL" in crashed.stderr.strip().splitlines()[-1], crashed.stderr[-2000:]
@@ -381,34 +484,44 @@ def test_a_crash_at_any_write_point_resumes_like_the_uninterrupted_run(tmp_path,
     assert [e.step for e in events.Scalars("reward/mean")] == [1, 2, 3, 4]
 
 
-def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_previous_one_resumes(tmp_path, cache_dir,
-                                                                                   uninterrupted):
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_previous_one_resumes(tmp_path, cache_dir, uninterrupted):
     """A real full filesystem where this machine lets the test mount a small tmpfs (one
     checkpoint is ~12 MB: 18 MiB holds step 2, not step 4 beside it); else ENOSPC injected
     where the tensors are written."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=18m", "tmpfs", str(disk)],
-                             capture_output=True).returncode == 0
+    mounted = (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=18m", "tmpfs", str(disk)], capture_output=True).returncode
+        == 0
+    )
     env = {}
     if not mounted:
         hooks = tmp_path / "hooks"
         hooks.mkdir()
         (hooks / "sitecustomize.py").write_text(CRASH_HOOKS)
-        env = {"CRASH_AT": "enospc:4",
-               "PYTHONPATH": os.pathsep.join(p for p in (str(hooks), os.environ.get("PYTHONPATH", "")) if p)}
+        env = {
+            "CRASH_AT": "enospc:4",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(hooks), os.environ.get("PYTHONPATH", "")) if p),
+        }
     try:
-        full = train(tmp_path / "first", tmp_path, cache_dir, "trainer.run_name=run", f"checkpoint.dir={disk}",
-                     env=env)
+        full = train(tmp_path / "first", tmp_path, cache_dir, "trainer.run_name=run", f"checkpoint.dir={disk}", env=env)
         assert full.returncode == 2, full.stderr[-3000:]
         line = full.stderr.strip().splitlines()[-1]
-        assert line.startswith(f"distflow: error: cannot write checkpoint step 4 under {disk}: "
-                               "No space left on device ("), line
+        assert line.startswith(
+            f"distflow: error: cannot write checkpoint step 4 under {disk}: No space left on device ("
+        ), line
         assert f"the previous checkpoint {disk / 'step-000002'} is intact" in line and "MiB free of" in line
         assert "Traceback" not in full.stderr
         assert sorted(p.name for p in disk.iterdir()) == ["step-000002"]  # the half-written one is gone
-        resumed = train(tmp_path / "second", tmp_path, cache_dir, "trainer.run_name=run",
-                        f"checkpoint.dir={tmp_path / 'roomy'}", "--resume", str(disk / "step-000002"))
+        resumed = train(
+            tmp_path / "second",
+            tmp_path,
+            cache_dir,
+            "trainer.run_name=run",
+            f"checkpoint.dir={tmp_path / 'roomy'}",
+            "--resume",
+            str(disk / "step-000002"),
+        )
     finally:
         if mounted:
             subprocess.run(["umount", str(disk)], check=True)

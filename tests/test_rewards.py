@@ -78,28 +78,44 @@ def test_stuck_calls_are_capped(monkeypatch):
 
 
 def test_build_rewards_from_config():
-    config = load_config(None, ["task.rewards=[{fn: 'distflow.tasks.arithmetic:correctness_reward', weight: 2}, "
-                                "{fn: 'distflow.tasks.arithmetic:correctness_reward', name: again}]"])
+    config = load_config(
+        None,
+        [
+            "task.rewards=[{fn: 'distflow.tasks.arithmetic:correctness_reward', weight: 2}, "
+            "{fn: 'distflow.tasks.arithmetic:correctness_reward', name: again}]"
+        ],
+    )
     rewards = build_rewards(config.task)
     assert [(t.name, t.weight) for t in rewards.terms] == [("correctness_reward", 2.0), ("again", 1.0)]
     assert rewards.score(["1+1="], ["2"], [{"answer": "2"}]).reward_B.tolist() == [3.0]
     single = build_rewards(load_config(None).task)
     assert [t.name for t in single.terms] == ["correctness_reward"]
     with pytest.raises(ConfigError, match="unique"):
-        build_rewards(load_config(None, ["task.rewards=[{fn: 'distflow.tasks.arithmetic:correctness_reward'}, "
-                                           "{fn: 'distflow.tasks.arithmetic:correctness_reward'}]"]).task)
+        build_rewards(
+            load_config(
+                None,
+                [
+                    "task.rewards=[{fn: 'distflow.tasks.arithmetic:correctness_reward'}, "
+                    "{fn: 'distflow.tasks.arithmetic:correctness_reward'}]"
+                ],
+            ).task
+        )
 
 
 def test_reward_stage_reports_counts():
+    from distflow.comm import Comm
     from distflow.dag.context import Engines, StageContext
     from distflow.dag.stages import reward
     from distflow.data.batch import Batch
     from distflow.observability.metrics import StepMetrics
-    from distflow.comm import Comm
 
     comm = Comm(0, 1, 0, 1, torch.device("cpu"))
-    engines = Engines(tokenizer=None, rewards=Rewards([RewardTerm("flaky", flaky)], default_reward=0.0, timeout_s=10.0),
-                      is_correct=lambda completion, sample: completion == "ok", sampling=None)
+    engines = Engines(
+        tokenizer=None,
+        rewards=Rewards([RewardTerm("flaky", flaky)], default_reward=0.0, timeout_s=10.0),
+        is_correct=lambda completion, sample: completion == "ok",
+        sampling=None,
+    )
     ctx = StageContext(None, engines, comm=comm, world=comm, metrics=StepMetrics())
     batch = Batch(meta={"prompt": ["q"] * 3, "completion": ["ok", "boom", "ok"], "sample": [{}] * 3})
     out = reward(batch, ctx)
@@ -117,18 +133,21 @@ def forgetful(prompt, completion, sample):
 
 
 def test_no_call_sees_another_calls_edits_of_the_sample():
+    from distflow.comm import Comm
     from distflow.dag.context import Engines, StageContext
     from distflow.dag.stages import reward
     from distflow.data.batch import Batch
     from distflow.observability.metrics import StepMetrics
-    from distflow.comm import Comm
     from distflow.tasks.arithmetic import ArithmeticTask
 
     row = {"prompt": "5+7=", "answer": "12"}
     comm = Comm(0, 1, 0, 1, torch.device("cpu"))
-    engines = Engines(tokenizer=None, rewards=Rewards([RewardTerm("forgetful", forgetful), RewardTerm("right", right)]),
-                      is_correct=ArithmeticTask.is_correct,  # reads sample["answer"] after both rewards
-                      sampling=None)
+    engines = Engines(
+        tokenizer=None,
+        rewards=Rewards([RewardTerm("forgetful", forgetful), RewardTerm("right", right)]),
+        is_correct=ArithmeticTask.is_correct,  # reads sample["answer"] after both rewards
+        sampling=None,
+    )
     ctx = StageContext(None, engines, comm=comm, world=comm, metrics=StepMetrics())
     batch = Batch(meta={"prompt": ["5+7="] * 3, "completion": ["12", "7", "12"], "sample": [row] * 3})  # one group
     out = reward(batch, ctx)
@@ -142,11 +161,15 @@ def constant(value):
     return lambda prompt, completion, sample: value
 
 
-@pytest.mark.parametrize("value", [1e308, -1e39, float("inf"), {"score": 1e300}, "nan"],
-                         ids=["1e308", "-1e39", "inf", "dict 1e300", "text nan"])
+@pytest.mark.parametrize(
+    "value",
+    [1e308, -1e39, float("inf"), {"score": 1e300}, "nan"],
+    ids=["1e308", "-1e39", "inf", "dict 1e300", "text nan"],
+)
 def test_rewards_float32_cannot_hold_are_errors(value):
-    scores = Rewards([RewardTerm("big", constant(value)), RewardTerm("one", constant(1.0))],
-                     default_reward=-0.5).score(["q"] * 2, ["a", "b"], [{}] * 2)
+    scores = Rewards([RewardTerm("big", constant(value)), RewardTerm("one", constant(1.0))], default_reward=-0.5).score(
+        ["q"] * 2, ["a", "b"], [{}] * 2
+    )
     assert scores.reward_B.tolist() == [0.5, 0.5] and scores.errors == 2
     assert torch.isfinite(scores.reward_B).all()
 

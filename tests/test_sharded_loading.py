@@ -8,15 +8,22 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from distflow.comm import Comm
-from distflow.engines.hf_weights import load_sharded_weights, stored_tensor_names
 from distflow.config import ConfigError
+from distflow.engines.hf_weights import load_sharded_weights, stored_tensor_names
 from distflow.engines.models import build_on_meta, materialize
 from distflow.runtime.launcher import run_local
 
 
 def save_tiny_llama(path, *, tied: bool, max_shard_size: str | None = None) -> None:
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)  # stored in bf16, trained in fp32
     model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
@@ -37,8 +44,13 @@ def load_sharded_on_rank(comm, model_dir):
     params = {name: p.full_tensor() for name, p in model.named_parameters()}
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     ids = torch.arange(12).reshape(2, 6) % 96
-    return {"params": params, "buffers": buffers, "local_rows": local_rows,
-            "logits": model(ids).logits.detach(), "tied": model.lm_head.weight is model.model.embed_tokens.weight}
+    return {
+        "params": params,
+        "buffers": buffers,
+        "local_rows": local_rows,
+        "logits": model(ids).logits.detach(),
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+    }
 
 
 def load_both_on_rank(comm, model_dirs):
@@ -62,8 +74,9 @@ def test_sharded_load_equals_from_pretrained(tmp_path):
                 assert torch.equal(got["params"][name], param), name
             for name, buffer in reference.named_buffers():
                 assert torch.equal(got["buffers"][name], buffer), name
-            torch.testing.assert_close(got["logits"], reference(torch.arange(12).reshape(2, 6) % 96).logits,
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                got["logits"], reference(torch.arange(12).reshape(2, 6) % 96).logits, rtol=1e-5, atol=1e-5
+            )
         # each rank holds only its rows: the two pieces of a parameter add up to its rows
         for name, param in reference.named_parameters():
             assert ranks[0]["local_rows"][name] + ranks[1]["local_rows"][name] == param.shape[0], name
@@ -75,7 +88,9 @@ def test_files_whose_names_differ_from_the_model_are_one_clear_error(tmp_path):
     model = build_on_meta(tmp_path)
     model.model.layers[0].self_attn.register_parameter("extra", torch.nn.Parameter(torch.zeros(2)))
     materialize(model, torch.device("cpu"))
-    with pytest.raises(ConfigError, match=r"has no tensor for 1 parameter\(s\).*self_attn\.extra.*trainer.strategy=ddp"):
+    with pytest.raises(
+        ConfigError, match=r"has no tensor for 1 parameter\(s\).*self_attn\.extra.*trainer.strategy=ddp"
+    ):
         load_sharded_weights(model, tmp_path, Comm(0, 1, 0, 1, torch.device("cpu")))
 
 
@@ -90,10 +105,18 @@ def sharded_critic_on_rank(comm, model_dir):
     from distflow.engines.registry import EngineBuild
 
     loads = EngineBuild(config=None, model=None, comm=comm, sampling=None, sharded_from=model_dir)
-    critic = build_critic(build_on_meta(model_dir), comm, OptimConfig(), lr=1e-5,
-                          trainer=TrainerConfig(strategy="fsdp2"), load_sharded=loads.load_sharded)
-    return {"params": {name: p.full_tensor() for name, p in critic.model.named_parameters()},
-            "local_rows": {name: p.to_local().shape[0] for name, p in critic.model.named_parameters()}}
+    critic = build_critic(
+        build_on_meta(model_dir),
+        comm,
+        OptimConfig(),
+        lr=1e-5,
+        trainer=TrainerConfig(strategy="fsdp2"),
+        load_sharded=loads.load_sharded,
+    )
+    return {
+        "params": {name: p.full_tensor() for name, p in critic.model.named_parameters()},
+        "local_rows": {name: p.to_local().shape[0] for name, p in critic.model.named_parameters()},
+    }
 
 
 def test_ppo_critic_is_loaded_sharded_like_a_copy_of_the_policy(tmp_path):
@@ -103,8 +126,12 @@ def test_ppo_critic_is_loaded_sharded_like_a_copy_of_the_policy(tmp_path):
     from distflow.engines.critic import build_critic
 
     save_tiny_llama(tmp_path, tied=False)
-    reference = build_critic(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32),
-                             Comm(0, 1, 0, 1, torch.device("cpu")), OptimConfig(), lr=1e-5).model
+    reference = build_critic(
+        AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32),
+        Comm(0, 1, 0, 1, torch.device("cpu")),
+        OptimConfig(),
+        lr=1e-5,
+    ).model
     ranks = run_local(sharded_critic_on_rank, 2, tmp_path)
     for got in ranks:
         assert got["params"].keys() == dict(reference.named_parameters()).keys()

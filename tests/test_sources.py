@@ -132,8 +132,9 @@ def test_two_ranks_parse_only_their_rows_and_cover_one_rank(jsonl_path):
     num_steps, per_step = 3, 8
 
     def make_loader(source, rank, world_size):
-        return PromptLoader(source.__getitem__, len(source), prompts_per_step=per_step, seed=0, rank=rank,
-                            world_size=world_size)
+        return PromptLoader(
+            source.__getitem__, len(source), prompts_per_step=per_step, seed=0, rank=rank, world_size=world_size
+        )
 
     with JsonlRows(jsonl_path) as whole, JsonlRows(jsonl_path) as first, JsonlRows(jsonl_path) as second:
         single = make_loader(whole, 0, 1)

@@ -18,10 +18,12 @@ def test_a_cached_embedded_model_is_found_without_importing_torch_or_transformer
     cached = embedded_model_dir(load_config(None, overrides))
     cached.mkdir(parents=True)
     (cached / "config.json").write_text("{}")
-    probe = ("import json, sys; from distflow.config import load_config; "
-             "from distflow.tasks.embedded import ensure_embedded_model; "
-             f"found = ensure_embedded_model(load_config(None, {overrides!r}), builder=True); "
-             "print(json.dumps([str(found), sorted(m for m in ('torch', 'transformers') if m in sys.modules)]))")
+    probe = (
+        "import json, sys; from distflow.config import load_config; "
+        "from distflow.tasks.embedded import ensure_embedded_model; "
+        f"found = ensure_embedded_model(load_config(None, {overrides!r}), builder=True); "
+        "print(json.dumps([str(found), sorted(m for m in ('torch', 'transformers') if m in sys.modules)]))"
+    )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=1800, check=True)
     assert json.loads(done.stdout) == [str(cached), []]
 

@@ -50,14 +50,25 @@ def test_training_logprobs_match_the_sampling_distribution():
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, seed=1).eval()
     ids_BP, mask_BP = left_pad(encode_prompts(tok, ["1+2=", "33+44=", "5+67="]), tok.pad_token_id)
-    cfg = GenerationConfig(max_new_tokens=5, do_sample=True, temperature=0.7, top_p=1.0, top_k=0, pad_token_id=0,
-                           eos_token_id=tok.eos_token_id, output_scores=True, return_dict_in_generate=True)
+    cfg = GenerationConfig(
+        max_new_tokens=5,
+        do_sample=True,
+        temperature=0.7,
+        top_p=1.0,
+        top_k=0,
+        pad_token_id=0,
+        eos_token_id=tok.eos_token_id,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     torch.manual_seed(0)
     res = model.generate(input_ids=ids_BP, attention_mask=mask_BP, generation_config=cfg)
-    response_BR = res.sequences[:, ids_BP.shape[1]:]
+    response_BR = res.sequences[:, ids_BP.shape[1] :]
     # generate's scores are the processed (temperature-scaled) logits it sampled from.
-    expected_BR = torch.stack([torch.log_softmax(s, -1).gather(-1, response_BR[:, i:i + 1]).squeeze(-1)
-                               for i, s in enumerate(res.scores)], dim=1)
+    expected_BR = torch.stack(
+        [torch.log_softmax(s, -1).gather(-1, response_BR[:, i : i + 1]).squeeze(-1) for i, s in enumerate(res.scores)],
+        dim=1,
+    )
     full_mask_BT = torch.cat([mask_BP, torch.ones_like(response_BR)], dim=1)
     logp_BR, _ = response_logprobs(model, res.sequences, full_mask_BT, response_BR.shape[1], temperature=0.7)
     torch.testing.assert_close(logp_BR, expected_BR, rtol=1e-4, atol=1e-4)
@@ -76,7 +87,9 @@ def test_tiny_model_saves_loads_and_generates(tmp_path):
     assert out.input_ids_BT.shape == (2, out.prompt_width + 4)
     assert out.prompt_width == len("33+44=") + 1
     # Padding in the response is masked out and decodes to nothing.
-    for row, mask, text in zip(out.input_ids_BT[:, out.prompt_width:], out.response_mask_BR, out.completions):
+    for row, mask, text in zip(
+        out.input_ids_BT[:, out.prompt_width :], out.response_mask_BR, out.completions, strict=True
+    ):
         kept = row[mask.bool()]
         assert tok.decode(kept, skip_special_tokens=True) == text
     greedy_a = generate(loaded, tok, ["1+2="], max_new_tokens=4, temperature=1.0)

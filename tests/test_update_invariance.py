@@ -10,37 +10,43 @@ Two rows are multi-turn: their loss masks have interior holes (observation token
 import copy
 import dataclasses
 
-
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
+from distflow.comm import Comm
 from distflow.config import load_config
 from distflow.dag.context import Engines, StageContext
-from distflow.engines.sampling import SamplingSpec
 from distflow.dag.update_stages import critic_update, policy_update
 from distflow.data.batch import Batch
 from distflow.engines.critic import CriticEngine, ValueModel
 from distflow.engines.policy import PolicyEngine
+from distflow.engines.sampling import SamplingSpec
 from distflow.observability.metrics import StepMetrics
-from distflow.comm import Comm
-from torch.distributed.tensor import DTensor
+from distflow.runtime.launcher import run_local
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
-from distflow.runtime.launcher import run_local
 
 SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 NO_CLIP = ["optim.grad_clip=1e9", "optim.warmup_steps=0"]
 CASES = {
     "token-mean": ["algorithm.loss_agg=token-mean"],
-    "token-sum, straight-through k3+ KL loss": ["algorithm.loss_agg=token-sum", "algorithm.kl.coef=0.1",
-                                                "algorithm.kl.estimator=k3+"],
+    "token-sum, straight-through k3+ KL loss": [
+        "algorithm.loss_agg=token-sum",
+        "algorithm.kl.coef=0.1",
+        "algorithm.kl.estimator=k3+",
+    ],
     "seq-mean-token-sum": ["algorithm.loss_agg=seq-mean-token-sum"],
     "seq-mean-token-mean": ["algorithm.loss_agg=seq-mean-token-mean"],
     "seq-mean-token-sum-norm (Dr.GRPO)": ["algorithm.name=dr_grpo"],
     "gspo": ["algorithm.name=gspo"],
     "dapo clip-higher, dual-clip, k2 KL loss, entropy": [
-        "algorithm.name=dapo", "algorithm.clip.dual_c=3", "algorithm.kl.coef=0.1", "algorithm.kl.estimator=k2",
-        "algorithm.entropy_coef=0.01"],
+        "algorithm.name=dapo",
+        "algorithm.clip.dual_c=3",
+        "algorithm.kl.coef=0.1",
+        "algorithm.kl.estimator=k2",
+        "algorithm.entropy_coef=0.01",
+    ],
     "token-level advantages (REINFORCE++)": ["algorithm.name=reinforce_pp", "algorithm.kl.coef=0.05"],
 }
 
@@ -59,21 +65,28 @@ def make_batch(token_level: bool = False) -> Batch:
     response_mask[1, 1] = 0
     response_mask[3, 1:3] = 0
     advantage = torch.randn(8, 4, generator=g) * response_mask if token_level else torch.randn(8, generator=g)
-    return Batch({
-        "input_ids": ids, "attention_mask": attention, "response_mask": response_mask, "advantage": advantage,
-        "sample_mask": torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0]),
-        # Off-policy log-probs, so ratios differ from 1 and some tokens are clipped.
-        "old_logp": -2.0 + 0.3 * torch.randn(8, 4, generator=g),
-        "ref_logp": -2.0 + 0.3 * torch.randn(8, 4, generator=g),
-        "values": 0.1 * torch.randn(8, 4, generator=g),
-        "returns": torch.randn(8, 4, generator=g),
-    })
+    return Batch(
+        {
+            "input_ids": ids,
+            "attention_mask": attention,
+            "response_mask": response_mask,
+            "advantage": advantage,
+            "sample_mask": torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0]),
+            # Off-policy log-probs, so ratios differ from 1 and some tokens are clipped.
+            "old_logp": -2.0 + 0.3 * torch.randn(8, 4, generator=g),
+            "ref_logp": -2.0 + 0.3 * torch.randn(8, 4, generator=g),
+            "values": 0.1 * torch.randn(8, 4, generator=g),
+            "returns": torch.randn(8, 4, generator=g),
+        }
+    )
 
 
-def _context(comm: Comm, overrides: list[str], micro_batch_size: int, *, critic: bool = False,
-             strategy: str = "ddp") -> StageContext:
-    config = load_config(None, [*overrides, *NO_CLIP, f"trainer.micro_batch_size={micro_batch_size}",
-                                f"trainer.strategy={strategy}"])
+def _context(
+    comm: Comm, overrides: list[str], micro_batch_size: int, *, critic: bool = False, strategy: str = "ddp"
+) -> StageContext:
+    config = load_config(
+        None, [*overrides, *NO_CLIP, f"trainer.micro_batch_size={micro_batch_size}", f"trainer.strategy={strategy}"]
+    )
     model = build_tiny_model(build_char_tokenizer(), seed=0)
     value_model = None
     if critic:  # built as build_critic does, with a non-zero head (a zero head has no gradient into the body)
@@ -81,8 +94,14 @@ def _context(comm: Comm, overrides: list[str], micro_batch_size: int, *, critic:
         torch.nn.init.normal_(values.value_head.weight, std=0.1, generator=torch.Generator().manual_seed(1))
         value_model = CriticEngine(values, comm, dataclasses.replace(config.optim, lr=1e-3), config.trainer)
     policy = PolicyEngine(model, comm, config.optim, temperature=1.0, trainer=config.trainer)
-    engines = Engines(tokenizer=None, rewards=None, is_correct=None, sampling=SamplingSpec.of(config.rollout),
-                      policy=policy, critic=value_model)
+    engines = Engines(
+        tokenizer=None,
+        rewards=None,
+        is_correct=None,
+        sampling=SamplingSpec.of(config.rollout),
+        policy=policy,
+        critic=value_model,
+    )
     return StageContext(config, engines, comm=comm, world=comm, metrics=StepMetrics(), step=1)
 
 
@@ -91,8 +110,9 @@ def full_grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for p in model.parameters()]
 
 
-def policy_grads(comm: Comm, overrides: list[str], micro_batch_size: int, rows: list[int],
-                 strategy: str = "ddp") -> list[torch.Tensor]:
+def policy_grads(
+    comm: Comm, overrides: list[str], micro_batch_size: int, rows: list[int], strategy: str = "ddp"
+) -> list[torch.Tensor]:
     ctx = _context(comm, overrides, micro_batch_size, strategy=strategy)
     token_level = any("reinforce_pp" in o for o in overrides)
     policy_update(make_batch(token_level).select(rows), ctx)
@@ -100,15 +120,20 @@ def policy_grads(comm: Comm, overrides: list[str], micro_batch_size: int, rows: 
 
 
 def critic_grads(comm: Comm, micro_batch_size: int, rows: list[int], strategy: str = "ddp") -> list[torch.Tensor]:
-    ctx = _context(comm, ["algorithm.name=ppo", "algorithm.critic.value_clip=0.05"], micro_batch_size, critic=True,
-                   strategy=strategy)
+    ctx = _context(
+        comm,
+        ["algorithm.name=ppo", "algorithm.critic.value_clip=0.05"],
+        micro_batch_size,
+        critic=True,
+        strategy=strategy,
+    )
     critic_update(make_batch().select(rows), ctx)
     return full_grads(ctx.engines.critic.model)
 
 
 def _assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     assert any(g.abs().sum() > 0 for g in a), "the test batch must produce a gradient"
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
 
 
@@ -179,9 +204,9 @@ def test_kl_loss_and_entropy_bonus_cover_groups_without_signal():
     assert batch["sample_mask"][2] == 0
     # Changing the reference of a sample without signal changes the gradient with a KL loss...
     with_kl = _grads_of(batch, KL_LOSS)
-    assert any(not torch.allclose(a, b) for a, b in zip(with_kl, _grads_of(moved, KL_LOSS)))
+    assert any(not torch.allclose(a, b) for a, b in zip(with_kl, _grads_of(moved, KL_LOSS), strict=True))
     # ...and not without one.
-    for a, b in zip(_grads_of(batch, []), _grads_of(moved, [])):
+    for a, b in zip(_grads_of(batch, []), _grads_of(moved, []), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     # A step without any signal still regularises, normalised by every response token: the same
     # gradient as a step where every sample counts but all advantages are 0.

@@ -9,17 +9,31 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                 reason="vLLM is not installed: make test-vllm runs these in .venv-vllm")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vLLM is not installed: make test-vllm runs these in .venv-vllm",
+    ),
+]
 
 RECIPE = str(REPO / "examples/smollm2_chain_sum.yaml")
-TINY = ["trainer.total_steps=2", "trainer.prompts_per_step=2", "rollout.num_samples=4", "rollout.max_new_tokens=12",
-        "task.num_heldout=4", "task.reasoning_gym.num_train=64", "trainer.eval_every=0", "trainer.progress_bar=false",
-        "checkpoint.every=1", "rollout.engine=vllm", "trainer.run_name=run"]
+TINY = [
+    "trainer.total_steps=2",
+    "trainer.prompts_per_step=2",
+    "rollout.num_samples=4",
+    "rollout.max_new_tokens=12",
+    "task.num_heldout=4",
+    "task.reasoning_gym.num_train=64",
+    "trainer.eval_every=0",
+    "trainer.progress_bar=false",
+    "checkpoint.every=1",
+    "rollout.engine=vllm",
+    "trainer.run_name=run",
+]
 KILLER = '''
 import os, signal
 
@@ -44,8 +58,14 @@ def _train(cwd, *extra):
     cwd.mkdir(exist_ok=True)
     (cwd / "killer.py").write_text(KILLER)
     args = ["train", RECIPE, *TINY, f"trainer.output_dir={cwd}", *extra]
-    return subprocess.run([sys.executable, "-m", "distflow", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=3000, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    return subprocess.run(
+        [sys.executable, "-m", "distflow", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=3000,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
 
 
 def _steps(run_dir):

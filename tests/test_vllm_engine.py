@@ -10,8 +10,8 @@ import importlib.util
 import pytest
 import torch
 
-from distflow.config.schema import ConfigError
 from distflow.config.loader import load_config
+from distflow.config.schema import ConfigError
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 PROMPT = [{"role": "user", "content": "What is 23 + 58? Answer with just the number."}]
@@ -44,8 +44,9 @@ def test_request_seeds_are_the_sample_keys_and_outputs_pad_like_the_other_engine
     from distflow.engines.vllm_rollout import padded_responses, request_seed
 
     assert request_seed(2**63 + 7) == 7 and request_seed(12345) == 12345
-    ids_BR, logp_BR = padded_responses([[4, 9, 2], [5, 6, 7, 8, 3]], [[-1.0, -2.0, -0.5], [-0.1] * 5], width=4,
-                                       pad_id=2)
+    ids_BR, logp_BR = padded_responses(
+        [[4, 9, 2], [5, 6, 7, 8, 3]], [[-1.0, -2.0, -0.5], [-0.1] * 5], width=4, pad_id=2
+    )
     assert ids_BR.tolist() == [[4, 9, 2, 2], [5, 6, 7, 8]]  # the stop token kept, the overlong row cut
     assert response_mask_from_ids(ids_BR, (2,)).tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
     assert logp_BR[0].tolist() == [-1.0, -2.0, -0.5, 0.0] and logp_BR.shape == (2, 4)
@@ -105,24 +106,52 @@ def test_recorded_log_probs_are_the_policys_and_samples_follow_their_keys(smollm
     from distflow.engines.logprobs import response_logprobs
 
     model, tokenizer, text = smollm2
-    other = tokenizer.apply_chat_template([{"role": "user", "content": "Name a colour."}], add_generation_prompt=True,
-                                          tokenize=False)
+    other = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name a colour."}], add_generation_prompt=True, tokenize=False
+    )
     keys = [11, 22, 33, 44]
-    out = generate(model, tokenizer, [text, other], max_new_tokens=12, temperature=0.7, sample_keys=keys,
-                   samples_per_prompt=2, engine="vllm", logprobs=True)
+    out = generate(
+        model,
+        tokenizer,
+        [text, other],
+        max_new_tokens=12,
+        temperature=0.7,
+        sample_keys=keys,
+        samples_per_prompt=2,
+        engine="vllm",
+        logprobs=True,
+    )
     width = out.response_mask_BR.shape[1]
     with torch.no_grad():
         policy_BR = response_logprobs(model, out.input_ids_BT, out.attention_mask_BT, width, temperature=0.7)[0]
     diff_sum, diff_max, num_over, num_tokens = logp_mismatch(policy_BR, out.logp_BR, out.response_mask_BR)
-    print(f"vllm vs policy log-probs: mean |dlogp| {diff_sum / num_tokens:.2e}, max {diff_max:.2e} "
-          f"over {num_tokens:.0f} tokens")
+    print(
+        f"vllm vs policy log-probs: mean |dlogp| {diff_sum / num_tokens:.2e}, max {diff_max:.2e} "
+        f"over {num_tokens:.0f} tokens"
+    )
     assert num_tokens > 8 and diff_max < 1e-3 and num_over == 0
     assert (out.logp_BR[out.response_mask_BR == 0] == 0).all()
     # Sample 3 (key 44, prompt `other`) drawn alone, and in a batch in another order: the same tokens.
-    alone = generate(model, tokenizer, [other], max_new_tokens=12, temperature=0.7, sample_keys=[44],
-                     samples_per_prompt=1, engine="vllm")
-    swapped = generate(model, tokenizer, [other, text], max_new_tokens=12, temperature=0.7, sample_keys=[44, 33, 22, 11],
-                       samples_per_prompt=2, engine="vllm")
+    alone = generate(
+        model,
+        tokenizer,
+        [other],
+        max_new_tokens=12,
+        temperature=0.7,
+        sample_keys=[44],
+        samples_per_prompt=1,
+        engine="vllm",
+    )
+    swapped = generate(
+        model,
+        tokenizer,
+        [other, text],
+        max_new_tokens=12,
+        temperature=0.7,
+        sample_keys=[44, 33, 22, 11],
+        samples_per_prompt=2,
+        engine="vllm",
+    )
     assert alone.completions[0] == swapped.completions[0] == out.completions[3]
     assert swapped.completions[1] == out.completions[2] and swapped.completions[3] == out.completions[0]
     assert len(set(out.completions)) > 1  # different keys, different samples
@@ -148,5 +177,7 @@ def test_the_engine_gets_the_merged_lora_weights_under_hugging_face_names():
     merged = dict(model.merge_and_unload().named_parameters())
     for name in names:
         torch.testing.assert_close(pushed[name], merged[name], rtol=1e-5, atol=1e-6)
-    assert not torch.equal(pushed["model.layers.0.self_attn.q_proj.weight"],
-                           build_tiny_model(build_char_tokenizer(), seed=0).model.layers[0].self_attn.q_proj.weight)
+    assert not torch.equal(
+        pushed["model.layers.0.self_attn.q_proj.weight"],
+        build_tiny_model(build_char_tokenizer(), seed=0).model.layers[0].self_attn.q_proj.weight,
+    )

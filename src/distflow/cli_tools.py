@@ -23,7 +23,7 @@ def size(text: str) -> int:
     """'500MB' -> 500_000_000, '2GiB' -> 2 * 2**30, '1000' -> 1000 bytes."""
     units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
     number = text.strip().upper().rstrip("KMGIB")
-    unit = text.strip().upper()[len(number):]
+    unit = text.strip().upper()[len(number) :]
     try:
         size = int(float(number) * units[unit])
     except (ValueError, KeyError):
@@ -33,8 +33,9 @@ def size(text: str) -> int:
     return size
 
 
-def export(checkpoint: str, out: str, *, merged: bool = False, base_model: str | None = None,
-           max_shard_bytes: int = 5 * 10**9) -> int:
+def export(
+    checkpoint: str, out: str, *, merged: bool = False, base_model: str | None = None, max_shard_bytes: int = 5 * 10**9
+) -> int:
     try:
         from distflow.checkpoint import export_hf
         from distflow.runtime.checkpointing import resolve
@@ -56,8 +57,10 @@ def model(source: str) -> int:
 
     try:
         if not is_converted(source):
-            raise ConfigError(f"{source!r} is neither a .gguf file nor package:NAME; a Hugging Face directory "
-                              "needs no conversion (give it to model.path as it is)")
+            raise ConfigError(
+                f"{source!r} is neither a .gguf file nor package:NAME; a Hugging Face directory "
+                "needs no conversion (give it to model.path as it is)"
+            )
         directory = resolve_model_dir(source, builder=True, log=say)
     except ConfigError as err:
         print(f"distflow: error: {err}", file=sys.stderr)

@@ -13,6 +13,7 @@ of DDP, which runs its own all-reduce) are exactly:
     engines/parallelize.py       DDP and FSDP2 (fully_shard, device meshes, DTensor): the gradient
                                  reduction and the parameter all-gathers live in them
     checkpoint/store.py          torch.distributed.checkpoint (sharded save/load, resharding)
+    checkpoint/contents.py       DCP's metadata of a saved checkpoint (tensor names, shapes, shard files)
     engines/hf_weights.py        DCP's Hugging Face reader (a model directory into sharded parameters)
     checkpoint/export.py         DCP reads of a checkpoint's model tensors (the streamed export, one process)
     runtime/launcher.py          torch's elastic launcher (`distflow train --nproc N`)
@@ -53,14 +54,17 @@ class Comm:
         if self.group is not None:
             raise ValueError("subgroups are made from the world communicator")
         if list(ranks) != sorted(set(ranks)):
-            raise ValueError(f"subgroup ranks must be distinct and ascending (torch orders a group's ranks so), got {ranks}")
+            raise ValueError(
+                f"subgroup ranks must be distinct and ascending (torch orders a group's ranks so), got {ranks}"
+            )
         if tuple(ranks) == tuple(range(self.world_size)):
             return self
         group = dist.new_group(ranks=list(ranks)) if self.distributed else None
         if self.rank not in ranks:
             return None
-        return Comm(ranks.index(self.rank), len(ranks), self.local_rank, self.local_world_size, self.device,
-                    group, tuple(ranks))
+        return Comm(
+            ranks.index(self.rank), len(ranks), self.local_rank, self.local_world_size, self.device, group, tuple(ranks)
+        )
 
     @property
     def distributed(self) -> bool:
@@ -95,8 +99,9 @@ class Comm:
         if not self.distributed:
             return send
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
-        dist.all_to_all_single(recv, send.to(self.device), output_split_sizes=recv_sizes,
-                               input_split_sizes=send_sizes, group=self.group)
+        dist.all_to_all_single(
+            recv, send.to(self.device), output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=self.group
+        )
         return recv.cpu()
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -185,8 +190,9 @@ def join_group_of_one(device: torch.device) -> None:
     needs when one process shards alone (engines/parallelize.py). `shutdown` ends it."""
     if not dist.is_initialized():
         cuda = device.type == "cuda"
-        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
-                                device_id=device if cuda else None)
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1, device_id=device if cuda else None
+        )
 
 
 def _attempt_store(rank: int, world_size: int, timeout_s: int) -> dict:
@@ -197,8 +203,9 @@ def _attempt_store(rank: int, world_size: int, timeout_s: int) -> dict:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return {"store": dist.PrefixStore(f"distflow/attempt_{attempt}/", store), "rank": rank, "world_size": world_size}
 
@@ -222,8 +229,17 @@ def is_peer_failure(err: BaseException) -> bool:
         return True
     text = str(err)
     from_backend = isinstance(err, RuntimeError) and any(s in text for s in ("gloo", "NCCL", "c10d"))
-    return from_backend and any(s in text for s in ("Connection closed by peer", "Connection reset by peer",
-                                                    "Broken pipe", "Timed out", "timed out", "Timeout"))
+    return from_backend and any(
+        s in text
+        for s in (
+            "Connection closed by peer",
+            "Connection reset by peer",
+            "Broken pipe",
+            "Timed out",
+            "timed out",
+            "Timeout",
+        )
+    )
 
 
 def shutdown() -> None:

@@ -1,9 +1,9 @@
 """distflow's exception types: what `distflow.train` raises where the CLI prints one line.
 
-    DistflowError            every error distflow reports about a run
-    ├── ConfigError          a user error (config, inputs, callables); the CLI exits 2
-    └── RunFailed            a run that started and failed (a crash, a stall, a stop); the CLI
-                             exits with `exit_code` (1, 3, 128 + signal), the line already printed
+DistflowError            every error distflow reports about a run
+├── ConfigError          a user error (config, inputs, callables); the CLI exits 2
+└── RunFailed            a run that started and failed (a crash, a stall, a stop); the CLI
+                         exits with `exit_code` (1, 3, 128 + signal), the line already printed
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """What `distflow.train` is given as Python values, turned into config entries every rank can read.
 
-    a callable (reward, environment class) ──► its name in the config, `module:qualname`
-        run in this process ──► the object itself, provided under that name (config/callables.py)
-        launched ranks      ──► imported there by that name: a module's top-level function or class
-                                (a script's own: the script imported by its file name); one that
-                                cannot be (a notebook's, a lambda) is a ConfigError naming it
-    rows (list of dicts, a datasets.Dataset, {"train": ..., "test": ...}) ──► .jsonl files in a
-        temporary folder (removed when the run ends) ──► task.train_file / task.heldout_file
+a callable (reward, environment class) ──► its name in the config, `module:qualname`
+    run in this process ──► the object itself, provided under that name (config/callables.py)
+    launched ranks      ──► imported there by that name: a module's top-level function or class
+                            (a script's own: the script imported by its file name); one that
+                            cannot be (a notebook's, a lambda) is a ConfigError naming it
+rows (list of dicts, a datasets.Dataset, {"train": ..., "test": ...}) ──► .jsonl files in a
+    temporary folder (removed when the run ends) ──► task.train_file / task.heldout_file
 """
 
 from __future__ import annotations
@@ -33,8 +33,16 @@ class Inputs:
         """Folders launched ranks need on their import path (a script's own folder)."""
         self._folder: Path | None = None
 
-    def apply(self, data: dict, *, num_heldout: int, rewards: Any = None, dataset: Any = None, heldout: Any = None,
-              env: Any = None) -> None:
+    def apply(
+        self,
+        data: dict,
+        *,
+        num_heldout: int,
+        rewards: Any = None,
+        dataset: Any = None,
+        heldout: Any = None,
+        env: Any = None,
+    ) -> None:
         """Set the config entries (`data`, a plain config mapping) of what was given."""
         task = data["task"]
         if rewards is not None:
@@ -46,7 +54,7 @@ class Inputs:
                 task["reward"], task["rewards"] = specs[0], []
             else:
                 names = _unique([spec.rpartition(":")[2].split("#")[0] for spec in specs])
-                task["rewards"] = [{"fn": spec, "name": name} for spec, name in zip(specs, names)]
+                task["rewards"] = [{"fn": spec, "name": name} for spec, name in zip(specs, names, strict=True)]
         if env is not None:
             data["env"]["cls"] = self.reference(env, "env")
         if dataset is not None:
@@ -60,8 +68,9 @@ class Inputs:
         if isinstance(obj, str):
             return obj
         if not callable(obj):
-            raise ConfigError(f"{key} must be a function, a class or a 'package.module:name' string "
-                              f"(got {type(obj).__name__})")
+            raise ConfigError(
+                f"{key} must be a function, a class or a 'package.module:name' string (got {type(obj).__name__})"
+            )
         module = getattr(obj, "__module__", None) or type(obj).__module__
         qualname = getattr(obj, "__qualname__", None) or f"{type(obj).__qualname__}()"
         if self.launched:
@@ -78,14 +87,18 @@ class Inputs:
         what = f"{key} ({getattr(obj, '__name__', type(obj).__name__)!r})"
         ranks = f"the {self.nproc} ranks that nproc={self.nproc} starts"
         if "<" in qualname or "." in qualname or not hasattr(obj, "__qualname__"):
-            raise ConfigError(f"{what} is not a top-level function or class of a module, so {ranks} cannot import "
-                              "it; define it with def/class at the top level of a module, or train with nproc=1")
+            raise ConfigError(
+                f"{what} is not a top-level function or class of a module, so {ranks} cannot import "
+                "it; define it with def/class at the top level of a module, or train with nproc=1"
+            )
         if module == "__main__":
             main = sys.modules["__main__"]
             if getattr(main, "__file__", None) is None:
-                raise ConfigError(f"{what} is defined in __main__ of an interactive session (a notebook), which "
-                                  f"{ranks} cannot import; move it into a module (a .py file) and import it from "
-                                  "there, or train with nproc=1")
+                raise ConfigError(
+                    f"{what} is defined in __main__ of an interactive session (a notebook), which "
+                    f"{ranks} cannot import; move it into a module (a .py file) and import it from "
+                    "there, or train with nproc=1"
+                )
             main_spec = getattr(main, "__spec__", None)
             if main_spec is not None:  # python -m package.module
                 module = main_spec.name
@@ -102,8 +115,10 @@ class Inputs:
             if heldout is None:
                 split = next((s for s in ("test", "validation") if s in dataset), None)
                 if split is None:
-                    raise ConfigError(f"dataset has no 'test' or 'validation' split (it has {sorted(dataset)}): "
-                                      "give the held-out rows as heldout")
+                    raise ConfigError(
+                        f"dataset has no 'test' or 'validation' split (it has {sorted(dataset)}): "
+                        "give the held-out rows as heldout"
+                    )
                 heldout = dataset[split]
             dataset = dataset["train"]
         rows = _rows(dataset, "dataset")
@@ -125,8 +140,10 @@ class Inputs:
 def _rows(rows: Any, key: str) -> list[dict]:
     """The rows of a list of dicts or a datasets.Dataset (anything iterable giving dicts)."""
     if isinstance(rows, (str, bytes)) or not isinstance(rows, (Sequence,)) and not hasattr(rows, "column_names"):
-        raise ConfigError(f"{key} must be a list of dicts or a datasets.Dataset (got {type(rows).__name__}); "
-                          "a file goes to task.train_file")
+        raise ConfigError(
+            f"{key} must be a list of dicts or a datasets.Dataset (got {type(rows).__name__}); "
+            "a file goes to task.train_file"
+        )
     out = [dict(row) if isinstance(row, Mapping) else row for row in rows]
     bad = next((i for i, row in enumerate(out) if not isinstance(row, dict)), None)
     if bad is not None:
@@ -140,8 +157,9 @@ def _write(rows: list[dict], path: Path) -> str:
     try:
         text = "".join(json.dumps(row) + "\n" for row in rows)
     except TypeError as err:
-        raise ConfigError(f"a row of {path.stem} is not JSON-serializable ({err}); rows hold text, numbers, "
-                          "lists and dicts") from None
+        raise ConfigError(
+            f"a row of {path.stem} is not JSON-serializable ({err}); rows hold text, numbers, lists and dicts"
+        ) from None
     path.write_text(text, encoding="utf-8")
     return str(path)
 

@@ -86,7 +86,9 @@ def parse_ranks(spec: str | int | list[int], world_size: int, *, key: str) -> tu
         raise ConfigError(f"{key}={spec!r} names a rank twice")
     outside = [r for r in ranks if not 0 <= r < world_size]
     if outside:
-        raise ConfigError(f"{key}={spec!r} names rank {outside[0]}, outside a world of {world_size} (ranks 0..{world_size - 1})")
+        raise ConfigError(
+            f"{key}={spec!r} names rank {outside[0]}, outside a world of {world_size} (ranks 0..{world_size - 1})"
+        )
     return tuple(sorted(ranks))
 
 

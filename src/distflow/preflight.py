@@ -72,16 +72,20 @@ def check_data_files(config: Config) -> None:
             what = "is a directory" if path.is_dir() else "does not exist"
             raise ConfigError(f"task.{key}={value!r} {what}; point it at a .jsonl or .parquet file")
         if path.suffix.lower() not in PARQUET_SUFFIXES + JSONL_SUFFIXES:
-            raise ConfigError(f"task.{key}={value!r}: unsupported dataset file, the extension must be one of "
-                              f"{', '.join(PARQUET_SUFFIXES + JSONL_SUFFIXES)}")
+            raise ConfigError(
+                f"task.{key}={value!r}: unsupported dataset file, the extension must be one of "
+                f"{', '.join(PARQUET_SUFFIXES + JSONL_SUFFIXES)}"
+            )
         _check_readable(path, f"task.{key}")
         _check_has_rows(path, f"task.{key}", value)
     dataset = config.task.dataset
     if dataset is not None:
         for key, value in (("path", dataset.path), ("heldout_path", dataset.heldout_path)):
             if value is not None and not Path(value).expanduser().exists():
-                raise ConfigError(f"task.dataset.{key}={value!r} does not exist; point it at a directory saved "
-                                  "with datasets' save_to_disk or a .parquet/.jsonl/.json/.csv file")
+                raise ConfigError(
+                    f"task.dataset.{key}={value!r} does not exist; point it at a directory saved "
+                    "with datasets' save_to_disk or a .parquet/.jsonl/.json/.csv file"
+                )
             if value is not None and Path(value).expanduser().is_file():
                 _check_readable(Path(value).expanduser(), f"task.dataset.{key}")
                 _check_has_rows(Path(value).expanduser(), f"task.dataset.{key}", value)
@@ -112,8 +116,11 @@ def check_model_dir(config: Config) -> None:
     from distflow.tasks.model_source import is_converted, resolve_model_dir, source_file
 
     model_dir = resolve_model_dir(config.model.path, builder=False)
-    if is_converted(config.model.path) and source_file(config.model.path).is_file() \
-            and not (model_dir / "config.json").is_file():
+    if (
+        is_converted(config.model.path)
+        and source_file(config.model.path).is_file()
+        and not (model_dir / "config.json").is_file()
+    ):
         return  # a GGUF file not converted yet: `distflow train` converts it before any rank starts
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"model.path={config.model.path!r} is not a Hugging Face model directory (no config.json)")
@@ -132,8 +139,10 @@ def _check_weights(model_dir: Path, key: str, value: str) -> None:
     """A model directory (the policy's, a reward model's) holds complete weight files."""
     weights = sorted(model_dir.glob("*.safetensors"))
     if not weights and not any(model_dir.glob("pytorch_model*.bin")):
-        raise ConfigError(f"{key}={value!r} has no weights (*.safetensors or pytorch_model*.bin); "
-                          "copy the model's weight files into it, or save it with save_pretrained")
+        raise ConfigError(
+            f"{key}={value!r} has no weights (*.safetensors or pytorch_model*.bin); "
+            "copy the model's weight files into it, or save it with save_pretrained"
+        )
     for path in weights:
         _check_safetensors(path, key)
 
@@ -150,8 +159,9 @@ def _check_safetensors(path: Path, key: str) -> None:
         else:
             try:
                 header = json.loads(f.read(length))
-                end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
-                          default=0)
+                end = max(
+                    (entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"), default=0
+                )
             except (ValueError, TypeError, KeyError, IndexError, AttributeError):
                 header, problem = None, "its header is not valid safetensors JSON"
             if header is not None and 8 + length + end > size:
@@ -170,13 +180,16 @@ def _check_vocabulary(model_config: dict, model_dir: Path, tokenizer_dir: Path) 
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     except Exception as err:  # noqa: BLE001 — any failure to load a user's tokenizer is a user error
-        raise ConfigError(f"cannot load the tokenizer from {str(tokenizer_dir)!r}: "
-                          f"{type(err).__name__}: {err}".replace("\n", " ")) from None
+        raise ConfigError(
+            f"cannot load the tokenizer from {str(tokenizer_dir)!r}: {type(err).__name__}: {err}".replace("\n", " ")
+        ) from None
     num_ids = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
     if num_ids > vocab_size:
-        raise ConfigError(f"the tokenizer in {str(tokenizer_dir)!r} has {num_ids} token ids but the model in "
-                          f"{str(model_dir)!r} has embeddings for {vocab_size} (vocab_size in its config.json); "
-                          "use the tokenizer the model was trained with, or resize the model's embeddings")
+        raise ConfigError(
+            f"the tokenizer in {str(tokenizer_dir)!r} has {num_ids} token ids but the model in "
+            f"{str(model_dir)!r} has embeddings for {vocab_size} (vocab_size in its config.json); "
+            "use the tokenizer the model was trained with, or resize the model's embeddings"
+        )
 
 
 def check_reward_models(config: Config) -> None:
@@ -184,14 +197,18 @@ def check_reward_models(config: Config) -> None:
     for i, spec in enumerate(config.task.reward_models):
         key, directory = f"task.reward_models[{i}].path", Path(spec.path).expanduser()
         if not (directory / "config.json").is_file():
-            raise ConfigError(f"{key}: {spec.path!r} is not a Hugging Face model directory (no config.json); "
-                              "give the directory of a saved AutoModelForSequenceClassification")
+            raise ConfigError(
+                f"{key}: {spec.path!r} is not a Hugging Face model directory (no config.json); "
+                "give the directory of a saved AutoModelForSequenceClassification"
+            )
         model_config = json.loads((directory / "config.json").read_text())
         architectures = model_config.get("architectures") or []
         if not any(name.endswith("ForSequenceClassification") for name in architectures):
-            raise ConfigError(f"{key}: {spec.path!r} holds {architectures or 'an unnamed architecture'}, not a "
-                              "sequence classifier; save a reward model from "
-                              "AutoModelForSequenceClassification(..., num_labels=1)")
+            raise ConfigError(
+                f"{key}: {spec.path!r} holds {architectures or 'an unnamed architecture'}, not a "
+                "sequence classifier; save a reward model from "
+                "AutoModelForSequenceClassification(..., num_labels=1)"
+            )
         labels = len(model_config.get("id2label") or {"0": "", "1": ""})  # transformers' default is 2
         if labels != 1:
             raise ConfigError(f"{key}: {spec.path!r} has {labels} labels; a reward model has one (its score)")
@@ -232,8 +249,10 @@ def check_loggers(config: Config) -> None:
     import importlib.util
 
     if "wandb" in config.trainer.loggers and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("trainer.loggers includes wandb, but the wandb package is not installed: "
-                          "pip install 'distflow[wandb]' (or remove wandb from trainer.loggers)")
+        raise ConfigError(
+            "trainer.loggers includes wandb, but the wandb package is not installed: "
+            "pip install 'distflow[wandb]' (or remove wandb from trainer.loggers)"
+        )
 
 
 def check_rollout_engine(config: Config) -> None:
@@ -251,9 +270,11 @@ def check_rollout_engine(config: Config) -> None:
     except subprocess.TimeoutExpired:
         failed, why = True, "import vllm did not finish in 600 s"
     if failed:
-        raise ConfigError(f"rollout.engine=vllm: `import vllm` fails in this environment ({why}); build the vLLM "
-                          "environment with `make vllm` and run .venv-vllm/bin/distflow (CPU), or pip install "
-                          "'distflow[vllm]' (CUDA), or choose another rollout.engine")
+        raise ConfigError(
+            f"rollout.engine=vllm: `import vllm` fails in this environment ({why}); build the vLLM "
+            "environment with `make vllm` and run .venv-vllm/bin/distflow (CPU), or pip install "
+            "'distflow[vllm]' (CUDA), or choose another rollout.engine"
+        )
 
 
 def check_strategy(config: Config) -> None:
@@ -278,8 +299,9 @@ def _check_precision(config: Config) -> None:
         value = getattr(trainer, key)
         # torch 2.13 runs float16 FSDP2 on CPU, but CPU has no loss scaling and bfloat16 has float32's range.
         if value == "float16" and not cuda:
-            raise ConfigError(f"trainer.{key}=float16 is not supported on the CPU (no loss scaling there); "
-                              "use bfloat16 or float32")
+            raise ConfigError(
+                f"trainer.{key}=float16 is not supported on the CPU (no loss scaling there); use bfloat16 or float32"
+            )
         if value == "bfloat16" and cuda and not torch.cuda.is_bf16_supported():
             raise ConfigError(f"trainer.{key}=bfloat16: this CUDA device has no bfloat16; use float16 or float32")
 
@@ -313,7 +335,9 @@ def check_resume_inflight(checkpoint: Path, extra: dict, config: Config, world_s
         return
     k, world = saved["max_staleness"], saved["world_size"]
     if (k, world) != (config.trainer.max_staleness, world_size):
-        raise ConfigError(f"checkpoint {checkpoint} holds the batches in flight of a run with trainer.max_staleness="
-                          f"{k} on {world} ranks (steps {', '.join(map(str, inflight_steps(saved)))} drawn ahead): "
-                          f"resume it with the same max_staleness and world size (trainer.max_staleness={k}, "
-                          f"{world} ranks), or from the run's last checkpoint once it has finished")
+        raise ConfigError(
+            f"checkpoint {checkpoint} holds the batches in flight of a run with trainer.max_staleness="
+            f"{k} on {world} ranks (steps {', '.join(map(str, inflight_steps(saved)))} drawn ahead): "
+            f"resume it with the same max_staleness and world size (trainer.max_staleness={k}, "
+            f"{world} ranks), or from the run's last checkpoint once it has finished"
+        )

@@ -24,8 +24,9 @@ import torch
 from distflow.algorithms.kl import MAX_LOG_RATIO
 
 
-def importance_weight_BR(prox_logp_BR: torch.Tensor, behav_logp_BR: torch.Tensor, *, mode: str,
-                         cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+def importance_weight_BR(
+    prox_logp_BR: torch.Tensor, behav_logp_BR: torch.Tensor, *, mode: str, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight_BR, ratio_BR): the detached weight f(π_p/π_b) per token, and the raw ratio
     π_p/π_b before truncation (for the metrics: its mean, max, and the share above `cap`).
 
@@ -47,8 +48,13 @@ MISMATCH_THRESHOLD = 0.1
 """|Δlogp| above which a token counts in `mismatch/over_threshold_fraction` (ratio off by more than ~10%)."""
 
 
-def logp_mismatch(prox_logp_BR: torch.Tensor, behav_logp_BR: torch.Tensor, mask_BR: torch.Tensor, *,
-                  threshold: float = MISMATCH_THRESHOLD) -> tuple[float, float, float, float]:
+def logp_mismatch(
+    prox_logp_BR: torch.Tensor,
+    behav_logp_BR: torch.Tensor,
+    mask_BR: torch.Tensor,
+    *,
+    threshold: float = MISMATCH_THRESHOLD,
+) -> tuple[float, float, float, float]:
     """The train/inference mismatch over the masked tokens: (sum of |Δlogp|, max |Δlogp| (0 without
     tokens), number of tokens with |Δlogp| > threshold, number of tokens), Δlogp = proximal − behaviour.
 

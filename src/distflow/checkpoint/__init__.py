@@ -1,10 +1,10 @@
 """Checkpoints: save and resume training on any number of ranks, export to Hugging Face.
 
-    save_checkpoint(root, step, ...)   every rank, collective -> root/step-000050
-    latest_checkpoint(root)            highest complete step, or None
-    load_checkpoint(path, ...)         every rank, collective -> metadata (+ this rank's RNG)
-    restore_rng(meta["rng"], ...)      this rank's saved RNG, or a deterministic reseed
-    export_hf(path, out_dir, ...)      one process -> a from_pretrained-able directory
+save_checkpoint(root, step, ...)   every rank, collective -> root/step-000050
+latest_checkpoint(root)            highest complete step, or None
+load_checkpoint(path, ...)         every rank, collective -> metadata (+ this rank's RNG)
+restore_rng(meta["rng"], ...)      this rank's saved RNG, or a deterministic reseed
+export_hf(path, out_dir, ...)      one process -> a from_pretrained-able directory
 """
 
 from distflow.checkpoint.directory import CheckpointError, latest_checkpoint, prune_checkpoints

@@ -31,15 +31,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
 
+from distflow.checkpoint.contents import check_matches, checkpoint_dtype, model_tensor_entries, read_meta
 from distflow.checkpoint.directory import ADAPTER_CONFIG, MODEL_CONFIG, TOKENIZER_DIR, CheckpointError
-from distflow.checkpoint.store import (
-    check_matches,
-    checkpoint_dtype,
-    load_model_weights,
-    model_tensor_entries,
-    quiet_single_process,
-    read_meta,
-)
+from distflow.checkpoint.store import load_model_weights, quiet_single_process
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # what save_pretrained writes by default (5 GB files)
 
@@ -62,8 +56,9 @@ def export_hf(
     if (checkpoint / ADAPTER_CONFIG).is_file():
         _export_lora(checkpoint, out_dir, merged=merged, base_model=base_model)
     else:
-        export_streamed(checkpoint, out_dir, _model_config(checkpoint, model_dir_or_config),
-                        max_shard_bytes=max_shard_bytes)
+        export_streamed(
+            checkpoint, out_dir, _model_config(checkpoint, model_dir_or_config), max_shard_bytes=max_shard_bytes
+        )
     if tokenizer_dir is None and (checkpoint / TOKENIZER_DIR).is_dir():
         tokenizer_dir = checkpoint / TOKENIZER_DIR
     if tokenizer_dir is not None:
@@ -127,8 +122,10 @@ def _export_lora(checkpoint: Path, out_dir: Path, *, merged: bool, base_model: s
     lora_config = PeftConfig.from_pretrained(checkpoint)
     base_dir = base_model or lora_config.base_model_name_or_path
     if not base_dir or not Path(base_dir).is_dir():
-        raise CheckpointError(f"checkpoint {checkpoint} holds LoRA adapters of the base model {base_dir!r}, "
-                              "which is not a directory here: pass the base model's directory (--base-model DIR)")
+        raise CheckpointError(
+            f"checkpoint {checkpoint} holds LoRA adapters of the base model {base_dir!r}, "
+            "which is not a directory here: pass the base model's directory (--base-model DIR)"
+        )
     lora_config.base_model_name_or_path = str(base_dir)
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=checkpoint_dtype(checkpoint))
     model = get_peft_model(base, lora_config)

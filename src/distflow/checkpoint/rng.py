@@ -26,8 +26,12 @@ def capture_rng(device: torch.device) -> RngState:
     return {
         "python": (version, internal, gauss),
         # int64, not uint32: the state must load with torch.load(weights_only=True)
-        "numpy": {"key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        "numpy": {
+            "key": torch.from_numpy(key.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
     }
@@ -37,10 +41,15 @@ def set_rng(state: RngState, device: torch.device) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     numpy_state = state["numpy"]
-    np.random.set_state((
-        "MT19937", numpy_state["key"].numpy().astype(np.uint32), numpy_state["pos"],
-        numpy_state["has_gauss"], numpy_state["cached_gaussian"],
-    ))
+    np.random.set_state(
+        (
+            "MT19937",
+            numpy_state["key"].numpy().astype(np.uint32),
+            numpy_state["pos"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and state["cuda"] is not None:
         torch.cuda.set_rng_state(state["cuda"], device)

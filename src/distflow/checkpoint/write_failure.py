@@ -38,8 +38,10 @@ def write_failure(err: BaseException, tmp: Path, root: Path, step: int, *, neede
         what = _one_line(err)
     previous = latest_checkpoint(root) if root.is_dir() else None
     kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-    return CheckpointError(f"cannot write checkpoint step {step} under {root}: {what}{space}; {kept} "
-                           "(free space or set checkpoint.dir elsewhere, then --resume)")
+    return CheckpointError(
+        f"cannot write checkpoint step {step} under {root}: {what}{space}; {kept} "
+        "(free space or set checkpoint.dir elsewhere, then --resume)"
+    )
 
 
 def state_bytes(state: dict) -> int:

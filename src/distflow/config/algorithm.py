@@ -46,8 +46,9 @@ ALGORITHMS = {
     "grpo": BuiltinAlgorithm(estimator="grpo"),
     # Dr.GRPO (Liu et al. 2025): no std division, and a constant normaliser (sequences x
     # max length, zero-variance groups included) so no length or difficulty bias.
-    "dr_grpo": BuiltinAlgorithm(estimator="grpo", norm_adv_by_std=False, loss_agg="seq-mean-token-sum-norm",
-                                skip_zero_variance_groups=False),
+    "dr_grpo": BuiltinAlgorithm(
+        estimator="grpo", norm_adv_by_std=False, loss_agg="seq-mean-token-sum-norm", skip_zero_variance_groups=False
+    ),
     # DAPO (Yu et al. 2025): clip-higher, token-mean, dynamic sampling (+ overlong penalty, opt-in).
     "dapo": BuiltinAlgorithm(estimator="grpo", clip_high=0.28, dynamic_sampling=True),
     "rloo": BuiltinAlgorithm(estimator="rloo"),
@@ -59,8 +60,9 @@ ALGORITHMS = {
     # A group whose rewards all equal the greedy one has no signal; kept like verl does.
     "remax": BuiltinAlgorithm(estimator="remax", skip_zero_variance_groups=False),
     # GSPO (Zheng et al. 2025): the ratio is per sequence (a geometric mean), hence tiny bounds.
-    "gspo": BuiltinAlgorithm(estimator="grpo", clip_low=3e-4, clip_high=4e-4, policy_loss="gspo",
-                             loss_agg="seq-mean-token-mean"),
+    "gspo": BuiltinAlgorithm(
+        estimator="grpo", clip_low=3e-4, clip_high=4e-4, policy_loss="gspo", loss_agg="seq-mean-token-mean"
+    ),
     # PPO: GAE on a learned value; the critic is trained after the policy.
     "ppo": BuiltinAlgorithm(estimator="gae", critic=True),
 }
@@ -110,11 +112,15 @@ class KLConfig:
 
     def __post_init__(self) -> None:
         check(self.coef >= 0, f"algorithm.kl.coef must be >= 0 (got {self.coef})")
-        check(self.controller in ("fixed", "adaptive"),
-              f"algorithm.kl.controller must be fixed or adaptive (got {self.controller!r})")
-        check(self.controller == "fixed" or (self.in_reward and self.coef > 0),
-              "algorithm.kl.controller=adaptive steers an in-reward KL: set algorithm.kl.in_reward=true "
-              "and algorithm.kl.coef > 0 (the initial coefficient)")
+        check(
+            self.controller in ("fixed", "adaptive"),
+            f"algorithm.kl.controller must be fixed or adaptive (got {self.controller!r})",
+        )
+        check(
+            self.controller == "fixed" or (self.in_reward and self.coef > 0),
+            "algorithm.kl.controller=adaptive steers an in-reward KL: set algorithm.kl.in_reward=true "
+            "and algorithm.kl.coef > 0 (the initial coefficient)",
+        )
         check(self.target > 0 and self.horizon > 0, "algorithm.kl.target and algorithm.kl.horizon must be > 0")
 
 
@@ -218,22 +224,28 @@ class AlgorithmConfig:
         self._take_defaults(ALGORITHMS[self.name])
         check(self.reward_clip >= 0, f"algorithm.reward_clip must be >= 0 (0: off; got {self.reward_clip})")
         check(self.entropy_coef >= 0, f"algorithm.entropy_coef must be >= 0 (got {self.entropy_coef})")
-        check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1,
-              f"algorithm.gamma and algorithm.lam must be in [0, 1] (got {self.gamma}, {self.lam})")
+        check(
+            0 <= self.gamma <= 1 and 0 <= self.lam <= 1,
+            f"algorithm.gamma and algorithm.lam must be in [0, 1] (got {self.gamma}, {self.lam})",
+        )
         check(self.ppo_epochs >= 1, f"algorithm.ppo_epochs must be >= 1 (got {self.ppo_epochs})")
         check(self.num_mini_batches >= 1, f"algorithm.num_mini_batches must be >= 1 (got {self.num_mini_batches})")
         check_one_of("algorithm.off_policy_correction", self.off_policy_correction, OFF_POLICY_CORRECTIONS)
         check(self.off_policy_cap >= 1, f"algorithm.off_policy_cap must be >= 1 (got {self.off_policy_cap})")
         with_critic = [f"algorithm.name={name}" for name, builtin in ALGORITHMS.items() if builtin.critic]
-        check(self.critic.warmup_steps == 0 or ALGORITHMS[self.name].critic,
-              f"algorithm.critic.warmup_steps needs a critic: only {' or '.join(with_critic)} has one")
+        check(
+            self.critic.warmup_steps == 0 or ALGORITHMS[self.name].critic,
+            f"algorithm.critic.warmup_steps needs a critic: only {' or '.join(with_critic)} has one",
+        )
 
     def _take_defaults(self, builtin: BuiltinAlgorithm) -> None:
         """Every null setting takes `builtin`'s value (the sections are rebuilt, so validated again)."""
-        self.clip = replace(self.clip, low=_or(self.clip.low, builtin.clip_low),
-                            high=_or(self.clip.high, builtin.clip_high))
-        self.dynamic_sampling = replace(self.dynamic_sampling,
-                                        enabled=_or(self.dynamic_sampling.enabled, builtin.dynamic_sampling))
+        self.clip = replace(
+            self.clip, low=_or(self.clip.low, builtin.clip_low), high=_or(self.clip.high, builtin.clip_high)
+        )
+        self.dynamic_sampling = replace(
+            self.dynamic_sampling, enabled=_or(self.dynamic_sampling.enabled, builtin.dynamic_sampling)
+        )
         self.policy_loss = _or(self.policy_loss, builtin.policy_loss)
         self.loss_agg = _or(self.loss_agg, builtin.loss_agg)
         self.norm_adv_by_std = _or(self.norm_adv_by_std, builtin.norm_adv_by_std)

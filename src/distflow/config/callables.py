@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator, Mapping
 
 from distflow.config.schema import ConfigError, TaskConfig
 
-
 _PROVIDED: dict[str, object] = {}
 """Objects `distflow.train` provides for this process's run, by the name its config gives them."""
 
@@ -42,8 +41,9 @@ def import_callable(spec: str, *, key: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # ImportError, but also a SyntaxError or a crash in the user's module
-        raise ConfigError(f"{key}: cannot import module {module_name!r} of {spec!r}: "
-                          f"{type(err).__name__}: {err}".replace("\n", " ")) from None
+        raise ConfigError(
+            f"{key}: cannot import module {module_name!r} of {spec!r}: {type(err).__name__}: {err}".replace("\n", " ")
+        ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"{key}: module {module_name!r} has no function {attr!r}")
@@ -56,8 +56,10 @@ def reward_functions(task: TaskConfig) -> list[tuple[str, Callable, float]]:
     fn(prompt, completion, sample) here, the one place that does it (the CLI before launch,
     every rank when it builds its rewards)."""
     if task.rewards:
-        specs = [(spec.name or spec.fn.partition(":")[2], spec.fn, spec.weight, f"task.rewards[{i}].fn")
-                 for i, spec in enumerate(task.rewards)]
+        specs = [
+            (spec.name or spec.fn.partition(":")[2], spec.fn, spec.weight, f"task.rewards[{i}].fn")
+            for i, spec in enumerate(task.rewards)
+        ]
     else:
         specs = [(task.reward.partition(":")[2], task.reward, 1.0, "task.reward")]
     return [(name, _reward_function(spec, key), weight) for name, spec, weight, key in specs]
@@ -73,6 +75,8 @@ def _reward_function(spec: str, key: str) -> Callable:
     try:
         signature.bind("prompt", "completion", {})
     except TypeError as err:
-        raise ConfigError(f"{key}: {spec!r} must accept (prompt, completion, sample), but its signature is "
-                          f"{fn.__name__}{signature} ({err})") from None
+        raise ConfigError(
+            f"{key}: {spec!r} must accept (prompt, completion, sample), but its signature is "
+            f"{fn.__name__}{signature} ({err})"
+        ) from None
     return fn

@@ -92,7 +92,7 @@ def _put(tree: dict[str, Any], path: list[str], value: Any) -> None:
     for i, part in enumerate(path[:-1]):
         tree = tree.setdefault(part, {})
         if not isinstance(tree, dict):
-            raise ConfigError(f"{'.'.join(path[:i + 1])} must be a mapping (got {type(tree).__name__})")
+            raise ConfigError(f"{'.'.join(path[: i + 1])} must be a mapping (got {type(tree).__name__})")
     tree[path[-1]] = value
 
 

@@ -37,12 +37,13 @@ class EnvConfig:
     """Environment calls running at once on a rank (threads)."""
 
     def __post_init__(self) -> None:
-        check(self.cls is None or ":" in self.cls,
-              f"env.cls must look like 'package.module:Class' (got {self.cls!r})")
+        check(self.cls is None or ":" in self.cls, f"env.cls must look like 'package.module:Class' (got {self.cls!r})")
         check(self.max_turns >= 1, f"env.max_turns must be >= 1 (got {self.max_turns})")
         check(self.max_tokens >= 1, f"env.max_tokens must be >= 1 (got {self.max_tokens})")
         check(self.deadline_s > 0, f"env.deadline_s must be > 0 seconds (got {self.deadline_s})")
-        check(abs(self.default_reward) <= FLOAT32_MAX,
-              f"env.default_reward must be a finite float32 (got {self.default_reward})")
+        check(
+            abs(self.default_reward) <= FLOAT32_MAX,
+            f"env.default_reward must be a finite float32 (got {self.default_reward})",
+        )
         check(self.num_workers >= 1, f"env.num_workers must be >= 1 (got {self.num_workers})")
         check(isinstance(self.kwargs, dict), f"env.kwargs must be a mapping (got {type(self.kwargs).__name__})")

@@ -40,8 +40,7 @@ def _read_file(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as err:
-        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text "
-                          f"({err.reason} at byte {err.start})") from None
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
     except OSError as err:
         raise ConfigError(f"config file {str(path)!r} cannot be read: {err.strerror or err}") from None
     except yaml.YAMLError as err:
@@ -80,7 +79,8 @@ def build(cls: type, data: Any, where: str) -> Any:
             raise ConfigError(_unknown_key(str(key), list(fields), where))
     kwargs = {name: convert(hints[name], value, _join(where, name)) for name, value in data.items()}
     missing = [
-        name for name, f in fields.items()
+        name
+        for name, f in fields.items()
         if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
     if missing:
@@ -114,7 +114,7 @@ def convert(tp: Any, value: Any, where: str) -> Any:
         item_tps = typing.get_args(tp)
         if not isinstance(value, (list, tuple)) or len(value) != len(item_tps):
             raise ConfigError(f"{where} must be a list of {len(item_tps)} values (got {value!r})")
-        return tuple(convert(t, v, f"{where}[{i}]") for i, (t, v) in enumerate(zip(item_tps, value)))
+        return tuple(convert(t, v, f"{where}[{i}]") for i, (t, v) in enumerate(zip(item_tps, value, strict=True)))
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -171,4 +171,6 @@ def _join(where: str, key: str) -> str:
 
 
 def _type_name(tp: Any) -> str:
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}.get(tp, str(tp))
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}.get(
+        tp, str(tp)
+    )

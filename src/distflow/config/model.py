@@ -27,8 +27,10 @@ class LoraConfig:
         check(self.rank >= 0, f"model.lora.rank must be >= 0 (got {self.rank}; 0 turns LoRA off)")
         check(self.alpha > 0, f"model.lora.alpha must be > 0 (got {self.alpha})")
         check(0 <= self.dropout < 1, f"model.lora.dropout must be in [0, 1) (got {self.dropout})")
-        check(bool(self.target_modules) and all(self.target_modules),
-              "model.lora.target_modules must name at least one module (e.g. [all-linear] or [q_proj, v_proj])")
+        check(
+            bool(self.target_modules) and all(self.target_modules),
+            "model.lora.target_modules must name at least one module (e.g. [all-linear] or [q_proj, v_proj])",
+        )
 
     @property
     def enabled(self) -> bool:
@@ -67,8 +69,9 @@ class WarmstartConfig:
     """Warm-started checkpoints are kept here, keyed by everything that shapes them."""
 
     def __post_init__(self) -> None:
-        check(0 <= self.target_accuracy < 1,
-               f"warmstart.target_accuracy must be in [0, 1) (got {self.target_accuracy})")
+        check(
+            0 <= self.target_accuracy < 1, f"warmstart.target_accuracy must be in [0, 1) (got {self.target_accuracy})"
+        )
         check(self.max_steps >= 1, f"warmstart.max_steps must be >= 1 (got {self.max_steps})")
         check(self.check_every >= 1, f"warmstart.check_every must be >= 1 (got {self.check_every})")
         check(self.num_validation >= 10, f"warmstart.num_validation must be >= 10 (got {self.num_validation})")

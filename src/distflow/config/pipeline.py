@@ -59,8 +59,10 @@ class StageSpec:
     def __post_init__(self) -> None:
         check(bool(self.name), "pipeline.custom_stages[].name must not be empty")
         check(self.timeout_s >= 0, f"stage {self.name!r}: timeout_s must be >= 0 (got {self.timeout_s})")
-        check(self.placement in ("train", "rollout"),
-               f"stage {self.name!r}: placement must be train or rollout (got {self.placement!r})")
+        check(
+            self.placement in ("train", "rollout"),
+            f"stage {self.name!r}: placement must be train or rollout (got {self.placement!r})",
+        )
         check(":" in self.fn, f"stage {self.name!r}: fn must look like 'package.module:function' (got {self.fn!r})")
 
 
@@ -74,5 +76,7 @@ class PipelineConfig:
     `{name, fn, after, before, reads, writes, placement, timeout_s}`."""
 
     def __post_init__(self) -> None:
-        check(self.builder is None or ":" in self.builder,
-              f"pipeline.builder must look like 'package.module:function' (got {self.builder!r})")
+        check(
+            self.builder is None or ":" in self.builder,
+            f"pipeline.builder must look like 'package.module:function' (got {self.builder!r})",
+        )

@@ -59,10 +59,14 @@ def attribute_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
     docs = {}
-    for statement, following in zip(body, body[1:]):
-        if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
-                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)):
+    for statement, following in zip(body, body[1:], strict=False):
+        if (
+            isinstance(statement, ast.AnnAssign)
+            and isinstance(statement.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
             docs[statement.target.id] = " ".join(inspect.cleandoc(following.value.value).split())
     return docs
 
@@ -136,8 +140,10 @@ def sections() -> list[Section]:
     """`Config`'s top-level sections, each with its docstring and its rows."""
     docs = attribute_docs(Config)
     hints = typing.get_type_hints(Config)
-    return [Section(name=field.name, doc=docs.get(field.name, ""), entries=entries(hints[field.name], field.name + "."))
-            for field in dataclasses.fields(Config)]
+    return [
+        Section(name=field.name, doc=docs.get(field.name, ""), entries=entries(hints[field.name], field.name + "."))
+        for field in dataclasses.fields(Config)
+    ]
 
 
 def _cell(text: str) -> str:
@@ -154,8 +160,7 @@ def reference_markdown() -> str:
     """The reference as Markdown: a heading and a table (key, type, default, meaning) per section."""
     out = []
     for section in sections():
-        out += [f"## `{section.name}`", "", section.doc, "",
-                "| key | type | default | meaning |", "|---|---|---|---|"]
+        out += [f"## `{section.name}`", "", section.doc, "", "| key | type | default | meaning |", "|---|---|---|---|"]
         out += [f"| `{e.key}` | `{e.type}` | `{e.default}` | {_cell(e.doc)} |" for e in section.entries]
         out.append("")
     return "\n".join(out)

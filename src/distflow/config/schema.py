@@ -20,7 +20,6 @@ from distflow.config.model import LoraConfig, ModelConfig, WarmstartConfig  # no
 from distflow.config.pipeline import LayoutSpec, PipelineConfig, PlacementConfig, StageSpec  # noqa: F401 (re-exported)
 from distflow.config.task import FLOAT32_MAX, RewardModelSpec, RewardSpec, TaskConfig  # noqa: F401 (re-exported)
 
-
 ROLLOUT_ENGINES = ("compact", "compiled", "generate", "vllm")
 
 
@@ -46,8 +45,10 @@ class RolloutConfig:
     trainer.max_staleness=0."""
 
     def __post_init__(self) -> None:
-        check(self.engine in ROLLOUT_ENGINES,
-              f"rollout.engine must be one of {', '.join(ROLLOUT_ENGINES)} (got {self.engine!r})")
+        check(
+            self.engine in ROLLOUT_ENGINES,
+            f"rollout.engine must be one of {', '.join(ROLLOUT_ENGINES)} (got {self.engine!r})",
+        )
         check(self.num_samples >= 2, f"rollout.num_samples must be >= 2 for group advantages (got {self.num_samples})")
         check(self.temperature > 0, f"rollout.temperature must be > 0 (got {self.temperature})")
         check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1] (got {self.top_p})")
@@ -192,22 +193,35 @@ class TrainerConfig:
     disjoint rollout and train ranks; not with dynamic sampling. 0: synchronous (on-policy)."""
 
     def __post_init__(self) -> None:
+        """Long because it checks each of the section's 30 keys, one `check` call (and message) each."""
         unknown = [name for name in self.loggers if name not in LOGGERS]
         check(not unknown, f"trainer.loggers: unknown {unknown}; choose from {', '.join(LOGGERS)}")
-        check("jsonl" in self.loggers, "trainer.loggers must include jsonl (metrics.jsonl is the run's record: "
-              "resume, curves.png and `distflow report` read it)")
+        check(
+            "jsonl" in self.loggers,
+            "trainer.loggers must include jsonl (metrics.jsonl is the run's record: "
+            "resume, curves.png and `distflow report` read it)",
+        )
         if self.tensorboard is not None:
-            warnings.warn("trainer.tensorboard is deprecated; use trainer.loggers (e.g. trainer.loggers=[jsonl])",
-                          DeprecatedKeyWarning, stacklevel=2)
+            warnings.warn(
+                "trainer.tensorboard is deprecated; use trainer.loggers (e.g. trainer.loggers=[jsonl])",
+                DeprecatedKeyWarning,
+                stacklevel=2,
+            )
             if not self.tensorboard:
                 self.loggers = [name for name in self.loggers if name != "tensorboard"]
-        check(not (self.shared_prefix and self.padding_free), "trainer.shared_prefix=true and trainer.padding_free=true "
-              "exclude each other (packed rows hold several prompts); set one of them to false")
+        check(
+            not (self.shared_prefix and self.padding_free),
+            "trainer.shared_prefix=true and trainer.padding_free=true "
+            "exclude each other (packed rows hold several prompts); set one of them to false",
+        )
         if self.shared_prefix is None:
             self.shared_prefix = not self.padding_free
         check(self.time_budget_s >= 0, f"trainer.time_budget_s must be >= 0 (0: off; got {self.time_budget_s})")
-        check(not (self.time_budget_s and self.max_staleness), "trainer.time_budget_s stops a synchronous run between "
-              "steps; with trainer.max_staleness > 0 the rollout runs ahead of training: set one of them to 0")
+        check(
+            not (self.time_budget_s and self.max_staleness),
+            "trainer.time_budget_s stops a synchronous run between "
+            "steps; with trainer.max_staleness > 0 the rollout runs ahead of training: set one of them to 0",
+        )
         check(self.profile_steps >= 0, f"trainer.profile_steps must be >= 0 (got {self.profile_steps})")
         check(self.max_staleness >= 0, f"trainer.max_staleness must be >= 0 (0: synchronous; got {self.max_staleness})")
         check(self.total_steps >= 1, f"trainer.total_steps must be >= 1 (got {self.total_steps})")
@@ -219,22 +233,33 @@ class TrainerConfig:
         check(self.device in ("auto", "cpu", "cuda"), f"trainer.device must be auto, cpu or cuda (got {self.device!r})")
         check(self.timeout_s >= 10, f"trainer.timeout_s must be >= 10 (got {self.timeout_s})")
         check(self.micro_batch_tokens >= 0, f"trainer.micro_batch_tokens must be >= 0 (got {self.micro_batch_tokens})")
-        check(self.stage_timeout_s == 0 or self.stage_timeout_s >= 1,
-               f"trainer.stage_timeout_s must be 0 (off) or >= 1 (got {self.stage_timeout_s})")
-        check(self.stage_timeout_factor == 0 or self.stage_timeout_factor >= 2,
-               f"trainer.stage_timeout_factor must be 0 (off) or >= 2 (got {self.stage_timeout_factor})")
-        check(self.stage_timeout_floor_s >= 1,
-               f"trainer.stage_timeout_floor_s must be >= 1 (got {self.stage_timeout_floor_s})")
-        check(self.max_nonfinite_steps >= 0,
-               f"trainer.max_nonfinite_steps must be >= 0 (got {self.max_nonfinite_steps})")
+        check(
+            self.stage_timeout_s == 0 or self.stage_timeout_s >= 1,
+            f"trainer.stage_timeout_s must be 0 (off) or >= 1 (got {self.stage_timeout_s})",
+        )
+        check(
+            self.stage_timeout_factor == 0 or self.stage_timeout_factor >= 2,
+            f"trainer.stage_timeout_factor must be 0 (off) or >= 2 (got {self.stage_timeout_factor})",
+        )
+        check(
+            self.stage_timeout_floor_s >= 1,
+            f"trainer.stage_timeout_floor_s must be >= 1 (got {self.stage_timeout_floor_s})",
+        )
+        check(
+            self.max_nonfinite_steps >= 0, f"trainer.max_nonfinite_steps must be >= 0 (got {self.max_nonfinite_steps})"
+        )
         check(self.strategy in STRATEGIES, f"trainer.strategy must be ddp or fsdp2 (got {self.strategy!r})")
         for key in ("param_dtype", "reduce_dtype"):
             value = getattr(self, key)
             check(value in DTYPES, f"trainer.{key} must be one of {', '.join(DTYPES)} (got {value!r})")
-            check(self.strategy == "fsdp2" or value in ("auto", "float32"),
-                  f"trainer.{key}={value} needs trainer.strategy=fsdp2 (ddp computes in float32)")
-        check(self.strategy == "fsdp2" or self.fsdp.shard_size == 0,
-              "trainer.fsdp.shard_size is a setting of trainer.strategy=fsdp2; set the strategy too")
+            check(
+                self.strategy == "fsdp2" or value in ("auto", "float32"),
+                f"trainer.{key}={value} needs trainer.strategy=fsdp2 (ddp computes in float32)",
+            )
+        check(
+            self.strategy == "fsdp2" or self.fsdp.shard_size == 0,
+            "trainer.fsdp.shard_size is a setting of trainer.strategy=fsdp2; set the strategy too",
+        )
         if self.run_name is not None:
             _check_run_name(self.run_name)
 
@@ -245,15 +270,23 @@ NAME_MAX_BYTES = 255
 
 def _check_run_name(name: str) -> None:
     """One path component that every file system accepts and every log shows on one line."""
-    check(name.strip() not in ("", ".", "..") and not any(c in name for c in "/\\\0"),
-          f"trainer.run_name must be a plain directory name, without '/' and not '..' (got {name!r}); "
-          "to write elsewhere, set trainer.output_dir")
+    check(
+        name.strip() not in ("", ".", "..") and not any(c in name for c in "/\\\0"),
+        f"trainer.run_name must be a plain directory name, without '/' and not '..' (got {name!r}); "
+        "to write elsewhere, set trainer.output_dir",
+    )
     control = sorted({c for c in name if ord(c) < 32 or ord(c) == 127})
-    check(not control, f"trainer.run_name must not hold control characters such as a newline or a tab (got "
-                       f"{name!r}); use letters, digits, '-', '_' or '.'")
+    check(
+        not control,
+        f"trainer.run_name must not hold control characters such as a newline or a tab (got "
+        f"{name!r}); use letters, digits, '-', '_' or '.'",
+    )
     size = len(name.encode("utf-8", "surrogatepass"))
-    check(size <= NAME_MAX_BYTES, f"trainer.run_name is {size} bytes long; a directory name may be at most "
-                                  f"{NAME_MAX_BYTES} bytes: choose a shorter name")
+    check(
+        size <= NAME_MAX_BYTES,
+        f"trainer.run_name is {size} bytes long; a directory name may be at most "
+        f"{NAME_MAX_BYTES} bytes: choose a shorter name",
+    )
 
 
 @dataclass(kw_only=True)
@@ -288,8 +321,10 @@ class DataConfig:
     out of the epoch order (counted by reason in the log and in `data/skipped_rows`)."""
 
     def __post_init__(self) -> None:
-        check(self.on_invalid_row in ("error", "skip"),
-               f"data.on_invalid_row must be error or skip (got {self.on_invalid_row!r})")
+        check(
+            self.on_invalid_row in ("error", "skip"),
+            f"data.on_invalid_row must be error or skip (got {self.on_invalid_row!r})",
+        )
         check(self.max_prompt_tokens >= 0, f"data.max_prompt_tokens must be >= 0 (got {self.max_prompt_tokens})")
 
 
@@ -323,6 +358,7 @@ class Config:
     """Multi-turn rollouts against an environment (tools are environments); off by default."""
 
     def __post_init__(self) -> None:
+        """The rules that span sections. Long because each is one `check` with its full message."""
         num_problems = 10 ** (self.task.num_operands * self.task.num_digits)
         held_back = self.task.num_heldout
         if self.model.path is None and self.warmstart.target_accuracy > 0:
@@ -333,12 +369,18 @@ class Config:
             f"{self.warmstart.num_validation} for the warm-start) leaves none of the {num_problems} problems "
             f"with task.num_digits={self.task.num_digits} for training; lower them or raise task.num_digits",
         )
-        check(self.rollout.engine != "vllm" or (self.placement.rollout.ranks == "all"
-                                                and self.placement.rollout.ranks_per_replica == 1),
-              "rollout.engine=vllm makes its engines together on every rank (vLLM builds process groups over the "
-              "whole world): set placement.rollout.ranks=all (colocated) or use another rollout.engine")
-        check(self.rollout.engine != "vllm" or self.trainer.max_staleness == 0,
-              "rollout.engine=vllm runs synchronously: set trainer.max_staleness=0 or use another rollout.engine")
-        check(self.rollout.engine != "compiled" or self.trainer.strategy == "ddp",
-              "rollout.engine=compiled compiles the rollout model's forward, which fsdp2 gathers from shards "
-              "for every rollout; use rollout.engine=compact with trainer.strategy=fsdp2")
+        check(
+            self.rollout.engine != "vllm"
+            or (self.placement.rollout.ranks == "all" and self.placement.rollout.ranks_per_replica == 1),
+            "rollout.engine=vllm makes its engines together on every rank (vLLM builds process groups over the "
+            "whole world): set placement.rollout.ranks=all (colocated) or use another rollout.engine",
+        )
+        check(
+            self.rollout.engine != "vllm" or self.trainer.max_staleness == 0,
+            "rollout.engine=vllm runs synchronously: set trainer.max_staleness=0 or use another rollout.engine",
+        )
+        check(
+            self.rollout.engine != "compiled" or self.trainer.strategy == "ddp",
+            "rollout.engine=compiled compiles the rollout model's forward, which fsdp2 gathers from shards "
+            "for every rollout; use rollout.engine=compact with trainer.strategy=fsdp2",
+        )

@@ -105,15 +105,20 @@ class ReasoningGymSpec:
     numeric tasks and models that do not follow a format) or last_line (its last non-empty line)."""
 
     def __post_init__(self) -> None:
-        check(bool(self.datasets), "task.reasoning_gym.datasets must name at least one dataset, "
-              "e.g. [{name: chain_sum}]")
+        check(
+            bool(self.datasets), "task.reasoning_gym.datasets must name at least one dataset, e.g. [{name: chain_sum}]"
+        )
         names = [d.name for d in self.datasets]
         check(len(set(names)) == len(names), f"task.reasoning_gym.datasets names a dataset twice: {names}")
         check(self.num_train >= 1, f"task.reasoning_gym.num_train must be >= 1 (got {self.num_train})")
-        check("{question}" in self.instruction,
-              f"task.reasoning_gym.instruction must contain {{question}} (got {self.instruction!r})")
-        check(self.answer_format in ANSWER_FORMATS, f"task.reasoning_gym.answer_format must be one of "
-              f"{', '.join(ANSWER_FORMATS)} (got {self.answer_format!r})")
+        check(
+            "{question}" in self.instruction,
+            f"task.reasoning_gym.instruction must contain {{question}} (got {self.instruction!r})",
+        )
+        check(
+            self.answer_format in ANSWER_FORMATS,
+            f"task.reasoning_gym.answer_format must be one of {', '.join(ANSWER_FORMATS)} (got {self.answer_format!r})",
+        )
 
 
 @dataclass(kw_only=True)
@@ -158,9 +163,13 @@ class TaskConfig:
         check(self.num_heldout >= 1, f"task.num_heldout must be >= 1 (got {self.num_heldout})")
         check(":" in self.reward, f"task.reward must look like 'package.module:function' (got {self.reward!r})")
         check(self.reward_timeout_s >= 0, f"task.reward_timeout_s must be >= 0 (got {self.reward_timeout_s})")
-        check(abs(self.default_reward) <= FLOAT32_MAX,
-               f"task.default_reward must fit in float32, |x| <= 3.4e38 (got {self.default_reward})")
+        check(
+            abs(self.default_reward) <= FLOAT32_MAX,
+            f"task.default_reward must fit in float32, |x| <= 3.4e38 (got {self.default_reward})",
+        )
         sources = [k for k in ("train_file", "dataset", "reasoning_gym") if getattr(self, k) is not None]
         check(len(sources) <= 1, f"task.{' and task.'.join(sources)} are ways to give the rows: set one")
-        check((self.train_file is None) == (self.heldout_file is None),
-               "task.train_file and task.heldout_file go together: set both (a dataset task) or neither")
+        check(
+            (self.train_file is None) == (self.heldout_file is None),
+            "task.train_file and task.heldout_file go together: set both (a dataset task) or neither",
+        )

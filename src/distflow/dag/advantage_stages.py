@@ -26,7 +26,14 @@ from typing import TYPE_CHECKING
 
 from distflow.dag.graph import StageFn
 from distflow.data.fields import (
-    ADVANTAGE, BASELINE_REWARD, GROUP, RESPONSE_MASK, RETURNS, REWARD, SAMPLE_MASK, VALUES,
+    ADVANTAGE,
+    BASELINE_REWARD,
+    GROUP,
+    RESPONSE_MASK,
+    RETURNS,
+    REWARD,
+    SAMPLE_MASK,
+    VALUES,
 )
 
 if TYPE_CHECKING:
@@ -92,8 +99,9 @@ def grpo_advantage(batch: Batch, ctx: StageContext) -> Batch:
     """GRPO (std-normalised) or Dr.GRPO (`norm_adv_by_std=false`: centred) group advantages."""
     from distflow.algorithms.advantages import grpo_advantages
 
-    return _group_advantage(batch, ctx, functools.partial(grpo_advantages,
-                                                          norm_by_std=ctx.config.algorithm.norm_adv_by_std))
+    return _group_advantage(
+        batch, ctx, functools.partial(grpo_advantages, norm_by_std=ctx.config.algorithm.norm_adv_by_std)
+    )
 
 
 def rloo_advantage(batch: Batch, ctx: StageContext) -> Batch:
@@ -123,8 +131,9 @@ def reinforce_pp_advantage(batch: Batch, ctx: StageContext) -> Batch:
     from distflow.algorithms.returns import reinforce_pp_advantages
 
     mask_BR = batch["response_mask"].cpu()
-    advantage_BR, _ = reinforce_pp_advantages(_token_reward_BR(batch).cpu(), mask_BR,
-                                              gamma=ctx.config.algorithm.gamma, reduce_sums=_global_sums(ctx))
+    advantage_BR, _ = reinforce_pp_advantages(
+        _token_reward_BR(batch).cpu(), mask_BR, gamma=ctx.config.algorithm.gamma, reduce_sums=_global_sums(ctx)
+    )
     _record(ctx, advantage_BR, mask_BR)
     device = ctx.comm.device
     return batch.updated(advantage=advantage_BR.to(device), sample_mask=mask_BR.new_ones(len(batch)).float().to(device))
@@ -151,13 +160,22 @@ def gae_advantage(batch: Batch, ctx: StageContext) -> Batch:
     from distflow.algorithms.returns import gae_advantages
 
     algo, mask_BR = ctx.config.algorithm, batch["response_mask"].cpu()
-    advantage_BR, return_BR = gae_advantages(_token_reward_BR(batch).cpu(), batch["values"].cpu(), mask_BR,
-                                             gamma=algo.gamma, lam=algo.lam, reduce_sums=_global_sums(ctx))
+    advantage_BR, return_BR = gae_advantages(
+        _token_reward_BR(batch).cpu(),
+        batch["values"].cpu(),
+        mask_BR,
+        gamma=algo.gamma,
+        lam=algo.lam,
+        reduce_sums=_global_sums(ctx),
+    )
     _record(ctx, advantage_BR, mask_BR)
     ctx.metrics.mean("critic/returns", float((return_BR * mask_BR).sum()), float(mask_BR.sum()))
     device = ctx.comm.device
-    return batch.updated(advantage=advantage_BR.to(device), returns=return_BR.to(device),
-                         sample_mask=mask_BR.new_ones(len(batch)).float().to(device))
+    return batch.updated(
+        advantage=advantage_BR.to(device),
+        returns=return_BR.to(device),
+        sample_mask=mask_BR.new_ones(len(batch)).float().to(device),
+    )
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,9 @@ from distflow.dag.graph import Stage, every_rank
 if TYPE_CHECKING:
     import torch
 
+    from distflow.comm import Comm
     from distflow.dag.context import StageContext
     from distflow.data.batch import Batch
-    from distflow.comm import Comm
 
 
 def _signal_groups(batch: Batch) -> Batch:

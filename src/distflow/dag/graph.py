@@ -110,5 +110,5 @@ class Graph:
         while True:
             nxt = next(d for d in self.stages[path[-1]].deps if d in names)
             if nxt in path:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             path.append(nxt)

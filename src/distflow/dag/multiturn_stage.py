@@ -38,8 +38,10 @@ def env_rollout(batch: Batch, ctx: StageContext) -> Batch:
     uids = [u * n + k % n for k, u in enumerate(prompt_uids)]
     cls = environment_class(cfg.cls)
     limits = TurnLimits(cfg.max_turns, cfg.max_tokens, cfg.default_reward, cfg.num_workers)
-    trajs = [Trajectory(sample=dict(s), env=cls(**cfg.kwargs), env_seconds=cfg.deadline_s, uid=uid)
-             for s, uid in zip(expanded["sample"], uids)]
+    trajs = [
+        Trajectory(sample=dict(s), env=cls(**cfg.kwargs), env_seconds=cfg.deadline_s, uid=uid)
+        for s, uid in zip(expanded["sample"], uids, strict=True)
+    ]
     reset_all(trajs, ctx.tokenizer, expanded["prompt_ids"], limits)
 
     def agree(*values: int) -> tuple[int, ...]:
@@ -52,15 +54,24 @@ def env_rollout(batch: Batch, ctx: StageContext) -> Batch:
         return derive_seed(seed, "rollout-turn", traj.uid, turn)
 
     with gathered(ctx.engines.rollout_model):
-        roll_out(trajs, tokenizer=ctx.tokenizer, limits=limits, agree=agree,
-                 generate_turn=turn_generator(ctx.engines.rollout_model, ctx.tokenizer, ctx.engines.sampling, key_of))
+        roll_out(
+            trajs,
+            tokenizer=ctx.tokenizer,
+            limits=limits,
+            agree=agree,
+            generate_turn=turn_generator(ctx.engines.rollout_model, ctx.tokenizer, ctx.engines.sampling, key_of),
+        )
     (prompt_width,) = agree(max((len(t.prompt_ids) for t in trajs), default=0))
     tensors = _layout(trajs, prompt_width, cfg.max_tokens, ctx.tokenizer.pad_token_id)
     _record(ctx, trajs, tensors["response_mask"])
     device = ctx.comm.device
-    return expanded.updated(uid=uids, group=torch.tensor(prompt_uids, dtype=torch.long), **policy_versions(ctx, len(trajs)),
-                            completion=[t.actions[-1] if t.actions else "" for t in trajs],
-                            **{name: value.to(device) for name, value in tensors.items()})
+    return expanded.updated(
+        uid=uids,
+        group=torch.tensor(prompt_uids, dtype=torch.long),
+        **policy_versions(ctx, len(trajs)),
+        completion=[t.actions[-1] if t.actions else "" for t in trajs],
+        **{name: value.to(device) for name, value in tensors.items()},
+    )
 
 
 def _layout(trajs: list, prompt_width: int, width: int, pad_id: int) -> dict:
@@ -77,8 +88,13 @@ def _layout(trajs: list, prompt_width: int, width: int, pad_id: int) -> dict:
         ids_BR[i, :k], real_BR[i, :k] = torch.tensor(t.ids, dtype=torch.long), 1
         mask_BR[i, :k] = torch.tensor(t.mask, dtype=torch.long)
         logp_BR[i, :k], reward_BR[i, :k] = torch.tensor(t.logp), torch.tensor(t.reward)
-    return {"input_ids": torch.cat([prompt_ids_BP, ids_BR], 1), "attention_mask": torch.cat([prompt_mask_BP, real_BR], 1),
-            "response_mask": mask_BR, "rollout_logp": logp_BR * mask_BR, "turn_reward": reward_BR}
+    return {
+        "input_ids": torch.cat([prompt_ids_BP, ids_BR], 1),
+        "attention_mask": torch.cat([prompt_mask_BP, real_BR], 1),
+        "response_mask": mask_BR,
+        "rollout_logp": logp_BR * mask_BR,
+        "turn_reward": reward_BR,
+    }
 
 
 def _record(ctx: StageContext, trajs: list, mask_BR) -> None:

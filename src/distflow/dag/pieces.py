@@ -27,8 +27,24 @@ from distflow.dag.advantage_stages import Estimator
 from distflow.dag.dynamic_sampling import DynamicSampling
 from distflow.dag.graph import Graph, Stage
 from distflow.data.fields import (
-    ADVANTAGE, BASELINE_REWARD, COMPLETION, GROUP, KL_PENALTY, LOADER_FIELDS, OLD_LOGP, PROMPT, PROMPT_IDS,
-    REF_LOGP, RESPONSE_MASK, RETURNS, REWARD, SAMPLE, SAMPLE_MASK, SEQUENCE, UID, VALUES,
+    ADVANTAGE,
+    BASELINE_REWARD,
+    COMPLETION,
+    GROUP,
+    KL_PENALTY,
+    LOADER_FIELDS,
+    OLD_LOGP,
+    PROMPT,
+    PROMPT_IDS,
+    REF_LOGP,
+    RESPONSE_MASK,
+    RETURNS,
+    REWARD,
+    SAMPLE,
+    SAMPLE_MASK,
+    SEQUENCE,
+    UID,
+    VALUES,
 )
 
 
@@ -66,17 +82,35 @@ def add_rollout(chain: Chain) -> None:
     trajectories against an environment when `env.cls` is set."""
     behaviour = stages.behaviour_fields(chain.config)
     if chain.config.env.cls is not None:
-        chain.add("rollout", multiturn_stage.env_rollout, "rollout", LOADER_FIELDS,
-                  tuple(dict.fromkeys(multiturn_stage.WRITES + behaviour)), group="rollout")
+        chain.add(
+            "rollout",
+            multiturn_stage.env_rollout,
+            "rollout",
+            LOADER_FIELDS,
+            tuple(dict.fromkeys(multiturn_stage.WRITES + behaviour)),
+            group="rollout",
+        )
     else:
-        chain.add("rollout", stages.rollout, "rollout", (UID, PROMPT, PROMPT_IDS),
-                  (*SEQUENCE, COMPLETION, GROUP, *behaviour), group="rollout")
+        chain.add(
+            "rollout",
+            stages.rollout,
+            "rollout",
+            (UID, PROMPT, PROMPT_IDS),
+            (*SEQUENCE, COMPLETION, GROUP, *behaviour),
+            group="rollout",
+        )
 
 
 def add_greedy_baseline(chain: Chain) -> None:
     """ReMax: on the rollout ranks, where each group's prompt already is."""
-    chain.add("greedy_baseline", stages.greedy_baseline, "rollout", (PROMPT, PROMPT_IDS, GROUP, SAMPLE),
-              (BASELINE_REWARD,), group="rollout")
+    chain.add(
+        "greedy_baseline",
+        stages.greedy_baseline,
+        "rollout",
+        (PROMPT, PROMPT_IDS, GROUP, SAMPLE),
+        (BASELINE_REWARD,),
+        group="rollout",
+    )
 
 
 def add_rewards(chain: Chain) -> None:
@@ -98,16 +132,20 @@ def add_logprobs(chain: Chain) -> None:
     if needs_old_logprob(chain.config):
         chain.add("old_logprob", stages.old_logprob, "logprob", SEQUENCE, (OLD_LOGP,), uses=("policy",))
     if chain.config.algorithm.kl.coef > 0:
-        chain.add("reference_logprob", stages.reference_logprob, "logprob", SEQUENCE, (REF_LOGP,),
-                  uses=("reference",))
+        chain.add("reference_logprob", stages.reference_logprob, "logprob", SEQUENCE, (REF_LOGP,), uses=("reference",))
 
 
 def add_kl_reward(chain: Chain) -> None:
     """KL in the reward (`algorithm.kl.in_reward`): both log-prob passes, then the per-token penalty."""
     if kl_in_reward(chain.config):
         add_logprobs(chain)
-        chain.add("kl_reward", stages.KLPenalty(chain.config.algorithm), "reward",
-                  (OLD_LOGP, REF_LOGP, RESPONSE_MASK), (KL_PENALTY,))
+        chain.add(
+            "kl_reward",
+            stages.KLPenalty(chain.config.algorithm),
+            "reward",
+            (OLD_LOGP, REF_LOGP, RESPONSE_MASK),
+            (KL_PENALTY,),
+        )
 
 
 def add_values(chain: Chain) -> None:

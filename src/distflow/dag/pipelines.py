@@ -41,8 +41,18 @@ from distflow.dag.advantage_stages import ESTIMATORS, Estimator
 from distflow.dag.dynamic_sampling import DynamicSampling
 from distflow.dag.graph import Graph, GraphError, Stage
 from distflow.dag.pieces import (
-    Chain, add_advantage, add_critic_update, add_greedy_baseline, add_kl_reward, add_logprobs, add_policy_update,
-    add_rewards, add_rollout, add_values, add_weight_sync, kl_in_reward,
+    Chain,
+    add_advantage,
+    add_critic_update,
+    add_greedy_baseline,
+    add_kl_reward,
+    add_logprobs,
+    add_policy_update,
+    add_rewards,
+    add_rollout,
+    add_values,
+    add_weight_sync,
+    kl_in_reward,
 )
 from distflow.data.fields import BASELINE_REWARD, LOADER_FIELDS, SEQUENCE
 
@@ -52,8 +62,9 @@ BUILTIN = "distflow.dag.pipelines:builtin"
 """What `pipeline.builder` is when unset."""
 
 
-def policy_gradient(config: Config, estimator: Estimator, *, critic: bool = False,
-                    greedy_baseline: bool = False) -> Graph:
+def policy_gradient(
+    config: Config, estimator: Estimator, *, critic: bool = False, greedy_baseline: bool = False
+) -> Graph:
     """The skeleton above with `estimator` as the advantage stage."""
     chain = Chain(config)
     add_rollout(chain)
@@ -79,10 +90,13 @@ def builtin(config: Config) -> Graph:
     estimator = ESTIMATORS[algorithm.estimator]
     # An estimator that reads the greedy completion's reward gets the stage that writes it (ReMax).
     if config.env.cls is not None and BASELINE_REWARD in estimator.reads:
-        raise ConfigError(f"algorithm.name={config.algorithm.name} needs a greedy single-turn baseline, which "
-                          "multi-turn rollouts (env.cls) do not make yet; choose grpo, rloo, reinforce_pp or ppo")
-    return policy_gradient(config, estimator, critic=algorithm.critic,
-                           greedy_baseline=BASELINE_REWARD in estimator.reads)
+        raise ConfigError(
+            f"algorithm.name={config.algorithm.name} needs a greedy single-turn baseline, which "
+            "multi-turn rollouts (env.cls) do not make yet; choose grpo, rloo, reinforce_pp or ppo"
+        )
+    return policy_gradient(
+        config, estimator, critic=algorithm.critic, greedy_baseline=BASELINE_REWARD in estimator.reads
+    )
 
 
 def check_choices(config: Config) -> None:
@@ -97,26 +111,37 @@ def _check_settings(config: Config) -> None:
     """Settings that involve more than the algorithm section."""
     algo, placement = config.algorithm, config.placement
     if algo.overlong.buffer >= config.rollout.max_new_tokens:
-        raise GraphError(f"algorithm.overlong.buffer={algo.overlong.buffer} must be below rollout.max_new_tokens="
-                         f"{config.rollout.max_new_tokens}")
+        raise GraphError(
+            f"algorithm.overlong.buffer={algo.overlong.buffer} must be below rollout.max_new_tokens="
+            f"{config.rollout.max_new_tokens}"
+        )
     for key in ("train_file", "heldout_file"):
         path = getattr(config.task, key)
         if path is not None and not Path(path).expanduser().is_file():
             raise GraphError(f"task.{key}={path!r} is not a file")
-    for key, value in (("task.train_file", config.task.train_file), ("task.dataset", config.task.dataset),
-                       ("task.reasoning_gym", config.task.reasoning_gym)):
+    for key, value in (
+        ("task.train_file", config.task.train_file),
+        ("task.dataset", config.task.dataset),
+        ("task.reasoning_gym", config.task.reasoning_gym),
+    ):
         if value is not None and config.model.path is None:
-            raise GraphError(f"{key} needs a model that reads text: set model.path (the embedded model "
-                             "only knows the addition task's characters)")
+            raise GraphError(
+                f"{key} needs a model that reads text: set model.path (the embedded model "
+                "only knows the addition task's characters)"
+            )
     colocated = placement.rollout == placement.train and placement.rollout.ranks_per_replica == 1
     if algo.dynamic_sampling.enabled and config.trainer.max_staleness:
-        raise GraphError(f"trainer.max_staleness={config.trainer.max_staleness} cannot run DAPO's dynamic sampling "
-                         "(algorithm.dynamic_sampling): it refills a step with extra rollouts inside the step, on the "
-                         "ranks that train, from the policy being trained, so the rollout cannot run ahead; set "
-                         "algorithm.dynamic_sampling.enabled=false or trainer.max_staleness=0")
+        raise GraphError(
+            f"trainer.max_staleness={config.trainer.max_staleness} cannot run DAPO's dynamic sampling "
+            "(algorithm.dynamic_sampling): it refills a step with extra rollouts inside the step, on the "
+            "ranks that train, from the policy being trained, so the rollout cannot run ahead; set "
+            "algorithm.dynamic_sampling.enabled=false or trainer.max_staleness=0"
+        )
     if algo.dynamic_sampling.enabled and not colocated:
-        raise GraphError("algorithm.dynamic_sampling draws extra batches inside the step and needs rollout and "
-                         "training on the same ranks: leave placement.rollout and placement.train at their defaults")
+        raise GraphError(
+            "algorithm.dynamic_sampling draws extra batches inside the step and needs rollout and "
+            "training on the same ranks: leave placement.rollout and placement.train at their defaults"
+        )
 
 
 def _bind_upstream(graph: Graph, name: str, initial_fields) -> None:
@@ -140,17 +165,24 @@ def build_graph(config: Config) -> Graph:
     key = "pipeline.builder"
     graph = import_callable(config.pipeline.builder or BUILTIN, key=key)(config)
     if not isinstance(graph, Graph):
-        raise ConfigError(f"{key}={config.pipeline.builder!r} returned {type(graph).__name__}, not a "
-                          "distflow.dag.graph.Graph; a builder returns the graph it built (dag/pieces.py)")
+        raise ConfigError(
+            f"{key}={config.pipeline.builder!r} returned {type(graph).__name__}, not a "
+            "distflow.dag.graph.Graph; a builder returns the graph it built (dag/pieces.py)"
+        )
     for spec in config.pipeline.custom_stages:
         fn = import_callable(spec.fn, key=f"custom stage {spec.name!r}")
-        graph.add(Stage(spec.name, fn, "custom", tuple(spec.after), tuple(spec.reads), tuple(spec.writes),
-                        group=spec.placement))
+        graph.add(
+            Stage(
+                spec.name, fn, "custom", tuple(spec.after), tuple(spec.reads), tuple(spec.writes), group=spec.placement
+            )
+        )
     for spec in config.pipeline.custom_stages:
         for later in spec.before:
             if later not in graph.stages:
-                raise GraphError(f"custom stage {spec.name!r} runs before unknown stage {later!r}; "
-                                 f"stages are: {', '.join(graph.stages)}")
+                raise GraphError(
+                    f"custom stage {spec.name!r} runs before unknown stage {later!r}; "
+                    f"stages are: {', '.join(graph.stages)}"
+                )
             graph.add_dependency(later, spec.name)
     graph.validate(LOADER_FIELDS)
     if "dynamic_sampling" in graph.stages:

@@ -32,8 +32,7 @@ def behaviour_fields(config) -> tuple[str, ...]:
     the train/inference mismatch) and, with stale samples, `policy_version`."""
     staleness, correction = config.trainer.max_staleness, config.algorithm.off_policy_correction
     records = staleness > 0 or correction != "none" or config.rollout.engine == "vllm"
-    return ((ROLLOUT_LOGP,) if records else ()) + \
-        ((POLICY_VERSION,) if staleness > 0 else ())
+    return ((ROLLOUT_LOGP,) if records else ()) + ((POLICY_VERSION,) if staleness > 0 else ())
 
 
 def policy_versions(ctx: StageContext, count: int) -> dict:
@@ -93,7 +92,8 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
     if out.logp_BR is not None:
         behaviour["rollout_logp"] = out.logp_BR.to(ctx.comm.device)
     behaviour.update(policy_versions(ctx, len(expanded)))
-    return expanded.updated(**behaviour,
+    return expanded.updated(
+        **behaviour,
         uid=uids,
         group=torch.tensor(prompt_uids, dtype=torch.long),
         input_ids=out.input_ids_BT.to(ctx.comm.device),
@@ -129,10 +129,20 @@ def greedy_baseline(batch: Batch, ctx: StageContext) -> Batch:
     baseline_G = torch.zeros(len(rows))
     prompts, samples = [batch["prompt"][i] for i in rows], [batch["sample"][i] for i in rows]
     with gathered(ctx.engines.rollout_model):  # entered by every rank, even one without prompts
-        out = generate(ctx.engines.rollout_model, ctx.tokenizer, prompts,
-                       max_new_tokens=ctx.engines.sampling.max_new_tokens,
-                       temperature=ctx.engines.sampling.temperature, prompt_ids=prompt_ids,
-                       prompt_width=width, engine=ctx.engines.sampling.engine) if rows else None
+        out = (
+            generate(
+                ctx.engines.rollout_model,
+                ctx.tokenizer,
+                prompts,
+                max_new_tokens=ctx.engines.sampling.max_new_tokens,
+                temperature=ctx.engines.sampling.temperature,
+                prompt_ids=prompt_ids,
+                prompt_width=width,
+                engine=ctx.engines.sampling.engine,
+            )
+            if rows
+            else None
+        )
     if rows:
         scores = ctx.engines.rewards.score(prompts, out.completions, samples)
         baseline_G = scores.reward_B.float().cpu()
@@ -157,7 +167,9 @@ def reward(batch: Batch, ctx: StageContext) -> Batch:
         env_B = batch["turn_reward"].sum(-1).to(scores.reward_B.device, scores.reward_B.dtype)
         ctx.metrics.mean("reward/env", float(env_B.sum()), len(batch))
         scores.reward_B = scores.reward_B + env_B
-    num_correct = sum(ctx.engines.is_correct(c, private_copy(s)) for c, s in zip(batch["completion"], batch["sample"]))
+    num_correct = sum(
+        ctx.engines.is_correct(c, private_copy(s)) for c, s in zip(batch["completion"], batch["sample"], strict=True)
+    )
     ctx.metrics.mean("reward/mean", float(scores.reward_B.sum()), len(batch))
     for name, total in scores.term_sums.items():
         ctx.metrics.mean(f"reward/{name}", total, len(batch))
@@ -173,8 +185,12 @@ def overlong_penalty(batch: Batch, ctx: StageContext) -> Batch:
 
     algo = ctx.config.algorithm
     length_B = batch["response_mask"].sum(-1)
-    penalty_B = penalty_of(length_B, max_length=ctx.engines.sampling.max_new_tokens, buffer=algo.overlong.buffer,
-                           penalty=algo.overlong.penalty).to(batch["reward"].dtype)
+    penalty_B = penalty_of(
+        length_B,
+        max_length=ctx.engines.sampling.max_new_tokens,
+        buffer=algo.overlong.buffer,
+        penalty=algo.overlong.penalty,
+    ).to(batch["reward"].dtype)
     ctx.metrics.mean("reward/overlong_penalty", float(penalty_B.sum()), len(batch))
     return batch.updated(reward=batch["reward"] + penalty_B)
 
@@ -201,9 +217,14 @@ def reference_logprob(batch: Batch, ctx: StageContext) -> Batch:
     trainer = ctx.config.trainer
     with gathered(ctx.engines.reference):  # fsdp2: every train rank gathers the reference together
         # The policy's pass mode (trainer.padding_free / shared_prefix): same values, and as fast.
-        ref_logp = batch_logprobs(ctx.engines.reference, batch, micro_batch_size=trainer.micro_batch_size,
-                                  temperature=ctx.engines.sampling.temperature,
-                                  padding_free=trainer.padding_free, shared_prefix=trainer.shared_prefix)
+        ref_logp = batch_logprobs(
+            ctx.engines.reference,
+            batch,
+            micro_batch_size=trainer.micro_batch_size,
+            temperature=ctx.engines.sampling.temperature,
+            padding_free=trainer.padding_free,
+            shared_prefix=trainer.shared_prefix,
+        )
     return batch.updated(ref_logp=ref_logp)
 
 
@@ -247,8 +268,9 @@ class KLPenalty:
         beta = controller.value
         # Step KL: mean over sequences of each sequence's token-mean KL (verl's convention).
         kl_B = kl_BR.sum(-1) / mask_BR.sum(-1).clamp(min=1)
-        sums = ctx.comm.all_reduce_sum(torch.tensor([float(kl_B.sum()), float(len(batch))], dtype=torch.float64,
-                                                    device=ctx.comm.device)).cpu()
+        sums = ctx.comm.all_reduce_sum(
+            torch.tensor([float(kl_B.sum()), float(len(batch))], dtype=torch.float64, device=ctx.comm.device)
+        ).cpu()
         controller.update(float(sums[0] / sums[1].clamp(min=1)), int(sums[1]))
         self.coef = controller.value
         ctx.metrics.mean("kl/in_reward", float(kl_B.sum()), len(batch))

@@ -38,8 +38,14 @@ def _ppo(logp_BR, old_logp_BR, advantage, mask_BR, algo: AlgorithmConfig):
     from distflow.algorithms.losses import dual_clip_ppo_loss, ppo_clip_loss
 
     if algo.clip.dual_c > 0:
-        loss_BR, clipped_BR, _ = dual_clip_ppo_loss(logp_BR, old_logp_BR, advantage, clip_low=algo.clip.low,
-                                                    clip_high=algo.clip.high, clip_ratio_c=algo.clip.dual_c)
+        loss_BR, clipped_BR, _ = dual_clip_ppo_loss(
+            logp_BR,
+            old_logp_BR,
+            advantage,
+            clip_low=algo.clip.low,
+            clip_high=algo.clip.high,
+            clip_ratio_c=algo.clip.dual_c,
+        )
         return loss_BR, clipped_BR
     return ppo_clip_loss(logp_BR, old_logp_BR, advantage, clip_low=algo.clip.low, clip_high=algo.clip.high)
 
@@ -66,8 +72,12 @@ def mini_batches(batch: Batch, ctx: StageContext) -> Iterator[Batch]:
     algo = ctx.config.algorithm
     for epoch in range(algo.ppo_epochs):
         if algo.ppo_epochs > 1:
-            order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(
-                derive_seed(ctx.config.trainer.seed, "minibatch", ctx.step, epoch, ctx.comm.rank)))
+            order = torch.randperm(
+                len(batch),
+                generator=torch.Generator().manual_seed(
+                    derive_seed(ctx.config.trainer.seed, "minibatch", ctx.step, epoch, ctx.comm.rank)
+                ),
+            )
             batch = batch.select(order.tolist())
         yield from batch.split(algo.num_mini_batches)
 
@@ -160,8 +170,9 @@ class PolicyObjective:
         if self.tally is not None:  # stale samples: weight towards the proximal policy (algorithms/off_policy.py)
             from distflow.algorithms.off_policy import importance_weight_BR
 
-            weight_BR, ratio_BR = importance_weight_BR(old_BR, micro["rollout_logp"], mode=algo.off_policy_correction,
-                                                       cap=algo.off_policy_cap)
+            weight_BR, ratio_BR = importance_weight_BR(
+                old_BR, micro["rollout_logp"], mode=algo.off_policy_correction, cap=algo.off_policy_cap
+            )
             self.tally.add(ratio_BR, mask_BR, algo.off_policy_cap, old_BR, micro["rollout_logp"])
             if algo.off_policy_correction != "none":
                 loss_BR = loss_BR * weight_BR
@@ -211,9 +222,14 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
         if normalizer == 0:  # every group of this mini-batch had equal rewards: no signal
             ctx.metrics.total("train/skipped_empty_steps", 1.0 / ctx.comm.world_size)
             continue
-        stats = ctx.engines.policy.update(mini, objective, normalizer, trainer.micro_batch_size,
-                                          micro_batch_tokens=trainer.micro_batch_tokens,
-                                          entropy_grad=algo.entropy_coef > 0)
+        stats = ctx.engines.policy.update(
+            mini,
+            objective,
+            normalizer,
+            trainer.micro_batch_size,
+            micro_batch_tokens=trainer.micro_batch_tokens,
+            entropy_grad=algo.entropy_coef > 0,
+        )
         _record_update(ctx, "train", stats, float(mask_BR.sum()))
         ctx.metrics.total("tokens/trained", float(mini["attention_mask"].sum()))
     ctx.metrics.maximum("train/optimizer_state_bytes", float(ctx.engines.policy.optimizer_state_bytes()))
@@ -248,7 +264,8 @@ def critic_update(batch: Batch, ctx: StageContext) -> Batch:
     for mini in mini_batches(batch, ctx):
         mask_BR = mini["response_mask"].float()
         normalizer = global_normalizer(mask_BR, "token-mean", ctx)
-        stats = ctx.engines.critic.update(mini, loss_fn, normalizer, trainer.micro_batch_size,
-                                  micro_batch_tokens=trainer.micro_batch_tokens)
+        stats = ctx.engines.critic.update(
+            mini, loss_fn, normalizer, trainer.micro_batch_size, micro_batch_tokens=trainer.micro_batch_tokens
+        )
         _record_update(ctx, "critic", stats, float(mask_BR.sum()))
     return batch

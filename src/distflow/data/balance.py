@@ -116,7 +116,7 @@ def improve_by_swaps(units_in: list[list[int]], loads: list[int], unit_weight: d
             for out in units_in[heavy]:
                 # The best partner moves about half the gap: look at the units around that weight.
                 at = bisect.bisect_left(by_weight, (unit_weight[out] - gap // 2, -1))
-                for weight, into in by_weight[max(at - 1, 0):at + 2]:
+                for weight, into in by_weight[max(at - 1, 0) : at + 2]:
                     moved = unit_weight[out] - weight
                     if 0 < moved < gap:
                         key = (max(loads[heavy] - moved, loads[other] + moved), loads[other], out, into, other)
@@ -145,7 +145,7 @@ def bin_capacities(num_units: int, num_bins: int) -> list[int]:
 
 def bin_loads(weights: Sequence[int], bin_of: Sequence[int], num_bins: int) -> list[int]:
     loads = [0] * num_bins
-    for weight, b in zip(weights, bin_of):
+    for weight, b in zip(weights, bin_of, strict=True):
         loads[b] += weight
     return loads
 

@@ -43,16 +43,33 @@ REWARD, BASELINE_REWARD, KL_PENALTY = "reward", "baseline_reward", "kl_penalty"
 OLD_LOGP, REF_LOGP, VALUES = "old_logp", "ref_logp", "values"
 ADVANTAGE, RETURNS, SAMPLE_MASK = "advantage", "returns", "sample_mask"
 
-FIELDS: dict[str, Field] = {f.name: f for f in (
-    Field(UID, "meta"), Field(PROMPT, "meta"), Field(PROMPT_IDS, "meta"), Field(SAMPLE, "meta"),
-    Field(INPUT_IDS, "T", "int64"), Field(ATTENTION_MASK, "T", "int64"), Field(RESPONSE_MASK, "R", "int64"),
-    Field(COMPLETION, "meta"), Field(GROUP, "1", "int64"),
-    Field(ROLLOUT_LOGP, "R", "float32"), Field(POLICY_VERSION, "1", "int64"), Field(TURN_REWARD, "R", "float32"),
-    Field(REWARD, "1", "float32"), Field(BASELINE_REWARD, "1", "float32"), Field(KL_PENALTY, "R", "float32"),
-    Field(OLD_LOGP, "R", "float32"), Field(REF_LOGP, "R", "float32"), Field(VALUES, "R", "float32"),
-    # One per sample (group estimators) or per response token (GAE, REINFORCE++): sized as the latter.
-    Field(ADVANTAGE, "R", "float32"), Field(RETURNS, "R", "float32"), Field(SAMPLE_MASK, "1", "float32"),
-)}
+FIELDS: dict[str, Field] = {
+    f.name: f
+    for f in (
+        Field(UID, "meta"),
+        Field(PROMPT, "meta"),
+        Field(PROMPT_IDS, "meta"),
+        Field(SAMPLE, "meta"),
+        Field(INPUT_IDS, "T", "int64"),
+        Field(ATTENTION_MASK, "T", "int64"),
+        Field(RESPONSE_MASK, "R", "int64"),
+        Field(COMPLETION, "meta"),
+        Field(GROUP, "1", "int64"),
+        Field(ROLLOUT_LOGP, "R", "float32"),
+        Field(POLICY_VERSION, "1", "int64"),
+        Field(TURN_REWARD, "R", "float32"),
+        Field(REWARD, "1", "float32"),
+        Field(BASELINE_REWARD, "1", "float32"),
+        Field(KL_PENALTY, "R", "float32"),
+        Field(OLD_LOGP, "R", "float32"),
+        Field(REF_LOGP, "R", "float32"),
+        Field(VALUES, "R", "float32"),
+        # One per sample (group estimators) or per response token (GAE, REINFORCE++): sized as the latter.
+        Field(ADVANTAGE, "R", "float32"),
+        Field(RETURNS, "R", "float32"),
+        Field(SAMPLE_MASK, "1", "float32"),
+    )
+}
 
 LOADER_FIELDS = (UID, PROMPT, PROMPT_IDS, SAMPLE)
 """What the loader's batch holds before the first stage."""
@@ -79,9 +96,10 @@ def undeclared_writes(stage: str, declared, before, after) -> str | None:
     declared, before, after = set(declared), set(before), set(after)
     undeclared, missing = sorted(after - before - declared), sorted(declared - after)
     if undeclared:
-        return (f"stage {stage!r} wrote field {undeclared[0]!r}, which it does not declare: add it to the "
-                "stage's writes")
+        return f"stage {stage!r} wrote field {undeclared[0]!r}, which it does not declare: add it to the stage's writes"
     if missing:
-        return (f"stage {stage!r} declares it writes field {missing[0]!r} but its batch has none: write it "
-                "or remove it from the stage's writes")
+        return (
+            f"stage {stage!r} declares it writes field {missing[0]!r} but its batch has none: write it "
+            "or remove it from the stage's writes"
+        )
     return None

@@ -33,16 +33,22 @@ def load_split(path: str, split: str, key: str):
                 raise ConfigError(f"{key}: {path!r} has no split {split!r}; it has {sorted(loaded)}")
             return loaded[split]
         if split != "train":
-            raise ConfigError(f"{key}: {path!r} is a single Dataset (read as split 'train'), so it has no split "
-                              f"{split!r}; give the held-out rows as task.dataset.heldout_path")
+            raise ConfigError(
+                f"{key}: {path!r} is a single Dataset (read as split 'train'), so it has no split "
+                f"{split!r}; give the held-out rows as task.dataset.heldout_path"
+            )
         return loaded
     builder = FILE_BUILDERS.get(location.suffix.lower())
     if not location.is_file() or builder is None:
-        raise ConfigError(f"{key}: {path!r} is neither a directory saved with datasets' save_to_disk nor a "
-                          f"{', '.join(FILE_BUILDERS)} file")
+        raise ConfigError(
+            f"{key}: {path!r} is neither a directory saved with datasets' save_to_disk nor a "
+            f"{', '.join(FILE_BUILDERS)} file"
+        )
     if split != "train":
-        raise ConfigError(f"{key}: {path!r} is one file (split 'train'), so it has no split {split!r}; give the "
-                          "held-out rows as task.dataset.heldout_path")
+        raise ConfigError(
+            f"{key}: {path!r} is one file (split 'train'), so it has no split {split!r}; give the "
+            "held-out rows as task.dataset.heldout_path"
+        )
     if is_empty_file(location):  # `datasets` would fail on it with a bare StopIteration
         raise ConfigError(f"{key}={path!r} has no rows (the file is empty); give a file with at least one row")
     return datasets.load_dataset(builder, data_files=str(location), split="train")
@@ -51,14 +57,15 @@ def load_split(path: str, split: str, key: str):
 class DatasetRows(RowSource):
     """Rows of one split, the prompt and answer columns renamed to "prompt" and "answer"."""
 
-    def __init__(self, dataset: Any, *, prompt_column: str, answer_column: str, where: str,
-                 chat: bool = True) -> None:
+    def __init__(self, dataset: Any, *, prompt_column: str, answer_column: str, where: str, chat: bool = True) -> None:
         self.path = Path(where)
         self.rows_read = 0
         missing = [c for c in (prompt_column, answer_column) if c not in dataset.column_names]
         if missing:
-            raise ConfigError(f"{where} has no column(s) {missing}; it has {dataset.column_names}: set "
-                              "task.dataset.prompt_column / answer_column")
+            raise ConfigError(
+                f"{where} has no column(s) {missing}; it has {dataset.column_names}: set "
+                "task.dataset.prompt_column / answer_column"
+            )
         if len(dataset) == 0:
             raise ConfigError(f"{where} has no rows")
         self.dataset = dataset
@@ -80,8 +87,12 @@ def dataset_sources(spec: Any) -> tuple[DatasetRows, DatasetRows]:
     """(train rows, held-out rows) of a `task.dataset` section."""
     heldout_path = spec.heldout_path or spec.path
     columns = dict(prompt_column=spec.prompt_column, answer_column=spec.answer_column, chat=spec.chat)
-    train = DatasetRows(load_split(spec.path, spec.split, "task.dataset.path"),
-                        where=f"{spec.path} [{spec.split}]", **columns)
-    heldout = DatasetRows(load_split(heldout_path, spec.heldout_split, "task.dataset.heldout_path"),
-                          where=f"{heldout_path} [{spec.heldout_split}]", **columns)
+    train = DatasetRows(
+        load_split(spec.path, spec.split, "task.dataset.path"), where=f"{spec.path} [{spec.split}]", **columns
+    )
+    heldout = DatasetRows(
+        load_split(heldout_path, spec.heldout_split, "task.dataset.heldout_path"),
+        where=f"{heldout_path} [{spec.heldout_split}]",
+        **columns,
+    )
     return train, heldout

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from distflow.config.schema import ConfigError
-
 from distflow.data.batch import Batch
 from distflow.data.fields import PROMPT, PROMPT_IDS, SAMPLE, UID
 from distflow.seeding import derive_seed
@@ -91,9 +90,11 @@ class PromptLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         saved_rows = int(state.get("num_rows", self.num_rows))
         if saved_rows != self.num_rows or not 0 <= int(state["cursor"]) <= self.num_rows:
-            raise ConfigError(f"the loader state (epoch {state['epoch']}, cursor {state['cursor']}, {saved_rows} rows) "
-                              f"does not fit this dataset of {self.num_rows} valid rows: it was saved with another "
-                              "dataset or other data.* settings")
+            raise ConfigError(
+                f"the loader state (epoch {state['epoch']}, cursor {state['cursor']}, {saved_rows} rows) "
+                f"does not fit this dataset of {self.num_rows} valid rows: it was saved with another "
+                "dataset or other data.* settings"
+            )
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self._order = self._permutation(self.epoch)
 
@@ -155,9 +156,18 @@ class ValidRows:
     Python objects over the n ranks) shares what each found: every rank reads 1/n of the
     rows once, and all of them keep the same rows and raise the same error."""
 
-    def __init__(self, read_row: RowReader, num_rows: int, rules: RowRules, *, tokenize: Tokenize | None = None,
-                 where: str = "dataset", chunk_size: int = 1024, shard: tuple[int, int] = (0, 1),
-                 gather: Callable[[object], list] | None = None) -> None:
+    def __init__(
+        self,
+        read_row: RowReader,
+        num_rows: int,
+        rules: RowRules,
+        *,
+        tokenize: Tokenize | None = None,
+        where: str = "dataset",
+        chunk_size: int = 1024,
+        shard: tuple[int, int] = (0, 1),
+        gather: Callable[[object], list] | None = None,
+    ) -> None:
         if shard[1] > 1 and gather is None:
             raise ValueError("a sharded check needs `gather` to share its findings")
         self.read_row = read_row
@@ -170,8 +180,10 @@ class ValidRows:
                 invalid.update(found)
         if invalid and not rules.skip_invalid:
             first = min(invalid)
-            raise ConfigError(f"{where}: row {first + 1} of {num_rows}: {invalid[first][1]} "
-                              "(data.on_invalid_row=error; set data.on_invalid_row=skip to leave such rows out)")
+            raise ConfigError(
+                f"{where}: row {first + 1} of {num_rows}: {invalid[first][1]} "
+                "(data.on_invalid_row=error; set data.on_invalid_row=skip to leave such rows out)"
+            )
         self.kept = [i for i in range(num_rows) if i not in invalid]
         self.skipped: dict[str, int] = {}
         for reason, _ in invalid.values():
@@ -180,8 +192,9 @@ class ValidRows:
             raise ConfigError(f"{where}: none of its {num_rows} rows is valid ({self.describe_skipped()})")
 
     @classmethod
-    def _check(cls, read_row: RowReader, indices: range, rules: RowRules,
-               tokenize: Tokenize | None) -> dict[int, tuple[str, str]]:
+    def _check(
+        cls, read_row: RowReader, indices: range, rules: RowRules, tokenize: Tokenize | None
+    ) -> dict[int, tuple[str, str]]:
         rows, problems = [], []
         for i in indices:
             try:
@@ -196,11 +209,13 @@ class ValidRows:
         if rules.max_prompt_tokens and tokenize is not None:
             fine = [k for k, p in enumerate(problems) if p is None]
             lengths = [len(ids) for ids in tokenize([rows[k]["prompt"] for k in fine])] if fine else []
-            for k, length in zip(fine, lengths):
+            for k, length in zip(fine, lengths, strict=True):
                 if length > rules.max_prompt_tokens:
-                    problems[k] = ("overlong prompt",
-                                   f"prompt has {length} tokens > data.max_prompt_tokens={rules.max_prompt_tokens}")
-        return {i: problem for i, problem in zip(indices, problems) if problem is not None}
+                    problems[k] = (
+                        "overlong prompt",
+                        f"prompt has {length} tokens > data.max_prompt_tokens={rules.max_prompt_tokens}",
+                    )
+        return {i: problem for i, problem in zip(indices, problems, strict=True) if problem is not None}
 
     @staticmethod
     def _problem(row: object, rules: RowRules) -> tuple[str, str] | None:
@@ -210,18 +225,22 @@ class ValidRows:
         if problem is None and isinstance(row.get("messages"), list):  # chat rows keep the messages they rendered
             problem = _prompt_problem(row["messages"])
         if problem is not None:
-            detail = {"missing 'prompt'": "missing field 'prompt'",
-                      "prompt not text": f"prompt is of type {type(row.get('prompt')).__name__}, not text or chat messages",
-                      "prompt not UTF-8": "prompt holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
-                                          "which is not text"}
+            detail = {
+                "missing 'prompt'": "missing field 'prompt'",
+                "prompt not text": f"prompt is of type {type(row.get('prompt')).__name__}, not text or chat messages",
+                "prompt not UTF-8": "prompt holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+                "which is not text",
+            }
             return problem, detail.get(problem, problem)
         for name in rules.required_fields:
             if _field(row, name) is None:
                 return f"missing {name!r}", f"missing field {name!r}"
         for names in rules.task_fields:
             if all(_field(row, name) is None for name in names):
-                return (f"missing {names[0]!r}",
-                        f"missing field {' or '.join(repr(n) for n in names)}, which the task's verifier reads")
+                return (
+                    f"missing {names[0]!r}",
+                    f"missing field {' or '.join(repr(n) for n in names)}, which the task's verifier reads",
+                )
         return None
 
     def describe_skipped(self) -> str:

@@ -62,8 +62,16 @@ class MovePlan:
         return [self.items[i][2][UID] for i in self.pairs.get((sender, receiver), ())]
 
 
-def plan_move(counts: list[int], rows: list[list[list[int]]], row_bytes: int, src: Layout, dst: Layout, *,
-              keep_groups: bool, uneven: bool = False) -> MovePlan:
+def plan_move(
+    counts: list[int],
+    rows: list[list[list[int]]],
+    row_bytes: int,
+    src: Layout,
+    dst: Layout,
+    *,
+    keep_groups: bool,
+    uneven: bool = False,
+) -> MovePlan:
     """The plan of a move from `src` to `dst`, from what every world rank holds.
 
     `counts[r]`: items on world rank r; `rows[r][p]`: [uid, group, tokens, meta bytes] of its
@@ -86,13 +94,20 @@ def plan_move(counts: list[int], rows: list[list[list[int]]], row_bytes: int, sr
     for i in range(total):
         for q in dst.replica(bin_of[i]):
             pairs.setdefault((sender_of[(i, q)], q), []).append(i)
-    return MovePlan(items, bin_of, pairs, rows, row_bytes,
-                    imbalance_before=imbalance(bin_loads(tokens, naive, dst.dp_size)),
-                    imbalance_after=imbalance(bin_loads(tokens, bin_of, dst.dp_size)))
+    return MovePlan(
+        items,
+        bin_of,
+        pairs,
+        rows,
+        row_bytes,
+        imbalance_before=imbalance(bin_loads(tokens, naive, dst.dp_size)),
+        imbalance_after=imbalance(bin_loads(tokens, bin_of, dst.dp_size)),
+    )
 
 
-def _items_in_global_order(counts: list[int], rows: list[list[list[int]]],
-                           src: Layout) -> list[tuple[int, int, list[int]]]:
+def _items_in_global_order(
+    counts: list[int], rows: list[list[list[int]]], src: Layout
+) -> list[tuple[int, int, list[int]]]:
     """Source replica by replica, position inside the replica; checks that the ranks of a
     replica hold the same items (uid, group, tokens)."""
     items: list[tuple[int, int, list[int]]] = []
@@ -112,11 +127,16 @@ def _check_same_items(rows: list[list[list[int]]], counts: list[int], leader: in
     if counts[member] == count and same:
         return
     diff = next((p for p in range(count) if rows[member][p][:3] != rows[leader][p][:3]), None)
-    detail = "" if diff is None else (f"; item {diff}: [uid, group, tokens] = "
-                                      f"{rows[leader][diff][:3]} vs {rows[member][diff][:3]}")
-    raise RuntimeError(f"ranks {leader} and {member} of one replica hold different samples "
-                       f"({counts[leader]} vs {counts[member]} items{detail}); the ranks of a "
-                       f"replica must compute identical results")
+    detail = (
+        ""
+        if diff is None
+        else (f"; item {diff}: [uid, group, tokens] = {rows[leader][diff][:3]} vs {rows[member][diff][:3]}")
+    )
+    raise RuntimeError(
+        f"ranks {leader} and {member} of one replica hold different samples "
+        f"({counts[leader]} vs {counts[member]} items{detail}); the ranks of a "
+        f"replica must compute identical results"
+    )
 
 
 def _choose_senders(items, bin_of, item_bytes, src: Layout, dst: Layout) -> dict[tuple[int, int], int]:

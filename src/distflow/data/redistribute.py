@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
+from distflow.comm import Comm
 from distflow.data.batch import Batch
 from distflow.data.move_plan import MovePlan, plan_move
 from distflow.layout import Layout
-from distflow.comm import Comm
 
 
 @dataclass
@@ -53,8 +53,9 @@ class MoveStats:
 
 
 def _schema(batch: Batch) -> tuple:
-    tensors = tuple((name, str(t.dtype).removeprefix("torch."), tuple(t.shape[1:]))
-                    for name, t in sorted(batch.tensors.items()))
+    tensors = tuple(
+        (name, str(t.dtype).removeprefix("torch."), tuple(t.shape[1:])) for name, t in sorted(batch.tensors.items())
+    )
     return tensors, tuple(sorted(batch.meta))
 
 
@@ -66,8 +67,9 @@ def _item_tokens(batch: Batch) -> list[int]:
     return [1] * len(batch)
 
 
-def redistribute(batch: Batch, src: Layout, dst: Layout, comm: Comm, *, keep_groups: bool,
-                 uneven: bool = False) -> tuple[Batch, MoveStats]:
+def redistribute(
+    batch: Batch, src: Layout, dst: Layout, comm: Comm, *, keep_groups: bool, uneven: bool = False
+) -> tuple[Batch, MoveStats]:
     """This rank's share of the batch on `dst`. `comm` is the world communicator.
 
     `uneven`: the units (samples, or whole groups) need not divide by the destination's
@@ -113,16 +115,21 @@ def _agree_on_fields(batch: Batch, holds: bool, src: Layout, comm: Comm) -> tupl
     schema = comm.broadcast_object(schema, src=leader)
     bad = [r for r in src.ranks if sizes[r][1] != sizes[leader][1]]
     if bad:
-        raise RuntimeError(f"rank {bad[0]} holds different batch fields than rank {leader} before a layout change "
-                           f"(every rank of a worker group must produce the same fields, dtypes and row shapes)")
+        raise RuntimeError(
+            f"rank {bad[0]} holds different batch fields than rank {leader} before a layout change "
+            f"(every rank of a worker group must produce the same fields, dtypes and row shapes)"
+        )
     return [count for count, _ in sizes], schema
 
 
-def _gather_rows(batch: Batch, holds: bool, counts: list[int], meta_names: tuple[str, ...],
-                 comm: Comm) -> tuple[list[bytes], list[list[list[int]]]]:
+def _gather_rows(
+    batch: Batch, holds: bool, counts: list[int], meta_names: tuple[str, ...], comm: Comm
+) -> tuple[list[bytes], list[list[list[int]]]]:
     """Phase 3: this rank's pickled metadata per item, and every rank's [uid, group, tokens,
     meta bytes] rows (padded to the longest rank's count)."""
-    metas = [pickle.dumps({name: batch.meta[name][i] for name in meta_names}) for i in range(len(batch))] if holds else []
+    metas = (
+        [pickle.dumps({name: batch.meta[name][i] for name in meta_names}) for i in range(len(batch))] if holds else []
+    )
     rows = torch.zeros((max(counts), 4), dtype=torch.long)
     if holds and len(batch):
         rows[: len(batch), 0] = torch.tensor(batch["uid"], dtype=torch.long)
@@ -132,26 +139,30 @@ def _gather_rows(batch: Batch, holds: bool, counts: list[int], meta_names: tuple
     return metas, comm.all_gather_tensor(rows).tolist()
 
 
-def _unpack_chunks(recv_buf: torch.Tensor, recv_sizes: list[int], tensor_schema, plan: MovePlan,
-                   rank: int) -> tuple[list[tuple[dict[str, torch.Tensor], list[dict]]], list[int]]:
+def _unpack_chunks(
+    recv_buf: torch.Tensor, recv_sizes: list[int], tensor_schema, plan: MovePlan, rank: int
+) -> tuple[list[tuple[dict[str, torch.Tensor], list[dict]]], list[int]]:
     """Phase 6a: each sender's chunk unpacked, in sender order, and the uids they carry."""
     parts, uids, offset = [], [], 0
     for sender in range(len(recv_sizes)):
         if plan.pairs.get((sender, rank)):
-            parts.append(_unpack(recv_buf[offset : offset + recv_sizes[sender]], tensor_schema,
-                                 plan.meta_sizes(sender, rank)))
+            parts.append(
+                _unpack(recv_buf[offset : offset + recv_sizes[sender]], tensor_schema, plan.meta_sizes(sender, rank))
+            )
             uids.extend(plan.uids(sender, rank))
         offset += recv_sizes[sender]
     return parts, uids
 
 
-def _ordered_batch(parts, uids: list[int], tensor_schema, meta_names: tuple[str, ...],
-                   device: torch.device) -> Batch:
+def _ordered_batch(parts, uids: list[int], tensor_schema, meta_names: tuple[str, ...], device: torch.device) -> Batch:
     """Phase 6b: the received items as one batch, ordered by uid (independent of the source layout)."""
     order = sorted(range(len(uids)), key=uids.__getitem__)
-    tensors = {name: torch.cat([t[name] for t, _ in parts])[order].to(device) if parts
-               else torch.empty((0, *shape), dtype=getattr(torch, dtype))
-               for name, dtype, shape in tensor_schema}
+    tensors = {
+        name: torch.cat([t[name] for t, _ in parts])[order].to(device)
+        if parts
+        else torch.empty((0, *shape), dtype=getattr(torch, dtype))
+        for name, dtype, shape in tensor_schema
+    }
     metas_in = [m for _, ms in parts for m in ms]
     return Batch(tensors, {name: [metas_in[j][name] for j in order] for name in meta_names})
 
@@ -165,8 +176,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _row_bytes(tensor_schema) -> int:
     """Bytes of one item's rows over every tensor field."""
-    return sum(torch.empty((), dtype=getattr(torch, dtype)).element_size() * _numel(shape)
-               for _, dtype, shape in tensor_schema)
+    return sum(
+        torch.empty((), dtype=getattr(torch, dtype)).element_size() * _numel(shape) for _, dtype, shape in tensor_schema
+    )
 
 
 def _pack(host: dict[str, torch.Tensor], tensor_schema, positions: list[int], metas: list[bytes]) -> torch.Tensor:
@@ -174,8 +186,7 @@ def _pack(host: dict[str, torch.Tensor], tensor_schema, positions: list[int], me
     if not positions:
         return torch.empty(0, dtype=torch.uint8)
     index = torch.tensor(positions, dtype=torch.long)
-    blocks = [host[name].index_select(0, index).contiguous().view(-1).view(torch.uint8)
-              for name, _, _ in tensor_schema]
+    blocks = [host[name].index_select(0, index).contiguous().view(-1).view(torch.uint8) for name, _, _ in tensor_schema]
     blocks.append(torch.frombuffer(bytearray(b"".join(metas[p] for p in positions)), dtype=torch.uint8))
     return torch.cat(blocks)
 

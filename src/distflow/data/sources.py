@@ -54,7 +54,7 @@ class RowSource(ABC):
             raise IndexError(f"row {index} out of range for {self.path} ({len(self)} rows)")
         return self._read(index)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 — a hook: a source without an open file has nothing to release
         """Release the open file, if any."""
 
     def __enter__(self) -> RowSource:
@@ -151,8 +151,7 @@ class JsonlRows(RowSource):
             raise ConfigError(f"{self.path}:{self._line_number(offset)} is not valid JSON: {error}") from error
         if not isinstance(row, dict):
             raise ConfigError(
-                f"{self.path}:{self._line_number(offset)} must hold one JSON object per line "
-                f"(got {type(row).__name__})"
+                f"{self.path}:{self._line_number(offset)} must hold one JSON object per line (got {type(row).__name__})"
             )
         return row
 

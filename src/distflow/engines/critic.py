@@ -8,8 +8,8 @@ actor when no reward model is given) with a zero-initialised head, so its first
 predictions are 0. Under fsdp2 with sharded loading the policy is still on the meta device:
 the critic is then built there too, sharded, and each rank reads its own rows of the
 backbone from the model directory's files through the same path as the policy
-(`EngineBuild.load_sharded`, engines/hf_weights.py). The value of response token t is read at the column that predicts it
-(t - 1), the same alignment as the log-probs. Training is `TrainableEngine`'s, as the
+(`EngineBuild.load_sharded`, engines/hf_weights.py). The value of response token t is read at
+the column that predicts it (t - 1), the same alignment as the log-probs. Training is `TrainableEngine`'s, as the
 policy's: the same data-parallel wrapper, micro-batching, global normaliser, AdamW and
 clipping; only the forward pass differs.
 """
@@ -21,14 +21,14 @@ import dataclasses
 
 import torch
 
+from distflow.comm import Comm
 from distflow.config.schema import OptimConfig, TrainerConfig
 from distflow.data.batch import Batch
-from distflow.engines.parallelize import gathered, is_sharded, parallelize
 from distflow.engines.models import cache_kwargs
 from distflow.engines.packing import response_outputs
+from distflow.engines.parallelize import gathered, is_sharded, parallelize
 from distflow.engines.prefix_sharing import shared_prefix_outputs
 from distflow.engines.trainable import TrainableEngine
-from distflow.comm import Comm
 
 
 class ValueModel(torch.nn.Module):
@@ -48,27 +48,45 @@ class ValueModel(torch.nn.Module):
         (engines.models.materialize calls this after allocating a meta-built critic)."""
         self.backbone._init_weights(module)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
-                past_key_values=None, last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        past_key_values=None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
         """values_BT: one scalar per position (the last one only with `last_only`). `past_key_values`:
         a KV cache the positions attend to and which keeps theirs (engines.prefix_sharing)."""
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            **cache_kwargs(past_key_values), use_cache=past_key_values is not None)
+        out = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            **cache_kwargs(past_key_values),
+            use_cache=past_key_values is not None,
+        )
         hidden_BTH = out.last_hidden_state[:, -1:] if last_only else out.last_hidden_state
         return self.value_head(hidden_BTH.float()).squeeze(-1)
 
 
-def response_values(model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
-                    response_width: int, *, padding_free: bool = False, shared_prefix: bool = False,
-                    lockstep: bool = False) -> torch.Tensor:
+def response_values(
+    model: torch.nn.Module,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    response_width: int,
+    *,
+    padding_free: bool = False,
+    shared_prefix: bool = False,
+    lockstep: bool = False,
+) -> torch.Tensor:
     """V of the state before each response token: values_BR (packed with `padding_free`; each
     distinct prompt computed once with `shared_prefix`, in `lockstep` when each forward is a collective)."""
     if shared_prefix:
         config = getattr(model, "module", model).backbone.config  # under DDP: the wrapped model's
-        return shared_prefix_outputs(model, config, input_ids_BT, attention_mask_BT, response_width,
-                                     lockstep=lockstep)
-    return response_outputs(model, input_ids_BT, attention_mask_BT, response_width, padding_free=padding_free,
-                            model=model)
+        return shared_prefix_outputs(model, config, input_ids_BT, attention_mask_BT, response_width, lockstep=lockstep)
+    return response_outputs(
+        model, input_ids_BT, attention_mask_BT, response_width, padding_free=padding_free, model=model
+    )
 
 
 class CriticEngine(TrainableEngine):
@@ -76,9 +94,15 @@ class CriticEngine(TrainableEngine):
 
     def forward(self, micro: Batch, *, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(values_BR, zeros): a critic has no entropy term."""
-        values_BR = response_values(self.wrapped, micro["input_ids"], micro["attention_mask"],
-                                    micro["response_mask"].shape[1], padding_free=self.trainer.padding_free,
-                                    shared_prefix=self.trainer.shared_prefix, lockstep=is_sharded(self.wrapped))
+        values_BR = response_values(
+            self.wrapped,
+            micro["input_ids"],
+            micro["attention_mask"],
+            micro["response_mask"].shape[1],
+            padding_free=self.trainer.padding_free,
+            shared_prefix=self.trainer.shared_prefix,
+            lockstep=is_sharded(self.wrapped),
+        )
         return values_BR, torch.zeros_like(values_BR.detach())
 
     @torch.no_grad()
@@ -88,16 +112,30 @@ class CriticEngine(TrainableEngine):
         self.model.eval()
         width = batch["response_mask"].shape[1]
         with gathered(self.model):
-            out = [response_values(self.model, mb["input_ids"], mb["attention_mask"], width,
-                                   padding_free=self.trainer.padding_free,
-                                   shared_prefix=self.trainer.shared_prefix)
-                   for mb in batch.micro_batches(micro_batch_size)]
+            out = [
+                response_values(
+                    self.model,
+                    mb["input_ids"],
+                    mb["attention_mask"],
+                    width,
+                    padding_free=self.trainer.padding_free,
+                    shared_prefix=self.trainer.shared_prefix,
+                )
+                for mb in batch.micro_batches(micro_batch_size)
+            ]
         self.model.train(was_training)
         return torch.cat(out) if out else torch.zeros((0, width), device=batch["input_ids"].device)
 
 
-def build_critic(policy_model: torch.nn.Module, comm: Comm, optim: OptimConfig, *, lr: float,
-                 trainer: TrainerConfig | None = None, load_sharded=None) -> CriticEngine:
+def build_critic(
+    policy_model: torch.nn.Module,
+    comm: Comm,
+    optim: OptimConfig,
+    *,
+    lr: float,
+    trainer: TrainerConfig | None = None,
+    load_sharded=None,
+) -> CriticEngine:
     """A critic initialised from the policy's current weights, trained with `optim` at `lr` and
     spread over `comm` as `trainer.strategy` says. The policy must not be sharded yet (its copy is).
     `load_sharded(module, rename)`: the policy is on the meta device; the critic is sharded, then its

@@ -30,8 +30,9 @@ from distflow.engines.models import cache_kwargs
 from distflow.engines.sampling import sample_from_logits, token_logprob_B
 
 
-def _draw(logits_BV: torch.Tensor, keys_B: torch.Tensor | None, position: int, temperature: float,
-          top_p: float) -> torch.Tensor:
+def _draw(
+    logits_BV: torch.Tensor, keys_B: torch.Tensor | None, position: int, temperature: float, top_p: float
+) -> torch.Tensor:
     if keys_B is None:
         return logits_BV.argmax(dim=-1)
     return sample_from_logits(logits_BV, keys_B, position, temperature=temperature, top_p=top_p)
@@ -62,8 +63,14 @@ def decode(
     stop_S = torch.tensor(stop_ids, device=device)
     cache = DynamicCache(config=model.config)  # sliding-window layers get their own cache kind, as in generate
     positions_GP = (prompt_mask_GP.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=prompt_ids_GP, attention_mask=prompt_mask_GP, position_ids=positions_GP,
-                **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
+    out = model(
+        input_ids=prompt_ids_GP,
+        attention_mask=prompt_mask_GP,
+        position_ids=positions_GP,
+        **cache_kwargs(cache),
+        use_cache=True,
+        logits_to_keep=1,
+    )
     logits_BV = out.logits[:, -1, :].float().repeat_interleave(n, dim=0)
     cache.batch_repeat_interleave(n)
     mask_BT = prompt_mask_GP.repeat_interleave(n, dim=0)
@@ -83,7 +90,12 @@ def decode(
             rows_A, token_A, mask_BT = rows_A[keep_A], token_A[keep_A], mask_BT[keep_A]
             cache.batch_select_indices(keep_A)
         mask_BT = torch.cat([mask_BT, mask_BT.new_ones(mask_BT.shape[0], 1)], dim=1)
-        out = model(input_ids=token_A[:, None], attention_mask=mask_BT, position_ids=mask_BT.sum(-1, keepdim=True) - 1,
-                    **cache_kwargs(cache), use_cache=True)
+        out = model(
+            input_ids=token_A[:, None],
+            attention_mask=mask_BT,
+            position_ids=mask_BT.sum(-1, keepdim=True) - 1,
+            **cache_kwargs(cache),
+            use_cache=True,
+        )
         logits_BV = out.logits[:, -1, :].float()
     return (response_BR, logp_BR) if logprobs else response_BR

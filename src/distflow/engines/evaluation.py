@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from distflow.comm import Comm
 from distflow.engines.generation import generate
 from distflow.engines.parallelize import gathered
 from distflow.engines.reward import private_copy
-from distflow.comm import Comm
 from distflow.engines.sampling import SamplingSpec
 from distflow.seeding import derive_seed
 
@@ -34,12 +34,30 @@ class Evaluation:
     """How long the evaluation took (set by the runtime, logged as `time/eval_s`)."""
 
 
-def count_correct(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, samples: Sequence[dict],
-                  is_correct: Verifier, sampling: SamplingSpec, *, sample_keys: Sequence[int] | None,
-                  samples_per_prompt: int = 1, chunk_size: int = 1024, env=None) -> tuple[float, int]:
+def count_correct(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    samples: Sequence[dict],
+    is_correct: Verifier,
+    sampling: SamplingSpec,
+    *,
+    sample_keys: Sequence[int] | None,
+    samples_per_prompt: int = 1,
+    chunk_size: int = 1024,
+    env=None,
+) -> tuple[float, int]:
     """(number of correct completions, number of completions) of `judge`."""
-    judged = judge(model, tokenizer, samples, is_correct, sampling, sample_keys=sample_keys,
-                   samples_per_prompt=samples_per_prompt, chunk_size=chunk_size, env=env)
+    judged = judge(
+        model,
+        tokenizer,
+        samples,
+        is_correct,
+        sampling,
+        sample_keys=sample_keys,
+        samples_per_prompt=samples_per_prompt,
+        chunk_size=chunk_size,
+        env=env,
+    )
     return float(sum(judged)), len(judged)
 
 
@@ -67,15 +85,22 @@ def judge(
     for start in range(0, len(samples), step):
         chunk = samples[start : start + step]
         keys = None if sample_keys is None else list(sample_keys[start * n : (start + step) * n])
-        out = generate(model, tokenizer, [s["prompt"] for s in chunk], max_new_tokens=sampling.max_new_tokens,
-                       temperature=sampling.temperature, top_p=sampling.top_p, sample_keys=keys,
-                       samples_per_prompt=n, engine=sampling.engine)
+        out = generate(
+            model,
+            tokenizer,
+            [s["prompt"] for s in chunk],
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            sample_keys=keys,
+            samples_per_prompt=n,
+            engine=sampling.engine,
+        )
         judged += [bool(is_correct(c, private_copy(chunk[k // n]))) for k, c in enumerate(out.completions)]
     return judged
 
 
-def _judge_multiturn(model, tokenizer, samples, is_correct, sampling, sample_keys, n, chunk_size,
-                     env) -> list[bool]:
+def _judge_multiturn(model, tokenizer, samples, is_correct, sampling, sample_keys, n, chunk_size, env) -> list[bool]:
     from distflow.engines.multiturn import local_trajectories
 
     judged: list[bool] = []
@@ -83,11 +108,18 @@ def _judge_multiturn(model, tokenizer, samples, is_correct, sampling, sample_key
     for start in range(0, len(samples), step):
         chunk = samples[start : start + step]
         keys = None if sample_keys is None else list(sample_keys[start * n : (start + step) * n])
-        trajs = local_trajectories(model, tokenizer, list(chunk), env, sampling,
-                                   lambda t, turn: None if keys is None else derive_seed(keys[t.uid], "turn", turn),
-                                   samples_per_prompt=n)
-        by_uid = {t.uid: bool(is_correct(t.actions[-1] if t.actions else "", private_copy(chunk[t.uid // n])))
-                  for t in trajs}
+        trajs = local_trajectories(
+            model,
+            tokenizer,
+            list(chunk),
+            env,
+            sampling,
+            lambda t, turn, keys=keys: None if keys is None else derive_seed(keys[t.uid], "turn", turn),
+            samples_per_prompt=n,
+        )
+        by_uid = {
+            t.uid: bool(is_correct(t.actions[-1] if t.actions else "", private_copy(chunk[t.uid // n]))) for t in trajs
+        }
         judged += [by_uid[uid] for uid in range(len(chunk) * n)]
     return judged
 
@@ -115,8 +147,9 @@ def evaluate(
     mine = [heldout[i] for i in indices]
     keys = [derive_seed(seed, "eval", i, k) for i in indices for k in range(num_samples)]
     with gathered(model):  # fsdp2: the whole policy on each rank while it generates
-        sampled = judge(model, tokenizer, mine, is_correct, sampling, sample_keys=keys,
-                        samples_per_prompt=num_samples, env=env)
+        sampled = judge(
+            model, tokenizer, mine, is_correct, sampling, sample_keys=keys, samples_per_prompt=num_samples, env=env
+        )
         greedy = judge(model, tokenizer, mine, is_correct, sampling, sample_keys=None, env=env)
     # Every rank knows every row's group (the held-out rows are the same everywhere), so the
     # groups, and the layout of the one summed vector, agree without a collective.
@@ -131,7 +164,10 @@ def evaluate(
         totals[4 * slot + 2] = sum(greedy[j] for j in rows)
         totals[4 * slot + 3] = len(rows)
     summed = comm.all_reduce_sum(torch.tensor(totals, dtype=torch.float64, device=comm.device)).cpu().tolist()
-    rates = [(summed[4 * s] / max(summed[4 * s + 1], 1), summed[4 * s + 2] / max(summed[4 * s + 3], 1))
-             for s in range(1 + len(groups))]
-    return Evaluation(sampled=rates[0][0], greedy=rates[0][1],
-                      per_group={name: rates[g + 1] for g, name in enumerate(groups)})
+    rates = [
+        (summed[4 * s] / max(summed[4 * s + 1], 1), summed[4 * s + 2] / max(summed[4 * s + 3], 1))
+        for s in range(1 + len(groups))
+    ]
+    return Evaluation(
+        sampled=rates[0][0], greedy=rates[0][1], per_group={name: rates[g + 1] for g, name in enumerate(groups)}
+    )

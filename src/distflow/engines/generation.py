@@ -1,9 +1,9 @@
 """Sampling completions: the `compact` engine (engines.decoding), the same with the model's
 forward compiled (`compiled`), Hugging Face `generate`, or vLLM (`vllm`, engines.vllm_rollout).
 
-`rollout.engine` picks one; all but `vllm` give the same samples (vLLM has its own sampler). `generate` (Hugging Face's, KV cache
-on, over the batch with each prompt repeated n times) is the reference the other is tested
-against.
+`rollout.engine` picks one; all but `vllm` give the same samples (vLLM has its own sampler).
+`generate` (Hugging Face's, KV cache on, over the batch with each prompt repeated n times) is the
+reference the other is tested against.
 
 The sampling settings are passed as a complete `GenerationConfig`, so nothing from a
 model directory's own `generation_config.json` (repetition penalties, top-k, ...) can
@@ -60,26 +60,32 @@ def generate(
     at least this many columns (a width shared by a whole worker group). `logprobs`: keep the
     log-prob of every sampled token as it is drawn (`Generation.logp_BR`).
     """
-    device = next(model.parameters()).device
-    n = samples_per_prompt
+    device, n = next(model.parameters()).device, samples_per_prompt
     rows = prompt_ids if prompt_ids is not None else encode_prompts(tokenizer, prompts)
     prompt_ids_GP, prompt_mask_GP = left_pad(rows, tokenizer.pad_token_id, width=prompt_width)
     prompt_ids_GP, prompt_mask_GP = prompt_ids_GP.to(device), prompt_mask_GP.to(device)
     width = prompt_ids_GP.shape[1]
-    keys_B = None
-    if sample_keys is not None:
-        if len(sample_keys) != len(rows) * n:
-            raise ValueError(f"{len(sample_keys)} sample keys for {len(rows)} prompts × {n} samples")
-        keys_B = torch.tensor(sample_keys, dtype=torch.long, device=device)
+    keys_B = _keys_tensor(sample_keys, len(rows), n, device)
     was_training = model.training
     model.eval()
     try:
-        response_BR, logp_BR = _responses(model, tokenizer, prompt_ids_GP, prompt_mask_GP, keys_B, engine=engine, n=n,
-                                          max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                          logprobs=logprobs)
+        response_BR, logp_BR = _responses(
+            model,
+            tokenizer,
+            prompt_ids_GP,
+            prompt_mask_GP,
+            keys_B,
+            engine=engine,
+            n=n,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            logprobs=logprobs,
+        )
     finally:
         model.train(was_training)
-    prompt_ids_BP, prompt_mask_BP = prompt_ids_GP.repeat_interleave(n, dim=0), prompt_mask_GP.repeat_interleave(n, dim=0)
+    prompt_ids_BP = prompt_ids_GP.repeat_interleave(n, dim=0)
+    prompt_mask_BP = prompt_mask_GP.repeat_interleave(n, dim=0)
     response_mask_BR = response_mask_from_ids(response_BR, stop_token_ids(tokenizer))
     response_BR = torch.where(response_mask_BR.bool(), response_BR, tokenizer.pad_token_id)
     completions = tokenizer.batch_decode(response_BR, skip_special_tokens=True)
@@ -89,8 +95,18 @@ def generate(
         logp_BR = _recomputed_logp(model, input_ids_BT, attention_mask_BT, response_BR.shape[1], temperature)
     if logp_BR is not None:
         logp_BR = logp_BR * response_mask_BR.to(logp_BR.dtype)
-    return Generation(input_ids_BT, attention_mask_BT, response_mask_BR, width, completions,
-                      logp_BR if logprobs else None)
+    return Generation(
+        input_ids_BT, attention_mask_BT, response_mask_BR, width, completions, logp_BR if logprobs else None
+    )
+
+
+def _keys_tensor(sample_keys: list[int] | None, num_prompts: int, n: int, device) -> torch.Tensor | None:
+    """One sampling key per row (prompt g's k-th sample in row g·n + k); None: greedy."""
+    if sample_keys is None:
+        return None
+    if len(sample_keys) != num_prompts * n:
+        raise ValueError(f"{len(sample_keys)} sample keys for {num_prompts} prompts × {n} samples")
+    return torch.tensor(sample_keys, dtype=torch.long, device=device)
 
 
 def _recomputed_logp(model, input_ids_BT, attention_mask_BT, width: int, temperature: float) -> torch.Tensor:
@@ -121,31 +137,77 @@ def compiled(model: torch.nn.Module) -> torch.nn.Module:
     return _COMPILED[model]
 
 
-def _responses(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompt_ids_GP: torch.Tensor,
-               prompt_mask_GP: torch.Tensor, keys_B: torch.Tensor | None, *, engine: str, n: int, max_new_tokens: int,
-               temperature: float, top_p: float, logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _responses(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids_GP: torch.Tensor,
+    prompt_mask_GP: torch.Tensor,
+    keys_B: torch.Tensor | None,
+    *,
+    engine: str,
+    n: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    logprobs: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Response ids [G·n, max_new_tokens] from `engine`, and (with `logprobs`) their log-probs."""
     if engine in ("compact", "compiled"):
-        out = decode(compiled(model) if engine == "compiled" else model, prompt_ids_GP, prompt_mask_GP, samples_per_prompt=n, max_new_tokens=max_new_tokens,
-                     stop_ids=stop_token_ids(tokenizer), pad_id=tokenizer.pad_token_id, temperature=temperature,
-                     top_p=top_p, keys_B=keys_B, logprobs=logprobs)
+        out = decode(
+            compiled(model) if engine == "compiled" else model,
+            prompt_ids_GP,
+            prompt_mask_GP,
+            samples_per_prompt=n,
+            max_new_tokens=max_new_tokens,
+            stop_ids=stop_token_ids(tokenizer),
+            pad_id=tokenizer.pad_token_id,
+            temperature=temperature,
+            top_p=top_p,
+            keys_B=keys_B,
+            logprobs=logprobs,
+        )
         return out if logprobs else (out, None)
     if engine == "vllm":
         from distflow.engines.vllm_rollout import vllm_responses
 
-        return vllm_responses(model, prompt_ids_GP, prompt_mask_GP, keys_B, n=n, max_new_tokens=max_new_tokens,
-                              temperature=temperature, top_p=top_p, stop_ids=stop_token_ids(tokenizer),
-                              pad_id=tokenizer.pad_token_id, logprobs=logprobs)
+        return vllm_responses(
+            model,
+            prompt_ids_GP,
+            prompt_mask_GP,
+            keys_B,
+            n=n,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop_ids=stop_token_ids(tokenizer),
+            pad_id=tokenizer.pad_token_id,
+            logprobs=logprobs,
+        )
     if engine == "generate":
-        return _hf_generate(model, tokenizer, prompt_ids_GP.repeat_interleave(n, dim=0),
-                            prompt_mask_GP.repeat_interleave(n, dim=0), keys_B,
-                            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+        return _hf_generate(
+            model,
+            tokenizer,
+            prompt_ids_GP.repeat_interleave(n, dim=0),
+            prompt_mask_GP.repeat_interleave(n, dim=0),
+            keys_B,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+        )
     raise ValueError(f"unknown rollout engine {engine!r}")
 
 
-def _hf_generate(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompt_ids_BP: torch.Tensor,
-                 prompt_mask_BP: torch.Tensor, keys_B: torch.Tensor | None, *, max_new_tokens: int,
-                 temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _hf_generate(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids_BP: torch.Tensor,
+    prompt_mask_BP: torch.Tensor,
+    keys_B: torch.Tensor | None,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The reference engine: Hugging Face `generate`; response ids [B, max_new_tokens] and, when
     sampling, each drawn token's log-prob (the keyed sampler records them)."""
     width = prompt_ids_BP.shape[1]
@@ -164,12 +226,18 @@ def _hf_generate(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, pro
     # synced_gpus=False: transformers turns it on for an FSDP module (an all-reduce over the world
     # per token, which ranks outside the train group never join); distflow generates with a
     # gathered model (engines.parallelize.gathered), each rank on its own.
-    out_BT = model.generate(input_ids=prompt_ids_BP, attention_mask=prompt_mask_BP, generation_config=config,
-                            logits_processor=processors, synced_gpus=False)
+    out_BT = model.generate(
+        input_ids=prompt_ids_BP,
+        attention_mask=prompt_mask_BP,
+        generation_config=config,
+        logits_processor=processors,
+        synced_gpus=False,
+    )
     response_BR = out_BT[:, width:]
     if response_BR.shape[1] < max_new_tokens:  # generate stops early when every row hit EOS
-        pad_BR = response_BR.new_full((response_BR.shape[0], max_new_tokens - response_BR.shape[1]),
-                                      tokenizer.pad_token_id)
+        pad_BR = response_BR.new_full(
+            (response_BR.shape[0], max_new_tokens - response_BR.shape[1]), tokenizer.pad_token_id
+        )
         response_BR = torch.cat([response_BR, pad_BR], dim=1)
     if sampler is None:
         return response_BR, None

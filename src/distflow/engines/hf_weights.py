@@ -44,13 +44,16 @@ def stored_tensor_names(model_dir: Path) -> set[str]:
         with safe_open(str(path), framework="pt") as f:
             names.update(f.keys())
     if not names:
-        raise ConfigError(f"no *.safetensors weights in {str(model_dir)!r}: sharded loading reads safetensors "
-                          "only (save the model with save_pretrained(safe_serialization=True))")
+        raise ConfigError(
+            f"no *.safetensors weights in {str(model_dir)!r}: sharded loading reads safetensors "
+            "only (save the model with save_pretrained(safe_serialization=True))"
+        )
     return names
 
 
-def load_sharded_weights(model: torch.nn.Module, model_dir: Path, comm: Comm,
-                         rename: tuple[str, str] | None = None) -> None:
+def load_sharded_weights(
+    model: torch.nn.Module, model_dir: Path, comm: Comm, rename: tuple[str, str] | None = None
+) -> None:
     """Fill `model`'s (sharded, already allocated) parameters from `model_dir`'s files.
 
     `rename = (ours, theirs)`: the module's names under prefix `ours` are the files' names under
@@ -61,20 +64,27 @@ def load_sharded_weights(model: torch.nn.Module, model_dir: Path, comm: Comm,
     state = get_model_state_dict(model)
     if rename is not None:
         ours, theirs = rename
-        state = {theirs + name[len(ours):]: tensor for name, tensor in state.items() if name.startswith(ours)}
+        state = {theirs + name[len(ours) :]: tensor for name, tensor in state.items() if name.startswith(ours)}
     aliases = _tied_aliases(model)
     missing = [name for name in state if name not in stored and name not in aliases]
     if missing:
-        raise ConfigError(f"{str(model_dir)!r} has no tensor for {len(missing)} parameter(s) of the model, e.g. "
-                          f"{missing[:3]}; its names differ from the model's (a renamed or converted checkpoint): "
-                          "use trainer.strategy=ddp, which loads through from_pretrained")
+        raise ConfigError(
+            f"{str(model_dir)!r} has no tensor for {len(missing)} parameter(s) of the model, e.g. "
+            f"{missing[:3]}; its names differ from the model's (a renamed or converted checkpoint): "
+            "use trainer.strategy=ddp, which loads through from_pretrained"
+        )
     wanted = {name: tensor for name, tensor in state.items() if name in stored}
-    dcp.load(wanted, storage_reader=dcp.HuggingFaceStorageReader(str(model_dir)), process_group=comm.group,
-             no_dist=not comm.distributed)
+    dcp.load(
+        wanted,
+        storage_reader=dcp.HuggingFaceStorageReader(str(model_dir)),
+        process_group=comm.group,
+        no_dist=not comm.distributed,
+    )
 
 
-def allocate_and_load(models: list[torch.nn.Module], model_dir: Path, comm: Comm,
-                      rename: tuple[str, str] | None = None) -> None:
+def allocate_and_load(
+    models: list[torch.nn.Module], model_dir: Path, comm: Comm, rename: tuple[str, str] | None = None
+) -> None:
     """Allocate each meta-built, sharded model's shards on `comm.device` and fill them from
     `model_dir` (collective over `comm`, in the same order on every rank); `rename` as in
     `load_sharded_weights`."""

@@ -7,7 +7,6 @@ distribution the samples came from.
 
 from __future__ import annotations
 
-
 import torch
 
 from distflow.data.batch import Batch
@@ -37,17 +36,26 @@ def response_logprobs(
     mask is 0 are then those of zero logits. With `shared_prefix` each distinct prompt is computed
     once (engines.prefix_sharing), in `lockstep` where each forward is a collective (fsdp2 training).
     """
+
     def forward(ids, mask, positions, cache=None, last_only=False):
-        return model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache),
-                     use_cache=cache is not None, logits_to_keep=1 if last_only else 0).logits
+        return model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            **cache_kwargs(cache),
+            use_cache=cache is not None,
+            logits_to_keep=1 if last_only else 0,
+        ).logits
 
     if shared_prefix:
         config = getattr(model, "module", model).config  # under DDP: the wrapped model's
-        logits_BRV = shared_prefix_outputs(forward, config, input_ids_BT, attention_mask_BT, response_width,
-                                           lockstep=lockstep)
+        logits_BRV = shared_prefix_outputs(
+            forward, config, input_ids_BT, attention_mask_BT, response_width, lockstep=lockstep
+        )
     else:
-        logits_BRV = response_outputs(forward, input_ids_BT, attention_mask_BT, response_width,
-                                      padding_free=padding_free, model=model)
+        logits_BRV = response_outputs(
+            forward, input_ids_BT, attention_mask_BT, response_width, padding_free=padding_free, model=model
+        )
     logits_BRV = logits_BRV.float() / temperature
     targets_BR = input_ids_BT[:, input_ids_BT.shape[1] - response_width :]
     logz_BR = torch.logsumexp(logits_BRV, dim=-1)
@@ -61,15 +69,29 @@ def response_logprobs(
 
 
 @torch.no_grad()
-def batch_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int, temperature: float,
-                   padding_free: bool = False, shared_prefix: bool = False) -> torch.Tensor:
+def batch_logprobs(
+    model: torch.nn.Module,
+    batch: Batch,
+    *,
+    micro_batch_size: int,
+    temperature: float,
+    padding_free: bool = False,
+    shared_prefix: bool = False,
+) -> torch.Tensor:
     """Response log-probs of a whole batch, `micro_batch_size` sequences per forward pass."""
     was_training = model.training
     model.eval()
     width = batch["response_mask"].shape[1]
     out = [
-        response_logprobs(model, mb["input_ids"], mb["attention_mask"], width, temperature=temperature,
-                          padding_free=padding_free, shared_prefix=shared_prefix)[0]
+        response_logprobs(
+            model,
+            mb["input_ids"],
+            mb["attention_mask"],
+            width,
+            temperature=temperature,
+            padding_free=padding_free,
+            shared_prefix=shared_prefix,
+        )[0]
         for mb in batch.micro_batches(micro_batch_size)
     ]
     model.train(was_training)

@@ -29,12 +29,18 @@ def apply_lora(model: torch.nn.Module, spec: LoraConfig, *, seed: int) -> torch.
     """`model` with adapters injected (in place) and wrapped as a PeftModel. The adapters' random
     init is drawn from its own generator seeded by `seed`, so every rank builds the same
     adapters and the global random streams are untouched."""
-    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
 
     targets = spec.target_modules
-    config = PeftLoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, bias="none",
-                            target_modules="all-linear" if targets == ["all-linear"] else list(targets),
-                            task_type="CAUSAL_LM")
+    config = PeftLoraConfig(
+        r=spec.rank,
+        lora_alpha=spec.alpha,
+        lora_dropout=spec.dropout,
+        bias="none",
+        target_modules="all-linear" if targets == ["all-linear"] else list(targets),
+        task_type="CAUSAL_LM",
+    )
     devices = [model.device] if getattr(model, "device", torch.device("cpu")).type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
@@ -54,18 +60,23 @@ def check_rank(model: torch.nn.Module, spec: LoraConfig) -> None:
     meta device by preflight.check_lora, and again on every rank.)"""
     from distflow.config import ConfigError
 
-    dims = {name: (module.in_features, module.out_features) for name, module in model.named_modules()
-            if hasattr(module, "lora_A") and hasattr(module, "in_features")}
+    dims = {
+        name: (module.in_features, module.out_features)
+        for name, module in model.named_modules()
+        if hasattr(module, "lora_A") and hasattr(module, "in_features")
+    }
     if not dims:
         return
     name, (num_in, num_out) = min(dims.items(), key=lambda item: min(item[1]))
     smallest = min(num_in, num_out)
     if spec.rank > smallest:
         short = name.removeprefix("base_model.model.")
-        raise ConfigError(f"model.lora.rank={spec.rank} exceeds the smallest dimension of the adapted layers "
-                          f"({short}: {num_in} -> {num_out}); a rank above {smallest} only adds cost: set "
-                          f"model.lora.rank to at most {smallest}, or leave such layers out of "
-                          "model.lora.target_modules")
+        raise ConfigError(
+            f"model.lora.rank={spec.rank} exceeds the smallest dimension of the adapted layers "
+            f"({short}: {num_in} -> {num_out}); a rank above {smallest} only adds cost: set "
+            f"model.lora.rank to at most {smallest}, or leave such layers out of "
+            "model.lora.target_modules"
+        )
 
 
 def is_lora(model: torch.nn.Module | None) -> bool:

@@ -21,8 +21,9 @@ def cache_kwargs(cache) -> dict:
     return {CACHE_KEYWORD: cache}
 
 
-def load_model_and_tokenizer(model_dir: Path, tokenizer_dir: Path, device: torch.device, *,
-                             on_meta: bool = False) -> tuple[torch.nn.Module, object]:
+def load_model_and_tokenizer(
+    model_dir: Path, tokenizer_dir: Path, device: torch.device, *, on_meta: bool = False
+) -> tuple[torch.nn.Module, object]:
     """The model in float32 on `device`, or with `on_meta` built without storage (`build_on_meta`:
     sharded loading fills it later), and its tokenizer."""
     if on_meta:
@@ -30,11 +31,13 @@ def load_model_and_tokenizer(model_dir: Path, tokenizer_dir: Path, device: torch
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         if not on_meta:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, config=rl_model_config(model_dir),
-                                                         dtype=torch.float32).to(device)
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir, config=rl_model_config(model_dir), dtype=torch.float32
+            ).to(device)
     except (OSError, ValueError, KeyError) as err:
-        raise ConfigError(f"cannot load the model/tokenizer from {str(model_dir)!r}: "
-                          f"{type(err).__name__}: {err}".replace("\n", " ")) from None
+        raise ConfigError(
+            f"cannot load the model/tokenizer from {str(model_dir)!r}: {type(err).__name__}: {err}".replace("\n", " ")
+        ) from None
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"the tokenizer in {str(tokenizer_dir)!r} has no eos_token; set one in its config")
     tokenizer.padding_side = "left"
@@ -62,8 +65,9 @@ def build_on_meta(model_dir: Path) -> torch.nn.Module:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except (OSError, ValueError, KeyError) as err:
-        raise ConfigError(f"cannot build the model of {str(model_dir)!r}: "
-                          f"{type(err).__name__}: {err}".replace("\n", " ")) from None
+        raise ConfigError(
+            f"cannot build the model of {str(model_dir)!r}: {type(err).__name__}: {err}".replace("\n", " ")
+        ) from None
 
 
 def materialize(model: torch.nn.Module, device: torch.device) -> None:
@@ -75,6 +79,8 @@ def materialize(model: torch.nn.Module, device: torch.device) -> None:
     for module in model.modules():
         if any(True for _ in module.buffers(recurse=False)):
             if init is None:
-                raise ConfigError(f"{type(model).__name__} has buffers but no _init_weights to compute them; "
-                                  "use trainer.strategy=ddp, which loads through from_pretrained")
+                raise ConfigError(
+                    f"{type(model).__name__} has buffers but no _init_weights to compute them; "
+                    "use trainer.strategy=ddp, which loads through from_pretrained"
+                )
             init(module)

@@ -17,7 +17,8 @@ at `max_turns`, at the `max_tokens` budget (the tokens past it are dropped), or 
 environment call raises, returns a turn reward that is not a finite float32 (NaN, inf, 1e308: as
 a reward function's, engines/reward.py) or runs past the environment time the trajectory has left
 (`env.deadline_s` for all its calls together; generation does not count) — scored
-`default_reward`, counted (`env/errors`, `env/timeouts`). Turn t of sample uid draws token k from the key (seed, uid, t) at position k, and
+`default_reward`, counted (`env/errors`, `env/timeouts`). Turn t of sample uid draws token k
+from the key (seed, uid, t) at position k, and
 each turn pads to the worker group's widest running sequence, so a trajectory does not
 depend on the world size or on its batch-mates.
 """
@@ -90,7 +91,7 @@ def encode_observation(tokenizer, observation, *, first: bool) -> list[int]:
         if turn_end is not None and turn_end in context:
             context = context[: context.rindex(turn_end) + len(turn_end)]
         extended = tokenizer.apply_chat_template(_CONTEXT + messages, tokenize=False, add_generation_prompt=True)
-        text = extended[len(context):] if extended.startswith(context) else text
+        text = extended[len(context) :] if extended.startswith(context) else text
     if first:  # the conversation's start: special tokens as for a prompt (never a second BOS)
         return encode_prompts(tokenizer, [text])[0]
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -134,9 +135,10 @@ class TurnLimits:
 
 def reset_all(trajs: list[Trajectory], tokenizer, prompt_ids: list[list[int]], limits: TurnLimits) -> None:
     """Each environment's first observation (concurrently); the row's prompt ids when it is None."""
-    outcomes = run_calls([(lambda t=t: t.env.reset(t.sample), t.env_seconds) for t in trajs],
-                         num_workers=limits.num_workers)
-    for traj, ids, outcome in zip(trajs, prompt_ids, outcomes):
+    outcomes = run_calls(
+        [(lambda t=t: t.env.reset(t.sample), t.env_seconds) for t in trajs], num_workers=limits.num_workers
+    )
+    for traj, ids, outcome in zip(trajs, prompt_ids, outcomes, strict=True):
         traj.prompt_ids = list(ids)
         traj.env_seconds -= outcome.seconds
         if outcome.timed_out or outcome.error is not None:
@@ -147,9 +149,14 @@ def reset_all(trajs: list[Trajectory], tokenizer, prompt_ids: list[list[int]], l
             traj.prompt_ids = encode_observation(tokenizer, outcome.value, first=True)
 
 
-def roll_out(trajs: list[Trajectory], *, tokenizer, limits: TurnLimits,
-             generate_turn: Callable[[list[Trajectory], int, int], tuple[list[list[int]], list[list[float]]]],
-             agree: Callable[[int, int], tuple[int, int]]) -> None:
+def roll_out(
+    trajs: list[Trajectory],
+    *,
+    tokenizer,
+    limits: TurnLimits,
+    generate_turn: Callable[[list[Trajectory], int, int], tuple[list[list[int]], list[list[float]]]],
+    agree: Callable[[int, int], tuple[int, int]],
+) -> None:
     """Run every trajectory to its end (see the module's diagram), in place.
 
     `generate_turn(running, turn, width)` samples one turn for the running trajectories
@@ -164,16 +171,17 @@ def roll_out(trajs: list[Trajectory], *, tokenizer, limits: TurnLimits,
         if not running:
             continue
         ids, logps = generate_turn(running, turn, width)
-        for traj, new_ids, new_logp in zip(running, ids, logps):
+        for traj, new_ids, new_logp in zip(running, ids, logps, strict=True):
             kept = new_ids[: limits.max_tokens - len(traj.ids)]
             traj.truncated = len(kept) < len(new_ids)
             traj.add(kept, model=True, logp=new_logp[: len(kept)])
             traj.actions.append(tokenizer.decode(kept, skip_special_tokens=True))
             traj.done = traj.truncated or len(traj.ids) >= limits.max_tokens
         stepping = [t for t in running if not t.done]
-        outcomes = run_calls([(lambda t=t: t.env.step(t.actions[-1]), t.env_seconds) for t in stepping],
-                             num_workers=limits.num_workers)
-        for traj, outcome in zip(stepping, outcomes):
+        outcomes = run_calls(
+            [(lambda t=t: t.env.step(t.actions[-1]), t.env_seconds) for t in stepping], num_workers=limits.num_workers
+        )
+        for traj, outcome in zip(stepping, outcomes, strict=True):
             _after_step(traj, _contain(traj, outcome, limits.default_reward), tokenizer, limits, turn)
 
 
@@ -209,20 +217,39 @@ def turn_generator(model, tokenizer, sampling, key_of: Callable[[Trajectory, int
     def generate_turn(running: list[Trajectory], turn: int, width: int):
         rows = [t.prompt_ids + t.ids for t in running]
         keys = [key_of(t, turn) for t in running]
-        out = generate(model, tokenizer, [""] * len(rows), max_new_tokens=sampling.max_new_tokens,
-                       temperature=sampling.temperature, top_p=sampling.top_p,
-                       sample_keys=None if None in keys else keys, prompt_ids=rows, prompt_width=width,
-                       engine=sampling.engine, logprobs=True)
+        out = generate(
+            model,
+            tokenizer,
+            [""] * len(rows),
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            sample_keys=None if None in keys else keys,
+            prompt_ids=rows,
+            prompt_width=width,
+            engine=sampling.engine,
+            logprobs=True,
+        )
         lengths = out.response_mask_BR.sum(-1).tolist()
-        response_BR = out.input_ids_BT[:, out.prompt_width:]
-        return ([response_BR[i, :k].tolist() for i, k in enumerate(lengths)],
-                [out.logp_BR[i, :k].tolist() for i, k in enumerate(lengths)])
+        response_BR = out.input_ids_BT[:, out.prompt_width :]
+        return (
+            [response_BR[i, :k].tolist() for i, k in enumerate(lengths)],
+            [out.logp_BR[i, :k].tolist() for i, k in enumerate(lengths)],
+        )
 
     return generate_turn
 
 
-def local_trajectories(model, tokenizer, samples: list[dict], env_cfg, sampling,
-                       key_of: Callable[[Trajectory, int], int | None], *, samples_per_prompt: int = 1) -> list[Trajectory]:
+def local_trajectories(
+    model,
+    tokenizer,
+    samples: list[dict],
+    env_cfg,
+    sampling,
+    key_of: Callable[[Trajectory, int], int | None],
+    *,
+    samples_per_prompt: int = 1,
+) -> list[Trajectory]:
     """Finished trajectories of `samples_per_prompt` samples of each row (uid g·n + k), on this
     rank alone (evaluation: no peer to agree with)."""
     from distflow.envs import environment_class
@@ -230,9 +257,16 @@ def local_trajectories(model, tokenizer, samples: list[dict], env_cfg, sampling,
     n, cls = samples_per_prompt, environment_class(env_cfg.cls)
     limits = TurnLimits(env_cfg.max_turns, env_cfg.max_tokens, env_cfg.default_reward, env_cfg.num_workers)
     rows = [s for s in samples for _ in range(n)]
-    trajs = [Trajectory(sample=dict(s), env=cls(**env_cfg.kwargs), env_seconds=env_cfg.deadline_s, uid=u)
-             for u, s in enumerate(rows)]
+    trajs = [
+        Trajectory(sample=dict(s), env=cls(**env_cfg.kwargs), env_seconds=env_cfg.deadline_s, uid=u)
+        for u, s in enumerate(rows)
+    ]
     reset_all(trajs, tokenizer, encode_prompts(tokenizer, [s["prompt"] for s in rows]), limits)
-    roll_out(trajs, tokenizer=tokenizer, limits=limits, agree=lambda *values: values,
-             generate_turn=turn_generator(model, tokenizer, sampling, key_of))
+    roll_out(
+        trajs,
+        tokenizer=tokenizer,
+        limits=limits,
+        agree=lambda *values: values,
+        generate_turn=turn_generator(model, tokenizer, sampling, key_of),
+    )
     return trajs

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 
 from distflow.config.errors import ConfigError
-
 from distflow.data.balance import token_budget_micro_batches
 from distflow.engines.sequences import position_ids_from_mask
 
@@ -91,14 +90,23 @@ def probe_packing(model: torch.nn.Module, forward: Forward, device: torch.device
     crossed = forward(ids, torch.ones_like(ids), positions)[:, 4:].float()  # sees the first sequence
     leak, reach = (packed - alone).abs().max().item(), (crossed - alone).abs().max().item()
     if leak > 0.1 * reach:
-        raise ConfigError(f"{type(model).__name__} lets packed sequences attend to each other (output change "
-                          f"{leak:.3g}, vs {reach:.3g} with a full causal mask): its attention does not read "
-                          "restarting position ids as sequence boundaries; set trainer.padding_free=false")
+        raise ConfigError(
+            f"{type(model).__name__} lets packed sequences attend to each other (output change "
+            f"{leak:.3g}, vs {reach:.3g} with a full causal mask): its attention does not read "
+            "restarting position ids as sequence boundaries; set trainer.padding_free=false"
+        )
     _PROBED.add(model)
 
 
-def response_outputs(forward: Forward, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
-                     response_width: int, *, padding_free: bool, model: torch.nn.Module | None = None) -> torch.Tensor:
+def response_outputs(
+    forward: Forward,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    response_width: int,
+    *,
+    padding_free: bool,
+    model: torch.nn.Module | None = None,
+) -> torch.Tensor:
     """The outputs that predict the response tokens, [B, R, ...]: column t - 1 for token t.
 
     `model` (what `forward` runs) is probed before its first packed pass.

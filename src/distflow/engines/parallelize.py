@@ -71,8 +71,9 @@ def parallelize(model: torch.nn.Module, comm: Comm, trainer: TrainerConfig | Non
     # numbers of forward calls (shared-prefix passes split responses by length, per rank). A causal
     # LM's buffers are constants every rank computes alike at build time (rotary frequencies).
     # torch >= 2.13 calls it forward_sync_buffers (and deprecates broadcast_buffers, warning per wrap).
-    no_forward_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_PARAMETERS
-                       else {"broadcast_buffers": False})
+    no_forward_sync = (
+        {"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_PARAMETERS else {"broadcast_buffers": False}
+    )
     return DistributedDataParallel(model, device_ids=device_ids, process_group=comm.group, **no_forward_sync)
 
 
@@ -89,8 +90,11 @@ def shard(model: torch.nn.Module, comm: Comm, trainer: TrainerConfig) -> torch.n
     """`fully_shard` each decoder block, then the root (which takes the rest: embeddings, head)."""
     mesh = device_mesh(comm, trainer.fsdp.shard_size)
     param_dtype, reduce_dtype = resolve_dtypes(trainer, comm.device)
-    options = dict(mesh=mesh, reshard_after_forward=trainer.fsdp.reshard_after_forward,
-                   mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+    options = dict(
+        mesh=mesh,
+        reshard_after_forward=trainer.fsdp.reshard_after_forward,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+    )
     for block in decoder_blocks(model):
         fully_shard(block, **options)
     fully_shard(model, **options)
@@ -131,8 +135,9 @@ def device_mesh(comm: Comm, shard_size: int) -> DeviceMesh:
         else:
             if comm.group is not None:  # checked before launch (planner): this cannot happen
                 raise AssertionError("HSDP needs the train group to be the world")
-            _MESHES[key] = init_device_mesh(comm.device.type, (comm.world_size // shard_size, shard_size),
-                                            mesh_dim_names=("replicate", "shard"))
+            _MESHES[key] = init_device_mesh(
+                comm.device.type, (comm.world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
+            )
     return _MESHES[key]
 
 
@@ -144,12 +149,17 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
         names |= set(getattr(module, "_no_split_modules", None) or ())
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     if not blocks:
-        lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0
-                 and len({type(child) for child in m}) == 1]
+        lists = [
+            m
+            for m in model.modules()
+            if isinstance(m, torch.nn.ModuleList) and len(m) > 0 and len({type(child) for child in m}) == 1
+        ]
         blocks = list(max(lists, key=len)) if lists else []
     if not blocks:
-        raise ConfigError(f"found no decoder blocks in {type(model).__name__} (no `_no_split_modules` classes, "
-                          "no ModuleList of repeated layers): trainer.activation_checkpointing needs them")
+        raise ConfigError(
+            f"found no decoder blocks in {type(model).__name__} (no `_no_split_modules` classes, "
+            "no ModuleList of repeated layers): trainer.activation_checkpointing needs them"
+        )
     return blocks
 
 

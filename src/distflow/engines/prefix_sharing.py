@@ -13,7 +13,8 @@ its columns 0..L-2, which attend to the cached prompt and to their own earlier t
 positions the padded pass gives them. Responses are grouped by length (`length_buckets`) so
 that a short response is not computed to the batch's longest: a bucket is split off where it
 saves at least 3% of the columns (each is one more forward call); columns past a bucket's
-length are zeros in the outputs, as the padded pass's are masked out downstream. Gradients flow through the cache into the prompt pass; the gather's
+length are zeros in the outputs, as the padded pass's are masked out downstream. Gradients flow
+through the cache into the prompt pass; the gather's
 backward sums the n samples' contributions to their prompt, so log-probs, values, losses and
 every gradient equal the padded pass's to float rounding (tests/test_prefix_sharing.py).
 
@@ -49,8 +50,9 @@ from distflow.engines.sequences import position_ids_from_mask
 PrefixForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache | None, bool], torch.Tensor]
 
 
-def distinct_prompts(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
-                     response_width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def distinct_prompts(
+    input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, response_width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(prompt ids [U, W], prompt mask [U, W], index_B): row b's prompt is row index_B[b]."""
     width = input_ids_BT.shape[1] - response_width
     keys = torch.cat([input_ids_BT[:, :width], attention_mask_BT[:, :width].to(input_ids_BT.dtype)], dim=1)
@@ -58,9 +60,15 @@ def distinct_prompts(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor
     return unique[:, :width], unique[:, width:].to(attention_mask_BT.dtype), index_B
 
 
-def shared_prefix_outputs(forward: PrefixForward, model_config, input_ids_BT: torch.Tensor,
-                          attention_mask_BT: torch.Tensor, response_width: int, *,
-                          lockstep: bool = False) -> torch.Tensor:
+def shared_prefix_outputs(
+    forward: PrefixForward,
+    model_config,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    response_width: int,
+    *,
+    lockstep: bool = False,
+) -> torch.Tensor:
     """The outputs that predict the response tokens, [B, R, ...], each distinct prompt computed once.
 
     `model_config` (the model's) says which cache layers the model uses. With `lockstep` every
@@ -79,8 +87,11 @@ def shared_prefix_outputs(forward: PrefixForward, model_config, input_ids_BT: to
     first_U = forward(prompt_ids_UW, prompt_mask_UW, position_ids_from_mask(prompt_mask_UW), cache, True)[:, -1:]
     positions_BT = position_ids_from_mask(attention_mask_BT)
     rest = first_U.new_zeros((batch, response_width - 1, *first_U.shape[2:]))
-    buckets = ([(torch.arange(batch, device=index_B.device), response_width)] if lockstep
-               else length_buckets(response_lengths(attention_mask_BT[:, width:])))
+    buckets = (
+        [(torch.arange(batch, device=index_B.device), response_width)]
+        if lockstep
+        else length_buckets(response_lengths(attention_mask_BT[:, width:]))
+    )
     for rows_N, length in buckets:
         # A response's last token predicts nothing: L - 1 columns (in lockstep all R, never none).
         columns = response_width if lockstep else length - 1
@@ -88,8 +99,13 @@ def shared_prefix_outputs(forward: PrefixForward, model_config, input_ids_BT: to
             continue
         end = width + columns
         gathered = _read_only_cache(model_config, cache, index_B[rows_N])  # the backward sums each prompt's rows
-        out = forward(input_ids_BT[rows_N, width:end], attention_mask_BT[rows_N, :end],
-                      positions_BT[rows_N, width:end], gathered, False)
+        out = forward(
+            input_ids_BT[rows_N, width:end],
+            attention_mask_BT[rows_N, :end],
+            positions_BT[rows_N, width:end],
+            gathered,
+            False,
+        )
         rest[rows_N, : length - 1] = out[:, : length - 1]
     return torch.cat([first_U[index_B], rest], dim=1)
 
@@ -97,12 +113,16 @@ def shared_prefix_outputs(forward: PrefixForward, model_config, input_ids_BT: to
 def response_lengths(response_mask_BR: torch.Tensor) -> torch.Tensor:
     """Columns up to each row's last attended response token, [B]."""
     columns = torch.arange(1, response_mask_BR.shape[1] + 1, device=response_mask_BR.device)
-    return (response_mask_BR.ne(0) * columns).amax(dim=1) if response_mask_BR.shape[1] else columns.new_zeros(
-        response_mask_BR.shape[0])
+    return (
+        (response_mask_BR.ne(0) * columns).amax(dim=1)
+        if response_mask_BR.shape[1]
+        else columns.new_zeros(response_mask_BR.shape[0])
+    )
 
 
-def length_buckets(lengths_B: torch.Tensor, *, max_buckets: int = 4,
-                   min_saving: float = 0.03) -> list[tuple[torch.Tensor, int]]:
+def length_buckets(
+    lengths_B: torch.Tensor, *, max_buckets: int = 4, min_saving: float = 0.03
+) -> list[tuple[torch.Tensor, int]]:
     """Rows grouped by response length, [(rows, longest length)], longest first.
 
     The responses' forward computes each bucket's rows to its longest length instead of every
@@ -117,7 +137,7 @@ def length_buckets(lengths_B: torch.Tensor, *, max_buckets: int = 4,
     threshold = min_saving * len(order_B) * (int(sorted_B[0]) if len(order_B) else 0)
     while len(bounds) - 1 < max_buckets:
         best = (0, None)  # (columns saved, split index)
-        for start, stop in zip(bounds, bounds[1:]):
+        for start, stop in zip(bounds, bounds[1:], strict=False):
             split = torch.arange(start + 1, stop)
             if len(split):
                 saved = (stop - split) * (sorted_B[start] - sorted_B[split])
@@ -127,7 +147,7 @@ def length_buckets(lengths_B: torch.Tensor, *, max_buckets: int = 4,
             break
         bounds = sorted([*bounds, best[1]])
     device = lengths_B.device
-    return [(order_B[a:b].to(device), int(sorted_B[a])) for a, b in zip(bounds, bounds[1:])]
+    return [(order_B[a:b].to(device), int(sorted_B[a])) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def _write_once_cache(model_config) -> DynamicCache | None:
@@ -146,7 +166,7 @@ def _write_once_cache(model_config) -> DynamicCache | None:
 def _read_only_cache(model_config, prompts: DynamicCache, index_B: torch.Tensor) -> DynamicCache:
     """A cache holding row index_B[b] of the prompt cache for sample b, which a forward reads and never grows."""
     cache = DynamicCache(config=model_config)
-    for layer, prompt in zip(cache.layers, prompts.layers):
+    for layer, prompt in zip(cache.layers, prompts.layers, strict=True):
         _keep(layer, prompt.keys[index_B], prompt.values[index_B])
         layer.update = functools.partial(_read, layer)
     return cache
@@ -164,5 +184,8 @@ def _read(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor, *args, 
 
 @functools.cache
 def _warn_padded(model_kind: str, layer_kinds: str) -> None:
-    warnings.warn(f"trainer.shared_prefix: {model_kind}'s cache has {layer_kinds}; its log-prob and training "
-                  "passes run padded (the same results, each sample computing its prompt)", stacklevel=3)
+    warnings.warn(
+        f"trainer.shared_prefix: {model_kind}'s cache has {layer_kinds}; its log-prob and training "
+        "passes run padded (the same results, each sample computing its prompt)",
+        stacklevel=3,
+    )

@@ -82,8 +82,10 @@ def _origin(fn) -> tuple[str, str]:
 def check_uses(stage: str, uses: Iterable[str]) -> None:
     for name in uses:
         if name not in ENGINES:
-            raise ConfigError(f"stage {stage!r} uses engine {name!r}, which is not registered; engines are: "
-                              f"{', '.join(ENGINES)} (distflow.engines.registry.register adds one)")
+            raise ConfigError(
+                f"stage {stage!r} uses engine {name!r}, which is not registered; engines are: "
+                f"{', '.join(ENGINES)} (distflow.engines.registry.register adds one)"
+            )
 
 
 def build_order(names: Iterable[str]) -> list[EngineSpec]:
@@ -102,16 +104,25 @@ def build_order(names: Iterable[str]) -> list[EngineSpec]:
 
 def checkpointed(built: dict[str, Any]) -> dict[str, tuple]:
     """What checkpoints keep of the trained engines besides the policy, by name."""
-    return {name: ENGINES[name].state(engine) for name, engine in built.items()
-            if engine is not None and name != "policy" and name in ENGINES and ENGINES[name].state is not None}
+    return {
+        name: ENGINES[name].state(engine)
+        for name, engine in built.items()
+        if engine is not None and name != "policy" and name in ENGINES and ENGINES[name].state is not None
+    }
 
 
 def _critic(build: EngineBuild):
     from distflow.engines.critic import build_critic
 
     config = build.config
-    return build_critic(build.model, build.comm, config.optim, lr=config.algorithm.critic.lr, trainer=config.trainer,
-                        load_sharded=build.load_sharded if build.sharded_from is not None else None)
+    return build_critic(
+        build.model,
+        build.comm,
+        config.optim,
+        lr=config.algorithm.critic.lr,
+        trainer=config.trainer,
+        load_sharded=build.load_sharded if build.sharded_from is not None else None,
+    )
 
 
 def _model(build: EngineBuild):
@@ -144,8 +155,9 @@ def _policy(build: EngineBuild):
     if build.sharded_from is not None:
         parallelize(build.model, build.comm, config.trainer)
         build.load_sharded(build.model)
-    return PolicyEngine(build.model, build.comm, config.optim, temperature=build.sampling.temperature,
-                        trainer=config.trainer)
+    return PolicyEngine(
+        build.model, build.comm, config.optim, temperature=build.sampling.temperature, trainer=config.trainer
+    )
 
 
 def _trained_state(engine) -> tuple:

@@ -97,8 +97,9 @@ class DeadlineCaller:
     def _start(self) -> None:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=_serve, args=(self._inbox, self._outbox), daemon=True,
-                                        name="distflow-reward")
+        self._thread = threading.Thread(
+            target=_serve, args=(self._inbox, self._outbox), daemon=True, name="distflow-reward"
+        )
         self._thread.start()
 
     def __call__(self, fn: Callable, *args):
@@ -110,8 +111,10 @@ class DeadlineCaller:
             self._abandoned = [t for t in self._abandoned if t.is_alive()] + [self._thread]
             self._start()
             if len(self._abandoned) > MAX_ABANDONED:
-                raise RuntimeError(f"{len(self._abandoned)} reward calls are stuck past their "
-                                   f"{self.timeout_s}s deadline; fix the reward function") from None
+                raise RuntimeError(
+                    f"{len(self._abandoned)} reward calls are stuck past their "
+                    f"{self.timeout_s}s deadline; fix the reward function"
+                ) from None
             raise RewardTimeout(f"no result within {self.timeout_s}s") from None
         if not ok:
             raise value
@@ -152,14 +155,21 @@ class Scores:
 class Rewards:
     """The weighted reward functions of a run, with a shared default and deadline."""
 
-    def __init__(self, terms: Sequence[RewardTerm], *, default_reward: float = 0.0, timeout_s: float = 0.0,
-                 models: Sequence[ModelTerm] = ()) -> None:
+    def __init__(
+        self,
+        terms: Sequence[RewardTerm],
+        *,
+        default_reward: float = 0.0,
+        timeout_s: float = 0.0,
+        models: Sequence[ModelTerm] = (),
+    ) -> None:
         if not terms:
             raise ValueError("at least one reward function is needed")
         names = [t.name for t in terms] + [m.name for m in models]
         if len(set(names)) != len(names):
-            raise ValueError(f"reward names must be unique (got {names}); set task.rewards[].name or "
-                             "task.reward_models[].name")
+            raise ValueError(
+                f"reward names must be unique (got {names}); set task.rewards[].name or task.reward_models[].name"
+            )
         self.terms = list(terms)
         self.models = list(models)
         self.default_reward = default_reward
@@ -195,7 +205,7 @@ class Rewards:
         model_values = {m.name: self._model_values(m, prompts, completions, scores) for m in self.models}
         totals = []
         fallback = sum(term.weight * self.default_reward for term in [*self.terms, *self.models])
-        for i, (prompt, completion, sample) in enumerate(zip(prompts, completions, samples)):
+        for i, (prompt, completion, sample) in enumerate(zip(prompts, completions, samples, strict=True)):
             total = 0.0
             for term in self.terms:
                 value = self._one(term, (prompt, completion, private_copy(sample)), scores)
@@ -211,8 +221,9 @@ class Rewards:
         scores.reward_B = torch.tensor(totals, dtype=REWARD_DTYPE)
         return scores
 
-    def _model_values(self, term: ModelTerm, prompts: Sequence[str], completions: Sequence[str],
-                      scores: Scores) -> list[float]:
+    def _model_values(
+        self, term: ModelTerm, prompts: Sequence[str], completions: Sequence[str], scores: Scores
+    ) -> list[float]:
         """A reward model's scores; one that float32 cannot hold (NaN, inf) scores the default, counted."""
         values = []
         for value in term.model.score(prompts, completions).tolist() if len(prompts) else []:
@@ -233,9 +244,14 @@ def build_rewards(task, device: torch.device | None = None) -> Rewards:
     from distflow.engines.reward_models import RewardModel
 
     terms = [RewardTerm(name, fn, weight) for name, fn, weight in reward_functions(task)]
-    models = [ModelTerm(spec.name or Path(spec.path).expanduser().resolve().name,
-                        RewardModel(spec.path, batch_size=spec.batch_size, device=device or torch.device("cpu")),
-                        spec.weight) for spec in task.reward_models]
+    models = [
+        ModelTerm(
+            spec.name or Path(spec.path).expanduser().resolve().name,
+            RewardModel(spec.path, batch_size=spec.batch_size, device=device or torch.device("cpu")),
+            spec.weight,
+        )
+        for spec in task.reward_models
+    ]
     try:
         return Rewards(terms, default_reward=task.default_reward, timeout_s=task.reward_timeout_s, models=models)
     except ValueError as err:

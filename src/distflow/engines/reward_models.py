@@ -39,10 +39,13 @@ class RewardModel:
 
     def texts(self, prompts: Sequence[str], completions: Sequence[str]) -> list[str]:
         if self._tokenizer.chat_template:
-            return [self._tokenizer.apply_chat_template([{"role": "user", "content": p},
-                                                         {"role": "assistant", "content": c}], tokenize=False)
-                    for p, c in zip(prompts, completions)]
-        return [p + c for p, c in zip(prompts, completions)]
+            return [
+                self._tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}, {"role": "assistant", "content": c}], tokenize=False
+                )
+                for p, c in zip(prompts, completions, strict=True)
+            ]
+        return [p + c for p, c in zip(prompts, completions, strict=True)]
 
     @torch.no_grad()
     def score(self, prompts: Sequence[str], completions: Sequence[str]) -> torch.Tensor:
@@ -52,7 +55,11 @@ class RewardModel:
         texts = self.texts(prompts, completions)
         out = []
         for start in range(0, len(texts), self.batch_size):
-            encoded = self._tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
-                                      add_special_tokens=not self._tokenizer.chat_template).to(self.device)
+            encoded = self._tokenizer(
+                texts[start : start + self.batch_size],
+                return_tensors="pt",
+                padding=True,
+                add_special_tokens=not self._tokenizer.chat_template,
+            ).to(self.device)
             out.append(self._model(**encoded).logits[:, 0].float().cpu())
         return torch.cat(out) if out else torch.zeros(0)

@@ -25,8 +25,8 @@ def left_pad(rows: list[list[int]], pad_id: int, *, width: int | None = None) ->
     mask_BT = torch.zeros((len(rows), width), dtype=torch.long)
     for i, row in enumerate(rows):
         if row:
-            ids_BT[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-            mask_BT[i, width - len(row):] = 1
+            ids_BT[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            mask_BT[i, width - len(row) :] = 1
     return ids_BT, mask_BT
 
 
@@ -40,7 +40,7 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> li
         which = [i for i, has in enumerate(has_bos) if has != add]
         if which:
             encoded = tokenizer([prompts[i] for i in which], add_special_tokens=add)["input_ids"]
-            for i, ids in zip(which, encoded):
+            for i, ids in zip(which, encoded, strict=True):
                 out[i] = list(ids)
     return out
 
@@ -54,11 +54,12 @@ def end_of_turn(tokenizer: PreTrainedTokenizerBase) -> str | None:
     if not getattr(tokenizer, "chat_template", None):
         return None
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "u"},
-                                              {"role": "assistant", "content": _PROBE_TURN}], tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "u"}, {"role": "assistant", "content": _PROBE_TURN}], tokenize=False
+        )
     except Exception:  # a template that refuses this conversation: no end-of-turn to learn from it
         return None
-    after = text[text.rfind(_PROBE_TURN) + len(_PROBE_TURN):].lstrip(" ")
+    after = text[text.rfind(_PROBE_TURN) + len(_PROBE_TURN) :].lstrip(" ")
     special = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special]
     found = [token for token in special if token and after.startswith(token)]
     return max(found, key=len) if found else None

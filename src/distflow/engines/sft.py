@@ -26,7 +26,7 @@ def supervised_batch(
     """(ids_BT, mask_BT, loss_mask_BT): loss on the answer tokens and EOS only."""
     prompt_rows = encode_prompts(tokenizer, list(prompts))
     answer_rows = tokenizer(list(answers), add_special_tokens=False)["input_ids"]
-    rows = [p + list(a) + [tokenizer.eos_token_id] for p, a in zip(prompt_rows, answer_rows)]
+    rows = [p + list(a) + [tokenizer.eos_token_id] for p, a in zip(prompt_rows, answer_rows, strict=True)]
     ids_BT, mask_BT = left_pad(rows, tokenizer.pad_token_id)
     loss_mask_BT = torch.zeros_like(mask_BT)
     for i, a in enumerate(answer_rows):
@@ -61,8 +61,11 @@ def supervised_warmstart(
         if len(order) < batch_size:
             order += rng.sample(range(len(prompts)), len(prompts))
         idx, order = order[:batch_size], order[batch_size:]
-        ids_BT, mask_BT, loss_mask_BT = (batch_of(idx, step) if batch_of is not None else supervised_batch(
-            tokenizer, [prompts[i] for i in idx], [answers[i] for i in idx]))
+        ids_BT, mask_BT, loss_mask_BT = (
+            batch_of(idx, step)
+            if batch_of is not None
+            else supervised_batch(tokenizer, [prompts[i] for i in idx], [answers[i] for i in idx])
+        )
         logits_BTV = model(
             input_ids=ids_BT, attention_mask=mask_BT, position_ids=position_ids_from_mask(mask_BT)
         ).logits
@@ -86,9 +89,19 @@ def supervised_warmstart(
     return losses
 
 
-def warm_start_to_target(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, train: Sequence[dict],
-                         validation: Sequence[dict], is_correct, sampling, settings, seed: int, log,
-                         env=None, batch_of=None) -> dict:
+def warm_start_to_target(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    train: Sequence[dict],
+    validation: Sequence[dict],
+    is_correct,
+    sampling,
+    settings,
+    seed: int,
+    log,
+    env=None,
+    batch_of=None,
+) -> dict:
     """Supervised training on `train` rows ({"prompt", "answer"}) until the sampled accuracy on
     `validation` (each row twice, keyed per (step, sample)) reaches `settings.target_accuracy`.
 
@@ -103,25 +116,35 @@ def warm_start_to_target(model: torch.nn.Module, tokenizer: PreTrainedTokenizerB
 
     def reached_target(step: int) -> bool:
         keys = [derive_seed(seed, "warmstart-validation", step, j) for j in range(2 * len(validation))]
-        correct, total = count_correct(model, tokenizer, validation, is_correct, sampling, sample_keys=keys,
-                                       samples_per_prompt=2, env=env)
+        correct, total = count_correct(
+            model, tokenizer, validation, is_correct, sampling, sample_keys=keys, samples_per_prompt=2, env=env
+        )
         accuracy[0] = correct / total
         return accuracy[0] >= settings.target_accuracy
 
     losses: list[float] = []
     if settings.target_accuracy > 0:
-        log(f"warm-start: supervised training on {len(train)} problems until validation accuracy "
-            f">= {settings.target_accuracy} (cached afterwards)")
+        log(
+            f"warm-start: supervised training on {len(train)} problems until validation accuracy "
+            f">= {settings.target_accuracy} (cached afterwards)"
+        )
         losses = supervised_warmstart(
-            model, tokenizer, [r["prompt"] for r in train], [r["answer"] for r in train],
-            max_steps=settings.max_steps, batch_size=settings.batch_size, lr=settings.lr,
-            seed=derive_seed(seed, "warmstart-order"), should_stop=reached_target, check_every=settings.check_every,
+            model,
+            tokenizer,
+            [r["prompt"] for r in train],
+            [r["answer"] for r in train],
+            max_steps=settings.max_steps,
+            batch_size=settings.batch_size,
+            lr=settings.lr,
+            seed=derive_seed(seed, "warmstart-order"),
+            should_stop=reached_target,
+            check_every=settings.check_every,
             batch_of=batch_of,
         )
         if accuracy[0] < settings.target_accuracy:
             raise ConfigError(
                 f"the warm-start reached validation accuracy {accuracy[0]:.3f} < warmstart.target_accuracy="
                 f"{settings.target_accuracy} in warmstart.max_steps={settings.max_steps} steps; raise max_steps "
-                "or lower the target")
+                "or lower the target"
+            )
     return {"steps": len(losses), "validation_accuracy": accuracy[0], "final_loss": losses[-1] if losses else None}
-

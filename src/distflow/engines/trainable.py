@@ -33,8 +33,9 @@ LossFn = Callable[[Batch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[
 
 
 class TrainableEngine(abc.ABC):
-    def __init__(self, model: torch.nn.Module, comm: Comm, optim: OptimConfig,
-                 trainer: TrainerConfig | None = None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, comm: Comm, optim: OptimConfig, trainer: TrainerConfig | None = None
+    ) -> None:
         self.model = model
         """The model itself (sharded in place under fsdp2): what checkpoints and inference read."""
         self.comm = comm
@@ -58,8 +59,14 @@ class TrainableEngine(abc.ABC):
         wrapper: what `update`'s loss function receives."""
 
     def update(
-        self, mini_batch: Batch, loss_fn: LossFn, num_loss_tokens_global: float, micro_batch_size: int,
-        *, micro_batch_tokens: int = 0, entropy_grad: bool = False,
+        self,
+        mini_batch: Batch,
+        loss_fn: LossFn,
+        num_loss_tokens_global: float,
+        micro_batch_size: int,
+        *,
+        micro_batch_tokens: int = 0,
+        entropy_grad: bool = False,
     ) -> dict[str, float]:
         """One optimizer step over `mini_batch` (this rank's share); returns local stat sums.
 
@@ -111,8 +118,10 @@ class TrainableEngine(abc.ABC):
         if micro_batch_tokens <= 0:
             return mini_batch.micro_batches(micro_batch_size)
         lengths = mini_batch["attention_mask"].sum(-1).tolist()
-        return [_trim_left_padding(mini_batch.select(index))
-                for index in token_budget_micro_batches(lengths, micro_batch_tokens)]
+        return [
+            _trim_left_padding(mini_batch.select(index))
+            for index in token_budget_micro_batches(lengths, micro_batch_tokens)
+        ]
 
     def _num_passes(self, num_micros: int) -> int:
         """Forward/backward passes this rank runs: its micro-batches, padded to the most any train
@@ -128,8 +137,13 @@ class TrainableEngine(abc.ABC):
         """One backward of 0 x (a one-token forward): every parameter gets a zero gradient
         and the data-parallel wrapper reduces it with the peers' real ones."""
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.comm.device)
-        dummy = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                       "response_mask": torch.ones((1, 1), dtype=torch.long, device=ids.device)})
+        dummy = Batch(
+            {
+                "input_ids": ids,
+                "attention_mask": torch.ones_like(ids),
+                "response_mask": torch.ones((1, 1), dtype=torch.long, device=ids.device),
+            }
+        )
         out_BR, _ = self.forward(dummy)
         (out_BR.sum() * 0.0).backward()
 
@@ -143,8 +157,12 @@ def local_bytes(tensor: torch.Tensor) -> int:
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state this rank holds (AdamW's two moments of its parameters or shards;
     the 0-dim step counters are left out)."""
-    return sum(local_bytes(value) for state in optimizer.state.values() for value in state.values()
-               if isinstance(value, torch.Tensor) and value.dim() > 0)
+    return sum(
+        local_bytes(value)
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    )
 
 
 def _trim_left_padding(micro: Batch) -> Batch:

@@ -48,8 +48,9 @@ def request_seed(key: int) -> int:
     return key & SEED_MASK
 
 
-def padded_responses(token_ids: list[list[int]], logprobs: list[list[float]] | None, *, width: int,
-                     pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def padded_responses(
+    token_ids: list[list[int]], logprobs: list[list[float]] | None, *, width: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(response ids [B, width] right-padded with `pad_id`, log-probs [B, width] with 0 after each row's
     end) from vLLM's per-request outputs; a row longer than `width` is cut.
 
@@ -120,9 +121,18 @@ class VllmEngine:
         max_len = min(getattr(config, "max_position_embeddings", MAX_MODEL_LEN) or MAX_MODEL_LEN, MAX_MODEL_LEN)
         cuda = next(inner.parameters()).device.type == "cuda"
         extra = {"gpu_memory_utilization": 0.3, "enable_sleep_mode": False} if cuda else {}
-        self.llm = LLM(model=self._dir.name, load_format="dummy", skip_tokenizer_init=True, dtype=dtype,
-                       enforce_eager=not cuda, max_model_len=max_len, seed=0, generation_config="vllm",
-                       logprobs_mode="processed_logprobs", **extra)
+        self.llm = LLM(
+            model=self._dir.name,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            enforce_eager=not cuda,
+            max_model_len=max_len,
+            seed=0,
+            generation_config="vllm",
+            logprobs_mode="processed_logprobs",
+            **extra,
+        )
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self._loaded: tuple | None = None
         self.num_pushes = 0
@@ -142,9 +152,18 @@ class VllmEngine:
         self.num_pushes += 1
         return True
 
-    def generate(self, prompt_rows: list[list[int]], *, samples_per_prompt: int, keys: list[int] | None,
-                 max_new_tokens: int, temperature: float, top_p: float, stop_ids: tuple[int, ...],
-                 logprobs: bool) -> tuple[list[list[int]], list[list[float]] | None]:
+    def generate(
+        self,
+        prompt_rows: list[list[int]],
+        *,
+        samples_per_prompt: int,
+        keys: list[int] | None,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop_ids: tuple[int, ...],
+        logprobs: bool,
+    ) -> tuple[list[list[int]], list[list[float]] | None]:
         """Token ids (and log-probs) of sample k of prompt g at row g·n + k; greedy without `keys`."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -154,18 +173,28 @@ class VllmEngine:
         for g, row in enumerate(prompt_rows):
             for k in range(n):
                 sampled = keys is not None
-                params.append(SamplingParams(
-                    n=1, max_tokens=max_new_tokens, temperature=temperature if sampled else 0.0,
-                    top_p=top_p if sampled else 1.0, seed=request_seed(keys[g * n + k]) if sampled else None,
-                    stop_token_ids=list(stop_ids), ignore_eos=True, detokenize=False,
-                    logprobs=0 if logprobs else None))
+                params.append(
+                    SamplingParams(
+                        n=1,
+                        max_tokens=max_new_tokens,
+                        temperature=temperature if sampled else 0.0,
+                        top_p=top_p if sampled else 1.0,
+                        seed=request_seed(keys[g * n + k]) if sampled else None,
+                        stop_token_ids=list(stop_ids),
+                        ignore_eos=True,
+                        detokenize=False,
+                        logprobs=0 if logprobs else None,
+                    )
+                )
                 prompts.append(TokensPrompt(prompt_token_ids=list(row)))
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         token_ids = [list(out.outputs[0].token_ids) for out in outputs]
         if not logprobs:
             return token_ids, None
-        logps = [[step[tok].logprob for tok, step in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)]
-                 for out in outputs]
+        logps = [
+            [step[tok].logprob for tok, step in zip(out.outputs[0].token_ids, out.outputs[0].logprobs, strict=True)]
+            for out in outputs
+        ]
         return token_ids, logps
 
 
@@ -181,16 +210,34 @@ def engine_for(model: torch.nn.Module) -> VllmEngine:
     return engine
 
 
-def vllm_responses(model: torch.nn.Module, prompt_ids_GP: torch.Tensor, prompt_mask_GP: torch.Tensor,
-                   keys_B: torch.Tensor | None, *, n: int, max_new_tokens: int, temperature: float, top_p: float,
-                   stop_ids: tuple[int, ...], pad_id: int, logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def vllm_responses(
+    model: torch.nn.Module,
+    prompt_ids_GP: torch.Tensor,
+    prompt_mask_GP: torch.Tensor,
+    keys_B: torch.Tensor | None,
+    *,
+    n: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop_ids: tuple[int, ...],
+    pad_id: int,
+    logprobs: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`engines.generation`'s contract for `vllm`: response ids [G·n, max_new_tokens] (right-padded) and,
     with `logprobs`, each sampled token's log-prob under the engine (temperature applied)."""
-    rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids_GP.cpu(), prompt_mask_GP.cpu())]
+    rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids_GP.cpu(), prompt_mask_GP.cpu(), strict=True)]
     keys = keys_B.tolist() if keys_B is not None else None
-    token_ids, logps = engine_for(model).generate(rows, samples_per_prompt=n, keys=keys, max_new_tokens=max_new_tokens,
-                                                  temperature=temperature, top_p=top_p, stop_ids=stop_ids,
-                                                  logprobs=logprobs)
+    token_ids, logps = engine_for(model).generate(
+        rows,
+        samples_per_prompt=n,
+        keys=keys,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop_ids=stop_ids,
+        logprobs=logprobs,
+    )
     ids_BR, logp_BR = padded_responses(token_ids, logps, width=max_new_tokens, pad_id=pad_id)
     device = prompt_ids_GP.device
     return ids_BR.to(device), logp_BR.to(device) if logp_BR is not None else None

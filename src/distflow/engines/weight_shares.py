@@ -30,6 +30,7 @@ import torch
 
 from distflow.engines.lora import synced_parameters
 
+
 @dataclass(frozen=True)
 class Piece:
     """Rows [start, stop) of parameter `name` (what a sender owns, without the data)."""
@@ -87,7 +88,7 @@ def partition_rows(specs: list[tuple[str, tuple[int, ...], torch.dtype]], num_sh
         if num_rows == 0 or row_bytes == 0:
             continue  # an empty parameter: nothing to send
         first = [_first_row(i, offset, row_bytes, total, num_shares, num_rows) for i in range(num_shares)]
-        for i, (start, stop) in enumerate(zip(first, first[1:] + [num_rows])):
+        for i, (start, stop) in enumerate(zip(first, first[1:] + [num_rows], strict=True)):
             if start < stop:
                 shares[i].append(Piece(name, start, stop, row_shape, dtype))
         offset += num_rows * row_bytes
@@ -127,8 +128,10 @@ class ShardedShares:
         for name, param in synced_parameters(model):
             placements = getattr(param, "placements", None)
             if placements is None or len(placements) != 1 or not placements[0].is_shard(0):
-                raise ValueError(f"parameter {name}: sharded weight sync reads Shard(0) DTensors on a 1-D mesh "
-                                 f"(FSDP2's fully_shard), got placements {placements}")
+                raise ValueError(
+                    f"parameter {name}: sharded weight sync reads Shard(0) DTensors on a 1-D mesh "
+                    f"(FSDP2's fully_shard), got placements {placements}"
+                )
             local = param.to_local().detach()
             if local.numel() == 0:
                 continue  # an empty trailing shard (fewer rows than ranks)

@@ -59,8 +59,16 @@ class SyncBytes:
 class WeightSync:
     """Made once at start-up by every rank of the world (the piece exchange is collective)."""
 
-    def __init__(self, world: Comm, senders: tuple[int, ...], receivers: tuple[int, ...], model: torch.nn.Module,
-                 *, source: ShareSource | None = None, bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(
+        self,
+        world: Comm,
+        senders: tuple[int, ...],
+        receivers: tuple[int, ...],
+        model: torch.nn.Module,
+        *,
+        source: ShareSource | None = None,
+        bucket_bytes: int = BUCKET_BYTES,
+    ) -> None:
         if set(senders) & set(receivers) or not senders:
             raise ValueError(f"weight sync goes from train ranks {senders} to other ranks, got receivers {receivers}")
         self.world, self.senders, self.receivers = world, tuple(senders), tuple(receivers)
@@ -109,7 +117,7 @@ class WeightSync:
         received = 0
         for k in range(self.num_rounds):
             recvs = []
-            for sender, buckets in zip(self.senders, self.buckets):
+            for sender, buckets in zip(self.senders, self.buckets, strict=True):
                 if k < len(buckets):
                     numel = sum(piece.numel for piece in buckets[k])
                     buffer = torch.empty(numel, dtype=buckets[k][0].dtype, device=self.world.device)
@@ -152,8 +160,10 @@ def _check_coverage(shares: list[list[Piece]], model: torch.nn.Module) -> None:
         if param is None:
             raise ValueError(f"weight sync: the train ranks send {piece.name}, which the rollout model does not have")
         if piece.row_shape != tuple(param.shape[1:]) or piece.dtype != param.dtype:
-            raise ValueError(f"weight sync: {piece.name} is {piece.dtype} rows of {piece.row_shape} on the train "
-                             f"ranks but {param.dtype} {tuple(param.shape)} on the rollout ranks")
+            raise ValueError(
+                f"weight sync: {piece.name} is {piece.dtype} rows of {piece.row_shape} on the train "
+                f"ranks but {param.dtype} {tuple(param.shape)} on the rollout ranks"
+            )
         covered[piece.name].append((piece.start, piece.stop))
     for name, ranges in covered.items():
         num_rows = 0 if params[name].numel() == 0 else row_view(params[name]).shape[0]
@@ -162,5 +172,6 @@ def _check_coverage(shares: list[list[Piece]], model: torch.nn.Module) -> None:
             contiguous = contiguous and start == position
             position = stop
         if not contiguous or position != num_rows:
-            raise ValueError(f"weight sync: the train ranks' pieces of {name} cover rows {sorted(ranges)}, "
-                             f"not 0..{num_rows} once")
+            raise ValueError(
+                f"weight sync: the train ranks' pieces of {name} cover rows {sorted(ranges)}, not 0..{num_rows} once"
+            )

@@ -35,8 +35,10 @@ def environment_class(spec: str, *, key: str = "env.cls", kwargs: dict | None = 
     cls = import_callable(spec, key=key)
     missing = [name for name in ("reset", "step") if not callable(getattr(cls, name, None))]
     if missing:
-        raise ConfigError(f"{key}: {spec!r} has no {' and no '.join(missing)} method; an environment needs "
-                          f"reset(sample) and step(action)")
+        raise ConfigError(
+            f"{key}: {spec!r} has no {' and no '.join(missing)} method; an environment needs "
+            f"reset(sample) and step(action)"
+        )
     if kwargs is not None:
         try:
             signature = inspect.signature(cls)
@@ -46,6 +48,8 @@ def environment_class(spec: str, *, key: str = "env.cls", kwargs: dict | None = 
             signature.bind(**kwargs)
         except TypeError as err:
             shown = signature.replace(return_annotation=inspect.Signature.empty)
-            raise ConfigError(f"env.kwargs: {spec!r} is built as {spec.partition(':')[2]}(**env.kwargs): {err}; "
-                              f"its signature is {shown}: fix or remove the key") from None
+            raise ConfigError(
+                f"env.kwargs: {spec!r} is built as {spec.partition(':')[2]}(**env.kwargs): {err}; "
+                f"its signature is {shown}: fix or remove the key"
+            ) from None
     return cls

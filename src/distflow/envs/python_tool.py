@@ -43,7 +43,8 @@ _WRITE = ("os.remove", "os.rename", "os.mkdir", "os.rmdir", "shutil.rmtree", "os
 def _hook(event, args):
     if event == "open" and args and args[0] is not None:
         mode, flags = args[1], args[2]
-        writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+        write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+        writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (flags & write_flags)
         if writing and not _inside(args[0]):
             raise PermissionError(f"sandbox: writing outside the working directory: {args[0]!r}")
     elif event in _WRITE and not all(_inside(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))):
@@ -68,8 +69,9 @@ class PythonResult:
     truncated: bool
 
 
-def run_python(code: str, *, cpu_s: int = 5, wall_s: float = 10.0, memory_mb: int = 512,
-               max_output: int = 4096) -> PythonResult:
+def run_python(
+    code: str, *, cpu_s: int = 5, wall_s: float = 10.0, memory_mb: int = 512, max_output: int = 4096
+) -> PythonResult:
     """Run `code` sandboxed; never raises for anything the code does."""
     with tempfile.TemporaryDirectory(prefix="distflow-py-") as workdir:
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
@@ -81,9 +83,15 @@ def run_python(code: str, *, cpu_s: int = 5, wall_s: float = 10.0, memory_mb: in
             prelude = prelude.replace("{file_bytes}", str(max(max_output, 1 << 20)))
             # The limits are set by the child itself (first lines of the prelude), not in a
             # preexec_fn, which is unsafe when other threads run (the env calls' do).
-            proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", prelude], cwd=workdir, env=env,
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # its own process group, killed whole on timeout
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", prelude],
+                cwd=workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # its own process group, killed whole on timeout
             timed_out = False
             try:
                 proc.wait(timeout=wall_s)

@@ -50,8 +50,16 @@ class PythonEnv:
     output, in an ```output block, is the observation (as a `tool` chat message with
     `chat: true`). An action without code is the answer."""
 
-    def __init__(self, *, cpu_s: int = 5, wall_s: float = 10.0, memory_mb: int = 512, max_output: int = 2048,
-                 chat: bool = False, step_reward: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        cpu_s: int = 5,
+        wall_s: float = 10.0,
+        memory_mb: int = 512,
+        max_output: int = 2048,
+        chat: bool = False,
+        step_reward: float = 0.0,
+    ) -> None:
         self.limits = {"cpu_s": cpu_s, "wall_s": wall_s, "memory_mb": memory_mb, "max_output": max_output}
         self.chat = chat
         self.step_reward = step_reward
@@ -65,6 +73,10 @@ class PythonEnv:
             return None, 0.0, True, {}
         result = run_python(found.group(1), **self.limits)
         failed = result.timed_out or result.returncode != 0
-        text = result.output + ("\n[timed out]" if result.timed_out else "") + ("\n[truncated]" if result.truncated else "")
+        text = (
+            result.output
+            + ("\n[timed out]" if result.timed_out else "")
+            + ("\n[truncated]" if result.truncated else "")
+        )
         observation = [{"role": "tool", "content": text}] if self.chat else f"\n```output\n{text}\n```\n"
         return observation, self.step_reward, False, {"tool_call": True, "tool_error": failed}

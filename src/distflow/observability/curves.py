@@ -38,8 +38,9 @@ def read_run(run_dir: Path) -> list[dict]:
     except OSError as err:
         raise ConfigError(f"cannot read {path}: {err.strerror or err}; check its permissions") from None
     except UnicodeDecodeError as err:
-        raise ConfigError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}): it is not a "
-                          "metrics file, or it is damaged") from None
+        raise ConfigError(
+            f"{path} is not UTF-8 text ({err.reason} at byte {err.start}): it is not a metrics file, or it is damaged"
+        ) from None
     records = []
     for number, line in enumerate(lines, 1):
         try:
@@ -50,8 +51,9 @@ def read_run(run_dir: Path) -> list[dict]:
         if not ok:
             if number == len(lines):
                 break  # torn by a crash mid-write, or being written right now
-            raise ConfigError(f"{path}: line {number} is not a metrics record (a JSON object with a step); "
-                              "repair or remove that line")
+            raise ConfigError(
+                f"{path}: line {number} is not a metrics record (a JSON object with a step); repair or remove that line"
+            )
         records.append(record)
     return records
 
@@ -68,15 +70,20 @@ def picture_path(out: Path) -> Path:
         out = out.with_name(out.name + ".png")
     formats = FigureCanvasAgg.get_supported_filetypes()
     if out.suffix[1:].lower() not in formats:
-        raise ConfigError(f"--out {str(out)!r}: {out.suffix!r} is not a picture format; end the name with .png "
-                          f"(or one of {', '.join('.' + f for f in sorted(formats) if f != 'png')})")
+        raise ConfigError(
+            f"--out {str(out)!r}: {out.suffix!r} is not a picture format; end the name with .png "
+            f"(or one of {', '.join('.' + f for f in sorted(formats) if f != 'png')})"
+        )
     parent = out.parent
     if not parent.is_dir():
-        raise ConfigError(f"--out {str(out)!r}: the directory {str(parent)!r} does not exist; create it, "
-                          "or choose a path in an existing directory")
+        raise ConfigError(
+            f"--out {str(out)!r}: the directory {str(parent)!r} does not exist; create it, "
+            "or choose a path in an existing directory"
+        )
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {str(out)!r}: cannot write into {str(parent)!r} (permission denied); "
-                          "choose a writable place")
+        raise ConfigError(
+            f"--out {str(out)!r}: cannot write into {str(parent)!r} (permission denied); choose a writable place"
+        )
     return out
 
 
@@ -91,8 +98,7 @@ def stage_times(records: list[dict]) -> dict[str, float]:
     steps = [r for r in records if r.get("step", 0) >= 1 and r.get("time/step_s") is not None]
     steps = steps[1:] if len(steps) > 1 else steps
     keys = sorted({k for r in steps for k in r if k.startswith("time/") and k not in TOTAL_TIMES})
-    return {k[len("time/"):-len("_s")]: statistics.median(r[k] for r in steps if r.get(k) is not None)
-            for k in keys}
+    return {k[len("time/") : -len("_s")]: statistics.median(r[k] for r in steps if r.get(k) is not None) for k in keys}
 
 
 def draw(runs: dict[str, list[dict]], out: Path) -> Path:
@@ -103,7 +109,7 @@ def draw(runs: dict[str, list[dict]], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 4, figsize=(18, 8), constrained_layout=True)
-    for ax, (key, title) in zip(axes.flat, PANELS):
+    for ax, (key, title) in zip(axes.flat, PANELS, strict=False):
         drawn = False
         for label, records in runs.items():
             steps, values = _series(records, key)
@@ -132,7 +138,7 @@ def _draw_time_split(ax, runs: dict[str, list[dict]]) -> None:
     for stage in stages:
         heights = [t.get(stage, 0.0) for t in times]
         ax.bar(range(len(runs)), heights, bottom=bottoms, label=stage)
-        bottoms = [b + h for b, h in zip(bottoms, heights)]
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
     ax.set_xticks(range(len(runs)), list(runs), rotation=15, fontsize="small")
     ax.set_title("step time split (median s per stage)")
     if stages:
@@ -147,13 +153,17 @@ def summary_rows(runs: dict[str, list[dict]]) -> list[dict]:
         rewards = [r["reward/mean"] for r in steps if r.get("reward/mean") is not None]
         tenth = max(1, len(rewards) // 10)
         step_s = [r["time/step_s"] for r in steps[1:] or steps if r.get("time/step_s") is not None]
-        rows.append({
-            "run": label, "steps": steps[-1]["step"] if steps else 0,
-            "accuracy_first": evals[0] if evals else None, "accuracy_last": evals[-1] if evals else None,
-            "reward_first": statistics.fmean(rewards[:tenth]) if rewards else None,
-            "reward_last": statistics.fmean(rewards[-tenth:]) if rewards else None,
-            "step_s_median": statistics.median(step_s) if step_s else None,
-        })
+        rows.append(
+            {
+                "run": label,
+                "steps": steps[-1]["step"] if steps else 0,
+                "accuracy_first": evals[0] if evals else None,
+                "accuracy_last": evals[-1] if evals else None,
+                "reward_first": statistics.fmean(rewards[:tenth]) if rewards else None,
+                "reward_last": statistics.fmean(rewards[-tenth:]) if rewards else None,
+                "step_s_median": statistics.median(step_s) if step_s else None,
+            }
+        )
     return rows
 
 
@@ -164,5 +174,7 @@ def format_table(rows: list[dict]) -> str:
     names = ["run", "steps", "accuracy_first", "accuracy_last", "reward_first", "reward_last", "step_s_median"]
     table = [names] + [[cell(row[n]) for n in names] for row in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(names))]
-    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
-                     for line in table)
+    return "\n".join(
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
+        for line in table
+    )

@@ -14,6 +14,7 @@ def add_derived(metrics: dict[str, float]) -> dict[str, float]:
     metrics["throughput/generated_tokens_per_s"] = metrics["tokens/generated"] / rollout_s
     metrics["throughput/trained_tokens_per_s"] = metrics.get("tokens/trained", 0.0) / metrics["time/policy_update_s"]
     if metrics.get("data/train_tokens_per_rank", 0) > 0:
-        metrics["data/train_token_imbalance"] = (metrics.pop("data/train_tokens_per_rank_max")
-                                                 / metrics["data/train_tokens_per_rank"])
+        metrics["data/train_token_imbalance"] = (
+            metrics.pop("data/train_tokens_per_rank_max") / metrics["data/train_tokens_per_rank"]
+        )
     return metrics

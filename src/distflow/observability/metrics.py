@@ -67,8 +67,9 @@ class StepMetrics:
     def reduce(self, comm: Comm) -> dict[str, float]:
         if comm.distributed and not self._aligned(comm):
             self._pad_to_union(comm)
-        flat = torch.tensor([x for acc in self._means.values() for x in acc] + list(self._totals.values()),
-                            dtype=torch.float64)
+        flat = torch.tensor(
+            [x for acc in self._means.values() for x in acc] + list(self._totals.values()), dtype=torch.float64
+        )
         maxes = torch.tensor(list(self._maxes.values()), dtype=torch.float64)
         if comm.distributed:
             flat = comm.all_reduce_sum(flat.to(comm.device)).cpu()

@@ -28,8 +28,9 @@ class WandbRun:
         state = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
         self.id = state.get("id") or uuid.uuid4().hex[:12]
         self.last_step = int(state.get("last_step", -1))
-        self.run = wandb.init(project=project, name=run_dir.name, id=self.id, resume="allow", dir=str(run_dir),
-                              config=config)
+        self.run = wandb.init(
+            project=project, name=run_dir.name, id=self.id, resume="allow", dir=str(run_dir), config=config
+        )
         self._save()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

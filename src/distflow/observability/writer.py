@@ -17,9 +17,19 @@ from distflow.fileio import atomic_write_text
 
 
 class RunWriter:
-    def __init__(self, run_dir: Path, *, total_steps: int, loggers: list[str], progress_bar: bool,
-                 name: str = "train", resumed_step: int | None = None, wandb_project: str = "distflow",
-                 config: dict | None = None, checkpoint_root: Path | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        total_steps: int,
+        loggers: list[str],
+        progress_bar: bool,
+        name: str = "train",
+        resumed_step: int | None = None,
+        wandb_project: str = "distflow",
+        config: dict | None = None,
+        checkpoint_root: Path | None = None,
+    ) -> None:
         """`resumed_step`: the run continues after this step; the metrics records and TensorBoard
         events of later steps written before are dropped (the run redoes them), so curves
         have no duplicates (W&B: see observability/wandb_run.py). `checkpoint_root`: where the
@@ -39,10 +49,17 @@ class RunWriter:
         if "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
-                                    purge_step=None if resumed_step is None else resumed_step + 1)
-        self.bar = tqdm(total=total_steps, initial=resumed_step or 0, desc=name, file=sys.stderr,
-                        dynamic_ncols=True, disable=not progress_bar)
+            self.tb = SummaryWriter(
+                log_dir=str(run_dir / "tensorboard"), purge_step=None if resumed_step is None else resumed_step + 1
+            )
+        self.bar = tqdm(
+            total=total_steps,
+            initial=resumed_step or 0,
+            desc=name,
+            file=sys.stderr,
+            dynamic_ncols=True,
+            disable=not progress_bar,
+        )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         # JSON has no NaN/Infinity: a metric with nothing to average, or a non-finite grad norm, is null.
@@ -122,8 +139,11 @@ def metrics_write_failure(err: OSError, path: Path, step: int, checkpoint_root: 
     except OSError:
         pass
     latest = latest_checkpoint(checkpoint_root) if checkpoint_root is not None and checkpoint_root.is_dir() else None
-    resume = (f"the last complete checkpoint is {latest} (free space, then --resume {latest})" if latest
-              else "no checkpoint yet (free space, then start the run again)")
+    resume = (
+        f"the last complete checkpoint is {latest} (free space, then --resume {latest})"
+        if latest
+        else "no checkpoint yet (free space, then start the run again)"
+    )
     return ConfigError(f"cannot append step {step}'s metrics to {path}: {what}; {resume}")
 
 
@@ -143,8 +163,9 @@ def drop_records_after(path: Path, step: int) -> None:
         except (ValueError, KeyError, TypeError):
             if number == len(lines):
                 break  # torn by a crash mid-write
-            raise ConfigError(f"{path}: line {number} is not a metrics record; repair or remove that line, "
-                              "then resume") from None
+            raise ConfigError(
+                f"{path}: line {number} is not a metrics record; repair or remove that line, then resume"
+            ) from None
         if record_step <= step:
             kept.append(line)
     atomic_write_text(path, "".join(line + "\n" for line in kept))

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from distflow.config.schema import Config, ConfigError
 from distflow.dag.graph import Graph, Stage, needs_every_rank
-from distflow.data.fields import GROUP, bytes_per_sample as field_bytes
+from distflow.data.fields import GROUP
+from distflow.data.fields import bytes_per_sample as field_bytes
 from distflow.layout import Layout, format_ranks, parse_ranks
 
 META_BYTES_PER_FIELD = 64  # pickled per-sample Python values (prompt text, uid, ...), a rough mean
@@ -121,20 +122,28 @@ def make_groups(config: Config, world_size: int) -> dict[str, Layout]:
         spec = getattr(placement, name)
         ranks = parse_ranks(spec.ranks, world_size, key=f"placement.{name}.ranks")
         if spec.ranks_per_replica < 1 or len(ranks) % spec.ranks_per_replica:
-            raise ConfigError(f"placement.{name}.ranks_per_replica={spec.ranks_per_replica} must divide the "
-                              f"{len(ranks)} ranks of the {name} group")
+            raise ConfigError(
+                f"placement.{name}.ranks_per_replica={spec.ranks_per_replica} must divide the "
+                f"{len(ranks)} ranks of the {name} group"
+            )
         groups[name] = Layout(ranks, spec.ranks_per_replica)
     rollout, train = set(groups["rollout"].ranks), set(groups["train"].ranks)
     if groups["train"].ranks_per_replica != 1:
-        raise ConfigError("placement.train.ranks_per_replica must be 1: training is data-parallel "
-                          "(every train rank holds a full replica)")
+        raise ConfigError(
+            "placement.train.ranks_per_replica must be 1: training is data-parallel "
+            "(every train rank holds a full replica)"
+        )
     if rollout != train and rollout & train:
-        raise ConfigError(f"placement.rollout.ranks ({format_ranks(groups['rollout'].ranks)}) and placement.train.ranks "
-                          f"({format_ranks(groups['train'].ranks)}) overlap partly; make them the same ranks or disjoint")
+        raise ConfigError(
+            f"placement.rollout.ranks ({format_ranks(groups['rollout'].ranks)}) and placement.train.ranks "
+            f"({format_ranks(groups['train'].ranks)}) overlap partly; make them the same ranks or disjoint"
+        )
     idle = sorted(set(range(world_size)) - rollout - train)
     if idle:
-        raise ConfigError(f"rank {idle[0]} is in no worker group; include every rank in placement.rollout.ranks "
-                          f"or placement.train.ranks")
+        raise ConfigError(
+            f"rank {idle[0]} is in no worker group; include every rank in placement.rollout.ranks "
+            f"or placement.train.ranks"
+        )
     groups["sync"] = Layout(tuple(sorted(rollout | train)))
     return groups
 
@@ -152,7 +161,8 @@ def make_plan(graph: Graph, config: Config, world_size: int, initial_fields: tup
                 f"stage {p.stage.name!r} enters collectives over every rank, but its placement "
                 f"({p.stage.group}) runs it on ranks {format_ranks(p.layout.ranks)} of 0-{world_size - 1} only: "
                 f"it would wait forever for the others (a custom stage runs on one worker group: its collectives "
-                f"must use ctx.comm, the group's communicator)")
+                f"must use ctx.comm, the group's communicator)"
+            )
     prompts, n = config.trainer.prompts_per_step, config.rollout.num_samples
     seq_len = config.rollout.max_new_tokens + _prompt_tokens_estimate(config)
 
@@ -167,8 +177,9 @@ def make_plan(graph: Graph, config: Config, world_size: int, initial_fields: tup
             _check_divisible(samples, n if keep_groups else 1, p.layout, p.stage.name)
             items.append(Transition(p.stage.name, current, p.layout, keep_groups, tuple(sorted(fields))))
             samples_per_step[p.stage.name] = samples
-            bytes_per_sample[p.stage.name] = field_bytes(fields, seq_len, config.rollout.max_new_tokens,
-                                                         meta_bytes=META_BYTES_PER_FIELD)
+            bytes_per_sample[p.stage.name] = field_bytes(
+                fields, seq_len, config.rollout.max_new_tokens, meta_bytes=META_BYTES_PER_FIELD
+            )
             current = p.layout
         items.append(p)
         fields.update(p.stage.writes)
@@ -177,13 +188,17 @@ def make_plan(graph: Graph, config: Config, world_size: int, initial_fields: tup
     _check_divisible(prompts, 1, planned[0].layout, planned[0].stage.name)
     train_dp = groups["train"].dp_size
     if prompts % train_dp:
-        raise ConfigError(f"trainer.prompts_per_step={prompts} must be divisible by the train group's data-parallel "
-                          f"size ({train_dp}) so every train rank gets whole prompt groups; change one of them")
+        raise ConfigError(
+            f"trainer.prompts_per_step={prompts} must be divisible by the train group's data-parallel "
+            f"size ({train_dp}) so every train rank gets whole prompt groups; change one of them"
+        )
     per_rank = prompts * n // train_dp
     if config.algorithm.num_mini_batches > per_rank:
-        raise ConfigError(f"algorithm.num_mini_batches={config.algorithm.num_mini_batches} exceeds the {per_rank} "
-                          f"samples each of the {train_dp} train ranks holds per step; lower it or raise "
-                          f"trainer.prompts_per_step")
+        raise ConfigError(
+            f"algorithm.num_mini_batches={config.algorithm.num_mini_batches} exceeds the {per_rank} "
+            f"samples each of the {train_dp} train ranks holds per step; lower it or raise "
+            f"trainer.prompts_per_step"
+        )
     _check_staleness(config, items, groups)
     return Plan(world_size, tuple(items), planned[0].layout, groups, samples_per_step, bytes_per_sample)
 
@@ -196,20 +211,29 @@ def _check_staleness(config: Config, items: list[Item], groups: dict[str, Layout
         return
     rollout, train = groups["rollout"], groups["train"]
     if set(rollout.ranks) & set(train.ranks):
-        raise ConfigError(f"trainer.max_staleness={k} overlaps rollout and training, which needs them on different "
-                          f"ranks, but placement.rollout.ranks and placement.train.ranks share ranks "
-                          f"{format_ranks(tuple(sorted(set(rollout.ranks) & set(train.ranks))))}: use a disaggregated "
-                          "placement (e.g. --nproc 2 placement.rollout.ranks=0 placement.train.ranks=1) or "
-                          "trainer.max_staleness=0")
+        raise ConfigError(
+            f"trainer.max_staleness={k} overlaps rollout and training, which needs them on different "
+            f"ranks, but placement.rollout.ranks and placement.train.ranks share ranks "
+            f"{format_ranks(tuple(sorted(set(rollout.ranks) & set(train.ranks))))}: use a disaggregated "
+            "placement (e.g. --nproc 2 placement.rollout.ranks=0 placement.train.ranks=1) or "
+            "trainer.max_staleness=0"
+        )
     transitions = [i for i, item in enumerate(items) if isinstance(item, Transition)]
     last = items[-1]
-    if len(transitions) != 1 or not (isinstance(last, PlannedStage) and last.stage.name == "weight_sync") or any(
+    if (
+        len(transitions) != 1
+        or not (isinstance(last, PlannedStage) and last.stage.name == "weight_sync")
+        or any(
             isinstance(item, PlannedStage) and item.stage.group != ("rollout" if i < transitions[0] else "train")
-            for i, item in enumerate(items[:-1])):
-        raise ConfigError(f"trainer.max_staleness={k} needs the rollout group's stages first, then the train "
-                          "group's, with one hand-over between them; a custom stage placed on the rollout group "
-                          "after a train stage breaks that: place it on the train group, or set "
-                          "trainer.max_staleness=0")
+            for i, item in enumerate(items[:-1])
+        )
+    ):
+        raise ConfigError(
+            f"trainer.max_staleness={k} needs the rollout group's stages first, then the train "
+            "group's, with one hand-over between them; a custom stage placed on the rollout group "
+            "after a train stage breaks that: place it on the train group, or set "
+            "trainer.max_staleness=0"
+        )
 
 
 def _check_sharding(config: Config, train: Layout, world_size: int) -> None:
@@ -218,12 +242,16 @@ def _check_sharding(config: Config, train: Layout, world_size: int) -> None:
     if config.trainer.strategy != "fsdp2" or shard_size in (0, num_train):
         return
     if num_train % shard_size:
-        raise ConfigError(f"trainer.fsdp.shard_size={shard_size} does not divide the {num_train} train ranks; "
-                          f"choose a divisor of {num_train} (0: shard over all of them)")
+        raise ConfigError(
+            f"trainer.fsdp.shard_size={shard_size} does not divide the {num_train} train ranks; "
+            f"choose a divisor of {num_train} (0: shard over all of them)"
+        )
     if num_train != world_size:
-        raise ConfigError(f"trainer.fsdp.shard_size={shard_size} (HSDP) needs every rank in the train group, but "
-                          f"placement.train.ranks is {format_ranks(train.ranks)} of 0-{world_size - 1}; "
-                          "set trainer.fsdp.shard_size=0 with a disaggregated placement")
+        raise ConfigError(
+            f"trainer.fsdp.shard_size={shard_size} (HSDP) needs every rank in the train group, but "
+            f"placement.train.ranks is {format_ranks(train.ranks)} of 0-{world_size - 1}; "
+            "set trainer.fsdp.shard_size=0 with a disaggregated placement"
+        )
 
 
 def _check_divisible(samples: int, unit: int, layout: Layout, stage: str) -> None:
@@ -231,7 +259,8 @@ def _check_divisible(samples: int, unit: int, layout: Layout, stage: str) -> Non
         what = "prompts" if unit == 1 else "prompt groups"
         raise ConfigError(
             f"stage {stage!r} runs with data-parallel size {layout.dp_size} ({layout.describe()}), which does not "
-            f"divide its {samples // unit} {what} per step; change trainer.prompts_per_step or the placement")
+            f"divide its {samples // unit} {what} per step; change trainer.prompts_per_step or the placement"
+        )
 
 
 def _prompt_tokens_estimate(config: Config) -> int:

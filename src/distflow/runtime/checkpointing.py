@@ -30,7 +30,8 @@ from distflow.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from distflow.checkpoint.store import COMPLETE, read_meta
+from distflow.checkpoint.contents import read_meta
+from distflow.checkpoint.directory import COMPLETE
 from distflow.config import Config, to_dict
 from distflow.config.deprecated import DeprecatedKeyWarning, upgrade_old_keys
 from distflow.engines.registry import checkpointed
@@ -39,12 +40,29 @@ from distflow.runtime.worker import Worker
 
 # Keys that may change between a run and its resumption without changing what it computes
 # next (where it runs, how long, how it reports); any other change is reported in the log.
-FREE_TO_CHANGE = ("trainer.total_steps", "trainer.output_dir", "trainer.run_name", "trainer.eval_every",
-                  "trainer.tensorboard", "trainer.progress_bar", "trainer.device", "trainer.timeout_s",
-                  "trainer.stage_timeout_", "trainer.prefetch", "trainer.micro_batch_size",
-                  "trainer.micro_batch_tokens", "trainer.loggers", "trainer.wandb_project", "trainer.profile_steps",
-                  "trainer.padding_free", "trainer.shared_prefix", "rollout.engine", "checkpoint.", "placement.",
-                  "warmstart.cache_dir")
+FREE_TO_CHANGE = (
+    "trainer.total_steps",
+    "trainer.output_dir",
+    "trainer.run_name",
+    "trainer.eval_every",
+    "trainer.tensorboard",
+    "trainer.progress_bar",
+    "trainer.device",
+    "trainer.timeout_s",
+    "trainer.stage_timeout_",
+    "trainer.prefetch",
+    "trainer.micro_batch_size",
+    "trainer.micro_batch_tokens",
+    "trainer.loggers",
+    "trainer.wandb_project",
+    "trainer.profile_steps",
+    "trainer.padding_free",
+    "trainer.shared_prefix",
+    "rollout.engine",
+    "checkpoint.",
+    "placement.",
+    "warmstart.cache_dir",
+)
 
 
 def checkpoint_root(config: Config, run_dir: Path) -> Path:
@@ -100,18 +118,36 @@ def save(worker: Worker, root: Path, step: int, state: dict, rank_state=None) ->
     policy = worker.engines.policy
     if policy is None:
         return None
-    extra = {"config": to_dict(worker.config), "loader": worker.prefetcher.state,
-             "world_size": worker.world.world_size, "consecutive_nonfinite": policy.consecutive_nonfinite,
-             "stages": {name: stage.state_dict() for name, stage in _stateful_stages(worker).items()}, **state}
-    return save_checkpoint(root, step, model=policy.model, optimizer=policy.optimizer, scheduler=policy.scheduler,
-                           extra=extra, comm=worker.comms["train"], keep_last=worker.config.checkpoint.keep_last,
-                           tokenizer=worker.engines.tokenizer, others=_others(worker), rank_state=rank_state)
+    extra = {
+        "config": to_dict(worker.config),
+        "loader": worker.prefetcher.state,
+        "world_size": worker.world.world_size,
+        "consecutive_nonfinite": policy.consecutive_nonfinite,
+        "stages": {name: stage.state_dict() for name, stage in _stateful_stages(worker).items()},
+        **state,
+    }
+    return save_checkpoint(
+        root,
+        step,
+        model=policy.model,
+        optimizer=policy.optimizer,
+        scheduler=policy.scheduler,
+        extra=extra,
+        comm=worker.comms["train"],
+        keep_last=worker.config.checkpoint.keep_last,
+        tokenizer=worker.engines.tokenizer,
+        others=_others(worker),
+        rank_state=rank_state,
+    )
 
 
 def _stateful_stages(worker: Worker) -> dict:
     """The stages that keep state across steps (e.g. the adaptive KL coefficient), by name."""
-    return {item.stage.name: item.stage.fn for item in worker.plan.items
-            if isinstance(item, PlannedStage) and hasattr(item.stage.fn, "state_dict")}
+    return {
+        item.stage.name: item.stage.fn
+        for item in worker.plan.items
+        if isinstance(item, PlannedStage) and hasattr(item.stage.fn, "state_dict")
+    }
 
 
 def _restore_stages(worker: Worker, extra: dict) -> None:
@@ -146,12 +182,20 @@ def restore(worker: Worker, path: Path) -> Resumed:
     extra, step = meta["extra"], meta["step"]
     missing = [key for key in ("config", "loader") if key not in extra]
     if missing:
-        raise CheckpointError(f"checkpoint {path} was not written by `distflow train` (it has no {missing[0]} "
-                              "state); `distflow export` can still read its weights")
+        raise CheckpointError(
+            f"checkpoint {path} was not written by `distflow train` (it has no {missing[0]} "
+            "state); `distflow export` can still read its weights"
+        )
     rng = rank_state = None
     if engines.policy is not None:
-        loaded = load_checkpoint(path, model=engines.policy.model, optimizer=engines.policy.optimizer,
-                                 scheduler=engines.policy.scheduler, comm=worker.comms["train"], others=_others(worker))
+        loaded = load_checkpoint(
+            path,
+            model=engines.policy.model,
+            optimizer=engines.policy.optimizer,
+            scheduler=engines.policy.scheduler,
+            comm=worker.comms["train"],
+            others=_others(worker),
+        )
         rng, rank_state = loaded["rng"], loaded["rank_state"]
     restore_rng(rng, seed=config.trainer.seed, step=step, rank=worker.world.rank, device=worker.world.device)
     worker.loader.load_state_dict(extra["loader"])

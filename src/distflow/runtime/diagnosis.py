@@ -41,8 +41,9 @@ def diagnose(status_dir: Path, failures: dict[int, tuple[int, float]]) -> Diagno
     statuses = {s["rank"]: s for s in read_statuses(status_dir)}
     # A rank that found a peer frozen (stopped) spoke for it: the launcher's teardown killed that
     # peer afterwards (SIGKILL, as it cannot take a SIGTERM while stopped), which is no root cause.
-    blamed = sorted((s for s in statuses.values() if s["state"] == "stalled" and "unresponsive_rank" in s),
-                    key=lambda s: s["time"])
+    blamed = sorted(
+        (s for s in statuses.values() if s["state"] == "stalled" and "unresponsive_rank" in s), key=lambda s: s["time"]
+    )
     if blamed:
         return Diagnosis(blamed[0]["error"], EXIT_STALLED)
     # A rank that reported a stall may have been stopped before the launcher saw it exit.
@@ -66,8 +67,11 @@ def diagnose(status_dir: Path, failures: dict[int, tuple[int, float]]) -> Diagno
     timeout = (status or {}).get("stage_timeout_s") or 0
     if status and code == EXIT_FAILED and timeout and seen - status["since"] > timeout:
         source = status.get("timeout_source") or f"trainer.stage_timeout_s={timeout:g}"
-        return Diagnosis(f"distflow: rank {rank} stalled: {status_where(status)} ran for {seen - status['since']:.0f}s "
-                         f"> {timeout:g}s ({source}; faulthandler's stacks above)", EXIT_STALLED)
+        return Diagnosis(
+            f"distflow: rank {rank} stalled: {status_where(status)} ran for {seen - status['since']:.0f}s "
+            f"> {timeout:g}s ({source}; faulthandler's stacks above)",
+            EXIT_STALLED,
+        )
     if code == EXIT_USER_ERROR and not status:  # a user error found before the rank's run began (printed above)
         return Diagnosis(f"distflow: rank {rank} stopped on the user error above", EXIT_USER_ERROR)
     how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"

@@ -45,8 +45,7 @@ from distflow.observability.writer import RunWriter
 from distflow.planner.plan import Transition
 from distflow.runtime import checkpointing
 from distflow.runtime.descendants import become_subreaper, end_descendants
-from distflow.runtime.faults import (RankStatus, StageTimeouts, TrainingAborted, die_with_parent,
-                                     raise_on_sigterm)
+from distflow.runtime.faults import RankStatus, StageTimeouts, TrainingAborted, die_with_parent, raise_on_sigterm
 from distflow.runtime.pipelined import Pipeline
 from distflow.runtime.profiling import StepProfiler
 from distflow.runtime.stage_runner import Moved, record_step, run_stage, run_transition
@@ -54,8 +53,9 @@ from distflow.runtime.worker import Worker, build_worker
 from distflow.seeding import derive_seed
 
 
-def run(config: Config, run_dir: Path, resume: Path | None = None, *,
-        fresh_restart: bool = False) -> tuple[dict, dict[str, float]]:
+def run(
+    config: Config, run_dir: Path, resume: Path | None = None, *, fresh_restart: bool = False
+) -> tuple[dict, dict[str, float]]:
     """This rank's whole run: (the summary, the final evaluation's metrics). A failure is reported
     here, once. With several ranks this process then exits with its code (peers may be dead or
     stuck: no teardown); alone, it raises: a ConfigError as it is (its caller prints it: the CLI,
@@ -95,9 +95,16 @@ def run(config: Config, run_dir: Path, resume: Path | None = None, *,
 def _evaluate(worker: Worker) -> Evaluation:
     cfg, engines, start = worker.config, worker.engines, time.time()
     result = evaluate(
-        worker.eval_model, engines.tokenizer, worker.heldout if worker.heldout is not None else worker.task.heldout,
-        worker.task.is_correct, engines.sampling, num_samples=cfg.trainer.eval_samples, comm=worker.world,
-        seed=cfg.trainer.seed, env=cfg.env, group_of=getattr(worker.task, "group_of", None),
+        worker.eval_model,
+        engines.tokenizer,
+        worker.heldout if worker.heldout is not None else worker.task.heldout,
+        worker.task.is_correct,
+        engines.sampling,
+        num_samples=cfg.trainer.eval_samples,
+        comm=worker.world,
+        seed=cfg.trainer.seed,
+        env=cfg.env,
+        group_of=getattr(worker.task, "group_of", None),
     )
     return dataclasses.replace(result, seconds=time.time() - start)
 
@@ -136,8 +143,15 @@ def _step(worker: Worker, step: int, previous: Batch | None, status: RankStatus)
     return add_derived(metrics.reduce(worker.world)), batch
 
 
-def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: RankStatus,
-           resume: Path | None, fresh_restart: bool = False) -> tuple[dict, dict[str, float]]:
+def _train(
+    config: Config,
+    run_dir: Path,
+    comm: Comm,
+    started: float,
+    status: RankStatus,
+    resume: Path | None,
+    fresh_restart: bool = False,
+) -> tuple[dict, dict[str, float]]:
     """(summary, final evaluation's metrics) of this rank's run; the CLI validated config and world
     size before this rank started."""
     transformers.utils.logging.disable_progress_bar()
@@ -148,8 +162,16 @@ def _train(config: Config, run_dir: Path, comm: Comm, started: float, status: Ra
         return _train_worker(worker, run_dir, comm, started, status, resume, fresh_restart, log)
 
 
-def _train_worker(worker: Worker, run_dir: Path, comm: Comm, started: float, status: RankStatus,
-                  resume: Path | None, fresh_restart: bool, log) -> tuple[dict, dict[str, float]]:
+def _train_worker(
+    worker: Worker,
+    run_dir: Path,
+    comm: Comm,
+    started: float,
+    status: RankStatus,
+    resume: Path | None,
+    fresh_restart: bool,
+    log,
+) -> tuple[dict, dict[str, float]]:
     """Long because it is the run's outline, step loop included, in one place to read."""
     config = worker.config
     trainer = config.trainer
@@ -206,8 +228,15 @@ def _train_worker(worker: Worker, run_dir: Path, comm: Comm, started: float, sta
     return summary, _eval_metrics(after)
 
 
-def _steps(worker: Worker, first_step: int, status: RankStatus, writer: RunWriter | None, profiler: StepProfiler,
-           pipeline: Pipeline | None = None, resumed: checkpointing.Resumed | None = None):
+def _steps(
+    worker: Worker,
+    first_step: int,
+    status: RankStatus,
+    writer: RunWriter | None,
+    profiler: StepProfiler,
+    pipeline: Pipeline | None = None,
+    resumed: checkpointing.Resumed | None = None,
+):
     """(step, reduced metrics) for every remaining step; a run of non-finite steps ends the run
     (its metrics written first). With a `pipeline`, rollout ranks run ahead (runtime/pipelined.py)."""
     trainer, previous = worker.config.trainer, None
@@ -245,22 +274,35 @@ def _checkpoint_state(run_state: dict, pipeline: Pipeline | None) -> tuple[dict,
     return {**run_state, **shared}, own
 
 
-def _evaluation_before(worker: Worker, run_state: dict, status: RankStatus, writer: RunWriter | None,
-                       log) -> Evaluation:
+def _evaluation_before(
+    worker: Worker, run_state: dict, status: RankStatus, writer: RunWriter | None, log
+) -> Evaluation:
     """Held-out accuracy before RL (a resumed run has it from its checkpoint)."""
     if "eval_before" in run_state:
         return Evaluation(**run_state["eval_before"])
     status.enter("evaluate", 0)
     before = _evaluate(worker)
-    log(f"held-out accuracy before RL: {before.sampled:.3f} (T={worker.engines.sampling.temperature}), "
-        f"greedy {before.greedy:.3f}")
+    log(
+        f"held-out accuracy before RL: {before.sampled:.3f} (T={worker.engines.sampling.temperature}), "
+        f"greedy {before.greedy:.3f}"
+    )
     if writer:
         writer.log(0, _eval_metrics(before) | {"data/skipped_rows": worker.num_skipped_rows})
     return before
 
 
-def _summary(config: Config, before: Evaluation, after: Evaluation, first_step: int, resume: Path | None,
-             comm: Comm, started: float, run_dir: Path, last_checkpoint: Path | None, last_step: int) -> dict:
+def _summary(
+    config: Config,
+    before: Evaluation,
+    after: Evaluation,
+    first_step: int,
+    resume: Path | None,
+    comm: Comm,
+    started: float,
+    run_dir: Path,
+    last_checkpoint: Path | None,
+    last_step: int,
+) -> dict:
     return {
         "warmstart_accuracy": round(before.sampled, 4),
         "final_accuracy": round(after.sampled, 4),
@@ -282,10 +324,17 @@ def _open_writer(config: Config, run_dir: Path, *, resumed_step: int | None) -> 
     resolved = to_dict(config)
     atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
     trainer = config.trainer
-    return RunWriter(run_dir, total_steps=trainer.total_steps, loggers=trainer.loggers,
-                     progress_bar=trainer.progress_bar, name=config.algorithm.name, resumed_step=resumed_step,
-                     wandb_project=trainer.wandb_project, config=resolved,
-                     checkpoint_root=checkpointing.checkpoint_root(config, run_dir))
+    return RunWriter(
+        run_dir,
+        total_steps=trainer.total_steps,
+        loggers=trainer.loggers,
+        progress_bar=trainer.progress_bar,
+        name=config.algorithm.name,
+        resumed_step=resumed_step,
+        wandb_project=trainer.wandb_project,
+        config=resolved,
+        checkpoint_root=checkpointing.checkpoint_root(config, run_dir),
+    )
 
 
 def _draw_curves(writer: RunWriter) -> None:
@@ -293,8 +342,10 @@ def _draw_curves(writer: RunWriter) -> None:
     try:
         writer.draw_curves()
     except Exception as err:  # noqa: BLE001 — any drawing failure: the line below names it
-        say(f"distflow: warning: curves.png was not drawn ({type(err).__name__}: {err}); "
-                f"`distflow report {writer.run_dir}` draws it again")
+        say(
+            f"distflow: warning: curves.png was not drawn ({type(err).__name__}: {err}); "
+            f"`distflow report {writer.run_dir}` draws it again"
+        )
 
 
 def _check_numerics(metrics: dict[str, float], limit: int) -> None:
@@ -304,4 +355,5 @@ def _check_numerics(metrics: dict[str, float], limit: int) -> None:
         raise TrainingAborted(
             f"{streak} optimizer steps in a row had a non-finite loss or gradient and were skipped "
             f"(trainer.max_nonfinite_steps={limit}); lower optim.lr, check the reward and custom stages, "
-            "or resume from an earlier checkpoint")
+            "or resume from an earlier checkpoint"
+        )

@@ -22,6 +22,7 @@ Invariants: a status file is replaced atomically (readers never see half a file)
 writes only its own; the files outlive a `kill -9`, so a killed rank's last stage is known.
 Collectives themselves time out after trainer.timeout_s (the process group's timeout).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,14 +39,20 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distflow.config.schema import Config, ConfigError
 from distflow.comm import is_peer_failure
+from distflow.config.schema import Config, ConfigError
 from distflow.console import say
 from distflow.envvars import LAUNCHED_ENV, STATUS_DIR_ENV
-from distflow.runtime.descendants import end_descendants
-from distflow.runtime.status_files import (is_alive, is_stopped, read_statuses, remove_stale_status_dirs,
-                                           status_progress, status_where)
 from distflow.fileio import atomic_write_text
+from distflow.runtime.descendants import end_descendants
+from distflow.runtime.status_files import (
+    is_alive,
+    is_stopped,
+    read_statuses,
+    remove_stale_status_dirs,
+    status_progress,
+    status_where,
+)
 
 EXIT_FAILED = 1
 EXIT_USER_ERROR = 2
@@ -73,6 +80,7 @@ def raise_on_sigterm() -> None:
     """Turn SIGTERM into `Terminated` in the main thread, so a rank that is stopped reports
     where it was and which peer died — whether its launcher's SIGTERM or the broken
     connection to the dead peer reaches it first. Call from the main thread."""
+
     def handler(signum: int, frame) -> None:
         raise Terminated(signum)
 
@@ -110,9 +118,12 @@ class StageTimeouts:
     @classmethod
     def from_config(cls, config: Config) -> StageTimeouts:
         trainer = config.trainer
-        return cls(ceiling_s=trainer.stage_timeout_s, factor=trainer.stage_timeout_factor,
-                   floor_s=trainer.stage_timeout_floor_s,
-                   fixed={s.name: s.timeout_s for s in config.pipeline.custom_stages if s.timeout_s > 0})
+        return cls(
+            ceiling_s=trainer.stage_timeout_s,
+            factor=trainer.stage_timeout_factor,
+            floor_s=trainer.stage_timeout_floor_s,
+            fixed={s.name: s.timeout_s for s in config.pipeline.custom_stages if s.timeout_s > 0},
+        )
 
     @property
     def active(self) -> bool:
@@ -132,7 +143,10 @@ class StageTimeouts:
         if self.factor * seen >= self.ceiling_s:
             return ceiling
         if self.factor * seen <= self.floor_s:
-            return self.floor_s, f"trainer.stage_timeout_floor_s={self.floor_s:g} (its longest earlier run: {seen:.1f}s)"
+            return (
+                self.floor_s,
+                f"trainer.stage_timeout_floor_s={self.floor_s:g} (its longest earlier run: {seen:.1f}s)",
+            )
         return self.factor * seen, f"{self.factor:g} x its longest earlier run ({seen:.1f}s)"
 
 
@@ -168,8 +182,9 @@ class RankStatus:
             status_dir = str(Path(tempfile.gettempdir()) / f"{prefix}{run}")
             if os.environ.get("LOCAL_RANK", "0") == "0":  # a failed run's directory stays for diagnosis
                 remove_stale_status_dirs(Path(tempfile.gettempdir()), prefix, keep=Path(status_dir))
-        return cls(int(os.environ.get("RANK", 0)), status_dir=Path(status_dir) if status_dir else None,
-                   timeouts=timeouts)
+        return cls(
+            int(os.environ.get("RANK", 0)), status_dir=Path(status_dir) if status_dir else None, timeouts=timeouts
+        )
 
     def where(self) -> str:
         return status_where({"stage": self.stage, "step": self.step})
@@ -218,7 +233,8 @@ class RankStatus:
         elif is_peer_failure(err):  # a consequence: some peer failed first
             comm_error = True
             line = f"distflow: rank {self.rank} lost its peers in {self.where()}: " + (
-                self._dead_peers() or self._lost_nodes(err) or _one_line(err).split(". ")[0][:160])
+                self._dead_peers() or self._lost_nodes(err) or _one_line(err).split(". ")[0][:160]
+            )
         else:
             traceback.print_exception(err, file=sys.stderr)  # a crash: where exactly, for whoever fixes it
             line = f"distflow: rank {self.rank} failed in {self.where()}: {_one_line(err)}"
@@ -236,16 +252,27 @@ class RankStatus:
         import re
 
         mine = self.node_addresses[self.rank] if self.rank < len(self.node_addresses) else None
-        lost = {address for address in re.findall(r"\[([0-9A-Fa-f:.]+)\]:\d+", str(err))
-                if address in self.node_addresses and address != mine}  # another machine's, not this one's
+        lost = {
+            address
+            for address in re.findall(r"\[([0-9A-Fa-f:.]+)\]:\d+", str(err))
+            if address in self.node_addresses and address != mine
+        }  # another machine's, not this one's
         if not lost:
             return ""
         ranks = [r for r, address in enumerate(self.node_addresses) if address in lost and r != self.rank]
         text = str(err).lower()
-        reason = next((phrase for phrase in ("connection closed by peer", "connection reset by peer", "broken pipe",
-                                             "timed out") if phrase in text), "connection lost")
-        return (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} on {', '.join(sorted(lost))} "
-                f"unreachable ({reason})")
+        reason = next(
+            (
+                phrase
+                for phrase in ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out")
+                if phrase in text
+            ),
+            "connection lost",
+        )
+        return (
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} on {', '.join(sorted(lost))} "
+            f"unreachable ({reason})"
+        )
 
     def _dead_peers(self) -> str:
         """Under a bare torchrun: which peers are gone, and where they were (from their status files).
@@ -263,9 +290,19 @@ class RankStatus:
             time.sleep(0.1)
 
     def _write(self, state: str, **extra) -> None:
-        record = {"rank": self.rank, "pid": os.getpid(), "stage": self.stage, "step": self.step,
-                  "position": self.position, "since": self.since, "state": state, "time": time.time(),
-                  "stage_timeout_s": self.limit_s, "timeout_source": self.limit_source, **extra}
+        record = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "stage": self.stage,
+            "step": self.step,
+            "position": self.position,
+            "since": self.since,
+            "state": state,
+            "time": time.time(),
+            "stage_timeout_s": self.limit_s,
+            "timeout_source": self.limit_source,
+            **extra,
+        }
         # Not fsynced: status files only outlive a process, not a machine.
         atomic_write_text(self.status_dir / f"rank{self.rank}.json", json.dumps(record), durable=False)
 
@@ -297,14 +334,24 @@ class RankStatus:
         one furthest behind. (A look at the peers' status files each watchdog tick: a few small reads.)"""
         if self.status_dir is None:
             return None
-        frozen = [s for s in read_statuses(self.status_dir) if s["rank"] != self.rank and s["state"] == "running"
-                  and (past_own_limit or 0 < (s.get("stage_timeout_s") or 0) < now - s["since"])
-                  and is_stopped(s["pid"])]
+        frozen = [
+            s
+            for s in read_statuses(self.status_dir)
+            if s["rank"] != self.rank
+            and s["state"] == "running"
+            and (past_own_limit or 0 < (s.get("stage_timeout_s") or 0) < now - s["since"])
+            and is_stopped(s["pid"])
+        ]
         return min(frozen, key=status_progress) if frozen else None
 
     def _peer_behind(self, me: tuple) -> bool:
-        return any(s["rank"] != self.rank and s["state"] in ("running", "stalled") and status_progress(s) < me
-                   and is_alive(s["pid"]) for s in read_statuses(self.status_dir))
+        return any(
+            s["rank"] != self.rank
+            and s["state"] in ("running", "stalled")
+            and status_progress(s) < me
+            and is_alive(s["pid"])
+            for s in read_statuses(self.status_dir)
+        )
 
     def _arm_backstop(self) -> None:
         """If this rank holds the GIL forever, the watchdog thread never runs; faulthandler's
@@ -317,14 +364,18 @@ class RankStatus:
     def _stalled(self, elapsed: float, frozen: dict | None = None) -> None:
         """Report this rank stalled, or its `frozen` peer unresponsive, and exit 3."""
         if frozen is None:
-            line = (f"distflow: rank {self.rank} stalled: {self.where()} has run for {elapsed:.0f}s "
-                    f"> {self.limit_s:g}s ({self.limit_source})")
+            line = (
+                f"distflow: rank {self.rank} stalled: {self.where()} has run for {elapsed:.0f}s "
+                f"> {self.limit_s:g}s ({self.limit_source})"
+            )
             print(f"{line}; Python stacks of its threads:", file=sys.stderr, flush=True)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         else:
-            line = (f"distflow: rank {frozen['rank']} unresponsive: its process (pid {frozen['pid']}) is stopped "
-                    f"(SIGSTOP or a debugger) in {status_where(frozen)} for {time.time() - frozen['since']:.0f}s; "
-                    f"rank {self.rank} waited for it in {self.where()}")
+            line = (
+                f"distflow: rank {frozen['rank']} unresponsive: its process (pid {frozen['pid']}) is stopped "
+                f"(SIGSTOP or a debugger) in {status_where(frozen)} for {time.time() - frozen['since']:.0f}s; "
+                f"rank {self.rank} waited for it in {self.where()}"
+            )
         if os.environ.get(LAUNCHED_ENV) != "1":
             say(line)
         if self.status_dir is not None:

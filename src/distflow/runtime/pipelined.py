@@ -98,9 +98,16 @@ class Pipeline:
         everyone = self.worker.world.all_gather_object(mine)
         moved = {str(step): [m.sent, m.received, m.local] for step, m in self.moved.items()}
         moved_all = self.worker.world.all_gather_object(moved)
-        state = {"pipeline": {"max_staleness": self.k, "world_size": self.worker.world.world_size,
-                              "train_ranks": list(self.worker.plan.groups["train"].ranks),
-                              "inflight_steps": sorted(self.moved), "ahead": everyone, "moved": moved_all}}
+        state = {
+            "pipeline": {
+                "max_staleness": self.k,
+                "world_size": self.worker.world.world_size,
+                "train_ranks": list(self.worker.plan.groups["train"].ranks),
+                "inflight_steps": sorted(self.moved),
+                "ahead": everyone,
+                "moved": moved_all,
+            }
+        }
         return state, (dict(self.inflight) if self.is_train else None)
 
     def _make(self, step: int, *, iteration: int) -> None:
@@ -144,11 +151,17 @@ class Pipeline:
         inflight = inflight_steps(saved)
         if not inflight:  # a finished run's last checkpoint: nothing drawn ahead, any k and layout go on
             return
-        if (saved["max_staleness"], saved["world_size"], saved["train_ranks"]) != (self.k, world.world_size, train_ranks):
-            raise CheckpointError(f"this checkpoint holds the batches in flight of a run with trainer.max_staleness="
-                                  f"{saved['max_staleness']} on {saved['world_size']} ranks with train ranks "
-                                  f"{saved['train_ranks']}: resume it with the same "
-                                  "max_staleness, world size and placement")
+        if (saved["max_staleness"], saved["world_size"], saved["train_ranks"]) != (
+            self.k,
+            world.world_size,
+            train_ranks,
+        ):
+            raise CheckpointError(
+                f"this checkpoint holds the batches in flight of a run with trainer.max_staleness="
+                f"{saved['max_staleness']} on {saved['world_size']} ranks with train ranks "
+                f"{saved['train_ranks']}: resume it with the same "
+                "max_staleness, world size and placement"
+            )
         for step, state in saved["ahead"][world.rank].items():
             self.ahead[int(step)] = StepMetrics.from_state(state)
         for step, (sent, received, local) in saved["moved"][world.rank].items():
@@ -158,4 +171,3 @@ class Pipeline:
         if self.is_rollout:  # its loader was ahead of the checkpoint's (the train ranks') by the steps in flight
             for _ in inflight:
                 self.worker.prefetcher.next()
-

@@ -26,13 +26,21 @@ class Moved:
     local: int = 0
 
 
-def run_stage(worker: Worker, item: PlannedStage, batch: Batch, step: int, metrics: StepMetrics,
-              policy_version: int | None = None) -> Batch:
+def run_stage(
+    worker: Worker, item: PlannedStage, batch: Batch, step: int, metrics: StepMetrics, policy_version: int | None = None
+) -> Batch:
     name = item.stage.name
     if item.layout.member_of(worker.world.rank) != 0:  # a replica's other ranks repeat its leader's work
         metrics = StepMetrics()  # ... and record nothing
-    ctx = StageContext(worker.config, worker.engines, comm=worker.comms[item.stage.group], world=worker.world,
-                       metrics=metrics, step=step, policy_version=policy_version)
+    ctx = StageContext(
+        worker.config,
+        worker.engines,
+        comm=worker.comms[item.stage.group],
+        world=worker.world,
+        metrics=metrics,
+        step=step,
+        policy_version=policy_version,
+    )
     if item.stage.role == "custom" and "sample" in batch.meta:
         # Rows are shared by a group's samples and by the loader: a user stage that
         # edits one in place must not edit the others (what it returns is what counts).
@@ -40,8 +48,10 @@ def run_stage(worker: Worker, item: PlannedStage, batch: Batch, step: int, metri
     given = batch.fields()
     batch = item.stage.fn(batch, ctx)
     if not isinstance(batch, Batch):
-        raise ConfigError(f"stage {name!r} returned {type(batch).__name__}, not a Batch; a stage returns "
-                          "the batch it was given, or batch.updated(field=...)")
+        raise ConfigError(
+            f"stage {name!r} returned {type(batch).__name__}, not a Batch; a stage returns "
+            "the batch it was given, or batch.updated(field=...)"
+        )
     problem = undeclared_writes(name, item.stage.writes, given, batch.fields())
     if problem is not None:
         raise ConfigError(problem)

@@ -43,8 +43,9 @@ def launches(nproc: int, max_restarts: int) -> bool:
     return (nproc > 1 or max_restarts > 0) and not under_launcher()
 
 
-def start(config: Config, *, nproc: int = 1, resume: str | None = None,
-          max_restarts: int = 0) -> tuple[dict, dict[str, float]]:
+def start(
+    config: Config, *, nproc: int = 1, resume: str | None = None, max_restarts: int = 0
+) -> tuple[dict, dict[str, float]]:
     """Run `config`: (the summary, the final evaluation's metrics). Under a launcher, as its rank;
     else in this process (`nproc` 1) or as `nproc` launched ranks (read back from the run directory)."""
     if nproc < 1:
@@ -53,8 +54,10 @@ def start(config: Config, *, nproc: int = 1, resume: str | None = None,
         raise ConfigError(f"--max-restarts must be >= 0 (got {max_restarts})")
     launcher = under_launcher()
     if max_restarts and launcher and os.environ.get(LAUNCHED_ENV) != "1":
-        raise ConfigError("--max-restarts restarts the ranks that `distflow train` starts; under torchrun, give "
-                          f"torchrun --max-restarts {max_restarts} instead")
+        raise ConfigError(
+            "--max-restarts restarts the ranks that `distflow train` starts; under torchrun, give "
+            f"torchrun --max-restarts {max_restarts} instead"
+        )
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if launcher else nproc
     os.environ.setdefault(STARTED_ENV, str(time.time()))
     checkpoint, fresh_restart = None, False
@@ -65,8 +68,12 @@ def start(config: Config, *, nproc: int = 1, resume: str | None = None,
     # One run directory for all ranks, chosen before they start.
     os.environ.setdefault(RUN_NAME_ENV, run_dir_of(config).name)
     # Under a launcher only rank 0 checks the run directory (rank 0 is about to write into it).
-    validate(config, world_size, check_run_dir=os.environ.get("RANK", "0") == "0",
-             resuming=checkpoint is not None or fresh_restart)
+    validate(
+        config,
+        world_size,
+        check_run_dir=os.environ.get("RANK", "0") == "0",
+        resuming=checkpoint is not None or fresh_restart,
+    )
     if not launcher:
         _prepare_model(config)
     # --max-restarts needs the launcher (a restart is a new set of rank processes), also for one rank.
@@ -78,19 +85,24 @@ def start(config: Config, *, nproc: int = 1, resume: str | None = None,
 
 
 def _checked_resume(config: Config, value: str, world_size: int) -> Path:
-    """The checkpoint to resume from (its run directory handed to the ranks); a ConfigError when it has nothing left to do."""
-    from distflow.checkpoint.store import check_rng_files, read_meta
+    """The checkpoint to resume from (its run directory handed to the ranks); a ConfigError when it
+    has nothing left to do."""
+    from distflow.checkpoint.contents import check_rng_files, read_meta
 
     checkpoint, run_dir = resume_target(config, value)
     meta = read_meta(checkpoint)
     check_rng_files(checkpoint)
     step, train_s, budget_s = meta["step"], meta["extra"].get("train_s", 0.0), config.trainer.time_budget_s
     if step >= config.trainer.total_steps:
-        raise ConfigError(f"checkpoint {checkpoint} is at step {step} >= trainer.total_steps="
-                          f"{config.trainer.total_steps}: nothing left to do; raise trainer.total_steps")
+        raise ConfigError(
+            f"checkpoint {checkpoint} is at step {step} >= trainer.total_steps="
+            f"{config.trainer.total_steps}: nothing left to do; raise trainer.total_steps"
+        )
     if budget_s and train_s >= budget_s:
-        raise ConfigError(f"checkpoint {checkpoint}'s steps took {train_s:.0f} s >= trainer.time_budget_s="
-                          f"{budget_s:g}: nothing left to do; raise trainer.time_budget_s (or set it to 0)")
+        raise ConfigError(
+            f"checkpoint {checkpoint}'s steps took {train_s:.0f} s >= trainer.time_budget_s="
+            f"{budget_s:g}: nothing left to do; raise trainer.time_budget_s (or set it to 0)"
+        )
     preflight.check_resume_inflight(checkpoint, meta["extra"], config, world_size)
     os.environ.setdefault(RESUME_ENV, str(checkpoint))
     os.environ.setdefault(RUN_DIR_ENV, str(run_dir))
@@ -107,10 +119,15 @@ def _prepare_model(config: Config) -> None:
     try:
         model_dirs(config, builder=True, log=lambda text: print(text, file=sys.stderr, flush=True))
     except KeyboardInterrupt:
-        what = ("the warm-start of the embedded model" if config.model.path is None
-                else f"the conversion of {config.model.path}")
-        line = (f"distflow: interrupted during {what}, before any rank started; nothing half-done was kept: "
-                "run the command again to start over")
+        what = (
+            "the warm-start of the embedded model"
+            if config.model.path is None
+            else f"the conversion of {config.model.path}"
+        )
+        line = (
+            f"distflow: interrupted during {what}, before any rank started; nothing half-done was kept: "
+            "run the command again to start over"
+        )
         say(line)
         raise RunFailed(line, 128 + signal.SIGINT) from None
 
@@ -128,8 +145,11 @@ def _launch(config: Config, nproc: int, resume: str | None, max_restarts: int) -
     path = run_dir / ".launch-config.yaml"
     try:
         path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False), encoding="utf-8")
-        launch(nproc, ["train", str(path)] + (["--resume", resume] if resume is not None else []),
-               max_restarts=max_restarts)
+        launch(
+            nproc,
+            ["train", str(path)] + (["--resume", resume] if resume is not None else []),
+            max_restarts=max_restarts,
+        )
     except Stopped as stop:
         raise RunFailed(report_stopped(config, stop.signum), 128 + stop.signum) from None
     finally:
@@ -144,10 +164,9 @@ def _launch(config: Config, nproc: int, resume: str | None, max_restarts: int) -
 def validate(config: Config, world_size: int, *, check_run_dir: bool, resuming: bool) -> None:
     """Everything that can be checked before a rank starts: layout arithmetic, graph, paths, imports.
     (Without importing torch, which alone takes seconds: a config error shows up at once.)"""
+    from distflow.config.callables import reward_functions
     from distflow.dag.pipelines import LOADER_FIELDS, build_graph
     from distflow.planner.plan import make_plan
-
-    from distflow.config.callables import reward_functions
 
     make_plan(build_graph(config), config, world_size, LOADER_FIELDS)
     reward_functions(config.task)
@@ -170,8 +189,10 @@ def validate(config: Config, world_size: int, *, check_run_dir: bool, resuming: 
         preflight.check_model_dir(config)
         preflight.check_lora(config)
     if check_run_dir and not resuming and (run_dir_of(config) / "metrics.jsonl").exists():
-        raise ConfigError(f"run directory {str(run_dir_of(config))!r} already holds a run; "
-                          "choose another trainer.run_name, or continue it with --resume")
+        raise ConfigError(
+            f"run directory {str(run_dir_of(config))!r} already holds a run; "
+            "choose another trainer.run_name, or continue it with --resume"
+        )
 
 
 def run_dir_of(config: Config) -> Path:
@@ -183,19 +204,23 @@ def run_dir_of(config: Config) -> Path:
 
 def resume_target(config: Config, value: str) -> tuple[Path, Path]:
     """(checkpoint to resume from, run directory to continue writing into)."""
+    from distflow.checkpoint.contents import read_meta
     from distflow.checkpoint.directory import latest_checkpoint
-    from distflow.checkpoint.store import read_meta
     from distflow.runtime.checkpointing import checkpoint_root, resolve
 
     if value == LATEST:
         if not config.trainer.run_name and not os.environ.get(RUN_DIR_ENV):
-            raise ConfigError("--resume without a checkpoint continues trainer.run_name's run: set "
-                              "trainer.run_name=NAME, or pass the checkpoint or run directory to --resume")
+            raise ConfigError(
+                "--resume without a checkpoint continues trainer.run_name's run: set "
+                "trainer.run_name=NAME, or pass the checkpoint or run directory to --resume"
+            )
         run_dir = run_dir_of(config)
         latest = latest_checkpoint(checkpoint_root(config, run_dir))
         if latest is None:
-            raise ConfigError(f"no complete checkpoint in {checkpoint_root(config, run_dir)} to resume from; "
-                              "start the run without --resume")
+            raise ConfigError(
+                f"no complete checkpoint in {checkpoint_root(config, run_dir)} to resume from; "
+                "start the run without --resume"
+            )
         return latest, run_dir
     checkpoint = resolve(Path(value))
     if config.trainer.run_name or os.environ.get(RUN_DIR_ENV):
@@ -214,8 +239,10 @@ def after_restart(config: Config, resume: str | None) -> tuple[str | None, bool]
 
     run_dir = run_dir_of(config)
     latest = latest_checkpoint(checkpoint_root(config, run_dir))
-    say(f"distflow: rank {os.environ.get('RANK', 0)}: restart {os.environ['TORCHELASTIC_RESTART_COUNT']} after a "
-        "failure: " + (f"resuming from {latest}" if latest else "no checkpoint yet, starting again"))
+    say(
+        f"distflow: rank {os.environ.get('RANK', 0)}: restart {os.environ['TORCHELASTIC_RESTART_COUNT']} after a "
+        "failure: " + (f"resuming from {latest}" if latest else "no checkpoint yet, starting again")
+    )
     if latest is not None:
         os.environ[RESUME_ENV], os.environ[RUN_DIR_ENV] = str(latest), str(run_dir)
         return str(latest), False
@@ -232,8 +259,11 @@ def report_stopped(config: Config, signum: int) -> str:
 
     root = checkpoint_root(config, run_dir_of(config))
     latest = latest_checkpoint(root) if root.is_dir() else None
-    where = (f"last complete checkpoint: {latest} (continue with --resume {latest})" if latest
-             else f"no complete checkpoint in {root} yet")
+    where = (
+        f"last complete checkpoint: {latest} (continue with --resume {latest})"
+        if latest
+        else f"no complete checkpoint in {root} yet"
+    )
     line = f"distflow: run stopped by {signal.Signals(signum).name}; the ranks were stopped; {where}"
     print(line, file=sys.stderr, flush=True)
     return line

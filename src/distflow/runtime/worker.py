@@ -67,6 +67,9 @@ class Worker:
 
 
 def build_worker(config: Config, world: Comm, log) -> Worker:
+    """One rank's worker: plan, model, engines, task, rows, loader. Long because the build order is
+    load-bearing (the model before the engines, the engines before the weight sync, the tokenizer
+    before the rows) and reads top to bottom in one place."""
     from distflow.engines.reward import build_rewards
 
     trainer, rank = config.trainer, world.rank
@@ -83,8 +86,9 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
     sharded = _loads_sharded(config, uses, comms["train"], log)
     model, tokenizer = load_model_and_tokenizer(model_dir, tokenizer_dir, world.device, on_meta=sharded)
     sampling = SamplingSpec.of(config.rollout)
-    model, built = _build_engines(config, uses, model, comms["train"], sampling,
-                                  sharded_from=model_dir if sharded else None)
+    model, built = _build_engines(
+        config, uses, model, comms["train"], sampling, sharded_from=model_dir if sharded else None
+    )
     receivers = tuple(r for r in rollout.ranks if r not in train)
     weight_sync = None
     if receivers:  # every rank joins: the train ranks' shares are agreed with one world collective
@@ -96,18 +100,42 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
     tokenize = functools.partial(encode_prompts, copy.deepcopy(tokenizer))
     rows, heldout = _valid_rows(config, task, tokenize, world, log)
     _check_lengths(config, model.config, heldout, tokenize)
-    loader = PromptLoader(rows.__getitem__, len(rows), prompts_per_step=trainer.prompts_per_step,
-                          seed=trainer.seed, rank=plan.input_layout.replica_of(rank),
-                          world_size=plan.input_layout.dp_size, tokenize=tokenize)
+    loader = PromptLoader(
+        rows.__getitem__,
+        len(rows),
+        prompts_per_step=trainer.prompts_per_step,
+        seed=trainer.seed,
+        rank=plan.input_layout.replica_of(rank),
+        world_size=plan.input_layout.dp_size,
+        tokenize=tokenize,
+    )
     prefetcher = Prefetcher(loader.next_batch, loader.state_dict, enabled=trainer.prefetch)
     engines = Engines(
-        tokenizer=tokenizer, rewards=build_rewards(config.task, world.device), is_correct=task.is_correct, sampling=sampling,
-        rollout_model=model if rank in rollout else None, weight_sync=weight_sync,
+        tokenizer=tokenizer,
+        rewards=build_rewards(config.task, world.device),
+        is_correct=task.is_correct,
+        sampling=sampling,
+        rollout_model=model if rank in rollout else None,
+        weight_sync=weight_sync,
         next_prompts=lambda: prefetcher.next()[0],  # dynamic sampling draws extra batches mid-step
-        policy=built.get("policy"), reference=built.get("reference"), critic=built.get("critic"), built=built,
+        policy=built.get("policy"),
+        reference=built.get("reference"),
+        critic=built.get("critic"),
+        built=built,
     )
-    return Worker(config, world, engines, plan, comms, prefetcher, task, model, loader=loader, heldout=heldout,
-                  num_skipped_rows=sum(rows.skipped.values()))
+    return Worker(
+        config,
+        world,
+        engines,
+        plan,
+        comms,
+        prefetcher,
+        task,
+        model,
+        loader=loader,
+        heldout=heldout,
+        num_skipped_rows=sum(rows.skipped.values()),
+    )
 
 
 def _loads_sharded(config: Config, uses: set[str], train: Comm | None, log) -> bool:
@@ -122,8 +150,15 @@ def _loads_sharded(config: Config, uses: set[str], train: Comm | None, log) -> b
     return True
 
 
-def _build_engines(config: Config, uses: set[str], model: torch.nn.Module, train: Comm | None,
-                   sampling: SamplingSpec, *, sharded_from: Path | None = None) -> tuple[torch.nn.Module, dict]:
+def _build_engines(
+    config: Config,
+    uses: set[str],
+    model: torch.nn.Module,
+    train: Comm | None,
+    sampling: SamplingSpec,
+    *,
+    sharded_from: Path | None = None,
+) -> tuple[torch.nn.Module, dict]:
     """This rank's model (with LoRA adapters if `model.lora` asks, on every rank alike) and the
     engines its stages use, built from the registry in its dependency order (engines/registry.py).
 
@@ -146,19 +181,27 @@ def _check_lengths(config: Config, model_config, heldout: ValidRows, tokenize) -
         return
     # A multi-turn trajectory holds up to env.max_tokens, and its last turn generates up to
     # rollout.max_new_tokens before the excess is dropped.
-    key, width = (("env.max_tokens", config.env.max_tokens + config.rollout.max_new_tokens) if config.env.cls is not None
-                  else ("rollout.max_new_tokens", config.rollout.max_new_tokens))
+    key, width = (
+        ("env.max_tokens", config.env.max_tokens + config.rollout.max_new_tokens)
+        if config.env.cls is not None
+        else ("rollout.max_new_tokens", config.rollout.max_new_tokens)
+    )
     longest = max((len(ids) for ids in tokenize([heldout[i]["prompt"] for i in range(len(heldout))])), default=0)
-    longest, what = max((longest, "the longest held-out prompt"),
-                        (config.data.max_prompt_tokens, "data.max_prompt_tokens"))
+    longest, what = max(
+        (longest, "the longest held-out prompt"), (config.data.max_prompt_tokens, "data.max_prompt_tokens")
+    )
     if longest >= limit:
-        raise ConfigError(f"{what} ({longest} tokens) leaves no room within the model's max_position_embeddings="
-                          f"{limit}: shorten the prompts (data.max_prompt_tokens drops the longer ones)")
+        raise ConfigError(
+            f"{what} ({longest} tokens) leaves no room within the model's max_position_embeddings="
+            f"{limit}: shorten the prompts (data.max_prompt_tokens drops the longer ones)"
+        )
     if longest + width > limit:
         room = limit - longest - (config.rollout.max_new_tokens if config.env.cls is not None else 0)
-        raise ConfigError(f"{key}={width if config.env.cls is None else config.env.max_tokens} + {what} ({longest} "
-                          f"tokens){' + rollout.max_new_tokens' if config.env.cls is not None else ''} exceeds the "
-                          f"model's max_position_embeddings={limit}: set {key} to at most {max(room, 1)}")
+        raise ConfigError(
+            f"{key}={width if config.env.cls is None else config.env.max_tokens} + {what} ({longest} "
+            f"tokens){' + rollout.max_new_tokens' if config.env.cls is not None else ''} exceeds the "
+            f"model's max_position_embeddings={limit}: set {key} to at most {max(room, 1)}"
+        )
 
 
 def _group_comms(plan: Plan, world: Comm) -> dict[str, Comm | None]:
@@ -177,17 +220,35 @@ def _valid_rows(config: Config, task: Task, tokenize, world: Comm, log) -> tuple
     held-out rows that hold it too: each rank checks 1/N of them, all keep the same."""
     data = config.data
     skip = data.on_invalid_row == "skip"
-    rules = RowRules(required_fields=tuple(data.required_fields), task_fields=task.required_fields,
-                     max_prompt_tokens=data.max_prompt_tokens, skip_invalid=skip)
+    rules = RowRules(
+        required_fields=tuple(data.required_fields),
+        task_fields=task.required_fields,
+        max_prompt_tokens=data.max_prompt_tokens,
+        skip_invalid=skip,
+    )
     checked = []
-    for rows, rules, where in [(task.train, rules, _where(task.train, config.task.train_file, "training")),
-                               (task.heldout, RowRules(task_fields=task.required_fields, skip_invalid=skip),
-                                _where(task.heldout, config.task.heldout_file, "held-out"))]:
-        valid = ValidRows(rows.__getitem__, len(rows), rules, tokenize=tokenize, where=where,
-                          shard=(world.rank, world.world_size), gather=world.all_gather_object)
+    for rows, row_rules, where in [
+        (task.train, rules, _where(task.train, config.task.train_file, "training")),
+        (
+            task.heldout,
+            RowRules(task_fields=task.required_fields, skip_invalid=skip),
+            _where(task.heldout, config.task.heldout_file, "held-out"),
+        ),
+    ]:
+        valid = ValidRows(
+            rows.__getitem__,
+            len(rows),
+            row_rules,
+            tokenize=tokenize,
+            where=where,
+            shard=(world.rank, world.world_size),
+            gather=world.all_gather_object,
+        )
         if valid.skipped:
-            log(f"data: skipped {sum(valid.skipped.values())} of {len(rows)} rows of {where} "
-                f"({valid.describe_skipped()})")
+            log(
+                f"data: skipped {sum(valid.skipped.values())} of {len(rows)} rows of {where} "
+                f"({valid.describe_skipped()})"
+            )
         checked.append(valid)
     return checked[0], checked[1]
 

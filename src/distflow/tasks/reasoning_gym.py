@@ -69,8 +69,10 @@ def import_gym():
     try:
         import reasoning_gym
     except ImportError:
-        raise ConfigError("task.reasoning_gym needs the reasoning-gym package: pip install 'distflow[reasoning]'"
-                          " (or pip install reasoning-gym)") from None
+        raise ConfigError(
+            "task.reasoning_gym needs the reasoning-gym package: pip install 'distflow[reasoning]'"
+            " (or pip install reasoning-gym)"
+        ) from None
     return reasoning_gym
 
 
@@ -81,8 +83,10 @@ def _dataset(name: str, config_json: str, size: int, seed: int):
     try:
         return gym.create_dataset(name, size=size, seed=seed, **json.loads(config_json))
     except (ValueError, TypeError, KeyError, AssertionError) as err:
-        raise ConfigError(f"task.reasoning_gym: cannot create dataset {name!r} with config {config_json}: "
-                          f"{type(err).__name__}: {err}".replace("\n", " ")) from None
+        raise ConfigError(
+            f"task.reasoning_gym: cannot create dataset {name!r} with config {config_json}: "
+            f"{type(err).__name__}: {err}".replace("\n", " ")
+        ) from None
 
 
 def score_reward(prompt: str, completion: str, sample: dict) -> float:
@@ -124,20 +128,32 @@ class GymRows:
         self.path = f"reasoning-gym {split} rows"  # how row errors name them
         self.rows_read = 0
         self.rows: list[dict] = []
-        for dataset, count in zip(spec.datasets, shares([d.weight for d in spec.datasets], total)):
+        for dataset, count in zip(spec.datasets, shares([d.weight for d in spec.datasets], total), strict=True):
             if count == 0:
                 continue
             config_json = json.dumps(dataset.config, sort_keys=True)
             dataset_seed = derive_seed(seed, "reasoning-gym", split, dataset.name) % 2**31
             made = _dataset(dataset.name, config_json, count, dataset_seed)
-            gym = {"dataset": dataset.name, "config": config_json, "size": count, "seed": dataset_seed,
-                   "answer_format": spec.answer_format}
+            gym = {
+                "dataset": dataset.name,
+                "config": config_json,
+                "size": count,
+                "seed": dataset_seed,
+                "answer_format": spec.answer_format,
+            }
             for j in range(count):
                 entry = made[j]
                 if entry["question"] in leave_out:
                     continue
-                self.rows.append({"prompt": _messages(spec, entry["question"]), "answer": str(entry["answer"]),
-                                  "entry": entry, "gym": gym, "source": dataset.name})
+                self.rows.append(
+                    {
+                        "prompt": _messages(spec, entry["question"]),
+                        "answer": str(entry["answer"]),
+                        "entry": entry,
+                        "gym": gym,
+                        "source": dataset.name,
+                    }
+                )
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -161,11 +177,14 @@ class GymTask:
     @classmethod
     def build(cls, spec: Any, *, num_heldout: int, seed: int, tokenizer: Any) -> GymTask:
         heldout = GymRows(spec, num_heldout, seed, "heldout")
-        train = GymRows(spec, spec.num_train, seed, "train",
-                        leave_out=frozenset(row["entry"]["question"] for row in heldout.rows))
+        train = GymRows(
+            spec, spec.num_train, seed, "train", leave_out=frozenset(row["entry"]["question"] for row in heldout.rows)
+        )
         if len(train) == 0:
-            raise ConfigError("task.reasoning_gym: every training question is also a held-out question; "
-                              "raise task.reasoning_gym.num_train or widen the datasets' configs")
+            raise ConfigError(
+                "task.reasoning_gym: every training question is also a held-out question; "
+                "raise task.reasoning_gym.num_train or widen the datasets' configs"
+            )
         return cls(train=ChatRows(train, tokenizer), heldout=ChatRows(heldout, tokenizer))
 
     @staticmethod
@@ -180,5 +199,6 @@ class GymTask:
 
 def from_config(config: Config, tokenizer: Any) -> GymTask:
     """The registry's builder (`tasks/build.py`) for `task.reasoning_gym`."""
-    return GymTask.build(config.task.reasoning_gym, num_heldout=config.task.num_heldout, seed=config.trainer.seed,
-                         tokenizer=tokenizer)
+    return GymTask.build(
+        config.task.reasoning_gym, num_heldout=config.task.num_heldout, seed=config.trainer.seed, tokenizer=tokenizer
+    )

@@ -32,9 +32,7 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenize
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
-    core.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])]
-    )
+    core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token="<pad>",
