@@ -11,7 +11,8 @@ Timing: `distflow train --nproc 2 placement.rollout.ranks=0 placement.train.rank
 warm-start (responses run to ~14 of 24 tokens, so generation takes a while), and every
 sample trained even when its group's rewards are equal (`algorithm.skip_zero_variance_groups:
 false`, as benchmarks/throughput.py does), so every step is a full update. The two sides then
-take about the same time (the table's rollout and train columns), where overlap pays most. Per run: the median of `time/step_s` (wall time of
+take about the same time (the table's rollout and train columns), where overlap pays most.
+Per run: the median of `time/step_s` (wall time of
 one step, max over ranks) over the steps after the first two, and the medians of the
 rollout and train-side stage times. `k1/k0` is the ratio of the medians over repeats.
 

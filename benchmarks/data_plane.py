@@ -259,10 +259,12 @@ def main() -> None:
             results[mode][str(world)] = row
     print(
         "handled = busiest rank's bytes into + out of the exchange (own chunk counted both ways); "
-        "wire = busiest rank's bytes to + from other ranks; seconds = slowest rank; batch = the step's tensor bytes; MB = 1e6 B"
+        "wire = busiest rank's bytes to + from other ranks; seconds = slowest rank; "
+        "batch = the step's tensor bytes; MB = 1e6 B"
     )
     print(
-        f"{'mode':<16} {'W':>2} {'batch MB':>9} {'handled MB':>11} {'wire MB':>9} {'seconds':>8}  imbalance before → after"
+        f"{'mode':<16} {'W':>2} {'batch MB':>9} {'handled MB':>11} {'wire MB':>9} {'seconds':>8}"
+        "  imbalance before → after"
     )
     for mode in MODES:
         for world, r in results[mode].items():

@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{key:28}{full[key]:>14,}{lora[key]:>14,}{lora[key] / full[key]:>11.3f}")
     for name, learned in result.get("learning", {}).items():
         print(
-            f"learning {name}: held-out accuracy {learned['warmstart_accuracy']:.4f} -> {learned['final_accuracy']:.4f} "
+            f"learning {name}: held-out accuracy {learned['warmstart_accuracy']:.4f} "
+            f"-> {learned['final_accuracy']:.4f} "
             f"(gain {learned['accuracy_gain']:+.4f}, greedy {learned['final_greedy_accuracy']:.3f}) "
             f"in {learned['wall_seconds']:.0f} s"
         )

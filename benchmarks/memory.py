@@ -41,7 +41,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from distflow.checkpoint import export_hf, load_model_weights, save_checkpoint
-from distflow.checkpoint.store import checkpoint_dtype
+from distflow.checkpoint.contents import checkpoint_dtype
 from distflow.comm import Comm
 from distflow.config.parallel import ParallelConfig
 from distflow.engines.hf_weights import allocate_and_load
@@ -221,7 +221,8 @@ def main() -> None:
     print(f"{'export':34} {'files':>5} {'+export MiB':>12} {'/ model':>8}")
     for name, row in exports.items():
         print(
-            f"{name:34} {row['files']:>5} {row['export_growth_mib']:>12.0f} {row['export_growth_mib'] / model_mib:>8.2f}"
+            f"{name:34} {row['files']:>5} {row['export_growth_mib']:>12.0f} "
+            f"{row['export_growth_mib'] / model_mib:>8.2f}"
         )
     summary["export"] = {"model_mib": model_mib, "variants": exports}
     print(json.dumps(summary))

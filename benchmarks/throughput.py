@@ -6,8 +6,8 @@
     .venv/bin/python benchmarks/throughput.py --packed             # distflow also with packed passes
     .venv/bin/python benchmarks/throughput.py --padded             # distflow also with padded passes
     .venv/bin/python benchmarks/throughput.py --roofline           # + each setting's fp32 floor (roofline.py)
-    .venv/bin/python benchmarks/throughput.py --quick              # smoke test: `default` at 4 prompts x 4, <= 4 tokens, 3 steps
-    .venv/bin/python benchmarks/throughput.py --setup-only         # only build .venv-bench (TRL); `make test` does this first
+    .venv/bin/python benchmarks/throughput.py --quick              # smoke test: `default`, 4x4, <= 4 tokens, 3 steps
+    .venv/bin/python benchmarks/throughput.py --setup-only         # build .venv-bench (TRL) only; make test does
     python benchmarks/throughput.py --gpu --skip-trl               # on CUDA, bf16: the settings below + qwen
 
 Settings (P prompts x G samples per step, new-token cap, model; all untrained, random init):
@@ -402,7 +402,9 @@ def run_trl(
     ]
     result = json.loads(run_checked(cmd, env=env, what="TRL worker").strip().splitlines()[-1])
     args.trl_version = result["trl_version"]  # the setting's namespace; run_setting reports it
-    return [(step_s, tokens, None) for step_s, tokens in zip(result["step_s"], result["tokens"])][WARMUP_STEPS:]
+    return [(step_s, tokens, None) for step_s, tokens in zip(result["step_s"], result["tokens"], strict=True)][
+        WARMUP_STEPS:
+    ]
 
 
 # --- report -----------------------------------------------------------------------------

@@ -132,7 +132,7 @@ def measure(comm: Comm, params: dict[str, torch.Tensor], syncs: int) -> dict[str
             key = f"T{num_train}R{num_rollout}"
             sync = WeightSync(comm, tuple(range(num_train)), receivers, model)
             last = {}
-            seconds = timed(comm, lambda: last.update(moved=sync.sync(model)), syncs)
+            seconds = timed(comm, lambda last=last, sync=sync: last.update(moved=sync.sync(model)), syncs)
             moved = torch.tensor([last["moved"].sent, last["moved"].received], dtype=torch.float64)
             busiest = comm.all_reduce_max(moved)
             results["new"][key] = {
@@ -140,7 +140,7 @@ def measure(comm: Comm, params: dict[str, torch.Tensor], syncs: int) -> dict[str
                 "received_per_rollout_bytes": int(busiest[1]),
                 "seconds": seconds,
             }
-            seconds = timed(comm, lambda: old_broadcast(old_group, model), syncs)
+            seconds = timed(comm, lambda old_group=old_group: old_broadcast(old_group, model), syncs)
             results["old"][key] = {
                 "sent_max_bytes": model_bytes * math.ceil(math.log2(num_rollout + 1)),
                 "received_per_rollout_bytes": model_bytes,

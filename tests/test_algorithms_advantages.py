@@ -32,7 +32,7 @@ def test_reinforce_pp_baseline_by_hand():
     std = math.sqrt(9 / 5)
     adv = reinforce_pp_baseline_advantages(reward, group, mask)
     expected = [[0.5 / std, 0.5 / std, 0.0], [-0.5 / std, -0.5 / std, 0.0], [2 / std, 0.0, 0.0], [-2 / std, 0.0, 0.0]]
-    for row, expected_row in zip(adv.tolist(), expected):
+    for row, expected_row in zip(adv.tolist(), expected, strict=True):
         assert row == pytest.approx(expected_row, rel=1e-6)
 
 
@@ -119,7 +119,7 @@ def test_reinforce_pp_by_hand():
     # valid returns .25 .5 1 .5 1: mean .65, Σ(x - mean)² = .45, unbiased var .45 / 4 = .1125
     std = math.sqrt(0.1125)
     expected = [[-0.4 / std, -0.15 / std, 0.35 / std], [-0.15 / std, 0.35 / std, 0.0]]
-    for row, expected_row in zip(adv.tolist(), expected):
+    for row, expected_row in zip(adv.tolist(), expected, strict=True):
         assert row == pytest.approx(expected_row, rel=1e-6)
 
 

@@ -101,12 +101,13 @@ def test_split_invariance_of_value_and_gradient(mode, split):
     # Σ over micro-batches within a rank, then over ranks: what the caller's all-reduce computes.
     normalizer = finish_normalizer(
         sum(
-            loss_normalizer(_mask_BR(rows, width), mode, horizon=HORIZON) for rows, width in zip(micro_batches, widths)
+            loss_normalizer(_mask_BR(rows, width), mode, horizon=HORIZON)
+            for rows, width in zip(micro_batches, widths, strict=True)
         ),
         mode,
     )
     total = torch.zeros((), dtype=torch.float64)
-    for rows, width in zip(micro_batches, widths):
+    for rows, width in zip(micro_batches, widths, strict=True):
         part = loss_sum(_loss_BR(weight, rows, width), _mask_BR(rows, width), mode) / normalizer
         part.backward()  # gradient accumulation, one backward per micro-batch
         total += part.detach()

@@ -231,7 +231,8 @@ def test_a_pipelined_run_trains_on_the_scheduled_versions(k1_run):
 
 def test_a_rollout_rank_killed_with_batches_in_flight_ends_the_job_naming_it(tmp_path, cache_dir):
     chaos = (
-        "pipeline.custom_stages=[{name: chaos, fn: 'user_code:chaos', after: [rollout], before: [reward], placement: rollout}, "
+        "pipeline.custom_stages=[{name: chaos, fn: 'user_code:chaos', after: [rollout], before: [reward], "
+        "placement: rollout}, "
         "{name: record, fn: 'user_code:record', after: [reward], before: [advantage], "
         "reads: [uid, completion, policy_version]}]"
     )

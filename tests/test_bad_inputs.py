@@ -577,7 +577,8 @@ def test_unreadable_config_files(userdir, content, needle):
         (
             NO_TRUTH_ROW,
             None,
-            "train.jsonl: row 2 of 3: missing field 'reward_model.ground_truth' or 'answer', which the task's verifier reads",
+            "train.jsonl: row 2 of 3: missing field 'reward_model.ground_truth' or 'answer', "
+            "which the task's verifier reads",
         ),
         (SURROGATE_ROW, None, "train.jsonl: row 2 of 3: prompt holds a lone UTF-16 surrogate"),
         (None, SURROGATE_ROW, "heldout.jsonl: row 2 of 3: prompt holds a lone UTF-16 surrogate"),

@@ -28,7 +28,9 @@ def test_deterministic_and_independent_of_arrival_order():
     order = list(range(64))
     random.Random(0).shuffle(order)
     shuffled = balanced_assignment([weights[i] for i in order], 4, units=[units[i] for i in order])
-    assert {units[i]: b for i, b in zip(order, shuffled)} == {u: b for u, b in zip(units, first)}
+    assert {units[i]: b for i, b in zip(order, shuffled, strict=True)} == {
+        u: b for u, b in zip(units, first, strict=True)
+    }
 
 
 def test_groups_stay_whole():
@@ -36,7 +38,7 @@ def test_groups_stay_whole():
     units = [i // 8 for i in range(128)]
     bins = balanced_assignment(weights, 4, units=units)
     for unit in set(units):
-        assert len({b for b, u in zip(bins, units) if u == unit}) == 1
+        assert len({b for b, u in zip(bins, units, strict=True) if u == unit}) == 1
     assert all(bins.count(b) == 32 for b in range(4))
 
 
@@ -68,8 +70,8 @@ def test_no_single_exchange_lowers_the_heaviest_bin(seed):
     weights = [rng.randint(1, 64) for _ in range(num_bins * 5 * group)]
     units = [i // group for i in range(len(weights))]
     bins = balanced_assignment(weights, num_bins, units=units)
-    unit_bin = {u: b for u, b in zip(units, bins)}
-    unit_weight = {u: sum(w for w, v in zip(weights, units) if v == u) for u in unit_bin}
+    unit_bin = {u: b for u, b in zip(units, bins, strict=True)}
+    unit_weight = {u: sum(w for w, v in zip(weights, units, strict=True) if v == u) for u in unit_bin}
     loads = bin_loads(weights, bins, num_bins)
     assert [list(unit_bin.values()).count(b) for b in range(num_bins)] == [5] * num_bins
     heavy = max(range(num_bins), key=lambda b: loads[b])

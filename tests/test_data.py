@@ -16,7 +16,7 @@ def test_step_multiset_does_not_depend_on_world_size():
     pair = [loader(0, 2), loader(1, 2)]
     for _ in range(6):  # crosses two epoch boundaries (10 rows, 4 per step)
         whole = single.next_batch()
-        halves = [l.next_batch() for l in pair]
+        halves = [half.next_batch() for half in pair]
         assert whole["uid"] == halves[0]["uid"] + halves[1]["uid"]
         assert whole["prompt"] == halves[0]["prompt"] + halves[1]["prompt"]
         assert len(halves[0]) == len(halves[1]) == 2
@@ -24,15 +24,15 @@ def test_step_multiset_does_not_depend_on_world_size():
 
 def test_each_rank_reads_only_its_rows():
     read = []
-    l = PromptLoader(lambda i: read.append(i) or ROWS[i], len(ROWS), prompts_per_step=4, seed=0, rank=1, world_size=2)
-    l.next_batch()
+    ld = PromptLoader(lambda i: read.append(i) or ROWS[i], len(ROWS), prompts_per_step=4, seed=0, rank=1, world_size=2)
+    ld.next_batch()
     assert len(read) == 2
 
 
 def test_epochs_are_permutations_and_differ():
-    l = loader(0, 1, per_step=5)
-    epoch0 = l.next_batch()["prompt"] + l.next_batch()["prompt"]
-    epoch1 = l.next_batch()["prompt"] + l.next_batch()["prompt"]
+    ld = loader(0, 1, per_step=5)
+    epoch0 = ld.next_batch()["prompt"] + ld.next_batch()["prompt"]
+    epoch1 = ld.next_batch()["prompt"] + ld.next_batch()["prompt"]
     assert sorted(epoch0) == sorted(epoch1) == sorted(r["prompt"] for r in ROWS)
     assert epoch0 != epoch1
 
@@ -44,8 +44,8 @@ def test_state_restores_on_another_world_size():
     state = ref.state_dict()
     expected = ref.next_batch()["uid"]
     resumed = [loader(r, 2) for r in range(2)]
-    for l in resumed:
-        l.load_state_dict(state)
+    for ld in resumed:
+        ld.load_state_dict(state)
     assert resumed[0].next_batch()["uid"] + resumed[1].next_batch()["uid"] == expected
 
 

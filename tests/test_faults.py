@@ -105,7 +105,7 @@ def finish(proc, tmp_path, marker="fault-rank1.json"):
         _, stderr = proc.communicate(timeout=1800)
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise AssertionError("the job hung")
+        raise AssertionError("the job hung") from None
     ended = time.time()
     fault = json.loads((tmp_path / marker).read_text())
     return proc.returncode, stderr, ended - fault["time"]

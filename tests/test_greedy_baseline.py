@@ -57,6 +57,6 @@ def test_one_greedy_completion_per_group_scored_and_clipped():
         model, tokenizer, CALLS, max_new_tokens=4, temperature=1.0, prompt_ids=encode_prompts(tokenizer, CALLS)
     )
     # 4 and 6 characters of prompt plus the completion's, the second clipped at 5.5 like the sampled rewards
-    expected = [min(float(len(p) + len(c)), 5.5) for p, c in zip(CALLS, greedy.completions)]
+    expected = [min(float(len(p) + len(c)), 5.5) for p, c in zip(CALLS, greedy.completions, strict=True)]
     assert expected[1] == 5.5
     assert out["baseline_reward"].tolist() == [expected[0]] * 2 + [expected[1]] * 3

@@ -74,7 +74,7 @@ def run_layout(name: str, tmp_path_factory, cache_dir) -> dict:
     for path in (cwd / "records").glob("step*-rank*.json"):
         step = int(path.name[4:].split("-")[0])
         data = json.loads(path.read_text())
-        samples.setdefault(step, []).extend(zip(data["uid"], data["prompt"], data["completion"]))
+        samples.setdefault(step, []).extend(zip(data["uid"], data["prompt"], data["completion"], strict=True))
     return {"metrics": metrics, "samples": samples, "summary": json.loads(result.stdout.splitlines()[-1])}
 
 

@@ -58,7 +58,7 @@ def test_adapters_start_at_the_base_model_and_are_all_that_trains():
     assert [name for name, _ in synced_parameters(model)] == trained
     assert len(trainable_parameters(model)) == len(trained)
     again = apply_lora(base_model(), lora_spec(), seed=3)
-    for (name, a), (_, b) in zip(model.named_parameters(), again.named_parameters()):
+    for (name, a), (_, b) in zip(model.named_parameters(), again.named_parameters(), strict=True):
         assert torch.equal(a, b), name  # every rank builds the same adapters
 
 
@@ -130,7 +130,9 @@ def test_ddp_and_fsdp2_train_the_same_adapters(synced):
     ddp, fsdp2 = synced[0]["ddp"], synced[0]["fsdp2"]
     assert fsdp2["losses"] == pytest.approx(ddp["losses"], rel=1e-5)
     for name, tensor in ddp["params"].items():
-        torch.testing.assert_close(fsdp2["params"][name], tensor, rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            fsdp2["params"][name], tensor, rtol=1e-3, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])

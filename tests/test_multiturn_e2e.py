@@ -150,12 +150,12 @@ def test_trajectories_have_holes_and_rollout_logprobs_match_training(one_rank):
         mask, logp, old = row["response_mask"], row["rollout_logp"], row["old_logp"]
         ones = [t for t, m in enumerate(mask) if m]
         assert any(m == 0 for m in mask[ones[0] : ones[-1]]), "an observation between two model turns"
-        assert all(lp == 0.0 for lp, m in zip(logp, mask) if not m)
-        for lp, o, m in zip(logp, old, mask):
+        assert all(lp == 0.0 for lp, m in zip(logp, mask, strict=True) if not m)
+        for lp, o, m in zip(logp, old, mask, strict=True):
             if m:
                 assert lp == pytest.approx(o, abs=1e-4)  # the training pass sees the sampled sequence
         # each environment reward sits on a model token (the last one of its turn)
-        assert all(m == 1 for r, m in zip(row["turn_reward"], mask) if r != 0)
+        assert all(m == 1 for r, m in zip(row["turn_reward"], mask, strict=True) if r != 0)
     step = one_rank["metrics"][-1]
     assert step["env/tool_call_rate"] == 1.0 and step["env/errors"] == 0 and step["env/timeouts"] == 0
     assert 2.0 <= step["env/turns"] <= 3.0

@@ -46,7 +46,9 @@ def test_pack_places_each_sequence_once_with_restarting_positions():
     assert packing.valid_BR.tolist() == [[True, True, True], [True, False, False], [True, True, False]]
     assert [
         (r, c)
-        for r, c, v in zip(rows.flatten().tolist(), cols.flatten().tolist(), packing.valid_BR.flatten().tolist())
+        for r, c, v in zip(
+            rows.flatten().tolist(), cols.flatten().tolist(), packing.valid_BR.flatten().tolist(), strict=True
+        )
         if v
     ] == [(1, 0), (1, 1), (1, 2), (2, 1), (0, 2), (0, 3)]
 
@@ -75,7 +77,7 @@ def test_logprobs_entropies_and_gradients_equal_the_padded_pass():
     assert (logp_a - logp_b).abs().max() <= 1e-6
     assert (ent_a - ent_b).abs().max() <= 1e-6
     assert abs(loss_a.item() - loss_b.item()) <= 1e-6
-    for grad_a, grad_b in zip(grads_a, grads_b):
+    for grad_a, grad_b in zip(grads_a, grads_b, strict=True):
         assert (grad_a - grad_b).abs().max() <= 1e-6 * max(1.0, grad_a.abs().max().item())
 
 

@@ -51,7 +51,7 @@ def test_micro_batch_split_does_not_change_gradient():
     whole = grads_after_update(SINGLE, make_batch(), micro_batch_size=8)
     pieces = grads_after_update(SINGLE, make_batch(), micro_batch_size=1)
     uneven = grads_after_update(SINGLE, make_batch(), micro_batch_size=3)
-    for a, b, c in zip(whole, pieces, uneven):
+    for a, b, c in zip(whole, pieces, uneven, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-6)
 

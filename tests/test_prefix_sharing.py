@@ -101,7 +101,7 @@ def test_logprobs_entropies_loss_and_gradients_equal_the_padded_pass():
     assert (ent_a - ent_b).abs().max() <= 1e-6
     assert abs(loss_a.item() - loss_b.item()) <= 1e-6
     assert all(g.abs().max() > 0 for g in grads_a)  # every parameter gets a gradient, prompt-only rows too
-    for grad_a, grad_b in zip(grads_a, grads_b):
+    for grad_a, grad_b in zip(grads_a, grads_b, strict=True):
         assert (grad_a - grad_b).abs().max() <= 1e-6 * max(1.0, grad_a.abs().max().item())
 
 
@@ -148,7 +148,7 @@ def test_in_lockstep_every_call_makes_the_same_two_forward_calls():
     for rows in (list(range(17)), lone, lone[:1]):
         calls = []
 
-        def forward(ids, mask, positions, cache, last_only):
+        def forward(ids, mask, positions, cache, last_only, calls=calls):
             calls.append((tuple(ids.shape), cache is not None, last_only))
             return model(
                 input_ids=ids,
@@ -183,7 +183,7 @@ def test_values_and_their_gradients_equal_the_padded_pass():
         results[shared] = (out[valid], [p.grad.clone() for p in values.parameters()])
     (padded, grads_a), (shared, grads_b) = results[False], results[True]
     assert (padded - shared).abs().max() <= 1e-6 * padded.abs().max()  # values of up to ~9
-    for grad_a, grad_b in zip(grads_a, grads_b):
+    for grad_a, grad_b in zip(grads_a, grads_b, strict=True):
         assert (grad_a - grad_b).abs().max() <= 1e-5 * max(1.0, grad_a.abs().max().item())
 
 
@@ -208,7 +208,7 @@ def test_with_activation_checkpointing_the_gradients_equal_the_padded_pass():
         logp, _ = response_logprobs(model, ids, mask, response_mask.shape[1], shared_prefix=shared)
         ((logp * response_mask).sum() / response_mask.sum()).backward()
         grads[shared] = [p.grad.clone() for p in model.parameters()]
-    for grad_a, grad_b in zip(grads[False], grads[True]):
+    for grad_a, grad_b in zip(grads[False], grads[True], strict=True):
         assert (grad_a - grad_b).abs().max() <= 1e-6 * max(1.0, grad_a.abs().max().item())
 
 
@@ -270,7 +270,7 @@ def test_a_cli_run_with_shared_prefix_logs_what_the_padded_run_logs(tmp_path, ca
         lines = (tmp_path / f"shared_{shared}" / "metrics.jsonl").read_text().splitlines()
         rows[shared] = [json.loads(line) for line in lines if json.loads(line)["step"] >= 1]
     assert len(rows["true"]) == len(rows["false"]) == 3
-    for want, got in zip(rows["false"], rows["true"]):
+    for want, got in zip(rows["false"], rows["true"], strict=True):
         assert got["reward/mean"] == want["reward/mean"] and got["tokens/generated"] == want["tokens/generated"]
         for key in ("train/pg_loss", "train/grad_norm", "train/entropy"):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key

@@ -62,7 +62,7 @@ print(json.dumps({"runs": [first.metrics(), second.metrics()], "final_eval": fir
 
 def assert_same_metrics(got: list[dict], want: list[dict]) -> None:
     assert [r["step"] for r in got] == [r["step"] for r in want]
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         for key in COMPARED:
             if b.get(key) is not None:
                 assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (b["step"], key)
@@ -240,8 +240,10 @@ build_tiny_model(tokenizer, seed=0, max_positions=128).save_pretrained(out + "/m
 tokenizer.save_pretrained(out + "/model")
 rows = [{"prompt": [{"role": "user", "content": f"What is {a}+{b}?"}], "answer": str(a + b), "level": a}
         for a in range(1, 9) for b in range(1, 5)]
-splits = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[:8])})
-result = distflow.train(overrides={"model.path": out + "/model", "trainer.total_steps": 2, "trainer.prompts_per_step": 4,
+splits = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
+                               "test": datasets.Dataset.from_list(rows[:8])})
+result = distflow.train(overrides={"model.path": out + "/model", "trainer.total_steps": 2,
+                                   "trainer.prompts_per_step": 4,
                                    "rollout.num_samples": 4, "rollout.max_new_tokens": 8, "trainer.eval_every": 0,
                                    "trainer.eval_samples": 1, "trainer.progress_bar": False, "checkpoint.at_end": False,
                                    "trainer.output_dir": out, "trainer.run_name": "run"},

@@ -130,7 +130,7 @@ def _run(tmp_path, name, *extra):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(p.read_text()) for p in sorted((cwd / "records").glob("step1-rank*.json"))]
-    samples = sorted(s for r in records for s in zip(r["uid"], r["prompt"], r["completion"]))
+    samples = sorted(s for r in records for s in zip(r["uid"], r["prompt"], r["completion"], strict=True))
     return cwd, records, samples
 
 
@@ -145,7 +145,7 @@ def test_same_first_step_samples_on_one_and_two_ranks(tmp_path, one_rank, smollm
     assert len(samples) == 8 and len({uid for uid, _, _ in samples}) == 8
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     for record in records:  # the loss sees the response up to its end of turn: no prompt, template or padding
-        for ids, mask, prompt in zip(record["ids"], record["mask"], record["prompt"]):
+        for ids, mask, prompt in zip(record["ids"], record["mask"], record["prompt"], strict=True):
             width = len(ids) - len(mask)  # the response columns, which the mask covers, start here
             assert (
                 tokenizer.decode(ids[:width], skip_special_tokens=False)

@@ -146,7 +146,7 @@ def test_a_tool_turn_follows_the_chat_template(tmp_path, model_dir):  # noqa: F8
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     seen = 0
     for record in records(tmp_path, 1):
-        for ids, mask in zip(record["ids"], record["mask"]):
+        for ids, mask in zip(record["ids"], record["mask"], strict=True):
             response = ids[len(ids) - len(mask) :]
             first_gap = mask.index(0) if 0 in mask else None
             if first_gap is None or response[first_gap - 1] != im_end:

@@ -90,7 +90,7 @@ def samples(cwd) -> dict[int, list]:
     for path in (cwd / "records").glob("step*-rank*.json"):
         step = int(path.name[4:].split("-")[0])
         data = json.loads(path.read_text())
-        out.setdefault(step, []).extend(zip(data["uid"], data["prompt"], data["completion"]))
+        out.setdefault(step, []).extend(zip(data["uid"], data["prompt"], data["completion"], strict=True))
     return {step: sorted(rows) for step, rows in out.items()}
 
 

@@ -46,7 +46,7 @@ def test_batched_scores_equal_one_at_a_time(reward_model_dir):
     batched = RewardModel(str(reward_model_dir), batch_size=3, device=torch.device("cpu")).score(prompts, completions)
     model = LlamaForSequenceClassification.from_pretrained(reward_model_dir).eval()
     tokenizer = build_char_tokenizer()
-    for i, (p, c) in enumerate(zip(prompts, completions)):
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
         ids = torch.tensor([tokenizer(p + c)["input_ids"]])
         with torch.no_grad():
             alone = model(input_ids=ids).logits[0, 0].item()

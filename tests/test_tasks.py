@@ -87,7 +87,9 @@ def test_tiny_model_saves_loads_and_generates(tmp_path):
     assert out.input_ids_BT.shape == (2, out.prompt_width + 4)
     assert out.prompt_width == len("33+44=") + 1
     # Padding in the response is masked out and decodes to nothing.
-    for row, mask, text in zip(out.input_ids_BT[:, out.prompt_width :], out.response_mask_BR, out.completions):
+    for row, mask, text in zip(
+        out.input_ids_BT[:, out.prompt_width :], out.response_mask_BR, out.completions, strict=True
+    ):
         kept = row[mask.bool()]
         assert tok.decode(kept, skip_special_tokens=True) == text
     greedy_a = generate(loaded, tok, ["1+2="], max_new_tokens=4, temperature=1.0)

@@ -135,7 +135,7 @@ def critic_grads(comm: Comm, micro_batch_size: int, rows: list[int], strategy: s
 
 def _assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     assert any(g.abs().sum() > 0 for g in a), "the test batch must produce a gradient"
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
 
 
@@ -206,9 +206,9 @@ def test_kl_loss_and_entropy_bonus_cover_groups_without_signal():
     assert batch["sample_mask"][2] == 0
     # Changing the reference of a sample without signal changes the gradient with a KL loss...
     with_kl = _grads_of(batch, KL_LOSS)
-    assert any(not torch.allclose(a, b) for a, b in zip(with_kl, _grads_of(moved, KL_LOSS)))
+    assert any(not torch.allclose(a, b) for a, b in zip(with_kl, _grads_of(moved, KL_LOSS), strict=True))
     # ...and not without one.
-    for a, b in zip(_grads_of(batch, []), _grads_of(moved, [])):
+    for a, b in zip(_grads_of(batch, []), _grads_of(moved, []), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     # A step without any signal still regularises, normalised by every response token: the same
     # gradient as a step where every sample counts but all advantages are 0.

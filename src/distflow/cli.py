@@ -42,6 +42,13 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="YAML config file")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=50")
     train.add_argument("--nproc", type=int, default=1, help="number of ranks to start on this machine")
+    _add_run_options(train)
+    _add_tool_commands(sub)
+    return parser
+
+
+def _add_run_options(train: argparse.ArgumentParser) -> None:
+    """`distflow train`'s options beyond the config: resuming, restarts, profiling."""
     train.add_argument(
         "--resume",
         nargs="?",
@@ -66,6 +73,10 @@ def _parser() -> argparse.ArgumentParser:
         metavar="K",
         help="write a torch profiler trace of K steps to RUN_DIR/profile/ (trainer.profile_steps=K)",
     )
+
+
+def _add_tool_commands(sub) -> None:
+    """The commands besides `train`: plan, export, model, report."""
     plan = sub.add_parser("plan", help="print the execution plan without launching anything")
     plan.add_argument("config")
     plan.add_argument("overrides", nargs="*")
@@ -104,7 +115,6 @@ def _parser() -> argparse.ArgumentParser:
         default="report.png",
         help="the picture to write, its format by its extension (default: report.png; a directory: DIR/report.png)",
     )
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

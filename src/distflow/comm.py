@@ -13,6 +13,7 @@ of DDP, which runs its own all-reduce) are exactly:
     engines/parallelize.py       DDP and FSDP2 (fully_shard, device meshes, DTensor): the gradient
                                  reduction and the parameter all-gathers live in them
     checkpoint/store.py          torch.distributed.checkpoint (sharded save/load, resharding)
+    checkpoint/contents.py       DCP's metadata of a saved checkpoint (tensor names, shapes, shard files)
     engines/hf_weights.py        DCP's Hugging Face reader (a model directory into sharded parameters)
     checkpoint/export.py         DCP reads of a checkpoint's model tensors (the streamed export, one process)
     runtime/launcher.py          torch's elastic launcher (`distflow train --nproc N`)

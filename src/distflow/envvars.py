@@ -20,8 +20,8 @@ itself, and STATUS_DIR and LAUNCHED are unset.
 """
 
 STARTED_ENV = "DISTFLOW_STARTED"
-"""Set by runtime/start.py to the time `distflow train` (or `distflow.train`) started; read by the executor: the summary's
-`wall_seconds` counts the set-up before the ranks (the launch, the warm-start)."""
+"""Set by runtime/start.py to the time `distflow train` (or `distflow.train`) started; read by the
+executor: the summary's `wall_seconds` counts the set-up before the ranks (the launch, the warm-start)."""
 
 RUN_NAME_ENV = "DISTFLOW_RUN_NAME"
 """Set by runtime/start.py to its run directory's name; read by every rank's start.py when trainer.run_name is

@@ -54,7 +54,7 @@ class Inputs:
                 task["reward"], task["rewards"] = specs[0], []
             else:
                 names = _unique([spec.rpartition(":")[2].split("#")[0] for spec in specs])
-                task["rewards"] = [{"fn": spec, "name": name} for spec, name in zip(specs, names)]
+                task["rewards"] = [{"fn": spec, "name": name} for spec, name in zip(specs, names, strict=True)]
         if env is not None:
             data["env"]["cls"] = self.reference(env, "env")
         if dataset is not None:

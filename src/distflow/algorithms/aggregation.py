@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # tensor methods only: the dag's config check reads LossAgg w
     import torch
 
 
-class LossAgg(str, enum.Enum):
+class LossAgg(enum.StrEnum):
     """Loss aggregation mode; the values are verl's `loss_agg_mode` strings (and "token-sum")."""
 
     TOKEN_MEAN = "token-mean"

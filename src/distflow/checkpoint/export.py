@@ -31,15 +31,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
 
+from distflow.checkpoint.contents import check_matches, checkpoint_dtype, model_tensor_entries, read_meta
 from distflow.checkpoint.directory import ADAPTER_CONFIG, MODEL_CONFIG, TOKENIZER_DIR, CheckpointError
-from distflow.checkpoint.store import (
-    check_matches,
-    checkpoint_dtype,
-    load_model_weights,
-    model_tensor_entries,
-    quiet_single_process,
-    read_meta,
-)
+from distflow.checkpoint.store import load_model_weights, quiet_single_process
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # what save_pretrained writes by default (5 GB files)
 

@@ -114,7 +114,7 @@ def convert(tp: Any, value: Any, where: str) -> Any:
         item_tps = typing.get_args(tp)
         if not isinstance(value, (list, tuple)) or len(value) != len(item_tps):
             raise ConfigError(f"{where} must be a list of {len(item_tps)} values (got {value!r})")
-        return tuple(convert(t, v, f"{where}[{i}]") for i, (t, v) in enumerate(zip(item_tps, value)))
+        return tuple(convert(t, v, f"{where}[{i}]") for i, (t, v) in enumerate(zip(item_tps, value, strict=True)))
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -59,7 +59,7 @@ def attribute_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
     docs = {}
-    for statement, following in zip(body, body[1:]):
+    for statement, following in zip(body, body[1:], strict=False):
         if (
             isinstance(statement, ast.AnnAssign)
             and isinstance(statement.target, ast.Name)

@@ -40,7 +40,7 @@ def env_rollout(batch: Batch, ctx: StageContext) -> Batch:
     limits = TurnLimits(cfg.max_turns, cfg.max_tokens, cfg.default_reward, cfg.num_workers)
     trajs = [
         Trajectory(sample=dict(s), env=cls(**cfg.kwargs), env_seconds=cfg.deadline_s, uid=uid)
-        for s, uid in zip(expanded["sample"], uids)
+        for s, uid in zip(expanded["sample"], uids, strict=True)
     ]
     reset_all(trajs, ctx.tokenizer, expanded["prompt_ids"], limits)
 

@@ -164,7 +164,9 @@ def reward(batch: Batch, ctx: StageContext) -> Batch:
         env_B = batch["turn_reward"].sum(-1).to(scores.reward_B.device, scores.reward_B.dtype)
         ctx.metrics.mean("reward/env", float(env_B.sum()), len(batch))
         scores.reward_B = scores.reward_B + env_B
-    num_correct = sum(ctx.engines.is_correct(c, private_copy(s)) for c, s in zip(batch["completion"], batch["sample"]))
+    num_correct = sum(
+        ctx.engines.is_correct(c, private_copy(s)) for c, s in zip(batch["completion"], batch["sample"], strict=True)
+    )
     ctx.metrics.mean("reward/mean", float(scores.reward_B.sum()), len(batch))
     for name, total in scores.term_sums.items():
         ctx.metrics.mean(f"reward/{name}", total, len(batch))

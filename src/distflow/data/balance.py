@@ -145,7 +145,7 @@ def bin_capacities(num_units: int, num_bins: int) -> list[int]:
 
 def bin_loads(weights: Sequence[int], bin_of: Sequence[int], num_bins: int) -> list[int]:
     loads = [0] * num_bins
-    for weight, b in zip(weights, bin_of):
+    for weight, b in zip(weights, bin_of, strict=True):
         loads[b] += weight
     return loads
 

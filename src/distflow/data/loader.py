@@ -209,13 +209,13 @@ class ValidRows:
         if rules.max_prompt_tokens and tokenize is not None:
             fine = [k for k, p in enumerate(problems) if p is None]
             lengths = [len(ids) for ids in tokenize([rows[k]["prompt"] for k in fine])] if fine else []
-            for k, length in zip(fine, lengths):
+            for k, length in zip(fine, lengths, strict=True):
                 if length > rules.max_prompt_tokens:
                     problems[k] = (
                         "overlong prompt",
                         f"prompt has {length} tokens > data.max_prompt_tokens={rules.max_prompt_tokens}",
                     )
-        return {i: problem for i, problem in zip(indices, problems) if problem is not None}
+        return {i: problem for i, problem in zip(indices, problems, strict=True) if problem is not None}
 
     @staticmethod
     def _problem(row: object, rules: RowRules) -> tuple[str, str] | None:

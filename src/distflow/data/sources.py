@@ -54,7 +54,7 @@ class RowSource(ABC):
             raise IndexError(f"row {index} out of range for {self.path} ({len(self)} rows)")
         return self._read(index)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 — a hook: a source without an open file has nothing to release
         """Release the open file, if any."""
 
     def __enter__(self) -> RowSource:

@@ -8,8 +8,8 @@ actor when no reward model is given) with a zero-initialised head, so its first
 predictions are 0. Under fsdp2 with sharded loading the policy is still on the meta device:
 the critic is then built there too, sharded, and each rank reads its own rows of the
 backbone from the model directory's files through the same path as the policy
-(`EngineBuild.load_sharded`, engines/hf_weights.py). The value of response token t is read at the column that predicts it
-(t - 1), the same alignment as the log-probs. Training is `TrainableEngine`'s, as the
+(`EngineBuild.load_sharded`, engines/hf_weights.py). The value of response token t is read at
+the column that predicts it (t - 1), the same alignment as the log-probs. Training is `TrainableEngine`'s, as the
 policy's: the same data-parallel wrapper, micro-batching, global normaliser, AdamW and
 clipping; only the forward pass differs.
 """

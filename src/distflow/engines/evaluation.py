@@ -114,7 +114,7 @@ def _judge_multiturn(model, tokenizer, samples, is_correct, sampling, sample_key
             list(chunk),
             env,
             sampling,
-            lambda t, turn: None if keys is None else derive_seed(keys[t.uid], "turn", turn),
+            lambda t, turn, keys=keys: None if keys is None else derive_seed(keys[t.uid], "turn", turn),
             samples_per_prompt=n,
         )
         by_uid = {

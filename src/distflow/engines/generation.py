@@ -1,9 +1,9 @@
 """Sampling completions: the `compact` engine (engines.decoding), the same with the model's
 forward compiled (`compiled`), Hugging Face `generate`, or vLLM (`vllm`, engines.vllm_rollout).
 
-`rollout.engine` picks one; all but `vllm` give the same samples (vLLM has its own sampler). `generate` (Hugging Face's, KV cache
-on, over the batch with each prompt repeated n times) is the reference the other is tested
-against.
+`rollout.engine` picks one; all but `vllm` give the same samples (vLLM has its own sampler).
+`generate` (Hugging Face's, KV cache on, over the batch with each prompt repeated n times) is the
+reference the other is tested against.
 
 The sampling settings are passed as a complete `GenerationConfig`, so nothing from a
 model directory's own `generation_config.json` (repetition penalties, top-k, ...) can
@@ -60,17 +60,12 @@ def generate(
     at least this many columns (a width shared by a whole worker group). `logprobs`: keep the
     log-prob of every sampled token as it is drawn (`Generation.logp_BR`).
     """
-    device = next(model.parameters()).device
-    n = samples_per_prompt
+    device, n = next(model.parameters()).device, samples_per_prompt
     rows = prompt_ids if prompt_ids is not None else encode_prompts(tokenizer, prompts)
     prompt_ids_GP, prompt_mask_GP = left_pad(rows, tokenizer.pad_token_id, width=prompt_width)
     prompt_ids_GP, prompt_mask_GP = prompt_ids_GP.to(device), prompt_mask_GP.to(device)
     width = prompt_ids_GP.shape[1]
-    keys_B = None
-    if sample_keys is not None:
-        if len(sample_keys) != len(rows) * n:
-            raise ValueError(f"{len(sample_keys)} sample keys for {len(rows)} prompts × {n} samples")
-        keys_B = torch.tensor(sample_keys, dtype=torch.long, device=device)
+    keys_B = _keys_tensor(sample_keys, len(rows), n, device)
     was_training = model.training
     model.eval()
     try:
@@ -89,10 +84,8 @@ def generate(
         )
     finally:
         model.train(was_training)
-    prompt_ids_BP, prompt_mask_BP = (
-        prompt_ids_GP.repeat_interleave(n, dim=0),
-        prompt_mask_GP.repeat_interleave(n, dim=0),
-    )
+    prompt_ids_BP = prompt_ids_GP.repeat_interleave(n, dim=0)
+    prompt_mask_BP = prompt_mask_GP.repeat_interleave(n, dim=0)
     response_mask_BR = response_mask_from_ids(response_BR, stop_token_ids(tokenizer))
     response_BR = torch.where(response_mask_BR.bool(), response_BR, tokenizer.pad_token_id)
     completions = tokenizer.batch_decode(response_BR, skip_special_tokens=True)
@@ -105,6 +98,15 @@ def generate(
     return Generation(
         input_ids_BT, attention_mask_BT, response_mask_BR, width, completions, logp_BR if logprobs else None
     )
+
+
+def _keys_tensor(sample_keys: list[int] | None, num_prompts: int, n: int, device) -> torch.Tensor | None:
+    """One sampling key per row (prompt g's k-th sample in row g·n + k); None: greedy."""
+    if sample_keys is None:
+        return None
+    if len(sample_keys) != num_prompts * n:
+        raise ValueError(f"{len(sample_keys)} sample keys for {num_prompts} prompts × {n} samples")
+    return torch.tensor(sample_keys, dtype=torch.long, device=device)
 
 
 def _recomputed_logp(model, input_ids_BT, attention_mask_BT, width: int, temperature: float) -> torch.Tensor:

@@ -17,7 +17,8 @@ at `max_turns`, at the `max_tokens` budget (the tokens past it are dropped), or 
 environment call raises, returns a turn reward that is not a finite float32 (NaN, inf, 1e308: as
 a reward function's, engines/reward.py) or runs past the environment time the trajectory has left
 (`env.deadline_s` for all its calls together; generation does not count) — scored
-`default_reward`, counted (`env/errors`, `env/timeouts`). Turn t of sample uid draws token k from the key (seed, uid, t) at position k, and
+`default_reward`, counted (`env/errors`, `env/timeouts`). Turn t of sample uid draws token k
+from the key (seed, uid, t) at position k, and
 each turn pads to the worker group's widest running sequence, so a trajectory does not
 depend on the world size or on its batch-mates.
 """
@@ -137,7 +138,7 @@ def reset_all(trajs: list[Trajectory], tokenizer, prompt_ids: list[list[int]], l
     outcomes = run_calls(
         [(lambda t=t: t.env.reset(t.sample), t.env_seconds) for t in trajs], num_workers=limits.num_workers
     )
-    for traj, ids, outcome in zip(trajs, prompt_ids, outcomes):
+    for traj, ids, outcome in zip(trajs, prompt_ids, outcomes, strict=True):
         traj.prompt_ids = list(ids)
         traj.env_seconds -= outcome.seconds
         if outcome.timed_out or outcome.error is not None:
@@ -170,7 +171,7 @@ def roll_out(
         if not running:
             continue
         ids, logps = generate_turn(running, turn, width)
-        for traj, new_ids, new_logp in zip(running, ids, logps):
+        for traj, new_ids, new_logp in zip(running, ids, logps, strict=True):
             kept = new_ids[: limits.max_tokens - len(traj.ids)]
             traj.truncated = len(kept) < len(new_ids)
             traj.add(kept, model=True, logp=new_logp[: len(kept)])
@@ -180,7 +181,7 @@ def roll_out(
         outcomes = run_calls(
             [(lambda t=t: t.env.step(t.actions[-1]), t.env_seconds) for t in stepping], num_workers=limits.num_workers
         )
-        for traj, outcome in zip(stepping, outcomes):
+        for traj, outcome in zip(stepping, outcomes, strict=True):
             _after_step(traj, _contain(traj, outcome, limits.default_reward), tokenizer, limits, turn)
 
 

@@ -13,7 +13,8 @@ its columns 0..L-2, which attend to the cached prompt and to their own earlier t
 positions the padded pass gives them. Responses are grouped by length (`length_buckets`) so
 that a short response is not computed to the batch's longest: a bucket is split off where it
 saves at least 3% of the columns (each is one more forward call); columns past a bucket's
-length are zeros in the outputs, as the padded pass's are masked out downstream. Gradients flow through the cache into the prompt pass; the gather's
+length are zeros in the outputs, as the padded pass's are masked out downstream. Gradients flow
+through the cache into the prompt pass; the gather's
 backward sums the n samples' contributions to their prompt, so log-probs, values, losses and
 every gradient equal the padded pass's to float rounding (tests/test_prefix_sharing.py).
 
@@ -136,7 +137,7 @@ def length_buckets(
     threshold = min_saving * len(order_B) * (int(sorted_B[0]) if len(order_B) else 0)
     while len(bounds) - 1 < max_buckets:
         best = (0, None)  # (columns saved, split index)
-        for start, stop in zip(bounds, bounds[1:]):
+        for start, stop in zip(bounds, bounds[1:], strict=False):
             split = torch.arange(start + 1, stop)
             if len(split):
                 saved = (stop - split) * (sorted_B[start] - sorted_B[split])
@@ -146,7 +147,7 @@ def length_buckets(
             break
         bounds = sorted([*bounds, best[1]])
     device = lengths_B.device
-    return [(order_B[a:b].to(device), int(sorted_B[a])) for a, b in zip(bounds, bounds[1:])]
+    return [(order_B[a:b].to(device), int(sorted_B[a])) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def _write_once_cache(model_config) -> DynamicCache | None:
@@ -165,7 +166,7 @@ def _write_once_cache(model_config) -> DynamicCache | None:
 def _read_only_cache(model_config, prompts: DynamicCache, index_B: torch.Tensor) -> DynamicCache:
     """A cache holding row index_B[b] of the prompt cache for sample b, which a forward reads and never grows."""
     cache = DynamicCache(config=model_config)
-    for layer, prompt in zip(cache.layers, prompts.layers):
+    for layer, prompt in zip(cache.layers, prompts.layers, strict=True):
         _keep(layer, prompt.keys[index_B], prompt.values[index_B])
         layer.update = functools.partial(_read, layer)
     return cache

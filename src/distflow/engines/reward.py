@@ -205,7 +205,7 @@ class Rewards:
         model_values = {m.name: self._model_values(m, prompts, completions, scores) for m in self.models}
         totals = []
         fallback = sum(term.weight * self.default_reward for term in [*self.terms, *self.models])
-        for i, (prompt, completion, sample) in enumerate(zip(prompts, completions, samples)):
+        for i, (prompt, completion, sample) in enumerate(zip(prompts, completions, samples, strict=True)):
             total = 0.0
             for term in self.terms:
                 value = self._one(term, (prompt, completion, private_copy(sample)), scores)

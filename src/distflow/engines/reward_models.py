@@ -43,9 +43,9 @@ class RewardModel:
                 self._tokenizer.apply_chat_template(
                     [{"role": "user", "content": p}, {"role": "assistant", "content": c}], tokenize=False
                 )
-                for p, c in zip(prompts, completions)
+                for p, c in zip(prompts, completions, strict=True)
             ]
-        return [p + c for p, c in zip(prompts, completions)]
+        return [p + c for p, c in zip(prompts, completions, strict=True)]
 
     @torch.no_grad()
     def score(self, prompts: Sequence[str], completions: Sequence[str]) -> torch.Tensor:

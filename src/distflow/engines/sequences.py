@@ -40,7 +40,7 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> li
         which = [i for i, has in enumerate(has_bos) if has != add]
         if which:
             encoded = tokenizer([prompts[i] for i in which], add_special_tokens=add)["input_ids"]
-            for i, ids in zip(which, encoded):
+            for i, ids in zip(which, encoded, strict=True):
                 out[i] = list(ids)
     return out
 

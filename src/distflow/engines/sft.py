@@ -26,7 +26,7 @@ def supervised_batch(
     """(ids_BT, mask_BT, loss_mask_BT): loss on the answer tokens and EOS only."""
     prompt_rows = encode_prompts(tokenizer, list(prompts))
     answer_rows = tokenizer(list(answers), add_special_tokens=False)["input_ids"]
-    rows = [p + list(a) + [tokenizer.eos_token_id] for p, a in zip(prompt_rows, answer_rows)]
+    rows = [p + list(a) + [tokenizer.eos_token_id] for p, a in zip(prompt_rows, answer_rows, strict=True)]
     ids_BT, mask_BT = left_pad(rows, tokenizer.pad_token_id)
     loss_mask_BT = torch.zeros_like(mask_BT)
     for i, a in enumerate(answer_rows):

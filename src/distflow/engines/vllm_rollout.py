@@ -192,7 +192,7 @@ class VllmEngine:
         if not logprobs:
             return token_ids, None
         logps = [
-            [step[tok].logprob for tok, step in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)]
+            [step[tok].logprob for tok, step in zip(out.outputs[0].token_ids, out.outputs[0].logprobs, strict=True)]
             for out in outputs
         ]
         return token_ids, logps
@@ -226,7 +226,7 @@ def vllm_responses(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`engines.generation`'s contract for `vllm`: response ids [G·n, max_new_tokens] (right-padded) and,
     with `logprobs`, each sampled token's log-prob under the engine (temperature applied)."""
-    rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids_GP.cpu(), prompt_mask_GP.cpu())]
+    rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids_GP.cpu(), prompt_mask_GP.cpu(), strict=True)]
     keys = keys_B.tolist() if keys_B is not None else None
     token_ids, logps = engine_for(model).generate(
         rows,

@@ -88,7 +88,7 @@ def partition_rows(specs: list[tuple[str, tuple[int, ...], torch.dtype]], num_sh
         if num_rows == 0 or row_bytes == 0:
             continue  # an empty parameter: nothing to send
         first = [_first_row(i, offset, row_bytes, total, num_shares, num_rows) for i in range(num_shares)]
-        for i, (start, stop) in enumerate(zip(first, first[1:] + [num_rows])):
+        for i, (start, stop) in enumerate(zip(first, first[1:] + [num_rows], strict=True)):
             if start < stop:
                 shares[i].append(Piece(name, start, stop, row_shape, dtype))
         offset += num_rows * row_bytes

@@ -117,7 +117,7 @@ class WeightSync:
         received = 0
         for k in range(self.num_rounds):
             recvs = []
-            for sender, buckets in zip(self.senders, self.buckets):
+            for sender, buckets in zip(self.senders, self.buckets, strict=True):
                 if k < len(buckets):
                     numel = sum(piece.numel for piece in buckets[k])
                     buffer = torch.empty(numel, dtype=buckets[k][0].dtype, device=self.world.device)

@@ -43,7 +43,8 @@ _WRITE = ("os.remove", "os.rename", "os.mkdir", "os.rmdir", "shutil.rmtree", "os
 def _hook(event, args):
     if event == "open" and args and args[0] is not None:
         mode, flags = args[1], args[2]
-        writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+        write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+        writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (flags & write_flags)
         if writing and not _inside(args[0]):
             raise PermissionError(f"sandbox: writing outside the working directory: {args[0]!r}")
     elif event in _WRITE and not all(_inside(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))):

@@ -109,7 +109,7 @@ def draw(runs: dict[str, list[dict]], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 4, figsize=(18, 8), constrained_layout=True)
-    for ax, (key, title) in zip(axes.flat, PANELS):
+    for ax, (key, title) in zip(axes.flat, PANELS, strict=False):
         drawn = False
         for label, records in runs.items():
             steps, values = _series(records, key)
@@ -138,7 +138,7 @@ def _draw_time_split(ax, runs: dict[str, list[dict]]) -> None:
     for stage in stages:
         heights = [t.get(stage, 0.0) for t in times]
         ax.bar(range(len(runs)), heights, bottom=bottoms, label=stage)
-        bottoms = [b + h for b, h in zip(bottoms, heights)]
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
     ax.set_xticks(range(len(runs)), list(runs), rotation=15, fontsize="small")
     ax.set_title("step time split (median s per stage)")
     if stages:
@@ -175,5 +175,6 @@ def format_table(rows: list[dict]) -> str:
     table = [names] + [[cell(row[n]) for n in names] for row in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(names))]
     return "\n".join(
-        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))) for line in table
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
+        for line in table
     )

@@ -30,7 +30,8 @@ from distflow.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from distflow.checkpoint.store import COMPLETE, read_meta
+from distflow.checkpoint.contents import read_meta
+from distflow.checkpoint.directory import COMPLETE
 from distflow.config import Config, to_dict
 from distflow.config.deprecated import DeprecatedKeyWarning, upgrade_old_keys
 from distflow.engines.registry import checkpointed

@@ -219,6 +219,7 @@ def _train_worker(
         if out_of_time:
             log(f"step {step}: the steps took {train_s:.0f} s >= trainer.time_budget_s={trainer.time_budget_s:g}: done")
             break
+    profiler.close()  # a time-budget stop inside the profiled window
     status.enter("finish")
     summary = _summary(config, before, after, first_step, resume, comm, started, run_dir, last_checkpoint, step)
     if writer:

@@ -7,6 +7,9 @@ directory:
     profile/rank{R}.trace.json   Chrome trace (chrome://tracing, https://ui.perfetto.dev);
                                  each stage and redistribution is a labelled range
     profile/rank{R}.txt          operators by total self time (CPU, and CUDA when used)
+
+A run that stops inside the window (`trainer.time_budget_s`) writes the steps it profiled when
+the executor closes the profiler after its last step.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class StepProfiler:
         self.out = run_dir / "profile"
         self.rank = rank
         self._active: profile | None = None
+        self._last = 0  # the last step profiled so far
 
     @contextmanager
     def step(self, step: int):
@@ -35,7 +39,14 @@ class StepProfiler:
             self._active.__enter__()
         with torch.profiler.record_function(f"step {step}"):
             yield
-        if self._active is not None and step == self.steps[-1]:
+        if self._active is not None:
+            self._last = step
+            if step == self.steps[-1]:
+                self.close()
+
+    def close(self) -> None:
+        """Write the window if it is still open: the run stopped before the window's last step."""
+        if self._active is not None:
             self._active.__exit__(None, None, None)
             self._write(self._active)
             self._active = None
@@ -45,5 +56,5 @@ class StepProfiler:
         prof.export_chrome_trace(str(self.out / f"rank{self.rank}.trace.json"))
         sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=sort, row_limit=40)
-        header = f"rank {self.rank}, steps {self.steps.start}-{self.steps[-1]}, sorted by {sort}\n"
+        header = f"rank {self.rank}, steps {self.steps.start}-{self._last}, sorted by {sort}\n"
         (self.out / f"rank{self.rank}.txt").write_text(header + table + "\n")

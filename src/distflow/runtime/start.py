@@ -85,11 +85,11 @@ def start(
 
 
 def _checked_resume(config: Config, value: str, world_size: int) -> Path:
-    """The checkpoint to resume from (its run directory handed to the ranks); a ConfigError when it has nothing left to do."""
-    from distflow.checkpoint.store import check_rng_files, read_meta
+    """The checkpoint to resume from (its run directory handed to the ranks); a ConfigError when it
+    has nothing left to do."""
+    from distflow.checkpoint.contents import check_rng_files
 
-    checkpoint, run_dir = resume_target(config, value)
-    meta = read_meta(checkpoint)
+    checkpoint, run_dir, meta = resume_target(config, value)
     check_rng_files(checkpoint)
     step, train_s, budget_s = meta["step"], meta["extra"].get("train_s", 0.0), config.trainer.time_budget_s
     if step >= config.trainer.total_steps:
@@ -201,10 +201,11 @@ def run_dir_of(config: Config) -> Path:
     return Path(config.trainer.output_dir) / name
 
 
-def resume_target(config: Config, value: str) -> tuple[Path, Path]:
-    """(checkpoint to resume from, run directory to continue writing into)."""
+def resume_target(config: Config, value: str) -> tuple[Path, Path, dict]:
+    """(checkpoint to resume from, run directory to continue writing into, the checkpoint's
+    metadata: read once here, checked as it is read)."""
+    from distflow.checkpoint.contents import read_meta
     from distflow.checkpoint.directory import latest_checkpoint
-    from distflow.checkpoint.store import read_meta
     from distflow.runtime.checkpointing import checkpoint_root, resolve
 
     if value == LATEST:
@@ -220,12 +221,13 @@ def resume_target(config: Config, value: str) -> tuple[Path, Path]:
                 f"no complete checkpoint in {checkpoint_root(config, run_dir)} to resume from; "
                 "start the run without --resume"
             )
-        return latest, run_dir
+        return latest, run_dir, read_meta(latest)
     checkpoint = resolve(Path(value))
+    meta = read_meta(checkpoint)
     if config.trainer.run_name or os.environ.get(RUN_DIR_ENV):
-        return checkpoint, run_dir_of(config)
-    saved = read_meta(checkpoint)["extra"].get("run_dir")
-    return checkpoint, Path(saved) if saved else run_dir_of(config)
+        return checkpoint, run_dir_of(config), meta
+    saved = meta["extra"].get("run_dir")
+    return checkpoint, Path(saved) if saved else run_dir_of(config), meta
 
 
 def after_restart(config: Config, resume: str | None) -> tuple[str | None, bool]:

@@ -67,6 +67,9 @@ class Worker:
 
 
 def build_worker(config: Config, world: Comm, log) -> Worker:
+    """One rank's worker: plan, model, engines, task, rows, loader. Long because the build order is
+    load-bearing (the model before the engines, the engines before the weight sync, the tokenizer
+    before the rows) and reads top to bottom in one place."""
     from distflow.engines.reward import build_rewards
 
     trainer, rank = config.trainer, world.rank
@@ -224,7 +227,7 @@ def _valid_rows(config: Config, task: Task, tokenize, world: Comm, log) -> tuple
         skip_invalid=skip,
     )
     checked = []
-    for rows, rules, where in [
+    for rows, row_rules, where in [
         (task.train, rules, _where(task.train, config.task.train_file, "training")),
         (
             task.heldout,
@@ -235,7 +238,7 @@ def _valid_rows(config: Config, task: Task, tokenize, world: Comm, log) -> tuple
         valid = ValidRows(
             rows.__getitem__,
             len(rows),
-            rules,
+            row_rules,
             tokenize=tokenize,
             where=where,
             shard=(world.rank, world.world_size),

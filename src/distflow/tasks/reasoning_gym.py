@@ -128,7 +128,7 @@ class GymRows:
         self.path = f"reasoning-gym {split} rows"  # how row errors name them
         self.rows_read = 0
         self.rows: list[dict] = []
-        for dataset, count in zip(spec.datasets, shares([d.weight for d in spec.datasets], total)):
+        for dataset, count in zip(spec.datasets, shares([d.weight for d in spec.datasets], total), strict=True):
             if count == 0:
                 continue
             config_json = json.dumps(dataset.config, sort_keys=True)
