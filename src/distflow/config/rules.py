@@ -13,7 +13,9 @@ reported by the first step that can see it, as one `ConfigError` line naming the
     4. preflight     `preflight.py`, before launch: files, directories, models, the device's dtypes
 
 Steps 1 and 2 are pure (no torch, no filesystem): `Config(...)` in code and `load_config` both
-run them, so a config object that exists is valid as far as they go.
+run them, so a config object that exists is valid as far as they go. Steps 3 and 4 run, in this
+order, in `runtime.start.validate(config, world_size)`, before any rank starts (the CLI's
+`distflow train` and `distflow.train` both go through it; `distflow plan` runs step 3).
 """
 
 from __future__ import annotations

@@ -161,8 +161,9 @@ def _launch(config: Config, nproc: int, resume: str | None, max_restarts: int) -
 
 
 def validate(config: Config, world_size: int, *, check_run_dir: bool, resuming: bool) -> None:
-    """Everything that can be checked before a rank starts: layout arithmetic, graph, paths, imports.
-    (Without importing torch, which alone takes seconds: a config error shows up at once.)"""
+    """Everything that can be checked before a rank starts: layout arithmetic, graph, paths, imports:
+    steps 3 (graph, plan) then 4 (preflight) of the validation order in config/rules.py. (Without
+    importing torch, which alone takes seconds: a config error shows up at once.)"""
     from distflow.config.callables import reward_functions
     from distflow.dag.pipelines import LOADER_FIELDS, build_graph
     from distflow.planner.plan import make_plan
