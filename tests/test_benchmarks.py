@@ -51,9 +51,14 @@ def run_quick(script: str, timeout: float) -> dict:
 
 def throughput_module():
     """benchmarks/throughput.py as a module (its functions, without running it)."""
+    return benchmark_module("throughput")
+
+
+def benchmark_module(name: str):
+    """benchmarks/<name>.py as a module (its functions, without running it)."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
-        return importlib.import_module("throughput")
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCHMARKS))
 
@@ -79,7 +84,8 @@ def test_benchmark_imports_of_distflow_exist(script):
 
 
 def test_every_benchmark_has_a_quick_test():
-    scripts = {p.name for p in BENCHMARKS.glob("*.py")} - {"trl_worker.py"}  # run by throughput.py
+    # trl_worker.py is run by throughput.py; roofline_recipe.py is roofline.py's real-model part.
+    scripts = {p.name for p in BENCHMARKS.glob("*.py")} - {"trl_worker.py", "roofline_recipe.py"}
     assert scripts == {
         "throughput.py",
         "data_plane.py",
@@ -285,6 +291,15 @@ def test_async_quick():
     assert timing["k1"]["sync_bytes_per_rank"] == timing["k0"]["sync_bytes_per_rank"] > 0
     assert timing["k1"]["samples_bytes_sent"] == timing["k2"]["samples_bytes_sent"] > timing["k0"]["samples_bytes_sent"]
     assert timing["k1/k0"] > 0 and "learning" not in out
+
+
+def test_roofline_counts_a_generations_passes_as_the_compact_engine_runs_them():
+    recipe = benchmark_module("roofline_recipe")
+    # 2 prompts of 10 tokens in all, prefilled once (logits at their 2 last positions); responses of
+    # 1, 3 and 2 tokens: each first token comes from the prefill, decode step 1 feeds the 2 rows that
+    # go on, step 2 the one row with a third token, step 3 none.
+    assert recipe.generation_passes(10, 2, torch.tensor([1, 3, 2]), 4) == [(10, 2), (2, 2), (1, 1)]
+    assert recipe.generation_passes(7, 1, torch.tensor([4]), 4) == [(7, 1), (1, 1), (1, 1), (1, 1)]
 
 
 def test_roofline_quick():

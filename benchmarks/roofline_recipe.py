@@ -1,0 +1,267 @@
+"""benchmarks/roofline.py's real-model settings: a recipe's first step and one held-out
+evaluation, stage by stage, each beside the float32 floor of its Linear products.
+
+`smollm2` (`roofline.py --settings smollm2`) is examples/smollm2_chain_sum.yaml, its sizes read
+from the file: its first step's prompts as the run's loader gives them (reasoning-gym chain_sum
+rows through the chat template), its `rollout` stage (the recipe's engine, keys, temperature),
+one log-prob pass (`PolicyEngine.logprobs`, what `old_logprob` and `reference_logprob` each run;
+the table says how many the recipe's pipeline has), `PolicyEngine.update` in the recipe's
+micro-batches, and one held-out evaluation as the run calls it (`engines.evaluation.evaluate`
+over the recipe's `task.num_heldout` problems: `trainer.eval_samples` sampled completions and one
+greedy completion of each, judged by the task's verifier). Each stage's floor is the Linear
+products it computes (one random fp32 weight per layer), counted as distflow feeds them: every
+layer over each prompt's tokens once, then over the response tokens fed (all but each sample's
+last; each decode step's running rows), the output head (a fifth of the weights) only where
+logits are taken (each prompt's last position, then those rows); the update's forward and
+backward products, the others' forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from distflow.comm import Comm
+from distflow.dag.update_stages import PolicyObjective
+from distflow.data.batch import Batch
+from distflow.engines.policy import PolicyEngine
+
+SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = {"smollm2": ROOT / "examples" / "smollm2_chain_sum.yaml"}  # real-model settings: not in the default run
+
+
+def median_seconds(fn, repeats: int, *, warm_up: bool = True) -> float:
+    if warm_up:
+        fn()  # allocator, first-call overheads
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def floor_seconds(model: torch.nn.Module, passes: list[tuple[int, int]], repeats: int, *, backward: bool) -> float:
+    """Median seconds of a real model's Linear products, run back to back: each pass (body rows,
+    head rows) multiplies every Linear layer but the output head over its body rows, and the
+    head over its head rows (the positions whose logits the engine computes). One weight per
+    layer, as the model has: a small product's weight is not re-read from cache by the next."""
+    g = torch.Generator().manual_seed(0)
+    head = model.get_output_embeddings()
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    weights = [torch.randn(m.in_features, m.out_features, generator=g) for m in layers]
+    operands = []
+    for body_rows, head_rows in passes:
+        for m, w in zip(layers, weights, strict=True):
+            rows = head_rows if m is head else body_rows
+            if rows:
+                x, dy = torch.randn(rows, m.in_features, generator=g), torch.randn(rows, m.out_features, generator=g)
+                operands.append((x, w, dy))
+
+    def run() -> None:
+        for x, w, dy in operands:
+            torch.mm(x, w)
+            if backward:
+                torch.mm(dy, w.t())
+                torch.mm(dy.t(), x)
+
+    return median_seconds(run, repeats)
+
+
+def recipe_first_step(path: Path):
+    """(config, model, tokenizer, task, prompts): the recipe's model and task, and its first step's prompts as the
+    run's loader gives them (rows checked by data.*, the loader's seeded order, chat-rendered, tokenized)."""
+    from distflow.config.loader import load_config
+    from distflow.data.loader import PromptLoader, RowRules, ValidRows
+    from distflow.engines.models import load_model_and_tokenizer
+    from distflow.engines.sequences import encode_prompts
+    from distflow.tasks.build import build_task
+    from distflow.tasks.model_source import model_dirs
+
+    config = load_config(path)
+    model_dir, tokenizer_dir = model_dirs(config, builder=True, log=lambda text: print(text, file=sys.stderr))
+    model, tokenizer = load_model_and_tokenizer(model_dir, tokenizer_dir, SINGLE.device)
+    task = build_task(config, tokenizer)
+    tokenize = functools.partial(encode_prompts, tokenizer)
+    rules = RowRules(
+        required_fields=tuple(config.data.required_fields),
+        task_fields=task.required_fields,
+        max_prompt_tokens=config.data.max_prompt_tokens,
+        skip_invalid=config.data.on_invalid_row == "skip",
+    )
+    rows = ValidRows(task.train.__getitem__, len(task.train), rules, tokenize=tokenize)
+    trainer = config.trainer
+    loader = PromptLoader(
+        rows.__getitem__,
+        len(rows),
+        prompts_per_step=trainer.prompts_per_step,
+        seed=trainer.seed,
+        rank=0,
+        world_size=1,
+        tokenize=tokenize,
+    )
+    return config, model, tokenizer, task, loader.next_batch()
+
+
+def recipe_seconds(config, model: torch.nn.Module, tokenizer, prompts: Batch, repeats: int) -> tuple[Batch, dict]:
+    """The recipe's samples and its stages' median seconds: its `rollout` stage, one log-prob pass
+    (what `old_logprob` and `reference_logprob` each run), `PolicyEngine.update` as `policy_update` calls it."""
+    from distflow.dag.context import Engines, StageContext
+    from distflow.dag.stages import rollout
+    from distflow.engines.sampling import SamplingSpec
+    from distflow.observability.metrics import StepMetrics
+
+    model.eval()  # as a run loads it: no dropout
+    engines = Engines(tokenizer, None, None, SamplingSpec.of(config.rollout), rollout_model=model)
+    ctx = StageContext(config, engines, SINGLE, SINGLE, StepMetrics(), step=1)
+    drawn: list[Batch] = []
+    rollout_s = median_seconds(lambda: drawn.append(rollout(prompts, ctx)), repeats)
+    batch = drawn[-1]
+    g = torch.Generator().manual_seed(0)  # the update's cost does not depend on the advantages' values
+    batch = batch.updated(advantage=torch.randn(len(batch), generator=g), sample_mask=torch.ones(len(batch)))
+    passes = config.passes
+    engine = PolicyEngine(model, SINGLE, config.optim, temperature=config.rollout.temperature, passes=passes)
+    logprob_s = median_seconds(lambda: engine.logprobs(batch, passes.micro_batch_size), repeats)
+    objective = PolicyObjective(config.algorithm, has_old=False)
+    tokens = float(batch["response_mask"].sum())  # token-mean: every response token carries signal here
+
+    def update() -> None:
+        engine.update(batch, objective, tokens, passes.micro_batch_size, micro_batch_tokens=passes.micro_batch_tokens)
+
+    update_s = median_seconds(update, repeats)
+    same = all(torch.equal(d["input_ids"], batch["input_ids"]) for d in drawn)
+    return batch, {"rollout": rollout_s, "logprob_pass": logprob_s, "update": update_s, "samples_identical": same}
+
+
+def generation_passes(prompt_tokens: int, num_prompts: int, lengths_B: torch.Tensor, new_tokens: int) -> list:
+    """The (body rows, head rows) of the forward passes that generate responses of `lengths_B`
+    tokens: each prompt prefilled once (logits at its last position), then one decode step per
+    token over the rows still running (a row's first token comes from its prompt's logits).
+
+    >>> generation_passes(10, 2, torch.tensor([1, 3, 2]), 4)
+    [(10, 2), (2, 2), (1, 1)]
+    """
+    decode_rows = [int((lengths_B > t + 1).sum()) for t in range(new_tokens - 1)]
+    return [(prompt_tokens, num_prompts)] + [(r, r) for r in decode_rows if r]
+
+
+def evaluation(config, model: torch.nn.Module, tokenizer, task, repeats: int) -> dict:
+    """One held-out evaluation as the run calls it (`engines.evaluation.evaluate`: the sampled and the
+    greedy completions, chunked and judged as in a run): its median seconds, accuracy and floor."""
+    from distflow.engines.evaluation import evaluate
+    from distflow.engines.generation import generate
+    from distflow.engines.sampling import SamplingSpec
+    from distflow.seeding import derive_seed
+
+    sampling, n, seed = SamplingSpec.of(config.rollout), config.trainer.eval_samples, config.trainer.seed
+    heldout, results = task.heldout, []
+
+    def run() -> None:
+        group_of = getattr(task, "group_of", None)
+        kwargs = dict(num_samples=n, comm=SINGLE, seed=seed, env=config.env, group_of=group_of)
+        results.append(evaluate(model, tokenizer, heldout, task.is_correct, sampling, **kwargs))
+
+    seconds = median_seconds(run, repeats, warm_up=False)  # the recipe's stages before it warmed the allocator
+    passes, tokens = [], 0
+    prompts = [row["prompt"] for row in heldout]
+    for keys, per_prompt in [
+        ([derive_seed(seed, "eval", i, k) for i in range(len(heldout)) for k in range(n)], n),
+        (None, 1),
+    ]:
+        out = generate(
+            model,
+            tokenizer,
+            prompts,
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            sample_keys=keys,
+            samples_per_prompt=per_prompt,
+            engine=sampling.engine,
+        )
+        prompt_tokens = int(out.attention_mask_BT[::per_prompt, : out.prompt_width].sum())
+        lengths_B = out.response_mask_BR.sum(-1)
+        passes += generation_passes(prompt_tokens, len(prompts), lengths_B, sampling.max_new_tokens)
+        tokens += int(lengths_B.sum())
+    return {
+        "eval_prompts": len(heldout),
+        "eval_samples": n,
+        "eval_response_tokens": tokens,
+        "eval_greedy_accuracy": results[-1].greedy,
+        "seconds": seconds,
+        "floor": floor_seconds(model, passes, repeats, backward=False),
+        "identical": all(r == results[-1] for r in results),
+    }
+
+
+def measure_recipe(name: str, repeats: int, eval_repeats: int) -> dict:
+    """One step of a real-model recipe, stage by stage, beside each stage's fp32 Linear-product floor."""
+    from distflow.dag.pipelines import build_graph
+
+    config, model, tokenizer, task, prompts = recipe_first_step(RECIPES[name])
+    passes_in_step = sum(s in build_graph(config).stages for s in ("old_logprob", "reference_logprob"))
+    batch, seconds = recipe_seconds(config, model, tokenizer, prompts, repeats)
+    num_prompts, num_samples, new_tokens = len(prompts), len(batch), config.rollout.max_new_tokens
+    width = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
+    prompt_tokens = int(batch["attention_mask"][:: config.rollout.num_samples, :width].sum())
+    lengths_B = batch["response_mask"].sum(-1)
+    response_tokens = int(lengths_B.sum())
+    # A training or log-prob pass feeds each prompt once (logits at its last position only), then
+    # every response token but the last (it predicts nothing): engines/prefix_sharing.py.
+    fed = response_tokens - num_samples
+    train_passes = [(prompt_tokens, num_prompts), (fed, fed)]
+    rollout_passes = generation_passes(prompt_tokens, num_prompts, lengths_B, new_tokens)
+    floors = {
+        "rollout": floor_seconds(model, rollout_passes, repeats, backward=False),
+        "logprob_pass": floor_seconds(model, train_passes, repeats, backward=False),
+        "update": floor_seconds(model, train_passes, repeats, backward=True),
+    }
+    out = {
+        "recipe": str(RECIPES[name].relative_to(ROOT)),
+        "prompts": num_prompts,
+        "generations": config.rollout.num_samples,
+        "new_tokens": new_tokens,
+        "temperature": config.rollout.temperature,
+        "micro_batch_size": config.passes.micro_batch_size,
+        "linear_weights": sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)),
+        "head_weights": model.get_output_embeddings().weight.numel(),
+        "prompt_tokens": prompt_tokens,
+        "response_tokens": response_tokens,
+        "logprob_passes_in_step": passes_in_step,
+        "samples_identical": seconds["samples_identical"],
+    }
+    for stage, floor in floors.items():
+        out[f"{stage}_s"] = round(seconds[stage], 4)
+        out[f"{stage}_floor_s"] = round(floor, 4)
+        out[f"{stage}_over_floor"] = round(seconds[stage] / floor, 2)
+    step = seconds["rollout"] + passes_in_step * seconds["logprob_pass"] + seconds["update"]
+    step_floor = floors["rollout"] + passes_in_step * floors["logprob_pass"] + floors["update"]
+    out.update(step_s=round(step, 4), step_floor_s=round(step_floor, 4), step_over_floor=round(step / step_floor, 2))
+    if eval_repeats:
+        ev = evaluation(config, model, tokenizer, task, eval_repeats)
+        out.update({k: v for k, v in ev.items() if k.startswith("eval_")}, eval_identical=ev["identical"])
+        out.update(eval_s=round(ev["seconds"], 4), eval_floor_s=round(ev["floor"], 4))
+        out["eval_over_floor"] = round(ev["seconds"] / ev["floor"], 2)
+    return out
+
+
+def print_recipe(name: str, r: dict) -> None:
+    print(
+        f"{name}: {r['recipe']}, {r['prompts']} prompts x {r['generations']} samples, <= {r['new_tokens']} "
+        f"new tokens, T={r['temperature']}; {r['prompt_tokens']} prompt tokens (each prompt once), "
+        f"{r['response_tokens']} response tokens"
+    )
+    print(f"{'stage':<36}{'measured s':>12}{'floor s':>10}{'measured/floor':>16}")
+    passes = r["logprob_passes_in_step"]
+    labels = {"rollout": "rollout", "logprob_pass": f"log-prob pass (x{passes} in step)", "update": "update"}
+    labels["step"] = "step"
+    if "eval_s" in r:
+        labels["eval"] = f"evaluation ({r['eval_prompts']} x ({r['eval_samples']} + 1 greedy))"
+    for stage, label in labels.items():
+        print(f"{label:<36}{r[f'{stage}_s']:>12.3f}{r[f'{stage}_floor_s']:>10.3f}{r[f'{stage}_over_floor']:>16.2f}")
