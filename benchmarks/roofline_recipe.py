@@ -51,18 +51,31 @@ def floor_seconds(model: torch.nn.Module, passes: list[tuple[int, int]], repeats
     """Median seconds of a real model's Linear products, run back to back: each pass (body rows,
     head rows) multiplies every Linear layer but the output head over its body rows, and the
     head over its head rows (the positions whose logits the engine computes). One weight per
-    layer, as the model has: a small product's weight is not re-read from cache by the next."""
+    layer, as the model has: a small product's weight is not re-read from cache by the next.
+    Forward-only passes share one random input per shape (a model's activation is fresh from the
+    op before it; one per product would take the memory of every decode step of an evaluation at
+    once); with `backward`, each product has its own input and output gradient, as the saved
+    activations of a training pass are distinct."""
     g = torch.Generator().manual_seed(0)
     head = model.get_output_embeddings()
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     weights = [torch.randn(m.in_features, m.out_features, generator=g) for m in layers]
+    shared: dict[tuple[int, int], torch.Tensor] = {}
+
+    def activation(rows: int, width: int) -> torch.Tensor:
+        if backward:
+            return torch.randn(rows, width, generator=g)
+        if (rows, width) not in shared:
+            shared[(rows, width)] = torch.randn(rows, width, generator=g)
+        return shared[(rows, width)]
+
     operands = []
     for body_rows, head_rows in passes:
         for m, w in zip(layers, weights, strict=True):
             rows = head_rows if m is head else body_rows
             if rows:
-                x, dy = torch.randn(rows, m.in_features, generator=g), torch.randn(rows, m.out_features, generator=g)
-                operands.append((x, w, dy))
+                dy = torch.randn(rows, m.out_features, generator=g) if backward else None
+                operands.append((activation(rows, m.in_features), w, dy))
 
     def run() -> None:
         for x, w, dy in operands:
