@@ -8,16 +8,19 @@ was in (from the ranks' status files, runtime/diagnosis.py) and raises `RunFaile
 A SIGINT (Ctrl-C) or SIGTERM to this command stops the ranks with the same signal and
 raises `Stopped` (the CLI says where the last checkpoint is).
 
-`run_local(fn, N, ...)` is the in-process counterpart for tests and benchmarks: N forked
-gloo ranks joined through a file store in a temporary directory (no port to choose, and no
-store server thread in this process while it forks):
+`run_local(fn, N, ...)` is the in-process counterpart for tests and benchmarks: N gloo ranks
+forked by a fork server (a clean process that has imported torch and distflow once), joined
+through a file store in a temporary directory (no port to choose):
 
-    this process: tmpdir/store ──path──▶ rank 0 … rank N-1 ── fn(comm, *args) ──▶ tmpdir/{rank}.pt
+    this process ──fn, args, environ──▶ fork server ──fork──▶ rank 0 … rank N-1
+    rank r: tmpdir/store ── fn(comm, *args) ──▶ tmpdir/{r}.pt ──▶ this process
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import multiprocessing.forkserver
 import os
 import shutil
 import sys
@@ -93,7 +96,10 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> None:
 LOCAL_TIMEOUT = timedelta(seconds=1800)  # generous: a loaded 2-core machine can stall a rank for minutes
 
 
-def _local_rank(rank: int, fn: Callable, world: int, out: str, args: tuple) -> None:
+def _local_rank(rank: int, fn: Callable, world: int, out: str, args: tuple, environ: dict[str, str]) -> None:
+    os.environ.clear()  # the caller's environment as it is now, as a fork would give (the fork server's is older)
+    os.environ.update(environ)
+    faulthandler.enable(all_threads=True)  # a native crash prints every Python thread's stack
     torch.set_num_threads(1)
     store = dist.FileStore(str(Path(out) / "store"), world)
     store.set_timeout(LOCAL_TIMEOUT)
@@ -112,20 +118,36 @@ def _local_rank(rank: int, fn: Callable, world: int, out: str, args: tuple) -> N
     os._exit(0)
 
 
-def run_local(fn: Callable, world: int, *args, start_method: str = "fork") -> list:
-    """fn(comm, *args) on `world` gloo ranks of one thread each; returns each rank's result.
+def _preload() -> list[str]:
+    """What the fork server imports before its first fork: torch's distributed parts and every distflow
+    module this process has imported (what the ranks' functions use), so a rank starts in well under
+    a second where a spawned one takes many (torch and transformers alone: 8-20 s on a loaded 2-core
+    machine). What is left to import in a rank (the module defining `fn`: a test file) is small."""
+    ours = sorted(name for name in sys.modules if name.split(".")[0] == "distflow" and not name.endswith("__main__"))
+    heavy = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor"]
+    return heavy + (["transformers"] if "transformers" in sys.modules else []) + ours
 
-    Forked by default: the ranks start with everything this process has imported (torch and
-    transformers take seconds to import in a spawned one), and each sets one torch thread
-    before its first op, as PyTorch's DataLoader workers do, so an OpenMP pool the parent
-    started is never used in the child. `start_method="spawn"` starts clean processes (what a
-    memory measurement needs); `fn` must then be a module-level function (imported by name).
 
-    The ranks meet through a file store, not a TCP store served from this process: a store
-    server thread running here while the ranks are forked can hold a lock at the moment of a
-    fork, and the child that inherits it hangs in its first store call (seen once: the third
-    rank of a 3-rank test stuck connecting while the other two waited for it).
+def run_local(fn: Callable, world: int, *args, start_method: str = "forkserver") -> list:
+    """fn(comm, *args) on `world` gloo ranks of one thread each; returns each rank's result. `fn` is
+    pickled by name: a module-level function. The ranks see this process's environment and import
+    its main module, as spawned ones would: a script calling this runs under `if __name__ == "__main__"`.
+
+    The ranks are forked by a fork server, never from this process: a process that has run
+    other work (a test session: torch's OpenMP pool, reward and prefetch threads, a TCP store
+    server) may have a thread holding a lock at the moment of a fork, and the child inherits
+    the lock held by a thread it does not have. Seen: a rank hung in its first
+    `torch.manual_seed` (the CPU generator's mutex, held by a parent thread drawing random
+    numbers: 1 of 6 two-rank runs), and a rank stuck in its first TCP store call (a store
+    server thread in the parent); and the default suite's two-rank fsdp2 fixture, forked after
+    ~57% of the suite had run in the pytest process, once died of SIGABRT from a native thread
+    mid-run. The fork server is a clean process started once per process (`_preload` is what it
+    imports then); it has run no work, so a fork from it is safe. `start_method="spawn"` starts
+    each rank from nothing (what a memory measurement needs).
     """
+    if start_method == "forkserver":
+        multiprocessing.forkserver.set_forkserver_preload(_preload())  # used when the server starts
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_local_rank, args=(fn, world, out, args), nprocs=world, start_method=start_method)
+        environ = dict(os.environ)
+        mp.start_processes(_local_rank, args=(fn, world, out, args, environ), nprocs=world, start_method=start_method)
         return [torch.load(Path(out) / f"{rank}.pt", weights_only=False) for rank in range(world)]
