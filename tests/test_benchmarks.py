@@ -121,8 +121,8 @@ def test_throughput_quick():
 
 
 def test_learning_quick():
-    """Every system trains until its steps' summed time reaches the budget (6 s), evaluated at 0 s, at
-    each 1-s mark it passes and at the end, judged on the same 16 held-out sums."""
+    """Every system trains until its steps' summed time reaches the budget (3 s), evaluated at 0 s, at
+    each 0.5-s mark it passes and at the end, judged on the same 16 held-out sums."""
     out = run_quick("learning.py", timeout=3600)
     budget_s = out["settings"]["budget_min"] * 60
     assert out["settings"]["num_heldout"] == 16

@@ -187,7 +187,7 @@ def test_a_stalled_stage_is_reported_with_stacks(tmp_path, cache_dir):
 def test_a_frozen_rank_is_named_unresponsive_by_its_peer(tmp_path, cache_dir):
     """Rank 1 stops itself (SIGSTOP) in its chaos stage: rank 0 names it, in that stage, once the
     stage's limit has passed (not its own stage's limit plus a wait for the frozen peer), and
-    the launcher's teardown SIGKILL of the stopped process is no longer taken for the cause."""
+    kills the stopped process (the launcher's SIGTERM cannot end it); that SIGKILL is not taken for the cause."""
     proc = start(tmp_path, cache_dir, "stop", "--nproc", "2", chaos_timeout_s=5)
     code, stderr, latency = finish(proc, tmp_path)
     record("SIGSTOP (chaos timeout_s=5), --nproc 2", latency)

@@ -7,6 +7,8 @@ sandbox, a reward's helper process) and whatever those started in turn.
     every exit of a rank (done, failed, stalled, interrupted):
                end_descendants()    SIGTERM to every live descendant → up to `grace_s` for them
                                     to go → SIGKILL to the rest
+    a rank that reports a stopped peer (runtime/faults.py):
+               end_frozen_peer()    SIGKILL to it at once (a stopped process cannot take a SIGTERM)
     `distflow train --nproc N`: the launcher is a subreaper too and ends what is left after its
                ranks ended (a rank killed with SIGKILL cannot end its own children)
 
@@ -84,3 +86,11 @@ def end_descendants(grace_s: float = 2.0) -> list[int]:
     except Exception:  # noqa: BLE001 — cleaning up on the way out must not turn an exit into a crash
         pass
     return ended
+
+
+def end_frozen_peer(status: dict | None) -> None:
+    """SIGKILL the stopped process of a peer rank's `status` (None: nothing). Stopped, it cannot take
+    the launcher's SIGTERM, which the launcher follows with its own SIGKILL only 30 s later. Never raises."""
+    if status is not None:
+        with contextlib.suppress(OSError):
+            os.kill(status["pid"], signal.SIGKILL)

@@ -39,8 +39,8 @@ def diagnose(status_dir: Path, failures: dict[int, tuple[int, float]]) -> Diagno
     connection, and else the first failure seen.
     """
     statuses = {s["rank"]: s for s in read_statuses(status_dir)}
-    # A rank that found a peer frozen (stopped) spoke for it: the launcher's teardown killed that
-    # peer afterwards (SIGKILL, as it cannot take a SIGTERM while stopped), which is no root cause.
+    # A rank that found a peer frozen (stopped) spoke for it: it killed that peer afterwards
+    # (SIGKILL, as it cannot take a SIGTERM while stopped), which is no root cause.
     blamed = sorted(
         (s for s in statuses.values() if s["state"] == "stalled" and "unresponsive_rank" in s), key=lambda s: s["time"]
     )

@@ -9,7 +9,7 @@ rank says who and where.
        │      → "rank r stalled in stage S" + every thread's Python stack → state "stalled", exit 3
        │      a peer frozen (stopped: SIGSTOP, a debugger) past its own stage's limit, or while this
        │      rank is past its own: its watchdog cannot speak for it, this one does
-       │      → "rank p unresponsive in stage S" → state "stalled" (naming p), exit 3
+       │      → "rank p unresponsive in stage S" → state "stalled" (naming p), SIGKILL to p, exit 3
        └─ exception → status.fail(): state "failed" + one line naming rank, stage and step
                       (user errors: exit 2, no traceback; crashes: traceback, then exit 1)
     peers' files are only read: to let a peer that is behind fire first, and (under a bare
@@ -44,7 +44,7 @@ from distflow.config.schema import Config, ConfigError
 from distflow.console import say
 from distflow.envvars import LAUNCHED_ENV, STATUS_DIR_ENV
 from distflow.fileio import atomic_write_text
-from distflow.runtime.descendants import end_descendants
+from distflow.runtime.descendants import end_descendants, end_frozen_peer
 from distflow.runtime.status_files import (
     is_alive,
     is_stopped,
@@ -383,6 +383,7 @@ class RankStatus:
             self._write("stalled", error=line, exit_code=EXIT_STALLED, **culprit)
         end_descendants()
         sys.stderr.flush()
+        end_frozen_peer(frozen)  # after its status names the cause; with the GIL held until the exit below
         os._exit(EXIT_STALLED)
 
 
