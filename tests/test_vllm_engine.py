@@ -278,6 +278,13 @@ def rollout_rank():
         return generate(model, tokenizer, [text], **kw).completions[0]
 
     seen = {"before": greedy("vllm"), "compact_before": greedy("compact")}
+    out = generate(model, tokenizer, [text], max_new_tokens=12, temperature=0.7, sample_keys=[11, 22],
+                   samples_per_prompt=2, engine="vllm", logprobs=True, vllm_in_child=True)
+    seen["keyed"] = out.completions
+    with torch.no_grad():
+        policy_BR = response_logprobs(model, out.input_ids_BT, out.attention_mask_BT,
+                                      out.response_mask_BR.shape[1], temperature=0.7)[0]
+    seen["mismatch"] = [float(x) for x in logp_mismatch(policy_BR, out.logp_BR, out.response_mask_BR)]
     engine = engine_for(model, in_child=True)
     seen["file_left"] = os.path.exists(engine._shared.path)
     seen["pushes"] = engine.num_pushes
@@ -296,12 +303,6 @@ def rollout_rank():
         start = time.perf_counter()
         engine._shared.write(list(hf_named_weights(model)))
         seen["copy_s"].append(time.perf_counter() - start)
-    out = generate(model, tokenizer, [text], max_new_tokens=12, temperature=0.7, sample_keys=[11, 22],
-                   samples_per_prompt=2, engine="vllm", logprobs=True, vllm_in_child=True)
-    with torch.no_grad():
-        policy_BR = response_logprobs(model, out.input_ids_BT, out.attention_mask_BT,
-                                      out.response_mask_BR.shape[1], temperature=0.7)[0]
-    seen["mismatch"] = [float(x) for x in logp_mismatch(policy_BR, out.logp_BR, out.response_mask_BR)]
     return seen, model  # the engine lives as long as its model
 
 
@@ -343,10 +344,13 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed: make test-vllm runs these in .venv-vllm")
 def test_a_child_engine_owned_by_one_rank_samples_the_updated_weights_and_dies_with_it(smollm2, tmp_path):
     """What a disaggregated rank relies on: it makes its engine alone (the other rank joins nothing), the
-    engine follows the policy's weights through the shared file, and a kill -9 of the rank ends it."""
+    engine follows the policy's weights through the shared file, draws the same sample from a key as an
+    engine in the rank's own process, and a kill -9 of the rank ends it."""
     import socket
     import subprocess
     import sys
+
+    from distflow.engines.generation import generate
 
     (tmp_path / "owner.py").write_text(OWNER)
     with socket.socket() as s:
@@ -374,6 +378,18 @@ def test_a_child_engine_owned_by_one_rank_samples_the_updated_weights_and_dies_w
     diff_sum, diff_max, num_over, num_tokens = seen["mismatch"]
     assert num_tokens > 8 and diff_max < 1e-3 and num_over == 0
     assert seen["all_reduce"] == 3.0
+    model, tokenizer, text = smollm2  # the same keys in this process's engine: the same samples
+    keyed = generate(
+        model,
+        tokenizer,
+        [text],
+        max_new_tokens=12,
+        temperature=0.7,
+        sample_keys=[11, 22],
+        samples_per_prompt=2,
+        engine="vllm",
+    )
+    assert keyed.completions == seen["keyed"] and len(set(keyed.completions)) == 2
     assert any("EngineCore" in cmd for cmd in seen["children"].values()), seen["children"]
     start = time.monotonic()
     left = [int(pid) for pid in seen["children"]]
