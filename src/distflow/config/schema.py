@@ -43,11 +43,12 @@ class RolloutConfig:
     once for its n samples and drops finished rows; `generate` is Hugging Face `generate` over the
     batch with each prompt repeated n times, kept as the reference; `compiled` is `compact` with
     the model's forward compiled by `torch.compile` (the first rollout pays the compile; not with
-    fsdp2); `vllm` is an in-process vLLM engine on each rank, loaded with the policy's weights whenever
-    they change (its own sampler: samples differ from the others'; its sampling log-probs are recorded
-    as `rollout_logp` and their gap to the trainer's is logged under `mismatch/`). It needs vLLM
-    installed (`make vllm`), every rank rolling out (placement.rollout.ranks=all) and
-    asynchronous.max_staleness=0."""
+    fsdp2); `vllm` is a vLLM engine owned by each rank that rolls out, loaded with the policy's weights
+    whenever they change (its own sampler: samples differ from the others'; its sampling log-probs are
+    recorded as `rollout_logp` and their gap to the trainer's is logged under `mismatch/`): in the rank's
+    process when every rank rolls out synchronously, else with its core in a child process of the rank
+    (disaggregated placements, asynchronous.max_staleness > 0). It needs vLLM installed (`make vllm`)
+    and placement.rollout.ranks_per_replica=1."""
 
     def __post_init__(self) -> None:
         check(

@@ -35,6 +35,16 @@ def behaviour_fields(config) -> tuple[str, ...]:
     return ((ROLLOUT_LOGP,) if records else ()) + ((POLICY_VERSION,) if staleness > 0 else ())
 
 
+def vllm_in_child(config) -> bool:
+    """Whether `rollout.engine=vllm` runs each rank's engine core in a child process of the rank
+    (engines/vllm_rollout.py): unless every rank rolls out, in lockstep (colocated and synchronous). In the
+    rank's process the engine takes the policy's tensors without a copy, but vLLM then builds its process
+    groups over the whole torch world, a collective every rank must join at the same point, which a rank
+    rolling out alone (disaggregated) or ahead of training (`asynchronous.max_staleness` > 0) cannot."""
+    lockstep = config.placement.rollout.ranks == "all" and config.asynchronous.max_staleness == 0
+    return config.rollout.engine == "vllm" and not lockstep
+
+
 def policy_versions(ctx: StageContext, count: int) -> dict:
     """With stale samples (`asynchronous.max_staleness` > 0), each of `count` samples' `policy_version`:
     the one runtime/pipelined.py hands down in `ctx.policy_version` (the schedule's, max(0, step - 1 - k),
@@ -81,6 +91,7 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
             samples_per_prompt=n,
             engine=sampling.engine,
             logprobs="rollout_logp" in behaviour_fields(ctx.config),
+            vllm_in_child=sampling.vllm_in_child,
         )
     num_generated = float(out.response_mask_BR.sum())
     ctx.metrics.mean("response/length", num_generated, len(expanded))
@@ -136,6 +147,7 @@ def greedy_baseline(batch: Batch, ctx: StageContext) -> Batch:
                 prompt_ids=prompt_ids,
                 prompt_width=width,
                 engine=ctx.engines.sampling.engine,
+                vllm_in_child=ctx.engines.sampling.vllm_in_child,
             )
             if rows
             else None

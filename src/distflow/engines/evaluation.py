@@ -95,6 +95,7 @@ def judge(
             sample_keys=keys,
             samples_per_prompt=n,
             engine=sampling.engine,
+            vllm_in_child=sampling.vllm_in_child,
         )
         judged += [bool(is_correct(c, private_copy(chunk[k // n]))) for k, c in enumerate(out.completions)]
     return judged

@@ -52,14 +52,13 @@ def generate(
     samples_per_prompt: int = 1,
     engine: str = "compact",
     logprobs: bool = False,
+    vllm_in_child: bool = False,
 ) -> Generation:
     """`samples_per_prompt` completions of each prompt, sample k of prompt g in row g·n + k.
 
-    With `sample_keys` (one per row) tokens are sampled from each row's key; without them
-    decoding is greedy. `prompt_ids` skips tokenization; `prompt_width` left-pads prompts to
-    at least this many columns (a width shared by a whole worker group). `logprobs`: keep the
-    log-prob of every sampled token as it is drawn (`Generation.logp_BR`).
-    """
+    With `sample_keys` (one per row) tokens are sampled from each row's key, else greedily; `prompt_ids` skips
+    tokenization; `prompt_width` left-pads prompts to at least this many columns (a worker group's widest);
+    `logprobs` keeps each sampled token's log-prob (`Generation.logp_BR`); `vllm_in_child`: `SamplingSpec`'s."""
     device, n = next(model.parameters()).device, samples_per_prompt
     rows = prompt_ids if prompt_ids is not None else encode_prompts(tokenizer, prompts)
     prompt_ids_GP, prompt_mask_GP = left_pad(rows, tokenizer.pad_token_id, width=prompt_width)
@@ -81,6 +80,7 @@ def generate(
             temperature=temperature,
             top_p=top_p,
             logprobs=logprobs,
+            vllm_in_child=vllm_in_child,
         )
     finally:
         model.train(was_training)
@@ -150,6 +150,7 @@ def _responses(
     temperature: float,
     top_p: float,
     logprobs: bool,
+    vllm_in_child: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Response ids [G·n, max_new_tokens] from `engine`, and (with `logprobs`) their log-probs."""
     if engine in ("compact", "compiled"):
@@ -182,6 +183,7 @@ def _responses(
             stop_ids=stop_token_ids(tokenizer),
             pad_id=tokenizer.pad_token_id,
             logprobs=logprobs,
+            in_child=vllm_in_child,
         )
     if engine == "generate":
         return _hf_generate(

@@ -33,11 +33,14 @@ class SamplingSpec:
     max_new_tokens: int
     engine: str = "compact"
     """Which engine computes the samples (`engines.generation`); it does not change them."""
+    vllm_in_child: bool = False
+    """With `engine="vllm"`: its engine core runs in a child process of the rank, not in the rank's own
+    (engines/vllm_rollout.py; decided by `dag.stages.vllm_in_child`)."""
 
     @classmethod
-    def of(cls, rollout) -> SamplingSpec:
+    def of(cls, rollout, *, vllm_in_child: bool = False) -> SamplingSpec:
         """From the run's `rollout` config section."""
-        return cls(rollout.temperature, rollout.top_p, rollout.max_new_tokens, rollout.engine)
+        return cls(rollout.temperature, rollout.top_p, rollout.max_new_tokens, rollout.engine, vllm_in_child)
 
 
 def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:

@@ -1,38 +1,47 @@
-"""The `vllm` rollout engine: each rank that rolls out owns an in-process vLLM engine.
+"""The `vllm` rollout engine: each rank that rolls out owns a vLLM engine, in its process or in a child.
 
-    rank r (every rank rolls out: colocated)
-    ┌──────────────────────────────────────────────────────────────────────────────────┐
-    │ rollout model (the policy's module) ──named tensors──► vLLM model (reload)  │
-    │   pushed before a rollout whenever a parameter changed since the last push        │
-    │   (an optimizer step, a weight sync, a checkpoint load: tensors' version counters)│
-    │ prompts (token ids) ──► LLM.generate, one request per sample, seed = f(key)       │
-    │                     ◄── response token ids + each sampled token's log-prob        │
-    └──────────────────────────────────────────────────────────────────────────────────┘
+    colocated and synchronous (every rank rolls out,        otherwise (disaggregated placement, or
+    asynchronous.max_staleness=0): in the rank's process    max_staleness > 0): the engine core in a child
+    ┌ rank r ─────────────────────────────────────┐         ┌ rank r ────────────────┐   ┌ child (spawned) ─┐
+    │ rollout model ──its tensors──► vLLM model   │         │ rollout model ──copy──►│──►│ vLLM engine core │
+    │ prompts ──► LLM.generate ──► ids, log-probs │         │ /dev/shm file, rpc     │   │ + its worker:    │
+    └─────────────────────────────────────────────┘         │ prompts ──► generate ◄─│◄──│ the vLLM model   │
+                                                            └────────────────────────┘   └──────────────────┘
+    both: weights pushed before a rollout whenever a parameter changed since the last push (an optimizer
+    step, a weight sync, a checkpoint load: tensors' version counters), through one loader
+    (engines/vllm_worker.py); one request per sample, seed = f(key); no server, no router
 
-Invariants. The engine is made on first use with vLLM's V1 multiprocessing off
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so its model lives in this process and takes the policy's
-tensors directly (as TRL's colocate mode does); it starts from dummy weights (`load_format=dummy`)
-and gets the policy's before its first generation, so any model the policy holds (a warm-start,
-a checkpoint, LoRA merged) is what it samples from, with no model directory read twice. vLLM
-builds its process groups over torch's default group, so making the engine is a collective of the
-whole world: every rank must make it at the same point, which is why `rollout.engine=vllm` needs
-every rank to roll out (config.schema) and synchronous training. A push is local (no collective):
-under fsdp2 it runs inside `gathered`, where every rank already holds the whole model.
+Which mode: `SamplingSpec.vllm_in_child`, decided once per run by `dag.stages.vllm_in_child(config)`.
+In the rank's process (V1 multiprocessing off, `VLLM_ENABLE_V1_MULTIPROCESSING=0`) the model takes the
+policy's tensors directly, as TRL's colocate mode does; but vLLM then builds its process groups over
+torch's default group, so making the engine is a collective of the whole world, and every rank must
+make it at the same point: only when every rank rolls out in lockstep. Otherwise the engine core runs
+in a child process of the rank (`VLLM_ENABLE_V1_MULTIPROCESSING=1`, started by spawn, not fork, so it
+does not inherit the rank's torch.distributed state and builds a world of its own), made by this rank
+alone; its weights go through a shared-memory file (vllm_worker.SharedWeights) and the rank's end,
+kill -9 included, ends it (vllm_worker.PolicyWeights.watch_owner, and vLLM's own shutdown at exit).
+A push is local (no collective): under fsdp2 it runs inside `gathered`, where every rank holds the
+whole model. Both start from dummy weights (`load_format=dummy`) and get the policy's before their
+first generation, so any model the policy holds (a warm-start, a checkpoint, LoRA merged) is what
+they sample from, with no model directory read twice.
 
 Samples: each request's seed is derived from the sample's key (the same (seed, uid) key the other
-engines draw from), so a sample does not depend on its rank or batch-mates; vLLM's sampler is not
-distflow's keyed inverse-CDF sampler, so `vllm` samples differ from `compact`'s, and two vLLM runs
-agree up to kernel numerics (a different batch composition can change a float rounding).
+engines draw from), so a sample does not depend on its rank, batch-mates or the engine's mode; vLLM's
+sampler is not distflow's keyed inverse-CDF sampler, so `vllm` samples differ from `compact`'s, and two
+vLLM runs agree up to kernel numerics (a different batch composition can change a float rounding).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import weakref
 from collections.abc import Iterator
 
 import torch
+
+from distflow.engines.vllm_worker import SharedWeights
 
 SEED_MASK = 2**63 - 1
 MAX_MODEL_LEN = 4096
@@ -96,61 +105,123 @@ def _version(model: torch.nn.Module) -> tuple:
     return tuple((p.data_ptr(), p._version) for p in model.parameters())
 
 
-def _retie_lm_head(vllm_model: torch.nn.Module) -> None:
-    """Point a tied LM head at the reloaded embedding again and redo its post-load processing:
-    vLLM's layerwise reload gets no `lm_head` tensor for a tied model and puts back the head's old
-    weight (its documented limit on tied parameters), which would leave the head at the first weights."""
-    head = vllm_model.lm_head
-    head.weight = vllm_model.model.embed_tokens.weight
-    head.quant_method.process_weights_after_loading(head)
+TORCH_LAUNCH_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
+"""The rank's place in the torch world (torchrun's variables): a child engine is not part of that world."""
+
+
+def _mode_environment(in_child: bool, device: torch.device) -> tuple[dict[str, str], tuple[str, ...]]:
+    """(variables to set, variables to remove) while an engine is made: vLLM reads its mode from the
+    environment, and a child engine inherits the rest (it must not see the rank's torch world; on CUDA it
+    sees the rank's device alone, as its device 0)."""
+    if not in_child:
+        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, ()
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    if device.type == "cuda":
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        env["CUDA_VISIBLE_DEVICES"] = ids[device.index or 0]
+    return env, TORCH_LAUNCH_VARS
+
+
+@contextlib.contextmanager
+def _environment(set_vars: dict[str, str], removed: tuple[str, ...]) -> Iterator[None]:
+    """os.environ with `set_vars` set and `removed` removed, put back as it was on the way out."""
+    saved = {name: os.environ.get(name) for name in (*set_vars, *removed)}
+    os.environ.update(set_vars)
+    for name in removed:
+        os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 class VllmEngine:
-    """One rank's vLLM engine for one rollout model, with that model's weights loaded."""
+    """One rank's vLLM engine for one rollout model, with that model's weights loaded; its core in this
+    process or (`in_child`) in a child process."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, in_child: bool) -> None:
         from vllm import LLM
+        from vllm.v1.engine.core_client import InprocClient
 
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: vLLM's CPU default (4) is much for a test box
         inner = getattr(model, "module", model)
         config = inner.get_base_model().config if hasattr(inner, "get_base_model") else inner.config
-        dtype = next(inner.parameters()).dtype
-        self._dir = tempfile.TemporaryDirectory(prefix="distflow-vllm-")
-        config.save_pretrained(self._dir.name)  # the architecture only: weights come from the policy
+        first = next(inner.parameters())
+        cuda = first.device.type == "cuda"
         max_len = min(getattr(config, "max_position_embeddings", MAX_MODEL_LEN) or MAX_MODEL_LEN, MAX_MODEL_LEN)
-        cuda = next(inner.parameters()).device.type == "cuda"
         extra = {"gpu_memory_utilization": 0.3, "enable_sleep_mode": False} if cuda else {}
-        self.llm = LLM(
-            model=self._dir.name,
-            load_format="dummy",
-            skip_tokenizer_init=True,
-            dtype=dtype,
-            enforce_eager=not cuda,
-            max_model_len=max_len,
-            seed=0,
-            generation_config="vllm",
-            logprobs_mode="processed_logprobs",
-            **extra,
-        )
+        with tempfile.TemporaryDirectory(prefix="distflow-vllm-") as config_dir:
+            config.save_pretrained(config_dir)  # the architecture only: weights come from the policy
+            with _environment(*_mode_environment(in_child, first.device)):
+                self.llm = LLM(
+                    model=config_dir,
+                    load_format="dummy",
+                    skip_tokenizer_init=True,
+                    dtype=first.dtype,
+                    enforce_eager=not cuda,
+                    max_model_len=max_len,
+                    seed=0,
+                    generation_config="vllm",
+                    logprobs_mode="processed_logprobs",
+                    worker_extension_cls="distflow.engines.vllm_worker.PolicyWeights",
+                    **extra,
+                )
+        if isinstance(self.llm.llm_engine.engine_core, InprocClient) == in_child:
+            raise RuntimeError(
+                f"vLLM made its engine {'in this process' if in_child else 'in a child process'}, not as asked: "
+                "vLLM reads VLLM_ENABLE_V1_MULTIPROCESSING once per process, at its first engine"
+            )
+        if in_child:  # the engine core does not notice its parent's death: its worker watches this process
+            self.llm.collective_rpc("watch_owner", args=(os.getpid(),))
+        self.in_child = in_child
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self._shared: SharedWeights | None = None
         self._loaded: tuple | None = None
         self.num_pushes = 0
 
     def push_if_changed(self, model: torch.nn.Module) -> bool:
-        """Load `model`'s weights into the engine if they changed since the last push."""
+        """Load `model`'s weights into the engine if they changed since the last push: in this process the
+        tensors themselves, to a child a shared-memory file (engines/vllm_worker.py)."""
         version = _version(model)
         if version == self._loaded:
             return False
-        weights = [(name, tensor) for name, tensor in hf_named_weights(model)]
-        # vLLM's in-place reload (checkpoint names, its own post-load processing: the CPU build repacks
-        # linear weights after loading, so a bare `model.load_weights` no longer fits them).
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-        if self.tied:
-            self.llm.apply_model(_retie_lm_head)
+        weights = list(hf_named_weights(model))
+        if not self.in_child:
+            self.llm.collective_rpc("load_policy_weights", args=(weights, self.tied))
+        else:
+            if self._shared is None:
+                self._shared = SharedWeights(weights)
+            self._shared.write(weights)
+            try:
+                self.llm.collective_rpc("load_shared_policy_weights", args=(self._shared.handle, self.tied))
+            finally:
+                self._shared.unlink()  # mapped on both sides by now: nothing is left behind, even after kill -9
         self._loaded = _version(model)
         self.num_pushes += 1
         return True
+
+    def close(self) -> None:
+        """End the engine now (a child engine's processes too) rather than at this process's exit."""
+        self.llm.llm_engine.engine_core.shutdown()
+        if self._shared is not None:
+            self._shared.unlink()
 
     def generate(
         self,
@@ -201,11 +272,15 @@ class VllmEngine:
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def engine_for(model: torch.nn.Module) -> VllmEngine:
-    """This rank's engine for `model` (made on first use; see the module docstring), its weights current."""
-    if model not in _ENGINES:
-        _ENGINES[model] = VllmEngine(model)
-    engine = _ENGINES[model]
+def engine_for(model: torch.nn.Module, *, in_child: bool = False) -> VllmEngine:
+    """This rank's engine for `model` (made on first use, in this process or `in_child`; see the module
+    docstring), its weights current. A model has one engine: asking for the other mode is an error."""
+    engine = _ENGINES.get(model)
+    if engine is None:
+        engine = _ENGINES[model] = VllmEngine(model, in_child=in_child)
+    elif engine.in_child != in_child:
+        where = "a child process" if engine.in_child else "this process"
+        raise RuntimeError(f"this model's vLLM engine runs in {where}; it cannot be asked for the other mode")
     engine.push_if_changed(model)
     return engine
 
@@ -223,12 +298,14 @@ def vllm_responses(
     stop_ids: tuple[int, ...],
     pad_id: int,
     logprobs: bool,
+    in_child: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`engines.generation`'s contract for `vllm`: response ids [G·n, max_new_tokens] (right-padded) and,
-    with `logprobs`, each sampled token's log-prob under the engine (temperature applied)."""
+    with `logprobs`, each sampled token's log-prob under the engine (temperature applied); `in_child`: the
+    engine's core in a child process (`SamplingSpec.vllm_in_child`)."""
     rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids_GP.cpu(), prompt_mask_GP.cpu(), strict=True)]
     keys = keys_B.tolist() if keys_B is not None else None
-    token_ids, logps = engine_for(model).generate(
+    token_ids, logps = engine_for(model, in_child=in_child).generate(
         rows,
         samples_per_prompt=n,
         keys=keys,

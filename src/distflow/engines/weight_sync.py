@@ -133,7 +133,9 @@ def _unpack(buffer: torch.Tensor, bucket: list[Piece], params: dict[str, torch.n
     offset = 0
     with torch.no_grad():
         for piece in bucket:
-            rows = row_view(params[piece.name].data)[piece.start : piece.stop]
+            # Through the parameter itself, not `.data`: the write bumps its version counter, by which a
+            # rollout engine with its own copy of the weights (engines/vllm_rollout.py) sees the change.
+            rows = row_view(params[piece.name])[piece.start : piece.stop]
             rows.copy_(buffer[offset : offset + piece.numel].view(rows.shape))
             offset += piece.numel
 

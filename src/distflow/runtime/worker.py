@@ -26,6 +26,7 @@ from distflow.comm import Comm
 from distflow.config import Config, ConfigError
 from distflow.dag.context import Engines
 from distflow.dag.pipelines import LOADER_FIELDS, build_graph
+from distflow.dag.stages import vllm_in_child
 from distflow.data.loader import PromptLoader, RowRules, ValidRows
 from distflow.data.prefetch import Prefetcher
 from distflow.engines.models import load_model_and_tokenizer
@@ -85,7 +86,7 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
     uses = plan.engines_for(rank)
     sharded = _loads_sharded(config, uses, comms["train"], log)
     model, tokenizer = load_model_and_tokenizer(model_dir, tokenizer_dir, world.device, on_meta=sharded)
-    sampling = SamplingSpec.of(config.rollout)
+    sampling = SamplingSpec.of(config.rollout, vllm_in_child=vllm_in_child(config))
     model, built = _build_engines(
         config, uses, model, comms["train"], sampling, sharded_from=model_dir if sharded else None
     )
