@@ -217,12 +217,6 @@ class VllmEngine:
         self.num_pushes += 1
         return True
 
-    def close(self) -> None:
-        """End the engine now (a child engine's processes too) rather than at this process's exit."""
-        self.llm.llm_engine.engine_core.shutdown()
-        if self._shared is not None:
-            self._shared.unlink()
-
     def generate(
         self,
         prompt_rows: list[list[int]],
