@@ -18,8 +18,9 @@ torch's default group, so making the engine is a collective of the whole world, 
 make it at the same point: only when every rank rolls out in lockstep. Otherwise the engine core runs
 in a child process of the rank (`VLLM_ENABLE_V1_MULTIPROCESSING=1`, started by spawn, not fork, so it
 does not inherit the rank's torch.distributed state and builds a world of its own), made by this rank
-alone; its weights go through a shared-memory file (vllm_worker.SharedWeights) and the rank's end,
-kill -9 included, ends it (vllm_worker.PolicyWeights.watch_owner, and vLLM's own shutdown at exit).
+alone; its weights go through a shared-memory file (vllm_worker.SharedWeights); the run's end closes it
+(`close_child_engines`, from the worker's close) and the rank's death, kill -9 included, ends it
+(vllm_worker.PolicyWeights.watch_owner).
 A push is local (no collective): under fsdp2 it runs inside `gathered`, where every rank holds the
 whole model. Both start from dummy weights (`load_format=dummy`) and get the policy's before their
 first generation, so any model the policy holds (a warm-start, a checkpoint, LoRA merged) is what
@@ -44,6 +45,8 @@ import torch
 from distflow.engines.vllm_worker import SharedWeights
 
 SEED_MASK = 2**63 - 1
+SHUTDOWN_GRACE_S = 120.0
+"""How long a child engine gets to end by itself at the end of a run before vLLM kills it."""
 MAX_MODEL_LEN = 4096
 """The longest sequence an engine accepts (the model's own limit if smaller); the KV cache must hold one."""
 
@@ -218,10 +221,10 @@ class VllmEngine:
         return True
 
     def close(self) -> None:
-        """End the engine now (a child engine's processes too) rather than at this process's exit."""
-        self.llm.llm_engine.engine_core.shutdown()
-        if self._shared is not None:
-            self._shared.unlink()
+        """End the engine through vLLM's own shutdown, given time to finish: a child engine's processes exit,
+        unlinking their shared memory (vLLM's default grace, 5 s, was too short on a loaded 2-core machine:
+        it killed them mid-teardown, leaving the memory behind)."""
+        self.llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
 
     def generate(
         self,
@@ -283,6 +286,15 @@ def engine_for(model: torch.nn.Module, *, in_child: bool = False) -> VllmEngine:
         raise RuntimeError(f"this model's vLLM engine runs in {where}; it cannot be asked for the other mode")
     engine.push_if_changed(model)
     return engine
+
+
+def close_child_engines() -> None:
+    """End this process's child engines now, before the rank's exit ends its descendants by signal: ended
+    that way, each left vLLM's 160 MB message queue in /dev/shm. An engine in this process needs nothing."""
+    for model, engine in list(_ENGINES.items()):
+        if engine.in_child:
+            engine.close()
+            del _ENGINES[model]
 
 
 def vllm_responses(
