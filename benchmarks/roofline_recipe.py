@@ -167,10 +167,8 @@ def generation_passes(prompt_tokens: int, num_prompts: int, lengths_B: torch.Ten
 def evaluation(config, model: torch.nn.Module, tokenizer, task, repeats: int) -> dict:
     """One held-out evaluation as the run calls it (`engines.evaluation.evaluate`: the sampled and the
     greedy completions, chunked and judged as in a run): its median seconds, accuracy and floor."""
-    from distflow.engines.evaluation import evaluate
-    from distflow.engines.generation import generate
+    from distflow.engines.evaluation import completions, eval_keys, evaluate
     from distflow.engines.sampling import SamplingSpec
-    from distflow.seeding import derive_seed
 
     sampling, n, seed = SamplingSpec.of(config.rollout), config.trainer.eval_samples, config.trainer.seed
     heldout, results = task.heldout, []
@@ -183,21 +181,8 @@ def evaluation(config, model: torch.nn.Module, tokenizer, task, repeats: int) ->
     seconds = median_seconds(run, repeats, warm_up=False)  # the recipe's stages before it warmed the allocator
     passes, tokens = [], 0
     prompts = [row["prompt"] for row in heldout]
-    for keys, per_prompt in [
-        ([derive_seed(seed, "eval", i, k) for i in range(len(heldout)) for k in range(n)], n),
-        (None, 1),
-    ]:
-        out = generate(
-            model,
-            tokenizer,
-            prompts,
-            max_new_tokens=sampling.max_new_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            sample_keys=keys,
-            samples_per_prompt=per_prompt,
-            engine=sampling.engine,
-        )
+    for keys, per_prompt in [(eval_keys(seed, range(len(heldout)), n), n), (None, 1)]:
+        out = completions(model, tokenizer, prompts, sampling, keys, per_prompt)  # the lengths the timed run drew
         prompt_tokens = int(out.attention_mask_BT[::per_prompt, : out.prompt_width].sum())
         lengths_B = out.response_mask_BR.sum(-1)
         passes += generation_passes(prompt_tokens, len(prompts), lengths_B, sampling.max_new_tokens)

@@ -61,6 +61,28 @@ def count_correct(
     return float(sum(judged)), len(judged)
 
 
+def eval_keys(seed: int, indices: Sequence[int], n: int) -> list[int]:
+    """The keys of the sampled evaluation: sample k of held-out prompt i is drawn with (seed, "eval", i, k)."""
+    return [derive_seed(seed, "eval", i, k) for i in indices for k in range(n)]
+
+
+def completions(model, tokenizer, prompts: list[str], sampling: SamplingSpec, keys: list[int] | None, n: int):
+    """`generate` as an evaluation calls it: the rollout's engine and sampling settings, `n` completions
+    of each prompt from `keys`, or one greedy completion each without them."""
+    return generate(
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        sample_keys=keys,
+        samples_per_prompt=n,
+        engine=sampling.engine,
+        vllm_in_child=sampling.vllm_in_child,
+    )
+
+
 def judge(
     model: torch.nn.Module,
     tokenizer: PreTrainedTokenizerBase,
@@ -85,18 +107,7 @@ def judge(
     for start in range(0, len(samples), step):
         chunk = samples[start : start + step]
         keys = None if sample_keys is None else list(sample_keys[start * n : (start + step) * n])
-        out = generate(
-            model,
-            tokenizer,
-            [s["prompt"] for s in chunk],
-            max_new_tokens=sampling.max_new_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            sample_keys=keys,
-            samples_per_prompt=n,
-            engine=sampling.engine,
-            vllm_in_child=sampling.vllm_in_child,
-        )
+        out = completions(model, tokenizer, [s["prompt"] for s in chunk], sampling, keys, n)
         judged += [bool(is_correct(c, private_copy(chunk[k // n]))) for k, c in enumerate(out.completions)]
     return judged
 
@@ -146,7 +157,7 @@ def evaluate(
     """
     indices = range(comm.rank, len(heldout), comm.world_size)
     mine = [heldout[i] for i in indices]
-    keys = [derive_seed(seed, "eval", i, k) for i in indices for k in range(num_samples)]
+    keys = eval_keys(seed, indices, num_samples)
     with gathered(model):  # fsdp2: the whole policy on each rank while it generates
         sampled = judge(
             model, tokenizer, mine, is_correct, sampling, sample_keys=keys, samples_per_prompt=num_samples, env=env
