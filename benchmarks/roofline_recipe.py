@@ -203,6 +203,9 @@ def measure_recipe(name: str, repeats: int, eval_repeats: int) -> dict:
     from distflow.dag.pipelines import build_graph
 
     config, model, tokenizer, task, prompts = recipe_first_step(RECIPES[name])
+    # The evaluation first, on the model as loaded (the run's evaluation before training): the
+    # timed updates below change the weights, and with them the answers and their lengths.
+    ev = evaluation(config, model, tokenizer, task, eval_repeats) if eval_repeats else {}
     passes_in_step = sum(s in build_graph(config).stages for s in ("old_logprob", "reference_logprob"))
     batch, seconds = recipe_seconds(config, model, tokenizer, prompts, repeats)
     num_prompts, num_samples, new_tokens = len(prompts), len(batch), config.rollout.max_new_tokens
@@ -242,7 +245,6 @@ def measure_recipe(name: str, repeats: int, eval_repeats: int) -> dict:
     step_floor = floors["rollout"] + passes_in_step * floors["logprob_pass"] + floors["update"]
     out.update(step_s=round(step, 4), step_floor_s=round(step_floor, 4), step_over_floor=round(step / step_floor, 2))
     if eval_repeats:
-        ev = evaluation(config, model, tokenizer, task, eval_repeats)
         out.update({k: v for k, v in ev.items() if k.startswith("eval_")}, eval_identical=ev["identical"])
         out.update(eval_s=round(ev["seconds"], 4), eval_floor_s=round(ev["floor"], 4))
         out["eval_over_floor"] = round(ev["seconds"] / ev["floor"], 2)

@@ -191,6 +191,8 @@ def test_roofline_times_the_recipe_step_and_one_evaluation_beside_their_floors(m
     # The recipe's 200 held-out problems, one sampled and one greedy completion each, 1 to 32 tokens.
     assert (row["eval_prompts"], row["eval_samples"]) == (200, 1)
     assert 2 * 200 <= row["eval_response_tokens"] <= 2 * 200 * 32
-    assert row["eval_greedy_accuracy"] * 200 == round(row["eval_greedy_accuracy"] * 200)
+    # Of the model as loaded, as a run's evaluation before training gives it (57 of 200, on an AMD EPYC
+    # and an Intel Xeon): the timed updates, which change the weights, come after it.
+    assert row["eval_greedy_accuracy"] * 200 == pytest.approx(57, abs=2)
     for stage in ("rollout", "update", "eval"):  # the floor leaves work out: it is below what distflow runs
         assert 0 < row[f"{stage}_floor_s"] < row[f"{stage}_s"], stage
