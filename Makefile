@@ -76,9 +76,13 @@ run: setup
 # skips them, CI (CI=true, 90 minutes) runs them too, with the real model (`make smollm2`) they need;
 # `make test PYTEST_MARKS=` runs everything.
 PYTEST_MARKS ?= $(if $(CI),,-m "not slow")
+# Two pytest workers (pytest-xdist), each taking whole test files (a file's module fixtures are built
+# once): most tests wait on a subprocess's start-up with one core idle. PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= 2
+PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
 test: setup bench-setup $(if $(CI),smollm2 test-vllm)
-	$(BIN)/python -m pytest -q src tests $(PYTEST_MARKS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q src tests $(PYTEST_MARKS) $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # The documentation site into site/ (mkdocs.yml); --strict fails on a link to a missing page or anchor.
 docs: setup
