@@ -39,7 +39,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import ROOT, ensure_bench_venv, log, run_checked, save_model  # noqa: E402
+from bench_setup import ROOT, ensure_bench_venv, log, run_checked, save_model  # noqa: E402
 
 RECIPE = ROOT / "examples" / "smollm2_chain_sum.yaml"
 GYM_REQUIREMENT = "reasoning-gym>=0.1.25,<0.2"

@@ -49,8 +49,9 @@ import os
 import sys
 
 import torch
+from bench_setup import build_model, prompt_rows
 from roofline_recipe import RECIPES, SINGLE, measure_recipe, median_seconds, print_recipe
-from throughput import SETTINGS, build_model, prompt_rows
+from throughput import SETTINGS
 
 from distflow.config.schema import AlgorithmConfig, OptimConfig
 from distflow.dag.update_stages import PolicyObjective

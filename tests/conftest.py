@@ -7,6 +7,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Under pytest-xdist (`make test` runs 2 workers) each worker's runs get their share of the cores, as
+# comm.py gives each rank of a job its share: two workers whose runs each spread torch's threads over
+# every core would wait on each other at every parallel region (a 2-rank test took 10x longer).
+# OMP_NUM_THREADS set by the user wins; subprocesses inherit it, and the worker's own torch follows.
+if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("OMP_NUM_THREADS"):
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _workers))
+    if "torch" in sys.modules:  # imported before this file: it read the variable already
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
@@ -21,3 +31,15 @@ def run_cli(*args: str, cwd: Path, timeout: float = 1800) -> subprocess.Complete
     return subprocess.run(
         [sys.executable, "-m", "distflow", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory, cache_dir):
+    """The resume tests' reference: tests/resume_common.py's 4-step run, uninterrupted."""
+    from resume_common import samples, train
+    from test_e2e import read_metrics
+
+    root = tmp_path_factory.mktemp("uninterrupted")
+    result = train(root / "cwd", root, cache_dir, "trainer.run_name=run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {"root": root, "run": root / "run", "metrics": read_metrics(root / "run"), "samples": samples(root / "cwd")}

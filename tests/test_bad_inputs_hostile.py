@@ -277,7 +277,7 @@ def test_a_disk_that_fills_while_metrics_are_appended_is_one_line_without_a_torn
 def test_max_restarts_with_one_process_restarts_it(tmp_path, cache_dir):
     """--max-restarts without --nproc was ignored: the one rank is killed at step 3, restarts from the
     step-2 checkpoint, and the run finishes."""
-    from test_resume import train
+    from resume_common import train
 
     out = tmp_path / "out"
     result = train(
