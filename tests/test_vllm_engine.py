@@ -226,6 +226,25 @@ def test_recorded_log_probs_are_the_policys_and_samples_follow_their_keys(smollm
     assert len(set(out.completions)) > 1  # different keys, different samples
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed: make test-vllm runs these in .venv-vllm")
+def test_a_batch_past_one_engine_steps_token_budget_samples_as_its_keys_say(smollm2):
+    """More prompt tokens than vLLM prefills in one step by default on the CPU (4,096), as a held-out evaluation of
+    200 prompts has: on the CPU a prompt cut across steps made vLLM wind back a generator's offset,
+    which CPU generators do not have (a RuntimeError in the first evaluation)."""
+    from distflow.engines.generation import generate
+
+    model, tokenizer, text = smollm2
+    count = 4096 // len(tokenizer(text)["input_ids"]) + 8
+    keys = [1000 + i for i in range(count)]
+    common = {"max_new_tokens": 4, "temperature": 1.0, "samples_per_prompt": 1, "engine": "vllm"}
+    out = generate(model, tokenizer, [text] * count, sample_keys=keys, **common)
+    assert len(out.completions) == count and len(set(out.completions)) > 1
+    last = generate(model, tokenizer, [text], sample_keys=keys[-1:], **common)  # drawn alone: the same
+    assert last.completions == out.completions[-1:]
+
+
 def test_the_engine_gets_the_merged_lora_weights_under_hugging_face_names():
     """Under LoRA the engine is loaded with W + scale·B·A (no adapters): the weights of peft's own merge."""
     from distflow.config.schema import LoraConfig

@@ -155,6 +155,17 @@ def _environment(set_vars: dict[str, str], removed: tuple[str, ...]) -> Iterator
                 os.environ[name] = value
 
 
+def _whole_prompts(max_len: int) -> dict:
+    """Off CUDA, every prompt prefilled in one engine step: chunked prefill off, a step's token budget
+    at least the longest sequence. A step that prefills part of a prompt still samples a token for it
+    and throws it away, then winds the request's generator back: vLLM does that by the generator's
+    offset, which only CUDA generators have (on the CPU it raised "CPU Generator does not use
+    offset" as soon as a batch's prompts passed the budget, 4,096 tokens by default on the CPU: an evaluation of
+    200 prompts). Without chunks no token is thrown away, so a seeded request's draws do not depend
+    on the batch around it."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_len, 4096)}
+
+
 class VllmEngine:
     """One rank's vLLM engine for one rollout model, with that model's weights loaded; its core in this
     process or (`in_child`) in a child process."""
@@ -169,7 +180,7 @@ class VllmEngine:
         first = next(inner.parameters())
         cuda = first.device.type == "cuda"
         max_len = min(getattr(config, "max_position_embeddings", MAX_MODEL_LEN) or MAX_MODEL_LEN, MAX_MODEL_LEN)
-        extra = {"gpu_memory_utilization": 0.3, "enable_sleep_mode": False} if cuda else {}
+        extra = {"gpu_memory_utilization": 0.3, "enable_sleep_mode": False} if cuda else _whole_prompts(max_len)
         with tempfile.TemporaryDirectory(prefix="distflow-vllm-") as config_dir:
             config.save_pretrained(config_dir)  # the architecture only: weights come from the policy
             with _environment(*_mode_environment(in_child, first.device)):
