@@ -137,7 +137,11 @@ def test_engine_samples_from_the_updated_weights(smollm2):
     from distflow.engines.vllm_rollout import engine_for
 
     model, tokenizer, text = smollm2
+    threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
     before = _greedy(model, tokenizer, text, "vllm")
+    # Making the engine in this process left the rank's torch as it was: its thread count (vLLM's CPU
+    # worker drops it to 1 for serving) and torch.set_num_threads (which that worker stubs out).
+    assert torch.get_num_threads() == threads and torch.set_num_threads is set_num_threads
     assert before.completions == _greedy(model, tokenizer, text, "compact").completions == ["23 + 58 = 115"]
     assert torch.equal(before.response_mask_BR, _greedy(model, tokenizer, text, "compact").response_mask_BR)
     pushes = engine_for(model).num_pushes

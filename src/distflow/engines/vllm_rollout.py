@@ -129,7 +129,10 @@ def _mode_environment(in_child: bool, device: torch.device) -> tuple[dict[str, s
     environment, and a child engine inherits the rest (it must not see the rank's torch world; on CUDA it
     sees the rank's device alone, as its device 0)."""
     if not in_child:
-        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, ()
+        # vLLM's CPU worker drops torch to one thread "for serving" unless OMP_NUM_THREADS is set: in the
+        # rank's own process that would leave the rank's update on one core, so it is told the rank's count.
+        keep = {"OMP_NUM_THREADS": str(torch.get_num_threads())} if device.type == "cpu" else {}
+        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **({} if "OMP_NUM_THREADS" in os.environ else keep)}, ()
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     if device.type == "cuda":
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -181,6 +184,7 @@ class VllmEngine:
         cuda = first.device.type == "cuda"
         max_len = min(getattr(config, "max_position_embeddings", MAX_MODEL_LEN) or MAX_MODEL_LEN, MAX_MODEL_LEN)
         extra = {"gpu_memory_utilization": 0.3, "enable_sleep_mode": False} if cuda else _whole_prompts(max_len)
+        set_num_threads = torch.set_num_threads  # vLLM's CPU worker stubs it out in the process it runs in
         with tempfile.TemporaryDirectory(prefix="distflow-vllm-") as config_dir:
             config.save_pretrained(config_dir)  # the architecture only: weights come from the policy
             with _environment(*_mode_environment(in_child, first.device)):
@@ -197,6 +201,7 @@ class VllmEngine:
                     worker_extension_cls="distflow.engines.vllm_worker.PolicyWeights",
                     **extra,
                 )
+        torch.set_num_threads = set_num_threads
         if isinstance(self.llm.llm_engine.engine_core, InprocClient) == in_child:
             raise RuntimeError(
                 f"vLLM made its engine {'in this process' if in_child else 'in a child process'}, not as asked: "
