@@ -6,6 +6,7 @@ in a child process; synchronous and one step ahead), the train/inference mismatc
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -89,6 +90,9 @@ CHILD_ENGINE = "(EngineCore pid="
 
 def _trained(done, run_dir, *, child: bool) -> list[dict]:
     assert done.returncode == 0, done.stderr[-3000:]
+    # No traceback of the run's own (vLLM logs one as a warning at start-up, inside its log lines): an
+    # engine in the rank's process left to vLLM's exit-time finalizer printed one below the summary.
+    assert not re.search(r"^(\[rank\d+\]: )?Traceback", done.stderr, re.M), done.stderr[-3000:]
     assert (CHILD_ENGINE in done.stdout + done.stderr) == child, "the engine ran in the wrong process"
     records = _steps(run_dir)
     assert [r["step"] for r in records] == [0, 1, 2]

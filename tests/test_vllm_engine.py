@@ -341,10 +341,10 @@ def rollout_rank():
 
 
 def closed():
-    """One process, no world: a child engine ended by `close_child_engines` (as `Worker.close` does at the end
+    """One process, no world: a child engine ended by `close_engines` (as `Worker.close` does at the end
     of a run), then what is left ended by signal (as the CLI's exit does); prints the queues it had mapped."""
     from distflow.engines.models import load_model_and_tokenizer
-    from distflow.engines.vllm_rollout import close_child_engines, engine_for
+    from distflow.engines.vllm_rollout import close_engines, engine_for
     from distflow.runtime.descendants import descendants, end_descendants
     from distflow.tasks.model_source import resolve_model_dir
 
@@ -352,7 +352,7 @@ def closed():
     model, _ = load_model_and_tokenizer(model_dir, model_dir, torch.device("cpu"))
     engine_for(model, in_child=True)
     mapped = shm_files(descendants())
-    close_child_engines()
+    close_engines()
     end_descendants()
     print("SEEN " + json.dumps({"shm": mapped}), flush=True)
 

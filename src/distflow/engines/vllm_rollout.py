@@ -19,7 +19,7 @@ make it at the same point: only when every rank rolls out in lockstep. Otherwise
 in a child process of the rank (`VLLM_ENABLE_V1_MULTIPROCESSING=1`, started by spawn, not fork, so it
 does not inherit the rank's torch.distributed state and builds a world of its own), made by this rank
 alone; its weights go through a shared-memory file (vllm_worker.SharedWeights); the run's end closes it
-(`close_child_engines`, from the worker's close) and the rank's death, kill -9 included, ends it
+(`close_engines`, from the worker's close) and the rank's death, kill -9 included, ends it
 (vllm_worker.PolicyWeights.watch_owner).
 A push is local (no collective): under fsdp2 it runs inside `gathered`, where every rank holds the
 whole model. Both start from dummy weights (`load_format=dummy`) and get the policy's before their
@@ -304,13 +304,16 @@ def engine_for(model: torch.nn.Module, *, in_child: bool = False) -> VllmEngine:
     return engine
 
 
-def close_child_engines() -> None:
-    """End this process's child engines now, before the rank's exit ends its descendants by signal: ended
-    that way, each left vLLM's 160 MB message queue in /dev/shm. An engine in this process needs nothing."""
+def close_engines() -> None:
+    """End this process's engines now, at the end of the run. A child engine ended by the rank's exit, by
+    signal, left vLLM's 160 MB message queue in /dev/shm. An engine in this process was shut down by
+    vLLM's finalizer at interpreter exit, after the rank had destroyed its torch world, and printed a
+    traceback ("Invalid process group specified") below a successful run's summary; shut down here, it
+    tears down the process groups it built and then the rank's default group (vLLM's own teardown; the
+    rank's `comm.shutdown` finds it gone)."""
     for model, engine in list(_ENGINES.items()):
-        if engine.in_child:
-            engine.close()
-            del _ENGINES[model]
+        engine.close()
+        del _ENGINES[model]
 
 
 def vllm_responses(

@@ -62,14 +62,14 @@ class Worker:
     def close(self) -> None:
         """End the threads this rank started (the prefetcher's, the reward runner's): a second run
         in the same process (`distflow.train` in a notebook) starts without the first one's. And its
-        vLLM engines in child processes, cleanly, while it still can (engines/vllm_rollout.py)."""
+        vLLM engines, cleanly, while it still can (engines/vllm_rollout.py)."""
         self.prefetcher.close()
         if self.engines.rewards is not None:
             self.engines.rewards.close()
         if self.config.rollout.engine == "vllm":
-            from distflow.engines.vllm_rollout import close_child_engines
+            from distflow.engines.vllm_rollout import close_engines
 
-            close_child_engines()
+            close_engines()
 
 
 def build_worker(config: Config, world: Comm, log) -> Worker:
