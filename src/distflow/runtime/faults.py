@@ -143,10 +143,8 @@ class StageTimeouts:
         if self.factor * seen >= self.ceiling_s:
             return ceiling
         if self.factor * seen <= self.floor_s:
-            return (
-                self.floor_s,
-                f"watchdog.stage_timeout_floor_s={self.floor_s:g} (its longest earlier run: {seen:.1f}s)",
-            )
+            floor = f"watchdog.stage_timeout_floor_s={self.floor_s:g} (its longest earlier run: {seen:.1f}s)"
+            return self.floor_s, floor
         return self.factor * seen, f"{self.factor:g} x its longest earlier run ({seen:.1f}s)"
 
 
@@ -168,8 +166,8 @@ class RankStatus:
         if status_dir is not None:
             status_dir.mkdir(parents=True, exist_ok=True)
             self._write("running")
-        if timeouts.active:
-            threading.Thread(target=self._watch, name="distflow-watchdog", daemon=True).start()
+        self._watchdog = threading.Thread(target=self._watch, name="distflow-watchdog", daemon=True)
+        self._watchdog.start()  # it ends at once where no stage has a timeout
 
     @classmethod
     def from_env(cls, *, timeouts: StageTimeouts) -> RankStatus:
@@ -202,8 +200,9 @@ class RankStatus:
             self._write("running")
 
     def done(self) -> None:
-        """A clean finish: the status file is no longer needed (the launcher removes its directory)."""
+        """A clean finish: no status file (the launcher removes its directory), and no watchdog thread."""
         self._stop.set()
+        self._watchdog.join()  # ended when this returns: a notebook's next run starts without it
         faulthandler.cancel_dump_traceback_later()
         if self.status_dir is not None:
             (self.status_dir / f"rank{self.rank}.json").unlink(missing_ok=True)
@@ -312,7 +311,7 @@ class RankStatus:
         they entered the collective's stage while the stuck one was still in an earlier one),
         and the stuck one is the one to report (and whose stacks matter)."""
         deferred_since = None
-        while not self._stop.wait(min(1.0, max(self.limit_s, 1.0) / 10)):
+        while self.timeouts.active and not self._stop.wait(min(1.0, max(self.limit_s, 1.0) / 10)):
             with self._lock:
                 since, limit = self.since, self.limit_s
                 me = status_progress({"step": self.step, "position": self.position, "since": self.since})
