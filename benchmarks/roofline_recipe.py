@@ -244,7 +244,7 @@ def measure_recipe(name: str, repeats: int, eval_repeats: int) -> dict:
     step = seconds["rollout"] + passes_in_step * seconds["logprob_pass"] + seconds["update"]
     step_floor = floors["rollout"] + passes_in_step * floors["logprob_pass"] + floors["update"]
     out.update(step_s=round(step, 4), step_floor_s=round(step_floor, 4), step_over_floor=round(step / step_floor, 2))
-    if eval_repeats:
+    if ev:
         out.update({k: v for k, v in ev.items() if k.startswith("eval_")}, eval_identical=ev["identical"])
         out.update(eval_s=round(ev["seconds"], 4), eval_floor_s=round(ev["floor"], 4))
         out["eval_over_floor"] = round(ev["seconds"] / ev["floor"], 2)
