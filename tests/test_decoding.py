@@ -75,6 +75,50 @@ def test_each_prompt_is_prefilled_once_and_finished_rows_cost_nothing(model_and_
     assert all(width == 1 for _, width in decode_steps)
 
 
+@pytest.mark.parametrize("every", [3, 8])
+def test_looking_for_ended_rows_less_often_keeps_the_samples(model_and_tokenizer, monkeypatch, every):
+    """On a GPU the engine looks at which rows ended every 8 tokens, not every token: rows that
+    ended in between decode on but keep their samples, their log-probs and their padding."""
+    from distflow.engines import decoding
+
+    model, tokenizer = model_and_tokenizer
+    n, keys = 4, list(range(len(PROMPTS) * 4))
+    kwargs = dict(samples_per_prompt=n, engine="compact", max_new_tokens=40, temperature=1.0, top_p=0.9)
+    every_token = generate(model, tokenizer, PROMPTS, sample_keys=keys, logprobs=True, **kwargs)
+    monkeypatch.setattr(decoding, "stop_check_interval", lambda device: every)
+    looks = []
+    real_select = decoding.DynamicCache.batch_select_indices
+    monkeypatch.setattr(
+        decoding.DynamicCache, "batch_select_indices", lambda self, keep: looks.append(1) or real_select(self, keep)
+    )
+    sparse = generate(model, tokenizer, PROMPTS, sample_keys=keys, logprobs=True, **kwargs)
+    lengths = every_token.response_mask_BR.sum(-1)
+    assert lengths.min() < lengths.max() and looks  # rows ended apart, and left the batch
+    assert torch.equal(sparse.input_ids_BT, every_token.input_ids_BT)
+    # Log-probs equal up to rounding: a row's logits can round differently in a batch of another size.
+    torch.testing.assert_close(sparse.logp_BR, every_token.logp_BR, rtol=0, atol=1e-5)
+    raw = decoding.decode(
+        model,
+        *[t.to(torch.long) for t in _left_padded(tokenizer)],
+        samples_per_prompt=n,
+        max_new_tokens=40,
+        stop_ids=(tokenizer.eos_token_id,),
+        pad_id=tokenizer.pad_token_id,
+        temperature=1.0,
+        top_p=0.9,
+        keys_B=torch.tensor(keys),
+    )
+    # The engine's own output pads after a row's stop token, whenever the row left the batch.
+    ended_BR = (raw == tokenizer.eos_token_id).long().cumsum(-1) - (raw == tokenizer.eos_token_id).long() > 0
+    assert bool((raw[ended_BR] == tokenizer.pad_token_id).all())
+
+
+def _left_padded(tokenizer):
+    from distflow.engines.sequences import encode_prompts, left_pad
+
+    return left_pad(encode_prompts(tokenizer, PROMPTS), tokenizer.pad_token_id)
+
+
 @pytest.mark.slow  # torch.compile takes 20-60 s on 2 cores: CI runs it
 def test_compiled_engine_draws_the_compact_samples_and_follows_weight_updates(model_and_tokenizer):
     tokenizer = model_and_tokenizer[1]

@@ -2,7 +2,8 @@
 
     prompts P_1..P_G ──prefill once──▶ KV cache [G, W] ──repeat n──▶ [G·n, W]
          every step: forward only the rows still running; a row that samples a stop token (or
-         reaches max_new_tokens) leaves the batch, and its rows leave the KV cache
+         reaches max_new_tokens) leaves the batch, and its rows leave the KV cache, at the next
+         look at which rows ended (every token on a CPU, every 8 on a GPU: `stop_check_interval`)
 
 Compared with Hugging Face `generate` on the expanded batch (the `generate` engine, kept as
 the reference): the n samples of a prompt share one prefill instead of n, and a finished
@@ -76,19 +77,28 @@ def decode(
     mask_BT = prompt_mask_GP.repeat_interleave(n, dim=0)
     response_BR = torch.full((mask_BT.shape[0], max_new_tokens), pad_id, dtype=torch.long, device=device)
     logp_BR = torch.zeros(response_BR.shape, dtype=torch.float32, device=device)
-    rows_A = torch.arange(mask_BT.shape[0], device=device)  # the rows still running, in batch order
+    rows_A = torch.arange(mask_BT.shape[0], device=device)  # the rows still in the batch, in batch order
+    keys_A = keys_B
+    ended_A = torch.zeros(rows_A.shape, dtype=torch.bool, device=device)  # sampled a stop token already
+    every = stop_check_interval(device)
     for t in range(max_new_tokens):
-        token_A = _draw(logits_BV, None if keys_B is None else keys_B[rows_A], t, temperature, top_p)
-        response_BR[rows_A, t] = token_A
+        token_A = _draw(logits_BV, keys_A, t, temperature, top_p)
+        # A row that ended between two checks stays in the batch; what it draws is not kept.
+        response_BR[rows_A, t] = torch.where(ended_A, pad_id, token_A)
         if logprobs:
-            logp_BR[rows_A, t] = token_logprob_B(logits_BV, token_A, temperature=temperature)
-        running_A = ~torch.isin(token_A, stop_S)
-        if t == max_new_tokens - 1 or not running_A.any():
+            logp_A = token_logprob_B(logits_BV, token_A, temperature=temperature)
+            logp_BR[rows_A, t] = torch.where(ended_A, 0.0, logp_A)
+        ended_A = ended_A | torch.isin(token_A, stop_S)
+        if t == max_new_tokens - 1:
             break
-        if not running_A.all():
-            keep_A = running_A.nonzero().squeeze(-1)
-            rows_A, token_A, mask_BT = rows_A[keep_A], token_A[keep_A], mask_BT[keep_A]
-            cache.batch_select_indices(keep_A)
+        if (t + 1) % every == 0:  # the only look at the values on the host
+            if ended_A.all():
+                break
+            if ended_A.any():
+                keep_A = (~ended_A).nonzero().squeeze(-1)
+                rows_A, token_A, mask_BT, ended_A = rows_A[keep_A], token_A[keep_A], mask_BT[keep_A], ended_A[keep_A]
+                keys_A = None if keys_A is None else keys_A[keep_A]
+                cache.batch_select_indices(keep_A)
         mask_BT = torch.cat([mask_BT, mask_BT.new_ones(mask_BT.shape[0], 1)], dim=1)
         out = model(
             input_ids=token_A[:, None],
@@ -99,3 +109,13 @@ def decode(
         )
         logits_BV = out.logits[:, -1, :].float()
     return (response_BR, logp_BR) if logprobs else response_BR
+
+
+def stop_check_interval(device: torch.device) -> int:
+    """Decoded tokens between two looks at which rows have ended. A look reads device values on the
+    host: free on a CPU, where it runs every token so that an ended row stops costing compute at
+    once; on a GPU it stalls the host until the device has caught up, emptying the queue of kernels
+    that hides launch costs, so there it runs every 8 tokens (an ended row decodes at most 7 more,
+    which are dropped). Either way each row's tokens are the same: a row's draws depend on its key
+    and position only."""
+    return 1 if device.type == "cpu" else 8

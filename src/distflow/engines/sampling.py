@@ -91,15 +91,23 @@ def sample_from_logits(
         sorted_BV = torch.where(before_BV < top_p, sorted_BV, torch.zeros_like(sorted_BV))
         probs_BV = torch.zeros_like(probs_BV).scatter(-1, order_BV, sorted_BV)
     cdf_BV = probs_BV.cumsum(-1)
-    u_B1 = keyed_uniform(keys_B.to(cdf_BV.device), position).to(cdf_BV.device).unsqueeze(-1) * cdf_BV[:, -1:]
-    token_B = torch.searchsorted(cdf_BV, u_B1, right=True).squeeze(-1)
-    # Rounding can put u past the last non-zero bin; step back to a token with mass.
-    token_B = token_B.clamp(max=logits_BV.shape[-1] - 1)
-    while True:
-        empty_B = probs_BV.gather(-1, token_B.unsqueeze(-1)).squeeze(-1) == 0
-        if not empty_B.any():
-            return token_B
-        token_B = torch.where(empty_B, token_B - 1, token_B)
+        # The first token whose cumulative mass passes u. In a sequential running sum (a CPU's) a token
+    # of zero mass adds exactly 0, so it is never the first to pass u; but rounding can leave u at or
+    # past the total mass, where no token passes it: then the last token with mass, the first whose
+    # cumulative mass equals the total. The smaller of the two needs no look at the values on the
+    # host (a loop stepping back over empty bins would stall a GPU once per token).
+    total_B1 = cdf_BV[:, -1:].contiguous()
+    u_B1 = keyed_uniform(keys_B.to(cdf_BV.device), position).to(cdf_BV.device).unsqueeze(-1) * total_B1
+    token_B1 = torch.minimum(
+        torch.searchsorted(cdf_BV, u_B1, right=True), torch.searchsorted(cdf_BV, total_B1, right=False)
+    )
+    token_B = token_B1.squeeze(-1)
+    if cdf_BV.device.type != "cpu":
+        # A GPU's parallel scan adds in another order, so an empty bin can round past its neighbour;
+        # a token of zero mass (outside the nucleus) is then replaced by the most likely one.
+        empty_B = probs_BV.gather(-1, token_B1).squeeze(-1) == 0
+        token_B = torch.where(empty_B, probs_BV.argmax(-1), token_B)
+    return token_B
 
 
 def token_logprob_B(logits_BV: torch.Tensor, token_B: torch.Tensor, *, temperature: float) -> torch.Tensor:
