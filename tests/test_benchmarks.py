@@ -85,8 +85,10 @@ def test_benchmark_imports_of_distflow_exist(script):
 
 def test_every_benchmark_has_a_quick_test():
     # trl_worker.py is run by throughput.py; roofline_recipe.py is roofline.py's real-model part;
-    # bench_setup.py is what throughput.py, roofline.py and learning.py share.
-    scripts = {p.name for p in BENCHMARKS.glob("*.py")} - {"trl_worker.py", "roofline_recipe.py", "bench_setup.py"}
+    # bench_setup.py is what throughput.py, roofline.py and learning.py share; dispatch_counter.py and
+    # trl_count_worker.py are host_costs.py's counter and its TRL side (tests/test_host_costs.py).
+    helpers = {"trl_worker.py", "roofline_recipe.py", "bench_setup.py", "dispatch_counter.py", "trl_count_worker.py"}
+    scripts = {p.name for p in BENCHMARKS.glob("*.py")} - helpers
     assert scripts == {
         "throughput.py",
         "data_plane.py",
@@ -97,6 +99,8 @@ def test_every_benchmark_has_a_quick_test():
         "roofline.py",
         "learning.py",
         "rollout_engines.py",
+        "gpu.py",
+        "host_costs.py",
     }, f"benchmarks/ now holds {sorted(scripts)}: give each a --quick mode and a test here"
 
 
@@ -316,3 +320,23 @@ def test_roofline_quick():
     assert row["update_s"] > 0 and row["gemm_s"] > 0 and row["rollout_gemm_s"] > 0
     assert abs(row["floor_s"] - (row["gemm_s"] + row["rollout_gemm_s"])) <= 2e-4  # each rounded to 4 places
     assert out["settings"]["square_gflops_512"] > 0
+
+
+def test_gpu_quick():
+    """The GPU check's CPU path: every engine's rollout on the tiny model, the embedded default, a profiled
+    step; its files in --out."""
+    out = run_quick("gpu.py", timeout=3600)
+    assert out["quick"] and out["sections"] == ["rollout", "default", "step"]
+    engines = {(r["engine"], r["dtype"]) for r in out["rollout"]}
+    assert {("generate", "float32"), ("compact", "float32"), ("compact/every-token", "float32")} <= engines
+    for row in out["rollout"]:
+        assert "error" not in row, row
+        # every row decodes 1 to new_tokens tokens; tokens/s is what was generated over the median run
+        assert row["rows"] <= row["generated"] <= row["rows"] * row["new_tokens"], row
+        assert row["tokens_per_s"] == pytest.approx(row["generated"] / row["seconds"], rel=0.01)
+    for section in ("default", "step"):
+        split = out[section]["median_s"]
+        assert split["rollout"] > 0 and split["step"] >= split["rollout"], section
+    assert len(out["default"]["greedy_accuracy"]) == 3  # steps 0, 2 and 4
+    written = {p.name for p in (BENCHMARKS.parent / "runs" / "gpu").iterdir()}
+    assert {"gpu.json", "gpu.log", "step_profile.txt", "step_trace.json.gz"} <= written

@@ -91,7 +91,7 @@ def sample_from_logits(
         sorted_BV = torch.where(before_BV < top_p, sorted_BV, torch.zeros_like(sorted_BV))
         probs_BV = torch.zeros_like(probs_BV).scatter(-1, order_BV, sorted_BV)
     cdf_BV = probs_BV.cumsum(-1)
-        # The first token whose cumulative mass passes u. In a sequential running sum (a CPU's) a token
+    # The first token whose cumulative mass passes u. In a sequential running sum (a CPU's) a token
     # of zero mass adds exactly 0, so it is never the first to pass u; but rounding can leave u at or
     # past the total mass, where no token passes it: then the last token with mass, the first whose
     # cumulative mass equals the total. The smaller of the two needs no look at the values on the
@@ -101,11 +101,11 @@ def sample_from_logits(
     token_B1 = torch.minimum(
         torch.searchsorted(cdf_BV, u_B1, right=True), torch.searchsorted(cdf_BV, total_B1, right=False)
     )
-    token_B = token_B1.squeeze(-1)
+    token_B = token_B1.squeeze(-1).clamp(max=logits_BV.shape[-1] - 1)  # in range even for NaN logits
     if cdf_BV.device.type != "cpu":
         # A GPU's parallel scan adds in another order, so an empty bin can round past its neighbour;
         # a token of zero mass (outside the nucleus) is then replaced by the most likely one.
-        empty_B = probs_BV.gather(-1, token_B1).squeeze(-1) == 0
+        empty_B = probs_BV.gather(-1, token_B.unsqueeze(-1)).squeeze(-1) == 0
         token_B = torch.where(empty_B, probs_BV.argmax(-1), token_B)
     return token_B
 

@@ -6,7 +6,9 @@ directory:
 
     profile/rank{R}.trace.json   Chrome trace (chrome://tracing, https://ui.perfetto.dev);
                                  each stage and redistribution is a labelled range
-    profile/rank{R}.txt          operators by total self time (CPU, and CUDA when used)
+    profile/rank{R}.txt          operators by total self time on the device (CUDA, when used),
+                                 then by self time on the host: on a GPU the second table shows
+                                 the host work (dispatch, Python, syncs) that keeps it waiting
 
 A run that stops inside the window (`trainer.time_budget_s`) writes the steps it profiled when
 the executor closes the profiler after its last step.
@@ -54,7 +56,12 @@ class StepProfiler:
     def _write(self, prof: profile) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.out / f"rank{self.rank}.trace.json"))
-        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        table = prof.key_averages().table(sort_by=sort, row_limit=40)
-        header = f"rank {self.rank}, steps {self.steps.start}-{self._last}, sorted by {sort}\n"
-        (self.out / f"rank{self.rank}.txt").write_text(header + table + "\n")
+        sorts = (["self_cuda_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total"]
+        averages = prof.key_averages()
+        text = "".join(
+            f"rank {self.rank}, steps {self.steps.start}-{self._last}, sorted by {sort}\n"
+            + averages.table(sort_by=sort, row_limit=40)
+            + "\n"
+            for sort in sorts
+        )
+        (self.out / f"rank{self.rank}.txt").write_text(text)

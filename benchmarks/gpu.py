@@ -1,0 +1,347 @@
+"""The GPU check in one command: rollout engines, one step by stage, the embedded default, and learning
+against TRL in float32 and bf16, on whatever CUDA device the machine has.
+
+    python benchmarks/gpu.py --out DIR                              # every section (~8 min on one H200)
+    python benchmarks/gpu.py --sections rollout default --out DIR   # the sections that need no real model
+    .venv/bin/python benchmarks/gpu.py --quick                      # its CPU path on the tiny model (the suite)
+
+A GPU machine needs torch and transformers; distflow runs from source (`PYTHONPATH=src`), and the
+other packages it and TRL need can come as wheels (benchmarks/requirements-gpu.txt says which, and
+how to fetch and install them on a machine without internet). Sections (--sections, default all):
+
+  rollout   tokens/s of each rollout engine (`generate`, `compact`, `compiled`), in float32 and
+            bfloat16 (a bf16 copy of the model), at the recipe's shape (8 prompts x 8 samples x
+            32 tokens) and at 64 x 8 x 256. The model is SmolLM2-135M's architecture with random
+            weights, on random prompts of 96 tokens: a random model seldom samples EOS, so every
+            row decodes every token and tokens/s = rows x tokens / seconds. `compact/every-token`
+            is compact looking for ended rows after every token (its CPU setting) on the device.
+            The recipe's shape: a warm-up and the median of 2 runs; the long one: 1 run.
+            `compiled` runs at the recipe's shape in float32 only (each compile takes a minute).
+  default   the embedded default (`examples/arith_grpo.yaml`, 150 steps) end to end: the median
+            step and stage times, and held-out greedy accuracy before and after.
+  step      the real recipe (`examples/smollm2_chain_sum.yaml`, `make smollm2`) for 5 steps, one
+            profiled (`--profile 1`): the stage split (median of steps 3-5) and the profiler's
+            tables (device time, then host time, by operator) and its trace.
+  learning  benchmarks/learning.py, distflow (1 process) against TRL's GRPOTrainer at
+            --budget-s seconds of training each, in float32 and in bf16 (learning.py's --dtype).
+
+Writes into --out at most 8 files: gpu.log (this run's log), gpu.json (every number), the step's
+profile table and gzipped trace, and the learning curves. The table goes to stdout; the last stdout
+line is one JSON object. --quick: the tiny model at 4 x 4 x 8 (no `compiled`: compiling takes
+tens of seconds on a CPU), the default for 4 steps, a 3-step tiny-model profile, no learning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gzip
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_setup import ROOT, save_model  # noqa: E402
+
+SECTIONS = ("rollout", "default", "step", "learning")
+ENGINES = ("generate", "compact", "compact/every-token", "compiled")
+SHAPES = {"recipe": (8, 8, 32), "long": (64, 8, 256)}
+PROMPT_TOKENS = 96
+
+
+LOG: list[Path] = []  # gpu.log, once --out is known
+
+
+def log(text: str) -> None:
+    line = f"[gpu {time.strftime('%H:%M:%S')}] {text}"
+    print(line, file=sys.stderr, flush=True)
+    for path in LOG:
+        with path.open("a") as f:
+            f.write(line + "\n")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu")
+    parser.add_argument("--budget-s", type=float, default=45.0, help="training seconds per system (learning)")
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
+    parser.add_argument("--quick", action="store_true", help="the CPU path on the tiny model (seconds)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sections = ["rollout", "default", "step"]
+    return args
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    return f"CPU, {os.cpu_count()} cores (torch {torch.__version__})"
+
+
+def smollm2_shaped():
+    """SmolLM2-135M's architecture (its config.json's sizes), random weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+class _IdsTokenizer:
+    """What `generate` needs of a tokenizer when prompts come as ids: pad, EOS, and decoding (unused)."""
+
+    def __init__(self, pad_id: int, eos_id: int) -> None:
+        self.pad_token_id, self.eos_token_id, self.bos_token_id = pad_id, eos_id, None
+
+    def batch_decode(self, rows, skip_special_tokens=True) -> list[str]:
+        return [""] * len(rows)
+
+
+def rollout_section(args: argparse.Namespace, device) -> list[dict]:
+    import torch
+
+    if args.quick:
+        from bench_setup import build_model
+
+        model, _ = build_model("tiny")
+        shapes, engines, repeats = {"quick": (4, 4, 8)}, [e for e in ENGINES if e != "compiled"], 1
+    else:
+        model, shapes, engines, repeats = smollm2_shaped(), SHAPES, ENGINES, 2
+    model = model.to(device).eval()
+    tokenizer = _IdsTokenizer(pad_id=model.config.pad_token_id, eos_id=model.config.eos_token_id)
+    rows = []
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        typed = model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
+        for shape_name, (prompts, samples, tokens) in shapes.items():
+            width = 6 if args.quick else PROMPT_TOKENS
+            generator = torch.Generator().manual_seed(0)
+            ids = torch.randint(3, model.config.vocab_size, (prompts, width), generator=generator)
+            for engine in engines:
+                first = shape_name == next(iter(shapes))
+                if engine.endswith("every-token") and dtype != torch.float32:
+                    continue
+                if engine == "compiled" and not (first and dtype == torch.float32):
+                    continue  # each compile takes a minute: the recipe's shape in float32 only
+                # The first shape warms every engine up; after it, only `compiled` needs a warm-up
+                # (new shapes can recompile it), and one timed run of a long shape is enough.
+                warmup = first or engine == "compiled"
+                timed = repeats if first else 1
+                row = {"engine": engine, "dtype": dtype_name, "shape": shape_name}
+                try:
+                    timing = time_engine(typed, tokenizer, ids.tolist(), samples, tokens, engine, warmup, timed, device)
+                    row.update(timing)
+                except Exception as err:  # one engine failing must not hide the others' numbers
+                    row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                log(f"rollout {row}")
+                rows.append(row)
+    return rows
+
+
+def time_engine(
+    model, tokenizer, prompt_ids, samples: int, tokens: int, engine: str, warmup: bool, repeats: int, device
+) -> dict:
+    """A warm-up (it compiles `compiled`) if asked, then the median of `repeats` timed generations."""
+    from distflow.engines import decoding
+    from distflow.engines.generation import generate
+
+    name, original = engine.split("/")[0], decoding.stop_check_interval
+    if engine.endswith("every-token"):
+        decoding.stop_check_interval = lambda device: 1
+    try:
+        seconds = []
+        for _ in range(int(warmup) + repeats):
+            started = time.perf_counter()
+            out = generate(
+                model,
+                tokenizer,
+                [""] * len(prompt_ids),
+                prompt_ids=prompt_ids,
+                samples_per_prompt=samples,
+                max_new_tokens=tokens,
+                temperature=1.0,
+                sample_keys=list(range(len(prompt_ids) * samples)),
+                engine=name,
+                logprobs=True,
+            )
+            synchronize(device)
+            seconds.append(time.perf_counter() - started)
+    finally:
+        decoding.stop_check_interval = original
+    median, generated = statistics.median(seconds[int(warmup) :]), int(out.response_mask_BR.sum())
+    return {
+        "rows": len(prompt_ids) * samples,
+        "new_tokens": tokens,
+        "generated": generated,
+        "seconds": round(median, 4),
+        "warmup_s": round(seconds[0], 2) if warmup else None,
+        "tokens_per_s": round(generated / median, 1),
+        "ms_per_decode_step": round(1000 * median / tokens, 3),
+    }
+
+
+def synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def train_run(name: str, config: Path, overrides: list[str], work: Path, profile: int = 0) -> Path:
+    """`distflow train CONFIG` in a subprocess; returns its run directory."""
+    cmd = [sys.executable, "-m", "distflow", "train", str(config), *overrides]
+    cmd += [f"trainer.output_dir={work}", f"trainer.run_name={name}", "trainer.progress_bar=false"]
+    cmd += ["checkpoint.every=0", "checkpoint.at_end=false", "trainer.loggers=[jsonl]"]
+    if profile:
+        cmd += ["--profile", str(profile)]
+    log(" ".join(cmd))
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} exited {proc.returncode}: {proc.stderr[-3000:]}")
+    return work / name
+
+
+def stage_split(run_dir: Path, from_step: int) -> dict:
+    """Median of each time/* metric over the steps from `from_step` on, and the evaluations."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r.get("step", 0) >= from_step and "time/step_s" in r]
+    keys = sorted({k for r in steps for k in r if k.startswith("time/") and k.endswith("_s")} - {"time/train_total_s"})
+    split = {k[5:-2]: round(statistics.median(r[k] for r in steps if k in r), 4) for k in keys}
+    evals = [(r["step"], r["eval/greedy_accuracy"]) for r in rows if "eval/greedy_accuracy" in r]
+    return {"steps": len(steps), "median_s": split, "greedy_accuracy": evals}
+
+
+def default_section(args: argparse.Namespace, work: Path) -> dict:
+    steps = 4 if args.quick else 150
+    extra = ["trainer.eval_every=2"] if args.quick else []
+    run = train_run("default", ROOT / "examples" / "arith_grpo.yaml", [f"trainer.total_steps={steps}", *extra], work)
+    split = stage_split(run, from_step=2)
+    evals = split["greedy_accuracy"]
+    split["accuracy_gain"] = round(evals[-1][1] - evals[0][1], 4) if len(evals) > 1 else None
+    return split
+
+
+def step_section(args: argparse.Namespace, work: Path, out: Path) -> dict:
+    if args.quick:
+        model_dir = save_model(work / "tiny", "tiny")
+        config, overrides = ROOT / "examples" / "arith_grpo.yaml", [f"model.path={model_dir}", "trainer.total_steps=3"]
+    else:
+        config, overrides = ROOT / "examples" / "smollm2_chain_sum.yaml", ["trainer.total_steps=5"]
+    run = train_run("step", config, [*overrides, "trainer.eval_every=0"], work, profile=1)
+    table, trace = run / "profile" / "rank0.txt", run / "profile" / "rank0.trace.json"
+    shutil.copy(table, out / "step_profile.txt")
+    with trace.open("rb") as source, gzip.open(out / "step_trace.json.gz", "wb") as target:
+        shutil.copyfileobj(source, target)
+    return stage_split(run, from_step=3 if not args.quick else 2)
+
+
+def learning_section(args: argparse.Namespace, out: Path) -> dict:
+    results = {}
+    for dtype in args.dtypes:
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "learning.py"), "--nproc", "1", "--dtype", dtype]
+        cmd += ["--budget-min", str(args.budget_s / 60), "--eval-every-min", str(args.budget_s / 120)]
+        cmd += ["--trl-python", sys.executable, "--plot", str(out / f"learning_{dtype}.png")]
+        log(" ".join(cmd))
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        log(f"learning {dtype} stderr (end):\n{proc.stderr[-4000:]}")
+        if proc.returncode != 0:
+            results[dtype] = {"error": proc.stderr[-1000:]}
+            continue
+        print(proc.stdout, flush=True)
+        results[dtype] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return results
+
+
+def print_tables(result: dict) -> None:
+    print(f"device: {result['device']}")
+    if "rollout" in result:
+        print(f"{'engine':<22}{'dtype':<10}{'shape':<8}{'rows':>6}{'tokens':>8}{'s':>9}{'tokens/s':>11}{'ms/step':>9}")
+        for r in result["rollout"]:
+            if "error" in r:
+                print(f"{r['engine']:<22}{r['dtype']:<10}{r['shape']:<8}  failed: {r['error'][:60]}")
+                continue
+            print(
+                f"{r['engine']:<22}{r['dtype']:<10}{r['shape']:<8}{r['rows']:>6}{r['new_tokens']:>8}"
+                f"{r['seconds']:>9.3f}{r['tokens_per_s']:>11.1f}{r['ms_per_decode_step']:>9.2f}"
+            )
+    for section in ("default", "step"):
+        if section in result and "median_s" in result[section]:
+            split = "  ".join(f"{k} {v:.3f}" for k, v in result[section]["median_s"].items())
+            print(f"{section}: median s over {result[section]['steps']} steps: {split}")
+            print(f"{section}: greedy accuracy (step, value): {result[section]['greedy_accuracy']}")
+    for dtype, r in result.get("learning", {}).items():
+        for system in ("distflow_1proc", "trl"):
+            if system in r:
+                s = r[system]
+                print(
+                    f"learning {dtype:<9}{system:<16}{s['steps']:>5} steps {s['completions_per_s']:>8.2f} completions/s"
+                    f"  accuracy {s['evals']}"
+                )
+        if "distflow_1proc/trl_completions" in r:
+            print(f"learning {dtype}: distflow/TRL completions/s = {r['distflow_1proc/trl_completions']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    LOG.append(args.out / "gpu.log")
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.quick:
+        device = torch.device("cpu")
+    result: dict = {"device": device_name(), "sections": args.sections, "quick": args.quick}
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="distflow-gpu-") as tmp:
+        work = Path(tmp)
+        for section in args.sections:
+            section_start = time.time()
+            log(f"section {section}")
+            try:
+                if section == "rollout":
+                    result["rollout"] = rollout_section(args, device)
+                elif section == "default":
+                    result["default"] = default_section(args, work)
+                elif section == "step":
+                    result["step"] = step_section(args, work, args.out)
+                else:
+                    result["learning"] = learning_section(args, args.out)
+            except Exception as err:  # keep the other sections' numbers
+                log(f"section {section} failed: {type(err).__name__}: {err}")
+                result[section] = {"error": f"{type(err).__name__}: {str(err)[-1500:]}"}
+            result[f"{section}_wall_s"] = round(time.time() - section_start, 1)
+            (args.out / "gpu.json").write_text(json.dumps(result, indent=1))
+    result["wall_s"] = round(time.time() - started, 1)
+    (args.out / "gpu.json").write_text(json.dumps(result, indent=1))
+    print_tables(result)
+    print(json.dumps(result))
+    failed = [s for s in args.sections if isinstance(result.get(s), dict) and "error" in result[s]]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
