@@ -37,7 +37,8 @@ Settings (P prompts x G samples, new-token cap, temperature):
    same order, P x G per optimizer step in one micro-batch, no KL, every group trained
    (distflow: skip_zero_variance_groups false, as TRL updates on zero advantages).
 As on CUDA: both sides run torch's optimizers in their foreach implementation, and distflow's
-decoding looks at ended rows as often as on a GPU (`stop_check_interval`). Left as on the CPU:
+decoding looks at ended rows as often as on a GPU (`stop_check_interval`), and its training passes
+split responses by length as on a GPU (`max_length_buckets`). Left as on the CPU:
 the sampler's GPU-only guard against empty bins (engines/sampling.py, a few ops per token).
 
 The table goes to stdout; the last line is one JSON object. No timing is reported.
@@ -152,17 +153,20 @@ def model_dir_of(args: argparse.Namespace, work: Path) -> Path:
 
 
 @contextlib.contextmanager
-def stops_as_on_cuda():
-    """distflow's decoding looks at which rows ended every token on a CPU and every few tokens on
-    a GPU (engines/decoding.py's `stop_check_interval`, a sync each look): counted at the GPU's."""
-    from distflow.engines import decoding
+def choices_as_on_cuda():
+    """distflow makes two choices by device, counted at the GPU's: its decoding looks at which rows
+    ended every token on a CPU and every few tokens on a GPU (engines/decoding.py's
+    `stop_check_interval`, a sync each look), and its training passes split responses into length
+    buckets on a CPU only (engines/prefix_sharing.py's `max_length_buckets`, a forward call each)."""
+    from distflow.engines import decoding, prefix_sharing
 
-    original = decoding.stop_check_interval
-    decoding.stop_check_interval = lambda device: original(torch.device("cuda"))
+    originals = decoding.stop_check_interval, prefix_sharing.max_length_buckets
+    decoding.stop_check_interval = lambda device: originals[0](torch.device("cuda"))
+    prefix_sharing.max_length_buckets = lambda device: originals[1](torch.device("cuda"))
     try:
         yield
     finally:
-        decoding.stop_check_interval = original
+        decoding.stop_check_interval, prefix_sharing.max_length_buckets = originals
 
 
 class ForwardCounts:
@@ -241,7 +245,7 @@ def rollout_costs(args: argparse.Namespace, model_dir: Path, prompts: list[str])
         log(f"rollout: {engine}")
         torch.manual_seed(0)
         rollout_once(engine, model, tokenizer, prompts, args)  # warm-up: first-call work is not per token
-        with stops_as_on_cuda(), HostCostCounter() as counter, counter.scope(engine):
+        with choices_as_on_cuda(), HostCostCounter() as counter, counter.scope(engine):
             forwards = ForwardCounts(model, counter, engine)
             try:
                 steps = rollout_once(engine, model, tokenizer, prompts, args)
@@ -308,7 +312,7 @@ def distflow_step_costs(args: argparse.Namespace, model_dir: Path, work: Path) -
     try:
         for name, fn in wrappers.items():
             setattr(executor, name, fn)
-        with stops_as_on_cuda(), counter:
+        with choices_as_on_cuda(), counter:
             distflow.train(recipe(args), distflow_overrides(args, model_dir, work))
     finally:
         for name, fn in originals.items():
@@ -420,7 +424,11 @@ def main(argv: list[str] | None = None) -> int:
             "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature,
             "count_step": COUNT_STEP,
-            "as_on_cuda": ["optimizers' foreach implementation", "decoding.stop_check_interval"],
+            "as_on_cuda": [
+                "optimizers' foreach implementation",
+                "decoding.stop_check_interval",
+                "prefix_sharing.max_length_buckets",
+            ],
             "torch": torch.__version__,
         },
         "step": {},

@@ -123,6 +123,9 @@ def distflow_overrides(args: argparse.Namespace, shared: dict) -> list[str]:
         "checkpoint.at_end=false",
         "trainer.seed=0",
         f"parallel.device={args.device}",
+        # On a GPU, the whole step's P x G sequences in one pass, as TRL's per_device_train_batch_size
+        # gives it (the recipe's 32 suits a CPU's memory and caches; a GPU pays per call).
+        *([f"passes.micro_batch_size={shared['prompts'] * shared['generations']}"] if args.device == "cuda" else []),
         *(
             ["parallel.strategy=fsdp2", "parallel.param_dtype=bfloat16"]
             if args.dtype == "bfloat16"

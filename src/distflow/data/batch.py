@@ -61,9 +61,12 @@ class Batch:
         )
 
     def select(self, index: list[int]) -> Batch:
-        rows = torch.tensor(index, dtype=torch.long)
+        rows_on: dict[torch.device, torch.Tensor] = {}  # the index copied once to each device (a copy stalls a GPU)
+        for v in self.tensors.values():
+            if v.device not in rows_on:
+                rows_on[v.device] = torch.tensor(index, dtype=torch.long, device=v.device)
         return Batch(
-            {k: v.index_select(0, rows.to(v.device)) for k, v in self.tensors.items()},
+            {k: v.index_select(0, rows_on[v.device]) for k, v in self.tensors.items()},
             {k: [v[i] for i in index] for k, v in self.meta.items()},
         )
 

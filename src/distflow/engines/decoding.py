@@ -28,15 +28,15 @@ import torch
 from transformers import DynamicCache
 
 from distflow.engines.models import cache_kwargs
-from distflow.engines.sampling import sample_from_logits, token_logprob_B
+from distflow.engines.sampling import keyed_uniforms, sample_from_logits, token_logprob_B
 
 
 def _draw(
-    logits_BV: torch.Tensor, keys_B: torch.Tensor | None, position: int, temperature: float, top_p: float
+    logits_BV: torch.Tensor, uniform_B: torch.Tensor | None, position: int, temperature: float, top_p: float
 ) -> torch.Tensor:
-    if keys_B is None:
+    if uniform_B is None:
         return logits_BV.argmax(dim=-1)
-    return sample_from_logits(logits_BV, keys_B, position, temperature=temperature, top_p=top_p)
+    return sample_from_logits(logits_BV, None, position, temperature=temperature, top_p=top_p, uniform_B=uniform_B)
 
 
 @torch.no_grad()
@@ -78,11 +78,11 @@ def decode(
     response_BR = torch.full((mask_BT.shape[0], max_new_tokens), pad_id, dtype=torch.long, device=device)
     logp_BR = torch.zeros(response_BR.shape, dtype=torch.float32, device=device)
     rows_A = torch.arange(mask_BT.shape[0], device=device)  # the rows still in the batch, in batch order
-    keys_A = keys_B
+    uniform_AR = None if keys_B is None else keyed_uniforms(keys_B, max_new_tokens)  # every draw, ahead
     ended_A = torch.zeros(rows_A.shape, dtype=torch.bool, device=device)  # sampled a stop token already
     every = stop_check_interval(device)
     for t in range(max_new_tokens):
-        token_A = _draw(logits_BV, keys_A, t, temperature, top_p)
+        token_A = _draw(logits_BV, None if uniform_AR is None else uniform_AR[:, t], t, temperature, top_p)
         # A row that ended between two checks stays in the batch; what it draws is not kept.
         response_BR[rows_A, t] = torch.where(ended_A, pad_id, token_A)
         if logprobs:
@@ -97,7 +97,7 @@ def decode(
             if ended_A.any():
                 keep_A = (~ended_A).nonzero().squeeze(-1)
                 rows_A, token_A, mask_BT, ended_A = rows_A[keep_A], token_A[keep_A], mask_BT[keep_A], ended_A[keep_A]
-                keys_A = None if keys_A is None else keys_A[keep_A]
+                uniform_AR = None if uniform_AR is None else uniform_AR[keep_A]
                 cache.batch_select_indices(keep_A)
         mask_BT = torch.cat([mask_BT, mask_BT.new_ones(mask_BT.shape[0], 1)], dim=1)
         out = model(

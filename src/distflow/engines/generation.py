@@ -214,7 +214,11 @@ def _hf_generate(
     sampling, each drawn token's log-prob (the keyed sampler records them)."""
     width = prompt_ids_BP.shape[1]
     processors = LogitsProcessorList()
-    sampler = KeyedSampler(keys_B, width, temperature=temperature, top_p=top_p) if keys_B is not None else None
+    sampler = (
+        KeyedSampler(keys_B, width, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+        if keys_B is not None
+        else None
+    )
     if sampler is not None:
         processors.append(sampler)
     config = GenerationConfig(

@@ -73,17 +73,44 @@ def keyed_uniform(keys_B: torch.Tensor, position: int) -> torch.Tensor:
     >>> bool(((u > 0) & (u < 1)).all()), torch.equal(u, keyed_uniform(torch.arange(4), 0))
     (True, True)
     """
-    keys_1B = keys_B.long().unsqueeze(0)
-    # both 32-bit halves in one pass over [2, B] (a decode step pays each op's dispatch once)
-    high_B, low_B = _hash32(_SALTS_21.to(keys_1B.device), keys_1B, torch.full_like(keys_1B, position))
-    bits_B = high_B * (1 << 20) + (low_B >> 12)  # 52 bits
-    return (bits_B.double() + 0.5) / float(1 << 52)
+    keys_B = keys_B.long()
+    return _uniforms(keys_B, torch.full_like(keys_B, position))
+
+
+def keyed_uniforms(keys_B: torch.Tensor, num_positions: int) -> torch.Tensor:
+    """The uniforms of positions 0..R-1 at once, [B, R]: column t is `keyed_uniform(keys_B, t)`, bit
+    for bit (the hash is exact integer arithmetic, element by element). A decode loop draws them all
+    before its first token, so a decoded token pays for one column, not for the ~100 small integer
+    operations of the hash (each a kernel launch on a GPU).
+
+    >>> keys = torch.tensor([5, 17, 2**40])
+    >>> torch.equal(keyed_uniforms(keys, 3)[:, 2], keyed_uniform(keys, 2))
+    True
+    """
+    positions_1R = torch.arange(num_positions, device=keys_B.device).unsqueeze(0)
+    return _uniforms(keys_B.long().unsqueeze(-1), positions_1R)
+
+
+def _uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Uniforms of (key, position) pairs, the two broadcast together."""
+    # both 32-bit halves in one pass (a decode step pays each op's dispatch once)
+    salts = _SALTS_21.to(keys.device).view(2, *[1] * keys.dim())
+    high, low = _hash32(salts, keys.unsqueeze(0), positions.unsqueeze(0))
+    bits = high * (1 << 20) + (low >> 12)  # 52 bits
+    return (bits.double() + 0.5) / float(1 << 52)
 
 
 def sample_from_logits(
-    logits_BV: torch.Tensor, keys_B: torch.Tensor, position: int, *, temperature: float, top_p: float = 1.0
+    logits_BV: torch.Tensor,
+    keys_B: torch.Tensor | None,
+    position: int,
+    *,
+    temperature: float,
+    top_p: float = 1.0,
+    uniform_B: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Token ids drawn from softmax(logits / T) restricted to the top-p nucleus."""
+    """Token ids drawn from softmax(logits / T) restricted to the top-p nucleus; `uniform_B`: the rows'
+    `keyed_uniform(keys_B, position)`, drawn ahead (`keyed_uniforms`)."""
     probs_BV = torch.softmax(logits_BV.double() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
@@ -97,7 +124,9 @@ def sample_from_logits(
     # cumulative mass equals the total. The smaller of the two needs no look at the values on the
     # host (a loop stepping back over empty bins would stall a GPU once per token).
     total_B1 = cdf_BV[:, -1:].contiguous()
-    u_B1 = keyed_uniform(keys_B.to(cdf_BV.device), position).to(cdf_BV.device).unsqueeze(-1) * total_B1
+    if uniform_B is None:
+        uniform_B = keyed_uniform(keys_B.to(cdf_BV.device), position)
+    u_B1 = uniform_B.to(cdf_BV.device).unsqueeze(-1) * total_B1
     token_B1 = torch.minimum(
         torch.searchsorted(cdf_BV, u_B1, right=True), torch.searchsorted(cdf_BV, total_B1, right=False)
     )
@@ -120,8 +149,10 @@ def token_logprob_B(logits_BV: torch.Tensor, token_B: torch.Tensor, *, temperatu
 class KeyedSampler:
     """Logits processor for `generate(do_sample=False)` that samples with per-row keys."""
 
-    def __init__(self, keys_B: torch.Tensor, prompt_width: int, *, temperature: float, top_p: float) -> None:
-        self.keys_B = keys_B
+    def __init__(
+        self, keys_B: torch.Tensor, prompt_width: int, *, temperature: float, top_p: float, max_new_tokens: int
+    ) -> None:
+        self.uniform_BR = keyed_uniforms(keys_B, max_new_tokens)  # every position's draw, ahead
         self.prompt_width = prompt_width
         self.temperature = temperature
         self.top_p = top_p
@@ -130,7 +161,14 @@ class KeyedSampler:
 
     def __call__(self, input_ids_BT: torch.Tensor, scores_BV: torch.Tensor) -> torch.Tensor:
         position = input_ids_BT.shape[1] - self.prompt_width  # index of the response token being drawn
-        token_B = sample_from_logits(scores_BV, self.keys_B, position, temperature=self.temperature, top_p=self.top_p)
+        token_B = sample_from_logits(
+            scores_BV,
+            None,
+            position,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            uniform_B=self.uniform_BR[:, position],
+        )
         self.logp_B.append(token_logprob_B(scores_BV, token_B, temperature=self.temperature))
         out_BV = torch.full_like(scores_BV, float("-inf"))
         return out_BV.scatter(-1, token_B.unsqueeze(-1), 0.0)

@@ -17,6 +17,7 @@ communicates, and only a rank with no micro-batch at all adds one such pass.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable
 
 import torch
@@ -88,8 +89,10 @@ class TrainableEngine(abc.ABC):
         micros = self._micro_batches(mini_batch, micro_batch_size, micro_batch_tokens)
         num_passes = self._num_passes(len(micros))
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {}
-        loss_finite = True
+        # The micro-batches' stats and losses stay on the device until the step's one read on the
+        # host (each read stalls a GPU until it catches up).
+        sums: dict[str, torch.Tensor] = {}
+        nonfinite = torch.zeros(1, device=self.comm.device)
         for i in range(num_passes):
             with gradient_sync(self.wrapped, enabled=i == num_passes - 1):
                 if i >= len(micros):  # a share shorter than a peer's: join the collectives with a zero gradient
@@ -97,17 +100,22 @@ class TrainableEngine(abc.ABC):
                     continue
                 out_BR, entropy_BR = self.forward(micros[i], entropy_grad=entropy_grad)
                 loss_sum, stats = loss_fn(micros[i], out_BR, entropy_BR)
-                loss_finite = loss_finite and bool(torch.isfinite(loss_sum.detach()))
+                nonfinite = torch.maximum(nonfinite, (~torch.isfinite(loss_sum.detach())).float().reshape(1))
                 (loss_sum * self.comm.world_size / num_loss_tokens_global).backward()
             for name, value in stats.items():
-                totals[name] = totals.get(name, 0.0) + float(value)
+                value = torch.as_tensor(value, device=self.comm.device).detach().double().reshape(())
+                sums[name] = sums[name] + value if name in sums else value
         grad_norm = clip_grad_norm(self.model, self.grad_clip)
         # A NaN loss usually poisons the all-reduced gradient too, but not always (e.g. NaN
         # only where the mask is 0), so the ranks also agree on the losses: one tiny all-reduce.
-        bad = torch.tensor([0.0 if loss_finite else 1.0], device=grad_norm.device)
+        bad = nonfinite.to(grad_norm.device)
         if self.comm.distributed:
             self.comm.all_reduce_max(bad)
-        if torch.isfinite(grad_norm) and not bad.item():
+        names = list(sums)
+        read = torch.stack([*(sums[n].to(grad_norm.device) for n in names), grad_norm.double(), bad[0].double()])
+        *values, grad_norm_value, bad_value = read.tolist()  # the step's one read on the host
+        totals = dict(zip(names, values, strict=True))
+        if math.isfinite(grad_norm_value) and not bad_value:
             self.optimizer.step()
             self.scheduler.step()
             totals["nonfinite_grad_steps"] = 0.0
@@ -116,7 +124,7 @@ class TrainableEngine(abc.ABC):
             self.optimizer.zero_grad(set_to_none=True)
             totals["nonfinite_grad_steps"] = 1.0
             self.consecutive_nonfinite += 1
-        totals["grad_norm"] = float(grad_norm)
+        totals["grad_norm"] = grad_norm_value
         totals["lr"] = self.scheduler.get_last_lr()[0]
         return totals
 
