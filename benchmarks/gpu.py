@@ -9,14 +9,15 @@ A GPU machine needs torch and transformers; distflow runs from source (`PYTHONPA
 other packages it and TRL need can come as wheels (benchmarks/requirements-gpu.txt says which, and
 how to fetch and install them on a machine without internet). Sections (--sections, default all):
 
-  rollout   tokens/s of each rollout engine (`generate`, `compact`, `compiled`), in float32 and
+  rollout   tokens/s of each rollout engine (`generate`, `compact`; `compiled` with --engines), in float32 and
             bfloat16 (a bf16 copy of the model), at the recipe's shape (8 prompts x 8 samples x
             32 tokens) and at 64 x 8 x 256. The model is SmolLM2-135M's architecture with random
             weights, on random prompts of 96 tokens: a random model seldom samples EOS, so every
             row decodes every token and tokens/s = rows x tokens / seconds. `compact/every-token`
             is compact looking for ended rows after every token (its CPU setting) on the device.
             The recipe's shape: a warm-up and the median of 2 runs; the long one: 1 run.
-            `compiled` runs at the recipe's shape in float32 only (each compile takes a minute).
+            `compiled` (only when --engines names it: its first call compiled for 235 s on an
+            H200) runs at the recipe's shape in float32 only.
   default   the embedded default (`examples/arith_grpo.yaml`, 150 steps) end to end: the median
             step and stage times, and held-out greedy accuracy before and after.
   step      the real recipe (`examples/smollm2_chain_sum.yaml`, `make smollm2`) for 5 steps, one
@@ -72,6 +73,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu")
     parser.add_argument("--budget-s", type=float, default=45.0, help="training seconds per system (learning)")
     parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
+    parser.add_argument(
+        "--engines",
+        nargs="+",
+        choices=ENGINES,
+        default=[e for e in ENGINES if e != "compiled"],
+        help="rollout engines to time (compiled: its first call compiled for 235 s on an H200)",
+    )
     parser.add_argument("--quick", action="store_true", help="the CPU path on the tiny model (seconds)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -128,9 +136,9 @@ def rollout_section(args: argparse.Namespace, device) -> list[dict]:
         from bench_setup import build_model
 
         model, _ = build_model("tiny")
-        shapes, engines, repeats = {"quick": (4, 4, 8)}, [e for e in ENGINES if e != "compiled"], 1
+        shapes, engines, repeats = {"quick": (4, 4, 8)}, [e for e in args.engines if e != "compiled"], 1
     else:
-        model, shapes, engines, repeats = smollm2_shaped(), SHAPES, ENGINES, 2
+        model, shapes, engines, repeats = smollm2_shaped(), SHAPES, args.engines, 2
     model = model.to(device).eval()
     tokenizer = _IdsTokenizer(pad_id=model.config.pad_token_id, eos_id=model.config.eos_token_id)
     rows = []
@@ -146,7 +154,7 @@ def rollout_section(args: argparse.Namespace, device) -> list[dict]:
                 if engine.endswith("every-token") and dtype != torch.float32:
                     continue
                 if engine == "compiled" and not (first and dtype == torch.float32):
-                    continue  # each compile takes a minute: the recipe's shape in float32 only
+                    continue  # each compile takes minutes: the recipe's shape in float32 only
                 # The first shape warms every engine up; after it, only `compiled` needs a warm-up
                 # (new shapes can recompile it), and one timed run of a long shape is enough.
                 warmup = first or engine == "compiled"
