@@ -9,15 +9,16 @@ A GPU machine needs torch and transformers; distflow runs from source (`PYTHONPA
 other packages it and TRL need can come as wheels (benchmarks/requirements-gpu.txt says which, and
 how to fetch and install them on a machine without internet). Sections (--sections, default all):
 
-  rollout   tokens/s of each rollout engine (`generate`, `compact`; `compiled` with --engines), in float32 and
-            bfloat16 (a bf16 copy of the model), at the recipe's shape (8 prompts x 8 samples x
-            32 tokens) and at 64 x 8 x 256. The model is SmolLM2-135M's architecture with random
-            weights, on random prompts of 96 tokens: a random model seldom samples EOS, so every
-            row decodes every token and tokens/s = rows x tokens / seconds. `compact/every-token`
-            is compact looking for ended rows after every token (its CPU setting) on the device.
-            The recipe's shape: a warm-up and the median of 2 runs; the long one: 1 run.
-            `compiled` (only when --engines names it: its first call compiled for 235 s on an
-            H200) runs at the recipe's shape in float32 only.
+  rollout   tokens/s of each rollout engine (`generate`, `compact`; `compiled` with --engines),
+            in float32 and bfloat16 (a bf16 copy of the model), at the recipe's shape (8 prompts
+            x 8 samples x 32 tokens) and at 64 x 8 x 256. The model is SmolLM2-135M's
+            architecture with random weights, on random prompts of 64-96 tokens (left-padded, as
+            a run's are): a random model seldom samples EOS, so every row decodes every token
+            and tokens/s = rows x tokens / seconds. `compact/every-token` is compact looking for
+            ended rows after every token (its CPU setting) on the device. The recipe's shape: a
+            warm-up and the median of 2 runs; the long one: 1 run. `compiled` (only when
+            --engines names it: its first call compiled for 235 s on an H200) runs at the
+            recipe's shape in float32 only.
   default   the embedded default (`examples/arith_grpo.yaml`, 150 steps) end to end: the median
             step and stage times, and held-out greedy accuracy before and after.
   step      the real recipe (`examples/smollm2_chain_sum.yaml`, `make smollm2`) for 5 steps, one
@@ -149,6 +150,10 @@ def rollout_section(args: argparse.Namespace, device) -> list[dict]:
             width = 6 if args.quick else PROMPT_TOKENS
             generator = torch.Generator().manual_seed(0)
             ids = torch.randint(3, model.config.vocab_size, (prompts, width), generator=generator)
+            # Prompts of 2/3 to all of the width, as a task's prompts differ: left-padded, so the model
+            # attends through a padding mask, as it does in a run.
+            lengths = torch.randint(2 * width // 3, width + 1, (prompts,), generator=generator).tolist()
+            prompt_ids = [row[width - length :] for row, length in zip(ids.tolist(), lengths, strict=True)]
             for engine in engines:
                 first = shape_name == next(iter(shapes))
                 if engine.endswith("every-token") and dtype != torch.float32:
@@ -161,7 +166,7 @@ def rollout_section(args: argparse.Namespace, device) -> list[dict]:
                 timed = repeats if first else 1
                 row = {"engine": engine, "dtype": dtype_name, "shape": shape_name}
                 try:
-                    timing = time_engine(typed, tokenizer, ids.tolist(), samples, tokens, engine, warmup, timed, device)
+                    timing = time_engine(typed, tokenizer, prompt_ids, samples, tokens, engine, warmup, timed, device)
                     row.update(timing)
                 except Exception as err:  # one engine failing must not hide the others' numbers
                     row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
