@@ -61,9 +61,10 @@ def model(source: str) -> int:
                 f"{source!r} is neither a .gguf file nor package:NAME; a Hugging Face directory "
                 "needs no conversion (give it to model.path as it is)"
             )
-        directory = resolve_model_dir(source, builder=True, log=say)
+        # Errors name the argument as typed, not `model.path` (argparse's own say `distflow model: error:`).
+        directory = resolve_model_dir(source, builder=True, log=say, label=repr(source))
     except ConfigError as err:
-        print(f"distflow: error: {err}", file=sys.stderr)
+        print(f"distflow model: error: {err}", file=sys.stderr)
         return USER_ERROR
     print(directory)
     return 0

@@ -6,7 +6,8 @@ a callable (reward, environment class) ──► its name in the config, `module
                             (a script's own: the script imported by its file name); one that
                             cannot be (a notebook's, a lambda) is a ConfigError naming it
 rows (list of dicts, a datasets.Dataset, {"train": ..., "test": ...}) ──► .jsonl files in a
-    temporary folder (removed when the run ends) ──► task.train_file / task.heldout_file
+    temporary folder (removed when the run ends) ──► task.train_file / task.heldout_file, and
+    task.given_rows: what the caller calls those rows, so that a bad one is named `dataset[i]`
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class Inputs:
         if env is not None:
             data["env"]["cls"] = self.reference(env, "env")
         if dataset is not None:
-            task["train_file"], task["heldout_file"] = self._files(dataset, heldout, num_heldout)
+            task["train_file"], task["heldout_file"], task["given_rows"] = self._files(dataset, heldout, num_heldout)
             task["dataset"] = task["reasoning_gym"] = None
         elif heldout is not None:
             raise ConfigError("heldout rows were given without dataset: give the training rows as dataset too")
@@ -107,8 +108,9 @@ class Inputs:
                 self.import_paths.append(str(Path(main.__file__).resolve().parent))
         return f"{module}:{qualname}"
 
-    def _files(self, dataset: Any, heldout: Any, num_heldout: int) -> tuple[str, str]:
-        """(train file, held-out file) holding the rows given."""
+    def _files(self, dataset: Any, heldout: Any, num_heldout: int) -> tuple[str, str, dict]:
+        """(train file, held-out file, `task.given_rows`) of the rows given."""
+        names = {"train": "dataset", "heldout": "heldout", "heldout_start": 0}
         if isinstance(dataset, Mapping):  # {"train": ..., "test": ...} or a datasets.DatasetDict
             if "train" not in dataset:
                 raise ConfigError(f"dataset has no 'train' split; it has {sorted(dataset)}")
@@ -120,17 +122,24 @@ class Inputs:
                         "give the held-out rows as heldout"
                     )
                 heldout = dataset[split]
+                names["heldout"] = f"dataset[{split!r}]"
             dataset = dataset["train"]
-        rows = _rows(dataset, "dataset")
+            names["train"] = "dataset['train']"
+        rows = _rows(dataset, names["train"])
         if heldout is None:
             count = max(1, min(num_heldout, len(rows) // 10))
             if len(rows) < 2:
                 raise ConfigError(f"dataset has {len(rows)} row(s): too few to hold some out; give heldout rows")
             rows, held = rows[:-count], rows[-count:]
+            names["heldout"], names["heldout_start"] = names["train"], len(rows)
         else:
-            held = _rows(heldout, "heldout")
+            held = _rows(heldout, names["heldout"])
         self._folder = self._folder or Path(tempfile.mkdtemp(prefix="distflow-rows-"))
-        return _write(rows, self._folder / "train.jsonl"), _write(held, self._folder / "heldout.jsonl")
+        return (
+            _write(rows, self._folder / "train.jsonl", names["train"], 0),
+            _write(held, self._folder / "heldout.jsonl", names["heldout"], names["heldout_start"]),
+            names,
+        )
 
     def close(self) -> None:
         if self._folder is not None:
@@ -153,14 +162,17 @@ def _rows(rows: Any, key: str) -> list[dict]:
     return out
 
 
-def _write(rows: list[dict], path: Path) -> str:
-    try:
-        text = "".join(json.dumps(row) + "\n" for row in rows)
-    except TypeError as err:
-        raise ConfigError(
-            f"a row of {path.stem} is not JSON-serializable ({err}); rows hold text, numbers, lists and dicts"
-        ) from None
-    path.write_text(text, encoding="utf-8")
+def _write(rows: list[dict], path: Path, key: str, start: int) -> str:
+    """`path` holding `rows`, which the caller calls key[start], key[start + 1], ..."""
+    lines = []
+    for i, row in enumerate(rows, start):
+        try:
+            lines.append(json.dumps(row) + "\n")
+        except TypeError as err:
+            raise ConfigError(
+                f"{key}[{i}] is not JSON-serializable ({err}); rows hold text, numbers, lists and dicts"
+            ) from None
+    path.write_text("".join(lines), encoding="utf-8")
     return str(path)
 
 

@@ -122,6 +122,24 @@ class ReasoningGymSpec:
 
 
 @dataclass(kw_only=True)
+class GivenRows:
+    """How messages name the rows that `distflow.train(dataset=..., heldout=...)` wrote to
+    `task.train_file` / `task.heldout_file` (`task.given_rows`): as the caller indexes them,
+    `dataset[0]`, not as lines of those temporary files. Set by `distflow.train`."""
+
+    train: str = "dataset"
+    """Row i of `train_file` is row i of this: `dataset` or `dataset['train']`."""
+    heldout: str = "heldout"
+    """Row i of `heldout_file` is row `heldout_start + i` of this: `heldout`, `dataset['test']` or
+    `dataset` (its last rows, held out of training)."""
+    heldout_start: int = 0
+    """Where the held-out rows start in `heldout`."""
+
+    def __post_init__(self) -> None:
+        check(self.heldout_start >= 0, f"task.given_rows.heldout_start must be >= 0 (got {self.heldout_start})")
+
+
+@dataclass(kw_only=True)
 class TaskConfig:
     num_digits: int = 2
     """Operands of the embedded addition task have up to this many digits (1..3)."""
@@ -149,6 +167,9 @@ class TaskConfig:
     `reward_model.ground_truth`); null: the embedded addition task. Needs `model.path`."""
     heldout_file: str | None = None
     """Held-out rows in the same format (evaluation); required with `train_file`."""
+    given_rows: GivenRows | None = None
+    """Set by `distflow.train` when it is given rows, which it writes to `train_file` and
+    `heldout_file`: how messages name them. Null: as lines of those files."""
     dataset: DatasetSpec | None = None
     """Rows read with the `datasets` library instead of `train_file`/`heldout_file`. Needs `model.path`."""
     reasoning_gym: ReasoningGymSpec | None = None
@@ -172,4 +193,8 @@ class TaskConfig:
         check(
             (self.train_file is None) == (self.heldout_file is None),
             "task.train_file and task.heldout_file go together: set both (a dataset task) or neither",
+        )
+        check(
+            self.given_rows is None or self.train_file is not None,
+            "task.given_rows names the rows of task.train_file: set it only with task.train_file",
         )

@@ -150,7 +150,8 @@ def _encodable(text: str) -> bool:
 
 class ValidRows:
     """The rows that pass `rules`, by index (a view for `PromptLoader`); invalid rows are
-    rejected with their 1-based row number, or skipped and counted by reason in `skipped`.
+    rejected with their name (`row_name(i)`; by default `where`'s 1-based row number), or
+    skipped and counted by reason in `skipped`.
 
     `shard=(r, n)` checks only rows r, r+n, r+2n, ... and `gather` (an all-gather of small
     Python objects over the n ranks) shares what each found: every rank reads 1/n of the
@@ -164,6 +165,7 @@ class ValidRows:
         *,
         tokenize: Tokenize | None = None,
         where: str = "dataset",
+        row_name: Callable[[int], str] | None = None,
         chunk_size: int = 1024,
         shard: tuple[int, int] = (0, 1),
         gather: Callable[[object], list] | None = None,
@@ -180,8 +182,9 @@ class ValidRows:
                 invalid.update(found)
         if invalid and not rules.skip_invalid:
             first = min(invalid)
+            name = row_name(first) if row_name is not None else f"{where}: row {first + 1} of {num_rows}"
             raise ConfigError(
-                f"{where}: row {first + 1} of {num_rows}: {invalid[first][1]} "
+                f"{name}: {invalid[first][1]} "
                 "(data.on_invalid_row=error; set data.on_invalid_row=skip to leave such rows out)"
             )
         self.kept = [i for i in range(num_rows) if i not in invalid]

@@ -3,7 +3,9 @@
 One panel per curve a user looks at first (reward, held-out accuracy, response length, KL,
 entropy, gradient norm) plus the step's time split; several runs are overlaid, one colour
 each, labelled by run directory name (a curve a run does not log is left out of its panel).
-Drawn with matplotlib's Agg backend (no display needed).
+Drawn with matplotlib's Agg backend (no display needed). A name's characters that the font
+lacks (a Chinese or Devanagari run name, an emoji) are drawn as "?": matplotlib would draw an
+empty box and print a missing-glyph warning for each of them.
 """
 
 from __future__ import annotations
@@ -108,20 +110,21 @@ def draw(runs: dict[str, list[dict]], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    shown = _drawable_labels(list(runs))
     fig, axes = plt.subplots(2, 4, figsize=(18, 8), constrained_layout=True)
     for ax, (key, title) in zip(axes.flat, PANELS, strict=False):
         drawn = False
         for label, records in runs.items():
             steps, values = _series(records, key)
             if steps:
-                ax.plot(steps, values, marker="o" if len(steps) < 20 else None, markersize=3, label=label)
+                ax.plot(steps, values, marker="o" if len(steps) < 20 else None, markersize=3, label=shown[label])
                 drawn = True
         if not drawn:  # e.g. no KL term, or no update ran (every group without signal)
             ax.text(0.5, 0.5, f"no {key} in metrics.jsonl", ha="center", va="center", transform=ax.transAxes)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    _draw_time_split(axes.flat[len(PANELS)], runs)
+    _draw_time_split(axes.flat[len(PANELS)], runs, [shown[label] for label in runs])
     axes.flat[-1].axis("off")
     if len(runs) > 1:
         axes.flat[0].legend(fontsize="small")
@@ -130,8 +133,17 @@ def draw(runs: dict[str, list[dict]], out: Path) -> Path:
     return out
 
 
-def _draw_time_split(ax, runs: dict[str, list[dict]]) -> None:
-    """Stacked bars: median seconds per stage, one bar per run."""
+def _drawable_labels(labels: list[str]) -> dict[str, str]:
+    """Each label as the default font draws it: a character the font has no glyph for becomes "?"."""
+    from matplotlib.font_manager import FontProperties, findfont
+    from matplotlib.ft2font import FT2Font
+
+    font = FT2Font(findfont(FontProperties()))
+    return {label: "".join(c if font.get_char_index(ord(c)) else "?" for c in label) for label in labels}
+
+
+def _draw_time_split(ax, runs: dict[str, list[dict]], labels: list[str]) -> None:
+    """Stacked bars: median seconds per stage, one bar per run (labelled `labels`)."""
     bottoms = [0.0] * len(runs)
     stages = sorted({stage for records in runs.values() for stage in stage_times(records)})
     times = [stage_times(records) for records in runs.values()]
@@ -139,7 +151,7 @@ def _draw_time_split(ax, runs: dict[str, list[dict]]) -> None:
         heights = [t.get(stage, 0.0) for t in times]
         ax.bar(range(len(runs)), heights, bottom=bottoms, label=stage)
         bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-    ax.set_xticks(range(len(runs)), list(runs), rotation=15, fontsize="small")
+    ax.set_xticks(range(len(runs)), labels, rotation=15, fontsize="small")
     ax.set_title("step time split (median s per stage)")
     if stages:
         ax.legend(fontsize="x-small")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -233,12 +234,12 @@ def _valid_rows(config: Config, task: Task, tokenize, world: Comm, log) -> tuple
         skip_invalid=skip,
     )
     checked = []
-    for rows, row_rules, where in [
-        (task.train, rules, _where(task.train, config.task.train_file, "training")),
+    for rows, row_rules, (where, row_name) in [
+        (task.train, rules, _names(config, task.train, "training")),
         (
             task.heldout,
             RowRules(task_fields=task.required_fields, skip_invalid=skip),
-            _where(task.heldout, config.task.heldout_file, "held-out"),
+            _names(config, task.heldout, "held-out"),
         ),
     ]:
         valid = ValidRows(
@@ -247,6 +248,7 @@ def _valid_rows(config: Config, task: Task, tokenize, world: Comm, log) -> tuple
             row_rules,
             tokenize=tokenize,
             where=where,
+            row_name=row_name,
             shard=(world.rank, world.world_size),
             gather=world.all_gather_object,
         )
@@ -259,7 +261,14 @@ def _valid_rows(config: Config, task: Task, tokenize, world: Comm, log) -> tuple
     return checked[0], checked[1]
 
 
-def _where(rows, file: str | None, kind: str) -> str:
-    """How messages name a task's rows: the file, the dataset split, or the embedded task's."""
+def _names(config: Config, rows, kind: str) -> tuple[str, Callable[[int], str] | None]:
+    """How messages name a task's rows, all of them and row i: rows given to `distflow.train` as
+    the caller indexes them (`dataset[i]`), else by the file (its row i + 1), the dataset split,
+    or the embedded task's."""
+    given = config.task.given_rows
+    if given is not None:
+        name, start = (given.train, 0) if kind == "training" else (given.heldout, given.heldout_start)
+        return name, lambda i: f"{name}[{start + i}]"
+    file = config.task.train_file if kind == "training" else config.task.heldout_file
     source = getattr(rows, "source", None)
-    return file or (str(source.path) if source is not None else f"the task's {kind} rows")
+    return file or (str(source.path) if source is not None else f"the task's {kind} rows"), None

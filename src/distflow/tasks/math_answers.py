@@ -120,7 +120,8 @@ class ChatRows(Sequence):
             raise IndexError(f"row {index} out of range ({self.limit} rows)")
         row = dict(self.source[index])
         row["messages"] = row.get("prompt")
-        row["prompt"] = chat_prompt(self.tokenizer, row["prompt"])
+        if isinstance(row["messages"], list):  # any other prompt is left as it is, for the row checks to name
+            row["prompt"] = chat_prompt(self.tokenizer, row["messages"])
         return row
 
 

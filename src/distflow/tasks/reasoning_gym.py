@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -66,6 +67,11 @@ def extract_answer(completion: str, answer_format: str) -> str | None:
 
 
 def import_gym():
+    # cellpylib (a reasoning-gym dependency) compiles with `SyntaxWarning: "is" with a literal`,
+    # printed by every process that imports it without cached bytecode: every rank, every
+    # evaluation worker. A compile-time warning's module is its file's path less ".py", hence the
+    # path pattern; other code's SyntaxWarnings still show.
+    warnings.filterwarnings("ignore", category=SyntaxWarning, module=r".*[/\\]cellpylib[/\\]")
     try:
         import reasoning_gym
     except ImportError:
