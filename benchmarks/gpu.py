@@ -23,7 +23,9 @@ how to fetch and install them on a machine without internet). Sections (--sectio
             step and stage times, and held-out greedy accuracy before and after.
   step      the real recipe (`examples/smollm2_chain_sum.yaml`, `make smollm2`) for 5 steps, one
             profiled (`--profile 1`): the stage split (median of steps 3-5) and the profiler's
-            tables (device time, then host time, by operator) and its trace.
+            tables (device time, then host time, by operator) and its trace; then the same
+            unprofiled with each of --step-variants' overrides (default: the update in one pass
+            of 64, with and without the shared prefix).
   learning  benchmarks/learning.py, distflow (1 process) against TRL's GRPOTrainer at
             --budget-s seconds of training each, in float32 and in bf16 (learning.py's --dtype).
 
@@ -55,6 +57,9 @@ SECTIONS = ("rollout", "default", "step", "learning")
 ENGINES = ("generate", "compact", "compact/every-token", "compiled")
 SHAPES = {"recipe": (8, 8, 32), "long": (64, 8, 256)}
 PROMPT_TOKENS = 96
+STEP_VARIANTS = ("passes.micro_batch_size=64", "passes.micro_batch_size=64 passes.shared_prefix=false")
+"""The step again with these overrides (not profiled): the recipe's update in one pass of 64, with
+and without the shared prefix's second call."""
 
 
 LOG: list[Path] = []  # gpu.log, once --out is known
@@ -81,10 +86,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[e for e in ENGINES if e != "compiled"],
         help="rollout engines to time (compiled: its first call compiled for 235 s on an H200)",
     )
+    parser.add_argument(
+        "--step-variants", nargs="*", default=list(STEP_VARIANTS), help="the step again with these overrides"
+    )
     parser.add_argument("--quick", action="store_true", help="the CPU path on the tiny model (seconds)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.sections = ["rollout", "default", "step"]
+        args.sections, args.step_variants = ["rollout", "default", "step"], ["passes.shared_prefix=false"]
     return args
 
 
@@ -264,12 +272,23 @@ def step_section(args: argparse.Namespace, work: Path, out: Path) -> dict:
         config, overrides = ROOT / "examples" / "arith_grpo.yaml", [f"model.path={model_dir}", "trainer.total_steps=3"]
     else:
         config, overrides = ROOT / "examples" / "smollm2_chain_sum.yaml", ["trainer.total_steps=5"]
-    run = train_run("step", config, [*overrides, "trainer.eval_every=0"], work, profile=1)
+    overrides.append("trainer.eval_every=0")
+    run = train_run("step", config, overrides, work, profile=1)
     table, trace = run / "profile" / "rank0.txt", run / "profile" / "rank0.trace.json"
     shutil.copy(table, out / "step_profile.txt")
     with trace.open("rb") as source, gzip.open(out / "step_trace.json.gz", "wb") as target:
         shutil.copyfileobj(source, target)
-    return stage_split(run, from_step=3 if not args.quick else 2)
+    first = 3 if not args.quick else 2
+    result = stage_split(run, from_step=first)
+    result["variants"] = {}
+    for i, variant in enumerate(args.step_variants):
+        try:
+            again = train_run(f"step_variant{i}", config, [*overrides, *variant.split()], work)
+            result["variants"][variant] = stage_split(again, from_step=first)
+        except RuntimeError as err:  # a variant failing must not hide the profiled step
+            result["variants"][variant] = {"error": str(err)[-1500:]}
+        log(f"step {variant}: {result['variants'][variant]}")
+    return result
 
 
 def learning_section(args: argparse.Namespace, out: Path) -> dict:
@@ -306,6 +325,9 @@ def print_tables(result: dict) -> None:
             split = "  ".join(f"{k} {v:.3f}" for k, v in result[section]["median_s"].items())
             print(f"{section}: median s over {result[section]['steps']} steps: {split}")
             print(f"{section}: greedy accuracy (step, value): {result[section]['greedy_accuracy']}")
+            for variant, split in result[section].get("variants", {}).items():
+                times = "  ".join(f"{k} {v:.3f}" for k, v in split.get("median_s", {}).items())
+                print(f"{section} with {variant}: {times or split.get('error', '')[:200]}")
     for dtype, r in result.get("learning", {}).items():
         for system in ("distflow_1proc", "trl"):
             if system in r:

@@ -338,5 +338,7 @@ def test_gpu_quick():
         split = out[section]["median_s"]
         assert split["rollout"] > 0 and split["step"] >= split["rollout"], section
     assert len(out["default"]["greedy_accuracy"]) == 3  # steps 0, 2 and 4
+    variant = out["step"]["variants"]["passes.shared_prefix=false"]  # the step again, another way
+    assert variant["median_s"]["rollout"] > 0, variant
     written = {p.name for p in (BENCHMARKS.parent / "runs" / "gpu").iterdir()}
     assert {"gpu.json", "gpu.log", "step_profile.txt", "step_trace.json.gz"} <= written
