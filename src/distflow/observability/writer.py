@@ -6,6 +6,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -35,8 +36,9 @@ class RunWriter:
         have no duplicates (W&B: see observability/wandb_run.py). `checkpoint_root`: where the
         run's checkpoints are, named when metrics.jsonl cannot be written."""
         self.run_dir = run_dir
+        lost_step = None
         if resumed_step is not None:
-            drop_records_after(run_dir / "metrics.jsonl", resumed_step)
+            lost_step = drop_records_after(run_dir / "metrics.jsonl", resumed_step)
         # Unbuffered bytes: each record goes to the file whole, in `_append_line`, or not at all.
         self.jsonl = open(run_dir / "metrics.jsonl", "ab", buffering=0)
         self.checkpoint_root = checkpoint_root
@@ -60,6 +62,12 @@ class RunWriter:
             dynamic_ncols=True,
             disable=not progress_bar,
         )
+        if lost_step is not None:
+            self.message(
+                f"warning: step {lost_step}'s metrics were lost: the last line of {run_dir / 'metrics.jsonl'} "
+                f"was torn by a crash and the checkpoint covers step {lost_step}, so it is not redone; "
+                f'metrics.jsonl marks it {{"step": {lost_step}, "metrics_lost": true}}'
+            )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         # JSON has no NaN/Infinity: a metric with nothing to average, or a non-finite grad norm, is null.
@@ -147,25 +155,36 @@ def metrics_write_failure(err: OSError, path: Path, step: int, checkpoint_root: 
     return ConfigError(f"cannot append step {step}'s metrics to {path}: {what}; {resume}")
 
 
-def drop_records_after(path: Path, step: int) -> None:
-    """Keep the metrics of steps <= `step` only (a resumed run redoes the later ones).
+def drop_records_after(path: Path, step: int) -> int | None:
+    """Keep the metrics of steps <= `step` only (a resumed run redoes the later ones); returns
+    the step whose metrics a torn last line lost, else None.
 
-    The last line may be torn (the process was killed while writing it): it is dropped, as
-    its step is redone. A damaged line before it is a damaged file, named with its line."""
+    The last line may be torn (the process was killed while writing it). Its step is the one its
+    fragment starts with, else the one after the last whole record (steps are logged in order).
+    A later step than `step` is redone. An earlier one is not (the checkpoint covers it): its
+    metrics are lost, and the record {"step": N, "metrics_lost": true} takes the line's place so
+    the hole shows. A damaged line before the last is a damaged file, named with its line."""
     if not path.exists():
-        return
+        return None
     lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    kept = []
+    kept, lost_step, last_step = [], None, -1
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
             record_step = int(record["step"])
         except (ValueError, KeyError, TypeError):
-            if number == len(lines):
-                break  # torn by a crash mid-write
-            raise ConfigError(
-                f"{path}: line {number} is not a metrics record; repair or remove that line, then resume"
-            ) from None
+            if number < len(lines):
+                raise ConfigError(
+                    f"{path}: line {number} is not a metrics record; repair or remove that line, then resume"
+                ) from None
+            torn = re.match(r'\s*\{\s*"step"\s*:\s*(\d+)\s*[,}]', line)  # a whole step number only
+            torn_step = int(torn.group(1)) if torn else last_step + 1
+            if torn_step <= step:
+                lost_step = torn_step
+                kept.append(json.dumps({"step": torn_step, "metrics_lost": True}))
+            break
+        last_step = record_step
         if record_step <= step:
             kept.append(line)
     atomic_write_text(path, "".join(line + "\n" for line in kept))
+    return lost_step
