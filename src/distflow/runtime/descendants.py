@@ -39,14 +39,13 @@ def become_subreaper() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
-def descendants(pid: int | None = None) -> list[int]:
-    """The live (not zombie) processes below `pid` (default: this one), parents before children."""
-    root = os.getpid() if pid is None else pid
+def process_tree() -> dict[int, list[int]]:
+    """{parent pid: its live (not zombie) children's pids}, from one pass over /proc."""
     children: dict[int, list[int]] = {}
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return []
+        return {}
     for name in entries:
         if not name.isdigit():
             continue
@@ -57,7 +56,14 @@ def descendants(pid: int | None = None) -> list[int]:
             continue  # gone meanwhile, or not ours to read
         if state != "Z":
             children.setdefault(int(parent), []).append(int(name))
-    found, todo = [], [root]
+    return children
+
+
+def descendants(pid: int | None = None, tree: dict[int, list[int]] | None = None) -> list[int]:
+    """The live (not zombie) processes below `pid` (default: this one), parents before children;
+    `tree`: a `process_tree()` already taken."""
+    children = process_tree() if tree is None else tree
+    found, todo = [], [os.getpid() if pid is None else pid]
     while todo:
         for child in children.get(todo.pop(0), []):
             found.append(child)
@@ -86,6 +92,14 @@ def end_descendants(grace_s: float = 2.0) -> list[int]:
     except Exception:  # noqa: BLE001 — cleaning up on the way out must not turn an exit into a crash
         pass
     return ended
+
+
+def sigterm_default() -> None:
+    """For `os.register_at_fork` in a rank: a fork of it (a daemon its user code started) is no rank. Ended
+    at the rank's exit, it dies at once rather than run the rank's SIGTERM handler and failure path and
+    finalize a forked interpreter (issue 42: "Fatal Python error: init_threadstate" and a stack dump)."""
+    with contextlib.suppress(ValueError, OSError):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def end_frozen_peer(status: dict | None) -> None:

@@ -8,6 +8,13 @@ was in (from the ranks' status files, runtime/diagnosis.py) and raises `RunFaile
 A SIGINT (Ctrl-C) or SIGTERM to this command stops the ranks with the same signal and
 raises `Stopped` (the CLI says where the last checkpoint is).
 
+A rank killed with SIGKILL cannot end what its user code started; as a subreaper (runtime/
+descendants.py) the launcher inherits it. A daemon forked from the rank holds copies of the rank's
+sockets, so its peers do not see the rank's connections close: one waiting in a collective cannot
+take the agent's SIGTERM and is only ended by the SIGKILL 30 s later. So `_ProcessesOfDeadRanks`
+watches the ranks (pids from their status files): what each one started is recorded while it lives,
+and SIGKILLed (named in one line) as soon as the rank is seen gone, before the agent's grace begins.
+
 `run_local(fn, N, ...)` is the in-process counterpart for tests and benchmarks: N gloo ranks
 forked by a fork server (a clean process that has imported torch and distflow once), joined
 through a file store in a temporary directory (no port to choose):
@@ -18,13 +25,16 @@ through a file store in a temporary directory (no port to choose):
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import multiprocessing.forkserver
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -41,8 +51,9 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from distflow.comm import Comm
 from distflow.envvars import LAUNCHED_ENV, STATUS_DIR_ENV
 from distflow.errors import RunFailed
-from distflow.runtime.descendants import become_subreaper
+from distflow.runtime.descendants import become_subreaper, descendants, process_tree
 from distflow.runtime.diagnosis import diagnose
+from distflow.runtime.status_files import read_statuses
 
 
 class Stopped(Exception):
@@ -77,8 +88,12 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> None:
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    watcher = _ProcessesOfDeadRanks(status_dir)
     try:
-        results = elastic_launch(config, sys.executable)("-m", "distflow", *argv)
+        try:
+            results = elastic_launch(config, sys.executable)("-m", "distflow", *argv)
+        finally:
+            watcher.stop()  # its lines come before the one about the failure
     except ChildFailedError as err:
         seen = time.time()
         failures = {rank: (failure.exitcode, failure.timestamp or seen) for rank, failure in err.failures.items()}
@@ -91,6 +106,61 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> None:
         shutil.rmtree(status_dir, ignore_errors=True)
     if results is None:
         raise RunFailed("distflow: the ranks ended without a result", 1)
+
+
+class _ProcessesOfDeadRanks:
+    """A thread that SIGKILLs what a rank started as soon as the rank is gone (module docstring).
+    Only processes that are still below the launcher are signalled: a recorded pid that ended and was
+    reused by an unrelated process is left alone."""
+
+    POLL_S = 0.2
+
+    def __init__(self, status_dir: Path) -> None:
+        self.status_dir = status_dir
+        self.started: dict[int, set[int]] = {}  # rank pid -> every descendant seen while it lived
+        self.rank_of: dict[int, int] = {}
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="distflow-dead-ranks", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join()
+        self._check()  # a rank that died since the thread's last look
+
+    def _run(self) -> None:
+        while not self.stopping.wait(self.POLL_S):
+            self._check()
+
+    def _check(self) -> None:
+        try:
+            for status in read_statuses(self.status_dir):
+                self.rank_of.setdefault(status["pid"], status["rank"])
+            tree = process_tree()
+            alive = {pid for pids in tree.values() for pid in pids}
+            for pid, rank in self.rank_of.items():
+                if pid in alive:
+                    self.started.setdefault(pid, set()).update(descendants(pid, tree))
+                elif self.started.get(pid):
+                    self._end(rank, self.started.pop(pid), tree)
+        except Exception:  # noqa: BLE001 — a failed look must not end the launcher; the next one may work
+            pass
+
+    @staticmethod
+    def _end(rank: int, started: set[int], tree: dict[int, list[int]]) -> None:
+        ours = descendants(tree=tree)
+        left = [pid for pid in ours if pid in started]
+        left += [pid for parent in left for pid in descendants(parent, tree) if pid not in left]  # forked since
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)  # the rank is dead: nothing of it to shut down gracefully
+        if left:
+            pids = ", ".join(str(pid) for pid in left)
+            print(
+                f"distflow: rank {rank} exited; ended the process(es) it left running (pid {pids})",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 LOCAL_TIMEOUT = timedelta(seconds=1800)  # generous: a loaded 2-core machine can stall a rank for minutes
