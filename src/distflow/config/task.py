@@ -147,8 +147,9 @@ class TaskConfig:
     """Operands of each embedded sum ("a+b=", "a+b+c=", ...; 2..4): more makes a multi-step task
     that the calculator tool (`env.cls: distflow.envs.tools:CalculatorEnv`) helps with."""
     num_heldout: int = 1000
-    """Problems held out of training for evaluation (embedded task; with `heldout_file`, a
-    cap on the rows of that file that are evaluated)."""
+    """Problems held out of training for evaluation. The embedded addition task holds them out of
+    its 10^(num_operands·num_digits) problems, so it must leave some to train on; reasoning-gym
+    generates this many; with `heldout_file` or `dataset`, a cap on the held-out rows evaluated."""
     reward: str = "distflow.tasks.arithmetic:correctness_reward"
     """Reward function as `package.module:function`, called as fn(prompt, completion, sample)."""
     rewards: list[RewardSpec] = field(default_factory=list)
