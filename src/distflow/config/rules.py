@@ -21,7 +21,6 @@ order, in `runtime.start.validate(config, world_size)`, before any rank starts (
 from __future__ import annotations
 
 from distflow.config.errors import check
-from distflow.tasks.build import task_name
 
 # The functions below take a `Config` (config/schema.py), unannotated: schema.py calls
 # `check_sections` from `Config.__post_init__`, so importing it here would be a cycle.
@@ -40,7 +39,7 @@ def _check_heldout(config) -> None:
     """The embedded addition task's held-out problems (and the warm-start's validation problems)
     leave problems to train on. The other tasks' rows are not drawn from that finite set:
     `task.num_heldout` is how many reasoning-gym generates, or a cap on a held-out file or split."""
-    if task_name(config) != "arithmetic":
+    if config.task.kind != "arithmetic":
         return
     num_problems = 10 ** (config.task.num_operands * config.task.num_digits)
     held_back = config.task.num_heldout

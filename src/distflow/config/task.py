@@ -177,6 +177,19 @@ class TaskConfig:
     """Procedural reasoning-gym tasks instead of rows from files (`task.num_heldout` of them held out).
     Needs `model.path`; the default `task.reward` becomes the datasets' own scorer."""
 
+    @property
+    def kind(self) -> str:
+        """Which task this section selects: reasoning-gym's (`reasoning_gym`), a `datasets` dataset
+        (`dataset`), verl-format files (`train_file`), else the embedded addition task. The one
+        place the choice is made (`tasks.build.task_name` builds it, `config.rules` checks it)."""
+        if self.reasoning_gym is not None:
+            return "reasoning_gym"
+        if self.dataset is not None:
+            return "hf_dataset"
+        if self.train_file is not None:
+            return "verl_files"
+        return "arithmetic"
+
     def __post_init__(self) -> None:
         if self.reasoning_gym is not None and self.reward == TaskConfig.reward:
             self.reward = GYM_REWARD

@@ -48,14 +48,7 @@ def task_name(config: Config) -> str:
     `datasets` dataset (`task.dataset`), verl-format files (`task.train_file`), else the
     embedded addition task. (That `task.train_file` needs `model.path` is checked with the
     graph, before launch.)"""
-    task = config.task
-    if task.reasoning_gym is not None:
-        return "reasoning_gym"
-    if task.dataset is not None:
-        return "hf_dataset"
-    if task.train_file is not None:
-        return "verl_files"
-    return "arithmetic"
+    return config.task.kind
 
 
 def task_builder(name: str) -> Callable[[Config, Any], Task]:
