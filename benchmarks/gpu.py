@@ -247,11 +247,15 @@ def train_run(name: str, config: Path, overrides: list[str], work: Path, profile
 
 
 def stage_split(run_dir: Path, from_step: int) -> dict:
-    """Median of each time/* metric over the steps from `from_step` on, and the evaluations."""
+    """Median seconds of each stage and of the whole step over the steps from `from_step` on
+    (`observability.curves.stage_times`, which leaves the first of the steps it is given out), and
+    the evaluations."""
+    from distflow.observability.curves import stage_times
+
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r.get("step", 0) >= from_step and "time/step_s" in r]
-    keys = sorted({k for r in steps for k in r if k.startswith("time/") and k.endswith("_s")} - {"time/train_total_s"})
-    split = {k[5:-2]: round(statistics.median(r[k] for r in steps if k in r), 4) for k in keys}
+    split = {k: round(v, 4) for k, v in stage_times([r for r in rows if r.get("step", 0) >= from_step - 1]).items()}
+    split["step"] = round(statistics.median(r["time/step_s"] for r in steps), 4)
     evals = [(r["step"], r["eval/greedy_accuracy"]) for r in rows if "eval/greedy_accuracy" in r]
     return {"steps": len(steps), "median_s": split, "greedy_accuracy": evals}
 

@@ -16,6 +16,8 @@ import pytest
 from conftest import REPO
 from test_faults import ARGS, assert_no_orphans, finish, last_line
 
+from distflow.runtime.status_files import is_alive
+
 DAEMON = '''
 import json, os, signal, threading, time
 
@@ -51,17 +53,9 @@ def chaos(batch, ctx):
 '''
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _daemons(cwd) -> list[int]:
     pids = [int(path.read_text()) for path in cwd.glob("daemon-rank*.pid")]
-    for pid in [p for p in pids if _alive(p)]:  # a failing test leaves nothing behind either
+    for pid in [p for p in pids if is_alive(p)]:  # a failing test leaves nothing behind either
         os.kill(pid, signal.SIGKILL)
     return pids
 
@@ -105,7 +99,7 @@ def test_kill_9_of_a_rank_with_a_daemon_ends_its_processes_at_once(tmp_path, cac
     # Ended when the death was seen, not after the agent's grace for the surviving rank.
     rank1_daemon = int((tmp_path / "daemon-rank1.pid").read_text())
     assert f"distflow: rank 1 exited; ended the process(es) it left running (pid {rank1_daemon})" in stderr
-    assert len(daemons) >= 1 and not any(_alive(pid) for pid in daemons)
+    assert len(daemons) >= 1 and not any(is_alive(pid) for pid in daemons)
     assert "Fatal Python error" not in stderr and "Traceback" not in stderr
     assert_no_orphans(tmp_path)
 
@@ -119,4 +113,4 @@ def test_a_daemon_left_by_a_good_run_ends_quietly(tmp_path, cache_dir, nproc):
     daemons = _daemons(tmp_path)
     assert "Fatal Python error" not in stderr + stdout, stderr[-3000:]
     assert json.loads(stdout.strip().splitlines()[-1])["steps"] == 2, stderr[-3000:]
-    assert len(daemons) == nproc and not any(_alive(pid) for pid in daemons)
+    assert len(daemons) == nproc and not any(is_alive(pid) for pid in daemons)

@@ -31,12 +31,11 @@ from distflow.engines.models import cache_kwargs
 from distflow.engines.sampling import keyed_uniforms, sample_from_logits, token_logprob_B
 
 
-def _draw(
-    logits_BV: torch.Tensor, uniform_B: torch.Tensor | None, position: int, temperature: float, top_p: float
-) -> torch.Tensor:
+def _draw(logits_BV: torch.Tensor, uniform_B: torch.Tensor | None, temperature: float, top_p: float) -> torch.Tensor:
+    """Each row's token: sampled at its uniform drawn ahead (`keyed_uniforms`), or greedy without one."""
     if uniform_B is None:
         return logits_BV.argmax(dim=-1)
-    return sample_from_logits(logits_BV, None, position, temperature=temperature, top_p=top_p, uniform_B=uniform_B)
+    return sample_from_logits(logits_BV, None, 0, temperature=temperature, top_p=top_p, uniform_B=uniform_B)
 
 
 @torch.no_grad()
@@ -71,7 +70,7 @@ def decode(
     ended_A = torch.zeros(rows_A.shape, dtype=torch.bool, device=device)  # sampled a stop token already
     every = stop_check_interval(device)
     for t in range(max_new_tokens):
-        token_A = _draw(logits_BV, None if uniform_AR is None else uniform_AR[:, t], t, temperature, top_p)
+        token_A = _draw(logits_BV, None if uniform_AR is None else uniform_AR[:, t], temperature, top_p)
         # A row that ended between two checks stays in the batch; what it draws is not kept.
         response_BR[rows_A, t] = torch.where(ended_A, pad_id, token_A)
         if logprobs:

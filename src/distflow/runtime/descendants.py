@@ -94,10 +94,21 @@ def end_descendants(grace_s: float = 2.0) -> list[int]:
     return ended
 
 
-def sigterm_default() -> None:
-    """For `os.register_at_fork` in a rank: a fork of it (a daemon its user code started) is no rank. Ended
-    at the rank's exit, it dies at once rather than run the rank's SIGTERM handler and failure path and
-    finalize a forked interpreter (issue 42: "Fatal Python error: init_threadstate" and a stack dump)."""
+_FORKS_RESET = False
+
+
+def reset_sigterm_in_forks() -> None:
+    """From now on a fork of this process (a daemon a rank's user code started) takes SIGTERM's default:
+    it is no rank. Ended at the rank's exit, it dies at once rather than run the rank's SIGTERM handler
+    and failure path and finalize a forked interpreter ("Fatal Python error: init_threadstate" and a
+    stack dump). Registered once per process, however often a rank sets up its handler."""
+    global _FORKS_RESET
+    if not _FORKS_RESET:
+        os.register_at_fork(after_in_child=_sigterm_default)
+        _FORKS_RESET = True
+
+
+def _sigterm_default() -> None:
     with contextlib.suppress(ValueError, OSError):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 

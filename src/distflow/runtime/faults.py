@@ -44,7 +44,7 @@ from distflow.config.schema import Config, ConfigError
 from distflow.console import say
 from distflow.envvars import LAUNCHED_ENV, STATUS_DIR_ENV
 from distflow.fileio import atomic_write_text
-from distflow.runtime.descendants import end_descendants, end_frozen_peer, sigterm_default
+from distflow.runtime.descendants import end_descendants, end_frozen_peer, reset_sigterm_in_forks
 from distflow.runtime.status_files import (
     is_alive,
     is_stopped,
@@ -85,7 +85,7 @@ def raise_on_sigterm() -> None:
         raise Terminated(signum)
 
     signal.signal(signal.SIGTERM, handler)
-    os.register_at_fork(after_in_child=sigterm_default)  # a fork of a rank is no rank (descendants.py)
+    reset_sigterm_in_forks()  # a fork of a rank is no rank
 
 
 def _one_line(err: BaseException) -> str:
