@@ -41,11 +41,13 @@ def daemonize(name):
 
 
 def chaos(batch, ctx):
-    """Every rank daemonizes a grandchild at step 1; with FAULT=kill, rank 1 kills itself at step 2."""
+    """Every rank daemonizes a grandchild at step 1. With FAULT=kill, rank 1 instead daemonizes at step 2
+    and kills itself at once, before the launcher can have seen the daemon below it."""
     rank = ctx.world.rank
-    if ctx.step == 1:
+    killer = os.environ["FAULT"] == "kill" and rank == 1
+    if ctx.step == (2 if killer else 1):
         daemonize(f"daemon-rank{rank}.pid")
-    if ctx.step == 2 and os.environ["FAULT"] == "kill" and rank == 1:
+    if ctx.step == 2 and killer:
         with open(f"fault-rank{rank}.json", "w") as f:
             json.dump({"time": time.time(), "pid": os.getpid()}, f)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -12,8 +12,11 @@ A rank killed with SIGKILL cannot end what its user code started; as a subreaper
 descendants.py) the launcher inherits it. A daemon forked from the rank holds copies of the rank's
 sockets, so its peers do not see the rank's connections close: one waiting in a collective cannot
 take the agent's SIGTERM and is only ended by the SIGKILL 30 s later. So `_ProcessesOfDeadRanks`
-watches the ranks (pids from their status files): what each one started is recorded while it lives,
-and SIGKILLed (named in one line) as soon as the rank is seen gone, before the agent's grace begins.
+watches the ranks (pids from their status files) and, as soon as a rank is seen gone, SIGKILLs (named
+in one line) what it left below the launcher, before the agent's grace begins: what was seen below
+the rank while it lived, and what carries the rank's identity in its environment (torchelastic's
+run id, restart count and RANK, inherited by every fork). The second finds what the rank started
+between two looks: a daemon forked just before the rank died, re-parented to the launcher at once.
 
 `run_local(fn, N, ...)` is the in-process counterpart for tests and benchmarks: N gloo ranks
 forked by a fork server (a clean process that has imported torch and distflow once), joined
@@ -111,14 +114,17 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> None:
 class _ProcessesOfDeadRanks:
     """A thread that SIGKILLs what a rank started as soon as the rank is gone (module docstring).
     Only processes that are still below the launcher are signalled: a recorded pid that ended and was
-    reused by an unrelated process is left alone."""
+    reused by an unrelated process is left alone, and a rank's restarted successor (another restart
+    count) is no leftover of it."""
 
     POLL_S = 0.2
 
     def __init__(self, status_dir: Path) -> None:
         self.status_dir = status_dir
         self.started: dict[int, set[int]] = {}  # rank pid -> every descendant seen while it lived
+        self.identity: dict[int, tuple | None] = {}  # rank pid -> elastic_identity, read while it lived
         self.rank_of: dict[int, int] = {}
+        self.ended: set[int] = set()
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="distflow-dead-ranks", daemon=True)
         self.thread.start()
@@ -139,28 +145,52 @@ class _ProcessesOfDeadRanks:
             tree = process_tree()
             alive = {pid for pids in tree.values() for pid in pids}
             for pid, rank in self.rank_of.items():
+                if pid in self.ended:
+                    continue
                 if pid in alive:
                     self.started.setdefault(pid, set()).update(descendants(pid, tree))
-                elif self.started.get(pid):
-                    self._end(rank, self.started.pop(pid), tree)
+                    self.identity.setdefault(pid, elastic_identity(pid))
+                elif pid in self.identity:  # seen alive, now gone
+                    self.ended.add(pid)
+                    left = self._left_by(self.started.pop(pid), self.identity.pop(pid), tree)
+                    _end(rank, left)
         except Exception:  # noqa: BLE001 — a failed look must not end the launcher; the next one may work
             pass
 
-    @staticmethod
-    def _end(rank: int, started: set[int], tree: dict[int, list[int]]) -> None:
-        ours = descendants(tree=tree)
-        left = [pid for pid in ours if pid in started]
-        left += [pid for parent in left for pid in descendants(parent, tree) if pid not in left]  # forked since
-        for pid in left:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)  # the rank is dead: nothing of it to shut down gracefully
-        if left:
-            pids = ", ".join(str(pid) for pid in left)
-            print(
-                f"distflow: rank {rank} exited; ended the process(es) it left running (pid {pids})",
-                file=sys.stderr,
-                flush=True,
-            )
+    def _left_by(self, started: set[int], identity: tuple | None, tree: dict[int, list[int]]) -> list[int]:
+        """What a dead rank left below the launcher, parents before children."""
+        ours = [pid for pid in descendants(tree=tree) if pid not in self.rank_of]
+        left = [pid for pid in ours if pid in started or (identity is not None and elastic_identity(pid) == identity)]
+        return left + [pid for parent in left for pid in descendants(parent, tree) if pid not in left]  # forked since
+
+
+def _end(rank: int, left: list[int]) -> None:
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)  # the rank is dead: nothing of it to shut down gracefully
+    if left:
+        pids = ", ".join(str(pid) for pid in left)
+        print(
+            f"distflow: rank {rank} exited; ended the process(es) it left running (pid {pids})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+_IDENTITY_KEYS = (b"TORCHELASTIC_RUN_ID", b"TORCHELASTIC_RESTART_COUNT", b"RANK")
+
+
+def elastic_identity(pid: int) -> tuple | None:
+    """(run id, restart count, rank) from the environment process `pid` was started with: a rank's, and
+    that of everything forked from it (which inherits it); None where unreadable or not a rank's."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            block = f.read()
+    except OSError:
+        return None
+    env = dict(item.split(b"=", 1) for item in block.split(b"\0") if b"=" in item)
+    key = tuple(env.get(name) for name in _IDENTITY_KEYS)
+    return None if None in key else key
 
 
 LOCAL_TIMEOUT = timedelta(seconds=1800)  # generous: a loaded 2-core machine can stall a rank for minutes
