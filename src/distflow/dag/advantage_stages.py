@@ -29,10 +29,12 @@ from distflow.data.fields import (
     ADVANTAGE,
     BASELINE_REWARD,
     GROUP,
+    KL_PENALTY,
     RESPONSE_MASK,
     RETURNS,
     REWARD,
     SAMPLE_MASK,
+    TURN_REWARD,
     VALUES,
 )
 
@@ -44,23 +46,23 @@ if TYPE_CHECKING:
 
 
 def _sequence_reward_B(batch: Batch) -> torch.Tensor:
-    reward_B = batch["reward"].double()
-    if "kl_penalty" in batch.fields():
-        reward_B = reward_B - batch["kl_penalty"].double().sum(-1)
+    reward_B = batch[REWARD].double()
+    if KL_PENALTY in batch.fields():
+        reward_B = reward_B - batch[KL_PENALTY].double().sum(-1)
     return reward_B
 
 
 def _token_reward_BR(batch: Batch) -> torch.Tensor:
     from distflow.algorithms.returns import outcome_to_token_rewards
 
-    reward_B = batch["reward"].double()
-    if "turn_reward" in batch.fields():  # multi-turn: each environment reward stays on its turn's last token
-        turn_BR = batch["turn_reward"].double()
-        reward_BR = outcome_to_token_rewards(reward_B - turn_BR.sum(-1), batch["response_mask"]) + turn_BR
+    reward_B = batch[REWARD].double()
+    if TURN_REWARD in batch.fields():  # multi-turn: each environment reward stays on its turn's last token
+        turn_BR = batch[TURN_REWARD].double()
+        reward_BR = outcome_to_token_rewards(reward_B - turn_BR.sum(-1), batch[RESPONSE_MASK]) + turn_BR
     else:
-        reward_BR = outcome_to_token_rewards(reward_B, batch["response_mask"])
-    if "kl_penalty" in batch.fields():
-        reward_BR = reward_BR - batch["kl_penalty"].double()
+        reward_BR = outcome_to_token_rewards(reward_B, batch[RESPONSE_MASK])
+    if KL_PENALTY in batch.fields():
+        reward_BR = reward_BR - batch[KL_PENALTY].double()
     return reward_BR
 
 
@@ -88,9 +90,9 @@ def _record(ctx: StageContext, advantage, mask_BR) -> None:
 
 def _group_advantage(batch: Batch, ctx: StageContext, advantages_fn) -> Batch:
     """A group estimator's `(advantage_B, zero_variance_B)` with its sample mask and metrics."""
-    advantage_B, zero_variance_B = advantages_fn(_sequence_reward_B(batch).cpu(), batch["group"].cpu())
+    advantage_B, zero_variance_B = advantages_fn(_sequence_reward_B(batch).cpu(), batch[GROUP].cpu())
     keep_B = _signal_mask_B(zero_variance_B, ctx)
-    _record(ctx, advantage_B, batch["response_mask"].cpu() * keep_B.unsqueeze(-1))
+    _record(ctx, advantage_B, batch[RESPONSE_MASK].cpu() * keep_B.unsqueeze(-1))
     device = ctx.comm.device
     return batch.updated(advantage=advantage_B.to(device), sample_mask=keep_B.to(device))
 
@@ -121,7 +123,7 @@ def remax_advantage(batch: Batch, ctx: StageContext) -> Batch:
     """
     from distflow.algorithms.advantages import remax_advantages
 
-    baseline_B = batch["baseline_reward"].cpu()
+    baseline_B = batch[BASELINE_REWARD].cpu()
     return _group_advantage(batch, ctx, functools.partial(remax_advantages, baseline_B=baseline_B))
 
 
@@ -130,7 +132,7 @@ def reinforce_pp_advantage(batch: Batch, ctx: StageContext) -> Batch:
     (`returns.reinforce_pp_advantages` itself, with statistics over the stage's ranks)."""
     from distflow.algorithms.returns import reinforce_pp_advantages
 
-    mask_BR = batch["response_mask"].cpu()
+    mask_BR = batch[RESPONSE_MASK].cpu()
     advantage_BR, _ = reinforce_pp_advantages(
         _token_reward_BR(batch).cpu(), mask_BR, gamma=ctx.config.algorithm.gamma, reduce_sums=_global_sums(ctx)
     )
@@ -145,10 +147,10 @@ def reinforce_pp_baseline_advantage(batch: Batch, ctx: StageContext) -> Batch:
 
     from distflow.algorithms.advantages import grpo_advantages, reinforce_pp_baseline_advantages
 
-    reward_B, group_B = _sequence_reward_B(batch).cpu(), batch["group"].cpu()
+    reward_B, group_B = _sequence_reward_B(batch).cpu(), batch[GROUP].cpu()
     _, zero_variance_B = grpo_advantages(reward_B, group_B, norm_by_std=False)
     keep_B = _signal_mask_B(zero_variance_B, ctx)
-    mask_BR = batch["response_mask"].cpu() * keep_B.unsqueeze(-1).long()
+    mask_BR = batch[RESPONSE_MASK].cpu() * keep_B.unsqueeze(-1).long()
     advantage_BR = reinforce_pp_baseline_advantages(reward_B, group_B, mask_BR, reduce_sums=_global_sums(ctx))
     _record(ctx, advantage_BR, mask_BR)
     device = ctx.comm.device
@@ -159,10 +161,10 @@ def gae_advantage(batch: Batch, ctx: StageContext) -> Batch:
     """PPO: GAE on the token rewards and the critic's values; returns are the critic's targets."""
     from distflow.algorithms.returns import gae_advantages
 
-    algo, mask_BR = ctx.config.algorithm, batch["response_mask"].cpu()
+    algo, mask_BR = ctx.config.algorithm, batch[RESPONSE_MASK].cpu()
     advantage_BR, return_BR = gae_advantages(
         _token_reward_BR(batch).cpu(),
-        batch["values"].cpu(),
+        batch[VALUES].cpu(),
         mask_BR,
         gamma=algo.gamma,
         lam=algo.lam,

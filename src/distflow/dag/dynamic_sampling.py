@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from distflow.dag.graph import Stage, every_rank
+from distflow.data.fields import ATTENTION_MASK, GROUP, INPUT_IDS, REWARD
 
 if TYPE_CHECKING:
     import torch
@@ -43,12 +44,12 @@ if TYPE_CHECKING:
 def _signal_groups(batch: Batch) -> Batch:
     from distflow.algorithms.advantages import grpo_advantages
 
-    _, zero_variance_B = grpo_advantages(batch["reward"].cpu(), batch["group"].cpu())
+    _, zero_variance_B = grpo_advantages(batch[REWARD].cpu(), batch[GROUP].cpu())
     return batch.select((~zero_variance_B).nonzero().flatten().tolist())
 
 
 def _num_groups(batch: Batch) -> int:
-    return len(set(batch["group"].tolist()))
+    return len(set(batch[GROUP].tolist()))
 
 
 def _left_pad(tensor_BT: torch.Tensor, width: int, value: int) -> torch.Tensor:
@@ -69,8 +70,8 @@ def concat(batches: Sequence[Batch], *, width: int, pad_id: int) -> Batch:
     tensors = {}
     for name in batches[0].tensors:
         parts = [b.tensors[name] for b in batches]
-        if name in ("input_ids", "attention_mask"):
-            parts = [_left_pad(t, width, pad_id if name == "input_ids" else 0) for t in parts]
+        if name in (INPUT_IDS, ATTENTION_MASK):
+            parts = [_left_pad(t, width, pad_id if name == INPUT_IDS else 0) for t in parts]
         tensors[name] = torch.cat(parts)
     meta = {name: [x for b in batches for x in b.meta[name]] for name in batches[0].meta}
     return Batch(tensors, meta)
@@ -140,10 +141,10 @@ def _keep_first_groups(rounds: list[Batch], kept: list[Batch], count: int, ctx: 
     from distflow.layout import Layout
 
     comm = ctx.comm
-    width = max(b["input_ids"].shape[1] for b in rounds)
+    width = max(b[INPUT_IDS].shape[1] for b in rounds)
     mine = concat(kept, width=width, pad_id=ctx.tokenizer.pad_token_id)
-    chosen = first_groups_globally(sorted(set(mine["group"].tolist())), count, comm)
-    mine = mine.select([i for i, g in enumerate(mine["group"].tolist()) if g in chosen])
+    chosen = first_groups_globally(sorted(set(mine[GROUP].tolist())), count, comm)
+    mine = mine.select([i for i, g in enumerate(mine[GROUP].tolist()) if g in chosen])
     if comm.world_size > 1:
         layout = Layout(tuple(range(ctx.world.world_size)))
         mine, stats = redistribute(mine, layout, layout, ctx.world, keep_groups=True, uneven=True)

@@ -14,7 +14,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from distflow.data.fields import COMPLETION, GROUP, ROLLOUT_LOGP, SEQUENCE, TURN_REWARD
+from distflow.data.fields import (
+    ATTENTION_MASK,
+    COMPLETION,
+    GROUP,
+    INPUT_IDS,
+    PROMPT_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOGP,
+    SAMPLE,
+    SEQUENCE,
+    TURN_REWARD,
+    UID,
+)
 from distflow.seeding import derive_seed
 
 if TYPE_CHECKING:
@@ -34,15 +46,15 @@ def env_rollout(batch: Batch, ctx: StageContext) -> Batch:
 
     cfg, n = ctx.config.env, ctx.config.rollout.num_samples
     expanded = batch.repeat_interleave(n)
-    prompt_uids = expanded["uid"]
+    prompt_uids = expanded[UID]
     uids = [u * n + k % n for k, u in enumerate(prompt_uids)]
     cls = environment_class(cfg.cls)
     limits = TurnLimits(cfg.max_turns, cfg.max_tokens, cfg.default_reward, cfg.num_workers)
     trajs = [
         Trajectory(sample=dict(s), env=cls(**cfg.kwargs), env_seconds=cfg.deadline_s, uid=uid)
-        for s, uid in zip(expanded["sample"], uids, strict=True)
+        for s, uid in zip(expanded[SAMPLE], uids, strict=True)
     ]
-    reset_all(trajs, ctx.tokenizer, expanded["prompt_ids"], limits)
+    reset_all(trajs, ctx.tokenizer, expanded[PROMPT_IDS], limits)
 
     def agree(*values: int) -> tuple[int, ...]:
         out = ctx.comm.all_reduce_max(torch.tensor(values, dtype=torch.long, device=ctx.comm.device))
@@ -63,7 +75,7 @@ def env_rollout(batch: Batch, ctx: StageContext) -> Batch:
         )
     (prompt_width,) = agree(max((len(t.prompt_ids) for t in trajs), default=0))
     tensors = _layout(trajs, prompt_width, cfg.max_tokens, ctx.tokenizer.pad_token_id)
-    _record(ctx, trajs, tensors["response_mask"])
+    _record(ctx, trajs, tensors[RESPONSE_MASK])
     device = ctx.comm.device
     return expanded.updated(
         uid=uids,
@@ -89,11 +101,11 @@ def _layout(trajs: list, prompt_width: int, width: int, pad_id: int) -> dict:
         mask_BR[i, :k] = torch.tensor(t.mask, dtype=torch.long)
         logp_BR[i, :k], reward_BR[i, :k] = torch.tensor(t.logp), torch.tensor(t.reward)
     return {
-        "input_ids": torch.cat([prompt_ids_BP, ids_BR], 1),
-        "attention_mask": torch.cat([prompt_mask_BP, real_BR], 1),
-        "response_mask": mask_BR,
-        "rollout_logp": logp_BR * mask_BR,
-        "turn_reward": reward_BR,
+        INPUT_IDS: torch.cat([prompt_ids_BP, ids_BR], 1),
+        ATTENTION_MASK: torch.cat([prompt_mask_BP, real_BR], 1),
+        RESPONSE_MASK: mask_BR,
+        ROLLOUT_LOGP: logp_BR * mask_BR,
+        TURN_REWARD: reward_BR,
     }
 
 

@@ -24,6 +24,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from distflow.data.fields import (
+    ADVANTAGE,
+    ATTENTION_MASK,
+    OLD_LOGP,
+    POLICY_VERSION,
+    REF_LOGP,
+    RESPONSE_MASK,
+    RETURNS,
+    ROLLOUT_LOGP,
+    SAMPLE_MASK,
+    VALUES,
+)
 from distflow.seeding import derive_seed
 
 if TYPE_CHECKING:
@@ -62,7 +74,7 @@ POLICY_LOSSES = {"ppo": _ppo, "gspo": _gspo}
 
 def loss_mask_BR(batch: Batch) -> torch.Tensor:
     """Response tokens of the samples that carry signal."""
-    return batch["response_mask"].float() * batch["sample_mask"].unsqueeze(-1)
+    return batch[RESPONSE_MASK].float() * batch[SAMPLE_MASK].unsqueeze(-1)
 
 
 def mini_batches(batch: Batch, ctx: StageContext) -> Iterator[Batch]:
@@ -165,15 +177,15 @@ class PolicyObjective:
         from distflow.algorithms.losses import ppo_kl
 
         algo, mask_BR = self.algo, loss_mask_BR(micro)
-        old_BR = micro["old_logp"] if self.has_old else logp_BR.detach()
-        loss_BR, clipped_BR = POLICY_LOSSES[algo.policy_loss](logp_BR, old_BR, micro["advantage"], mask_BR, algo)
+        old_BR = micro[OLD_LOGP] if self.has_old else logp_BR.detach()
+        loss_BR, clipped_BR = POLICY_LOSSES[algo.policy_loss](logp_BR, old_BR, micro[ADVANTAGE], mask_BR, algo)
         if self.tally is not None:  # stale samples: weight towards the proximal policy (algorithms/off_policy.py)
             from distflow.algorithms.off_policy import importance_weight_BR
 
             weight_BR, ratio_BR = importance_weight_BR(
-                old_BR, micro["rollout_logp"], mode=algo.off_policy_correction, cap=algo.off_policy_cap
+                old_BR, micro[ROLLOUT_LOGP], mode=algo.off_policy_correction, cap=algo.off_policy_cap
             )
-            self.tally.add(ratio_BR, mask_BR, algo.off_policy_cap, old_BR, micro["rollout_logp"])
+            self.tally.add(ratio_BR, mask_BR, algo.off_policy_cap, old_BR, micro[ROLLOUT_LOGP])
             if algo.off_policy_correction != "none":
                 loss_BR = loss_BR * weight_BR
         stats = {
@@ -185,7 +197,7 @@ class PolicyObjective:
         total = loss_sum(loss_BR, mask_BR, algo.loss_agg)
         if self.regularised:
             reg_BR = self._regulariser_BR(micro, logp_BR, entropy_BR, stats, mask_BR)
-            total = total + loss_sum(reg_BR, micro["response_mask"].float(), algo.loss_agg) * self.reg_scale
+            total = total + loss_sum(reg_BR, micro[RESPONSE_MASK].float(), algo.loss_agg) * self.reg_scale
         return total, stats
 
     def _regulariser_BR(self, micro: Batch, logp_BR, entropy_BR, stats: dict, mask_BR) -> torch.Tensor:
@@ -196,7 +208,7 @@ class PolicyObjective:
 
         algo, reg_BR = self.algo, torch.zeros_like(logp_BR)
         if self.kl_loss:
-            kl_BR = KL_ESTIMATORS[algo.kl.estimator](logp_BR, micro["ref_logp"])
+            kl_BR = KL_ESTIMATORS[algo.kl.estimator](logp_BR, micro[REF_LOGP])
             reg_BR = reg_BR + algo.kl.coef * kl_BR
             stats["kl"] = (kl_BR.detach() * mask_BR).sum()
         if algo.entropy_coef > 0:
@@ -209,14 +221,14 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
     if ctx.step <= algo.critic.warmup_steps:  # PPO: let the critic learn the values first
         ctx.metrics.total("train/critic_warmup_steps", 1.0 / ctx.comm.world_size)
         return batch
-    tally = OffPolicyTally() if "rollout_logp" in batch.fields() else None
-    objective = PolicyObjective(algo, has_old="old_logp" in batch.fields(), tally=tally)
+    tally = OffPolicyTally() if ROLLOUT_LOGP in batch.fields() else None
+    objective = PolicyObjective(algo, has_old=OLD_LOGP in batch.fields(), tally=tally)
     _record_staleness(batch, ctx)
     for mini in mini_batches(batch, ctx):
         mask_BR = loss_mask_BR(mini)
         normalizer = global_normalizer(mask_BR, algo.loss_agg, ctx)
         if objective.regularised:
-            reg_normalizer = global_normalizer(mini["response_mask"].float(), algo.loss_agg, ctx)
+            reg_normalizer = global_normalizer(mini[RESPONSE_MASK].float(), algo.loss_agg, ctx)
             normalizer = normalizer or reg_normalizer  # no signal: the step only regularises
             objective = dataclasses.replace(objective, reg_scale=normalizer / reg_normalizer if reg_normalizer else 0.0)
         if normalizer == 0:  # every group of this mini-batch had equal rewards: no signal
@@ -231,7 +243,7 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
             entropy_grad=algo.entropy_coef > 0,
         )
         _record_update(ctx, "train", stats, float(mask_BR.sum()))
-        ctx.metrics.total("tokens/trained", float(mini["attention_mask"].sum()))
+        ctx.metrics.total("tokens/trained", float(mini[ATTENTION_MASK].sum()))
     ctx.metrics.maximum("train/optimizer_state_bytes", float(ctx.engines.policy.optimizer_state_bytes()))
     if tally is not None and tally.num_tokens:
         tally.record(ctx)
@@ -242,8 +254,8 @@ def _record_staleness(batch: Batch, ctx: StageContext) -> None:
     """How many updates old the step's samples are (the policy being trained has had step - 1)."""
     from distflow.algorithms.off_policy import staleness_B
 
-    if "policy_version" in batch.fields() and len(batch):
-        lag_B = staleness_B(ctx.step - 1, batch["policy_version"])
+    if POLICY_VERSION in batch.fields() and len(batch):
+        lag_B = staleness_B(ctx.step - 1, batch[POLICY_VERSION])
         ctx.metrics.mean("off_policy/staleness_mean", float(lag_B.sum()), len(batch))
         ctx.metrics.maximum("off_policy/staleness_max", float(lag_B.max()))
 
@@ -256,13 +268,13 @@ def critic_update(batch: Batch, ctx: StageContext) -> Batch:
     algo, passes = ctx.config.algorithm, ctx.config.passes
 
     def loss_fn(micro: Batch, values_BR, _):
-        mask_BR = micro["response_mask"].float()
-        loss_BR, clipped_BR = value_clip_loss(values_BR, micro["values"], micro["returns"], clip=algo.critic.value_clip)
+        mask_BR = micro[RESPONSE_MASK].float()
+        loss_BR, clipped_BR = value_clip_loss(values_BR, micro[VALUES], micro[RETURNS], clip=algo.critic.value_clip)
         stats = {"value_loss": (loss_BR.detach() * mask_BR).sum(), "clip_fraction": (clipped_BR * mask_BR).sum()}
         return loss_sum(loss_BR, mask_BR, "token-mean"), stats
 
     for mini in mini_batches(batch, ctx):
-        mask_BR = mini["response_mask"].float()
+        mask_BR = mini[RESPONSE_MASK].float()
         normalizer = global_normalizer(mask_BR, "token-mean", ctx)
         stats = ctx.engines.critic.update(
             mini, loss_fn, normalizer, passes.micro_batch_size, micro_batch_tokens=passes.micro_batch_tokens
