@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from distflow.algorithms.advantages import grpo_advantages
-from distflow.algorithms.losses import kl_k3, ppo_clip_loss
+from distflow.algorithms.kl import kl_k3
+from distflow.algorithms.losses import ppo_clip_loss
 
 
 def test_grpo_advantages_by_hand():

@@ -17,7 +17,6 @@ from distflow.algorithms.kl import (
 from distflow.algorithms.losses import (
     dual_clip_ppo_loss,
     entropy_bonus,
-    entropy_from_logits,
     gspo_loss,
     value_clip_loss,
 )
@@ -110,11 +109,26 @@ def test_value_clip_loss_by_hand():
     assert value.grad.tolist()[0] == pytest.approx([0.0, 2.0, -2.0])  # clipped: none; else V - R
 
 
+def _entropy_BR(logits_BTV: torch.Tensor) -> torch.Tensor:
+    """The entropy the policy's update sees (engines/logprobs.py), of a model that outputs these
+    logits; every column but the first is the response, so the last column predicts nothing."""
+    from types import SimpleNamespace
+
+    from distflow.engines.logprobs import response_logprobs
+
+    B, T, _ = logits_BTV.shape
+    ids_BT, mask_BT = torch.zeros(B, T, dtype=torch.long), torch.ones(B, T, dtype=torch.long)
+    _, entropy_BR = response_logprobs(
+        lambda **_: SimpleNamespace(logits=logits_BTV), ids_BT, mask_BT, T - 1, with_entropy=True
+    )
+    return entropy_BR
+
+
 def test_entropy_by_hand():
-    logits = torch.tensor([[[0.0, math.log(3.0)], [5.0, 5.0]]])  # p = (1/4, 3/4) and (1/2, 1/2)
+    logits = torch.tensor([[[0.0, math.log(3.0)], [5.0, 5.0], [0.0, 0.0]]])  # p = (1/4, 3/4) and (1/2, 1/2)
     expected = [-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), math.log(2.0)]
-    assert entropy_from_logits(logits).tolist()[0] == pytest.approx(expected, rel=1e-6)
-    assert entropy_from_logits(torch.zeros(1, 1, 4)).item() == pytest.approx(math.log(4.0))
+    assert _entropy_BR(logits).tolist()[0] == pytest.approx(expected, rel=1e-6)
+    assert _entropy_BR(torch.zeros(1, 2, 4)).item() == pytest.approx(math.log(4.0))
     assert entropy_bonus(torch.tensor([[0.5, 2.0]]), coef=0.01).tolist()[0] == pytest.approx([-0.005, -0.02])
 
 

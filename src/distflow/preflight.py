@@ -61,7 +61,8 @@ def check_writable_dir(path: Path, key: str) -> None:
 
 
 def check_data_files(config: Config) -> None:
-    """Every dataset file exists, is of a supported kind, is readable and has rows."""
+    """Every dataset file is of a supported kind, is readable and has rows (that each of
+    task.train_file and task.heldout_file is a file, `build_graph` checked before)."""
     from distflow.data.sources import JSONL_SUFFIXES, PARQUET_SUFFIXES
 
     for key in ("train_file", "heldout_file"):
@@ -69,9 +70,6 @@ def check_data_files(config: Config) -> None:
         if value is None:
             continue
         path = Path(value).expanduser()
-        if not path.is_file():
-            what = "is a directory" if path.is_dir() else "does not exist"
-            raise ConfigError(f"task.{key}={value!r} {what}; point it at a .jsonl or .parquet file")
         if path.suffix.lower() not in PARQUET_SUFFIXES + JSONL_SUFFIXES:
             raise ConfigError(
                 f"task.{key}={value!r}: unsupported dataset file, the extension must be one of "

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import torch
 
-# Re-exported: the KL estimators used to live here.
-from distflow.algorithms.kl import MAX_LOG_RATIO as MAX_LOG_RATIO
-from distflow.algorithms.kl import kl_k3 as kl_k3
+from distflow.algorithms.kl import MAX_LOG_RATIO
 
 MAX_GSPO_LOG_RATIO = 10.0
 """GSPO's log s_i is clamped to at most this, from above only, as verl does (PPO's token
@@ -134,11 +132,6 @@ def value_clip_loss(
     unclipped_BR = (value_BR - return_BR) ** 2
     clipped_term_BR = (clipped_value_BR - return_BR) ** 2
     return 0.5 * torch.maximum(unclipped_BR, clipped_term_BR), (clipped_term_BR > unclipped_BR)
-
-
-def entropy_from_logits(logits_BRV: torch.Tensor) -> torch.Tensor:
-    """Entropy of the softmax over the vocabulary: H = logsumexp(z) - Σ softmax(z)·z."""
-    return torch.logsumexp(logits_BRV, dim=-1) - (torch.softmax(logits_BRV, dim=-1) * logits_BRV).sum(-1)
 
 
 def entropy_bonus(entropy_BR: torch.Tensor, *, coef: float) -> torch.Tensor:
