@@ -1,0 +1,116 @@
+"""Concurrent requests' rows, sampled in batches by one backend thread.
+
+    handlers (event loop) ── rows + futures ──► queue
+    batcher task (event loop): take the first row, wait `window_s` for more, take everything queued,
+        group by sampling settings (order kept), ≤ max_batch_rows per group
+        └─► backend.sample(group) on the single worker thread ─► each row's future
+    While the backend runs, new rows queue up and form the next batch.
+
+Invariants: the backend is called from one thread only, one call at a time (engines are not
+thread-safe); every row's future gets a result or the backend's exception, never both, never
+neither; a row whose request went away (the client hung up) is not sampled; the event loop never
+waits on the backend, so requests keep being parsed and rendered while it samples. Which rows
+share a batch depends on arrival timing: the keys (one per row) make the samples not depend on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from distflow.agents.backend import Backend, Completion
+
+
+@dataclass(frozen=True)
+class Settings:
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    stop: tuple[str, ...]
+
+
+@dataclass
+class _Row:
+    prompt_ids: list[int]
+    key: int
+    settings: Settings
+    future: asyncio.Future
+
+
+class Batcher:
+    def __init__(self, backend: Backend, *, window_s: float, max_batch_rows: int) -> None:
+        self.backend, self.window_s, self.max_batch_rows = backend, window_s, max_batch_rows
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distflow-agent-backend")
+        self._queue: asyncio.Queue[_Row] | None = None
+        self.num_calls = 0
+        self.num_rows = 0
+        self.num_errors = 0
+        self.seconds = 0.0
+        """Time inside backend.sample, summed."""
+
+    async def sample(self, prompts: list[list[int]], keys: list[int], settings: Settings) -> list[Completion]:
+        """One completion per prompt (row i sampled from keys[i]); raises the backend's exception."""
+        assert self._queue is not None, "Batcher.run is not running"
+        loop = asyncio.get_running_loop()
+        rows = [_Row(p, k, settings, loop.create_future()) for p, k in zip(prompts, keys, strict=True)]
+        for row in rows:
+            self._queue.put_nowait(row)
+        return list(await asyncio.gather(*(row.future for row in rows)))
+
+    async def run(self) -> None:
+        """The batcher task (until cancelled)."""
+        self._queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self._queue.get()]
+            if self.window_s > 0:
+                await asyncio.sleep(self.window_s)
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            for group in _groups([row for row in batch if not row.future.done()], self.max_batch_rows):
+                await self._sample(loop, group)
+
+    async def _sample(self, loop: asyncio.AbstractEventLoop, group: list[_Row]) -> None:
+        settings = group[0].settings
+        start = time.perf_counter()
+        try:
+            completions = await loop.run_in_executor(self._executor, self._call, group, settings)
+        except Exception as err:  # the backend's failure: each request of the group answers with it
+            self.num_errors += 1
+            for row in group:
+                if not row.future.done():
+                    row.future.set_exception(err)
+            return
+        finally:
+            self.seconds += time.perf_counter() - start
+        self.num_calls += 1
+        self.num_rows += len(group)
+        for row, completion in zip(group, completions, strict=True):
+            if not row.future.done():
+                row.future.set_result(completion)
+
+    def _call(self, group: list[_Row], settings: Settings) -> list[Completion]:
+        completions = self.backend.sample(
+            [row.prompt_ids for row in group],
+            [row.key for row in group],
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            stop=list(settings.stop) or None,
+        )
+        if len(completions) != len(group):
+            raise RuntimeError(f"the backend returned {len(completions)} completions for {len(group)} prompts")
+        return completions
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _groups(rows: list[_Row], max_rows: int) -> list[list[_Row]]:
+    """Rows grouped by their settings (first-seen order), each group cut into chunks of `max_rows`."""
+    by_settings: dict[Settings, list[_Row]] = {}
+    for row in rows:
+        by_settings.setdefault(row.settings, []).append(row)
+    return [group[i : i + max_rows] for group in by_settings.values() for i in range(0, len(group), max_rows)]

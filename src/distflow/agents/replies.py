@@ -1,0 +1,67 @@
+"""OpenAI's reply shapes: a chat completion, the model list, an error."""
+
+from __future__ import annotations
+
+import time
+
+from distflow.agents.session import Call
+from distflow.agents.tool_calls import ParsedReply
+
+
+def chat_completion(
+    *, completion_id: str, model: str, calls: list[Call], replies: list[ParsedReply], logprobs: list[list[dict]] | None
+) -> dict:
+    """The `chat.completion` object of one request: choice i is calls[i], its text parsed into replies[i].
+
+    `logprobs[i]` (with logprobs=true): choice i's per-token entries, `token_logprobs` makes them."""
+    choices = []
+    for i, (call, reply) in enumerate(zip(calls, replies, strict=True)):
+        message: dict = {"role": "assistant", "content": reply.content, "refusal": None}
+        if reply.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": f"call_{call.turn}_{call.choice}_{k}",
+                    "type": "function",
+                    "function": {"name": tool.name, "arguments": tool.arguments},
+                }
+                for k, tool in enumerate(reply.tool_calls)
+            ]
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "finish_reason": "tool_calls" if reply.tool_calls else call.finish_reason,
+                "logprobs": {"content": logprobs[i], "refusal": None} if logprobs is not None else None,
+            }
+        )
+    prompt_tokens = len(calls[0].prompt_ids) if calls else 0
+    completion_tokens = sum(len(call.token_ids) for call in calls)
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+def token_logprobs(tokenizer, call: Call) -> list[dict]:
+    """OpenAI's per-token log-prob entries of a call's sampled tokens (each token's own text)."""
+    out = []
+    for token_id, logprob in zip(call.token_ids, call.logprobs, strict=True):
+        text = tokenizer.decode([token_id])
+        out.append({"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []})
+    return out
+
+
+def models(model: str) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "distflow"}]}
+
+
+def error(message: str, kind: str, *, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": kind}}

@@ -1,0 +1,100 @@
+"""Agent rollouts in one call: the endpoint, the episodes, the samples they train on.
+
+    AgentRollout(config, tokenizer, backend)           once per rank (the server starts lazily)
+      .run(rows, uids) ─► run_episodes(fn, rows, server, …) ─► AgentResult
+         episodes[i]            row i's reward, status, and its samples (one per chain of calls)
+         trajectories(rows)     every sample as engines.multiturn.Trajectory, reward on its last
+                                sampled token, with the index of its row (the stage's layout)
+      .close()
+
+A rollout stage calls `run` with its rows and their uids (the keys derive from them, so a row
+samples the same tokens on any rank, in any order), and lays `trajectories` out as the
+multi-turn stage does. Sessions of the previous `run` are forgotten when the next starts (their
+late requests then get 404).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from distflow.agents.backend import Backend
+from distflow.agents.runner import Episode, run_episodes
+from distflow.agents.server import AgentServer, ServerConfig
+from distflow.agents.trajectory import to_trajectory
+
+
+@dataclass(kw_only=True)
+class AgentConfig:
+    fn: str | Callable
+    """The agent: `package.module:function` (or the function), fn(client, sample) -> reward | dict."""
+    timeout_s: float = 300.0
+    """Per episode, from its start; past it the episode scores `default_reward`."""
+    default_reward: float = 0.0
+    concurrency: int = 64
+    """Episodes running at once on this rank."""
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or self.concurrency < 1:
+            raise ValueError(f"agent timeout_s={self.timeout_s} must be > 0 and concurrency={self.concurrency} >= 1")
+        if isinstance(self.fn, str) and ":" not in self.fn:
+            raise ValueError(f"agent fn={self.fn!r}: write it as package.module:function")
+
+
+@dataclass
+class AgentResult:
+    episodes: list[Episode]
+    stats: dict
+
+    @property
+    def rewards(self) -> list[float]:
+        return [e.reward for e in self.episodes]
+
+    def trajectories(self, rows: list[dict]) -> list[tuple[int, object]]:
+        """(row index, `engines.multiturn.Trajectory`) for every sample of every episode, in row order."""
+        return [
+            (i, to_trajectory(sample, row, uid=episode.uid, reward=episode.reward))
+            for i, (episode, row) in enumerate(zip(self.episodes, rows, strict=True))
+            for sample in episode.samples
+        ]
+
+
+class AgentRollout:
+    def __init__(self, config: AgentConfig, tokenizer, backend: Backend) -> None:
+        from distflow.config.callables import import_callable
+
+        self.config = config
+        self.fn = import_callable(config.fn, key="rollout.agent") if isinstance(config.fn, str) else config.fn
+        self.server = AgentServer(config.server, tokenizer, backend)
+        self._started = False
+        self._previous: list[str] = []
+
+    def run(self, rows: list[dict], uids: list[int] | None = None) -> AgentResult:
+        if not self._started:
+            self.server.start()
+            self._started = True
+        for session_id in self._previous:
+            self.server.sessions.forget(session_id)
+        episodes, stats = run_episodes(
+            self.fn,
+            rows,
+            self.server,
+            timeout_s=self.config.timeout_s,
+            default_reward=self.config.default_reward,
+            concurrency=self.config.concurrency,
+            uids=uids,
+        )
+        self._previous = [e.session.id for e in episodes]
+        return AgentResult(episodes=episodes, stats=stats)
+
+    def close(self) -> None:
+        if self._started:
+            self.server.stop()
+            self._started = False
+
+    def __enter__(self) -> AgentRollout:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

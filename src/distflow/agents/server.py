@@ -1,0 +1,255 @@
+"""The OpenAI-compatible endpoint: aiohttp on its own thread and event loop, inside the rank.
+
+    agent (openai client) ─HTTP─► 127.0.0.1:PORT/s/<session>/v1/chat/completions   (or X-Session-Id)
+      event-loop thread: bearer token? ─► check the request ─► render it (chat template)
+                         ─► session open, under its cap? turn = its next ─► keys (seed, uid, turn, choice)
+                         ─► Batcher ──► backend.sample on the one worker thread (batched)
+                         ─► record the calls on the session ─► decode, parse tool calls ─► reply
+    rank thread: start() … open_session / close_session … stop()
+
+Invariants: the server binds 127.0.0.1 unless told otherwise; every request needs the run's random
+bearer token (401 without it); a refused request (401, 400, 404, 410, 429, 500) has OpenAI's error
+shape and a message that says what to change, and is counted (`stats`); the tokenizer the event
+loop renders with is the server's own copy (a Rust tokenizer must not be used from two threads at
+once, and the backend's runs on the worker thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import json
+import secrets
+import threading
+from dataclasses import dataclass
+
+from distflow.agents import replies
+from distflow.agents.backend import Backend
+from distflow.agents.batcher import Batcher, Settings
+from distflow.agents.requests import RequestError, RequestLimits, parse_request, render
+from distflow.agents.session import Call, Session, SessionError, Sessions
+from distflow.agents.tool_calls import TOOL_CALL_PARSERS
+
+START_TIMEOUT_S = 60.0
+
+
+@dataclass(kw_only=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    """Where to listen; anything but localhost exposes the policy to the network (the token still guards it)."""
+    port: int = 0
+    """0: a free port, chosen by the system."""
+    model_name: str = "distflow-policy"
+    """The id `GET /v1/models` lists (requests may name any model: there is one)."""
+    seed: int = 0
+    """The run seed the sampling keys derive from."""
+    max_new_tokens: int = 256
+    """Per completion; a request's max_tokens above it is lowered to it."""
+    max_prompt_tokens: int = 4096
+    temperature: float = 1.0
+    top_p: float = 1.0
+    honor_sampling: bool = False
+    """Take temperature/top_p from requests; off: the rollout's (training recomputes log-probs at it)."""
+    max_n: int = 8
+    max_calls_per_session: int = 64
+    """Requests per session; the next is refused with 429."""
+    batch_window_s: float = 0.002
+    """How long the batcher waits after a first request for others to join its batch."""
+    max_batch_rows: int = 256
+    tool_call_format: str = "hermes"
+    """The chat template's tool-call convention (a key of `tool_calls.TOOL_CALL_PARSERS`)."""
+    max_request_bytes: int = 8 * 2**20
+
+    def __post_init__(self) -> None:
+        if self.tool_call_format not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_format={self.tool_call_format!r}: choose one of {sorted(TOOL_CALL_PARSERS)}")
+        for name in ("max_new_tokens", "max_prompt_tokens", "max_n", "max_calls_per_session", "max_batch_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port={self.port}: use 0 (a free port) or a port number")
+        if self.batch_window_s < 0 or self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("batch_window_s and temperature must be >= 0 and top_p in (0, 1]")
+
+
+class AgentServer:
+    """Serves `POST /v1/chat/completions` and `GET /v1/models` over `backend` (see the module's diagram)."""
+
+    def __init__(self, config: ServerConfig, tokenizer, backend: Backend) -> None:
+        self.config = config
+        self.token = secrets.token_urlsafe(24)
+        self.sessions = Sessions(max_calls_per_session=config.max_calls_per_session)
+        self.batcher = Batcher(backend, window_s=config.batch_window_s, max_batch_rows=config.max_batch_rows)
+        self.stats = dict.fromkeys(("requests", "malformed", "unauthorized", "refused", "backend_errors"), 0)
+        self._tokenizer = copy.deepcopy(tokenizer)
+        self._limits = RequestLimits(
+            max_new_tokens=config.max_new_tokens,
+            max_n=config.max_n,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            honor_sampling=config.honor_sampling,
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    def base_url(self, session_id: str) -> str:
+        """The `base_url` an openai client of this session uses."""
+        return f"{self.url}/s/{session_id}/v1"
+
+    def open_session(self, session_id: str, uid: int) -> Session:
+        return self.sessions.open(session_id, uid)
+
+    def close_session(self, session_id: str) -> Session:
+        return self.sessions.close(session_id)
+
+    def start(self) -> AgentServer:
+        self._thread = threading.Thread(target=self._serve, name="distflow-agent-server", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(START_TIMEOUT_S):
+            raise RuntimeError(f"the agent endpoint did not start within {START_TIMEOUT_S:.0f}s")
+        if self._start_error is not None:
+            raise RuntimeError(f"the agent endpoint could not start: {self._start_error}") from self._start_error
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(START_TIMEOUT_S)
+        self.batcher.close()
+
+    def __enter__(self) -> AgentServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _serve(self) -> None:
+        from aiohttp import web
+
+        loop = self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            runner = web.AppRunner(self._app(), access_log=None, handle_signals=False)
+            loop.run_until_complete(runner.setup())
+            site = web.TCPSite(runner, self.config.host, self.config.port)
+            loop.run_until_complete(site.start())
+            self.port = runner.addresses[0][1]
+            batcher = loop.create_task(self.batcher.run())
+        except BaseException as err:  # a port in use, a bad host: start() raises it in the caller
+            self._start_error = err
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            batcher.cancel()
+            loop.run_until_complete(runner.cleanup())
+            loop.close()
+
+    def _app(self):
+        from aiohttp import web
+
+        app = web.Application(middlewares=[self._auth_middleware()], client_max_size=self.config.max_request_bytes)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/s/{session}/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/s/{session}/v1/models", self._models)
+        return app
+
+    def _auth_middleware(self):
+        from aiohttp import web
+
+        expected = f"Bearer {self.token}".encode()
+
+        @web.middleware
+        async def auth(request, handler):
+            if not hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected):
+                self.stats["unauthorized"] += 1
+                return _json(401, replies.error("missing or wrong bearer token (api_key)", "invalid_api_key"))
+            return await handler(request)
+
+        return auth
+
+    async def _models(self, request):
+        return _json(200, replies.models(self.config.model_name))
+
+    async def _chat(self, request):
+        self.stats["requests"] += 1
+        session_id = request.match_info.get("session") or request.headers.get("X-Session-Id")
+        try:
+            if not session_id:
+                raise RequestError("no session: use base_url http://HOST:PORT/s/<session>/v1 or an X-Session-Id header")
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise RequestError(f"the request body is not JSON: {err}") from None
+            chat = parse_request(body, self._limits)
+            prompt_ids = render(self._tokenizer, chat, max_prompt_tokens=self.config.max_prompt_tokens)
+        except RequestError as err:
+            self.stats["malformed"] += 1
+            self.sessions.count_malformed(session_id)
+            return _json(400, replies.error(str(err), "invalid_request_error"))
+        try:
+            return _json(200, await self._complete(session_id, chat, prompt_ids))
+        except SessionError as err:
+            self.stats["refused"] += 1
+            return _json(err.status, replies.error(err.message, err.kind))
+
+    async def _complete(self, session_id: str, chat, prompt_ids: list[int]) -> dict:
+        from distflow.seeding import derive_seed
+
+        session, turn = self.sessions.begin(session_id)
+        keys = [derive_seed(self.config.seed, "agent-call", session.uid, turn, c) for c in range(chat.n)]
+        settings = Settings(chat.max_new_tokens, chat.temperature, chat.top_p, tuple(chat.stop or ()))
+        try:
+            completions = await self.batcher.sample([prompt_ids] * chat.n, keys, settings)
+        except Exception as err:  # the engine failed: the agent gets a 500 that says so
+            self.stats["backend_errors"] += 1
+            raise SessionError(500, f"sampling failed: {type(err).__name__}: {err}", "server_error") from err
+        parse = TOOL_CALL_PARSERS["none" if chat.tool_choice == "none" else self.config.tool_call_format]
+        calls, parsed = [], []
+        for choice, completion in enumerate(completions):
+            text = _cut_text(self._tokenizer.decode(completion.token_ids, skip_special_tokens=True), chat.stop)
+            calls.append(
+                Call(
+                    turn=turn,
+                    choice=choice,
+                    prompt_ids=prompt_ids,
+                    token_ids=completion.token_ids,
+                    logprobs=completion.logprobs,
+                    finish_reason=completion.finish_reason,
+                    temperature=chat.temperature,
+                    text=text,
+                )
+            )
+            parsed.append(parse(text))
+        self.sessions.record(session_id, calls)
+        logprobs = [replies.token_logprobs(self._tokenizer, call) for call in calls] if chat.logprobs else None
+        return replies.chat_completion(
+            completion_id=f"chatcmpl-{session_id}-{turn}",
+            model=self.config.model_name,
+            calls=calls,
+            replies=parsed,
+            logprobs=logprobs,
+        )
+
+
+def _cut_text(text: str, stop: list[str] | None) -> str:
+    """The reply's text ends before the first stop string, as OpenAI's does."""
+    cut = min((text.index(s) for s in stop or [] if s and s in text), default=len(text))
+    return text[:cut]
+
+
+def _json(status: int, body: dict):
+    from aiohttp import web
+
+    return web.json_response(body, status=status)
