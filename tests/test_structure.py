@@ -237,7 +237,7 @@ LAYERS = (
     ("distflow.config",),
     ("distflow.layout",),
     ("distflow.algorithms", "distflow.data", "distflow.envs"),
-    ("distflow.engines",),
+    ("distflow.engines", "distflow.rollout"),
     ("distflow.checkpoint", "distflow.tasks", "distflow.observability"),
     ("distflow.dag", "distflow.planner"),
     ("distflow.preflight", "distflow.inputs"),
@@ -277,6 +277,7 @@ SECTION_READERS = {
     "parallel": (
         "distflow.config",
         "distflow.engines.registry",
+        "distflow.rollout.compiled",
         "distflow.planner.plan",
         "distflow.preflight",
         "distflow.runtime.executor",
@@ -291,6 +292,7 @@ SECTION_READERS = {
         "distflow.preflight",
         "distflow.runtime.executor",
         "distflow.dag.stages",
+        "distflow.rollout.vllm",
     ),
 }
 """The modules that may read a section of the config (`config.parallel`, `ctx.config.passes`, ...);
@@ -364,7 +366,8 @@ def test_engines_never_receive_the_whole_config():
 def test_max_staleness_is_read_only_where_it_acts():
     """`asynchronous.max_staleness` is validated (config/rules.py, the planner, preflight), chooses the
     pipelined loop (the executor, which hands it to runtime/pipelined.py), and decides what a rollout
-    records (dag/stages.py); everyone else is handed what they need."""
+    records (dag/stages.py), and where the vLLM engine runs (rollout/vllm.py); everyone else is handed what
+    they need."""
     readers = {
         name
         for name, tree in _modules().items()
@@ -379,4 +382,5 @@ def test_max_staleness_is_read_only_where_it_acts():
         "distflow.preflight",
         "distflow.runtime.executor",
         "distflow.dag.stages",
+        "distflow.rollout.vllm",
     }

@@ -33,17 +33,18 @@ def test_vllm_runs_on_any_placement_with_one_rank_per_replica():
 
 
 def test_the_engine_runs_in_the_ranks_process_only_when_every_rank_rolls_out_in_lockstep():
-    from distflow.dag.stages import vllm_in_child
-    from distflow.engines.sampling import SamplingSpec
+    from distflow.rollout.engine import build_engine
+    from distflow.rollout.vllm import VllmRollout
 
     def mode(*overrides):
-        return vllm_in_child(load_config(None, ["rollout.engine=vllm", *overrides]))
+        engine = build_engine(load_config(None, ["rollout.engine=vllm", *overrides]))
+        assert isinstance(engine, VllmRollout)
+        return engine.in_child
 
     assert not mode() and not mode("parallel.strategy=fsdp2") and not mode("placement.train.ranks=0")
     assert mode(*DISAGGREGATED) and mode(*DISAGGREGATED, "asynchronous.max_staleness=1")
     assert mode("placement.rollout.ranks=first:1", "placement.train.ranks=last:1")
-    assert not vllm_in_child(load_config(None, DISAGGREGATED))  # another engine: no vLLM at all
-    assert not SamplingSpec.of(load_config(None, []).rollout).vllm_in_child
+    assert not isinstance(build_engine(load_config(None, DISAGGREGATED)), VllmRollout)  # another engine: no vLLM
 
 
 def test_shared_weights_round_trip_and_outlive_their_file():

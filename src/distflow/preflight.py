@@ -12,7 +12,7 @@ and the fix. What is checked:
                   (safetensors headers against file sizes), and a tokenizer whose ids all
                   fit in the model's embeddings; task.reward_models[].path: a one-label
                   sequence classifier with complete weight files
-    rollout       rollout.engine=vllm: vLLM imports
+    rollout       what the chosen rollout engine needs (its `preflight`: for vllm, that vLLM imports)
     strategy      parallel.param_dtype / reduce_dtype that the device can use; decoder blocks
                   to checkpoint (parallel.activation_checkpointing, built on the meta device);
                   model.lora's adapters (built on the meta device), their rank within the
@@ -255,25 +255,12 @@ def check_loggers(config: Config) -> None:
 
 
 def check_rollout_engine(config: Config) -> None:
-    """`rollout.engine=vllm` needs a vLLM that imports (tried in a child process: importing it takes
-    seconds and sets process-wide state the launcher should not carry)."""
-    if config.rollout.engine != "vllm":
-        return
-    import subprocess
-    import sys
+    """What the chosen rollout engine needs of this machine (its component's `preflight`: vLLM must import)."""
+    from distflow.config.components import ROLLOUT_ENGINES
 
-    try:
-        probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=600)
-        failed = probe.returncode != 0
-        why = (probe.stderr.strip().splitlines() or ["no output"])[-1]
-    except subprocess.TimeoutExpired:
-        failed, why = True, "import vllm did not finish in 600 s"
-    if failed:
-        raise ConfigError(
-            f"rollout.engine=vllm: `import vllm` fails in this environment ({why}); build the vLLM "
-            "environment with `make vllm` and run .venv-vllm/bin/distflow (CPU), or pip install "
-            "'distflow[vllm]' (CUDA), or choose another rollout.engine"
-        )
+    problems = ROLLOUT_ENGINES.get(config.rollout.engine).preflight(config)
+    if problems:
+        raise ConfigError(problems[0])
 
 
 def check_strategy(config: Config) -> None:

@@ -91,15 +91,7 @@ def _check_overlong(config) -> None:
 
 
 def _check_rollout_engine(config) -> None:
-    """What `rollout.engine=vllm` and `compiled` need of the placement and the strategy."""
-    engine, rollout = config.rollout.engine, config.placement.rollout
-    check(
-        engine != "vllm" or rollout.ranks_per_replica == 1,
-        f"rollout.engine=vllm runs one engine per rank (a replica of {rollout.ranks_per_replica} ranks would need "
-        "vLLM's tensor parallelism): set placement.rollout.ranks_per_replica=1 or use another rollout.engine",
-    )
-    check(
-        engine != "compiled" or config.parallel.strategy == "ddp",
-        "rollout.engine=compiled compiles the rollout model's forward, which fsdp2 gathers from shards "
-        "for every rollout; use rollout.engine=compact with parallel.strategy=fsdp2",
-    )
+    """What the chosen rollout engine needs of the other sections (its component's `check`)."""
+    from distflow.config.components import ROLLOUT_ENGINES
+
+    ROLLOUT_ENGINES.get(config.rollout.engine).check(config)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from distflow.config.algorithm import AlgorithmConfig
+from distflow.config.components import ROLLOUT_ENGINES
 from distflow.config.deprecated import DeprecatedKeyWarning
 from distflow.config.env import EnvConfig
 from distflow.config.errors import ConfigError, check  # noqa: F401 (ConfigError is imported from here widely)
@@ -25,11 +27,10 @@ from distflow.config.pipeline import LayoutSpec, PipelineConfig, PlacementConfig
 from distflow.config.rules import check_sections
 from distflow.config.task import FLOAT32_MAX, RewardModelSpec, RewardSpec, TaskConfig  # noqa: F401 (re-exported)
 
-ROLLOUT_ENGINES = ("compact", "compiled", "generate", "vllm")
-
 
 @dataclass(kw_only=True)
 class RolloutConfig:
+    SELECTOR: ClassVar[str] = "engine"
     num_samples: int = 16
     """Completions sampled per prompt (the GRPO group size)."""
     temperature: float = 1.0
@@ -39,22 +40,23 @@ class RolloutConfig:
     max_new_tokens: int = 6
     """Completion length limit in tokens (a turn's limit in multi-turn rollouts)."""
     engine: str = "compact"
-    """How completions are computed (the same samples either way): `compact` prefills each prompt
-    once for its n samples and drops finished rows; `generate` is Hugging Face `generate` over the
-    batch with each prompt repeated n times, kept as the reference; `compiled` is `compact` with
-    the model's forward compiled by `torch.compile` (the first rollout pays the compile; not with
-    fsdp2); `vllm` is a vLLM engine owned by each rank that rolls out, loaded with the policy's weights
-    whenever they change (its own sampler: samples differ from the others'; its sampling log-probs are
-    recorded as `rollout_logp` and their gap to the trainer's is logged under `mismatch/`): in the rank's
-    process when every rank rolls out synchronously, else with its core in a child process of the rank
-    (disaggregated placements, asynchronous.max_staleness > 0). It needs vLLM installed (`make vllm`)
-    and placement.rollout.ranks_per_replica=1."""
+    """How completions are computed (distflow/rollout/; the same samples either way but vLLM's):
+    `compact` prefills each prompt once for its n samples and drops finished rows; `generate` is
+    Hugging Face `generate` over the batch with each prompt repeated n times, kept as the reference;
+    `compiled` is `compact` with the model's forward compiled by `torch.compile` (the first rollout
+    pays the compile; not with fsdp2); `vllm` is a vLLM engine owned by each rank that rolls out,
+    loaded with the policy's weights whenever they change (its own sampler: samples differ from the
+    others'; its sampling log-probs are recorded as `rollout_logp` and their gap to the trainer's is
+    logged under `mismatch/`): in the rank's process when every rank rolls out synchronously, else
+    with its core in a child process of the rank. It needs vLLM installed (`make vllm`) and
+    placement.rollout.ranks_per_replica=1. Your own: 'package.module:Class', a subclass of
+    `distflow.rollout.engine.RolloutEngine`."""
+    options: dict = field(default_factory=dict)
+    """The chosen engine's own settings, also given under its name: `rollout.vllm: {log: true}`
+    (vLLM's own log shown)."""
 
     def __post_init__(self) -> None:
-        check(
-            self.engine in ROLLOUT_ENGINES,
-            f"rollout.engine must be one of {', '.join(ROLLOUT_ENGINES)} (got {self.engine!r})",
-        )
+        ROLLOUT_ENGINES.chosen(self, "engine")  # a known engine, with options it takes
         check(self.num_samples >= 2, f"rollout.num_samples must be >= 2 for group advantages (got {self.num_samples})")
         check(self.temperature > 0, f"rollout.temperature must be > 0 (got {self.temperature})")
         check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1] (got {self.top_p})")

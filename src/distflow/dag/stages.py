@@ -28,21 +28,15 @@ if TYPE_CHECKING:
 
 def behaviour_fields(config) -> tuple[str, ...]:
     """What the rollout also records about the policy that sampled: `rollout_logp` (each sampled
-    token's log-prob, for the off-policy correction and, from a separate inference engine (`vllm`),
-    the train/inference mismatch) and, with stale samples, `policy_version`."""
+    token's log-prob, for the off-policy correction, or because the rollout engine declares it: an
+    engine with a sampler of its own, whose gap to the trainer's is logged) and, with stale samples,
+    `policy_version`."""
+    from distflow.config.components import ROLLOUT_ENGINES
+
     staleness, correction = config.asynchronous.max_staleness, config.algorithm.off_policy_correction
-    records = staleness > 0 or correction != "none" or config.rollout.engine == "vllm"
+    declared = ROLLOUT_ENGINES.get(config.rollout.engine).fields(config)
+    records = staleness > 0 or correction != "none" or ROLLOUT_LOGP in declared
     return ((ROLLOUT_LOGP,) if records else ()) + ((POLICY_VERSION,) if staleness > 0 else ())
-
-
-def vllm_in_child(config) -> bool:
-    """Whether `rollout.engine=vllm` runs each rank's engine core in a child process of the rank
-    (engines/vllm_rollout.py): unless every rank rolls out, in lockstep (colocated and synchronous). In the
-    rank's process the engine takes the policy's tensors without a copy, but vLLM then builds its process
-    groups over the whole torch world, a collective every rank must join at the same point, which a rank
-    rolling out alone (disaggregated) or ahead of training (`asynchronous.max_staleness` > 0) cannot."""
-    lockstep = config.placement.rollout.ranks == "all" and config.asynchronous.max_staleness == 0
-    return config.rollout.engine == "vllm" and not lockstep
 
 
 def policy_versions(ctx: StageContext, count: int) -> dict:
@@ -91,7 +85,6 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
             samples_per_prompt=n,
             engine=sampling.engine,
             logprobs="rollout_logp" in behaviour_fields(ctx.config),
-            vllm_in_child=sampling.vllm_in_child,
         )
     num_generated = float(out.response_mask_BR.sum())
     ctx.metrics.mean("response/length", num_generated, len(expanded))
@@ -147,7 +140,6 @@ def greedy_baseline(batch: Batch, ctx: StageContext) -> Batch:
                 prompt_ids=prompt_ids,
                 prompt_width=width,
                 engine=ctx.engines.sampling.engine,
-                vllm_in_child=ctx.engines.sampling.vllm_in_child,
             )
             if rows
             else None

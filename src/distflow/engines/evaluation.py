@@ -79,7 +79,6 @@ def completions(model, tokenizer, prompts: list[str], sampling: SamplingSpec, ke
         sample_keys=keys,
         samples_per_prompt=n,
         engine=sampling.engine,
-        vllm_in_child=sampling.vllm_in_child,
     )
 
 

@@ -228,7 +228,6 @@ def turn_generator(model, tokenizer, sampling, key_of: Callable[[Trajectory, int
             prompt_ids=rows,
             prompt_width=width,
             engine=sampling.engine,
-            vllm_in_child=sampling.vllm_in_child,
             logprobs=True,
         )
         lengths = out.response_mask_BR.sum(-1).tolist()

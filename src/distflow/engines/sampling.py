@@ -15,6 +15,7 @@ processor leaves one finite score per row (the sampled token), so argmax picks i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,16 +32,17 @@ class SamplingSpec:
     temperature: float
     top_p: float
     max_new_tokens: int
-    engine: str = "compact"
-    """Which engine computes the samples (`engines.generation`); it does not change them."""
-    vllm_in_child: bool = False
-    """With `engine="vllm"`: its engine core runs in a child process of the rank, not in the rank's own
-    (engines/vllm_rollout.py; decided by `dag.stages.vllm_in_child`)."""
+    engine: Any = "compact"
+    """The rollout engine that computes the samples (a `distflow.rollout.engine.RolloutEngine`, or a
+    built-in one's name); it does not change them, except vLLM's, which has its own sampler."""
 
     @classmethod
-    def of(cls, rollout, *, vllm_in_child: bool = False) -> SamplingSpec:
-        """From the run's `rollout` config section."""
-        return cls(rollout.temperature, rollout.top_p, rollout.max_new_tokens, rollout.engine, vllm_in_child)
+    def of(cls, rollout, *, engine: Any = None) -> SamplingSpec:
+        """From the run's `rollout` config section, with this rank's built `engine` (default: the engine
+        the section names, with its default options)."""
+        return cls(
+            rollout.temperature, rollout.top_p, rollout.max_new_tokens, rollout.engine if engine is None else engine
+        )
 
 
 def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:

@@ -27,7 +27,6 @@ from distflow.comm import Comm
 from distflow.config import Config, ConfigError
 from distflow.dag.context import Engines
 from distflow.dag.pipelines import LOADER_FIELDS, build_graph
-from distflow.dag.stages import vllm_in_child
 from distflow.data.loader import PromptLoader, RowRules, ValidRows
 from distflow.data.prefetch import Prefetcher
 from distflow.engines.models import load_model_and_tokenizer
@@ -36,6 +35,7 @@ from distflow.engines.sampling import SamplingSpec
 from distflow.engines.sequences import encode_prompts
 from distflow.engines.weight_sync import WeightSync
 from distflow.planner.plan import Plan, make_plan
+from distflow.rollout.engine import build_engine
 from distflow.tasks.build import Task, build_task
 from distflow.tasks.model_source import model_dirs, prepared_per_node
 
@@ -63,14 +63,11 @@ class Worker:
     def close(self) -> None:
         """End the threads this rank started (the prefetcher's, the reward runner's): a second run
         in the same process (`distflow.train` in a notebook) starts without the first one's. And its
-        vLLM engines, cleanly, while it still can (engines/vllm_rollout.py)."""
+        rollout engine (a vLLM engine's child process: cleanly, while it still can)."""
         self.prefetcher.close()
         if self.engines.rewards is not None:
             self.engines.rewards.close()
-        if self.config.rollout.engine == "vllm":
-            from distflow.engines.vllm_rollout import close_engines
-
-            close_engines()
+        self.engines.sampling.engine.close()
 
 
 def build_worker(config: Config, world: Comm, log) -> Worker:
@@ -92,7 +89,7 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
     uses = plan.engines_for(rank)
     sharded = _loads_sharded(config, uses, comms["train"], log)
     model, tokenizer = load_model_and_tokenizer(model_dir, tokenizer_dir, world.device, on_meta=sharded)
-    sampling = SamplingSpec.of(config.rollout, vllm_in_child=vllm_in_child(config))
+    sampling = SamplingSpec.of(config.rollout, engine=build_engine(config))
     model, built = _build_engines(
         config, uses, model, comms["train"], sampling, sharded_from=model_dir if sharded else None
     )

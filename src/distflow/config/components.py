@@ -1,0 +1,130 @@
+"""One door for every swappable part: a registry per kind, one convention for all of them.
+
+    config section ──names──► Registry.get(name) ──► the component class
+        `rollout: {engine: vllm, vllm: {log: true}}`     built-in: a name, imported only when chosen
+        `rollout: {engine: 'mypkg.engines:Sglang'}`      a user's own: `module:name`, imported and
+                                                         registered under that spelling
+    the component class ──owns──► its `Config` (the section's `<name>: {...}` or `options:`), the rules
+        it needs of the other sections (`check`), what it adds to a batch (`fields`), what this machine
+        must have (`preflight`), and `build(...)`; an instance's `close()` ends what it holds
+
+The built-ins are import paths, not references, on purpose: the config layer names them without
+importing the layers above it, and a component's own dependencies (vLLM, datasets, reasoning-gym)
+load only in the runs that choose it. A component module therefore imports torch inside its
+functions: checking a config and `distflow plan` must not pay for it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, ClassVar
+
+from distflow.config.errors import ConfigError
+from distflow.config.parse import build
+
+
+class Component:
+    """What every swappable part declares; a kind's base class (rollout engines: `distflow.rollout`)
+    adds the kind's own methods. Every hook has a default, so a part declares only what it needs."""
+
+    name: ClassVar[str] = ""
+    Config: ClassVar[type | None] = None
+    """Its options, a kw-only dataclass validated in `__post_init__`; None: it takes none."""
+
+    @classmethod
+    def options(cls, raw: dict, where: str) -> Any:
+        """`raw` (what the section gives under the part's name or `options`) as its `Config`."""
+        if cls.Config is None:
+            if raw:
+                raise ConfigError(f"{where}: {cls.name or cls.__name__} takes no options (got {sorted(raw)})")
+            return None
+        return build(cls.Config, raw, where)
+
+    @classmethod
+    def check(cls, config: Any) -> None:
+        """The rules it needs of the other sections of the run's `config`; a `ConfigError` each."""
+
+    @classmethod
+    def fields(cls, config: Any) -> tuple[str, ...]:
+        """The batch fields it adds where it runs (beyond what its stage declares for every part)."""
+        return ()
+
+    @classmethod
+    def preflight(cls, config: Any) -> list[str]:
+        """What this machine lacks for it, one line each (run before anything loads)."""
+        return []
+
+    def close(self) -> None:
+        """End what the instance holds (threads, child processes, files)."""
+
+
+class Registry:
+    """Name → component class of one kind (`kind`, chosen by config key `key`)."""
+
+    def __init__(self, kind: str, key: str, builtins: dict[str, str]) -> None:
+        self.kind, self.key = kind, key
+        self._paths = dict(builtins)  # name -> "module:attr", imported when first chosen
+        self._classes: dict[str, type] = {}
+
+    def names(self) -> list[str]:
+        return list(dict.fromkeys([*self._paths, *self._classes]))
+
+    def register(self, cls: type, name: str | None = None) -> type:
+        """Add `cls` under `name` (default: `cls.name`); the same name for another class is a ConfigError.
+        Usable as a class decorator."""
+        name = name or cls.name
+        known = self._classes.get(name)
+        if known is not None and _origin(known) != _origin(cls):
+            raise ConfigError(f"{self.kind} {name!r} is registered twice; choose another name")
+        if name in self._paths and known is None and self._paths[name] != f"{cls.__module__}:{cls.__qualname__}":
+            raise ConfigError(f"{self.kind} {name!r} is a built-in one; choose another name")
+        self._classes[name] = cls
+        return cls
+
+    def get(self, name: str) -> type:
+        """The component named `name`: registered, built in, or `module:attr` (imported now)."""
+        if name in self._classes:
+            return self._classes[name]
+        path = self._paths.get(name) or (name if ":" in name else None)
+        if path is None:
+            raise ConfigError(
+                f"{self.key}={name!r} is not a {self.kind}; choose one of {', '.join(self.names())}, "
+                f"or name your own as 'package.module:Class'"
+            )
+        return self.register(_imported(path, f"{self.key}={name!r}"), name)
+
+    def chosen(self, section: Any, selector: str) -> tuple[type, Any]:
+        """(the component `section.<selector>` names, its options from `section.options`)."""
+        name = getattr(section, selector)
+        cls = self.get(name)
+        return cls, cls.options(section.options, f"{self.key.rsplit('.', 1)[0]}.{_label(name)}")
+
+
+def _label(name: str) -> str:
+    return name if ":" not in name else "options"
+
+
+def _origin(cls: type) -> tuple[str, str]:
+    return getattr(cls, "__module__", ""), getattr(cls, "__qualname__", repr(cls))
+
+
+def _imported(path: str, where: str) -> Any:
+    module, _, attr = path.partition(":")
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"{where}: cannot import {path!r} ({type(err).__name__}: {err})") from None
+    return found
+
+
+ROLLOUT_ENGINES = Registry(
+    "rollout engine",
+    "rollout.engine",
+    {
+        "compact": "distflow.rollout.compact:CompactEngine",
+        "compiled": "distflow.rollout.compiled:CompiledEngine",
+        "generate": "distflow.rollout.hf_generate:GenerateEngine",
+        "vllm": "distflow.rollout.vllm:VllmRollout",
+    },
+)
+"""The rollout engines (distflow/rollout/); a user's own is `rollout.engine: 'package.module:Class'`."""

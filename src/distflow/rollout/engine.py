@@ -1,0 +1,77 @@
+"""What a rollout engine is: the component kind `rollout.engine` chooses (config/components.py).
+
+    engines.generation.generate (tokenize, pad, keys: the same for every engine)
+        ──Request──► engine.responses(model, request) ──► response ids [G·n, R] (+ log-probs)
+        ◄── response mask, completions' text, recomputed log-probs where an engine kept none
+
+An engine is built once per rank (`build_engine`, from the worker), used by every rollout,
+evaluation and multi-turn turn of the run, and closed with the worker. It declares, as every
+component does, the rules it needs of the other sections (`check`), the batch fields its rollouts
+add (`fields`: an engine that samples with a sampler of its own records `rollout_logp`), and what
+this machine must have (`preflight`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from distflow.config.components import Component
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Request:
+    """One batch to sample: G left-padded prompts, n samples each (sample k of prompt g in row g·n + k)."""
+
+    prompt_ids_GP: torch.Tensor
+    prompt_mask_GP: torch.Tensor
+    keys_B: torch.Tensor | None
+    """One sampling key per row (engines/sampling.py); None: greedy."""
+    n: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    stop_ids: tuple[int, ...]
+    pad_id: int
+    bos_id: int | None
+    logprobs: bool
+    """Also return each sampled token's log-prob under softmax(logits / temperature)."""
+
+
+class RolloutEngine(Component):
+    """The rollout engine kind. A subclass sets `name` and implements `responses`."""
+
+    @classmethod
+    def build(cls, config: Any, options: Any) -> RolloutEngine:
+        """This rank's engine for the run's `config` (`options`: its parsed `Config`, or None)."""
+        return cls()
+
+    def responses(self, model: torch.nn.Module, request: Request) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response ids [G·n, max_new_tokens], right-padded with `pad_id` after each row's stop token, and
+        with `request.logprobs` each sampled token's log-prob (None: the engine kept none; they are
+        recomputed with one forward pass)."""
+        raise NotImplementedError
+
+
+def build_engine(config: Any) -> RolloutEngine:
+    """The engine `config.rollout` chooses, built for this rank."""
+    from distflow.config.components import ROLLOUT_ENGINES
+
+    cls, options = ROLLOUT_ENGINES.chosen(config.rollout, "engine")
+    return cls.build(config, options)
+
+
+_DEFAULTS: dict[str, RolloutEngine] = {}
+
+
+def engine_named(name: str) -> RolloutEngine:
+    """An engine built with its default options, one per name (what `generate(engine="compact")` means)."""
+    if name not in _DEFAULTS:
+        from distflow.config.components import ROLLOUT_ENGINES
+
+        cls = ROLLOUT_ENGINES.get(name)
+        _DEFAULTS[name] = cls.build(None, cls.options({}, f"rollout.{name}"))
+    return _DEFAULTS[name]

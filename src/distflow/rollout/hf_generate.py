@@ -1,0 +1,72 @@
+"""The `generate` engine, kept as the reference the others are tested against: Hugging Face
+`generate` over the batch with each prompt repeated n times, KV cache on.
+
+The sampling settings are passed as a complete `GenerationConfig`, so nothing from a model
+directory's own `generation_config.json` (repetition penalties, top-k, ...) can change the
+distribution behind the log-probs that training computes. The keyed sampler (engines/sampling.py)
+draws each row's token as a logits processor under greedy decoding.
+"""
+
+from __future__ import annotations
+
+from distflow.rollout.engine import Request, RolloutEngine
+
+
+class GenerateEngine(RolloutEngine):
+    name = "generate"
+
+    def responses(self, model, request: Request):
+        n = request.n
+        return hf_generate(
+            model,
+            request.prompt_ids_GP.repeat_interleave(n, dim=0),
+            request.prompt_mask_GP.repeat_interleave(n, dim=0),
+            request,
+        )
+
+
+def hf_generate(model, prompt_ids_BP, prompt_mask_BP, request: Request):
+    """Response ids [B, max_new_tokens] and, when sampling, each drawn token's log-prob (the keyed
+    sampler records them)."""
+    import torch
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    from distflow.engines.sampling import KeyedSampler
+
+    width, keys_B, max_new_tokens = prompt_ids_BP.shape[1], request.keys_B, request.max_new_tokens
+    processors = LogitsProcessorList()
+    sampler = None
+    if keys_B is not None:
+        sampler = KeyedSampler(
+            keys_B, width, temperature=request.temperature, top_p=request.top_p, max_new_tokens=max_new_tokens
+        )
+        processors.append(sampler)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,  # the keyed sampler (if any) has already drawn the token
+        pad_token_id=request.pad_id,
+        eos_token_id=list(request.stop_ids),
+        bos_token_id=request.bos_id,
+        use_cache=True,
+    )
+    # synced_gpus=False: transformers turns it on for an FSDP module (an all-reduce over the world
+    # per token, which ranks outside the train group never join); distflow generates with a
+    # gathered model (engines.parallelize.gathered), each rank on its own.
+    out_BT = model.generate(
+        input_ids=prompt_ids_BP,
+        attention_mask=prompt_mask_BP,
+        generation_config=config,
+        logits_processor=processors,
+        synced_gpus=False,
+    )
+    response_BR = out_BT[:, width:]
+    if response_BR.shape[1] < max_new_tokens:  # generate stops early when every row hit EOS
+        pad_BR = response_BR.new_full((response_BR.shape[0], max_new_tokens - response_BR.shape[1]), request.pad_id)
+        response_BR = torch.cat([response_BR, pad_BR], dim=1)
+    if sampler is None:
+        return response_BR, None
+    logp_BR = torch.zeros(response_BR.shape, dtype=torch.float32, device=response_BR.device)
+    if sampler.logp_B:
+        drawn_BR = torch.stack(sampler.logp_B, dim=1)
+        logp_BR[:, : drawn_BR.shape[1]] = drawn_BR
+    return response_BR, logp_BR

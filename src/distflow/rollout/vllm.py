@@ -1,0 +1,105 @@
+"""The `vllm` engine as a component: a vLLM engine owned by each rank that rolls out
+(engines/vllm_rollout.py has the engine itself and its diagram).
+
+What it decides and declares, so that nothing outside this file names it:
+    placement   in the rank's process when every rank rolls out in lockstep (colocated, synchronous),
+                else its core in a child process of the rank (`in_child`, decided at `build`)
+    rules       one engine per rank: placement.rollout.ranks_per_replica=1
+    fields      its own sampler: the rollout records each sampled token's log-prob (`rollout_logp`),
+                whose gap to the trainer's is logged under `mismatch/`
+    preflight   `import vllm` works in this environment (tried in a child process)
+    close       its engines end with the worker: cleanly, while the rank still can
+Options (`rollout.vllm: {...}`): `VllmOptions`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from distflow.config.errors import check
+from distflow.data.fields import ROLLOUT_LOGP
+from distflow.rollout.engine import Request, RolloutEngine
+
+
+@dataclass(kw_only=True)
+class VllmOptions:
+    log: bool = False
+    """Show vLLM's own log (engine start-up, weight loads); off: distflow's one line per engine start."""
+
+
+class VllmRollout(RolloutEngine):
+    name = "vllm"
+    Config = VllmOptions
+
+    def __init__(self, *, in_child: bool = False, log: bool = False) -> None:
+        self.in_child, self.log = in_child, log
+
+    @classmethod
+    def build(cls, config, options: VllmOptions) -> VllmRollout:
+        return cls(in_child=config is not None and in_child(config), log=options.log)
+
+    @classmethod
+    def check(cls, config) -> None:
+        replica = config.placement.rollout.ranks_per_replica
+        check(
+            replica == 1,
+            f"rollout.engine=vllm runs one engine per rank (a replica of {replica} ranks would need "
+            "vLLM's tensor parallelism): set placement.rollout.ranks_per_replica=1 or use another rollout.engine",
+        )
+
+    @classmethod
+    def fields(cls, config) -> tuple[str, ...]:
+        return (ROLLOUT_LOGP,)
+
+    @classmethod
+    def preflight(cls, config) -> list[str]:
+        """vLLM must import (in a child process: importing it takes seconds and sets process-wide state
+        the launcher should not carry)."""
+        import subprocess
+        import sys
+
+        try:
+            probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=600)
+            failed = probe.returncode != 0
+            why = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        except subprocess.TimeoutExpired:
+            failed, why = True, "import vllm did not finish in 600 s"
+        if not failed:
+            return []
+        return [
+            f"rollout.engine=vllm: `import vllm` fails in this environment ({why}); build the vLLM "
+            "environment with `make vllm` and run .venv-vllm/bin/distflow (CPU), or pip install "
+            "'distflow[vllm]' (CUDA), or choose another rollout.engine"
+        ]
+
+    def responses(self, model, request: Request):
+        from distflow.engines.vllm_rollout import vllm_responses
+
+        return vllm_responses(
+            model,
+            request.prompt_ids_GP,
+            request.prompt_mask_GP,
+            request.keys_B,
+            n=request.n,
+            max_new_tokens=request.max_new_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            stop_ids=request.stop_ids,
+            pad_id=request.pad_id,
+            logprobs=request.logprobs,
+            in_child=self.in_child,
+        )
+
+    def close(self) -> None:
+        from distflow.engines.vllm_rollout import close_engines
+
+        close_engines()
+
+
+def in_child(config) -> bool:
+    """Whether each rank's engine core runs in a child process of the rank: unless every rank rolls out,
+    in lockstep (colocated and synchronous). In the rank's process the engine takes the policy's tensors
+    without a copy, but vLLM then builds its process groups over the whole torch world, a collective
+    every rank must join at the same point, which a rank rolling out alone (disaggregated) or ahead of
+    training (`asynchronous.max_staleness` > 0) cannot."""
+    return not (config.placement.rollout.ranks == "all" and config.asynchronous.max_staleness == 0)
