@@ -155,3 +155,127 @@ def test_graph_checks_name_a_misspelt_builtin_engine():
     graph = Graph().add(Stage("update", lambda b, c: b, "train", uses=("polciy",)))
     with pytest.raises(ConfigError, match="uses engine 'polciy', which is not registered; engines are: critic"):
         graph.validate(LOADER_FIELDS)
+
+
+# A rollout engine of one's own, in one file and no edit to src/: options of its own, a rule it needs of
+# the other sections, a batch field it adds (its own sampler: the rollout records `rollout_logp`), and
+# a close that the worker calls at the end of the run.
+TOY_ENGINE = '''
+import json
+import os
+from dataclasses import dataclass
+
+from distflow.config.errors import check
+from distflow.data.fields import ROLLOUT_LOGP
+from distflow.rollout.engine import RolloutEngine
+
+
+@dataclass(kw_only=True)
+class SaltedOptions:
+    journal: str
+    """Where each call and the close are written."""
+
+
+class Salted(RolloutEngine):
+    """The compact engine's decoding with each key salted: a sampler of its own, as an inference server
+    has (its samples are not distflow's), so the rollout records its log-probs."""
+
+    name = "salted"
+    Config = SaltedOptions
+
+    def __init__(self, journal):
+        self.journal = journal
+
+    @classmethod
+    def build(cls, config, options):
+        return cls(options.journal)
+
+    @classmethod
+    def check(cls, config):
+        check(config.rollout.top_p == 1.0, "the salted engine ignores rollout.top_p: leave it at 1")
+
+    @classmethod
+    def fields(cls, config):
+        return (ROLLOUT_LOGP,)
+
+    def responses(self, model, request):
+        from distflow.engines.decoding import decode
+
+        ids, logp = decode(
+            model, request.prompt_ids_GP, request.prompt_mask_GP, samples_per_prompt=request.n,
+            max_new_tokens=request.max_new_tokens, stop_ids=request.stop_ids, pad_id=request.pad_id,
+            temperature=request.temperature, top_p=1.0, logprobs=True,
+            keys_B=None if request.keys_B is None else request.keys_B ^ 0x5A17,
+        )
+        self._write({"rows": int(ids.shape[0]), "logprobs": request.logprobs, "pid": os.getpid()})
+        return ids, logp if request.logprobs else None
+
+    def close(self):
+        self._write({"closed": True, "pid": os.getpid()})
+
+    def _write(self, record):
+        with open(self.journal, "a") as f:
+            f.write(json.dumps(record) + "\\n")
+'''
+
+
+@pytest.fixture()
+def toy_engine(tmp_path, monkeypatch):
+    (tmp_path / "toy_engine.py").write_text(TOY_ENGINE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("toy_engine", None)
+
+
+def test_an_engine_of_ones_own_is_checked_with_its_options_and_rules(toy_engine):
+    journal = f"rollout.options={{journal: {toy_engine / 'journal'}}}"
+    config = load_config(None, ["rollout.engine=toy_engine:Salted", journal])
+    assert config.rollout.options == {"journal": str(toy_engine / "journal")}
+    with pytest.raises(ConfigError, match="^the salted engine ignores rollout.top_p: leave it at 1$"):
+        load_config(None, ["rollout.engine=toy_engine:Salted", journal, "rollout.top_p=0.9"])
+    with pytest.raises(ConfigError, match="missing config key 'rollout.options.journal'"):
+        load_config(None, ["rollout.engine=toy_engine:Salted"])
+    with pytest.raises(ConfigError, match="rollout.engine='toy_engine:Nothing': cannot import 'toy_engine:Nothing'"):
+        load_config(None, ["rollout.engine=toy_engine:Nothing"])
+    with pytest.raises(ConfigError, match="rollout.engine='sglang' is not a rollout engine; choose one of compact"):
+        load_config(None, ["rollout.engine=sglang"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout.vllm.lgo'; did you mean 'rollout.vllm.log'\?"):
+        load_config(None, ["rollout.engine=vllm", "rollout.vllm.lgo=true"])
+    assert load_config(None, ["rollout.engine=vllm", "rollout.vllm.log=true"]).rollout.options == {"log": True}
+
+
+def test_a_run_rolls_out_with_an_engine_of_ones_own(toy_engine):
+    """The real entry point: `rollout.engine: module:Class` is built on the rank, samples every rollout,
+    records the log-probs it declares (their gap to the trainer's is logged), and is closed."""
+    tmp_path = toy_engine
+    (tmp_path / "shaping.py").write_text("def length(prompt, completion, sample):\n    return float(len(completion))\n")
+    result = run_cli(
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        "rollout.engine=toy_engine:Salted",
+        "task.rewards=[{fn: 'shaping:length'}]",  # rewards that differ within a group: the update runs
+        f"rollout.options={{journal: {tmp_path / 'journal'}}}",
+        "trainer.total_steps=2",
+        "trainer.prompts_per_step=2",
+        "rollout.num_samples=4",
+        "trainer.eval_every=0",
+        "trainer.eval_samples=1",
+        "task.num_heldout=40",
+        "warmstart.target_accuracy=0",
+        "trainer.progress_bar=false",
+        "checkpoint.at_end=false",
+        "trainer.loggers=[jsonl]",
+        f"warmstart.cache_dir={tmp_path / 'cache'}",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=run",
+        cwd=tmp_path,
+        timeout=1800,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    journal = [json.loads(line) for line in (tmp_path / "journal").read_text().splitlines()]
+    rollouts = [r for r in journal if r.get("logprobs")]
+    assert [r["rows"] for r in rollouts] == [8, 8]  # 2 prompts x 4 samples, at steps 1 and 2
+    assert journal[-1]["closed"] is True
+    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in records if r.get("step") == 1)
+    assert step["mismatch/logp_abs_diff_max"] < 1e-4, step  # the same model: the same log-probs
