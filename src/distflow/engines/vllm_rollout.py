@@ -42,6 +42,8 @@ from collections.abc import Iterator
 
 import torch
 
+from distflow.engines import vllm_logs
+from distflow.engines.vllm_queues import EngineQueues, remove_stale
 from distflow.engines.vllm_worker import SharedWeights
 
 SEED_MASK = 2**63 - 1
@@ -171,13 +173,19 @@ def _whole_prompts(max_len: int) -> dict:
 
 class VllmEngine:
     """One rank's vLLM engine for one rollout model, with that model's weights loaded; its core in this
-    process or (`in_child`) in a child process."""
+    process or (`in_child`) in a child process. `log`: vLLM's own log shown (engines/vllm_logs.py); by
+    default one line of distflow's per engine start."""
 
-    def __init__(self, model: torch.nn.Module, *, in_child: bool) -> None:
+    def __init__(self, model: torch.nn.Module, *, in_child: bool, log: bool = False) -> None:
+        quiet = vllm_logs.quiet(log)
+        if quiet:
+            vllm_logs.quiet_this_process()
         from vllm import LLM
         from vllm.v1.engine.core_client import InprocClient
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: vLLM's CPU default (4) is much for a test box
+        if in_child:  # the queues of engines whose rank and processes were all killed (engines/vllm_queues.py)
+            remove_stale()
         inner = getattr(model, "module", model)
         config = inner.get_base_model().config if hasattr(inner, "get_base_model") else inner.config
         first = next(inner.parameters())
@@ -187,7 +195,10 @@ class VllmEngine:
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker stubs it out in the process it runs in
         with tempfile.TemporaryDirectory(prefix="distflow-vllm-") as config_dir:
             config.save_pretrained(config_dir)  # the architecture only: weights come from the policy
-            with _environment(*_mode_environment(in_child, first.device)):
+            set_vars, removed = _mode_environment(in_child, first.device)
+            if quiet and in_child:
+                set_vars |= vllm_logs.quiet_child_environment()
+            with _environment(set_vars, removed):
                 self.llm = LLM(
                     model=config_dir,
                     load_format="dummy",
@@ -199,6 +210,7 @@ class VllmEngine:
                     generation_config="vllm",
                     logprobs_mode="processed_logprobs",
                     worker_extension_cls="distflow.engines.vllm_worker.PolicyWeights",
+                    **vllm_logs.engine_arguments(quiet),
                     **extra,
                 )
         torch.set_num_threads = set_num_threads
@@ -207,8 +219,20 @@ class VllmEngine:
                 f"vLLM made its engine {'in this process' if in_child else 'in a child process'}, not as asked: "
                 "vLLM reads VLLM_ENABLE_V1_MULTIPROCESSING once per process, at its first engine"
             )
+        engine_pid = os.getpid()
+        self._queues: EngineQueues | None = None
         if in_child:  # the engine core does not notice its parent's death: its worker watches this process
+            engine_pid = self.llm.llm_engine.engine_core.resources.engine_manager.processes[0].pid
+            self._queues = EngineQueues(engine_pid)
             self.llm.collective_rpc("watch_owner", args=(os.getpid(),))
+        vllm_logs.started(
+            in_child=in_child,
+            engine_pid=engine_pid,
+            architecture=(getattr(config, "architectures", None) or [type(inner).__name__])[0],
+            dtype=str(first.dtype).removeprefix("torch."),
+            max_len=max_len,
+            memory="30% of the GPU's memory" if cuda else f"KV cache {os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB",
+        )
         self.in_child = in_child
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self._shared: SharedWeights | None = None
@@ -239,8 +263,13 @@ class VllmEngine:
     def close(self) -> None:
         """End the engine through vLLM's own shutdown, given time to finish: a child engine's processes exit,
         unlinking their shared memory (vLLM's default grace, 5 s, was too short on a loaded 2-core machine:
-        it killed them mid-teardown, leaving the memory behind)."""
-        self.llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
+        it killed them mid-teardown, leaving the memory behind). Then a child engine's queues that are left
+        are unlinked: those of an engine that died by itself (engines/vllm_queues.py)."""
+        try:
+            self.llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
+        finally:
+            if self._queues is not None:
+                self._queues.remove()
 
     def generate(
         self,
@@ -291,12 +320,13 @@ class VllmEngine:
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def engine_for(model: torch.nn.Module, *, in_child: bool = False) -> VllmEngine:
-    """This rank's engine for `model` (made on first use, in this process or `in_child`; see the module
-    docstring), its weights current. A model has one engine: asking for the other mode is an error."""
+def engine_for(model: torch.nn.Module, *, in_child: bool = False, log: bool = False) -> VllmEngine:
+    """This rank's engine for `model` (made on first use, in this process or `in_child`, with vLLM's own log
+    if `log`; see the module docstring), its weights current. A model has one engine: asking for the other
+    mode is an error."""
     engine = _ENGINES.get(model)
     if engine is None:
-        engine = _ENGINES[model] = VllmEngine(model, in_child=in_child)
+        engine = _ENGINES[model] = VllmEngine(model, in_child=in_child, log=log)
     elif engine.in_child != in_child:
         where = "a child process" if engine.in_child else "this process"
         raise RuntimeError(f"this model's vLLM engine runs in {where}; it cannot be asked for the other mode")
@@ -330,13 +360,15 @@ def vllm_responses(
     pad_id: int,
     logprobs: bool,
     in_child: bool = False,
+    log: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`engines.generation`'s contract for `vllm`: response ids [G·n, max_new_tokens] (right-padded) and,
     with `logprobs`, each sampled token's log-prob under the engine (temperature applied); `in_child`: the
-    engine's core in a child process (`SamplingSpec.vllm_in_child`)."""
+    engine's core in a child process (`SamplingSpec.vllm_in_child`); `log`: vLLM's own log shown (made
+    with it; `rollout.vllm.log`)."""
     rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids_GP.cpu(), prompt_mask_GP.cpu(), strict=True)]
     keys = keys_B.tolist() if keys_B is not None else None
-    token_ids, logps = engine_for(model, in_child=in_child).generate(
+    token_ids, logps = engine_for(model, in_child=in_child, log=log).generate(
         rows,
         samples_per_prompt=n,
         keys=keys,
