@@ -101,6 +101,7 @@ def test_every_benchmark_has_a_quick_test():
         "rollout_engines.py",
         "gpu.py",
         "host_costs.py",
+        "agent_endpoint.py",
     }, f"benchmarks/ now holds {sorted(scripts)}: give each a --quick mode and a test here"
 
 
@@ -342,3 +343,18 @@ def test_gpu_quick():
     assert variant["median_s"]["rollout"] > 0, variant
     written = {p.name for p in (BENCHMARKS.parent / "runs" / "gpu").iterdir()}
     assert {"gpu.json", "gpu.log", "step_profile.txt", "step_trace.json.gz"} <= written
+
+
+def test_agent_endpoint_quick():
+    """1 and 16 sessions of 2 chat calls through the agent endpoint (openai client), over the tiny model
+    and over a backend that costs nothing; the machine named."""
+    pytest.importorskip("openai")
+    pytest.importorskip("aiohttp")
+    out = run_quick("agent_endpoint.py", timeout=1800)
+    assert out["machine"]["cpu"] and out["machine"]["cores"] >= 1
+    assert set(out["rows"]) == {"tiny/1", "tiny/16", "null/1", "null/16"}
+    for name, row in out["rows"].items():
+        assert row["requests"] == row["sessions"] * 2, name
+        assert row["requests_per_s"] > 0 and row["call_latency_ms"] > 0 and row["direct_s"] >= 0, name
+        assert 1 <= row["backend_calls"] <= row["requests"], name  # concurrent requests may share a backend call
+        assert row["backend_calls"] * row["mean_batch_rows"] == pytest.approx(row["requests"], rel=0.05), name

@@ -67,7 +67,8 @@ class EngineBackend:
     caller wraps the calls in `engines.parallelize.gathered(model)`, as the rollout stage does.
     """
 
-    def __init__(self, model, tokenizer, *, engine: str = "compact") -> None:
+    def __init__(self, model, tokenizer, *, engine="compact") -> None:
+        """`engine`: what `generate` takes (a rollout engine's name, or the engine component itself)."""
         self.model, self.tokenizer, self.engine = model, tokenizer, engine
 
     def sample(

@@ -1,7 +1,8 @@
 """Concurrent requests' rows, sampled in batches by one backend thread.
 
     handlers (event loop) ── rows + futures ──► queue
-    batcher task (event loop): take the first row, wait `window_s` for more, take everything queued,
+    batcher task (event loop): take the first row, wait `window_s` for more (unless at most one
+        session is open: nobody else could join), take everything queued,
         group by sampling settings (order kept), ≤ max_batch_rows per group
         └─► backend.sample(group) on the single worker thread ─► each row's future
     While the backend runs, new rows queue up and form the next batch.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -40,8 +42,12 @@ class _Row:
 
 
 class Batcher:
-    def __init__(self, backend: Backend, *, window_s: float, max_batch_rows: int) -> None:
+    def __init__(
+        self, backend: Backend, *, window_s: float, max_batch_rows: int, num_open: Callable[[], int] | None = None
+    ) -> None:
         self.backend, self.window_s, self.max_batch_rows = backend, window_s, max_batch_rows
+        self.num_open = num_open
+        """How many sessions are open (the window is skipped when it is at most 1); None: always wait."""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distflow-agent-backend")
         self._queue: asyncio.Queue[_Row] | None = None
         self.num_calls = 0
@@ -65,7 +71,7 @@ class Batcher:
         loop = asyncio.get_running_loop()
         while True:
             batch = [await self._queue.get()]
-            if self.window_s > 0:
+            if self.window_s > 0 and (self.num_open is None or self.num_open() > 1):
                 await asyncio.sleep(self.window_s)
             while not self._queue.empty():
                 batch.append(self._queue.get_nowait())

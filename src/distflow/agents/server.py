@@ -55,7 +55,8 @@ class ServerConfig:
     max_calls_per_session: int = 64
     """Requests per session; the next is refused with 429."""
     batch_window_s: float = 0.002
-    """How long the batcher waits after a first request for others to join its batch."""
+    """How long the batcher waits after a first request for others to join its batch (not while at
+    most one session is open)."""
     max_batch_rows: int = 256
     tool_call_format: str = "hermes"
     """The chat template's tool-call convention (a key of `tool_calls.TOOL_CALL_PARSERS`)."""
@@ -80,7 +81,12 @@ class AgentServer:
         self.config = config
         self.token = secrets.token_urlsafe(24)
         self.sessions = Sessions(max_calls_per_session=config.max_calls_per_session)
-        self.batcher = Batcher(backend, window_s=config.batch_window_s, max_batch_rows=config.max_batch_rows)
+        self.batcher = Batcher(
+            backend,
+            window_s=config.batch_window_s,
+            max_batch_rows=config.max_batch_rows,
+            num_open=self.sessions.num_open,
+        )
         self.stats = dict.fromkeys(("requests", "malformed", "unauthorized", "refused", "backend_errors"), 0)
         self._tokenizer = copy.deepcopy(tokenizer)
         self._limits = RequestLimits(

@@ -104,6 +104,10 @@ class Sessions:
             session.closed = True
             return session
 
+    def num_open(self) -> int:
+        with self._lock:
+            return sum(not session.closed for session in self._sessions.values())
+
     def forget(self, session_id: str) -> None:
         """Drop a closed session's record (late requests then get 404 instead of 410)."""
         with self._lock:
