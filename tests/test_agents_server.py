@@ -57,6 +57,10 @@ def test_a_tool_using_conversation_through_the_openai_client(tokenizer):
         assert second.usage.prompt_tokens == len(backend.calls[1]["prompts"][0])
         session = server.close_session("ep")
     assert [c["keys"] for c in backend.calls] == [[derive_seed(3, "agent-call", 11, t, 0)] for t in (0, 1)]
+    assert session.final_messages[-2:] == [
+        {"role": "tool", "tool_call_id": tool_call.id, "content": "5"},
+        {"role": "assistant", "content": "It is 5."},
+    ]
     (sample,) = assemble(session.calls)
     sampled = [call.token_ids for call in session.calls]
     assert sample.prompt_ids == backend.calls[0]["prompts"][0]

@@ -58,8 +58,8 @@ def run_episodes(
 ) -> tuple[list[Episode], dict]:
     """One episode per sample through `server` (an `AgentServer`); the episodes and their stats."""
     uids = list(range(len(samples))) if uids is None else list(uids)
-    if len(uids) != len(samples) or concurrency < 1 or timeout_s <= 0:
-        raise ValueError("run_episodes: one uid per sample, concurrency >= 1 and timeout_s > 0")
+    if len(uids) != len(samples) or len(set(uids)) != len(uids) or concurrency < 1 or timeout_s <= 0:
+        raise ValueError("run_episodes: one distinct uid per sample, concurrency >= 1 and timeout_s > 0")
     run_id = secrets.token_hex(4)
     finished: queue.SimpleQueue = queue.SimpleQueue()
     episodes: list[Episode | None] = [None] * len(samples)

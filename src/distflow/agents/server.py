@@ -143,7 +143,7 @@ class AgentServer:
         loop = self._loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         try:
-            runner = web.AppRunner(self._app(), access_log=None, handle_signals=False)
+            runner = web.AppRunner(self._app(), access_log=None, handle_signals=False, shutdown_timeout=2.0)
             loop.run_until_complete(runner.setup())
             site = web.TCPSite(runner, self.config.host, self.config.port)
             loop.run_until_complete(site.start())
@@ -238,7 +238,8 @@ class AgentServer:
                 )
             )
             parsed.append(parse(text))
-        self.sessions.record(session_id, calls)
+        reply = {"role": "assistant", "content": parsed[0].content}
+        self.sessions.record(session_id, calls, chat.messages + [reply])
         logprobs = [replies.token_logprobs(self._tokenizer, call) for call in calls] if chat.logprobs else None
         return replies.chat_completion(
             completion_id=f"chatcmpl-{session_id}-{turn}",

@@ -47,6 +47,10 @@ class Session:
     num_over_cap: int = 0
     num_late: int = 0
     """Requests that came, or finished, after the session closed."""
+    final_messages: list[dict] = field(default_factory=list)
+    """The messages of the latest turn recorded, its first choice's reply appended (for reward
+    functions that grade the conversation)."""
+    final_turn: int = -1
 
 
 class SessionError(Exception):
@@ -87,9 +91,12 @@ class Sessions:
             session.num_turns += 1
             return session, session.num_turns - 1
 
-    def record(self, session_id: str, calls: list[Call]) -> None:
+    def record(self, session_id: str, calls: list[Call], messages: list[dict] | None = None) -> None:
         with self._lock:
-            self._live(session_id).calls.extend(calls)
+            session = self._live(session_id)
+            session.calls.extend(calls)
+            if messages is not None and calls and calls[0].turn > session.final_turn:
+                session.final_messages, session.final_turn = messages, calls[0].turn
 
     def count_malformed(self, session_id: str | None) -> None:
         with self._lock:
