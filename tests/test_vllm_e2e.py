@@ -48,6 +48,24 @@ def kill(batch, ctx):
     return batch
 '''
 KILL_STAGE = "pipeline.custom_stages=[{name: kill, fn: 'killer:kill', after: [policy_update]}]"
+CRASHER = '''
+import json, os, signal
+from distflow.engines.vllm_queues import mapped_queues, process_tree
+
+
+def crash(batch, ctx):
+    """After step 1's rollout, the child engine's core dies by SIGKILL (as the OOM killer ends it): the queues
+    its processes had mapped, and those processes, are written down first."""
+    if ctx.step == 1:
+        launcher = process_tree(os.getppid())
+        core = [p for p in launcher if "EngineCore" in open(f"/proc/{p}/cmdline").read()]
+        engine = [p for pid in core for p in process_tree(pid)]
+        json.dump({"queues": mapped_queues(engine), "pids": engine}, open("crashed.json", "w"))
+        for pid in core:
+            os.kill(pid, signal.SIGKILL)
+    return batch
+'''
+CRASH_STAGE = "pipeline.custom_stages=[{name: crash, fn: 'crasher:crash', after: [rollout]}]"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,17 +75,22 @@ def real_model():
     pytest.importorskip("reasoning_gym", reason="reasoning-gym tasks: make smollm2")
 
 
-def _train(cwd, *extra, recipe=RECIPE):
+VLLM_LOG_VARIABLES = ("VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_CONFIG_PATH")
+
+
+def _train(cwd, *extra, recipe=RECIPE, env_vars=None):
     cwd.mkdir(exist_ok=True)
     (cwd / "killer.py").write_text(KILLER)
+    (cwd / "crasher.py").write_text(CRASHER)
     args = ["train", recipe, *TINY, f"trainer.output_dir={cwd}", *extra]
+    env = {name: value for name, value in os.environ.items() if name not in VLLM_LOG_VARIABLES}
     return subprocess.run(
         [sys.executable, "-m", "distflow", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=3000,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        env=dict(env, PYTHONUNBUFFERED="1", **(env_vars or {})),
     )
 
 
@@ -84,16 +107,23 @@ def _check_mismatch(records):
     return max(r["mismatch/logp_abs_diff_max"] for r in trained)
 
 
-CHILD_ENGINE = "(EngineCore pid="
-"""vLLM names its engine-core process in its log lines only when the core runs in a child process."""
+ENGINE_LINE = re.compile(r"^vllm: rank 0's engine started in (a child process \(pid \d+\)|the rank's process): ", re.M)
+"""distflow's one line per engine start, which says where the engine's core runs."""
+VLLM_LOG = ("Failed to load weights", "Chat template warmup failed", "Initializing a V1 LLM engine")
+"""vLLM's own log: per weight push, per engine start (a traceback logged as a warning)."""
 
 
 def _trained(done, run_dir, *, child: bool) -> list[dict]:
     assert done.returncode == 0, done.stderr[-3000:]
-    # No traceback of the run's own (vLLM logs one as a warning at start-up, inside its log lines): an
-    # engine in the rank's process left to vLLM's exit-time finalizer printed one below the summary.
+    output = done.stdout + done.stderr
+    # No traceback of the run's own: an engine in the rank's process left to vLLM's exit-time finalizer
+    # printed one below the summary.
     assert not re.search(r"^(\[rank\d+\]: )?Traceback", done.stderr, re.M), done.stderr[-3000:]
-    assert (CHILD_ENGINE in done.stdout + done.stderr) == child, "the engine ran in the wrong process"
+    starts = ENGINE_LINE.findall(output)
+    assert len(starts) == 1 and starts[0].startswith("a child") == child, (starts, output[-3000:])
+    # vLLM's own log is off by default: the one line above instead of ~40 per engine start and 2 per push.
+    assert not [line for line in VLLM_LOG if line in output], output[-3000:]
+    assert not re.search(r"^\((MainProcess|EngineCore|Worker|VllmWorker)\S* pid=\d+\) (INFO|WARNING)", output, re.M)
     records = _steps(run_dir)
     assert [r["step"] for r in records] == [0, 1, 2]
     return records
@@ -149,3 +179,33 @@ def test_fsdp2_colocated_engines_in_the_ranks_processes(tmp_path):
 def test_lora_engine_samples_from_the_merged_adapters(tmp_path):
     records = _trained(_train(tmp_path, recipe=LORA_RECIPE), tmp_path / "run", child=False)
     print(f"vllm, LoRA on 1 process: max |dlogp| {_check_mismatch(records):.2e}")
+
+
+def test_a_users_vllm_logging_level_brings_vllms_log_back(tmp_path):
+    """The user's own VLLM_LOGGING_LEVEL wins over distflow's quiet default: vLLM's lines at engine start and
+    at every weight push are back (`rollout.vllm.log=true` does the same from the config)."""
+    done = _train(tmp_path, "trainer.total_steps=1", env_vars={"VLLM_LOGGING_LEVEL": "INFO"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    assert "Initializing a V1 LLM engine" in output and "Reloading weights inplace" in output, output[-3000:]
+    assert len(ENGINE_LINE.findall(output)) == 1  # and distflow's own line
+
+
+def test_a_child_engine_that_dies_by_itself_leaves_no_shared_memory(tmp_path):
+    """The engine core killed mid-run (as the OOM killer would): the run fails, and vLLM's 160 MB message
+    queues that its processes had mapped are gone, as are those processes."""
+    done = _train(tmp_path, *DISAGGREGATED, CRASH_STAGE)
+    assert done.returncode != 0, done.stdout[-3000:]
+    crashed = json.loads((tmp_path / "crashed.json").read_text())
+    assert crashed["queues"] and crashed["pids"], crashed
+    assert [path for path in crashed["queues"] if os.path.exists(path)] == [], done.stderr[-3000:]
+    assert [pid for pid in crashed["pids"] if _alive(pid)] == []
+    assert "resource_tracker" not in done.stderr, done.stderr[-3000:]  # no queue it held was found gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

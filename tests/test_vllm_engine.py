@@ -477,3 +477,21 @@ def test_a_child_engine_closed_at_the_end_of_a_run_leaves_no_shared_memory(smoll
     assert done.returncode == 0, done.stderr[-3000:]
     mapped = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("SEEN "))[5:])["shm"]
     assert mapped and [path for path in mapped if os.path.exists(path)] == []
+
+
+def test_stale_queues_are_removed_only_when_every_owner_is_gone(tmp_path, monkeypatch):
+    """A record left by a rank and its engine both killed: its queues go at the next engine start; a record
+    with one owner alive (another run's engine, or a reused pid with its own start time) is left alone."""
+    from distflow.engines import vllm_queues
+
+    monkeypatch.setattr(vllm_queues, "SHM_DIR", str(tmp_path))
+    me = [os.getpid(), vllm_queues.start_time(os.getpid())]
+    gone = [2**22 + 1, 12345]  # above any pid_max: no such process
+    reused = [os.getpid(), me[1] - 1]  # this pid, but a process that started at another time
+    for name, owners in {"dead": [gone, reused], "live": [gone, me]}.items():
+        queue = tmp_path / f"psm_{name}"
+        queue.write_bytes(b"q")
+        record = tmp_path / f"{vllm_queues.RECORD_PREFIX}{name}.json"
+        record.write_text(json.dumps({"owners": owners, "queues": [str(queue)]}))
+    assert vllm_queues.remove_stale() == [str(tmp_path / "psm_dead")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{vllm_queues.RECORD_PREFIX}live.json", "psm_live"]

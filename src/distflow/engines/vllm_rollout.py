@@ -219,12 +219,8 @@ class VllmEngine:
                 f"vLLM made its engine {'in this process' if in_child else 'in a child process'}, not as asked: "
                 "vLLM reads VLLM_ENABLE_V1_MULTIPROCESSING once per process, at its first engine"
             )
-        engine_pid = os.getpid()
         self._queues: EngineQueues | None = None
-        if in_child:  # the engine core does not notice its parent's death: its worker watches this process
-            engine_pid = self.llm.llm_engine.engine_core.resources.engine_manager.processes[0].pid
-            self._queues = EngineQueues(engine_pid)
-            self.llm.collective_rpc("watch_owner", args=(os.getpid(),))
+        engine_pid = self._own_child() if in_child else os.getpid()
         vllm_logs.started(
             in_child=in_child,
             engine_pid=engine_pid,
@@ -238,6 +234,14 @@ class VllmEngine:
         self._shared: SharedWeights | None = None
         self._loaded: tuple | None = None
         self.num_pushes = 0
+
+    def _own_child(self) -> int:
+        """The child engine core's pid, once its queues are recorded (engines/vllm_queues.py) and its worker
+        watches this process (the engine core does not notice its parent's death)."""
+        engine_pid = self.llm.llm_engine.engine_core.resources.engine_manager.processes[0].pid
+        self._queues = EngineQueues(engine_pid)
+        self.llm.collective_rpc("watch_owner", args=(os.getpid(),))
+        return engine_pid
 
     def push_if_changed(self, model: torch.nn.Module) -> bool:
         """Load `model`'s weights into the engine if they changed since the last push: in this process the
