@@ -355,6 +355,7 @@ def test_invalid_rows_of_a_dataset_file_stop_the_run(workdir, cache_dir, text_mo
         cache_dir,
         name,
         f"model.path={text_model}",
+        "task.source=files",
         f"task.train_file={path}",
         f"task.heldout_file={path}",
         "data.required_fields=[reward_model.ground_truth]",

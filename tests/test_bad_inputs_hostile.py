@@ -76,27 +76,31 @@ BEFORE_ANY_RANK = [  # (id, arguments, needle in the one error line); "{tmp}" is
     ),
     (
         "empty dataset jsonl",
-        [*DATASET, "task.dataset={path: {tmp}/empty.jsonl}"],
+        [*DATASET, "task.source=datasets", "task.dataset={path: {tmp}/empty.jsonl}"],
         "task.dataset.path='{tmp}/empty.jsonl' has no rows (the file is empty)",
     ),
     (
         "empty dataset csv",
-        [*DATASET, "task.dataset={path: {tmp}/empty.csv}"],
+        [*DATASET, "task.source=datasets", "task.dataset={path: {tmp}/empty.csv}"],
         "task.dataset.path='{tmp}/empty.csv' has no rows (the file is empty)",
     ),
     (
         "empty held-out dataset",
-        [*DATASET, "task.dataset={path: {tmp}/rows.jsonl, heldout_path: {tmp}/blank.jsonl, heldout_split: train}"],
+        [
+            *DATASET,
+            "task.source=datasets",
+            "task.dataset={path: {tmp}/rows.jsonl, heldout_path: {tmp}/blank.jsonl, heldout_split: train}",
+        ],
         "task.dataset.heldout_path='{tmp}/blank.jsonl' has no rows",
     ),
     (
         "empty train file",
-        [*DATASET, "task.train_file={tmp}/blank.jsonl", "task.heldout_file={tmp}/blank.jsonl"],
+        [*DATASET, "task.source=files", "task.train_file={tmp}/blank.jsonl", "task.heldout_file={tmp}/blank.jsonl"],
         "task.train_file='{tmp}/blank.jsonl' has no rows (the file is empty)",
     ),
     (
         "empty parquet",
-        [*DATASET, "task.train_file={tmp}/empty.parquet", "task.heldout_file={tmp}/empty.parquet"],
+        [*DATASET, "task.source=files", "task.train_file={tmp}/empty.parquet", "task.heldout_file={tmp}/empty.parquet"],
         "task.train_file='{tmp}/empty.parquet' has no rows",
     ),
     (

@@ -165,12 +165,17 @@ BEFORE_ANY_RANK = [
     ("no weights", ["model.path={tmp}/no-weights"], "has no weights (*.safetensors or pytorch_model*.bin)"),
     (
         "data file of another kind",
-        ["model.path={tmp}/model", "task.train_file={tmp}/data.csv", "task.heldout_file={tmp}/data.csv"],
+        [
+            "model.path={tmp}/model",
+            "task.source=files",
+            "task.train_file={tmp}/data.csv",
+            "task.heldout_file={tmp}/data.csv",
+        ],
         "the extension must be one of .parquet",
     ),
     (
         "data file is a directory",
-        ["model.path={tmp}/model", "task.train_file={tmp}", "task.heldout_file={tmp}"],
+        ["model.path={tmp}/model", "task.source=files", "task.train_file={tmp}", "task.heldout_file={tmp}"],
         "is not a file",
     ),
 ]
@@ -234,6 +239,7 @@ def test_rows_the_task_cannot_use_stop_the_run_before_training(
         cache_dir,
         name,
         f"model.path={text_model}",
+        "task.source=files",
         f"task.train_file={train_path}",
         f"task.heldout_file={heldout_path}",
         "trainer.prompts_per_step=2",

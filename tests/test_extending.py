@@ -279,3 +279,104 @@ def test_a_run_rolls_out_with_an_engine_of_ones_own(toy_engine):
     records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     step = next(r for r in records if r.get("step") == 1)
     assert step["mismatch/logp_abs_diff_max"] < 1e-4, step  # the same model: the same log-probs
+
+
+# A task source of one's own, in one file: rows served by a local HTTP server (the user's module starts
+# it for the test; a real one would point at a service). A plain function `(config, tokenizer) -> Task`.
+HTTP_TASK = """
+import json
+import threading
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from distflow.tasks.arithmetic import parse_answer
+
+ROWS = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(10) for b in range(10)]
+
+
+class Rows(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps(ROWS).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def serve():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Rows)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}/rows"
+
+
+class HttpTask:
+    required_fields = (("answer",),)
+
+    def __init__(self, rows, num_heldout):
+        self.train, self.heldout = rows[num_heldout:], rows[:num_heldout]
+
+    def is_correct(self, completion, sample):
+        return parse_answer(completion) == sample["answer"]
+
+
+def rows_over_http(config, tokenizer):
+    url = config.task.options.get("url") or serve()
+    with urllib.request.urlopen(url, timeout=60) as reply:
+        rows = json.load(reply)
+    return HttpTask(rows, config.task.num_heldout)
+"""
+
+
+def test_a_run_trains_on_rows_from_a_task_source_of_ones_own(tmp_path):
+    """`task.source: module:function` is the door: the function builds the task on each rank from rows
+    it fetches over HTTP, and the addition task's rules (its held-out rule) are not applied to it."""
+    (tmp_path / "http_task.py").write_text(HTTP_TASK)
+    result = run_cli(
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        "task.source=http_task:rows_over_http",
+        "task.num_heldout=20",
+        "trainer.total_steps=2",
+        "trainer.prompts_per_step=2",
+        "rollout.num_samples=4",
+        "trainer.eval_every=0",
+        "trainer.eval_samples=1",
+        "warmstart.target_accuracy=0",
+        "trainer.progress_bar=false",
+        "checkpoint.at_end=false",
+        "trainer.loggers=[jsonl]",
+        f"warmstart.cache_dir={tmp_path / 'cache'}",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=run",
+        "--nproc",
+        "2",
+        cwd=tmp_path,
+        timeout=1800,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "reward/mean" in r] == [1, 2]
+    assert "eval/accuracy" in records[0]  # the held-out rows it served were evaluated
+
+
+def test_each_task_source_reads_its_own_keys_and_old_configs_name_theirs(tmp_path, monkeypatch):
+    from distflow.config.deprecated import DeprecatedKeyWarning
+
+    (tmp_path / "http_task.py").write_text(HTTP_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    with pytest.warns(
+        DeprecatedKeyWarning, match="^task.train_file without task.source is deprecated; add task.source=files$"
+    ):
+        config = load_config(None, ["task.train_file=t.jsonl", "task.heldout_file=h.jsonl", "model.path=m"])
+    assert config.task.source == "files"
+    source = "task.source=http_task:rows_over_http"
+    assert load_config(None, ["task.num_heldout=20000", source]).task.num_heldout == 20000  # no addition rule
+    with pytest.raises(
+        ConfigError, match="^task.dataset is a setting of task.source=datasets, and this run's task.source is files"
+    ):
+        load_config(None, ["task.source=files", "task.train_file=t", "task.heldout_file=h", "task.dataset={path: x}"])
+    sys.modules.pop("http_task", None)

@@ -37,7 +37,7 @@ def saved(tmp_path_factory):
 
 def _spec(**dataset):
     fields = ", ".join(f"{k}: {v}" for k, v in dataset.items())
-    return load_config(None, [f"task.dataset={{{fields}}}"])
+    return load_config(None, ["task.source=datasets", f"task.dataset={{{fields}}}"])
 
 
 def test_columns_are_mapped_and_a_rank_reads_only_its_rows(saved, tokenizer):
@@ -53,7 +53,11 @@ def test_columns_are_mapped_and_a_rank_reads_only_its_rows(saved, tokenizer):
     task = build_task(
         load_config(
             None,
-            [f"task.dataset={{path: {saved}, prompt_column: question, answer_column: solution}}", "task.num_heldout=5"],
+            [
+                "task.source=datasets",
+                f"task.dataset={{path: {saved}, prompt_column: question, answer_column: solution}}",
+                "task.num_heldout=5",
+            ],
         ),
         tokenizer,
     )
@@ -99,6 +103,7 @@ def test_a_run_on_a_saved_dataset(tmp_path, tokenizer, saved):
         "train",
         str(REPO / "examples/arith_grpo.yaml"),
         f"model.path={tmp_path / 'model'}",
+        "task.source=datasets",
         f"task.dataset={{path: {saved}, prompt_column: question, answer_column: solution}}",
         "task.reward=distflow.tasks.math_answers:math_answer_reward",
         "trainer.total_steps=2",
@@ -123,6 +128,7 @@ def test_a_run_on_a_saved_dataset(tmp_path, tokenizer, saved):
         "train",
         str(REPO / "examples/arith_grpo.yaml"),
         f"model.path={tmp_path / 'model'}",
+        "task.source=datasets",
         f"task.dataset={{path: {tmp_path / 'nowhere'}}}",
         cwd=tmp_path,
     )

@@ -11,9 +11,9 @@ from distflow.config import ConfigError, load_config
 from distflow.tasks.math_answers import MathTask
 from distflow.tasks.reasoning_gym import GymTask
 
-GYM = ["model.path=/m", "task.reasoning_gym.datasets=[{name: sums}]"]
-FILES = ["model.path=/m", "task.train_file=train.jsonl", "task.heldout_file=heldout.jsonl"]
-DATASET = ["model.path=/m", "task.dataset={path: rows.parquet}"]
+GYM = ["model.path=/m", "task.source=reasoning_gym", "task.reasoning_gym.datasets=[{name: sums}]"]
+FILES = ["model.path=/m", "task.source=files", "task.train_file=train.jsonl", "task.heldout_file=heldout.jsonl"]
+DATASET = ["model.path=/m", "task.source=datasets", "task.dataset={path: rows.parquet}"]
 
 
 @pytest.mark.parametrize("task", [GYM, FILES, DATASET], ids=["reasoning-gym", "heldout-file", "dataset"])

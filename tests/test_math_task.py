@@ -89,6 +89,7 @@ def test_a_run_on_verl_rows(tmp_path, tokenizer):
         "train",
         str(REPO / "examples/arith_grpo.yaml"),
         f"model.path={tmp_path / 'model'}",
+        "task.source=files",
         f"task.train_file={train}",
         f"task.heldout_file={heldout}",
         "task.reward=distflow.tasks.math_answers:math_answer_reward",
@@ -116,6 +117,7 @@ def test_a_dataset_task_needs_a_text_model(tmp_path):
     result = run_cli(
         "train",
         str(REPO / "examples/arith_grpo.yaml"),
+        "task.source=files",
         f"task.train_file={path}",
         f"task.heldout_file={path}",
         cwd=tmp_path,

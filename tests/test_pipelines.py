@@ -174,7 +174,7 @@ def test_the_kl_penalty_stage_owns_its_adaptive_coefficient_and_a_checkpoint_res
         (["algorithm.kl.controller=adaptive", "algorithm.kl.coef=0.1"], "kl.in_reward=true"),
         (["algorithm.clip.dual_c=1"], "clip.dual_c must be 0 (off) or > 1"),
         (["algorithm.critic.warmup_steps=3"], "only algorithm.name=ppo has one"),
-        (["task.train_file=x.jsonl"], "task.train_file and task.heldout_file go together"),
+        (["task.train_file=x.jsonl"], "task.source=files reads task.train_file and task.heldout_file: set both"),
     ],
 )
 def test_config_errors(overrides, needle):
@@ -191,7 +191,10 @@ def test_config_errors(overrides, needle):
         (["algorithm.overlong.buffer=6"], "must be below rollout.max_new_tokens"),
         (["algorithm.name=dapo", "placement.rollout.ranks=0", "placement.train.ranks=1"], "same ranks"),
         (["algorithm.name=dapo", "placement.rollout.ranks_per_replica=2"], "same ranks"),
-        (["task.train_file=/nonexistent.jsonl", "task.heldout_file=/nonexistent.jsonl"], "is not a file"),
+        (
+            ["task.source=files", "task.train_file=/nonexistent.jsonl", "task.heldout_file=/nonexistent.jsonl"],
+            "is not a file",
+        ),
     ],
 )
 def test_graph_errors(overrides, needle):

@@ -132,8 +132,8 @@ def test_config_rules():
         ),
         (["task.reasoning_gym.datasets=[{name: a, weight: 0}]"], "weight must be > 0"),
         (
-            ["task.reasoning_gym.datasets=[{name: a}]", "task.train_file=x.jsonl", "task.heldout_file=x.jsonl"],
-            "are ways to give the rows: set one",
+            ["task.source=reasoning_gym", "task.reasoning_gym.datasets=[{name: a}]", "task.train_file=x.jsonl"],
+            "task.train_file is a setting of task.source=files, and this run's task.source is reasoning_gym",
         ),
     ]:
         with pytest.raises(ConfigError, match=message):

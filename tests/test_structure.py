@@ -78,10 +78,10 @@ def test_the_runtime_reaches_no_concrete_task_but_through_the_registry():
     """Nothing the runtime imports, directly or through other modules (function-level imports
     included), is a registered task's module: tasks are reached through `tasks/build.py`'s
     registry, by import path, only for the task a run uses."""
-    from distflow.tasks.build import TASKS
+    from distflow.config.components import TASK_SOURCES
 
     graph = _graph()
-    concrete = {spec.split(":")[0] for spec in TASKS.values()}
+    concrete = {spec.split(":")[0] for spec in TASK_SOURCES.builtins().values()}
     reached, todo = set(), [name for name in graph if name.startswith("distflow.runtime")]
     while todo:
         name = todo.pop()

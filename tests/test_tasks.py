@@ -100,15 +100,16 @@ def test_tiny_model_saves_loads_and_generates(tmp_path):
     assert again.completions == out.completions[1:]
 
 
-def test_every_registered_task_has_a_builder_and_the_config_selects_one():
+def test_every_built_in_task_source_is_a_task_source_and_the_config_names_one():
     # (that the runtime reaches no task module but through the registry: tests/test_structure.py)
     from distflow.config import load_config
-    from distflow.tasks.build import TASKS, build_task, task_builder, task_name
+    from distflow.config.components import TASK_SOURCES
+    from distflow.tasks.build import TaskSource, build_task
 
-    assert all(callable(task_builder(name)) for name in TASKS)
-    cases = {(): "arithmetic", ("task.train_file=t.jsonl", "task.heldout_file=h.jsonl", "model.path=m"): "verl_files"}
-    for overrides, name in cases.items():
-        assert task_name(load_config(None, list(overrides))) == name
+    assert all(issubclass(TASK_SOURCES.get(name), TaskSource) for name in TASK_SOURCES.builtins())
+    files = ("task.source=files", "task.train_file=t.jsonl", "task.heldout_file=h.jsonl", "model.path=m")
+    for overrides, name in {(): "arithmetic", files: "files"}.items():
+        assert load_config(None, list(overrides)).task.source == name
     config = load_config(None, ["task.num_heldout=30", "trainer.seed=3"])
     task = build_task(config, build_char_tokenizer())
     assert task == ArithmeticTask.build(num_digits=config.task.num_digits, num_heldout=30, seed=3)

@@ -61,6 +61,7 @@ class Inputs:
         if dataset is not None:
             task["train_file"], task["heldout_file"], task["given_rows"] = self._files(dataset, heldout, num_heldout)
             task["dataset"] = task["reasoning_gym"] = None
+            task["source"] = "files"
         elif heldout is not None:
             raise ConfigError("heldout rows were given without dataset: give the training rows as dataset too")
 

@@ -69,6 +69,10 @@ class Registry:
     def names(self) -> list[str]:
         return list(dict.fromkeys([*self._paths, *self._classes]))
 
+    def builtins(self) -> dict[str, str]:
+        """Built-in name → its `module:attr`."""
+        return dict(self._paths)
+
     def register(self, cls: type, name: str | None = None) -> type:
         """Add `cls` under `name` (default: `cls.name`); the same name for another class is a ConfigError.
         Usable as a class decorator."""
@@ -82,22 +86,47 @@ class Registry:
         return cls
 
     def get(self, name: str) -> type:
-        """The component named `name`: registered, built in, or `module:attr` (imported now)."""
+        """The component named `name`: registered, built in, or `module:attr` (imported now). A plain
+        function there is the kind's `build` (`FunctionComponent`)."""
         if name in self._classes:
             return self._classes[name]
         path = self._paths.get(name) or (name if ":" in name else None)
         if path is None:
             raise ConfigError(
                 f"{self.key}={name!r} is not a {self.kind}; choose one of {', '.join(self.names())}, "
-                f"or name your own as 'package.module:Class'"
+                f"or name your own as 'package.module:name'"
             )
-        return self.register(_imported(path, f"{self.key}={name!r}"), name)
+        found = _imported(path, f"{self.key}={name!r}")
+        if not isinstance(found, type):
+            if not callable(found):
+                raise ConfigError(f"{self.key}={name!r} is a {type(found).__name__}, not a class or a function")
+            found = function_component(found, name)
+        return self.register(found, name)
 
     def chosen(self, section: Any, selector: str) -> tuple[type, Any]:
         """(the component `section.<selector>` names, its options from `section.options`)."""
         name = getattr(section, selector)
         cls = self.get(name)
         return cls, cls.options(section.options, f"{self.key.rsplit('.', 1)[0]}.{_label(name)}")
+
+
+def function_component(fn: Any, name: str) -> type:
+    """A component whose `build(*args)` is `fn(*args)` and whose options are the section's `options` as
+    given (a plain dict): the door for a part that is one function (`task.source: 'mymod:rows'`)."""
+
+    class FunctionComponent(Component):
+        @classmethod
+        def options(cls, raw: dict, where: str) -> dict:
+            return dict(raw)
+
+        @classmethod
+        def build(cls, *args: Any) -> Any:
+            return fn(*args)
+
+    FunctionComponent.name = name
+    FunctionComponent.__qualname__ = f"FunctionComponent[{name}]"
+    FunctionComponent.__module__ = getattr(fn, "__module__", "")
+    return FunctionComponent
 
 
 def _label(name: str) -> str:
@@ -128,3 +157,16 @@ ROLLOUT_ENGINES = Registry(
     },
 )
 """The rollout engines (distflow/rollout/); a user's own is `rollout.engine: 'package.module:Class'`."""
+
+TASK_SOURCES = Registry(
+    "task source",
+    "task.source",
+    {
+        "arithmetic": "distflow.tasks.arithmetic:Arithmetic",
+        "files": "distflow.tasks.math_answers:Files",
+        "datasets": "distflow.tasks.math_answers:Datasets",
+        "reasoning_gym": "distflow.tasks.reasoning_gym:ReasoningGym",
+    },
+)
+"""Where a run's rows come from (distflow/tasks/); your own is `task.source: 'package.module:name'`, a
+`distflow.tasks.build.TaskSource` subclass or a function `(config, tokenizer) -> Task`."""

@@ -83,6 +83,27 @@ def upgrade_old_keys(data: dict[str, Any]) -> None:
         parent = _get(data, old.split(".")[:-1])
         if isinstance(parent, dict) and old.rpartition(".")[2] in parent:
             _move(data, parent, old, new)
+    _name_the_task_source(data)
+
+
+SOURCE_OF_KEY = {"reasoning_gym": "reasoning_gym", "dataset": "datasets", "train_file": "files"}
+"""A task section written before `task.source`: the source its rows' key implied."""
+
+
+def _name_the_task_source(data: dict[str, Any]) -> None:
+    """`task.reasoning_gym: {...}` (or `dataset`, `train_file`) without `task.source`: the source it
+    meant, named, with a warning."""
+    task = data.get("task")
+    if not isinstance(task, dict) or "source" in task:
+        return
+    given = [key for key in SOURCE_OF_KEY if task.get(key) is not None]
+    if len(given) == 1:
+        task["source"] = SOURCE_OF_KEY[given[0]]
+        warnings.warn(
+            f"task.{given[0]} without task.source is deprecated; add task.source={task['source']}",
+            DeprecatedKeyWarning,
+            stacklevel=4,
+        )
 
 
 def _move(data: dict[str, Any], parent: dict[str, Any], old: str, new: str) -> None:

@@ -28,29 +28,18 @@ from distflow.config.errors import check
 
 def check_sections(config) -> None:
     """Every cross-section rule of `config` (a `Config`), in this order (the first that fails is reported)."""
-    _check_heldout(config)
+    _check_task_source(config)
     _check_staleness(config)
     _check_dynamic_sampling(config)
     _check_overlong(config)
     _check_rollout_engine(config)
 
 
-def _check_heldout(config) -> None:
-    """The embedded addition task's held-out problems (and the warm-start's validation problems)
-    leave problems to train on. The other tasks' rows are not drawn from that finite set:
-    `task.num_heldout` is how many reasoning-gym generates, or a cap on a held-out file or split."""
-    if config.task.kind != "arithmetic":
-        return
-    num_problems = 10 ** (config.task.num_operands * config.task.num_digits)
-    held_back = config.task.num_heldout
-    if config.model.path is None and config.warmstart.target_accuracy > 0:
-        held_back += config.warmstart.num_validation
-    check(
-        held_back < num_problems,
-        f"task.num_heldout={config.task.num_heldout} (+ warmstart.num_validation="
-        f"{config.warmstart.num_validation} for the warm-start) leaves none of the {num_problems} problems "
-        f"with task.num_digits={config.task.num_digits} for training; lower them or raise task.num_digits",
-    )
+def _check_task_source(config) -> None:
+    """What the chosen task source needs of the other sections, and its own keys only (its `check`)."""
+    from distflow.config.components import TASK_SOURCES
+
+    TASK_SOURCES.get(config.task.source).check(config)
 
 
 def _check_staleness(config) -> None:

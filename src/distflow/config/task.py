@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+from distflow.config.components import TASK_SOURCES
 from distflow.config.errors import check
 
 GYM_REWARD = "distflow.tasks.reasoning_gym:score_reward"
@@ -141,10 +143,19 @@ class GivenRows:
 
 @dataclass(kw_only=True)
 class TaskConfig:
+    SELECTOR: ClassVar[str] = "source"
+    source: str = "arithmetic"
+    """Where the rows come from (distflow/tasks/): `arithmetic`, the embedded addition task; `files`,
+    verl-format files (`train_file`, `heldout_file`); `datasets`, the `datasets` library (`dataset`);
+    `reasoning_gym`, procedural tasks (`reasoning_gym`). Each source reads its own keys below and
+    refuses the others'. Your own: 'package.module:name', a `distflow.tasks.build.TaskSource` subclass
+    or a function `(config, tokenizer) -> Task` (its settings in `task.options`)."""
+    options: dict = field(default_factory=dict)
+    """A source of your own's settings (for a function source: handed over as a dict)."""
     num_digits: int = 2
-    """Operands of the embedded addition task have up to this many digits (1..3)."""
+    """`source: arithmetic`: operands of the embedded addition task have up to this many digits (1..3)."""
     num_operands: int = 2
-    """Operands of each embedded sum ("a+b=", "a+b+c=", ...; 2..4): more makes a multi-step task
+    """`source: arithmetic`: operands of each embedded sum ("a+b=", "a+b+c=", ...; 2..4): more makes a multi-step task
     that the calculator tool (`env.cls: distflow.envs.tools:CalculatorEnv`) helps with."""
     num_heldout: int = 1000
     """Problems held out of training for evaluation. The embedded addition task holds them out of
@@ -164,34 +175,22 @@ class TaskConfig:
     reward_timeout_s: float = 10.0
     """Longest a reward call may take (run on a helper thread); 0: call inline, no deadline."""
     train_file: str | None = None
-    """A verl-format dataset (.jsonl / .parquet rows with `prompt` as chat messages and
-    `reward_model.ground_truth`); null: the embedded addition task. Needs `model.path`."""
+    """`source: files`: a verl-format dataset (.jsonl / .parquet rows with `prompt` as chat messages and
+    `reward_model.ground_truth`). Needs `model.path`."""
     heldout_file: str | None = None
-    """Held-out rows in the same format (evaluation); required with `train_file`."""
+    """`source: files`: held-out rows in the same format (evaluation)."""
     given_rows: GivenRows | None = None
     """Set by `distflow.train` when it is given rows, which it writes to `train_file` and
     `heldout_file`: how messages name them. Null: as lines of those files."""
     dataset: DatasetSpec | None = None
-    """Rows read with the `datasets` library instead of `train_file`/`heldout_file`. Needs `model.path`."""
+    """`source: datasets`: rows read with the `datasets` library. Needs `model.path`."""
     reasoning_gym: ReasoningGymSpec | None = None
-    """Procedural reasoning-gym tasks instead of rows from files (`task.num_heldout` of them held out).
+    """`source: reasoning_gym`: procedural reasoning-gym tasks (`task.num_heldout` of them held out).
     Needs `model.path`; the default `task.reward` becomes the datasets' own scorer."""
 
-    @property
-    def kind(self) -> str:
-        """Which task this section selects: reasoning-gym's (`reasoning_gym`), a `datasets` dataset
-        (`dataset`), verl-format files (`train_file`), else the embedded addition task. The one
-        place the choice is made (`tasks.build.task_name` builds it, `config.rules` checks it)."""
-        if self.reasoning_gym is not None:
-            return "reasoning_gym"
-        if self.dataset is not None:
-            return "hf_dataset"
-        if self.train_file is not None:
-            return "verl_files"
-        return "arithmetic"
-
     def __post_init__(self) -> None:
-        if self.reasoning_gym is not None and self.reward == TaskConfig.reward:
+        TASK_SOURCES.chosen(self, "source")  # a known source, with options it takes
+        if self.source == "reasoning_gym" and self.reward == TaskConfig.reward:
             self.reward = GYM_REWARD
         check(1 <= self.num_digits <= 3, f"task.num_digits must be in 1..3 (got {self.num_digits})")
         check(2 <= self.num_operands <= 4, f"task.num_operands must be in 2..4 (got {self.num_operands})")
@@ -201,14 +200,4 @@ class TaskConfig:
         check(
             abs(self.default_reward) <= FLOAT32_MAX,
             f"task.default_reward must fit in float32, |x| <= 3.4e38 (got {self.default_reward})",
-        )
-        sources = [k for k in ("train_file", "dataset", "reasoning_gym") if getattr(self, k) is not None]
-        check(len(sources) <= 1, f"task.{' and task.'.join(sources)} are ways to give the rows: set one")
-        check(
-            (self.train_file is None) == (self.heldout_file is None),
-            "task.train_file and task.heldout_file go together: set both (a dataset task) or neither",
-        )
-        check(
-            self.given_rows is None or self.train_file is not None,
-            "task.given_rows names the rows of task.train_file: set it only with task.train_file",
         )

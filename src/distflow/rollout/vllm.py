@@ -88,6 +88,7 @@ class VllmRollout(RolloutEngine):
             pad_id=request.pad_id,
             logprobs=request.logprobs,
             in_child=self.in_child,
+            log=self.log,
         )
 
     def close(self) -> None:

@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from distflow.config.errors import check
 from distflow.seeding import derive_seed
+from distflow.tasks.build import TaskSource
 
 if TYPE_CHECKING:
     from distflow.config.schema import Config
@@ -84,15 +86,37 @@ class ArithmeticTask:
         return value is not None and value == int(sample["answer"])
 
 
-def from_config(config: Config, tokenizer: Any = None) -> ArithmeticTask:
-    """The registry's builder (`tasks/build.py`): the embedded default, sized by `task.*`."""
-    task = config.task
-    return ArithmeticTask.build(
-        num_digits=task.num_digits,
-        num_heldout=task.num_heldout,
-        seed=config.trainer.seed,
-        num_operands=task.num_operands,
-    )
+class Arithmetic(TaskSource):
+    """`task.source: arithmetic` (the default): the embedded addition task, which reads `task.num_digits`
+    and `task.num_operands` and holds `task.num_heldout` of its finite problems out of training."""
+
+    name = "arithmetic"
+
+    @classmethod
+    def build(cls, config: Config, tokenizer: Any = None) -> ArithmeticTask:
+        task = config.task
+        return ArithmeticTask.build(
+            num_digits=task.num_digits,
+            num_heldout=task.num_heldout,
+            seed=config.trainer.seed,
+            num_operands=task.num_operands,
+        )
+
+    @classmethod
+    def check(cls, config: Config) -> None:
+        """The held-out problems (and the warm-start's validation problems) leave problems to train on."""
+        super().check(config)
+        task = config.task
+        num_problems = 10 ** (task.num_operands * task.num_digits)
+        held_back = task.num_heldout
+        if config.model.path is None and config.warmstart.target_accuracy > 0:
+            held_back += config.warmstart.num_validation
+        check(
+            held_back < num_problems,
+            f"task.num_heldout={task.num_heldout} (+ warmstart.num_validation="
+            f"{config.warmstart.num_validation} for the warm-start) leaves none of the {num_problems} problems "
+            f"with task.num_digits={task.num_digits} for training; lower them or raise task.num_digits",
+        )
 
 
 def parse_answer(completion: str) -> int | None:

@@ -1,22 +1,25 @@
-"""The run's task (rows to train on, held-out rows, the verifier): a small registry of tasks.
+"""The run's task (rows to train on, held-out rows, the verifier), from the source `task.source` names.
 
-    config.task ──task_name()──► "arithmetic" | "verl_files" | "hf_dataset" | "reasoning_gym"
-                ──TASKS[name]──► "module:builder", imported only now, for the task the run uses
-                ──builder(config, tokenizer)──► Task
+    config.task.source ──TASK_SOURCES (config/components.py)──► a TaskSource, imported only now
+        built in: arithmetic (tasks/arithmetic.py) · files, datasets (tasks/math_answers.py)
+                  · reasoning_gym (tasks/reasoning_gym.py)
+        your own: 'package.module:name', a TaskSource subclass or a function (config, tokenizer) -> Task
+    ──source.build(config, tokenizer)──► Task
 
-The entries are import paths, not Python references, on purpose: the runtime reaches tasks
-only through this module, so it imports no concrete task, and a task's own dependencies
-(math-verify, datasets, reasoning-gym) load only in the runs that use it. The embedded
-addition task is one entry like the others (the embedded model's warm-start builds it here too).
-Adding a task: one file with a `builder(config, tokenizer) -> Task`, one entry in `TASKS`,
-and the setting that selects it in `task_name`.
+The runtime reaches tasks only through this module, so it imports no concrete task, and a task's
+own dependencies (math-verify, datasets, reasoning-gym) load only in the runs that use it. Each
+source checks its own rules (`check`, with the config) and refuses the keys of the others: a file
+task never sees the addition task's held-out rule. Adding a source: one file with a `TaskSource`
+subclass (or a function), named in `task.source`.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
+
+from distflow.config.components import TASK_SOURCES, Component
+from distflow.config.errors import check
 
 if TYPE_CHECKING:
     from distflow.config.schema import Config
@@ -34,32 +37,40 @@ class Task(Protocol):
     def is_correct(self, completion: str, sample: dict) -> bool: ...
 
 
-TASKS: dict[str, str] = {
-    "arithmetic": "distflow.tasks.arithmetic:from_config",
-    "verl_files": "distflow.tasks.math_answers:from_files",
-    "hf_dataset": "distflow.tasks.math_answers:from_dataset",
-    "reasoning_gym": "distflow.tasks.reasoning_gym:from_config",
-}
-"""Task name → `"module:function"` of its builder, `function(config, tokenizer) -> Task`."""
+class TaskSource(Component):
+    """The task source kind: a subclass sets `name`, implements `build`, and lists in `keys` the
+    `task.*` keys it reads besides the common ones (the other sources refuse them)."""
+
+    keys: tuple[str, ...] = ()
+
+    @classmethod
+    def build(cls, config: Config, tokenizer: Any) -> Task:
+        raise NotImplementedError
+
+    @classmethod
+    def check(cls, config: Config) -> None:
+        only_own_keys(config.task, cls.keys)
 
 
-def task_name(config: Config) -> str:
-    """Which registered task `config.task` selects: reasoning-gym's (`task.reasoning_gym`), a
-    `datasets` dataset (`task.dataset`), verl-format files (`task.train_file`), else the
-    embedded addition task. (That `task.train_file` needs `model.path` is checked with the
-    graph, before launch.)"""
-    return config.task.kind
+SOURCE_KEYS = {"files": ("train_file", "heldout_file", "given_rows"), "datasets": ("dataset",)}
+SOURCE_KEYS["reasoning_gym"] = ("reasoning_gym",)
+"""The `task.*` keys that belong to one built-in source (unset: None)."""
 
 
-def task_builder(name: str) -> Callable[[Config, Any], Task]:
-    """The builder registered as `name`, imported now."""
-    module, function = TASKS[name].split(":")
-    return getattr(importlib.import_module(module), function)
+def only_own_keys(task: Any, own: tuple[str, ...]) -> None:
+    """A key of another source set in `task` is refused, in one line naming it and the source it belongs to."""
+    for source, keys in SOURCE_KEYS.items():
+        for key in keys:
+            check(
+                key in own or getattr(task, key) is None,
+                f"task.{key} is a setting of task.source={source}, and this run's task.source is {task.source}: "
+                f"set task.source={source} or remove task.{key}",
+            )
 
 
 def build_task(config: Config, tokenizer: Any, *, name: str | None = None) -> Task:
-    """The task `config` selects (or the one registered as `name`), built for `tokenizer`.
+    """The task `config.task.source` chooses (or the source registered as `name`), built for `tokenizer`.
 
     Every task has `train` and `heldout` (row sequences with a "prompt" text) and `is_correct`.
     """
-    return task_builder(name or task_name(config))(config, tokenizer)
+    return TASK_SOURCES.get(name or config.task.source).build(config, tokenizer)

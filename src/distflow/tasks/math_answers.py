@@ -26,7 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from distflow.config.errors import check
 from distflow.data.sources import RowSource, open_rows
+from distflow.tasks.build import TaskSource
 
 if TYPE_CHECKING:
     from distflow.config.schema import Config
@@ -145,18 +147,46 @@ class MathTask:
         return is_correct(completion, sample)
 
 
-def from_files(config: Config, tokenizer: Any) -> MathTask:
-    """The registry's builder for verl-format rows in `task.train_file` / `task.heldout_file`."""
-    return MathTask.build(
-        train_file=config.task.train_file,
-        heldout_file=config.task.heldout_file,
-        tokenizer=tokenizer,
-        num_heldout=config.task.num_heldout,
-    )
+class Files(TaskSource):
+    """`task.source: files`: verl-format rows in `task.train_file` / `task.heldout_file`."""
+
+    name = "files"
+    keys = ("train_file", "heldout_file", "given_rows")
+
+    @classmethod
+    def build(cls, config: Config, tokenizer: Any) -> MathTask:
+        return MathTask.build(
+            train_file=config.task.train_file,
+            heldout_file=config.task.heldout_file,
+            tokenizer=tokenizer,
+            num_heldout=config.task.num_heldout,
+        )
+
+    @classmethod
+    def check(cls, config: Config) -> None:
+        super().check(config)
+        check(
+            config.task.train_file is not None and config.task.heldout_file is not None,
+            "task.source=files reads task.train_file and task.heldout_file: set both",
+        )
 
 
-def from_dataset(config: Config, tokenizer: Any) -> MathTask:
-    """The registry's builder for the rows of a `datasets` dataset (`task.dataset`)."""
-    from distflow.data.hf_datasets import dataset_sources
+class Datasets(TaskSource):
+    """`task.source: datasets`: the rows of a `datasets` dataset (`task.dataset`)."""
 
-    return MathTask.of(*dataset_sources(config.task.dataset), tokenizer, config.task.num_heldout)
+    name = "datasets"
+    keys = ("dataset",)
+
+    @classmethod
+    def build(cls, config: Config, tokenizer: Any) -> MathTask:
+        from distflow.data.hf_datasets import dataset_sources
+
+        return MathTask.of(*dataset_sources(config.task.dataset), tokenizer, config.task.num_heldout)
+
+    @classmethod
+    def check(cls, config: Config) -> None:
+        super().check(config)
+        check(
+            config.task.dataset is not None,
+            "task.source=datasets reads task.dataset: set it, e.g. {path: rows.parquet}",
+        )

@@ -29,8 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from distflow.config.errors import ConfigError
+from distflow.config.errors import ConfigError, check
 from distflow.seeding import derive_seed
+from distflow.tasks.build import TaskSource
 from distflow.tasks.math_answers import ChatRows
 
 if TYPE_CHECKING:
@@ -203,8 +204,25 @@ class GymTask:
         return sample["source"]
 
 
-def from_config(config: Config, tokenizer: Any) -> GymTask:
-    """The registry's builder (`tasks/build.py`) for `task.reasoning_gym`."""
-    return GymTask.build(
-        config.task.reasoning_gym, num_heldout=config.task.num_heldout, seed=config.trainer.seed, tokenizer=tokenizer
-    )
+class ReasoningGym(TaskSource):
+    """`task.source: reasoning_gym`: procedural tasks from the reasoning-gym package (`task.reasoning_gym`)."""
+
+    name = "reasoning_gym"
+    keys = ("reasoning_gym",)
+
+    @classmethod
+    def build(cls, config: Config, tokenizer: Any) -> GymTask:
+        return GymTask.build(
+            config.task.reasoning_gym,
+            num_heldout=config.task.num_heldout,
+            seed=config.trainer.seed,
+            tokenizer=tokenizer,
+        )
+
+    @classmethod
+    def check(cls, config: Config) -> None:
+        super().check(config)
+        check(
+            config.task.reasoning_gym is not None,
+            "task.source=reasoning_gym reads task.reasoning_gym: set it, e.g. {datasets: [{name: chain_sum}]}",
+        )
