@@ -8,13 +8,16 @@ agents) makes R chat calls in a row with `tools=`, each time sending back the mo
 result, so its prompt grows as an agent's does. Two backends: `tiny`, `EngineBackend` over the embedded
 default's tiny Llama (random weights) on a character tokenizer with a ChatML template, and `null`, which
 returns a fixed completion at no cost (what is left is the endpoint alone: HTTP, rendering, batching,
-recording, replying, and the client's own work in this process). The backend calls the endpoint made are
-recorded, then replayed directly, round by round, each round one batch of the S sessions' prompts (what a
-batched rollout engine would do with no endpoint in between): `direct_s`. `call_latency_ms` is the mean
-time a `create` call takes in the agent; `added_ms_per_call` is that minus the direct time of one round
-(direct_s / R): what the endpoint adds to each call (the S calls of a round run concurrently).
-`requests_per_s` counts the episodes' whole wall time (threads and clients started, sessions opened and
-closed). Each figure is the best of --repeats runs. The last stdout line is JSON.
+recording, replying, and the client's own work in this process).
+
+`call_latency_ms` is the mean time a `create` call takes in the agent; `backend_ms_per_call` the mean
+duration of the backend call (the batch) that sampled it; `added_ms_per_call` the mean of their
+difference: what the endpoint adds to a call over calling the backend directly, waiting for a batch
+already running included. Both sides are timed in the same run, so a loaded machine (the backend's
+time varies several-fold there) moves them together. `requests_per_s` counts the episodes' whole wall
+time (threads and clients started, sessions opened and closed); `rows/batch` against S shows how well
+concurrent calls were batched. Each row is the run of least wall time of --repeats. The last stdout
+line is JSON.
 """
 
 from __future__ import annotations
@@ -51,14 +54,17 @@ def machine() -> dict:
 
 
 class Recording:
-    """A backend that remembers each call's (prompts, keys, settings), to replay them directly."""
+    """A backend that times each of its calls, by the keys (rows) it sampled."""
 
     def __init__(self, backend) -> None:
-        self.backend, self.calls = backend, []
+        self.backend, self.seconds_by_key, self.num_calls, self.num_rows = backend, {}, 0, 0
 
     def sample(self, prompts, keys, **settings):
-        self.calls.append((prompts, keys, settings))
-        return self.backend.sample(prompts, keys, **settings)
+        start = time.perf_counter()
+        out = self.backend.sample(prompts, keys, **settings)
+        self.seconds_by_key.update(dict.fromkeys(keys, time.perf_counter() - start))
+        self.num_calls, self.num_rows = self.num_calls + 1, self.num_rows + len(keys)
+        return out
 
 
 class NullBackend:
@@ -73,13 +79,15 @@ class NullBackend:
         return [Completion(list(self.ids), [-1.0] * len(self.ids), "stop") for _ in prompts]
 
 
-def agent_of(rounds: int, max_tokens: int, latencies: list[float]):
+def agent_of(rounds: int, max_tokens: int, latencies: dict):
+    """The benchmark's agent; `latencies[(uid, turn)]` = seconds of its turn-th call."""
+
     def agent(client, sample):
         messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": sample["question"]}]
         for turn in range(rounds):
             start = time.perf_counter()
             reply = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, max_tokens=max_tokens)
-            latencies.append(time.perf_counter() - start)
+            latencies[(sample["uid"], turn)] = time.perf_counter() - start
             messages += [
                 {"role": "assistant", "content": reply.choices[0].message.content},
                 {"role": "tool", "content": str(turn)},
@@ -90,20 +98,17 @@ def agent_of(rounds: int, max_tokens: int, latencies: list[float]):
 
 
 def measure(backend, tokenizer, *, sessions: int, rounds: int, max_tokens: int, repeats: int) -> dict:
-    """The endpoint's best of `repeats` runs (wall time), then its backend calls replayed directly (best of too)."""
+    """The run of least wall time of `repeats`: its throughput and what the endpoint added to each call."""
     from distflow.agents.runner import run_episodes
     from distflow.agents.server import AgentServer, ServerConfig
+    from distflow.seeding import derive_seed
 
-    recording = Recording(backend)
-    rows = [{"question": f"{7 + i}+{11 + 3 * i}?"} for i in range(sessions)]
-    runs = []
-    with AgentServer(ServerConfig(max_new_tokens=max_tokens, batch_window_s=0.002), tokenizer, recording) as server:
-        warm = agent_of(1, max_tokens, [])
-        run_episodes(warm, rows[:1], server, timeout_s=600, default_reward=0.0, concurrency=1)
-        for _ in range(repeats):
-            recording.calls.clear()
-            batcher, latencies = server.batcher, []
-            batcher.num_calls, batcher.num_rows, batcher.seconds = 0, 0, 0.0
+    seed, runs = 0, []
+    rows = [{"uid": i, "question": f"{7 + i}+{11 + 3 * i}?"} for i in range(sessions)]
+    config = ServerConfig(seed=seed, max_new_tokens=max_tokens, batch_window_s=0.002)
+    for repeat in range(repeats + 1):  # the first: warm-up
+        recording, latencies = Recording(backend), {}
+        with AgentServer(config, tokenizer, recording) as server:
             start = time.perf_counter()
             _, stats = run_episodes(
                 agent_of(rounds, max_tokens, latencies),
@@ -114,36 +119,23 @@ def measure(backend, tokenizer, *, sessions: int, rounds: int, max_tokens: int, 
                 concurrency=sessions,
             )
             wall_s = time.perf_counter() - start
-            assert stats["ok"] == sessions and stats["model_calls"] == sessions * rounds, stats
-            runs.append(
-                (wall_s, sum(latencies) / len(latencies), batcher.num_calls, batcher.num_rows, list(recording.calls))
-            )
-    wall_s, latency_s, num_calls, num_rows, calls = min(runs, key=lambda run: run[0])
-    direct_s = min(replay(backend, calls, sessions) for _ in range(repeats))
+        assert stats["ok"] == sessions and stats["model_calls"] == sessions * rounds, stats
+        backend_s = {call: recording.seconds_by_key[derive_seed(seed, "agent-call", *call, 0)] for call in latencies}
+        if repeat > 0:
+            runs.append((wall_s, latencies, backend_s, recording.num_calls, recording.num_rows))
+    wall_s, latencies, backend_s, num_calls, num_rows = min(runs, key=lambda run: run[0])
     requests = sessions * rounds
     return {
         "sessions": sessions,
         "requests": requests,
         "wall_s": round(wall_s, 3),
         "requests_per_s": round(requests / wall_s, 1),
-        "call_latency_ms": round(1000 * latency_s, 2),
-        "direct_s": round(direct_s, 3),
-        "direct_ms_per_round": round(1000 * direct_s / rounds, 2),
-        "added_ms_per_call": round(1000 * (latency_s - direct_s / rounds), 2),
+        "call_latency_ms": round(1000 * sum(latencies.values()) / requests, 2),
+        "backend_ms_per_call": round(1000 * sum(backend_s.values()) / requests, 2),
+        "added_ms_per_call": round(1000 * sum(latencies[c] - backend_s[c] for c in latencies) / requests, 2),
         "backend_calls": num_calls,
-        "mean_batch_rows": round(num_rows / max(num_calls, 1), 1),
+        "mean_batch_rows": round(num_rows / num_calls, 1),
     }
-
-
-def replay(backend, calls: list, sessions: int) -> float:
-    """The recorded rows again, straight to the backend: row by row in the endpoint's order, regrouped
-    into batches of `sessions` rows (one per session and round: the batched engine's best case)."""
-    rows = [(p, k, s) for prompts, keys, s in calls for p, k in zip(prompts, keys, strict=True)]
-    start = time.perf_counter()
-    for i in range(0, len(rows), sessions):
-        batch = rows[i : i + sessions]
-        backend.sample([p for p, _, _ in batch], [k for _, k, _ in batch], **batch[0][2])
-    return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -172,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
         "requests",
         "req/s",
         "latency ms",
-        "direct ms/rnd",
+        "backend ms",
         "added ms/call",
         "batches",
         "rows/batch",
@@ -189,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
                 repeats=args.repeats,
             )
             out["rows"][f"{name}/{sessions}"] = row
-            keys = ("sessions", "requests", "requests_per_s", "call_latency_ms", "direct_ms_per_round")
+            keys = ("sessions", "requests", "requests_per_s", "call_latency_ms", "backend_ms_per_call")
             cells = (
                 [name]
                 + [row[k] for k in keys]

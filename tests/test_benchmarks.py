@@ -355,6 +355,7 @@ def test_agent_endpoint_quick():
     assert set(out["rows"]) == {"tiny/1", "tiny/16", "null/1", "null/16"}
     for name, row in out["rows"].items():
         assert row["requests"] == row["sessions"] * 2, name
-        assert row["requests_per_s"] > 0 and row["call_latency_ms"] > 0 and row["direct_s"] >= 0, name
+        assert row["requests_per_s"] > 0 and row["call_latency_ms"] >= row["backend_ms_per_call"] >= 0, name
+        assert row["added_ms_per_call"] == pytest.approx(row["call_latency_ms"] - row["backend_ms_per_call"], abs=0.02)
         assert 1 <= row["backend_calls"] <= row["requests"], name  # concurrent requests may share a backend call
         assert row["backend_calls"] * row["mean_batch_rows"] == pytest.approx(row["requests"], rel=0.05), name
