@@ -145,9 +145,10 @@ def test_a_stuck_agent_times_out_and_its_session_refuses_it_afterwards(server):
     def agent(client, sample):
         return calculator_agent(client, sample) if sample.get("question") else stuck(client, sample)
 
-    episodes, stats = run_episodes(agent, [ROWS[0], {}], server, timeout_s=2.0, default_reward=-1.0, concurrency=2)
+    # 5 s: room for the other episode and the stuck one's first call on a loaded machine (they take milliseconds)
+    episodes, stats = run_episodes(agent, [ROWS[0], {}], server, timeout_s=5.0, default_reward=-1.0, concurrency=2)
     assert [e.status for e in episodes] == ["ok", "timeout"] and episodes[1].reward == -1.0
-    assert "agent_timeout_s=2s" in episodes[1].error and len(episodes[1].samples) == 1  # its call before the hang
+    assert "agent_timeout_s=5s" in episodes[1].error and len(episodes[1].samples) == 1  # its call before the hang
     assert stats["timeouts"] == 1 and stats["abandoned_threads"] == 1
     unblock.set()
     _join_agent_threads()

@@ -211,3 +211,15 @@ def _wait_for(condition) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out waiting"
         time.sleep(0.01)
+
+
+def test_a_port_in_use_fails_the_start_with_the_reason(tokenizer):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = AgentServer(ServerConfig(port=taken.getsockname()[1]), tokenizer, ScriptedBackend(tokenizer, None))
+        with pytest.raises(RuntimeError, match="could not start"):
+            server.start()
+        server.stop()

@@ -70,8 +70,10 @@ class ServerConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port}: use 0 (a free port) or a port number")
-        if self.batch_window_s < 0 or self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError("batch_window_s and temperature must be >= 0 and top_p in (0, 1]")
+        if self.batch_window_s < 0 or self.temperature < 0:
+            raise ValueError(f"batch_window_s={self.batch_window_s}, temperature={self.temperature}: both must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
 
 
 class AgentServer:
