@@ -241,3 +241,36 @@ def test_server_config_says_what_to_change():
     for kwargs, message in (({"max_calls_per_session": 0}, "max_calls_per_session=0"), ({"port": -1}, "port=-1")):
         with pytest.raises(ValueError, match=message):
             ServerConfig(**kwargs)
+
+
+def test_the_batcher_waits_while_rows_keep_arriving():
+    """Rows arriving 10 ms apart, with a 200 ms quiet window: one backend call for all of them; a lone
+    session's row is not kept waiting."""
+    import asyncio
+
+    from agents_common import ScriptedBackend
+
+    from distflow.agents.batcher import Batcher
+
+    tokenizer = chat_tokenizer()
+    settings = Settings(4, 1.0, 1.0, ())
+
+    async def scenario(num_open: int) -> list[int]:
+        backend = ScriptedBackend(tokenizer, lambda prompt, key: "x")
+        batcher = Batcher(backend, window_s=0.2, max_wait_s=600, max_batch_rows=64, num_open=lambda: num_open)
+        task = asyncio.get_running_loop().create_task(batcher.run())
+        await asyncio.sleep(0)
+
+        async def one(key: int, delay: float):
+            await asyncio.sleep(delay)
+            return await batcher.sample([[1, 2]], [key], settings)
+
+        try:
+            await asyncio.gather(*(one(key, 0.01 * key) for key in range(6)))
+        finally:
+            task.cancel()
+            batcher.close()
+        return [len(call["keys"]) for call in backend.calls]
+
+    assert asyncio.run(scenario(num_open=6)) == [6]
+    assert asyncio.run(scenario(num_open=1))[0] == 1

@@ -1,11 +1,16 @@
 """Concurrent requests' rows, sampled in batches by one backend thread.
 
     handlers (event loop) ── rows + futures ──► queue
-    batcher task (event loop): take the first row, wait `window_s` for more (unless at most one
-        session is open: nobody else could join), take everything queued,
+    batcher task (event loop): take the first row; unless at most one session is open (nobody else
+        could join), wait while rows keep arriving: in steps of `window_s`, until one passes with
+        none new or `max_wait_s` is up; take everything queued,
         group by sampling settings (order kept), ≤ max_batch_rows per group
         └─► backend.sample(group) on the single worker thread ─► each row's future
     While the backend runs, new rows queue up and form the next batch.
+
+Waiting out the arrivals matters when many agents run in lockstep: taking only what is queued when
+the backend frees splits them into two halves that alternate for good (each half's next calls
+arrive while the other half samples), half-size batches and a batch's time added to every call.
 
 Invariants: the backend is called from one thread only, one call at a time (engines are not
 thread-safe); every row's future gets a result or the backend's exception, never both, never
@@ -43,9 +48,20 @@ class _Row:
 
 class Batcher:
     def __init__(
-        self, backend: Backend, *, window_s: float, max_batch_rows: int, num_open: Callable[[], int] | None = None
+        self,
+        backend: Backend,
+        *,
+        window_s: float,
+        max_wait_s: float,
+        max_batch_rows: int,
+        num_open: Callable[[], int] | None = None,
     ) -> None:
-        self.backend, self.window_s, self.max_batch_rows = backend, window_s, max_batch_rows
+        self.backend, self.window_s, self.max_wait_s, self.max_batch_rows = (
+            backend,
+            window_s,
+            max_wait_s,
+            max_batch_rows,
+        )
         self.num_open = num_open
         """How many sessions are open (the window is skipped when it is at most 1); None: always wait."""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distflow-agent-backend")
@@ -72,11 +88,19 @@ class Batcher:
         while True:
             batch = [await self._queue.get()]
             if self.window_s > 0 and (self.num_open is None or self.num_open() > 1):
-                await asyncio.sleep(self.window_s)
+                await self._wait_for_arrivals(loop)
             while not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             for group in _groups([row for row in batch if not row.future.done()], self.max_batch_rows):
                 await self._sample(loop, group)
+
+    async def _wait_for_arrivals(self, loop: asyncio.AbstractEventLoop) -> None:
+        deadline = loop.time() + self.max_wait_s
+        while True:
+            queued = self._queue.qsize()
+            await asyncio.sleep(self.window_s)
+            if self._queue.qsize() == queued or loop.time() >= deadline:
+                return
 
     async def _sample(self, loop: asyncio.AbstractEventLoop, group: list[_Row]) -> None:
         settings = group[0].settings

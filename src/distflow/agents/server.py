@@ -55,8 +55,10 @@ class ServerConfig:
     max_calls_per_session: int = 64
     """Requests per session; the next is refused with 429."""
     batch_window_s: float = 0.002
-    """How long the batcher waits after a first request for others to join its batch (not while at
-    most one session is open)."""
+    """After a first request, the batcher waits while others keep arriving, until this long passes with
+    none (not while at most one session is open; 0: never waits)."""
+    batch_max_wait_s: float = 0.05
+    """...and at most this long."""
     max_batch_rows: int = 256
     tool_call_format: str = "hermes"
     """The chat template's tool-call convention (a key of `tool_calls.TOOL_CALL_PARSERS`)."""
@@ -70,8 +72,9 @@ class ServerConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port}: use 0 (a free port) or a port number")
-        if self.batch_window_s < 0 or self.temperature < 0:
-            raise ValueError(f"batch_window_s={self.batch_window_s}, temperature={self.temperature}: both must be >= 0")
+        for name in ("batch_window_s", "batch_max_wait_s", "temperature"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
 
@@ -86,6 +89,7 @@ class AgentServer:
         self.batcher = Batcher(
             backend,
             window_s=config.batch_window_s,
+            max_wait_s=config.batch_max_wait_s,
             max_batch_rows=config.max_batch_rows,
             num_open=self.sessions.num_open,
         )
