@@ -57,6 +57,7 @@ def test_a_tool_using_conversation_through_the_openai_client(tokenizer):
         assert second.usage.prompt_tokens == len(backend.calls[1]["prompts"][0])
         session = server.close_session("ep")
     assert [c["keys"] for c in backend.calls] == [[derive_seed(3, "agent-call", 11, t, 0)] for t in (0, 1)]
+    assert session.final_messages[1]["tool_calls"][0]["function"]["arguments"] == {"a": 2, "b": 3}
     assert session.final_messages[-2:] == [
         {"role": "tool", "tool_call_id": tool_call.id, "content": "5"},
         {"role": "assistant", "content": "It is 5."},
@@ -146,7 +147,14 @@ def test_refused_requests_have_clear_messages_and_are_counted(tokenizer):
         assert closed.value.status_code == 410
         stats = dict(server.stats)
     assert (session.num_malformed, session.num_over_cap, session.num_late, len(session.calls)) == (2, 1, 1, 1)
-    assert stats == {"requests": 6, "malformed": 2, "unauthorized": 1, "refused": 3, "backend_errors": 0}
+    assert stats == {
+        "requests": 6,
+        "malformed": 2,
+        "unauthorized": 1,
+        "refused": 3,
+        "backend_errors": 0,
+        "server_errors": 0,
+    }
 
 
 def test_a_failing_backend_answers_500_and_the_server_keeps_serving(tokenizer):

@@ -16,20 +16,10 @@ def chat_completion(
     `logprobs[i]` (with logprobs=true): choice i's per-token entries, `token_logprobs` makes them."""
     choices = []
     for i, (call, reply) in enumerate(zip(calls, replies, strict=True)):
-        message: dict = {"role": "assistant", "content": reply.content, "refusal": None}
-        if reply.tool_calls:
-            message["tool_calls"] = [
-                {
-                    "id": f"call_{call.turn}_{call.choice}_{k}",
-                    "type": "function",
-                    "function": {"name": tool.name, "arguments": tool.arguments},
-                }
-                for k, tool in enumerate(reply.tool_calls)
-            ]
         choices.append(
             {
                 "index": i,
-                "message": message,
+                "message": assistant_message(call, reply) | {"refusal": None},
                 "finish_reason": "tool_calls" if reply.tool_calls else call.finish_reason,
                 "logprobs": {"content": logprobs[i], "refusal": None} if logprobs is not None else None,
             }
@@ -48,6 +38,21 @@ def chat_completion(
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+
+
+def assistant_message(call: Call, reply: ParsedReply) -> dict:
+    """The reply as an OpenAI assistant message (tool-call ids unique within the session)."""
+    message: dict = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": f"call_{call.turn}_{call.choice}_{k}",
+                "type": "function",
+                "function": {"name": tool.name, "arguments": tool.arguments},
+            }
+            for k, tool in enumerate(reply.tool_calls)
+        ]
+    return message
 
 
 def token_logprobs(tokenizer, call: Call) -> list[dict]:

@@ -117,10 +117,11 @@ def _tool_choice(value: Any) -> Any:
 def _messages(value: Any) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise RequestError("messages must be a non-empty list of {role, content} objects")
-    return [_message(m, i) for i, m in enumerate(value)]
+    return [normalized_message(m, i) for i, m in enumerate(value)]
 
 
-def _message(message: Any, i: int) -> dict:
+def normalized_message(message: Any, i: int) -> dict:
+    """An OpenAI message (number `i` of its request) as chat templates take it."""
     if not isinstance(message, dict) or message.get("role") not in ROLES:
         raise RequestError(f"messages[{i}] must be an object with a role in {sorted(ROLES)}")
     out = {k: v for k, v in message.items() if k in ("role", "name", "tool_call_id")}

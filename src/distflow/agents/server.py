@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from distflow.agents import replies
 from distflow.agents.backend import Backend
 from distflow.agents.batcher import Batcher, Settings
-from distflow.agents.requests import RequestError, RequestLimits, parse_request, render
+from distflow.agents.requests import RequestError, RequestLimits, normalized_message, parse_request, render
 from distflow.agents.session import Call, Session, SessionError, Sessions
 from distflow.agents.tool_calls import TOOL_CALL_PARSERS
 
@@ -93,7 +93,9 @@ class AgentServer:
             max_batch_rows=config.max_batch_rows,
             num_open=self.sessions.num_open,
         )
-        self.stats = dict.fromkeys(("requests", "malformed", "unauthorized", "refused", "backend_errors"), 0)
+        self.stats = dict.fromkeys(
+            ("requests", "malformed", "unauthorized", "refused", "backend_errors", "server_errors"), 0
+        )
         self._tokenizer = copy.deepcopy(tokenizer)
         self._limits = RequestLimits(
             max_new_tokens=config.max_new_tokens,
@@ -215,6 +217,9 @@ class AgentServer:
         except SessionError as err:
             self.stats["refused"] += 1
             return _json(err.status, replies.error(err.message, err.kind))
+        except Exception as err:  # a bug of ours: the agent gets a 500 that names it, the run goes on
+            self.stats["server_errors"] += 1
+            return _json(500, replies.error(f"internal error: {type(err).__name__}: {err}", "server_error"))
 
     async def _complete(self, session_id: str, chat, prompt_ids: list[int]) -> dict:
         from distflow.seeding import derive_seed
@@ -244,7 +249,7 @@ class AgentServer:
                 )
             )
             parsed.append(parse(text))
-        reply = {"role": "assistant", "content": parsed[0].content}
+        reply = normalized_message(replies.assistant_message(calls[0], parsed[0]), len(chat.messages))
         self.sessions.record(session_id, calls, chat.messages + [reply])
         logprobs = [replies.token_logprobs(self._tokenizer, call) for call in calls] if chat.logprobs else None
         return replies.chat_completion(

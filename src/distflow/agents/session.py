@@ -48,8 +48,8 @@ class Session:
     num_late: int = 0
     """Requests that came, or finished, after the session closed."""
     final_messages: list[dict] = field(default_factory=list)
-    """The messages of the latest turn recorded, its first choice's reply appended (for reward
-    functions that grade the conversation)."""
+    """The messages of the latest turn recorded, its first choice's reply appended, as the chat template
+    takes them (tool-call arguments as objects): for reward functions that grade the conversation."""
     final_turn: int = -1
 
 
