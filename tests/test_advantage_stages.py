@@ -12,7 +12,7 @@ from distflow.algorithms.losses import per_token
 from distflow.algorithms.returns import gae_advantages, outcome_to_token_rewards, reinforce_pp_advantages
 from distflow.comm import Comm
 from distflow.config import load_config
-from distflow.dag.advantage_stages import ESTIMATORS
+from distflow.config.components import ESTIMATORS
 from distflow.dag.context import Engines, StageContext
 from distflow.data.batch import Batch
 from distflow.observability.metrics import StepMetrics

@@ -21,8 +21,8 @@ from distflow.algorithms.returns import reinforce_pp_advantages
 from distflow.algorithms.shaping import clip_reward
 from distflow.config import ConfigError, load_config
 from distflow.config.algorithm import ALGORITHMS, AlgorithmConfig, KLConfig
+from distflow.config.components import ESTIMATORS
 from distflow.dag import update_stages
-from distflow.dag.advantage_stages import ESTIMATORS
 from distflow.dag.pipelines import check_choices
 
 # Group 0 has one sample (reward 3); group 1 has two (1 and 0).

@@ -8,6 +8,8 @@ import pytest
 from conftest import REPO, run_cli
 
 from distflow.config import ConfigError, load_config
+from distflow.config.components import ESTIMATORS
+from distflow.dag import pieces
 from distflow.dag.graph import Graph, Stage
 from distflow.dag.pipelines import LOADER_FIELDS, build_graph
 from distflow.data.batch import Batch
@@ -15,8 +17,8 @@ from distflow.data.batch import Batch
 # A user's module: a toy engine (a constant bonus, built from the config on the train ranks) and a
 # GRPO pipeline with one stage of its own between the reward and the advantage that uses it.
 TOY = """
+from distflow.config.components import ESTIMATORS
 from distflow.dag import pieces
-from distflow.dag.advantage_stages import ESTIMATORS
 from distflow.data.fields import REWARD
 from distflow.engines.registry import EngineSpec, register
 
@@ -324,7 +326,7 @@ class HttpTask:
 
 def rows_over_http(config, tokenizer):
     url = config.task.options.get("url") or serve()
-    with urllib.request.urlopen(url, timeout=60) as reply:
+    with urllib.request.urlopen(url, timeout=1800) as reply:
         rows = json.load(reply)
     return HttpTask(rows, config.task.num_heldout)
 """
@@ -380,3 +382,85 @@ def test_each_task_source_reads_its_own_keys_and_old_configs_name_theirs(tmp_pat
     ):
         load_config(None, ["task.source=files", "task.train_file=t", "task.heldout_file=h", "task.dataset={path: x}"])
     sys.modules.pop("http_task", None)
+
+
+# An advantage estimator of one's own with a stage of its own, in one file: rewards turned into ranks
+# within the group by a stage it adds before the advantage, then GRPO's advantage on them.
+RANK_ESTIMATOR = """
+import torch
+
+from distflow.dag.advantage_stages import grpo_advantage
+from distflow.dag.pieces import Estimator
+from distflow.data.fields import GROUP, RESPONSE_MASK, REWARD
+
+
+def ranks(batch, ctx):
+    reward_B, group_B = batch[REWARD].float().cpu(), batch[GROUP].cpu()
+    rank_B = torch.zeros_like(reward_B)
+    for group in group_B.unique():
+        rows = (group_B == group).nonzero().flatten()
+        rank_B[rows] = reward_B[rows].argsort().argsort().float()
+    ctx.metrics.mean("toy/rank_mean", float(rank_B.sum()), len(batch))
+    return batch.updated(reward=rank_B.to(batch[REWARD].device))
+
+
+def add_ranks(chain):
+    chain.add("ranks", ranks, "reward", (REWARD, GROUP), (REWARD,))
+
+
+RANKED = Estimator(grpo_advantage, (REWARD, GROUP, RESPONSE_MASK), before_advantage=(add_ranks,))
+"""
+
+
+def test_an_estimator_of_ones_own_adds_its_stage_and_the_pieces_compose_for_every_kl_placement(tmp_path, monkeypatch):
+    (tmp_path / "rank_estimator.py").write_text(RANK_ESTIMATOR)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    graph = build_graph(load_config(None, ["algorithm.estimator=rank_estimator:RANKED"]))
+    names = [s.name for s in graph.validate(LOADER_FIELDS)]
+    assert names == ["rollout", "reward", "ranks", "advantage", "policy_update", "weight_sync"]
+    ppo = [s.name for s in build_graph(load_config(None, ["algorithm.estimator=gae"])).validate(LOADER_FIELDS)]
+    assert ppo == ["rollout", "reward", "values", "advantage", "policy_update", "critic_update", "weight_sync"]
+    for in_reward in ("true", "false"):  # composed as dag/pieces.py's docstring says
+        config = load_config(None, ["algorithm.kl.coef=0.1", f"algorithm.kl.in_reward={in_reward}"])
+        chain = pieces.Chain(config)
+        pieces.add_rollout(chain)
+        pieces.add_rewards(chain)
+        pieces.add_kl_reward(chain)
+        pieces.add_advantage(chain, ESTIMATORS["grpo"])
+        pieces.add_logprobs(chain)
+        pieces.add_policy_update(chain)
+        pieces.add_weight_sync(chain)
+        stages = [s.name for s in chain.graph.validate(LOADER_FIELDS)]
+        assert stages.count("old_logprob") == (in_reward == "true") and stages.count("reference_logprob") == 1
+    with pytest.raises(ConfigError, match="algorithm.critic.warmup_steps needs a critic, which this pipeline does not"):
+        build_graph(load_config(None, ["algorithm.critic.warmup_steps=2"]))
+    sys.modules.pop("rank_estimator", None)
+
+
+def test_a_run_trains_with_an_estimator_of_ones_own(tmp_path):
+    (tmp_path / "rank_estimator.py").write_text(RANK_ESTIMATOR)
+    (tmp_path / "shaping.py").write_text("def length(prompt, completion, sample):\n    return float(len(completion))\n")
+    result = run_cli(
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        "algorithm.estimator=rank_estimator:RANKED",
+        "task.rewards=[{fn: 'shaping:length'}]",
+        "trainer.total_steps=1",
+        "trainer.prompts_per_step=2",
+        "rollout.num_samples=4",
+        "trainer.eval_every=0",
+        "task.num_heldout=40",
+        "warmstart.target_accuracy=0",
+        "trainer.progress_bar=false",
+        "checkpoint.at_end=false",
+        "trainer.loggers=[jsonl]",
+        f"warmstart.cache_dir={tmp_path / 'cache'}",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=run",
+        cwd=tmp_path,
+        timeout=1800,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in records if r.get("step") == 1)
+    assert step["toy/rank_mean"] == 1.5  # ranks 0..3 of each group of 4 (ties broken by position)

@@ -173,7 +173,6 @@ def test_the_kl_penalty_stage_owns_its_adaptive_coefficient_and_a_checkpoint_res
         (["algorithm.name=ppo-ish"], "algorithm.name must be one of"),
         (["algorithm.kl.controller=adaptive", "algorithm.kl.coef=0.1"], "kl.in_reward=true"),
         (["algorithm.clip.dual_c=1"], "clip.dual_c must be 0 (off) or > 1"),
-        (["algorithm.critic.warmup_steps=3"], "only algorithm.name=ppo has one"),
         (["task.train_file=x.jsonl"], "task.source=files reads task.train_file and task.heldout_file: set both"),
     ],
 )

@@ -30,9 +30,7 @@ class BuiltinAlgorithm:
     """What a built-in `algorithm.name` is, and the values its null settings take."""
 
     estimator: str
-    """The advantage stage: a key of `dag.advantage_stages.ESTIMATORS`."""
-    critic: bool = False
-    """Trains a value model (the `values` and `critic_update` stages; `algorithm.critic`)."""
+    """The advantage estimator (`algorithm.estimator`'s default): a built-in of `config.components.ESTIMATORS`."""
     clip_low: float = 0.2
     clip_high: float = 0.2
     policy_loss: str = "ppo"
@@ -64,7 +62,7 @@ ALGORITHMS = {
         estimator="grpo", clip_low=3e-4, clip_high=4e-4, policy_loss="gspo", loss_agg="seq-mean-token-mean"
     ),
     # PPO: GAE on a learned value; the critic is trained after the policy.
-    "ppo": BuiltinAlgorithm(estimator="gae", critic=True),
+    "ppo": BuiltinAlgorithm(estimator="gae"),
 }
 """`algorithm.name` → what it is. Its keys are the valid names."""
 
@@ -176,6 +174,10 @@ class AlgorithmConfig:
     name: str = "grpo"
     """The built-in algorithm: grpo, dr_grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, remax,
     gspo or ppo (the keys of `ALGORITHMS`); settings documented as "null: the algorithm's" take its value."""
+    estimator: str | None = None
+    """The advantage estimator, with the stages it needs (dag/estimators.py): grpo, rloo, remax (a greedy
+    baseline), reinforce_pp, reinforce_pp_baseline, gae (a critic), or your own 'package.module:NAME';
+    null: the algorithm's."""
     policy_loss: str | None = None
     """ppo (token ratio) or gspo (sequence ratio); null: the algorithm's."""
     clip: ClipConfig = field(default_factory=ClipConfig)
@@ -232,11 +234,6 @@ class AlgorithmConfig:
         check(self.num_mini_batches >= 1, f"algorithm.num_mini_batches must be >= 1 (got {self.num_mini_batches})")
         check_one_of("algorithm.off_policy_correction", self.off_policy_correction, OFF_POLICY_CORRECTIONS)
         check(self.off_policy_cap >= 1, f"algorithm.off_policy_cap must be >= 1 (got {self.off_policy_cap})")
-        with_critic = [f"algorithm.name={name}" for name, builtin in ALGORITHMS.items() if builtin.critic]
-        check(
-            self.critic.warmup_steps == 0 or ALGORITHMS[self.name].critic,
-            f"algorithm.critic.warmup_steps needs a critic: only {' or '.join(with_critic)} has one",
-        )
 
     def _take_defaults(self, builtin: BuiltinAlgorithm) -> None:
         """Every null setting takes `builtin`'s value (the sections are rebuilt, so validated again)."""
@@ -246,6 +243,7 @@ class AlgorithmConfig:
         self.dynamic_sampling = replace(
             self.dynamic_sampling, enabled=_or(self.dynamic_sampling.enabled, builtin.dynamic_sampling)
         )
+        self.estimator = _or(self.estimator, builtin.estimator)
         self.policy_loss = _or(self.policy_loss, builtin.policy_loss)
         self.loss_agg = _or(self.loss_agg, builtin.loss_agg)
         self.norm_adv_by_std = _or(self.norm_adv_by_std, builtin.norm_adv_by_std)

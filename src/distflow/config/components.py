@@ -17,6 +17,7 @@ functions: checking a config and `distflow plan` must not pay for it.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any, ClassVar
 
 from distflow.config.errors import ConfigError
@@ -73,14 +74,15 @@ class Registry:
         """Built-in name → its `module:attr`."""
         return dict(self._paths)
 
-    def register(self, cls: type, name: str | None = None) -> type:
-        """Add `cls` under `name` (default: `cls.name`); the same name for another class is a ConfigError.
-        Usable as a class decorator."""
+    def register(self, cls: Any, name: str | None = None) -> Any:
+        """Add `cls` (a component class, or an instance where a kind's parts are values: an `Estimator`)
+        under `name` (default: `cls.name`); the same name for another is a ConfigError. Usable as a class
+        decorator."""
         name = name or cls.name
         known = self._classes.get(name)
         if known is not None and _origin(known) != _origin(cls):
             raise ConfigError(f"{self.kind} {name!r} is registered twice; choose another name")
-        if name in self._paths and known is None and self._paths[name] != f"{cls.__module__}:{cls.__qualname__}":
+        if name in self._paths and known is None:
             raise ConfigError(f"{self.kind} {name!r} is a built-in one; choose another name")
         self._classes[name] = cls
         return cls
@@ -97,11 +99,16 @@ class Registry:
                 f"or name your own as 'package.module:name'"
             )
         found = _imported(path, f"{self.key}={name!r}")
-        if not isinstance(found, type):
-            if not callable(found):
-                raise ConfigError(f"{self.key}={name!r} is a {type(found).__name__}, not a class or a function")
+        if inspect.isfunction(found):
             found = function_component(found, name)
-        return self.register(found, name)
+        self._classes[name] = found
+        return found
+
+    def __getitem__(self, name: str) -> Any:
+        return self.get(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names()
 
     def chosen(self, section: Any, selector: str) -> tuple[type, Any]:
         """(the component `section.<selector>` names, its options from `section.options`)."""
@@ -170,3 +177,18 @@ TASK_SOURCES = Registry(
 )
 """Where a run's rows come from (distflow/tasks/); your own is `task.source: 'package.module:name'`, a
 `distflow.tasks.build.TaskSource` subclass or a function `(config, tokenizer) -> Task`."""
+
+ESTIMATORS = Registry(
+    "advantage estimator",
+    "algorithm.estimator",
+    {
+        "grpo": "distflow.dag.estimators:GRPO",
+        "rloo": "distflow.dag.estimators:RLOO",
+        "remax": "distflow.dag.estimators:REMAX",
+        "reinforce_pp": "distflow.dag.estimators:REINFORCE_PP",
+        "reinforce_pp_baseline": "distflow.dag.estimators:REINFORCE_PP_BASELINE",
+        "gae": "distflow.dag.estimators:GAE",
+    },
+)
+"""The advantage estimators (dag/estimators.py); your own is `algorithm.estimator: 'package.module:NAME'`,
+a `distflow.dag.pieces.Estimator` that may declare stages of its own."""

@@ -21,19 +21,14 @@ penalty subtracted from a large reward in float32 would lose its digits before t
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from distflow.dag.graph import StageFn
 from distflow.data.fields import (
-    ADVANTAGE,
     BASELINE_REWARD,
     GROUP,
     KL_PENALTY,
     RESPONSE_MASK,
-    RETURNS,
     REWARD,
-    SAMPLE_MASK,
     TURN_REWARD,
     VALUES,
 )
@@ -178,20 +173,3 @@ def gae_advantage(batch: Batch, ctx: StageContext) -> Batch:
         returns=return_BR.to(device),
         sample_mask=mask_BR.new_ones(len(batch)).float().to(device),
     )
-
-
-@dataclass(frozen=True)
-class Estimator:
-    fn: StageFn
-    reads: tuple[str, ...]
-    writes: tuple[str, ...] = (ADVANTAGE, SAMPLE_MASK)
-
-
-ESTIMATORS = {
-    "grpo": Estimator(grpo_advantage, (REWARD, GROUP, RESPONSE_MASK)),
-    "rloo": Estimator(rloo_advantage, (REWARD, GROUP, RESPONSE_MASK)),
-    "remax": Estimator(remax_advantage, (REWARD, BASELINE_REWARD, GROUP, RESPONSE_MASK)),
-    "reinforce_pp": Estimator(reinforce_pp_advantage, (REWARD, RESPONSE_MASK)),
-    "reinforce_pp_baseline": Estimator(reinforce_pp_baseline_advantage, (REWARD, GROUP, RESPONSE_MASK)),
-    "gae": Estimator(gae_advantage, (REWARD, RESPONSE_MASK, VALUES), (ADVANTAGE, RETURNS, SAMPLE_MASK)),
-}

@@ -21,11 +21,13 @@ need not repeat the algorithm's conditions. Fields are the constants of data/fie
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from distflow.config.schema import Config
 from distflow.dag import multiturn_stage, stages, update_stages
-from distflow.dag.advantage_stages import Estimator
 from distflow.dag.dynamic_sampling import DynamicSampling
-from distflow.dag.graph import Graph, Stage
+from distflow.dag.graph import Graph, Stage, StageFn
 from distflow.data.fields import (
     ADVANTAGE,
     BASELINE_REWARD,
@@ -48,6 +50,21 @@ from distflow.data.fields import (
 )
 
 
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator: its stage, and the pieces it adds to the skeleton (dag/estimators.py)."""
+
+    fn: StageFn
+    reads: tuple[str, ...]
+    writes: tuple[str, ...] = (ADVANTAGE, SAMPLE_MASK)
+    after_rollout: tuple[Callable[[Chain], None], ...] = ()
+    """Pieces added right after the rollout (ReMax's greedy baseline)."""
+    before_advantage: tuple[Callable[[Chain], None], ...] = ()
+    """Pieces added after the rewards (and an in-reward KL), right before the advantage (the critic's values)."""
+    after_update: tuple[Callable[[Chain], None], ...] = ()
+    """Pieces added after the policy update (the critic's update)."""
+
+
 class Chain:
     """Adds stages one after another, each depending on the previous one."""
 
@@ -60,6 +77,9 @@ class Chain:
         deps = (self.last,) if self.last else ()
         self.graph.add(Stage(name, fn, role, deps, tuple(reads), tuple(writes), group=group, uses=tuple(uses)))
         self.last = name
+
+    def has(self, name: str) -> bool:
+        return name in self.graph.stages
 
     def writes(self, field: str) -> bool:
         """Whether a stage added so far writes `field`."""
@@ -128,10 +148,11 @@ def add_rewards(chain: Chain) -> None:
 
 
 def add_logprobs(chain: Chain) -> None:
-    """The behaviour policy's log-probs (when `needs_old_logprob`) and the reference's (with a KL term)."""
-    if needs_old_logprob(chain.config):
+    """The behaviour policy's log-probs (when `needs_old_logprob`) and the reference's (with a KL term);
+    each once: after `add_kl_reward` (which adds them for the KL in the reward) this adds nothing."""
+    if needs_old_logprob(chain.config) and not chain.has("old_logprob"):
         chain.add("old_logprob", stages.old_logprob, "logprob", SEQUENCE, (OLD_LOGP,), uses=("policy",))
-    if chain.config.algorithm.kl.coef > 0:
+    if chain.config.algorithm.kl.coef > 0 and not chain.has("reference_logprob"):
         chain.add("reference_logprob", stages.reference_logprob, "logprob", SEQUENCE, (REF_LOGP,), uses=("reference",))
 
 

@@ -2,7 +2,8 @@
 copy it, or compose the pieces, to write your own (`pipeline.builder`).
 
 Every built-in is the skeleton with its advantage estimator (and, for PPO, a critic), as
-`config.algorithm.ALGORITHMS` says; the rest is chosen by the algorithm's settings:
+`config.algorithm.ALGORITHMS` says (dag/estimators.py: each estimator's own stages); the rest is
+chosen by the algorithm's settings:
 
     rollout → [greedy_baseline] → reward → [reward_clip] → [dynamic_sampling] → [overlong_penalty]
               (ReMax)           (algorithm.reward_clip > 0)
@@ -32,27 +33,23 @@ from pathlib import Path
 
 from distflow.algorithms.aggregation import LossAgg
 from distflow.algorithms.kl import KL_ESTIMATORS
-from distflow.config.algorithm import ALGORITHMS
 from distflow.config.callables import import_callable
+from distflow.config.components import ESTIMATORS
 from distflow.config.errors import check_one_of
 from distflow.config.schema import Config, ConfigError
 from distflow.dag import update_stages
-from distflow.dag.advantage_stages import ESTIMATORS, Estimator
 from distflow.dag.dynamic_sampling import DynamicSampling
 from distflow.dag.graph import Graph, GraphError, Stage
 from distflow.dag.pieces import (
     Chain,
+    Estimator,
     add_advantage,
-    add_critic_update,
-    add_greedy_baseline,
     add_kl_reward,
     add_logprobs,
     add_policy_update,
     add_rewards,
     add_rollout,
-    add_values,
     add_weight_sync,
-    kl_in_reward,
 )
 from distflow.data.fields import BASELINE_REWARD, LOADER_FIELDS, SEQUENCE
 
@@ -62,41 +59,39 @@ BUILTIN = "distflow.dag.pipelines:builtin"
 """What `pipeline.builder` is when unset."""
 
 
-def policy_gradient(
-    config: Config, estimator: Estimator, *, critic: bool = False, greedy_baseline: bool = False
-) -> Graph:
-    """The skeleton above with `estimator` as the advantage stage."""
+def policy_gradient(config: Config, estimator: Estimator) -> Graph:
+    """The skeleton above with `estimator` as the advantage stage, and the stages it declares."""
     chain = Chain(config)
     add_rollout(chain)
-    if greedy_baseline:
-        add_greedy_baseline(chain)
+    for piece in estimator.after_rollout:
+        piece(chain)
     add_rewards(chain)
     add_kl_reward(chain)  # nothing unless the KL is in the reward
-    if critic:
-        add_values(chain)
+    for piece in estimator.before_advantage:
+        piece(chain)
     add_advantage(chain, estimator)
-    if not kl_in_reward(config):
-        add_logprobs(chain)
+    add_logprobs(chain)  # those the KL in the reward added are not added again
     add_policy_update(chain)
-    if critic:
-        add_critic_update(chain)
+    for piece in estimator.after_update:
+        piece(chain)
     add_weight_sync(chain)
     return chain.graph
 
 
 def builtin(config: Config) -> Graph:
-    """The pipeline of `algorithm.name`: the skeleton with its estimator, and its critic if it has one."""
-    algorithm = ALGORITHMS[config.algorithm.name]
-    estimator = ESTIMATORS[algorithm.estimator]
-    # An estimator that reads the greedy completion's reward gets the stage that writes it (ReMax).
+    """The skeleton with `algorithm.estimator` (the algorithm's own by default) and what it declares."""
+    estimator = ESTIMATORS.get(config.algorithm.estimator)
+    if not isinstance(estimator, Estimator):
+        raise ConfigError(
+            f"algorithm.estimator={config.algorithm.estimator!r} is a {type(estimator).__name__}, "
+            "not a distflow.dag.pieces.Estimator"
+        )
     if config.env.cls is not None and BASELINE_REWARD in estimator.reads:
         raise ConfigError(
             f"algorithm.name={config.algorithm.name} needs a greedy single-turn baseline, which "
             "multi-turn rollouts (env.cls) do not make yet; choose grpo, rloo, reinforce_pp or ppo"
         )
-    return policy_gradient(
-        config, estimator, critic=algorithm.critic, greedy_baseline=BASELINE_REWARD in estimator.reads
-    )
+    return policy_gradient(config, estimator)
 
 
 def check_choices(config: Config) -> None:
@@ -167,6 +162,11 @@ def build_graph(config: Config) -> Graph:
                 )
             graph.add_dependency(later, spec.name)
     graph.validate(LOADER_FIELDS)
+    if config.algorithm.critic.warmup_steps and "critic_update" not in graph.stages:
+        raise ConfigError(
+            "algorithm.critic.warmup_steps needs a critic, which this pipeline does not train: "
+            "algorithm.name=ppo (or algorithm.estimator=gae) has one"
+        )
     if "dynamic_sampling" in graph.stages:
         _bind_upstream(graph, "dynamic_sampling", LOADER_FIELDS)
     return graph
