@@ -148,8 +148,8 @@ def _imported(path: str, where: str) -> Any:
     module, _, attr = path.partition(":")
     try:
         found = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"{where}: cannot import {path!r} ({type(err).__name__}: {err})") from None
+    except Exception as err:  # ImportError, AttributeError, but also a SyntaxError or a crash in the user's module
+        raise ConfigError(f"{where}: cannot import {path!r} ({type(err).__name__}: {err})".replace("\n", " ")) from None
     return found
 
 
