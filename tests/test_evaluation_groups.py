@@ -12,12 +12,16 @@ ROWS = [
 ]  # 12 rows: 6 odd sums, 6 even
 
 
+JUDGED = []
+
+
 def odd_sums_are_right(completion, sample):
     """Judges the row, not the completion: the expected accuracies are then exact."""
+    JUDGED.append(sample["prompt"])
     return int(sample["answer"]) % 2 == 1 and int(sample["answer"]) > 3
 
 
-def _evaluate(comm, rows):
+def _evaluate(comm, rows, evaluators=None):
     from distflow.engines.evaluation import evaluate
     from distflow.engines.sampling import SamplingSpec
     from distflow.tasks.tiny_model import build_tiny_model
@@ -35,6 +39,7 @@ def _evaluate(comm, rows):
         comm=comm,
         seed=0,
         group_of=lambda row: row["source"],
+        evaluators=evaluators,
     )
     return result.sampled, result.greedy, result.per_group
 
@@ -54,3 +59,19 @@ def test_one_group_reports_none():
 
     comm = Comm(0, 1, 0, 1, torch.device("cpu"))
     assert _evaluate(comm, [dict(r, source="all") for r in ROWS])[2] == {}
+
+
+def test_rows_shared_over_some_ranks_give_the_same_accuracies():
+    """A disaggregated run with a rollout engine that only rollout ranks make (vLLM) evaluates there:
+    rank 1 judges no row, and every rank gets the numbers all ranks would."""
+    everyone = run_local(_evaluate, 2, ROWS)
+    rank_0_alone = run_local(_evaluate, 2, ROWS, [0])
+    assert rank_0_alone == everyone
+    judged = run_local(_judged, 2, ROWS, [0])
+    assert judged[0] == 12 * 3 and judged[1] == 0  # 12 rows x (2 sampled + 1 greedy) completions, all on rank 0
+
+
+def _judged(comm, rows, evaluators):
+    JUDGED.clear()
+    _evaluate(comm, rows, evaluators)
+    return len(JUDGED)

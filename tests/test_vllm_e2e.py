@@ -151,8 +151,12 @@ DISAGGREGATED = ["--nproc", "2", "placement.rollout.ranks=0", "placement.train.r
 
 
 def test_disaggregated_rollout_rank_owns_an_engine_in_a_child_process(tmp_path):
-    """Step 2 samples from the weights synced after step 1: a stale engine shows as a mismatch (~0.2 here)."""
-    records = _trained(_train(tmp_path, *DISAGGREGATED), tmp_path / "run", child=True)
+    """Step 2 samples from the weights synced after step 1: a stale engine shows as a mismatch (~0.2 here).
+    The held-out evaluation runs on the rollout rank too: the train rank makes no engine."""
+    done = _train(tmp_path, *DISAGGREGATED)
+    records = _trained(done, tmp_path / "run", child=True)
+    output = done.stdout + done.stderr
+    assert "vllm: rank 0's engine started" in output and "vllm: rank 1's engine started" not in output
     print(f"vllm, disaggregated 1 + 1 (child engine): max |dlogp| {_check_mismatch(records):.2e}")
 
 

@@ -147,14 +147,18 @@ def evaluate(
     seed: int,
     env=None,
     group_of: Callable[[dict], str] | None = None,
+    evaluators: Sequence[int] | None = None,
 ) -> Evaluation:
     """Sampled and greedy accuracy over all of `heldout` (and per group of rows, with `group_of`);
     every rank gets the same answer.
 
     Sample k of held-out prompt i is drawn with the key (seed, i, k): two evaluations of
-    the same policy give the same numbers, at any world size. Every rank calls it together.
+    the same policy give the same numbers, at any world size. Every rank calls it together;
+    the rows are shared out over `evaluators` (default: every rank), and a rank outside them
+    judges none (so it never builds a rollout engine that only rollout ranks need).
     """
-    indices = range(comm.rank, len(heldout), comm.world_size)
+    ranks = list(range(comm.world_size)) if evaluators is None else list(evaluators)
+    indices = range(ranks.index(comm.rank), len(heldout), len(ranks)) if comm.rank in ranks else range(0)
     mine = [heldout[i] for i in indices]
     keys = eval_keys(seed, indices, num_samples)
     with gathered(model):  # fsdp2: the whole policy on each rank while it generates

@@ -14,7 +14,7 @@ this machine must have (`preflight`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from distflow.config.components import Component
 
@@ -43,6 +43,10 @@ class Request:
 
 class RolloutEngine(Component):
     """The rollout engine kind. A subclass sets `name` and implements `responses`."""
+
+    rollout_ranks_only: ClassVar[bool] = False
+    """Made only where rollouts run, since it costs a process and a copy of the weights (vLLM): the
+    held-out evaluation runs on the rollout ranks too, not on train ranks of a disaggregated run."""
 
     @classmethod
     def build(cls, config: Any, options: Any) -> RolloutEngine:

@@ -9,6 +9,7 @@ What it decides and declares, so that nothing outside this file names it:
                 whose gap to the trainer's is logged under `mismatch/`
     preflight   `import vllm` works in this environment (tried in a child process)
     close       its engines end with the worker: cleanly, while the rank still can
+    evaluation  on the rollout ranks only (`rollout_ranks_only`): a train rank makes no engine
 Options (`rollout.vllm: {...}`): `VllmOptions`.
 """
 
@@ -30,6 +31,7 @@ class VllmOptions:
 class VllmRollout(RolloutEngine):
     name = "vllm"
     Config = VllmOptions
+    rollout_ranks_only = True
 
     def __init__(self, *, in_child: bool = False, log: bool = False) -> None:
         self.in_child, self.log = in_child, log

@@ -105,6 +105,7 @@ def _evaluate(worker: Worker) -> Evaluation:
         seed=cfg.trainer.seed,
         env=cfg.env,
         group_of=getattr(worker.task, "group_of", None),
+        evaluators=worker.plan.groups["rollout"].ranks if engines.sampling.engine.rollout_ranks_only else None,
     )
     return dataclasses.replace(result, seconds=time.time() - start)
 
