@@ -16,8 +16,9 @@ difference: what the endpoint adds to a call over calling the backend directly, 
 already running included. Both sides are timed in the same run, so a loaded machine (the backend's
 time varies several-fold there) moves them together. `requests_per_s` counts the episodes' whole wall
 time (threads and clients started, sessions opened and closed); `rows/batch` against S shows how well
-concurrent calls were batched. Each row is the run of least wall time of --repeats. The last stdout
-line is JSON.
+concurrent calls were batched; --min-fill 1 makes the server wait (up to 1 s) for every open session's
+call before sampling (see distflow/agents/batcher.py). Each row is the run of least wall time of
+--repeats. The last stdout line is JSON.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def agent_of(rounds: int, max_tokens: int, latencies: dict):
     return agent
 
 
-def measure(backend, tokenizer, *, sessions: int, rounds: int, max_tokens: int, repeats: int) -> dict:
+def measure(backend, tokenizer, *, sessions: int, rounds: int, max_tokens: int, repeats: int, min_fill: float) -> dict:
     """The run of least wall time of `repeats`: its throughput and what the endpoint added to each call."""
     from distflow.agents.runner import run_episodes
     from distflow.agents.server import AgentServer, ServerConfig
@@ -105,7 +106,7 @@ def measure(backend, tokenizer, *, sessions: int, rounds: int, max_tokens: int, 
 
     seed, runs = 0, []
     rows = [{"uid": i, "question": f"{7 + i}+{11 + 3 * i}?"} for i in range(sessions)]
-    config = ServerConfig(seed=seed, max_new_tokens=max_tokens, batch_window_s=0.002)
+    config = ServerConfig(seed=seed, max_new_tokens=max_tokens, batch_min_fill=min_fill, batch_max_wait_s=1.0)
     for repeat in range(repeats + 1):  # the first: warm-up
         recording, latencies = Recording(backend), {}
         with AgentServer(config, tokenizer, recording) as server:
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs (a loaded machine is noisy)")
+    parser.add_argument("--min-fill", type=float, default=0.0, help="the server's batch_min_fill (1: lockstep agents)")
     args = parser.parse_args(argv)
     if args.quick:
         args.sessions, args.rounds, args.max_tokens, args.repeats = [1, 16], 2, 4, 1
@@ -179,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
                 rounds=args.rounds,
                 max_tokens=args.max_tokens,
                 repeats=args.repeats,
+                min_fill=args.min_fill,
             )
             out["rows"][f"{name}/{sessions}"] = row
             keys = ("sessions", "requests", "requests_per_s", "call_latency_ms", "backend_ms_per_call")

@@ -1,13 +1,14 @@
 """distflow.agents without a server: tool-call parsing, request checks, rendering, sessions, and how
 an episode's calls become training samples."""
 
+import asyncio
 import json
 import random
 
 import pytest
-from agents_common import TOOLS, chat_tokenizer, tool_call_text
+from agents_common import TOOLS, ScriptedBackend, chat_tokenizer, tool_call_text
 
-from distflow.agents.batcher import Settings, _groups, _Row
+from distflow.agents.batcher import Batcher, Settings, _groups, _Row
 from distflow.agents.requests import RequestError, RequestLimits, parse_request, render
 from distflow.agents.server import ServerConfig
 from distflow.agents.session import Call, SessionError, Sessions
@@ -226,12 +227,10 @@ def test_mismatched_logprobs_are_refused():
 
 
 def test_the_batcher_groups_rows_by_settings_in_arrival_order():
-    import asyncio
-
     loop = asyncio.new_event_loop()
     try:
         a, b = Settings(8, 1.0, 1.0, ()), Settings(4, 1.0, 1.0, ())
-        rows = [_Row([i], i, s, loop.create_future()) for i, s in enumerate([a, b, a, a, b])]
+        rows = [_Row([i], i, s, loop.create_future(), True) for i, s in enumerate([a, b, a, a, b])]
         assert [[r.key for r in g] for g in _groups(rows, max_rows=2)] == [[0, 2], [3], [1, 4]]
     finally:
         loop.close()
@@ -246,31 +245,35 @@ def test_server_config_says_what_to_change():
 def test_the_batcher_waits_while_rows_keep_arriving():
     """Rows arriving 10 ms apart, with a 200 ms quiet window: one backend call for all of them; a lone
     session's row is not kept waiting."""
-    import asyncio
+    assert asyncio.run(_batches([0.01 * key for key in range(6)], window_s=0.2, num_open=6)) == [6]
+    assert asyncio.run(_batches([0.01 * key for key in range(6)], window_s=0.2, num_open=1))[0] == 1
 
-    from agents_common import ScriptedBackend
 
-    from distflow.agents.batcher import Batcher
+def test_min_fill_waits_for_the_open_sessions():
+    """Three requests at once and a fourth 0.5 s later, four sessions open: split by a 1-ms quiet window,
+    one batch when the batcher waits for every open session (min_fill=1)."""
+    delays = [0.0, 0.0, 0.0, 0.5]
+    assert asyncio.run(_batches(delays, window_s=0.001, num_open=4)) == [3, 1]
+    assert asyncio.run(_batches(delays, window_s=0.001, num_open=4, min_fill=1.0)) == [4]
 
-    tokenizer = chat_tokenizer()
-    settings = Settings(4, 1.0, 1.0, ())
 
-    async def scenario(num_open: int) -> list[int]:
-        backend = ScriptedBackend(tokenizer, lambda prompt, key: "x")
-        batcher = Batcher(backend, window_s=0.2, max_wait_s=600, max_batch_rows=64, num_open=lambda: num_open)
-        task = asyncio.get_running_loop().create_task(batcher.run())
-        await asyncio.sleep(0)
+async def _batches(delays: list[float], *, window_s: float, num_open: int, min_fill: float = 0.0) -> list[int]:
+    """Sizes of the backend calls a Batcher makes for one-row requests sent after `delays` seconds."""
+    tokenizer, settings = chat_tokenizer(), Settings(4, 1.0, 1.0, ())
+    backend = ScriptedBackend(tokenizer, lambda prompt, key: "x")
+    batcher = Batcher(
+        backend, window_s=window_s, max_wait_s=600, max_batch_rows=64, min_fill=min_fill, num_open=lambda: num_open
+    )
+    task = asyncio.get_running_loop().create_task(batcher.run())
+    await asyncio.sleep(0)
 
-        async def one(key: int, delay: float):
-            await asyncio.sleep(delay)
-            return await batcher.sample([[1, 2]], [key], settings)
+    async def one(key: int, delay: float):
+        await asyncio.sleep(delay)
+        return await batcher.sample([[1, 2]], [key], settings)
 
-        try:
-            await asyncio.gather(*(one(key, 0.01 * key) for key in range(6)))
-        finally:
-            task.cancel()
-            batcher.close()
-        return [len(call["keys"]) for call in backend.calls]
-
-    assert asyncio.run(scenario(num_open=6)) == [6]
-    assert asyncio.run(scenario(num_open=1))[0] == 1
+    try:
+        await asyncio.gather(*(one(key, delay) for key, delay in enumerate(delays)))
+    finally:
+        task.cancel()
+        batcher.close()
+    return [len(call["keys"]) for call in backend.calls]

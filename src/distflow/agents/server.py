@@ -59,6 +59,9 @@ class ServerConfig:
     none (not while at most one session is open; 0: never waits)."""
     batch_max_wait_s: float = 0.05
     """...and at most this long."""
+    batch_min_fill: float = 0.0
+    """...and (up to batch_max_wait_s) until this share of the open sessions have a request in: 1 for
+    agents that run in lockstep (see `batcher`), 0 to batch whatever arrives together."""
     max_batch_rows: int = 256
     tool_call_format: str = "hermes"
     """The chat template's tool-call convention (a key of `tool_calls.TOOL_CALL_PARSERS`)."""
@@ -72,6 +75,8 @@ class ServerConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port}: use 0 (a free port) or a port number")
+        if not 0 <= self.batch_min_fill <= 1:
+            raise ValueError(f"batch_min_fill={self.batch_min_fill} must be in [0, 1]")
         for name in ("batch_window_s", "batch_max_wait_s", "temperature"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
@@ -90,6 +95,7 @@ class AgentServer:
             backend,
             window_s=config.batch_window_s,
             max_wait_s=config.batch_max_wait_s,
+            min_fill=config.batch_min_fill,
             max_batch_rows=config.max_batch_rows,
             num_open=self.sessions.num_open,
         )
