@@ -166,15 +166,19 @@ def _tool_call(call: Any, i: int) -> dict:
     return out
 
 
-def render(tokenizer, request: ChatRequest, *, max_prompt_tokens: int) -> list[int]:
-    """The request's prompt ids: its messages (and tools) through the tokenizer's chat template."""
+def render(tokenizer, request: ChatRequest, *, max_prompt_tokens: int, chat_template: str | None = None) -> list[int]:
+    """The request's prompt ids: its messages (and tools) through `chat_template`, or the tokenizer's own."""
     from distflow.engines.sequences import encode_prompts
 
-    if not getattr(tokenizer, "chat_template", None):
+    if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise RequestError("the model's tokenizer has no chat template to render messages with")
     try:
         text = tokenizer.apply_chat_template(
-            request.messages, tools=request.tools, add_generation_prompt=True, tokenize=False
+            request.messages,
+            tools=request.tools,
+            add_generation_prompt=True,
+            tokenize=False,
+            chat_template=chat_template,
         )
     except Exception as err:  # the template's own checks (role order, a missing field): the agent's to fix
         raise RequestError(f"the chat template refused these messages: {type(err).__name__}: {err}") from None

@@ -132,6 +132,8 @@ def _episode(server, session_id: str, uid: int, outcome: tuple, default_reward: 
         episode.error = f"{type(value).__name__}: {value}"
         return episode
     score = value.get("score") if isinstance(value, dict) else value
+    if score is None:  # no reward of its own: the task's reward functions grade the final reply alone
+        score = 0.0
     try:
         reward = float(score)
     except (TypeError, ValueError):

@@ -63,6 +63,8 @@ class ServerConfig:
     """...and (up to batch_max_wait_s) until this share of the open sessions have a request in: 1 for
     agents that run in lockstep (see `batcher`), 0 to batch whatever arrives together."""
     max_batch_rows: int = 256
+    chat_template: str | None = None
+    """Renders the messages instead of the tokenizer's own template (a tokenizer without one)."""
     tool_call_format: str = "hermes"
     """The chat template's tool-call convention (a key of `tool_calls.TOOL_CALL_PARSERS`)."""
     max_request_bytes: int = 8 * 2**20
@@ -213,7 +215,12 @@ class AgentServer:
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 raise RequestError(f"the request body is not JSON: {err}") from None
             chat = parse_request(body, self._limits)
-            prompt_ids = render(self._tokenizer, chat, max_prompt_tokens=self.config.max_prompt_tokens)
+            prompt_ids = render(
+                self._tokenizer,
+                chat,
+                max_prompt_tokens=self.config.max_prompt_tokens,
+                chat_template=self.config.chat_template,
+            )
         except RequestError as err:
             self.stats["malformed"] += 1
             self.sessions.count_malformed(session_id)

@@ -33,6 +33,7 @@ def check_sections(config) -> None:
     _check_dynamic_sampling(config)
     _check_overlong(config)
     _check_rollout_engine(config)
+    _check_agent(config)
 
 
 def _check_task_source(config) -> None:
@@ -84,3 +85,11 @@ def _check_rollout_engine(config) -> None:
     from distflow.config.components import ROLLOUT_ENGINES
 
     ROLLOUT_ENGINES.get(config.rollout.engine).check(config)
+
+
+def _check_agent(config) -> None:
+    """Agent code drives its own episodes; an environment class would be a second rollout."""
+    check(
+        config.rollout.agent is None or config.env.cls is None,
+        "rollout.agent and env.cls are two ways to roll out multi-turn episodes: set one",
+    )

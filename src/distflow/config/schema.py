@@ -54,6 +54,16 @@ class RolloutConfig:
     options: dict = field(default_factory=dict)
     """The chosen engine's own settings, also given under its name: `rollout.vllm: {log: true}`
     (vLLM's own log shown)."""
+    agent: str | None = None
+    """Agent code as the rollout: 'package.module:function', called as fn(client, sample) (sync or async)
+    with an `openai` client bound to the episode's session of an OpenAI-compatible endpoint that the
+    rank serves over its rollout engine (pip install 'distflow[agents]'). The episode's model calls
+    are one trajectory, token in and token out; its reward is what fn returns (a number, a dict with
+    "score", or None: none) plus the task's reward functions on the final reply. A raising agent, a
+    timeout or a malformed request scores `env.default_reward` and is counted (`agent/*`). The
+    trajectory's response is `env.max_tokens` wide."""
+    agent_timeout_s: float = 300.0
+    """Longest an agent's episode may take; past it the episode scores `env.default_reward`."""
 
     def __post_init__(self) -> None:
         ROLLOUT_ENGINES.chosen(self, "engine")  # a known engine, with options it takes
@@ -61,6 +71,11 @@ class RolloutConfig:
         check(self.temperature > 0, f"rollout.temperature must be > 0 (got {self.temperature})")
         check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1] (got {self.top_p})")
         check(self.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        check(
+            self.agent is None or ":" in self.agent,
+            f"rollout.agent must look like 'package.module:function' (got {self.agent!r})",
+        )
+        check(self.agent_timeout_s > 0, f"rollout.agent_timeout_s must be > 0 (got {self.agent_timeout_s})")
 
 
 @dataclass(kw_only=True)

@@ -74,7 +74,7 @@ def env_rollout(batch: Batch, ctx: StageContext) -> Batch:
             generate_turn=turn_generator(ctx.engines.rollout_model, ctx.tokenizer, ctx.engines.sampling, key_of),
         )
     (prompt_width,) = agree(max((len(t.prompt_ids) for t in trajs), default=0))
-    tensors = _layout(trajs, prompt_width, cfg.max_tokens, ctx.tokenizer.pad_token_id)
+    tensors = layout(trajs, prompt_width, cfg.max_tokens, ctx.tokenizer.pad_token_id)
     _record(ctx, trajs, tensors[RESPONSE_MASK])
     device = ctx.comm.device
     return expanded.updated(
@@ -86,7 +86,7 @@ def env_rollout(batch: Batch, ctx: StageContext) -> Batch:
     )
 
 
-def _layout(trajs: list, prompt_width: int, width: int, pad_id: int) -> dict:
+def layout(trajs: list, prompt_width: int, width: int, pad_id: int) -> dict:
     import torch
 
     from distflow.engines.sequences import left_pad

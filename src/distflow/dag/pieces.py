@@ -4,7 +4,7 @@ pieces in order; a custom pipeline (`pipeline.builder`) composes the same pieces
 out, or adds stages of its own between them:
 
     chain = Chain(config)
-    add_rollout(chain)                       rollout (multi-turn when env.cls is set)
+    add_rollout(chain)                       rollout (multi-turn when env.cls is set, agent episodes with rollout.agent)
     add_greedy_baseline(chain)               ReMax's baseline reward
     add_rewards(chain)                       reward → [reward_clip] → [dynamic_sampling] → [overlong_penalty]
     add_kl_reward(chain)                     old_logprob → reference_logprob → kl_reward (KL in the reward)
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from distflow.config.schema import Config
-from distflow.dag import multiturn_stage, stages, update_stages
+from distflow.dag import agent_stage, multiturn_stage, stages, update_stages
 from distflow.dag.dynamic_sampling import DynamicSampling
 from distflow.dag.graph import Graph, Stage, StageFn
 from distflow.data.fields import (
@@ -101,7 +101,10 @@ def add_rollout(chain: Chain) -> None:
     """Samples per prompt (and what the behaviour policy recorded, stages.behaviour_fields); multi-turn
     trajectories against an environment when `env.cls` is set."""
     behaviour = stages.behaviour_fields(chain.config)
-    if chain.config.env.cls is not None:
+    if chain.config.rollout.agent is not None:
+        writes = tuple(dict.fromkeys(multiturn_stage.WRITES + behaviour))
+        chain.add("rollout", agent_stage.AgentRolloutStage(), "rollout", LOADER_FIELDS, writes, group="rollout")
+    elif chain.config.env.cls is not None:
         chain.add(
             "rollout",
             multiturn_stage.env_rollout,
