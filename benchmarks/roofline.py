@@ -53,6 +53,7 @@ from bench_setup import build_model, prompt_rows
 from roofline_recipe import RECIPES, SINGLE, measure_recipe, median_seconds, print_recipe
 from throughput import SETTINGS
 
+from distflow.config.parallel import PassesConfig
 from distflow.config.schema import AlgorithmConfig, OptimConfig
 from distflow.dag.update_stages import PolicyObjective
 from distflow.data.batch import Batch
@@ -106,10 +107,11 @@ def step_batch(model: torch.nn.Module, tokenizer, prompts: int, generations: int
 
 def update_seconds(model: torch.nn.Module, batch: Batch, repeats: int) -> float:
     """Median seconds of distflow's optimizer step over the whole batch (one micro-batch, as throughput.py runs it)."""
-    engine = PolicyEngine(model, SINGLE, OptimConfig(lr=1e-6, warmup_steps=0), temperature=1.0)
+    optim, passes = OptimConfig(lr=1e-6, warmup_steps=0), PassesConfig(micro_batch_size=len(batch))
+    engine = PolicyEngine(model, SINGLE, optim, temperature=1.0, passes=passes)
     objective = PolicyObjective(AlgorithmConfig(name="grpo"), has_old=False)
     tokens = float(batch["response_mask"].sum())
-    return median_seconds(lambda: engine.update(batch, objective, tokens, len(batch)), repeats)
+    return median_seconds(lambda: engine.update(batch, objective, tokens), repeats)
 
 
 def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:

@@ -138,14 +138,13 @@ def recipe_seconds(config, model: torch.nn.Module, tokenizer, prompts: Batch, re
     batch = drawn[-1]
     g = torch.Generator().manual_seed(0)  # the update's cost does not depend on the advantages' values
     batch = batch.updated(advantage=torch.randn(len(batch), generator=g), sample_mask=torch.ones(len(batch)))
-    passes = config.passes
-    engine = PolicyEngine(model, SINGLE, config.optim, temperature=config.rollout.temperature, passes=passes)
-    logprob_s = median_seconds(lambda: engine.logprobs(batch, passes.micro_batch_size), repeats)
+    engine = PolicyEngine(model, SINGLE, config.optim, temperature=config.rollout.temperature, passes=config.passes)
+    logprob_s = median_seconds(lambda: engine.logprobs(batch), repeats)
     objective = PolicyObjective(config.algorithm, has_old=False)
     tokens = float(batch["response_mask"].sum())  # token-mean: every response token carries signal here
 
     def update() -> None:
-        engine.update(batch, objective, tokens, passes.micro_batch_size, micro_batch_tokens=passes.micro_batch_tokens)
+        engine.update(batch, objective, tokens)
 
     update_s = median_seconds(update, repeats)
     same = all(torch.equal(d["input_ids"], batch["input_ids"]) for d in drawn)

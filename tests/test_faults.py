@@ -282,10 +282,10 @@ def test_nonfinite_loss_skips_the_step_and_is_counted():
         return lambda micro, logp, entropy: ((logp * scale).sum(), {})
 
     for streak in (1, 2):
-        stats = engine.update(batch, loss(float("nan")), 6.0, 8)
+        stats = engine.update(batch, loss(float("nan")), 6.0)
         assert stats["nonfinite_grad_steps"] == 1.0 and engine.consecutive_nonfinite == streak
         torch.testing.assert_close(engine.model.state_dict(), before, rtol=0, atol=0)  # untouched
-    stats = engine.update(batch, loss(1.0), 6.0, 8)
+    stats = engine.update(batch, loss(1.0), 6.0)
     assert stats["nonfinite_grad_steps"] == 0.0 and engine.consecutive_nonfinite == 0
 
 

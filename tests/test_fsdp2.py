@@ -74,7 +74,10 @@ def pg_loss(micro: Batch, logp_BR: torch.Tensor, entropy_BR: torch.Tensor):
 
 
 def train_five_steps(comm: Comm, overrides: list[str]) -> dict:
-    config = load_config(None, [*overrides, f"optim.lr={LR}", "optim.warmup_steps=0", "optim.grad_clip=1.0"])
+    config = load_config(
+        None,  # 2 micro-batches of 3 and 1 per rank: accumulation
+        [*overrides, f"optim.lr={LR}", "optim.warmup_steps=0", "optim.grad_clip=1.0", "passes.micro_batch_size=3"],
+    )
     engine = PolicyEngine(
         build_tiny_model(build_char_tokenizer(), seed=0),
         comm,
@@ -88,7 +91,7 @@ def train_five_steps(comm: Comm, overrides: list[str]) -> dict:
         batch = step_batch(step)
         mine = batch.select(list(range(comm.rank * 4, comm.rank * 4 + 4)))
         num_tokens = float(batch["response_mask"].sum())
-        stats = engine.update(mine, pg_loss, num_tokens, micro_batch_size=3)  # 2 micro-batches: accumulation
+        stats = engine.update(mine, pg_loss, num_tokens)
         loss = comm.all_reduce_sum(torch.tensor([stats["loss"]], dtype=torch.float64))
         losses.append(float(loss) / num_tokens)
         norms.append(stats["grad_norm"])
@@ -133,7 +136,7 @@ def test_five_steps_match_ddp(trained, variant):
 def _inference(comm: Comm) -> dict:
     """fsdp2 policy and reference, each rank with its own number of prompts and micro-batches."""
     tok = build_char_tokenizer()
-    config = load_config(None, ["parallel.strategy=fsdp2"])
+    config = load_config(None, ["parallel.strategy=fsdp2", "passes.micro_batch_size=1"])
     model = build_tiny_model(tok, seed=3)
     reference = frozen_copy(model, comm, config.parallel)
     engine = PolicyEngine(model, comm, config.optim, temperature=0.7, parallel=config.parallel, passes=config.passes)
@@ -150,7 +153,7 @@ def _inference(comm: Comm) -> dict:
     batch = Batch(
         {"input_ids": out.input_ids_BT, "attention_mask": out.attention_mask_BT, "response_mask": out.response_mask_BR}
     )
-    policy_logp = engine.logprobs(batch, micro_batch_size=1)
+    policy_logp = engine.logprobs(batch)
     with gathered(reference):
         reference_logp = batch_logprobs(reference, batch, micro_batch_size=2, temperature=0.7)
     return {
@@ -184,7 +187,10 @@ def _save_then_resume(comm: Comm, root: str, save_strategy: str, load_strategy: 
     from distflow.checkpoint import load_checkpoint, save_checkpoint
 
     def engine(strategy):
-        config = load_config(None, [f"parallel.strategy={strategy}", f"optim.lr={LR}", "optim.warmup_steps=0"])
+        config = load_config(
+            None,
+            [f"parallel.strategy={strategy}", f"optim.lr={LR}", "optim.warmup_steps=0", "passes.micro_batch_size=4"],
+        )
         return PolicyEngine(
             build_tiny_model(build_char_tokenizer(), seed=0),
             comm,
@@ -197,7 +203,7 @@ def _save_then_resume(comm: Comm, root: str, save_strategy: str, load_strategy: 
     def step(policy, number):
         batch = step_batch(number)
         mine = batch.select(list(range(comm.rank * 4, comm.rank * 4 + 4)))
-        return policy.update(mine, pg_loss, float(batch["response_mask"].sum()), micro_batch_size=4)["grad_norm"]
+        return policy.update(mine, pg_loss, float(batch["response_mask"].sum()))["grad_norm"]
 
     first = engine(save_strategy)
     step(first, 0), step(first, 1)
@@ -285,6 +291,7 @@ def one_process_lower_precision() -> dict:
                 f"optim.lr={LR}",
                 "optim.warmup_steps=0",
                 "optim.grad_clip=1.0",
+                "passes.micro_batch_size=3",
             ],
         )
         engine = PolicyEngine(
@@ -298,7 +305,7 @@ def one_process_lower_precision() -> dict:
         losses = []
         for step in range(NUM_STEPS):
             batch = step_batch(step)
-            stats = engine.update(batch, pg_loss, float(batch["response_mask"].sum()), micro_batch_size=3)
+            stats = engine.update(batch, pg_loss, float(batch["response_mask"].sum()))
             losses.append(stats["loss"] / float(batch["response_mask"].sum()))
         logits = engine.wrapped(input_ids=step_batch(0)["input_ids"]).logits
         out[dtype] = {

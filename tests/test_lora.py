@@ -89,7 +89,14 @@ def _train_and_sync(comm: Comm) -> dict:
     out = {}
     for strategy in ("ddp", "fsdp2"):
         config = load_config(
-            None, [f"parallel.strategy={strategy}", "model.lora.rank=4", "optim.lr=1e-2", "optim.warmup_steps=0"]
+            None,
+            [
+                f"parallel.strategy={strategy}",
+                "model.lora.rank=4",
+                "optim.lr=1e-2",
+                "optim.warmup_steps=0",
+                "passes.micro_batch_size=3",
+            ],
         )
         model = apply_lora(base_model(), config.model.lora, seed=0)
         reference, losses, state_bytes = AdaptersOff(model), [], 0
@@ -100,7 +107,7 @@ def _train_and_sync(comm: Comm) -> dict:
             for step in range(3):
                 batch = step_batch(step)
                 mine = batch.select(list(range(train.rank * 4, train.rank * 4 + 4)))
-                stats = engine.update(mine, pg_loss, float(batch["response_mask"].sum()), micro_batch_size=3)
+                stats = engine.update(mine, pg_loss, float(batch["response_mask"].sum()))
                 losses.append(float(train.all_reduce_sum(torch.tensor([stats["loss"]], dtype=torch.float64))))
             state_bytes = engine.optimizer_state_bytes()
         else:

@@ -6,6 +6,7 @@ token-mean over the whole step: 1 micro-batch of 8 == 8 micro-batches of 1 == 2 
 import torch
 
 from distflow.comm import Comm
+from distflow.config.parallel import PassesConfig
 from distflow.config.schema import OptimConfig
 from distflow.data.batch import Batch
 from distflow.engines.policy import PolicyEngine
@@ -41,9 +42,10 @@ def loss_fn(micro, logp_BR, entropy_BR):
 
 def grads_after_update(comm: Comm, batch: Batch, micro_batch_size: int) -> list[torch.Tensor]:
     model = build_tiny_model(build_char_tokenizer(), seed=0)
-    engine = PolicyEngine(model, comm, OptimConfig(lr=1e-3, grad_clip=1e9, warmup_steps=0), temperature=1.0)
+    optim = OptimConfig(lr=1e-3, grad_clip=1e9, warmup_steps=0)
+    engine = PolicyEngine(model, comm, optim, temperature=1.0, passes=PassesConfig(micro_batch_size=micro_batch_size))
     tokens_global = float(make_batch()["response_mask"].sum())
-    engine.update(batch, loss_fn, tokens_global, micro_batch_size)
+    engine.update(batch, loss_fn, tokens_global)
     return [p.grad.clone() for p in model.parameters()]
 
 
@@ -93,5 +95,5 @@ def test_an_empty_share_has_empty_logprobs_and_values():
     model = build_tiny_model(build_char_tokenizer(), seed=0)
     empty = make_batch().select([])
     assert batch_logprobs(model, empty, micro_batch_size=4, temperature=1.0).shape == (0, 4)
-    critic = build_critic(model, SINGLE, OptimConfig(), lr=1e-3)
-    assert critic.values(empty, 4).shape == (0, 4)
+    critic = build_critic(model, SINGLE, OptimConfig(), lr=1e-3, passes=PassesConfig(micro_batch_size=4))
+    assert critic.values(empty).shape == (0, 4)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # engines import torch/transformers; building a graph must no
     from distflow.data.batch import Batch
     from distflow.engines.critic import CriticEngine
     from distflow.engines.evaluation import Verifier
-    from distflow.engines.policy import PolicyEngine
+    from distflow.engines.policy import PolicyEngine, ReferenceEngine
     from distflow.engines.reward import Rewards
     from distflow.engines.sampling import SamplingSpec
     from distflow.engines.weight_sync import WeightSync
@@ -46,7 +46,7 @@ class Engines:
     """None on ranks that only roll out (disaggregated placement)."""
     rollout_model: torch.nn.Module | None = None
     """The model rollout samples from; colocated, it is the policy's own module."""
-    reference: torch.nn.Module | None = None
+    reference: ReferenceEngine | None = None
     critic: CriticEngine | None = None
     """The value model (PPO) on train ranks."""
     weight_sync: WeightSync | None = None

@@ -18,7 +18,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from distflow.dag.graph import every_rank
-from distflow.data.fields import POLICY_VERSION, ROLLOUT_LOGP
+from distflow.data.fields import (
+    COMPLETION,
+    GROUP,
+    OLD_LOGP,
+    POLICY_VERSION,
+    PROMPT,
+    PROMPT_IDS,
+    REF_LOGP,
+    RESPONSE_MASK,
+    REWARD,
+    ROLLOUT_LOGP,
+    SAMPLE,
+    TURN_REWARD,
+    UID,
+)
 from distflow.seeding import derive_seed
 
 if TYPE_CHECKING:
@@ -48,7 +62,7 @@ def policy_versions(ctx: StageContext, count: int) -> dict:
 
     if ctx.policy_version is None:
         return {}
-    return {"policy_version": torch.full((count,), ctx.policy_version, dtype=torch.long, device=ctx.comm.device)}
+    return {POLICY_VERSION: torch.full((count,), ctx.policy_version, dtype=torch.long, device=ctx.comm.device)}
 
 
 def rollout(batch: Batch, ctx: StageContext) -> Batch:
@@ -66,32 +80,32 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
 
     n = ctx.config.rollout.num_samples
     expanded = batch.repeat_interleave(n)
-    prompt_uids = expanded["uid"]
+    prompt_uids = expanded[UID]
     uids = [u * n + k % n for k, u in enumerate(prompt_uids)]
-    width = torch.tensor([max(len(ids) for ids in batch["prompt_ids"])], device=ctx.comm.device)
+    width = torch.tensor([max(len(ids) for ids in batch[PROMPT_IDS])], device=ctx.comm.device)
     width = int(ctx.comm.all_reduce_max(width).item())
     sampling = ctx.engines.sampling
     with gathered(ctx.engines.rollout_model):  # fsdp2: the whole policy on each rank while it generates
         out = generate(
             ctx.engines.rollout_model,
             ctx.tokenizer,
-            batch["prompt"],
+            batch[PROMPT],
             max_new_tokens=sampling.max_new_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             sample_keys=[derive_seed(ctx.config.trainer.seed, "rollout", uid) for uid in uids],
-            prompt_ids=batch["prompt_ids"],
+            prompt_ids=batch[PROMPT_IDS],
             prompt_width=width,
             samples_per_prompt=n,
             engine=sampling.engine,
-            logprobs="rollout_logp" in behaviour_fields(ctx.config),
+            logprobs=ROLLOUT_LOGP in behaviour_fields(ctx.config),
         )
     num_generated = float(out.response_mask_BR.sum())
     ctx.metrics.mean("response/length", num_generated, len(expanded))
     ctx.metrics.total("tokens/generated", num_generated)
     behaviour = {}
     if out.logp_BR is not None:
-        behaviour["rollout_logp"] = out.logp_BR.to(ctx.comm.device)
+        behaviour[ROLLOUT_LOGP] = out.logp_BR.to(ctx.comm.device)
     behaviour.update(policy_versions(ctx, len(expanded)))
     return expanded.updated(
         **behaviour,
@@ -119,16 +133,16 @@ def greedy_baseline(batch: Batch, ctx: StageContext) -> Batch:
     from distflow.engines.generation import generate
     from distflow.engines.parallelize import gathered
 
-    groups = batch["group"].tolist()
+    groups = batch[GROUP].tolist()
     first_row = {}  # group id → its first row, which holds the group's prompt
     for row, group in enumerate(groups):
         first_row.setdefault(group, row)
     rows = list(first_row.values())
-    prompt_ids = [batch["prompt_ids"][i] for i in rows]
+    prompt_ids = [batch[PROMPT_IDS][i] for i in rows]
     width = torch.tensor([max((len(ids) for ids in prompt_ids), default=0)], device=ctx.comm.device)
     width = int(ctx.comm.all_reduce_max(width).item())  # every rank joins, even one without prompts
     baseline_G = torch.zeros(len(rows))
-    prompts, samples = [batch["prompt"][i] for i in rows], [batch["sample"][i] for i in rows]
+    prompts, samples = [batch[PROMPT][i] for i in rows], [batch[SAMPLE][i] for i in rows]
     with gathered(ctx.engines.rollout_model):  # entered by every rank, even one without prompts
         out = (
             generate(
@@ -163,13 +177,13 @@ def reward(batch: Batch, ctx: StageContext) -> Batch:
     Each reward call and each verifier call gets its own copy of the sample's row."""
     from distflow.engines.reward import private_copy
 
-    scores = ctx.engines.rewards.score(batch["prompt"], batch["completion"], batch["sample"])
-    if "turn_reward" in batch.fields():  # multi-turn: the environment's rewards count too
-        env_B = batch["turn_reward"].sum(-1).to(scores.reward_B.device, scores.reward_B.dtype)
+    scores = ctx.engines.rewards.score(batch[PROMPT], batch[COMPLETION], batch[SAMPLE])
+    if TURN_REWARD in batch.fields():  # multi-turn: the environment's rewards count too
+        env_B = batch[TURN_REWARD].sum(-1).to(scores.reward_B.device, scores.reward_B.dtype)
         ctx.metrics.mean("reward/env", float(env_B.sum()), len(batch))
         scores.reward_B = scores.reward_B + env_B
     num_correct = sum(
-        ctx.engines.is_correct(c, private_copy(s)) for c, s in zip(batch["completion"], batch["sample"], strict=True)
+        ctx.engines.is_correct(c, private_copy(s)) for c, s in zip(batch[COMPLETION], batch[SAMPLE], strict=True)
     )
     ctx.metrics.mean("reward/mean", float(scores.reward_B.sum()), len(batch))
     for name, total in scores.term_sums.items():
@@ -185,55 +199,41 @@ def overlong_penalty(batch: Batch, ctx: StageContext) -> Batch:
     from distflow.algorithms.shaping import overlong_penalty as penalty_of
 
     algo = ctx.config.algorithm
-    length_B = batch["response_mask"].sum(-1)
+    length_B = batch[RESPONSE_MASK].sum(-1)
     penalty_B = penalty_of(
         length_B,
         max_length=ctx.engines.sampling.max_new_tokens,
         buffer=algo.overlong.buffer,
         penalty=algo.overlong.penalty,
-    ).to(batch["reward"].dtype)
+    ).to(batch[REWARD].dtype)
     ctx.metrics.mean("reward/overlong_penalty", float(penalty_B.sum()), len(batch))
-    return batch.updated(reward=batch["reward"] + penalty_B)
+    return batch.updated(reward=batch[REWARD] + penalty_B)
 
 
 def reward_clip(batch: Batch, ctx: StageContext) -> Batch:
     """Rewards clamped to ±`algorithm.reward_clip`; the share of clamped samples is logged."""
     from distflow.algorithms.shaping import clip_reward
 
-    reward_B = batch["reward"]
+    reward_B = batch[REWARD]
     clipped_B = clip_reward(reward_B, limit=ctx.config.algorithm.reward_clip)
     ctx.metrics.mean("reward/clipped_fraction", float((clipped_B != reward_B).sum()), len(batch))
     return batch.updated(reward=clipped_B)
 
 
 def old_logprob(batch: Batch, ctx: StageContext) -> Batch:
-    return batch.updated(old_logp=ctx.engines.policy.logprobs(batch, ctx.config.passes.micro_batch_size))
+    return batch.updated(old_logp=ctx.engines.policy.logprobs(batch))
 
 
 def reference_logprob(batch: Batch, ctx: StageContext) -> Batch:
-    from distflow.engines.logprobs import batch_logprobs
-    from distflow.engines.parallelize import gathered
-
     assert ctx.engines.reference is not None, "the pipeline builder adds this stage only with a reference model"
-    passes = ctx.config.passes
-    with gathered(ctx.engines.reference):  # fsdp2: every train rank gathers the reference together
-        # The policy's pass mode (passes.padding_free / shared_prefix): same values, and as fast.
-        ref_logp = batch_logprobs(
-            ctx.engines.reference,
-            batch,
-            micro_batch_size=passes.micro_batch_size,
-            temperature=ctx.engines.sampling.temperature,
-            padding_free=passes.padding_free,
-            shared_prefix=passes.shared_prefix,
-        )
-    return batch.updated(ref_logp=ref_logp)
+    return batch.updated(ref_logp=ctx.engines.reference.logprobs(batch))
 
 
 def values(batch: Batch, ctx: StageContext) -> Batch:
     """The critic's V(s_t) before each response token (PPO)."""
     assert ctx.engines.critic is not None, "the pipeline builder adds this stage only with a critic"
-    values_BR = ctx.engines.critic.values(batch, ctx.config.passes.micro_batch_size)
-    mask_BR = batch["response_mask"].float()
+    values_BR = ctx.engines.critic.values(batch)
+    mask_BR = batch[RESPONSE_MASK].float()
     ctx.metrics.mean("critic/values", float((values_BR * mask_BR).sum()), float(mask_BR.sum()))
     return batch.updated(values=values_BR)
 
@@ -264,8 +264,8 @@ class KLPenalty:
 
         algo = self.algo
         controller = kl_controller(algo.kl.controller, self.coef, target=algo.kl.target, horizon=algo.kl.horizon)
-        mask_BR = batch["response_mask"].float()
-        kl_BR = KL_ESTIMATORS[algo.kl.estimator](batch["old_logp"], batch["ref_logp"]) * mask_BR
+        mask_BR = batch[RESPONSE_MASK].float()
+        kl_BR = KL_ESTIMATORS[algo.kl.estimator](batch[OLD_LOGP], batch[REF_LOGP]) * mask_BR
         beta = controller.value
         # Step KL: mean over sequences of each sequence's token-mean KL (verl's convention).
         kl_B = kl_BR.sum(-1) / mask_BR.sum(-1).clamp(min=1)

@@ -217,7 +217,7 @@ class PolicyObjective:
 
 
 def policy_update(batch: Batch, ctx: StageContext) -> Batch:
-    algo, passes = ctx.config.algorithm, ctx.config.passes
+    algo = ctx.config.algorithm
     if ctx.step <= algo.critic.warmup_steps:  # PPO: let the critic learn the values first
         ctx.metrics.total("train/critic_warmup_steps", 1.0 / ctx.comm.world_size)
         return batch
@@ -234,14 +234,7 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
         if normalizer == 0:  # every group of this mini-batch had equal rewards: no signal
             ctx.metrics.total("train/skipped_empty_steps", 1.0 / ctx.comm.world_size)
             continue
-        stats = ctx.engines.policy.update(
-            mini,
-            objective,
-            normalizer,
-            passes.micro_batch_size,
-            micro_batch_tokens=passes.micro_batch_tokens,
-            entropy_grad=algo.entropy_coef > 0,
-        )
+        stats = ctx.engines.policy.update(mini, objective, normalizer, entropy_grad=algo.entropy_coef > 0)
         _record_update(ctx, "train", stats, float(mask_BR.sum()))
         ctx.metrics.total("tokens/trained", float(mini[ATTENTION_MASK].sum()))
     ctx.metrics.maximum("train/optimizer_state_bytes", float(ctx.engines.policy.optimizer_state_bytes()))
@@ -265,7 +258,7 @@ def critic_update(batch: Batch, ctx: StageContext) -> Batch:
     from distflow.algorithms.aggregation import loss_sum
     from distflow.algorithms.losses import value_clip_loss
 
-    algo, passes = ctx.config.algorithm, ctx.config.passes
+    algo = ctx.config.algorithm
 
     def loss_fn(micro: Batch, values_BR, _):
         mask_BR = micro[RESPONSE_MASK].float()
@@ -276,8 +269,6 @@ def critic_update(batch: Batch, ctx: StageContext) -> Batch:
     for mini in mini_batches(batch, ctx):
         mask_BR = mini[RESPONSE_MASK].float()
         normalizer = global_normalizer(mask_BR, "token-mean", ctx)
-        stats = ctx.engines.critic.update(
-            mini, loss_fn, normalizer, passes.micro_batch_size, micro_batch_tokens=passes.micro_batch_tokens
-        )
+        stats = ctx.engines.critic.update(mini, loss_fn, normalizer)
         _record_update(ctx, "critic", stats, float(mask_BR.sum()))
     return batch

@@ -107,7 +107,7 @@ class CriticEngine(TrainableEngine):
         return values_BR, torch.zeros_like(values_BR.detach())
 
     @torch.no_grad()
-    def values(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+    def values(self, batch: Batch) -> torch.Tensor:
         """values_BR of this rank's share; every train rank calls it together (fsdp2 gathers)."""
         was_training = self.model.training
         self.model.eval()
@@ -122,7 +122,7 @@ class CriticEngine(TrainableEngine):
                     padding_free=self.passes.padding_free,
                     shared_prefix=self.passes.shared_prefix,
                 )
-                for mb in batch.micro_batches(micro_batch_size)
+                for mb in batch.micro_batches(self.passes.micro_batch_size)
             ]
         self.model.train(was_training)
         return torch.cat(out) if out else torch.zeros((0, width), device=batch["input_ids"].device)

@@ -1,7 +1,10 @@
-"""The trainable policy: log-probs and entropies of the response tokens under the sampling temperature.
+"""The trainable policy and the frozen reference: log-probs (and the policy's entropies) of the
+response tokens under the sampling temperature.
 
 Its wrapper, optimizer, schedule and optimizer step are `TrainableEngine`'s (engines/trainable.py),
-shared with the critic.
+shared with the critic. Both engines take their log-probs in the pass mode they were built with
+(`passes`: micro-batch size, padded, packed or sharing prompts), so the reference's values are
+computed as the policy's, and as fast.
 """
 
 from __future__ import annotations
@@ -31,17 +34,9 @@ class PolicyEngine(TrainableEngine):
         self.temperature = temperature  # log-probs are taken under the sampling distribution
         super().__init__(model, comm, optim, parallel=parallel, passes=passes)
 
-    def logprobs(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+    def logprobs(self, batch: Batch) -> torch.Tensor:
         """Response log-probs of this rank's share; every train rank calls it together (fsdp2 gathers)."""
-        with gathered(self.model):
-            return batch_logprobs(
-                self.model,
-                batch,
-                micro_batch_size=micro_batch_size,
-                temperature=self.temperature,
-                padding_free=self.passes.padding_free,
-                shared_prefix=self.passes.shared_prefix,
-            )
+        return _gathered_logprobs(self.model, batch, self.temperature, self.passes)
 
     def forward(self, micro: Batch, *, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(logp_BR, entropy_BR) of a micro-batch's response tokens through the data-parallel wrapper."""
@@ -56,4 +51,30 @@ class PolicyEngine(TrainableEngine):
             padding_free=self.passes.padding_free,
             shared_prefix=self.passes.shared_prefix,
             lockstep=is_sharded(self.wrapped),
+        )
+
+
+class ReferenceEngine:
+    """The frozen reference policy: a copy of the model (sharded like the policy under fsdp2) or,
+    under LoRA, the policy's own module with its adapters off (engines/lora.py's `AdaptersOff`)."""
+
+    def __init__(self, model: torch.nn.Module, *, temperature: float, passes: PassesConfig | None = None) -> None:
+        self.model = model
+        self.temperature = temperature
+        self.passes = passes or PassesConfig()
+
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        """Response log-probs of this rank's share; every train rank calls it together (fsdp2 gathers)."""
+        return _gathered_logprobs(self.model, batch, self.temperature, self.passes)
+
+
+def _gathered_logprobs(model: torch.nn.Module, batch: Batch, temperature: float, passes: PassesConfig) -> torch.Tensor:
+    with gathered(model):
+        return batch_logprobs(
+            model,
+            batch,
+            micro_batch_size=passes.micro_batch_size,
+            temperature=temperature,
+            padding_free=passes.padding_free,
+            shared_prefix=passes.shared_prefix,
         )

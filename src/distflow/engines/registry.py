@@ -136,16 +136,20 @@ def _model(build: EngineBuild):
 
 
 def _reference(build: EngineBuild):
-    """A frozen copy of the model (under LoRA: the policy with its adapters disabled)."""
+    """A frozen copy of the model (under LoRA: the policy with its adapters disabled), its log-probs
+    taken as the policy's (the sampling temperature, `passes`)."""
     from distflow.engines.lora import AdaptersOff
     from distflow.engines.parallelize import frozen_copy
+    from distflow.engines.policy import ReferenceEngine
 
-    if build.config.model.lora.enabled:
-        return AdaptersOff(build.model)
-    reference = frozen_copy(build.model, build.comm, build.config.parallel)
-    if build.sharded_from is not None:
-        build.load_sharded(reference)
-    return reference
+    config = build.config
+    if config.model.lora.enabled:
+        model = AdaptersOff(build.model)
+    else:
+        model = frozen_copy(build.model, build.comm, config.parallel)
+        if build.sharded_from is not None:
+            build.load_sharded(model)
+    return ReferenceEngine(model, temperature=build.sampling.temperature, passes=config.passes)
 
 
 def _policy(build: EngineBuild):

@@ -73,20 +73,18 @@ class TrainableEngine(abc.ABC):
         mini_batch: Batch,
         loss_fn: LossFn,
         num_loss_tokens_global: float,
-        micro_batch_size: int,
         *,
-        micro_batch_tokens: int = 0,
         entropy_grad: bool = False,
     ) -> dict[str, float]:
         """One optimizer step over `mini_batch` (this rank's share); returns local stat sums.
 
-        Micro-batches hold `micro_batch_size` sequences, or with `micro_batch_tokens` > 0 are
-        packed by that token budget (first-fit decreasing, columns of pure padding dropped).
+        Micro-batches hold `passes.micro_batch_size` sequences, or with `passes.micro_batch_tokens`
+        > 0 are packed by that token budget (first-fit decreasing, columns of pure padding dropped).
         A rank whose share is empty (a short dynamic-sampling step) still joins the gradient
         all-reduce, with a zero gradient, so its peers' step is unchanged.
         """
         self.model.train()
-        micros = self._micro_batches(mini_batch, micro_batch_size, micro_batch_tokens)
+        micros = self._micro_batches(mini_batch)
         num_passes = self._num_passes(len(micros))
         self.optimizer.zero_grad(set_to_none=True)
         # The micro-batches' stats and losses stay on the device until the step's one read on the
@@ -131,13 +129,13 @@ class TrainableEngine(abc.ABC):
     def optimizer_state_bytes(self) -> int:
         return optimizer_state_bytes(self.optimizer)
 
-    def _micro_batches(self, mini_batch: Batch, micro_batch_size: int, micro_batch_tokens: int) -> list[Batch]:
-        if micro_batch_tokens <= 0:
-            return mini_batch.micro_batches(micro_batch_size)
+    def _micro_batches(self, mini_batch: Batch) -> list[Batch]:
+        if self.passes.micro_batch_tokens <= 0:
+            return mini_batch.micro_batches(self.passes.micro_batch_size)
         lengths = mini_batch["attention_mask"].sum(-1).tolist()
         return [
             _trim_left_padding(mini_batch.select(index))
-            for index in token_budget_micro_batches(lengths, micro_batch_tokens)
+            for index in token_budget_micro_batches(lengths, self.passes.micro_batch_tokens)
         ]
 
     def _num_passes(self, num_micros: int) -> int:
