@@ -50,13 +50,16 @@ def quiet(log: bool) -> bool:
 
 def quiet_child_environment() -> dict[str, str]:
     """Variables a quiet child engine's processes inherit (set only while the engine is made): the
-    FutureWarning filter as a -W option (the user's own PYTHONWARNINGS kept before it), and torch's C++
-    log at ERROR (vLLM's CPU worker logs its NUMA binding through it, a `[W...] Warning:` line)."""
+    FutureWarning filter as a -W option (the user's own PYTHONWARNINGS kept before it), torch's C++
+    log at ERROR (vLLM's CPU worker logs its NUMA binding through it, a `[W...] Warning:` line), and
+    torch's "Triton not available" warning at ERROR (`TORCH_LOGS`; a CPU environment has no triton)."""
     option = f"ignore:{REDUCE_OP_WARNING}:FutureWarning:{DISPATCHER}"
     user = os.environ.get("PYTHONWARNINGS")
     env = {"PYTHONWARNINGS": f"{user},{option}" if user else option}
     if "TORCH_CPP_LOG_LEVEL" not in os.environ:
         env["TORCH_CPP_LOG_LEVEL"] = QUIET_LEVEL
+    if "TORCH_LOGS" not in os.environ:
+        env["TORCH_LOGS"] = "-torch._library.triton"
     return env
 
 
