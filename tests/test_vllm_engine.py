@@ -47,6 +47,14 @@ def test_the_engine_runs_in_the_ranks_process_only_when_every_rank_rolls_out_in_
     assert not isinstance(build_engine(load_config(None, DISAGGREGATED)), VllmRollout)  # another engine: no vLLM
 
 
+def test_rollout_vllm_log_reaches_the_engine():
+    """`rollout.vllm.log=true` (vLLM's own log shown) is the engine's `log`, handed to every vLLM engine it makes."""
+    from distflow.rollout.engine import build_engine
+
+    assert build_engine(load_config(None, ["rollout.engine=vllm", "rollout.vllm.log=true"])).log is True
+    assert build_engine(load_config(None, ["rollout.engine=vllm"])).log is False
+
+
 def test_shared_weights_round_trip_and_outlive_their_file():
     """The rank writes named tensors into one file, the worker maps it and reads views: the same
     tensors, dtypes and shapes at aligned offsets; after the file is unlinked both mappings stay."""
