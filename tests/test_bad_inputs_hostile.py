@@ -199,6 +199,26 @@ def test_ctrl_c_during_the_embedded_warm_start_is_one_line_and_130(tmp_path):
     assert not cache.exists() or list(cache.iterdir()) == []
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the raise CPython drops
+def test_a_ctrl_c_that_cpython_drops_in_a_finalizer_is_raised_again():
+    """The test above failed once under load: the whole run went on after the Ctrl-C. A KeyboardInterrupt
+    raised while the main thread runs a finalizer (`__del__`) is printed and dropped by CPython; during
+    the warm-start it is raised again until it lands."""
+    import time
+
+    from distflow.runtime.start import _interrupts_that_land
+
+    class SendsCtrlC:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)  # the handler runs in this finalizer: CPython drops its raise
+
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt), _interrupts_that_land():
+        SendsCtrlC()
+        while time.monotonic() - start < 1800:  # a bound, not a measurement: it ends at the repeated Ctrl-C
+            time.sleep(0.01)
+
+
 # sitecustomize runs in every Python process started with its directory on PYTHONPATH. The file
 # object rank 0 appends metrics.jsonl through behaves as a filling disk does at step FULL_AT:
 # write(2) takes half the record, then refuses the rest with ENOSPC.

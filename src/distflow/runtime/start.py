@@ -15,9 +15,12 @@ Failures: a ConfigError for user errors (before any rank, or from a one-process 
 
 from __future__ import annotations
 
+import _thread
+import contextlib
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -116,7 +119,8 @@ def _prepare_model(config: Config) -> None:
     if not prepared_per_node(config):
         return
     try:
-        model_dirs(config, builder=True, log=lambda text: print(text, file=sys.stderr, flush=True))
+        with _interrupts_that_land():
+            model_dirs(config, builder=True, log=lambda text: print(text, file=sys.stderr, flush=True))
     except KeyboardInterrupt:
         what = (
             "the warm-start of the embedded model"
@@ -131,10 +135,42 @@ def _prepare_model(config: Config) -> None:
         raise RunFailed(line, 128 + signal.SIGINT) from None
 
 
+@contextlib.contextmanager
+def _interrupts_that_land():
+    """Ctrl-C raises KeyboardInterrupt at the main thread's next bytecode; when that bytecode is in a
+    finalizer (an object's `__del__`, run whenever the last reference goes), CPython prints and drops
+    the exception, and the work went on to the end (seen under load: the whole run went on). While
+    this block runs, a Ctrl-C is raised again every second until it leaves the block."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    interrupted, left = threading.Event(), threading.Event()
+
+    def on_sigint(signum, frame):
+        if not left.is_set():
+            interrupted.set()
+            raise KeyboardInterrupt
+
+    def raise_again() -> None:
+        interrupted.wait()
+        while not left.wait(1.0):
+            _thread.interrupt_main()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    watcher = threading.Thread(target=raise_again, name="distflow-ctrl-c", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        left.set()
+        interrupted.set()  # the watcher ends
+        watcher.join()
+        signal.signal(signal.SIGINT, previous)
+
+
 def _launch(config: Config, nproc: int, resume: str | None, max_restarts: int) -> tuple[dict, dict[str, float]]:
     """`nproc` ranks of `python -m distflow train` on the resolved config, written into the run directory
     for the launch (so the ranks' command lines name the run); their results, read back."""
-    import contextlib
     import json
 
     from distflow.runtime.launcher import Stopped, launch
