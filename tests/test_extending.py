@@ -14,6 +14,40 @@ from distflow.dag.graph import Graph, Stage
 from distflow.dag.pipelines import LOADER_FIELDS, build_graph
 from distflow.data.batch import Batch
 
+TINY_RUN = [
+    "trainer.prompts_per_step=2",
+    "rollout.num_samples=4",
+    "trainer.eval_every=0",
+    "trainer.eval_samples=1",
+    "task.num_heldout=40",
+    "warmstart.target_accuracy=0",
+    "trainer.progress_bar=false",
+    "checkpoint.at_end=false",
+    "trainer.loggers=[jsonl]",
+]
+SHAPING = "def length(prompt, completion, sample):\n    return float(len(completion))\n"
+"""A reward that differs within a group (`task.rewards=[{fn: 'shaping:length'}]`): the update runs."""
+
+
+def _train_tiny(tmp_path, *overrides: str, steps: int = 1) -> list[dict]:
+    """`distflow train` of the embedded default for `steps` tiny steps from `tmp_path` (where the user's
+    modules are); the run's metrics records."""
+    result = run_cli(
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        *TINY_RUN,
+        f"trainer.total_steps={steps}",
+        f"warmstart.cache_dir={tmp_path / 'cache'}",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=run",
+        *overrides,
+        cwd=tmp_path,
+        timeout=1800,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+
+
 # A user's module: a toy engine (a constant bonus, built from the config on the train ranks) and a
 # GRPO pipeline with one stage of its own between the reward and the advantage that uses it.
 TOY = """
@@ -128,27 +162,7 @@ def test_a_run_trains_through_a_custom_pipeline_with_its_own_engine(tmp_path):
     """The real entry point: the builder's module registers the engine on the rank, the rank builds it
     (it is used by a train stage), and the stage reads it: the bonus is 0.25 x 4 samples = 1.0."""
     (tmp_path / "toy_pipeline.py").write_text(TOY)
-    result = run_cli(
-        "train",
-        str(REPO / "examples/arith_grpo.yaml"),
-        "pipeline.builder=toy_pipeline:build",
-        "trainer.total_steps=1",
-        "trainer.prompts_per_step=2",
-        "rollout.num_samples=4",
-        "trainer.eval_every=0",
-        "task.num_heldout=40",
-        "warmstart.target_accuracy=0",
-        "trainer.progress_bar=false",
-        "checkpoint.at_end=false",
-        "trainer.loggers=[jsonl]",
-        f"warmstart.cache_dir={tmp_path / 'cache'}",
-        f"trainer.output_dir={tmp_path}",
-        "trainer.run_name=run",
-        cwd=tmp_path,
-        timeout=1800,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    records = _train_tiny(tmp_path, "pipeline.builder=toy_pipeline:build")
     step = next(r for r in records if r.get("step") == 1)
     assert step["toy/bonus"] == 1.0
 
@@ -250,35 +264,18 @@ def test_a_run_rolls_out_with_an_engine_of_ones_own(toy_engine):
     """The real entry point: `rollout.engine: module:Class` is built on the rank, samples every rollout,
     records the log-probs it declares (their gap to the trainer's is logged), and is closed."""
     tmp_path = toy_engine
-    (tmp_path / "shaping.py").write_text("def length(prompt, completion, sample):\n    return float(len(completion))\n")
-    result = run_cli(
-        "train",
-        str(REPO / "examples/arith_grpo.yaml"),
+    (tmp_path / "shaping.py").write_text(SHAPING)
+    records = _train_tiny(
+        tmp_path,
         "rollout.engine=toy_engine:Salted",
-        "task.rewards=[{fn: 'shaping:length'}]",  # rewards that differ within a group: the update runs
+        "task.rewards=[{fn: 'shaping:length'}]",
         f"rollout.options={{journal: {tmp_path / 'journal'}}}",
-        "trainer.total_steps=2",
-        "trainer.prompts_per_step=2",
-        "rollout.num_samples=4",
-        "trainer.eval_every=0",
-        "trainer.eval_samples=1",
-        "task.num_heldout=40",
-        "warmstart.target_accuracy=0",
-        "trainer.progress_bar=false",
-        "checkpoint.at_end=false",
-        "trainer.loggers=[jsonl]",
-        f"warmstart.cache_dir={tmp_path / 'cache'}",
-        f"trainer.output_dir={tmp_path}",
-        "trainer.run_name=run",
-        cwd=tmp_path,
-        timeout=1800,
+        steps=2,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     journal = [json.loads(line) for line in (tmp_path / "journal").read_text().splitlines()]
     rollouts = [r for r in journal if r.get("logprobs")]
     assert [r["rows"] for r in rollouts] == [8, 8]  # 2 prompts x 4 samples, at steps 1 and 2
     assert journal[-1]["closed"] is True
-    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     step = next(r for r in records if r.get("step") == 1)
     assert step["mismatch/logp_abs_diff_max"] < 1e-4, step  # the same model: the same log-probs
 
@@ -336,30 +333,9 @@ def test_a_run_trains_on_rows_from_a_task_source_of_ones_own(tmp_path):
     """`task.source: module:function` is the door: the function builds the task on each rank from rows
     it fetches over HTTP, and the addition task's rules (its held-out rule) are not applied to it."""
     (tmp_path / "http_task.py").write_text(HTTP_TASK)
-    result = run_cli(
-        "train",
-        str(REPO / "examples/arith_grpo.yaml"),
-        "task.source=http_task:rows_over_http",
-        "task.num_heldout=20",
-        "trainer.total_steps=2",
-        "trainer.prompts_per_step=2",
-        "rollout.num_samples=4",
-        "trainer.eval_every=0",
-        "trainer.eval_samples=1",
-        "warmstart.target_accuracy=0",
-        "trainer.progress_bar=false",
-        "checkpoint.at_end=false",
-        "trainer.loggers=[jsonl]",
-        f"warmstart.cache_dir={tmp_path / 'cache'}",
-        f"trainer.output_dir={tmp_path}",
-        "trainer.run_name=run",
-        "--nproc",
-        "2",
-        cwd=tmp_path,
-        timeout=1800,
+    records = _train_tiny(
+        tmp_path, "task.source=http_task:rows_over_http", "task.num_heldout=20", "--nproc", "2", steps=2
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "reward/mean" in r] == [1, 2]
     assert "eval/accuracy" in records[0]  # the held-out rows it served were evaluated
 
@@ -439,28 +415,9 @@ def test_an_estimator_of_ones_own_adds_its_stage_and_the_pieces_compose_for_ever
 
 def test_a_run_trains_with_an_estimator_of_ones_own(tmp_path):
     (tmp_path / "rank_estimator.py").write_text(RANK_ESTIMATOR)
-    (tmp_path / "shaping.py").write_text("def length(prompt, completion, sample):\n    return float(len(completion))\n")
-    result = run_cli(
-        "train",
-        str(REPO / "examples/arith_grpo.yaml"),
-        "algorithm.estimator=rank_estimator:RANKED",
-        "task.rewards=[{fn: 'shaping:length'}]",
-        "trainer.total_steps=1",
-        "trainer.prompts_per_step=2",
-        "rollout.num_samples=4",
-        "trainer.eval_every=0",
-        "task.num_heldout=40",
-        "warmstart.target_accuracy=0",
-        "trainer.progress_bar=false",
-        "checkpoint.at_end=false",
-        "trainer.loggers=[jsonl]",
-        f"warmstart.cache_dir={tmp_path / 'cache'}",
-        f"trainer.output_dir={tmp_path}",
-        "trainer.run_name=run",
-        cwd=tmp_path,
-        timeout=1800,
+    (tmp_path / "shaping.py").write_text(SHAPING)
+    records = _train_tiny(
+        tmp_path, "algorithm.estimator=rank_estimator:RANKED", "task.rewards=[{fn: 'shaping:length'}]"
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     step = next(r for r in records if r.get("step") == 1)
     assert step["toy/rank_mean"] == 1.5  # ranks 0..3 of each group of 4 (ties broken by position)
