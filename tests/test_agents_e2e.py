@@ -75,3 +75,49 @@ def test_an_agent_trains_through_the_endpoint_the_same_on_1_and_2_ranks(tmp_path
     assert "a tool this agent needed was down" in stderr
     same = ("reward/mean", "response/length", "agent/agent_errors", "tokens/generated", "reward/env")
     assert {k: two[0][k] for k in same} == {k: first[k] for k in same}  # the same samples at 2 ranks
+
+
+HOSTILE = '''
+import threading
+import time
+
+import openai
+
+
+def hostile(client: openai.OpenAI, sample: dict):
+    """What the sample's answer picks: never calls the model; calls it 1,000 times; sends a malformed
+    request; calls once, then keeps calling after it returned."""
+    kind = int(sample["answer"]) % 4
+    ask = dict(model="distflow-policy", messages=[{"role": "user", "content": sample["prompt"]}], max_tokens=4)
+    if kind == 0:
+        return 1.0
+    if kind == 1:
+        for _ in range(1000):
+            client.chat.completions.create(**ask)
+    if kind == 2:
+        client.chat.completions.create(model="distflow-policy", messages=[], max_tokens=4)
+    client.chat.completions.create(**ask)
+
+    def later():
+        time.sleep(0.2)
+        try:
+            client.chat.completions.create(**ask)
+        except Exception as err:  # refused (410, 404) or the episode's client already closed
+            print(f"late request refused: {type(err).__name__}", flush=True)
+
+    threading.Thread(target=later, daemon=True).start()
+    return None
+'''
+
+
+def test_hostile_agents_are_counted_and_nothing_hangs(tmp_path, cache_dir):
+    (tmp_path / "hostile.py").write_text(HOSTILE)
+    records, stderr = _train(
+        tmp_path, cache_dir, "hostile", "rollout.agent=hostile:hostile", "trainer.prompts_per_step=8"
+    )
+    counts = {key: sum(r[f"agent/{key}"] for r in records) for key in ("no_model_calls", "over_cap_requests")}
+    counts["malformed_requests"] = sum(r["agent/malformed_requests"] for r in records)
+    counts["agent_errors"] = sum(r["agent/agent_errors"] for r in records)
+    assert counts["no_model_calls"] > 0  # scores env.default_reward, not the 1.0 it returned
+    assert counts["over_cap_requests"] > 0 and counts["malformed_requests"] > 0
+    assert counts["agent_errors"] > 0 and "agent episode(s) failed; first: uid" in stderr

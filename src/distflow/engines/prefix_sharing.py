@@ -98,8 +98,8 @@ def shared_prefix_outputs(
     for rows_N, length in buckets:
         # A response's last token predicts nothing: L - 1 columns (in lockstep all R, never none).
         columns = response_width if lockstep else length - 1
-        if columns == 0:  # responses of one token are predicted by their prompt's last column alone
-            continue
+        if columns <= 0:  # responses of one token are predicted by their prompt's last column alone (of none:
+            continue  # nothing; an agent episode that never called the model has an empty response)
         end = width + columns
         gathered = _read_only_cache(model_config, cache, index_B[rows_N])  # the backward sums each prompt's rows
         out = forward(
