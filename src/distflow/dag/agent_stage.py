@@ -40,12 +40,12 @@ class AgentRolloutStage:
     def __call__(self, batch: Batch, ctx: StageContext) -> Batch:
         import torch
 
-        from distflow.dag.stages import policy_versions
+        from distflow.dag.stages import policy_versions, sample_uids
         from distflow.engines.parallelize import gathered
 
         n = ctx.config.rollout.num_samples
         expanded = batch.repeat_interleave(n)
-        uids = [u * n + k % n for k, u in enumerate(expanded[UID])]
+        uids = sample_uids(expanded[UID], n)
         rows = [dict(row) for row in expanded[SAMPLE]]
         with gathered(ctx.engines.rollout_model):  # the endpoint samples from the whole policy
             result = self._rollout(ctx).run(rows, uids)

@@ -39,7 +39,7 @@ WRITES = (*SEQUENCE, COMPLETION, GROUP, ROLLOUT_LOGP, TURN_REWARD)
 def env_rollout(batch: Batch, ctx: StageContext) -> Batch:
     import torch
 
-    from distflow.dag.stages import policy_versions
+    from distflow.dag.stages import policy_versions, sample_uids
     from distflow.engines.multiturn import Trajectory, TurnLimits, reset_all, roll_out, turn_generator
     from distflow.engines.parallelize import gathered
     from distflow.envs import environment_class
@@ -47,7 +47,7 @@ def env_rollout(batch: Batch, ctx: StageContext) -> Batch:
     cfg, n = ctx.config.env, ctx.config.rollout.num_samples
     expanded = batch.repeat_interleave(n)
     prompt_uids = expanded[UID]
-    uids = [u * n + k % n for k, u in enumerate(prompt_uids)]
+    uids = sample_uids(prompt_uids, n)
     cls = environment_class(cfg.cls)
     limits = TurnLimits(cfg.max_turns, cfg.max_tokens, cfg.default_reward, cfg.num_workers)
     trajs = [

@@ -53,6 +53,12 @@ def behaviour_fields(config) -> tuple[str, ...]:
     return ((ROLLOUT_LOGP,) if records else ()) + ((POLICY_VERSION,) if staleness > 0 else ())
 
 
+def sample_uids(prompt_uids: list[int], n: int) -> list[int]:
+    """Sample k of prompt u is uid u·n + k (rows of a batch repeated n times, `repeat_interleave`): a
+    sample's uid, and so its sampling keys, do not depend on the rank or the batch it is in."""
+    return [u * n + k % n for k, u in enumerate(prompt_uids)]
+
+
 def policy_versions(ctx: StageContext, count: int) -> dict:
     """With stale samples (`asynchronous.max_staleness` > 0), each of `count` samples' `policy_version`:
     the one runtime/pipelined.py hands down in `ctx.policy_version` (the schedule's, max(0, step - 1 - k),
@@ -81,7 +87,7 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
     n = ctx.config.rollout.num_samples
     expanded = batch.repeat_interleave(n)
     prompt_uids = expanded[UID]
-    uids = [u * n + k % n for k, u in enumerate(prompt_uids)]
+    uids = sample_uids(prompt_uids, n)
     width = torch.tensor([max(len(ids) for ids in batch[PROMPT_IDS])], device=ctx.comm.device)
     width = int(ctx.comm.all_reduce_max(width).item())
     sampling = ctx.engines.sampling

@@ -52,9 +52,12 @@ class TaskSource(Component):
         only_own_keys(config.task, cls.keys)
 
 
-SOURCE_KEYS = {"files": ("train_file", "heldout_file", "given_rows"), "datasets": ("dataset",)}
-SOURCE_KEYS["reasoning_gym"] = ("reasoning_gym",)
-"""The `task.*` keys that belong to one built-in source (unset: None)."""
+SOURCE_KEYS = {
+    "files": ("train_file", "heldout_file", "given_rows"),
+    "datasets": ("dataset",),
+    "reasoning_gym": ("reasoning_gym",),
+}
+"""The `task.*` keys that belong to one built-in source (unset: None); each source's `keys` is its entry."""
 
 
 def only_own_keys(task: Any, own: tuple[str, ...]) -> None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from distflow.config.errors import check
 from distflow.data.sources import RowSource, open_rows
-from distflow.tasks.build import TaskSource
+from distflow.tasks.build import SOURCE_KEYS, TaskSource
 
 if TYPE_CHECKING:
     from distflow.config.schema import Config
@@ -151,7 +151,7 @@ class Files(TaskSource):
     """`task.source: files`: verl-format rows in `task.train_file` / `task.heldout_file`."""
 
     name = "files"
-    keys = ("train_file", "heldout_file", "given_rows")
+    keys = SOURCE_KEYS["files"]
 
     @classmethod
     def build(cls, config: Config, tokenizer: Any) -> MathTask:
@@ -175,7 +175,7 @@ class Datasets(TaskSource):
     """`task.source: datasets`: the rows of a `datasets` dataset (`task.dataset`)."""
 
     name = "datasets"
-    keys = ("dataset",)
+    keys = SOURCE_KEYS["datasets"]
 
     @classmethod
     def build(cls, config: Config, tokenizer: Any) -> MathTask:

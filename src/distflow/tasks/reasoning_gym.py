@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from distflow.config.errors import ConfigError, check
 from distflow.seeding import derive_seed
-from distflow.tasks.build import TaskSource
+from distflow.tasks.build import SOURCE_KEYS, TaskSource
 from distflow.tasks.math_answers import ChatRows
 
 if TYPE_CHECKING:
@@ -208,7 +208,7 @@ class ReasoningGym(TaskSource):
     """`task.source: reasoning_gym`: procedural tasks from the reasoning-gym package (`task.reasoning_gym`)."""
 
     name = "reasoning_gym"
-    keys = ("reasoning_gym",)
+    keys = SOURCE_KEYS["reasoning_gym"]
 
     @classmethod
     def build(cls, config: Config, tokenizer: Any) -> GymTask:
