@@ -3,7 +3,17 @@
 import pytest
 import torch
 
-from distflow.algorithms.aggregation import LossAgg, aggregate_loss, finish_normalizer, loss_normalizer, loss_sum
+from distflow.algorithms.aggregation import (
+    SeqMeanTokenMean,
+    SeqMeanTokenSumNorm,
+    TokenMean,
+    TokenSum,
+    aggregate_loss,
+    finish_normalizer,
+    loss_normalizer,
+    loss_sum,
+)
+from distflow.config.components import LOSS_AGGREGATIONS
 
 NAN = float("nan")
 
@@ -18,51 +28,50 @@ def _hand_batch():
 @pytest.mark.parametrize(
     ("mode", "expected_sum", "expected_normalizer", "expected"),
     [
-        (LossAgg.TOKEN_MEAN, 10.0, 4, 2.5),  # (1 + 2 + 3 + 4) / 4 tokens
-        (LossAgg.TOKEN_SUM, 10.0, 4, 10.0),  # 1 + 2 + 3 + 4, not divided (4 is only the share)
-        (LossAgg.SEQ_MEAN_TOKEN_SUM, 10.0, 2, 5.0),  # (6 + 4) / 2 sequences
-        (LossAgg.SEQ_MEAN_TOKEN_MEAN, 6.0, 2, 3.0),  # (6/3 + 4/1) / 2 sequences
-        (LossAgg.SEQ_MEAN_TOKEN_SUM_NORM, 10.0, 8, 1.25),  # (6 + 4) / (2 sequences · horizon 4)
+        ("token-mean", 10.0, 4, 2.5),  # (1 + 2 + 3 + 4) / 4 tokens
+        ("token-sum", 10.0, 4, 10.0),  # 1 + 2 + 3 + 4, not divided (4 is only the share)
+        ("seq-mean-token-sum", 10.0, 2, 5.0),  # (6 + 4) / 2 sequences
+        ("seq-mean-token-mean", 6.0, 2, 3.0),  # (6/3 + 4/1) / 2 sequences
+        ("seq-mean-token-sum-norm", 10.0, 8, 1.25),  # (6 + 4) / (2 sequences · horizon 4)
     ],
 )
 def test_aggregation_by_hand(mode, expected_sum, expected_normalizer, expected):
-    loss, mask = _hand_batch()
-    assert loss_sum(loss, mask, mode).item() == expected_sum
-    assert loss_normalizer(mask, mode, horizon=4).item() == expected_normalizer
-    assert aggregate_loss(loss, mask, mode, horizon=4).item() == expected
-    assert aggregate_loss(loss, mask, mode.value, horizon=4).item() == expected  # config strings work
+    loss, mask, agg = *_hand_batch(), LOSS_AGGREGATIONS[mode]  # the config's name, as the update stage does
+    assert loss_sum(loss, mask, agg).item() == expected_sum
+    assert loss_normalizer(mask, agg, horizon=4).item() == expected_normalizer
+    assert aggregate_loss(loss, mask, agg, horizon=4).item() == expected
 
 
 def test_masked_nan_leaves_the_gradient_finite():
     loss, mask = _hand_batch()
     loss.requires_grad_()
-    aggregate_loss(loss, mask, LossAgg.TOKEN_MEAN).backward()
+    aggregate_loss(loss, mask, TokenMean).backward()
     assert loss.grad.tolist() == [[0.25, 0.25, 0.25, 0.0], [0.25, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
 
 
 def test_sum_norm_needs_a_constant_horizon():
     with pytest.raises(ValueError, match="horizon"):
-        loss_normalizer(torch.ones(2, 3), LossAgg.SEQ_MEAN_TOKEN_SUM_NORM)
-    with pytest.raises(ValueError):
-        loss_normalizer(torch.ones(2, 3), "token-sums")
+        loss_normalizer(torch.ones(2, 3), SeqMeanTokenSumNorm)
+    with pytest.raises(ValueError, match="is not a loss aggregation"):
+        LOSS_AGGREGATIONS["token-sums"]
 
 
 def test_token_sum_normalizer_is_one_however_many_shards():
     # Shares 3 + 4 + 0 over three shards: the whole mini-batch still divides by 1.
-    assert finish_normalizer(torch.tensor(7), LossAgg.TOKEN_SUM).item() == 1
-    assert finish_normalizer(torch.tensor(0), LossAgg.TOKEN_SUM).item() == 0  # empty: nothing to train
-    assert finish_normalizer(torch.tensor(7), LossAgg.TOKEN_MEAN).item() == 7
+    assert finish_normalizer(torch.tensor(7), TokenSum).item() == 1
+    assert finish_normalizer(torch.tensor(0), TokenSum).item() == 0  # empty: nothing to train
+    assert finish_normalizer(torch.tensor(7), TokenMean).item() == 7
 
 
 def test_token_sum_gradient_is_one_per_valid_token():
     loss, mask = _hand_batch()
     loss.requires_grad_()
-    aggregate_loss(loss, mask, "token-sum").backward()
+    aggregate_loss(loss, mask, TokenSum).backward()
     assert loss.grad.tolist() == [[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
 
 
 def test_empty_batch_aggregates_to_zero():
-    assert aggregate_loss(torch.ones(2, 3), torch.zeros(2, 3), LossAgg.SEQ_MEAN_TOKEN_MEAN).item() == 0.0
+    assert aggregate_loss(torch.ones(2, 3), torch.zeros(2, 3), SeqMeanTokenMean).item() == 0.0
 
 
 HORIZON = 6
@@ -87,9 +96,10 @@ def _mask_BR(rows, width):
     return torch.arange(width).expand(len(rows), width) < torch.tensor([[LENGTHS[r]] for r in rows])
 
 
-@pytest.mark.parametrize("mode", list(LossAgg))
+@pytest.mark.parametrize("mode", LOSS_AGGREGATIONS.names())
 @pytest.mark.parametrize("split", list(SPLITS), ids=list(SPLITS))
 def test_split_invariance_of_value_and_gradient(mode, split):
+    mode = LOSS_AGGREGATIONS[mode]
     weight = torch.linspace(0.5, 2.0, 8 * HORIZON, dtype=torch.float64).reshape(8, HORIZON).requires_grad_()
     all_rows = list(range(8))
     one_shot = aggregate_loss(_loss_BR(weight, all_rows, HORIZON), _mask_BR(all_rows, HORIZON), mode, horizon=HORIZON)
@@ -119,8 +129,8 @@ def test_local_normalizers_would_depend_on_the_split():
     # The reason for the design: averaging per-micro-batch means is not the token mean.
     weight = torch.ones(8, HORIZON, dtype=torch.float64)
     rows = list(range(8))
-    one_shot = aggregate_loss(_loss_BR(weight, rows, HORIZON), _mask_BR(rows, HORIZON), LossAgg.TOKEN_MEAN)
-    naive = sum(
-        aggregate_loss(_loss_BR(weight, [r], HORIZON), _mask_BR([r], HORIZON), LossAgg.TOKEN_MEAN) for r in rows
-    ) / len(rows)
+    one_shot = aggregate_loss(_loss_BR(weight, rows, HORIZON), _mask_BR(rows, HORIZON), TokenMean)
+    naive = sum(aggregate_loss(_loss_BR(weight, [r], HORIZON), _mask_BR([r], HORIZON), TokenMean) for r in rows) / len(
+        rows
+    )
     assert abs(naive.item() - one_shot.item()) > 1e-3

@@ -5,8 +5,9 @@ import math
 
 import torch
 
+from distflow.algorithms import aggregation
 from distflow.algorithms.advantages import grpo_advantages, reinforce_pp_baseline_advantages, rloo_advantages
-from distflow.algorithms.aggregation import LossAgg, aggregate_loss
+from distflow.algorithms.aggregation import aggregate_loss
 from distflow.algorithms.returns import gae_advantages, reinforce_pp_advantages
 from distflow.dag.advantage_stages import _token_reward_BR
 from distflow.data.batch import Batch
@@ -71,8 +72,8 @@ def test_outcome_estimators_broadcast_over_model_tokens_only():
     # The policy-gradient loss of sequence 0 (-A·ratio at ratio 1) over a holed mask, seq-mean-token-mean:
     # its three model tokens average to -A; the two observation tokens (huge values) count for nothing.
     loss_BR = torch.tensor([[-1.0, 1e6, 1e6, -1.0, -1.0]]) * adv_B[0]
-    assert torch.allclose(aggregate_loss(loss_BR, HOLE_R, LossAgg.SEQ_MEAN_TOKEN_MEAN), -adv_B[0])
-    assert torch.allclose(aggregate_loss(loss_BR, HOLE_R, LossAgg.TOKEN_SUM), -3 * adv_B[0])
+    assert torch.allclose(aggregate_loss(loss_BR, HOLE_R, aggregation.SeqMeanTokenMean), -adv_B[0])
+    assert torch.allclose(aggregate_loss(loss_BR, HOLE_R, aggregation.TokenSum), -3 * adv_B[0])
 
 
 def test_reinforce_pp_baseline_whitens_over_model_tokens():
@@ -87,7 +88,7 @@ def test_reinforce_pp_baseline_whitens_over_model_tokens():
 def test_kl_aggregation_over_holes():
     """The step KL of a sequence is the mean over its model tokens (here (0.2 + 0.4 + 0.6)/3)."""
     kl_BR = torch.tensor([[0.2, 5.0, 5.0, 0.4, 0.6]])
-    assert torch.allclose(aggregate_loss(kl_BR, HOLE_R, LossAgg.TOKEN_MEAN), torch.tensor(0.4))
+    assert torch.allclose(aggregate_loss(kl_BR, HOLE_R, aggregation.TokenMean), torch.tensor(0.4))
 
 
 def test_turn_rewards_stay_on_their_turn():

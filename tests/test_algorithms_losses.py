@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from distflow.algorithms.aggregation import LossAgg, aggregate_loss
+from distflow.algorithms import aggregation
+from distflow.algorithms.aggregation import aggregate_loss
 from distflow.algorithms.kl import (
     AdaptiveKLController,
     FixedKLController,
@@ -79,7 +80,7 @@ def test_gspo_by_hand():
 def test_gspo_gradient_is_sequence_ratio_times_mean_token_gradient():
     logp, old, mask = _gspo_inputs()
     loss, _ = gspo_loss(logp, old, torch.tensor([1.0, 2.0], dtype=torch.float64), mask)
-    aggregate_loss(loss, mask, LossAgg.SEQ_MEAN_TOKEN_MEAN).backward()
+    aggregate_loss(loss, mask, aggregation.SeqMeanTokenMean).backward()
     # Clipped row 0: no gradient. Row 1: -A·s / |y| / (2 sequences) = -2·e^(2e-4) / 2 / 2 per valid token.
     assert logp.grad[0].tolist() == [0.0, 0.0, 0.0]
     assert logp.grad[1].tolist() == pytest.approx([-0.5001000100006667, -0.5001000100006667, 0.0], rel=1e-12)

@@ -8,22 +8,26 @@ import re
 import pytest
 import torch
 
-from distflow.algorithms import aggregation, kl
+from distflow.algorithms import kl
 from distflow.algorithms.advantages import (
     grpo_advantages,
     reinforce_pp_baseline_advantages,
     remax_advantages,
     rloo_advantages,
 )
-from distflow.algorithms.aggregation import LossAgg, aggregate_loss
+from distflow.algorithms.aggregation import SeqMeanTokenMean, aggregate_loss
 from distflow.algorithms.losses import gspo_loss, ppo_kl
 from distflow.algorithms.returns import reinforce_pp_advantages
 from distflow.algorithms.shaping import clip_reward
 from distflow.config import ConfigError, load_config
 from distflow.config.algorithm import ALGORITHMS, AlgorithmConfig, KLConfig
-from distflow.config.components import ESTIMATORS
-from distflow.dag import update_stages
-from distflow.dag.pipelines import check_choices
+from distflow.config.components import (
+    ESTIMATORS,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    OFF_POLICY_CORRECTIONS,
+    POLICY_LOSSES,
+)
 
 # Group 0 has one sample (reward 3); group 1 has two (1 and 0).
 REWARD = torch.tensor([3.0, 1.0, 0.0])
@@ -107,7 +111,7 @@ def test_abs_estimator_by_hand():
     ],
 )
 def test_straight_through_estimators_have_k2_gradient(name, value):
-    got_value, got_grad = _value_and_grad(kl.KL_ESTIMATORS[name])
+    got_value, got_grad = _value_and_grad(KL_ESTIMATORS[name])
     assert got_value == pytest.approx(value, rel=1e-6)
     # k2 = ½ (logp - ref)²: its gradient is the log-ratio 0, 1, -1 (k1's would be 1, 1, 1).
     assert got_grad == pytest.approx([0.0, 1.0, -1.0], abs=1e-7)
@@ -122,7 +126,7 @@ def test_gspo_clamps_the_sequence_log_ratio_at_ten_from_above_only():
     assert loss[0].tolist() == pytest.approx([math.exp(10.0)] * 2, rel=1e-12)
     # Row 1: log s = -30 is not clamped (a ±20 clamp would give e^-20); A = 1: max(-e^-30, -0.9997).
     assert loss[1].tolist() == pytest.approx([-math.exp(-30.0)] * 2, rel=1e-12)
-    aggregate_loss(loss, mask, LossAgg.SEQ_MEAN_TOKEN_MEAN).backward()
+    aggregate_loss(loss, mask, SeqMeanTokenMean).backward()
     # Row 0 is past the clamp: no gradient. Row 1: -A·s / |y| / 2 sequences per token.
     assert logp.grad[0].tolist() == [0.0, 0.0]
     assert logp.grad[1].tolist() == pytest.approx([-math.exp(-30.0) / 4] * 2, rel=1e-12)
@@ -136,19 +140,21 @@ def test_ppo_kl_by_hand():
     assert ((per_token * mask).sum() / mask.sum()).item() == -0.125  # the logged mean over loss tokens
 
 
-def test_config_choices_are_the_tables_names():
-    """One list per option: the check names exactly the dispatch table's keys, in its order."""
-    config = load_config(None)
-    for option, value, table in [
-        ("loss_agg", "mean", [mode.value for mode in aggregation.LossAgg]),
-        ("kl.estimator", "k4", list(kl.KL_ESTIMATORS)),
-        ("policy_loss", "grpo", list(update_stages.POLICY_LOSSES)),
+def test_config_choices_are_the_registries_names():
+    """One list per option: the check at load names exactly the registry's names, in its order."""
+    for option, value, registry in [
+        ("loss_agg", "mean", LOSS_AGGREGATIONS),
+        ("kl.estimator", "k4", KL_ESTIMATORS),
+        ("policy_loss", "grpo", POLICY_LOSSES),
+        ("off_policy_correction", "clip", OFF_POLICY_CORRECTIONS),
     ]:
-        bad = load_config(None, [f"algorithm.{option}={value}"])
-        with pytest.raises(ConfigError, match=re.escape(f"algorithm.{option} must be one of: {', '.join(table)} ")):
-            check_choices(bad)
-    check_choices(config)
+        names = ", ".join(registry.names())
+        with pytest.raises(ConfigError, match=re.escape(f"algorithm.{option} must be one of: {names} ")):
+            load_config(None, [f"algorithm.{option}={value}"])
+    load_config(None)
     assert all(builtin.estimator in ESTIMATORS for builtin in ALGORITHMS.values())
+    assert all(builtin.policy_loss in POLICY_LOSSES for builtin in ALGORITHMS.values())
+    assert all(builtin.loss_agg in LOSS_AGGREGATIONS for builtin in ALGORITHMS.values())
     assert "remax" in ESTIMATORS
 
 
@@ -159,5 +165,5 @@ def test_reward_clip_and_remax_config():
     for bad in (-1.0, float("nan")):
         with pytest.raises(ConfigError, match="reward_clip"):
             AlgorithmConfig(reward_clip=bad)
-    with pytest.raises(ConfigError, match="k1\\+, k3\\+"):  # checked with the table, when the graph is built
-        check_choices(load_config(None, ["algorithm.kl.estimator=low_var_kl++"]))
+    with pytest.raises(ConfigError, match="k1\\+, k3\\+"):  # checked with the registry, when the config is loaded
+        load_config(None, ["algorithm.kl.estimator=low_var_kl++"])

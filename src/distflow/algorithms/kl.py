@@ -1,7 +1,8 @@
 """KL(π‖π_ref) estimators per token, KL-in-reward, and the KL coefficient controllers.
 
 Each estimator takes the sampled token's log-prob under the policy and the reference and
-returns a per-token estimate (Schulman, "Approximating KL Divergence", 2020):
+returns a per-token estimate (Schulman, "Approximating KL Divergence", 2020); `algorithm.kl.estimator`
+names one (config/components.py: KL_ESTIMATORS, where your own `module:function` is one too):
 
     k1 = logp - ref              unbiased, high variance, can be negative
     k2 = ½ (logp - ref)²         biased, low variance, >= 0
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # tensor methods only: the dag's config check reads KL_ESTIMATORS without loading torch
+if TYPE_CHECKING:  # tensor methods only: importing this module (the KL stages do) loads no torch
     import torch
 
 MAX_LOG_RATIO = 20.0
@@ -127,7 +128,3 @@ def kl_controller(kind: str, value: float, *, target: float, horizon: float):
     if kind == "fixed":
         return FixedKLController(value)
     return AdaptiveKLController(value, target, horizon)
-
-
-KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "abs": kl_abs, "k1+": kl_k1_plus, "k3+": kl_k3_plus}
-"""`algorithm.kl.estimator` → estimator."""

@@ -11,13 +11,16 @@ being trained. Three policies meet in the loss (AReaL's decoupled PPO objective)
     loss_t = w_t · max(-A·r_t, -A·clip(r_t, 1-εl, 1+εh)),   r_t = π_θ/π_p,   w_t = f(π_p/π_b)
 
 The clip keeps the trust region around the proximal policy (so it does not depend on how
-stale the samples are) and w re-weights the stale samples towards it, detached. f is
-`algorithm.off_policy_correction`: `tis` truncates w at the cap (verl's rollout correction
-"truncate"), `mask` drops tokens whose w exceeds the cap (verl's "mask"), `none` uses w = 1.
+stale the samples are) and w re-weights the stale samples towards it, detached. f is the
+function `algorithm.off_policy_correction` names (config/components.py: OFF_POLICY_CORRECTIONS, yours
+as `module:function`): `tis` truncates w at the cap (verl's rollout correction "truncate"), `mask`
+drops tokens whose w exceeds the cap (verl's "mask"), `none` uses w = 1.
 Weights are per token. Log-ratios are clamped to ±MAX_LOG_RATIO before `exp`, like PPO's.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -25,23 +28,33 @@ from distflow.algorithms.kl import MAX_LOG_RATIO
 
 
 def importance_weight_BR(
-    prox_logp_BR: torch.Tensor, behav_logp_BR: torch.Tensor, *, mode: str, cap: float
+    prox_logp_BR: torch.Tensor, behav_logp_BR: torch.Tensor, *, correction: Callable, cap: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight_BR, ratio_BR): the detached weight f(π_p/π_b) per token, and the raw ratio
+    """(weight_BR, ratio_BR): the detached weight `correction(ratio_BR, cap)` per token, and the raw ratio
     π_p/π_b before truncation (for the metrics: its mean, max, and the share above `cap`).
 
-    >>> w, ratio = importance_weight_BR(torch.log(torch.tensor([[1.0, 3.0]])), torch.zeros(1, 2), mode="tis", cap=2.0)
+    >>> prox_BR = torch.log(torch.tensor([[1.0, 3.0]]))
+    >>> w, ratio = importance_weight_BR(prox_BR, torch.zeros(1, 2), correction=truncated_weight, cap=2.0)
     >>> w.tolist(), ratio.tolist()
     ([[1.0, 2.0]], [[1.0, 3.0]])
     """
     ratio_BR = torch.exp((prox_logp_BR - behav_logp_BR).detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-    if mode == "none":
-        return torch.ones_like(ratio_BR), ratio_BR
-    if mode == "tis":
-        return ratio_BR.clamp(max=cap), ratio_BR
-    if mode == "mask":
-        return torch.where(ratio_BR > cap, torch.zeros_like(ratio_BR), ratio_BR), ratio_BR
-    raise ValueError(f"unknown off-policy correction {mode!r}; choose none, tis or mask")
+    return correction(ratio_BR, cap), ratio_BR
+
+
+def no_correction(ratio_BR: torch.Tensor, cap: float) -> torch.Tensor:
+    """`none`: every token weighs 1."""
+    return torch.ones_like(ratio_BR)
+
+
+def truncated_weight(ratio_BR: torch.Tensor, cap: float) -> torch.Tensor:
+    """`tis`: the ratio, truncated at `cap` (verl's rollout correction "truncate")."""
+    return ratio_BR.clamp(max=cap)
+
+
+def masked_weight(ratio_BR: torch.Tensor, cap: float) -> torch.Tensor:
+    """`mask`: the ratio, and 0 for the tokens above `cap` (verl's "mask")."""
+    return torch.where(ratio_BR > cap, torch.zeros_like(ratio_BR), ratio_BR)
 
 
 MISMATCH_THRESHOLD = 0.1

@@ -12,9 +12,10 @@
       off_policy_correction, off_policy_cap            stale samples (asynchronous.max_staleness)
 
 A setting documented as "null: the algorithm's" takes the value of `algorithm.name` in
-`ALGORITHMS`. Names that select a function from a dispatch table (`policy_loss`, `loss_agg`,
-`kl.estimator`) are checked where those tables are, when the graph is built
-(`dag.pipelines.check_choices`), so that this module needs neither torch nor the dag.
+`ALGORITHMS`. The settings that name a part (`policy_loss`, `loss_agg`, `kl.estimator`,
+`off_policy_correction`) name it in its registry (config/components.py), built in or your own
+`package.module:name`, and are checked here, when the config is loaded; a built-in's module (and
+torch) is imported only by the run that uses it.
 The flat keys of the previous release (`algorithm.kl_coef`, ...) are `deprecated.py`'s.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from distflow.config.components import KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_CORRECTIONS, POLICY_LOSSES
 from distflow.config.errors import check, check_one_of
 
 
@@ -66,9 +68,6 @@ ALGORITHMS = {
 }
 """`algorithm.name` → what it is. Its keys are the valid names."""
 
-OFF_POLICY_CORRECTIONS = ("none", "tis", "mask")
-"""`algorithm.off_policy_correction` values (algorithms/off_policy.py)."""
-
 
 @dataclass(kw_only=True)
 class ClipConfig:
@@ -97,7 +96,8 @@ class KLConfig:
     estimator: str = "k3"
     """k1 (log-ratio d), k2 (½ d²), k3 (e^d - d - 1, clamped at 10) (Schulman's estimators), abs
     (|d|), or k1+ / k3+: the value of k1 / k3 with the gradient of k2, the unbiased KL gradient
-    (verl's straight-through variants; k3+ is verl's low_var_kl+)."""
+    (verl's straight-through variants; k3+ is verl's low_var_kl+); or your own
+    'package.module:function', (logp_BR, ref_logp_BR) -> kl_BR."""
     in_reward: bool = False
     """false: β·KL is a loss term; true: -β·KL(old ‖ ref) is added to every token's reward before the
     advantage."""
@@ -110,6 +110,7 @@ class KLConfig:
 
     def __post_init__(self) -> None:
         check(self.coef >= 0, f"algorithm.kl.coef must be >= 0 (got {self.coef})")
+        KL_ESTIMATORS.check_name(self.estimator)
         check(
             self.controller in ("fixed", "adaptive"),
             f"algorithm.kl.controller must be fixed or adaptive (got {self.controller!r})",
@@ -179,12 +180,14 @@ class AlgorithmConfig:
     baseline), reinforce_pp, reinforce_pp_baseline, gae (a critic), or your own 'package.module:NAME';
     null: the algorithm's."""
     policy_loss: str | None = None
-    """ppo (token ratio) or gspo (sequence ratio); null: the algorithm's."""
+    """ppo (token ratio) or gspo (sequence ratio), or your own 'package.module:function' (the signature of
+    dag/estimators.py's ppo_policy_loss); null: the algorithm's."""
     clip: ClipConfig = field(default_factory=ClipConfig)
     """The policy ratio's clip range."""
     loss_agg: str | None = None
     """token-mean, token-sum (no normaliser), seq-mean-token-sum, seq-mean-token-mean or
-    seq-mean-token-sum-norm; the normaliser is global over ranks and micro-batches. null: the algorithm's."""
+    seq-mean-token-sum-norm, or your own 'package.module:Class' (algorithms/aggregation.py); the normaliser
+    is global over ranks and micro-batches. null: the algorithm's."""
     norm_adv_by_std: bool | None = None
     """GRPO/DAPO/GSPO: divide group-centred rewards by the group's (unbiased) std (Dr.GRPO: false)."""
     skip_zero_variance_groups: bool | None = None
@@ -216,8 +219,9 @@ class AlgorithmConfig:
     off_policy_correction: str = "none"
     """How the loss corrects for samples drawn by an older policy (`asynchronous.max_staleness`):
     none, tis (PPO ratio to the proximal policy times the behaviour→proximal importance weight
-    truncated at `off_policy_cap`) or mask (the weight, tokens above the cap dropped). Anything but
-    none also records `rollout_logp` on synchronous runs."""
+    truncated at `off_policy_cap`) or mask (the weight, tokens above the cap dropped), or your own
+    'package.module:function', (ratio_BR, cap) -> weight_BR. Anything but none also records
+    `rollout_logp` on synchronous runs."""
     off_policy_cap: float = 2.0
     """The importance weight's cap (tis) or threshold (mask)."""
 
@@ -232,7 +236,9 @@ class AlgorithmConfig:
         )
         check(self.ppo_epochs >= 1, f"algorithm.ppo_epochs must be >= 1 (got {self.ppo_epochs})")
         check(self.num_mini_batches >= 1, f"algorithm.num_mini_batches must be >= 1 (got {self.num_mini_batches})")
-        check_one_of("algorithm.off_policy_correction", self.off_policy_correction, OFF_POLICY_CORRECTIONS)
+        POLICY_LOSSES.check_name(self.policy_loss)
+        LOSS_AGGREGATIONS.check_name(self.loss_agg)
+        OFF_POLICY_CORRECTIONS.check_name(self.off_policy_correction)
         check(self.off_policy_cap >= 1, f"algorithm.off_policy_cap must be >= 1 (got {self.off_policy_cap})")
 
     def _take_defaults(self, builtin: BuiltinAlgorithm) -> None:

@@ -110,6 +110,19 @@ class Registry:
     def __contains__(self, name: object) -> bool:
         return name in self.names()
 
+    def check_name(self, name: str) -> None:
+        """At config load: `name` is one of this kind's, built in (not imported here: only a run that uses it
+        pays for its module's imports, torch among them) or registered, or your `module:name`, imported now,
+        so that a wrong one is one line before anything starts."""
+        if name in self._paths or name in self._classes:
+            return
+        if ":" not in name:
+            raise ConfigError(
+                f"{self.key} must be one of: {', '.join(self.names())} (got {name!r}); "
+                "or name your own as 'package.module:name'"
+            )
+        self.get(name)
+
     def chosen(self, section: Any, selector: str) -> tuple[type, Any]:
         """(the component `section.<selector>` names, its options from `section.options`)."""
         name = getattr(section, selector)
@@ -131,9 +144,23 @@ def function_component(fn: Any, name: str) -> type:
             return fn(*args)
 
     FunctionComponent.name = name
+    FunctionComponent.function = staticmethod(fn)  # what `FunctionRegistry.get` gives back
     FunctionComponent.__qualname__ = f"FunctionComponent[{name}]"
     FunctionComponent.__module__ = getattr(fn, "__module__", "")
     return FunctionComponent
+
+
+class FunctionRegistry(Registry):
+    """A kind whose parts are functions (a policy loss, a KL estimator, an off-policy correction): `get`, and
+    `[name]`, give the function itself, a built-in's or your `module:name`'s, so that a call site reads
+    `KL_ESTIMATORS[name](logp_BR, ref_logp_BR)`. Register your own with `register(fn, name)`."""
+
+    def get(self, name: str) -> Any:
+        part = super().get(name)
+        part = getattr(part, "function", part)  # a plain function comes back wrapped (`function_component`)
+        if not callable(part):
+            raise ConfigError(f"{self.key}={name!r} is a {type(part).__name__}, not a function")
+        return part
 
 
 def _label(name: str) -> str:
@@ -173,6 +200,7 @@ TASK_SOURCES = Registry(
         "files": "distflow.tasks.math_answers:Files",
         "datasets": "distflow.tasks.math_answers:Datasets",
         "reasoning_gym": "distflow.tasks.reasoning_gym:ReasoningGym",
+        "verifiers": "distflow.tasks.verifiers:Verifiers",
     },
 )
 """Where a run's rows come from (distflow/tasks/); your own is `task.source: 'package.module:name'`, a
@@ -192,3 +220,56 @@ ESTIMATORS = Registry(
 )
 """The advantage estimators (dag/estimators.py); your own is `algorithm.estimator: 'package.module:NAME'`,
 a `distflow.dag.pieces.Estimator` that may declare stages of its own."""
+
+POLICY_LOSSES = FunctionRegistry(
+    "policy loss",
+    "algorithm.policy_loss",
+    {"ppo": "distflow.dag.estimators:ppo_policy_loss", "gspo": "distflow.dag.estimators:gspo_policy_loss"},
+)
+"""The policy losses (dag/estimators.py, over algorithms/losses.py); your own is `algorithm.policy_loss:
+'package.module:function'`, `(logp_BR, old_logp_BR, advantage, mask_BR, algo) -> (loss_BR, clipped_BR)`: an
+unreduced per-token loss and the tokens it clipped, `advantage` per sequence `[B]` or per token `[B, R]`,
+`algo` the `algorithm` section."""
+
+KL_ESTIMATORS = FunctionRegistry(
+    "KL estimator",
+    "algorithm.kl.estimator",
+    {
+        "k1": "distflow.algorithms.kl:kl_k1",
+        "k2": "distflow.algorithms.kl:kl_k2",
+        "k3": "distflow.algorithms.kl:kl_k3",
+        "abs": "distflow.algorithms.kl:kl_abs",
+        "k1+": "distflow.algorithms.kl:kl_k1_plus",
+        "k3+": "distflow.algorithms.kl:kl_k3_plus",
+    },
+)
+"""The per-token KL(π‖π_ref) estimators (algorithms/kl.py); your own is `algorithm.kl.estimator:
+'package.module:function'`, `(logp_BR, ref_logp_BR) -> kl_BR`."""
+
+OFF_POLICY_CORRECTIONS = FunctionRegistry(
+    "off-policy correction",
+    "algorithm.off_policy_correction",
+    {
+        "none": "distflow.algorithms.off_policy:no_correction",
+        "tis": "distflow.algorithms.off_policy:truncated_weight",
+        "mask": "distflow.algorithms.off_policy:masked_weight",
+    },
+)
+"""The importance weights of stale samples (algorithms/off_policy.py); your own is
+`algorithm.off_policy_correction: 'package.module:function'`, `(ratio_BR, cap) -> weight_BR`: the weight of
+each token from its proximal/behaviour ratio and `algorithm.off_policy_cap`."""
+
+LOSS_AGGREGATIONS = Registry(
+    "loss aggregation",
+    "algorithm.loss_agg",
+    {
+        "token-mean": "distflow.algorithms.aggregation:TokenMean",
+        "token-sum": "distflow.algorithms.aggregation:TokenSum",
+        "seq-mean-token-sum": "distflow.algorithms.aggregation:SeqMeanTokenSum",
+        "seq-mean-token-mean": "distflow.algorithms.aggregation:SeqMeanTokenMean",
+        "seq-mean-token-sum-norm": "distflow.algorithms.aggregation:SeqMeanTokenSumNorm",
+    },
+)
+"""How a per-token loss becomes the scalar back-propagated (algorithms/aggregation.py); your own is
+`algorithm.loss_agg: 'package.module:Class'`, a `distflow.algorithms.aggregation.TokenMean` subclass with its
+own `loss_sum`, `normalizer` or `finish`."""

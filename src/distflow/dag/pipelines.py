@@ -22,8 +22,9 @@ chosen by the algorithm's settings:
 
 `build_graph` takes the pipeline from `pipeline.builder` ("module:function", config → Graph;
 `builtin` here when unset: the built-ins come through the same door), adds the config's custom
-stages, and checks the whole: settings that name an entry of a dispatch table
-(`check_choices`), the engines the stages use (engines/registry.py), their fields.
+stages, and checks the whole: the engines the stages use (engines/registry.py), their fields. (The
+settings that name a part, `algorithm.policy_loss` and the like, are checked when the config is
+loaded: config/components.py.)
 """
 
 from __future__ import annotations
@@ -31,13 +32,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from distflow.algorithms.aggregation import LossAgg
-from distflow.algorithms.kl import KL_ESTIMATORS
 from distflow.config.callables import import_callable
 from distflow.config.components import ESTIMATORS
-from distflow.config.errors import check_one_of
 from distflow.config.schema import Config, ConfigError
-from distflow.dag import update_stages
 from distflow.dag.dynamic_sampling import DynamicSampling
 from distflow.dag.graph import Graph, GraphError, Stage
 from distflow.dag.pieces import (
@@ -94,14 +91,6 @@ def builtin(config: Config) -> Graph:
     return policy_gradient(config, estimator)
 
 
-def check_choices(config: Config) -> None:
-    """Settings that pick an entry of a dispatch table must name one (a ConfigError lists them)."""
-    algo = config.algorithm
-    check_one_of("algorithm.policy_loss", algo.policy_loss, update_stages.POLICY_LOSSES)
-    check_one_of("algorithm.loss_agg", algo.loss_agg, [mode.value for mode in LossAgg])
-    check_one_of("algorithm.kl.estimator", algo.kl.estimator, KL_ESTIMATORS)
-
-
 def _check_settings(config: Config) -> None:
     """The task's files, and the model they need: checked here, after the pure rules of
     config/rules.py, so that a missing file is named before what it would have needed."""
@@ -137,7 +126,6 @@ def _bind_upstream(graph: Graph, name: str, initial_fields) -> None:
 
 def build_graph(config: Config) -> Graph:
     """The configured pipeline (`pipeline.builder`, or the built-in) plus the config's custom stages."""
-    check_choices(config)
     _check_settings(config)
     key = "pipeline.builder"
     graph = import_callable(config.pipeline.builder or BUILTIN, key=key)(config)

@@ -266,7 +266,8 @@ class KLPenalty:
     def __call__(self, batch: Batch, ctx: StageContext) -> Batch:
         import torch
 
-        from distflow.algorithms.kl import KL_ESTIMATORS, kl_controller
+        from distflow.algorithms.kl import kl_controller
+        from distflow.config.components import KL_ESTIMATORS
 
         algo = self.algo
         controller = kl_controller(algo.kl.controller, self.coef, target=algo.kl.target, horizon=algo.kl.horizon)

@@ -10,11 +10,12 @@ The loss of the policy is
     agg(policy_loss(logp, old_logp, advantage), signal tokens)
       [+ agg(β·KL(logp ‖ ref) - entropy_coef·H, every response token)]   (KL loss / entropy bonus)
 
-with `policy_loss` picked from `POLICY_LOSSES` by `algorithm.policy_loss` and `agg` the
-`algorithm.loss_agg` reduction with a normaliser global over ranks and micro-batches, so the
-gradient does not depend on how the mini-batch is split (tested). Signal tokens are the
-response tokens of the samples whose `sample_mask` is 1; the regularisers hold every
-response to the reference, groups without signal included (as verl does).
+with `policy_loss` the function `algorithm.policy_loss` names (`POLICY_LOSSES`) and `agg` the
+`algorithm.loss_agg` reduction (`LOSS_AGGREGATIONS`, both in config/components.py) with a
+normaliser global over ranks and micro-batches, so the gradient does not depend on how the
+mini-batch is split (tested). Signal tokens are the response tokens of the samples whose
+`sample_mask` is 1; the regularisers hold every response to the reference, groups without
+signal included (as verl does).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from distflow.config.components import KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_CORRECTIONS, POLICY_LOSSES
 from distflow.data.fields import (
     ADVANTAGE,
     ATTENTION_MASK,
@@ -44,32 +46,6 @@ if TYPE_CHECKING:
     from distflow.config.algorithm import AlgorithmConfig
     from distflow.dag.context import StageContext
     from distflow.data.batch import Batch
-
-
-def _ppo(logp_BR, old_logp_BR, advantage, mask_BR, algo: AlgorithmConfig):
-    from distflow.algorithms.losses import dual_clip_ppo_loss, ppo_clip_loss
-
-    if algo.clip.dual_c > 0:
-        loss_BR, clipped_BR, _ = dual_clip_ppo_loss(
-            logp_BR,
-            old_logp_BR,
-            advantage,
-            clip_low=algo.clip.low,
-            clip_high=algo.clip.high,
-            clip_ratio_c=algo.clip.dual_c,
-        )
-        return loss_BR, clipped_BR
-    return ppo_clip_loss(logp_BR, old_logp_BR, advantage, clip_low=algo.clip.low, clip_high=algo.clip.high)
-
-
-def _gspo(logp_BR, old_logp_BR, advantage, mask_BR, algo: AlgorithmConfig):
-    from distflow.algorithms.losses import gspo_loss
-
-    return gspo_loss(logp_BR, old_logp_BR, advantage, mask_BR, clip_low=algo.clip.low, clip_high=algo.clip.high)
-
-
-POLICY_LOSSES = {"ppo": _ppo, "gspo": _gspo}
-"""`algorithm.policy_loss` → (logp_BR, old_logp_BR, advantage, mask_BR, algo) -> (loss_BR, clipped_BR)."""
 
 
 def loss_mask_BR(batch: Batch) -> torch.Tensor:
@@ -98,9 +74,10 @@ def global_normalizer(mask_BR: torch.Tensor, mode: str, ctx: StageContext) -> fl
     """This mini-batch's normaliser from every rank's `loss_normalizer` (one all-reduce)."""
     from distflow.algorithms.aggregation import finish_normalizer, loss_normalizer
 
-    local = loss_normalizer(mask_BR, mode, horizon=ctx.engines.sampling.max_new_tokens).double()
+    agg = LOSS_AGGREGATIONS[mode]
+    local = loss_normalizer(mask_BR, agg, horizon=ctx.engines.sampling.max_new_tokens).double()
     total = ctx.comm.all_reduce_sum(local.reshape(1).to(ctx.comm.device)).cpu()
-    return float(finish_normalizer(total, mode).item())
+    return float(finish_normalizer(total, agg).item())
 
 
 def _record_update(ctx: StageContext, prefix: str, stats: dict[str, float], num_tokens: float) -> None:
@@ -176,14 +153,17 @@ class PolicyObjective:
         from distflow.algorithms.aggregation import loss_sum
         from distflow.algorithms.losses import ppo_kl
 
-        algo, mask_BR = self.algo, loss_mask_BR(micro)
+        algo, mask_BR, agg = self.algo, loss_mask_BR(micro), LOSS_AGGREGATIONS[self.algo.loss_agg]
         old_BR = micro[OLD_LOGP] if self.has_old else logp_BR.detach()
         loss_BR, clipped_BR = POLICY_LOSSES[algo.policy_loss](logp_BR, old_BR, micro[ADVANTAGE], mask_BR, algo)
         if self.tally is not None:  # stale samples: weight towards the proximal policy (algorithms/off_policy.py)
             from distflow.algorithms.off_policy import importance_weight_BR
 
             weight_BR, ratio_BR = importance_weight_BR(
-                old_BR, micro[ROLLOUT_LOGP], mode=algo.off_policy_correction, cap=algo.off_policy_cap
+                old_BR,
+                micro[ROLLOUT_LOGP],
+                correction=OFF_POLICY_CORRECTIONS[algo.off_policy_correction],
+                cap=algo.off_policy_cap,
             )
             self.tally.add(ratio_BR, mask_BR, algo.off_policy_cap, old_BR, micro[ROLLOUT_LOGP])
             if algo.off_policy_correction != "none":
@@ -194,16 +174,15 @@ class PolicyObjective:
             "pg_loss": (loss_BR.detach() * mask_BR).sum(),
             "ppo_kl": (ppo_kl(logp_BR.detach(), old_BR) * mask_BR).sum(),
         }
-        total = loss_sum(loss_BR, mask_BR, algo.loss_agg)
+        total = loss_sum(loss_BR, mask_BR, agg)
         if self.regularised:
             reg_BR = self._regulariser_BR(micro, logp_BR, entropy_BR, stats, mask_BR)
-            total = total + loss_sum(reg_BR, micro[RESPONSE_MASK].float(), algo.loss_agg) * self.reg_scale
+            total = total + loss_sum(reg_BR, micro[RESPONSE_MASK].float(), agg) * self.reg_scale
         return total, stats
 
     def _regulariser_BR(self, micro: Batch, logp_BR, entropy_BR, stats: dict, mask_BR) -> torch.Tensor:
         import torch
 
-        from distflow.algorithms.kl import KL_ESTIMATORS
         from distflow.algorithms.losses import entropy_bonus
 
         algo, reg_BR = self.algo, torch.zeros_like(logp_BR)
@@ -255,7 +234,7 @@ def _record_staleness(batch: Batch, ctx: StageContext) -> None:
 
 def critic_update(batch: Batch, ctx: StageContext) -> Batch:
     """PPO's critic: clipped value loss towards the GAE returns, token-mean over the step."""
-    from distflow.algorithms.aggregation import loss_sum
+    from distflow.algorithms.aggregation import TokenMean, loss_sum
     from distflow.algorithms.losses import value_clip_loss
 
     algo = ctx.config.algorithm
@@ -264,7 +243,7 @@ def critic_update(batch: Batch, ctx: StageContext) -> Batch:
         mask_BR = micro[RESPONSE_MASK].float()
         loss_BR, clipped_BR = value_clip_loss(values_BR, micro[VALUES], micro[RETURNS], clip=algo.critic.value_clip)
         stats = {"value_loss": (loss_BR.detach() * mask_BR).sum(), "clip_fraction": (clipped_BR * mask_BR).sum()}
-        return loss_sum(loss_BR, mask_BR, "token-mean"), stats
+        return loss_sum(loss_BR, mask_BR, TokenMean), stats
 
     for mini in mini_batches(batch, ctx):
         mask_BR = mini[RESPONSE_MASK].float()
