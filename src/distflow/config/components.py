@@ -118,7 +118,7 @@ class Registry:
             return
         if ":" not in name:
             raise ConfigError(
-                f"{self.key} must be one of: {', '.join(self.names())} (got {name!r}); "
+                f"{self.key} must be one of: {', '.join(n for n in self.names() if ':' not in n)} (got {name!r}); "
                 "or name your own as 'package.module:name'"
             )
         self.get(name)

@@ -1,0 +1,144 @@
+"""The algorithm's parts of one's own through the component door (config/components.py), no edit to src/:
+a policy loss, a KL estimator, an off-policy correction and a loss aggregation given as `module:name`
+and used by a real `distflow train` run; and the one-line errors of a name that is none of them."""
+
+import sys
+
+import pytest
+from conftest import REPO, run_cli
+from test_bad_inputs import check_one_line_error
+from test_extending import SHAPING, _train_tiny
+
+from distflow.config import ConfigError, load_config
+from distflow.config.components import KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_CORRECTIONS, POLICY_LOSSES
+
+# A user's module: each part writes a line to calls.txt beside it when it runs (on every rank, every
+# micro-batch), so the test sees that the run used it, and not a built-in of the same shape.
+MY_PARTS = '''
+from pathlib import Path
+
+import torch
+
+from distflow.algorithms.aggregation import TokenMean
+
+CALLS = Path(__file__).with_name("calls.txt")
+
+
+def _called(name):
+    with CALLS.open("a") as out:
+        out.write(name + "\\n")
+
+
+def reinforce(logp_BR, old_logp_BR, advantage, mask_BR, algo):
+    """Vanilla policy gradient, -A·logp per token: nothing is clipped."""
+    _called("policy_loss")
+    adv_BR = advantage.unsqueeze(-1) if advantage.dim() == 1 else advantage
+    return -adv_BR * logp_BR, torch.zeros_like(logp_BR, dtype=torch.bool)
+
+
+def squared(logp_BR, ref_logp_BR):
+    """k2 by another name."""
+    _called("kl_estimator")
+    return 0.5 * (logp_BR - ref_logp_BR) ** 2
+
+
+def halved(ratio_BR, cap):
+    _called("off_policy_correction")
+    return 0.5 * ratio_BR.clamp(max=cap)
+
+
+class Counted(TokenMean):
+    @staticmethod
+    def loss_sum(loss_BR, mask_BR):
+        _called("loss_agg")
+        return TokenMean.loss_sum(loss_BR, mask_BR)
+
+
+NOT_A_FUNCTION = 3
+'''
+
+MINE = [
+    "algorithm.policy_loss=my_parts:reinforce",
+    "algorithm.kl.estimator=my_parts:squared",
+    "algorithm.kl.coef=0.1",
+    "algorithm.off_policy_correction=my_parts:halved",
+    "algorithm.loss_agg=my_parts:Counted",
+]
+
+
+@pytest.fixture
+def my_parts(tmp_path, monkeypatch):
+    """tmp_path holding the user's module, importable in this process too."""
+    (tmp_path / "my_parts.py").write_text(MY_PARTS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("my_parts", None)
+
+
+def test_a_run_trains_with_parts_of_ones_own(my_parts, cache_dir):
+    (my_parts / "shaping.py").write_text(SHAPING)  # rewards that differ within a group: the loss has signal
+    records = _train_tiny(my_parts, *MINE, "task.rewards=[{fn: 'shaping:length'}]", f"warmstart.cache_dir={cache_dir}")
+    step = next(r for r in records if r.get("step") == 1)
+    calls = set((my_parts / "calls.txt").read_text().split())
+    assert calls == {"policy_loss", "kl_estimator", "off_policy_correction", "loss_agg"}
+    assert step["train/clip_fraction"] == 0.0  # the user's loss clips nothing
+    assert step["train/kl"] >= 0.0  # the KL loss ran, with the user's estimator
+    assert step["off_policy/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)  # the ratio; the weight is halved
+
+
+def test_the_settings_name_a_users_part_at_load(my_parts):
+    algo = load_config(None, MINE).algorithm
+    assert POLICY_LOSSES[algo.policy_loss].__name__ == "reinforce"
+    assert KL_ESTIMATORS[algo.kl.estimator].__name__ == "squared"
+    assert OFF_POLICY_CORRECTIONS[algo.off_policy_correction].__name__ == "halved"
+    assert LOSS_AGGREGATIONS[algo.loss_agg].__name__ == "Counted"
+    assert not (my_parts / "calls.txt").exists()  # found, not called
+
+
+@pytest.mark.parametrize(
+    ("setting", "needle"),
+    [
+        ("algorithm.policy_loss=vanilla", "algorithm.policy_loss must be one of: ppo, gspo (got 'vanilla')"),
+        ("algorithm.kl.estimator=k4", "algorithm.kl.estimator must be one of: k1, k2, k3, abs, k1+, k3+ (got 'k4')"),
+        (
+            "algorithm.off_policy_correction=clip",
+            "algorithm.off_policy_correction must be one of: none, tis, mask (got 'clip')",
+        ),
+        (
+            "algorithm.loss_agg=mean",
+            "algorithm.loss_agg must be one of: token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean, "
+            "seq-mean-token-sum-norm (got 'mean')",
+        ),
+    ],
+)
+def test_an_unknown_name_is_one_line_listing_the_choices(setting, needle):
+    with pytest.raises(ConfigError) as raised:
+        load_config(None, [setting])
+    message = str(raised.value)
+    assert needle in message and "\n" not in message
+    assert message.endswith("; or name your own as 'package.module:name'")
+
+
+@pytest.mark.parametrize(
+    ("setting", "needle"),
+    [
+        (
+            "algorithm.policy_loss=no_such_module:loss",
+            "algorithm.policy_loss='no_such_module:loss': cannot import 'no_such_module:loss' (ModuleNotFoundError",
+        ),
+        (
+            "algorithm.kl.estimator=my_parts:nothing",
+            "algorithm.kl.estimator='my_parts:nothing': cannot import 'my_parts:nothing' (AttributeError",
+        ),
+        ("algorithm.kl.estimator=my_parts:NOT_A_FUNCTION", "algorithm.kl.estimator='my_parts:NOT_A_FUNCTION' is a int"),
+    ],
+)
+def test_a_wrong_module_name_is_one_line_at_load(my_parts, setting, needle):
+    with pytest.raises(ConfigError, match="^" + needle.replace("(", r"\(").replace("+", r"\+")):
+        load_config(None, [setting])
+
+
+def test_the_cli_refuses_an_unknown_name_before_any_rank(tmp_path):
+    result = run_cli("train", str(REPO / "examples/arith_grpo.yaml"), "algorithm.policy_loss=grpo", cwd=tmp_path)
+    lines = check_one_line_error(result, "algorithm.policy_loss must be one of: ppo, gspo (got 'grpo'); or name")
+    assert len(lines) == 1
