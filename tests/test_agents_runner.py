@@ -60,7 +60,7 @@ def test_an_async_agent_runs_on_its_own_loop(server):
     async def agent(client, sample):
         assert isinstance(client, openai.AsyncOpenAI)
         reply = await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": sample["question"]}]
+            model="m", messages=[{"role": "user", "content": sample["question"]}], tools=TOOLS
         )
         return float(reply.choices[0].message.tool_calls is not None)
 

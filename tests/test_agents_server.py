@@ -114,7 +114,11 @@ def test_n_choices_logprobs_stop_strings_and_tool_choice_none(tokenizer):
         reply = client_of(server, "s").chat.completions.create(
             model="m", messages=[{"role": "user", "content": "x"}], tools=TOOLS, tool_choice="none"
         )
-    assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content.startswith("<tool_call>")
+        server.open_session("t", uid=1)
+        untooled = client_of(server, "t").chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    for unparsed in (reply, untooled):  # tool_choice none, or no tools offered: as OpenAI, no tool_calls
+        assert unparsed.choices[0].message.tool_calls is None
+        assert unparsed.choices[0].message.content.startswith("<tool_call>")
 
 
 def test_refused_requests_have_clear_messages_and_are_counted(tokenizer):

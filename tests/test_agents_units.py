@@ -12,7 +12,7 @@ from distflow.agents.batcher import Batcher, Settings, _groups, _Row
 from distflow.agents.requests import RequestError, RequestLimits, parse_request, render
 from distflow.agents.server import ServerConfig
 from distflow.agents.session import Call, SessionError, Sessions
-from distflow.agents.tool_calls import TOOL_CALL_PARSERS, parse_hermes
+from distflow.agents.tool_calls import TOOL_CALL_PARSERS, parse_equals, parse_hermes
 from distflow.agents.trajectory import assemble, to_trajectory
 
 LIMITS = RequestLimits(max_new_tokens=32, max_n=4, temperature=1.0, top_p=1.0, honor_sampling=False)
@@ -277,3 +277,25 @@ async def _batches(delays: list[float], *, window_s: float, num_open: int, min_f
         task.cancel()
         batcher.close()
     return [len(call["keys"]) for call in backend.calls]
+
+
+def test_the_embedded_models_convention_calls_the_calculator_and_renders_back_token_for_token():
+    """A reply ending in "=" is a `calculator` call; the embedded template renders that call (and
+    the tool's result) back so the next prompt is the calculator environment's transcript."""
+    from distflow.agents.requests import ChatRequest, normalized_message, render
+    from distflow.dag.agent_stage import EMBEDDED_CHAT_TEMPLATE
+    from distflow.tasks.tokenizer import build_char_tokenizer
+    from distflow.tasks.tool_transcripts import transcript
+
+    (call,) = parse_equals("(12+34)=").tool_calls
+    assert (call.name, json.loads(call.arguments)) == ("calculator", {"expression": "(12+34)"})
+    assert parse_equals("102").tool_calls == [] and parse_equals(" = ").tool_calls == []
+    tokenizer = build_char_tokenizer()
+    assistant = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                 "function": {"name": "calculator", "arguments": call.arguments}}]}
+    messages = [{"role": "user", "content": "12+34+56="}, assistant, {"role": "tool", "content": "46"}]
+    messages = [normalized_message(m, i) for i, m in enumerate(messages)]
+    request = ChatRequest(messages, None, None, 8, 1.0, 1.0, 1, None, False)
+    ids = render(tokenizer, request, max_prompt_tokens=64, chat_template=EMBEDDED_CHAT_TEMPLATE)
+    tool_ids, _ = transcript(tokenizer, {"prompt": "12+34+56=", "answer": "102"}, use_tool=True)
+    assert ids == tool_ids[: len(ids)] and tokenizer.decode(ids) == "<bos>12+34+56=(12+34)=<eos>46"

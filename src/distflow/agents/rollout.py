@@ -51,6 +51,13 @@ class AgentResult:
     def rewards(self) -> list[float]:
         return [e.reward for e in self.episodes]
 
+    def final_texts(self) -> list[str]:
+        """Each episode's final reply: the last call of its longest chain ("" without model calls),
+        the text the task's reward functions and verifier judge."""
+        return [
+            max(e.samples, key=lambda sample: sample.num_sampled).completion if e.samples else "" for e in self.episodes
+        ]
+
     def trajectories(self, rows: list[dict]) -> list[tuple[int, object]]:
         """(row index, `engines.multiturn.Trajectory`) for every sample of every episode, in row order."""
         return [
@@ -70,21 +77,26 @@ class AgentRollout:
         self._started = False
         self._previous: list[str] = []
 
-    def run(self, rows: list[dict], uids: list[int] | None = None) -> AgentResult:
+    def run(self, rows: list[dict], uids: list[int] | None = None, *, greedy: bool = False) -> AgentResult:
+        """One episode per row; `greedy`: every model call decodes greedily (a greedy evaluation)."""
         if not self._started:
             self.server.start()
             self._started = True
         for session_id in self._previous:
             self.server.sessions.forget(session_id)
-        episodes, stats = run_episodes(
-            self.fn,
-            rows,
-            self.server,
-            timeout_s=self.config.timeout_s,
-            default_reward=self.config.default_reward,
-            concurrency=self.config.concurrency,
-            uids=uids,
-        )
+        self.server.greedy = greedy
+        try:
+            episodes, stats = run_episodes(
+                self.fn,
+                rows,
+                self.server,
+                timeout_s=self.config.timeout_s,
+                default_reward=self.config.default_reward,
+                concurrency=self.config.concurrency,
+                uids=uids,
+            )
+        finally:
+            self.server.greedy = False
         self._previous = [e.session.id for e in episodes]
         return AgentResult(episodes=episodes, stats=stats)
 

@@ -104,6 +104,8 @@ class AgentServer:
         self.stats = dict.fromkeys(
             ("requests", "malformed", "unauthorized", "refused", "backend_errors", "server_errors"), 0
         )
+        self.greedy = False
+        """Every call decodes greedily, whatever its request asks (a greedy evaluation sets it)."""
         self._tokenizer = copy.deepcopy(tokenizer)
         self._limits = RequestLimits(
             max_new_tokens=config.max_new_tokens,
@@ -239,13 +241,15 @@ class AgentServer:
 
         session, turn = self.sessions.begin(session_id)
         keys = [derive_seed(self.config.seed, "agent-call", session.uid, turn, c) for c in range(chat.n)]
-        settings = Settings(chat.max_new_tokens, chat.temperature, chat.top_p, tuple(chat.stop or ()))
+        temperature = 0.0 if self.greedy else chat.temperature
+        settings = Settings(chat.max_new_tokens, temperature, chat.top_p, tuple(chat.stop or ()))
         try:
             completions = await self.batcher.sample([prompt_ids] * chat.n, keys, settings)
         except Exception as err:  # the engine failed: the agent gets a 500 that says so
             self.stats["backend_errors"] += 1
             raise SessionError(500, f"sampling failed: {type(err).__name__}: {err}", "server_error") from err
-        parse = TOOL_CALL_PARSERS["none" if chat.tool_choice == "none" else self.config.tool_call_format]
+        no_tools = chat.tool_choice == "none" or not chat.tools  # as OpenAI: no tools offered, no tool_calls
+        parse = TOOL_CALL_PARSERS["none" if no_tools else self.config.tool_call_format]
         calls, parsed = [], []
         for choice, completion in enumerate(completions):
             text = _cut_text(self._tokenizer.decode(completion.token_ids, skip_special_tokens=True), chat.stop)
@@ -257,7 +261,7 @@ class AgentServer:
                     token_ids=completion.token_ids,
                     logprobs=completion.logprobs,
                     finish_reason=completion.finish_reason,
-                    temperature=chat.temperature,
+                    temperature=temperature,
                     text=text,
                 )
             )

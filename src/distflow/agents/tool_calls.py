@@ -8,6 +8,11 @@ trajectory keeps the sampled token ids, never this parse.
 `hermes` (Qwen 2.5/3, Hermes, SmolLM3, and the ChatML-style templates that transformers'
 `apply_chat_template(tools=...)` examples use) writes each call as
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+
+`equals` is the embedded model's (distflow's own character-level model, whose warm-start with a
+calculator teaches it to end a call with "="): a reply ending in "=" calls `calculator` on the text
+before it, as `CalculatorEnv` reads an action. `EMBEDDED_CHAT_TEMPLATE` in `dag/agent_stage.py`
+renders such a call back as that text and EOS, so the next prompt extends the sampled tokens.
 """
 
 from __future__ import annotations
@@ -74,4 +79,26 @@ def parse_plain(text: str) -> ParsedReply:
     return ParsedReply(content=text)
 
 
-TOOL_CALL_PARSERS: dict[str, Callable[[str], ParsedReply]] = {"hermes": parse_hermes, "none": parse_plain}
+EQUALS_TOOL = "calculator"
+"""The one tool the `equals` convention calls, with its text as {"expression": ...}."""
+
+
+def parse_equals(text: str) -> ParsedReply:
+    """A reply that ends in "=" after some text is a call of `calculator` on that text.
+
+    >>> parse_equals("(12+34)=").tool_calls
+    [ToolCall(name='calculator', arguments='{"expression": "(12+34)"}')]
+    >>> parse_equals("46").content, parse_equals("=").tool_calls
+    ('46', [])
+    """
+    expression = text.strip()[:-1]
+    if not text.strip().endswith("=") or not expression.strip():
+        return ParsedReply(content=text)
+    return ParsedReply(content=None, tool_calls=[ToolCall(EQUALS_TOOL, json.dumps({"expression": expression}))])
+
+
+TOOL_CALL_PARSERS: dict[str, Callable[[str], ParsedReply]] = {
+    "hermes": parse_hermes,
+    "equals": parse_equals,
+    "none": parse_plain,
+}

@@ -67,6 +67,11 @@ class WarmstartConfig:
     """The warm-start's AdamW learning rate."""
     cache_dir: str = "~/.cache/distflow/warmstart"
     """Warm-started checkpoints are kept here, keyed by everything that shapes them."""
+    tool_transcripts: bool | None = None
+    """Warm-start on a mix of calculator transcripts ("(12+34)=" ends a call, its value comes back)
+    and direct answers, so the model starts out knowing the tool (embedded model, sums of more than
+    two operands). null: when `env.cls` is the calculator. True for an agent (`rollout.agent`) that
+    offers a `calculator` tool: the episodes it makes are then those transcripts, token for token."""
 
     def __post_init__(self) -> None:
         check(

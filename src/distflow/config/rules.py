@@ -93,3 +93,9 @@ def _check_agent(config) -> None:
         config.rollout.agent is None or config.env.cls is None,
         "rollout.agent and env.cls are two ways to roll out multi-turn episodes: set one",
     )
+    check(
+        not config.warmstart.tool_transcripts
+        or (config.env.cls in (None, "distflow.envs.tools:CalculatorEnv") and config.task.num_operands > 2),
+        "warmstart.tool_transcripts=true teaches the calculator's convention on sums of more than two operands:"
+        " use it with task.num_operands >= 3 and no env.cls other than distflow.envs.tools:CalculatorEnv",
+    )

@@ -1,7 +1,8 @@
 """The agent rollout stage (`rollout.agent` set): episodes of the user's agent code, each driving
 the model through an OpenAI-compatible endpoint that this rank serves over its rollout engine.
 
-    rank r (a rollout rank) ─ AgentRollout (distflow/agents/, started at the first step, kept)
+    rank r (a rollout rank) ─ engines.agent: its AgentRollout (distflow/agents/; built with the worker,
+                              its endpoint started at first use, shared with the held-out evaluation)
         its n samples of each prompt ─► one episode each: fn(openai client of the episode's session, row)
         the episode's model calls ──► one trajectory, token in and token out (the sampled ids and their
                                       log-probs, never the text re-tokenized), the longest chain of calls
@@ -26,16 +27,24 @@ if TYPE_CHECKING:
     from distflow.dag.context import StageContext
     from distflow.data.batch import Batch
 
-PLAIN_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+EMBEDDED_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{%- if message['tool_calls'] is defined and message['tool_calls'] -%}"
+    "{%- for call in message['tool_calls'] -%}{{ call['function']['arguments']['expression'] }}={%- endfor -%}"
+    "{%- elif message['content'] -%}{{ message['content'] }}{%- endif -%}{{ eos_token }}"
+    "{%- elif message['content'] -%}{{ message['content'] }}{%- endif -%}"
+    "{%- endfor -%}"
+)
 """How the embedded model (distflow's own character tokenizer, which has no chat roles) reads
-messages: their contents one after another, so the addition task's prompt reads as it does alone."""
+messages: their contents one after another, so the addition task's prompt reads as it does alone;
+an assistant turn ends with EOS, and its calculator call (the `equals` convention of
+`agents/tool_calls.py`) reads as "expression=". An agent's calculator episode is then, token for
+token, the calculator environment's transcript: `12+34+56=` `(12+34)=<eos>` `46` `(46+56)=<eos>` ..."""
 
 
 class AgentRolloutStage:
-    """The stage; it keeps this rank's endpoint between steps."""
-
-    def __init__(self) -> None:
-        self.rollout = None
+    """The stage; the endpoint it samples through is this rank's `engines.agent`."""
 
     def __call__(self, batch: Batch, ctx: StageContext) -> Batch:
         import torch
@@ -48,12 +57,12 @@ class AgentRolloutStage:
         uids = sample_uids(expanded[UID], n)
         rows = [dict(row) for row in expanded[SAMPLE]]
         with gathered(ctx.engines.rollout_model):  # the endpoint samples from the whole policy
-            result = self._rollout(ctx).run(rows, uids)
+            result = ctx.engines.agent.run(rows, uids)
         trajs = _one_per_episode(result.trajectories(rows), len(rows), expanded[PROMPT_IDS], rows, uids)
         width = int(ctx.comm.all_reduce_max(torch.tensor([max(len(t.prompt_ids) for t in trajs)])).item())
         truncated = [_cut(t, ctx.config.env.max_tokens) for t in trajs]
         tensors = layout(trajs, width, ctx.config.env.max_tokens, ctx.tokenizer.pad_token_id)
-        _record(ctx, result.stats, tensors[RESPONSE_MASK], sum(truncated))
+        _record(ctx, result, tensors[RESPONSE_MASK], sum(truncated))
         device = ctx.comm.device
         return expanded.updated(
             uid=uids,
@@ -63,30 +72,30 @@ class AgentRolloutStage:
             **{name: value.to(device) for name, value in tensors.items()},
         )
 
-    def _rollout(self, ctx: StageContext):
-        """This rank's `AgentRollout` over its rollout engine, made at the first step."""
-        if self.rollout is None:
-            from distflow.agents.backend import EngineBackend
-            from distflow.agents.rollout import AgentConfig, AgentRollout
-            from distflow.agents.server import ServerConfig
 
-            cfg, sampling = ctx.config, ctx.engines.sampling
-            server = ServerConfig(
-                seed=cfg.trainer.seed,
-                max_new_tokens=sampling.max_new_tokens,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                chat_template=PLAIN_CHAT_TEMPLATE if cfg.model.path is None else None,
-            )
-            agent = AgentConfig(
-                fn=cfg.rollout.agent,
-                timeout_s=cfg.rollout.agent_timeout_s,
-                default_reward=cfg.env.default_reward,
-                server=server,
-            )
-            backend = EngineBackend(ctx.engines.rollout_model, ctx.tokenizer, engine=sampling.engine)
-            self.rollout = AgentRollout(agent, ctx.tokenizer, backend)
-        return self.rollout
+def agent_rollout(config, tokenizer, model, sampling):
+    """A rollout rank's `AgentRollout` (`rollout.agent` set) over its rollout engine: the training
+    rollout and the held-out evaluation share it; its endpoint starts at the first use."""
+    from distflow.agents.backend import EngineBackend
+    from distflow.agents.rollout import AgentConfig, AgentRollout
+    from distflow.agents.server import ServerConfig
+
+    embedded = config.model.path is None
+    server = ServerConfig(
+        seed=config.trainer.seed,
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        chat_template=EMBEDDED_CHAT_TEMPLATE if embedded else None,
+        tool_call_format="equals" if embedded else "hermes",
+    )
+    agent = AgentConfig(
+        fn=config.rollout.agent,
+        timeout_s=config.rollout.agent_timeout_s,
+        default_reward=config.env.default_reward,
+        server=server,
+    )
+    return AgentRollout(agent, tokenizer, EngineBackend(model, tokenizer, engine=sampling.engine))
 
 
 def _one_per_episode(found: list, count: int, prompt_ids: list, rows: list, uids: list) -> list:
@@ -118,8 +127,14 @@ def _cut(traj, width: int) -> bool:
     return True
 
 
-def _record(ctx: StageContext, stats: dict, mask_BR, num_truncated: int) -> None:
+def _record(ctx: StageContext, result, mask_BR, num_truncated: int) -> None:
+    """The rollout's metrics; a number the agent returned beside "score" (`{"tool_calls": 2}`) is
+    logged as `agent/<name>`, its mean over the episodes that returned it."""
+    stats = result.stats
     m, count = ctx.metrics, max(stats["episodes"], 1)
+    for key in sorted({k for e in result.episodes for k in e.info}):
+        returned = [e.info[key] for e in result.episodes if key in e.info]
+        m.mean(f"agent/{key}", sum(returned), len(returned))
     m.mean("response/length", float(mask_BR.sum()), count)
     m.total("tokens/generated", float(mask_BR.sum()))
     m.mean("agent/model_calls", float(stats["model_calls"]), count)

@@ -53,6 +53,8 @@ class Engines:
     """Set when some rollout ranks are not train ranks."""
     next_prompts: Callable[[], Batch] | None = None
     """This rank's share of the loader's next prompts (dynamic sampling draws extra batches)."""
+    agent: Any = None
+    """The `AgentRollout` of a rollout rank when `rollout.agent` is set (dag/agent_stage.py)."""
     built: dict[str, Any] = field(default_factory=dict)
     """Every engine built from the registry on this rank, by name (engines/registry.py)."""
 

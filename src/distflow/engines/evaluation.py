@@ -93,12 +93,16 @@ def judge(
     samples_per_prompt: int = 1,
     chunk_size: int = 1024,
     env=None,
+    agent=None,
 ) -> list[bool]:
     """Whether each completion is correct, completion k of sample i at i·n + k: `samples_per_prompt`
     completions of each sample (n keys per sample, in order), or one greedy completion when
     `sample_keys` is None. With `env` (the `env` config section, `env.cls` set) a completion is a
-    whole trajectory against the environment, judged on its last action."""
+    whole trajectory against the environment, judged on its last action; with `agent` (this rank's
+    `AgentRollout`, `rollout.agent` set) it is the agent's episode, judged on its final reply."""
     n = samples_per_prompt
+    if agent is not None:
+        return _judge_agent(agent, samples, is_correct, sample_keys, n)
     if env is not None and env.cls is not None:
         return _judge_multiturn(model, tokenizer, samples, is_correct, sampling, sample_keys, n, chunk_size, env)
     judged: list[bool] = []
@@ -135,6 +139,15 @@ def _judge_multiturn(model, tokenizer, samples, is_correct, sampling, sample_key
     return judged
 
 
+def _judge_agent(agent, samples, is_correct, sample_keys, n) -> list[bool]:
+    """Each completion is an episode of the agent: sampled ones keyed by their evaluation keys (as the
+    sample uids of the episodes: the same on any rank), greedy ones with every call greedy."""
+    rows = [dict(s) for s in samples for _ in range(n)]
+    uids = list(range(len(rows))) if sample_keys is None else list(sample_keys)
+    texts = agent.run(rows, uids, greedy=sample_keys is None).final_texts()
+    return [bool(is_correct(text, private_copy(row))) for text, row in zip(texts, rows, strict=True)]
+
+
 def evaluate(
     model: torch.nn.Module,
     tokenizer: PreTrainedTokenizerBase,
@@ -148,6 +161,7 @@ def evaluate(
     env=None,
     group_of: Callable[[dict], str] | None = None,
     evaluators: Sequence[int] | None = None,
+    agent=None,
 ) -> Evaluation:
     """Sampled and greedy accuracy over all of `heldout` (and per group of rows, with `group_of`);
     every rank gets the same answer.
@@ -163,9 +177,17 @@ def evaluate(
     keys = eval_keys(seed, indices, num_samples)
     with gathered(model):  # fsdp2: the whole policy on each rank while it generates
         sampled = judge(
-            model, tokenizer, mine, is_correct, sampling, sample_keys=keys, samples_per_prompt=num_samples, env=env
+            model,
+            tokenizer,
+            mine,
+            is_correct,
+            sampling,
+            sample_keys=keys,
+            samples_per_prompt=num_samples,
+            env=env,
+            agent=agent,
         )
-        greedy = judge(model, tokenizer, mine, is_correct, sampling, sample_keys=None, env=env)
+        greedy = judge(model, tokenizer, mine, is_correct, sampling, sample_keys=None, env=env, agent=agent)
     # Every rank knows every row's group (the held-out rows are the same everywhere), so the
     # groups, and the layout of the one summed vector, agree without a collective.
     groups = sorted({group_of(heldout[i]) for i in range(len(heldout))}) if group_of is not None else []

@@ -105,7 +105,10 @@ def _evaluate(worker: Worker) -> Evaluation:
         seed=cfg.trainer.seed,
         env=cfg.env,
         group_of=getattr(worker.task, "group_of", None),
-        evaluators=worker.plan.groups["rollout"].ranks if engines.sampling.engine.rollout_ranks_only else None,
+        evaluators=worker.plan.groups["rollout"].ranks
+        if engines.sampling.engine.rollout_ranks_only or cfg.rollout.agent
+        else None,
+        agent=engines.agent,  # rollout.agent: the held-out rows are the agent's episodes too
     )
     return dataclasses.replace(result, seconds=time.time() - start)
 

@@ -25,6 +25,7 @@ import torch
 
 from distflow.comm import Comm
 from distflow.config import Config, ConfigError
+from distflow.dag.agent_stage import agent_rollout
 from distflow.dag.context import Engines
 from distflow.dag.pipelines import LOADER_FIELDS, build_graph
 from distflow.data.loader import PromptLoader, RowRules, ValidRows
@@ -68,6 +69,8 @@ class Worker:
         if self.engines.rewards is not None:
             self.engines.rewards.close()
         self.engines.sampling.engine.close()
+        if self.engines.agent is not None:
+            self.engines.agent.close()
 
 
 def build_worker(config: Config, world: Comm, log) -> Worker:
@@ -125,6 +128,7 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
         policy=built.get("policy"),
         reference=built.get("reference"),
         critic=built.get("critic"),
+        agent=agent_rollout(config, tokenizer, model, sampling) if config.rollout.agent and rank in rollout else None,
         built=built,
     )
     return Worker(

@@ -17,6 +17,7 @@ A cache hit imports neither torch nor transformers (the builder's imports are in
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -33,15 +34,18 @@ def cache_key(config: Config) -> str:
     shaping = {
         "version": FORMAT_VERSION,
         "task": {"num_digits": config.task.num_digits, "num_heldout": config.task.num_heldout},
-        "warmstart": to_dict(config)["warmstart"] | {"cache_dir": None},
+        "warmstart": {k: v for k, v in to_dict(config)["warmstart"].items() if k not in ("cache_dir", "tool_transcripts")}
+        | {"cache_dir": None},
         "sampling": [config.rollout.temperature, config.rollout.top_p, config.rollout.max_new_tokens],
         "seed": config.trainer.seed,
     }
     if config.task.num_operands != 2:  # keys of the two-operand task stay as they were
         shaping["task"]["num_operands"] = config.task.num_operands
-    if config.env.cls is not None:  # a multi-turn warm-start (tool transcripts, validated by trajectories)
-        env = to_dict(config)["env"]
-        shaping["env"] = {k: env[k] for k in ("cls", "kwargs", "max_turns", "max_tokens")}
+    env = warmstart_env(config)
+    if env.cls is not None:  # a multi-turn warm-start (tool transcripts, validated by trajectories)
+        shaping["env"] = {k: to_dict(env)[k] for k in ("cls", "kwargs", "max_turns", "max_tokens")}
+        if not uses_tool_transcripts(config):
+            shaping["direct"] = True  # warmstart.tool_transcripts=false beside the calculator
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -50,6 +54,20 @@ def embedded_model_dir(config: Config) -> Path:
 
 
 CALCULATOR = "distflow.envs.tools:CalculatorEnv"
+
+
+def uses_tool_transcripts(config: Config) -> bool:
+    """Whether the warm-start trains on the calculator's transcripts (`warmstart.tool_transcripts`)."""
+    chosen = config.warmstart.tool_transcripts
+    return config.env.cls == CALCULATOR if chosen is None else chosen
+
+
+def warmstart_env(config: Config):
+    """The `env` section the warm-start validates with: the calculator's for tool transcripts
+    (an agent's run has no env.cls; its episodes are the same transcripts), else the run's own."""
+    if config.env.cls is None and uses_tool_transcripts(config):
+        return dataclasses.replace(config.env, cls=CALCULATOR)
+    return config.env
 
 
 def _tool_batches(tokenizer, train: list[dict], seed: int):
@@ -80,7 +98,7 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     ws = config.warmstart
     validation, train = task.train[-ws.num_validation :], task.train[: -ws.num_validation]
     sampling = SamplingSpec.of(config.rollout)
-    tool = config.env.cls == CALCULATOR  # a multi-turn warm-start trains on the calculator's transcripts
+    tool = uses_tool_transcripts(config)
     info = warm_start_to_target(
         model,
         tokenizer,
@@ -91,7 +109,7 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
         ws,
         seed,
         log,
-        env=config.env,
+        env=warmstart_env(config),
         batch_of=_tool_batches(tokenizer, train, seed) if tool else None,
     )
     info["seconds"] = round(time.time() - start, 1)
