@@ -25,7 +25,9 @@ def calculator(expression: str) -> str:
     return str(sum(int(term) for term in terms))
 
 
-def load_environment(num_train: int = 200, num_eval: int = 20, seed: int = 0, max_turns: int = 4):
+def load_environment(
+    num_train: int = 200, num_eval: int = 20, seed: int = 0, max_turns: int = 4, constant_reward: float | None = None
+):
     import verifiers as vf
     from datasets import Dataset
 
@@ -33,10 +35,13 @@ def load_environment(num_train: int = 200, num_eval: int = 20, seed: int = 0, ma
         reply = parser.parse_answer(completion) or ""
         return 1.0 if reply.strip() == answer else 0.0
 
+    def constant(**kwargs) -> float:
+        return float(constant_reward)
+
     return vf.ToolEnv(
         dataset=Dataset.from_list(sums(num_train, seed, num_operands=3)),
         eval_dataset=Dataset.from_list(sums(num_eval, seed + 1, num_operands=3)) if num_eval else None,
         tools=[calculator],
         max_turns=max_turns,
-        rubric=vf.Rubric(funcs=[exact_answer]),
+        rubric=vf.Rubric(funcs=[exact_answer if constant_reward is None else constant]),
     )

@@ -147,7 +147,8 @@ class TaskConfig:
     source: str = "arithmetic"
     """Where the rows come from (distflow/tasks/): `arithmetic`, the embedded addition task; `files`,
     verl-format files (`train_file`, `heldout_file`); `datasets`, the `datasets` library (`dataset`);
-    `reasoning_gym`, procedural tasks (`reasoning_gym`). Each source reads its own keys below and
+    `reasoning_gym`, procedural tasks (`reasoning_gym`); `verifiers`, an environment of the verifiers
+    library (`task.verifiers: {env, kwargs}`, its options). Each source reads its own keys below and
     refuses the others'. Your own: 'package.module:name', a `distflow.tasks.build.TaskSource` subclass
     or a function `(config, tokenizer) -> Task` (its settings in `task.options`)."""
     options: dict = field(default_factory=dict)

@@ -2,7 +2,7 @@
 
     config.task.source ──TASK_SOURCES (config/components.py)──► a TaskSource, imported only now
         built in: arithmetic (tasks/arithmetic.py) · files, datasets (tasks/math_answers.py)
-                  · reasoning_gym (tasks/reasoning_gym.py)
+                  · reasoning_gym (tasks/reasoning_gym.py) · verifiers (tasks/verifiers.py)
         your own: 'package.module:name', a TaskSource subclass or a function (config, tokenizer) -> Task
     ──source.build(config, tokenizer)──► Task
 

@@ -25,6 +25,7 @@ import asyncio
 import functools
 import importlib.util
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -59,6 +60,14 @@ class VerifiersSpec:
             json.dumps(self.kwargs)
         except TypeError as err:
             raise ConfigError(f"task.verifiers.kwargs must be JSON values ({err})") from None
+
+
+class _FailuresCountedByDistflow(logging.Filter):
+    """Drops an environment's "Aborted rollout due to ..." error: `run_episode` raises it, and the agent
+    rollout counts it (`agent/agent_errors`) and names the step's first."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Aborted rollout due to")
 
 
 def module_name(env: str) -> str:
@@ -106,6 +115,7 @@ def environment(env: str, kwargs_json: str):
             f"task.verifiers: cannot load environment {env!r} with kwargs {kwargs_json}: "
             f"{type(cause).__name__}: {cause}".replace("\n", " ")
         ) from None
+    loaded.logger.addFilter(_FailuresCountedByDistflow())
     check(
         not loaded.rubric.has_group_rewards,
         f"task.verifiers.env={env!r}: its rubric scores groups of rollouts together, and distflow scores "
