@@ -11,17 +11,18 @@
       task.reward = no_reward (implied): the rubric's score is the whole reward
 
 The rollout belongs to the environment (a `SingleTurnEnv` asks once; a `ToolEnv` runs its tools
-between calls), so the source supplies the agent: a verifiers task with another `rollout.agent`, or
-with a rubric that scores groups of rollouts together, is refused. Every rank loads the environment
+between calls), so the source supplies the agent: a verifiers task with another `rollout.agent` or an
+`env.cls`, or with a rubric that scores groups of rollouts together, is refused. Every rank loads the environment
 once per process (its datasets are built once); episodes share it, each on its own event loop.
 
-`verifiers` is an optional extra (`pip install 'distflow[verifiers]'`, the 0.1-0.2 line whose
-environments are `load_environment(**kwargs) -> vf.Environment`; 0.3 moved to another API).
+`verifiers` is an optional extra (`pip install 'distflow[verifiers]'`): its 0.2 line, whose environments
+are `load_environment(**kwargs) -> vf.Environment` with a dataset and a rubric (0.3 moved to another API).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import importlib.util
 import json
@@ -92,12 +93,19 @@ def missing_module(env: str) -> str | None:
     if importlib.util.find_spec("verifiers") is None:
         return f"task.source=verifiers needs the verifiers package: {INSTALL}"
     module = module_name(env)
-    if importlib.util.find_spec(module) is None:
+    if not _installed(module):
         return (
             f"task.verifiers.env={env!r}: no environment module {module!r} is installed; install its package "
             f"(pip install -e path/to/{module}, or `prime env install {env}`)"
         )
     return None
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a dotted name whose parent is missing, an empty name
+        return False
 
 
 @functools.lru_cache(maxsize=8)
@@ -131,7 +139,7 @@ class VerifiersRows(Sequence):
         self.dataset, self.start, self.stop = dataset, start, stop
         self.env = {"env": spec.env, "kwargs": json.dumps(spec.kwargs, sort_keys=True)}
         self.template = getattr(tokenizer, "chat_template", None)
-        self.tokenizer = tokenizer
+        self.tokenizer = copy.deepcopy(tokenizer)  # rows are read on the prefetch thread
         self.path = f"verifiers environment {spec.env!r} {split} rows"  # how row errors name them
         self.rows_read = 0
 
