@@ -8,6 +8,10 @@
         it needs of the other sections (`check`), what it adds to a batch (`fields`), what this machine
         must have (`preflight`), and `build(...)`; an instance's `close()` ends what it holds
 
+Where a kind's parts are plain functions (a policy loss, a KL estimator, an off-policy correction),
+its `FunctionRegistry` gives the function itself: `POLICY_LOSSES[algo.policy_loss](logp_BR, ...)`. The
+settings that name a part of the algorithm are checked when the config is loaded (`check_name`).
+
 The built-ins are import paths, not references, on purpose: the config layer names them without
 importing the layers above it, and a component's own dependencies (vLLM, datasets, reasoning-gym)
 load only in the runs that choose it. A component module therefore imports torch inside its
