@@ -115,7 +115,9 @@ def test_n_choices_logprobs_stop_strings_and_tool_choice_none(tokenizer):
             model="m", messages=[{"role": "user", "content": "x"}], tools=TOOLS, tool_choice="none"
         )
         server.open_session("t", uid=1)
-        untooled = client_of(server, "t").chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        untooled = client_of(server, "t").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}]
+        )
     for unparsed in (reply, untooled):  # tool_choice none, or no tools offered: as OpenAI, no tool_calls
         assert unparsed.choices[0].message.tool_calls is None
         assert unparsed.choices[0].message.content.startswith("<tool_call>")

@@ -291,8 +291,13 @@ def test_the_embedded_models_convention_calls_the_calculator_and_renders_back_to
     assert (call.name, json.loads(call.arguments)) == ("calculator", {"expression": "(12+34)"})
     assert parse_equals("102").tool_calls == [] and parse_equals(" = ").tool_calls == []
     tokenizer = build_char_tokenizer()
-    assistant = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
-                 "function": {"name": "calculator", "arguments": call.arguments}}]}
+    assistant = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "calculator", "arguments": call.arguments}}
+        ],
+    }
     messages = [{"role": "user", "content": "12+34+56="}, assistant, {"role": "tool", "content": "46"}]
     messages = [normalized_message(m, i) for i, m in enumerate(messages)]
     request = ChatRequest(messages, None, None, 8, 1.0, 1.0, 1, None, False)

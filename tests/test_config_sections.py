@@ -286,3 +286,15 @@ def test_the_rules_between_sections_hold_for_a_config_built_in_code():
         Config(
             rollout=load_config(None, ["rollout.engine=compiled"]).rollout, parallel=ParallelConfig(strategy="fsdp2")
         )
+
+
+def test_a_block_named_after_a_part_chooses_it_when_the_section_names_none(tmp_path):
+    """`task: {verifiers: {...}}` is `task: {source: verifiers, verifiers: {...}}`; with a selector given,
+    or two blocks, nothing is inferred."""
+    pytest.importorskip("verifiers", reason="the verifiers extra: pip install 'distflow[verifiers]'")
+    path = tmp_path / "c.yaml"
+    path.write_text("task:\n  verifiers: {env: vf-addition}\n")
+    assert (load_config(path).task.source, load_config(path).task.options) == ("verifiers", {"env": "vf-addition"})
+    path.write_text("task:\n  source: arithmetic\n  verifiers: {env: vf-addition}\n")
+    with pytest.raises(ConfigError, match="verifiers"):
+        load_config(path)

@@ -263,6 +263,16 @@ def check_rollout_engine(config: Config) -> None:
         raise ConfigError(problems[0])
 
 
+def check_task_source(config: Config) -> None:
+    """What the chosen task source needs of this machine (its component's `preflight`: a library, an
+    installed environment), before any rank starts."""
+    from distflow.config.components import TASK_SOURCES
+
+    problems = TASK_SOURCES.get(config.task.source).preflight(config)
+    if problems:
+        raise ConfigError(problems[0])
+
+
 def check_strategy(config: Config) -> None:
     """Precision the device supports, and decoder blocks where activation checkpointing needs them."""
     parallel = config.parallel

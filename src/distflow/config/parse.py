@@ -118,7 +118,11 @@ def _type_name(tp: Any) -> str:
 
 def _routed_options(data: dict, selector: str, default: str, fields: list[str]) -> dict:
     """A section's dict with the chosen part's own block (`<name>: {...}`) moved to `options`, so
-    `rollout: {engine: vllm, vllm: {log: true}}` reads as `options: {log: true}`."""
+    `rollout: {engine: vllm, vllm: {log: true}}` reads as `options: {log: true}`. Without the selector,
+    one such block chooses its part: `task: {verifiers: {env: ...}}` is `source: verifiers`."""
+    blocks = [key for key, value in data.items() if key not in fields and isinstance(value, dict)]
+    if selector not in data and len(blocks) == 1:
+        data = {**data, selector: blocks[0]}
     chosen = data.get(selector, default)
     if not isinstance(chosen, str) or chosen in fields or not isinstance(data.get(chosen), dict):
         return data

@@ -218,6 +218,7 @@ def validate(config: Config, world_size: int, *, check_run_dir: bool, resuming: 
     preflight.check_strategy(config)
     preflight.check_loggers(config)
     preflight.check_rollout_engine(config)
+    preflight.check_task_source(config)
     preflight.check_reward_models(config)
     preflight.check_data_files(config)
     preflight.check_directories(config, run_dir_of(config))

@@ -28,13 +28,15 @@ from pathlib import Path
 from distflow.config import Config, to_dict
 
 FORMAT_VERSION = 3  # 3: keyed sampling in the validation check
+UNSHAPING = ("cache_dir", "tool_transcripts")
+"""Warm-start keys outside the cache key: where it is kept; the transcripts' choice is keyed by `env`."""
 
 
 def cache_key(config: Config) -> str:
     shaping = {
         "version": FORMAT_VERSION,
         "task": {"num_digits": config.task.num_digits, "num_heldout": config.task.num_heldout},
-        "warmstart": {k: v for k, v in to_dict(config)["warmstart"].items() if k not in ("cache_dir", "tool_transcripts")}
+        "warmstart": {k: v for k, v in to_dict(config)["warmstart"].items() if k not in UNSHAPING}
         | {"cache_dir": None},
         "sampling": [config.rollout.temperature, config.rollout.top_p, config.rollout.max_new_tokens],
         "seed": config.trainer.seed,
