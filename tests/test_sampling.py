@@ -43,3 +43,41 @@ def test_a_row_draws_the_same_token_in_any_batch():
     shuffled = sample_from_logits(logits[order], keys[order], 2, temperature=1.0)
     assert torch.equal(shuffled, whole[order])
     assert torch.equal(sample_from_logits(logits[:5], keys[:5], 2, temperature=1.0), whole[:5])
+
+
+def test_the_hash_multiplies_exactly_mod_2_32():
+    from distflow.engines.sampling import _mul32
+
+    g = torch.Generator().manual_seed(1)
+    h = torch.cat([torch.randint(0, 2**32, (10_000,), generator=g), torch.tensor([0, 1, 2**32 - 1, 2**16, 2**31])])
+    for c in (0x85EBCA6B, 0xC2B2AE35, 0x9E3779B1, 1, 0xFFFFFFFF):
+        assert _mul32(h, c).tolist() == [(x * c) % 2**32 for x in h.tolist()]
+
+
+def _two_searches(logits_BV, uniform_B, temperature, top_p):
+    """The draw as two searches (the last token with mass where rounding leaves u past the total)."""
+    probs_BV = torch.softmax(logits_BV.double() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
+        kept_BV = torch.where(sorted_BV.cumsum(-1) - sorted_BV < top_p, sorted_BV, torch.zeros_like(sorted_BV))
+        probs_BV = torch.zeros_like(probs_BV).scatter(-1, order_BV, kept_BV)
+    cdf_BV = probs_BV.cumsum(-1)
+    total_B1 = cdf_BV[:, -1:].contiguous()
+    first_B1 = torch.searchsorted(cdf_BV, uniform_B.unsqueeze(-1) * total_B1, right=True)
+    return torch.minimum(first_B1, torch.searchsorted(cdf_BV, total_B1)).squeeze(-1).clamp(max=logits_BV.shape[-1] - 1)
+
+
+def test_one_search_below_the_total_draws_what_two_searches_draw():
+    """The sampler searches once, at min(u · total, the float just below the total): the same token as
+    the smaller of the two searches, also at the edges (u at 1, empty bins, -inf logits)."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(4096, 50, generator=g) * 6
+    logits[::5, 30:] = float("-inf")  # trailing tokens of no mass
+    logits[::7, :10] = float("-inf")
+    uniform = torch.rand(4096, generator=g, dtype=torch.float64)
+    uniform[::3] = 1.0  # u · total at the total, where only the last token with mass is right
+    uniform[1::3] = 1 - 2.0**-53  # the largest uniform the hash makes
+    for temperature, top_p in ((1.0, 1.0), (0.7, 1.0), (1.3, 0.5)):
+        expected = _two_searches(logits, uniform, temperature, top_p)
+        drawn = sample_from_logits(logits, None, 0, temperature=temperature, top_p=top_p, uniform_B=uniform)
+        assert torch.equal(drawn, expected)

@@ -24,18 +24,13 @@ mean subclassing its private processor classes; this loop is the part of it dist
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import DynamicCache
 
 from distflow.engines.models import cache_kwargs
-from distflow.engines.sampling import keyed_uniforms, sample_from_logits, token_logprob_B
-
-
-def _draw(logits_BV: torch.Tensor, uniform_B: torch.Tensor | None, temperature: float, top_p: float) -> torch.Tensor:
-    """Each row's token: sampled at its uniform drawn ahead (`keyed_uniforms`), or greedy without one."""
-    if uniform_B is None:
-        return logits_BV.argmax(dim=-1)
-    return sample_from_logits(logits_BV, None, 0, temperature=temperature, top_p=top_p, uniform_B=uniform_B)
+from distflow.engines.sampling import keyed_uniforms, sampled_B1, token_logprob_B1
 
 
 @torch.no_grad()
@@ -59,41 +54,94 @@ def decode(
     `logprobs`: also each drawn token's log-prob under softmax(logits / T), [G·n, max_new_tokens]
     (0 after a row's end), recorded while sampling.
     """
-    n, device = samples_per_prompt, prompt_ids_GP.device
+    width, device = prompt_ids_GP.shape[1], prompt_ids_GP.device
     stop_S = torch.tensor(stop_ids, device=device)
-    logits_BV, cache = _prefill(model, prompt_ids_GP, prompt_mask_GP, n)
-    mask_BT = prompt_mask_GP.repeat_interleave(n, dim=0)
-    response_BR = torch.full((mask_BT.shape[0], max_new_tokens), pad_id, dtype=torch.long, device=device)
-    logp_BR = torch.zeros(response_BR.shape, dtype=torch.float32, device=device)
-    rows_A = torch.arange(mask_BT.shape[0], device=device)  # the rows still in the batch, in batch order
-    uniform_AR = None if keys_B is None else keyed_uniforms(keys_B, max_new_tokens)  # every draw, ahead
-    ended_A = torch.zeros(rows_A.shape, dtype=torch.bool, device=device)  # sampled a stop token already
+    logits_AV, cache, rows = _prefill(model, prompt_ids_GP, prompt_mask_GP, samples_per_prompt, keys_B, max_new_tokens)
+    drawn = _Drawn(rows.rows_A.shape[0], max_new_tokens, pad_id, logprobs, device)
     every = stop_check_interval(device)
     for t in range(max_new_tokens):
-        token_A = _draw(logits_BV, None if uniform_AR is None else uniform_AR[:, t], temperature, top_p)
-        # A row that ended between two checks stays in the batch; what it draws is not kept.
-        response_BR[rows_A, t] = torch.where(ended_A, pad_id, token_A)
-        if logprobs:
-            logp_A = token_logprob_B(logits_BV, token_A, temperature=temperature)
-            logp_BR[rows_A, t] = torch.where(ended_A, 0.0, logp_A)
-        ended_A = ended_A | torch.isin(token_A, stop_S)
+        if keys_B is None:
+            token_A1 = logits_AV.argmax(dim=-1, keepdim=True)
+        else:
+            token_A1 = sampled_B1(logits_AV, rows.uniform_A1[t], temperature=temperature, top_p=top_p)
+        drawn.add(token_A1, token_logprob_B1(logits_AV, token_A1, temperature=temperature) if logprobs else None)
         if t == max_new_tokens - 1:
             break
         if (t + 1) % every == 0:  # the only look at the values on the host
-            if ended_A.all():
+            # A row that ended between two looks stayed in the batch; what it drew after its end is padded.
+            keep_A = torch.isin(drawn.since_look(), stop_S, invert=True).all(dim=1).nonzero()[:, 0]
+            if keep_A.shape[0] == 0:
                 break
-            if ended_A.any():
-                keep_A = (~ended_A).nonzero().squeeze(-1)
-                rows_A, token_A, mask_BT, ended_A = rows_A[keep_A], token_A[keep_A], mask_BT[keep_A], ended_A[keep_A]
-                uniform_AR = None if uniform_AR is None else uniform_AR[keep_A]
+            if keep_A.shape[0] < rows.rows_A.shape[0]:
+                drawn.write(rows.rows_A)
+                rows = rows.kept(keep_A)
+                token_A1 = token_A1[keep_A]
                 cache.batch_select_indices(keep_A)
-        mask_BT = torch.cat([mask_BT, mask_BT.new_ones(mask_BT.shape[0], 1)], dim=1)
-        logits_BV = _next_logits(model, token_A, mask_BT, cache)
-    return (response_BR, logp_BR) if logprobs else response_BR
+        logits_AV = _next_logits(model, token_A1, rows.mask_AT[:, : width + t + 1], rows.position_A1[t], cache)
+    drawn.write(rows.rows_A)
+    return drawn.result(stop_S, padded=every > 1)
 
 
-def _prefill(model, prompt_ids_GP: torch.Tensor, prompt_mask_GP: torch.Tensor, n: int):
-    """(last-position logits [G·n, V], KV cache of G·n rows): each prompt computed once, then repeated."""
+@dataclass
+class _Rows:
+    """The rows still in the batch (row rows_A[a] of the output in place a), with what each needs per
+    decoded token, laid out ahead (one kernel per token saved is one launch less on a GPU)."""
+
+    rows_A: torch.Tensor
+    mask_AT: torch.Tensor  # [A, P + R]: the prompt's mask, then ones; step t attends to P + t + 1 columns
+    positions_AR1: torch.Tensor  # [A, R, 1]: token t's position
+    uniforms_AR1: torch.Tensor | None  # [A, R, 1]: token t's uniform (None: greedy)
+
+    def __post_init__(self) -> None:
+        self.position_A1 = self.positions_AR1.unbind(1)  # one view per token, in one op
+        self.uniform_A1 = None if self.uniforms_AR1 is None else self.uniforms_AR1.unbind(1)
+
+    def kept(self, keep_A: torch.Tensor) -> _Rows:
+        uniforms = None if self.uniforms_AR1 is None else self.uniforms_AR1[keep_A]
+        return _Rows(self.rows_A[keep_A], self.mask_AT[keep_A], self.positions_AR1[keep_A], uniforms)
+
+
+class _Drawn:
+    """The tokens (and log-probs) drawn, [A, 1] each, kept as they come and written to the responses
+    in one op per stretch of tokens with the same rows: at each change of the rows, and at the end."""
+
+    def __init__(self, num_rows: int, max_new_tokens: int, pad_id: int, logprobs: bool, device) -> None:
+        self.response_BR = torch.full((num_rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        self.logp_BR = torch.zeros(self.response_BR.shape, dtype=torch.float32, device=device) if logprobs else None
+        self.pad_id, self.tokens, self.logps, self.start, self.looked = pad_id, [], [], 0, 0
+
+    def add(self, token_A1: torch.Tensor, logp_A1: torch.Tensor | None) -> None:
+        self.tokens.append(token_A1)
+        self.logps.append(logp_A1)
+
+    def since_look(self) -> torch.Tensor:
+        """The tokens drawn since the last look, [A, K]."""
+        new, self.looked = self.tokens[self.looked :], len(self.tokens)
+        return new[0] if len(new) == 1 else torch.cat(new, dim=1)
+
+    def write(self, rows_A: torch.Tensor) -> None:
+        if not self.tokens:
+            return
+        end = self.start + len(self.tokens)
+        self.response_BR[rows_A, self.start : end] = torch.cat(self.tokens, dim=1)
+        if self.logp_BR is not None:
+            self.logp_BR[rows_A, self.start : end] = torch.cat(self.logps, dim=1)
+        self.tokens, self.logps, self.start, self.looked = [], [], end, 0
+
+    def result(self, stop_S: torch.Tensor, *, padded: bool):
+        """The responses (and log-probs); `padded`: rows may hold tokens drawn after their stop token."""
+        response_BR, logp_BR = self.response_BR, self.logp_BR
+        if padded:
+            stop_BR = torch.isin(response_BR, stop_S)
+            after_BR = stop_BR.cumsum(dim=1) > stop_BR  # a stop token strictly before
+            response_BR = response_BR.masked_fill(after_BR, self.pad_id)
+            logp_BR = None if logp_BR is None else logp_BR.masked_fill(after_BR, 0.0)
+        return response_BR if logp_BR is None else (response_BR, logp_BR)
+
+
+def _prefill(model, prompt_ids_GP, prompt_mask_GP, n: int, keys_B, max_new_tokens: int):
+    """(last-position logits [G·n, V], KV cache of G·n rows, the rows): each prompt computed once, then
+    repeated (a gather of the prompt's row for each sample: one op per tensor)."""
     cache = DynamicCache(config=model.config)  # sliding-window layers get their own cache kind, as in generate
     out = model(
         input_ids=prompt_ids_GP,
@@ -103,16 +151,23 @@ def _prefill(model, prompt_ids_GP: torch.Tensor, prompt_mask_GP: torch.Tensor, n
         use_cache=True,
         logits_to_keep=1,
     )
-    cache.batch_repeat_interleave(n)
-    return out.logits[:, -1, :].float().repeat_interleave(n, dim=0), cache
+    device, num_rows = prompt_ids_GP.device, prompt_ids_GP.shape[0] * n
+    prompt_B = torch.arange(num_rows, device=device) // n
+    cache.batch_select_indices(prompt_B)
+    mask_BP = prompt_mask_GP[prompt_B]
+    mask_BT = torch.cat([mask_BP, mask_BP.new_ones(num_rows, max_new_tokens)], dim=1)
+    positions_BR1 = (mask_BP.sum(-1, keepdim=True) + torch.arange(max_new_tokens, device=device)).unsqueeze(-1)
+    uniforms = None if keys_B is None else keyed_uniforms(keys_B, max_new_tokens).unsqueeze(-1)  # every draw, ahead
+    rows = _Rows(torch.arange(num_rows, device=device), mask_BT, positions_BR1, uniforms)
+    return out.logits[:, -1, :].float()[prompt_B], cache, rows
 
 
-def _next_logits(model, token_A: torch.Tensor, mask_BT: torch.Tensor, cache) -> torch.Tensor:
+def _next_logits(model, token_A1: torch.Tensor, mask_AT: torch.Tensor, position_A1: torch.Tensor, cache):
     """The logits after each row's latest token, the cache grown by one column."""
     out = model(
-        input_ids=token_A[:, None],
-        attention_mask=mask_BT,
-        position_ids=mask_BT.sum(-1, keepdim=True) - 1,
+        input_ids=token_A1,
+        attention_mask=mask_AT,
+        position_ids=position_A1,
         **cache_kwargs(cache),
         use_cache=True,
     )

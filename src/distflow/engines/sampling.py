@@ -46,10 +46,9 @@ class SamplingSpec:
 
 
 def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
-    """(h * c) mod 2^32 without int64 overflow (split h into 16-bit halves)."""
-    low = (h & 0xFFFF) * c
-    high = (((h >> 16) * c) & 0xFFFF) << 16
-    return (low + high) & _MASK32
+    """(h * c) mod 2^32 for h < 2^32 without int64 overflow: the constant split into 16-bit halves,
+    h * (c mod 2^16) + ((h * (c >> 16)) mod 2^16) << 16, each product below 2^48."""
+    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
@@ -61,11 +60,17 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def _hash32(salt: int | torch.Tensor, *words: torch.Tensor) -> torch.Tensor:
-    h = _fmix32(torch.as_tensor(salt, dtype=torch.long))
-    for word in words:
-        h = _fmix32(_mul32(h ^ (word & _MASK32), 0x9E3779B1) ^ ((word >> 32) & _MASK32))
-    return h
+_SALT_STATES_21 = _fmix32(_SALTS_21)  # the hash's state after its salt: the same for every draw
+
+
+def _absorb(h: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
+    """The hash state after a 64-bit word: its low 32 bits, then its high 32."""
+    return _fmix32(_mul32(h ^ (word & _MASK32), 0x9E3779B1) ^ ((word >> 32) & _MASK32))
+
+
+def _absorb_small(h: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
+    """`_absorb` of a word in [0, 2^32), bit for bit: its high half is 0, and x ^ 0 = x."""
+    return _fmix32(_mul32(h ^ word, 0x9E3779B1))
 
 
 def keyed_uniform(keys_B: torch.Tensor, position: int) -> torch.Tensor:
@@ -82,7 +87,7 @@ def keyed_uniform(keys_B: torch.Tensor, position: int) -> torch.Tensor:
 def keyed_uniforms(keys_B: torch.Tensor, num_positions: int) -> torch.Tensor:
     """The uniforms of positions 0..R-1 at once, [B, R]: column t is `keyed_uniform(keys_B, t)`, bit
     for bit (the hash is exact integer arithmetic, element by element). A decode loop draws them all
-    before its first token, so a decoded token pays for one column, not for the ~100 small integer
+    before its first token, so a decoded token pays for one column, not for the ~70 small integer
     operations of the hash (each a kernel launch on a GPU).
 
     >>> keys = torch.tensor([5, 17, 2**40])
@@ -94,10 +99,10 @@ def keyed_uniforms(keys_B: torch.Tensor, num_positions: int) -> torch.Tensor:
 
 
 def _uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Uniforms of (key, position) pairs, the two broadcast together."""
+    """Uniforms of (key, position) pairs, the two broadcast together (positions in [0, 2^32))."""
     # both 32-bit halves in one pass (a decode step pays each op's dispatch once)
-    salts = _SALTS_21.to(keys.device).view(2, *[1] * keys.dim())
-    high, low = _hash32(salts, keys.unsqueeze(0), positions.unsqueeze(0))
+    salts = _SALT_STATES_21.to(keys.device).view(2, *[1] * keys.dim())
+    high, low = _absorb_small(_absorb(salts, keys.unsqueeze(0)), positions.unsqueeze(0))
     bits = high * (1 << 20) + (low >> 12)  # 52 bits
     return (bits.double() + 0.5) / float(1 << 52)
 
@@ -113,7 +118,21 @@ def sample_from_logits(
 ) -> torch.Tensor:
     """Token ids drawn from softmax(logits / T) restricted to the top-p nucleus; `uniform_B`: the rows'
     `keyed_uniform(keys_B, position)`, drawn ahead (`keyed_uniforms`)."""
-    probs_BV = torch.softmax(logits_BV.double() / temperature, dim=-1)
+    if uniform_B is None:
+        uniform_B = keyed_uniform(keys_B.to(logits_BV.device), position)
+    uniform_B1 = uniform_B.to(logits_BV.device).unsqueeze(-1)
+    return sampled_B1(logits_BV, uniform_B1, temperature=temperature, top_p=top_p).squeeze(-1)
+
+
+_MINUS_INF = torch.tensor(float("-inf"), dtype=torch.float64)
+
+
+def sampled_B1(logits_BV: torch.Tensor, uniform_B1: torch.Tensor, *, temperature: float, top_p: float) -> torch.Tensor:
+    """`sample_from_logits` for a decode loop, [B, 1] in and out (no reshaping per token)."""
+    scaled_BV = logits_BV.double()
+    if temperature != 1.0:  # x / 1.0 is x: the same draws without the op
+        scaled_BV = scaled_BV / temperature
+    probs_BV = torch.softmax(scaled_BV, dim=-1)
     if top_p < 1.0:
         sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
         before_BV = sorted_BV.cumsum(-1) - sorted_BV  # mass of strictly more likely tokens
@@ -123,29 +142,32 @@ def sample_from_logits(
     # The first token whose cumulative mass passes u. In a sequential running sum (a CPU's) a token
     # of zero mass adds exactly 0, so it is never the first to pass u; but rounding can leave u at or
     # past the total mass, where no token passes it: then the last token with mass, the first whose
-    # cumulative mass equals the total. The smaller of the two needs no look at the values on the
-    # host (a loop stepping back over empty bins would stall a GPU once per token).
-    total_B1 = cdf_BV[:, -1:].contiguous()
-    if uniform_B is None:
-        uniform_B = keyed_uniform(keys_B.to(cdf_BV.device), position)
-    u_B1 = uniform_B.to(cdf_BV.device).unsqueeze(-1) * total_B1
-    token_B1 = torch.minimum(
-        torch.searchsorted(cdf_BV, u_B1, right=True), torch.searchsorted(cdf_BV, total_B1, right=False)
-    )
-    token_B = token_B1.squeeze(-1).clamp(max=logits_BV.shape[-1] - 1)  # in range even for NaN logits
+    # cumulative mass equals the total, which is the first to pass the float just below the total.
+    # So one search at the smaller of the two (the search is monotone in its value) needs no look at
+    # the values on the host (a loop stepping back over empty bins would stall a GPU once per token).
+    total_B1 = cdf_BV[:, -1:]
+    u_B1 = torch.minimum(uniform_B1 * total_B1, torch.nextafter(total_B1, _MINUS_INF.to(cdf_BV.device)))
+    token_B1 = torch.searchsorted(cdf_BV, u_B1, right=True).clamp(max=logits_BV.shape[-1] - 1)  # NaN logits too
     if cdf_BV.device.type != "cpu":
         # A GPU's parallel scan adds in another order, so an empty bin can round past its neighbour;
         # a token of zero mass (outside the nucleus) is then replaced by the most likely one.
-        empty_B = probs_BV.gather(-1, token_B.unsqueeze(-1)).squeeze(-1) == 0
-        token_B = torch.where(empty_B, probs_BV.argmax(-1), token_B)
-    return token_B
+        empty_B1 = probs_BV.gather(-1, token_B1) == 0
+        token_B1 = torch.where(empty_B1, probs_BV.argmax(-1, keepdim=True), token_B1)
+    return token_B1
 
 
 def token_logprob_B(logits_BV: torch.Tensor, token_B: torch.Tensor, *, temperature: float) -> torch.Tensor:
     """log softmax(logits / T) of each row's token, in float32 as the training passes take it
     (`engines.logprobs`; top-p is ignored there too): the behaviour log-prob `rollout_logp`."""
-    logits_BV = logits_BV.float() / temperature
-    return logits_BV.gather(-1, token_B.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits_BV, dim=-1)
+    return token_logprob_B1(logits_BV, token_B.unsqueeze(-1), temperature=temperature).squeeze(-1)
+
+
+def token_logprob_B1(logits_BV: torch.Tensor, token_B1: torch.Tensor, *, temperature: float) -> torch.Tensor:
+    """`token_logprob_B` for a decode loop, [B, 1] in and out."""
+    logits_BV = logits_BV.float()
+    if temperature != 1.0:
+        logits_BV = logits_BV / temperature
+    return logits_BV.gather(-1, token_B1) - torch.logsumexp(logits_BV, dim=-1, keepdim=True)
 
 
 class KeyedSampler:

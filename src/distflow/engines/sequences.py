@@ -91,6 +91,6 @@ def response_mask_from_ids(response_ids_BR: torch.Tensor, stop_ids: int | tuple[
     real token (generation attended to it), so it stays inside the mask.
     """
     stop_S = torch.tensor(stop_ids if isinstance(stop_ids, tuple) else (stop_ids,), device=response_ids_BR.device)
-    is_eos_BR = torch.isin(response_ids_BR, stop_S).long()
-    eos_before_BR = torch.cumsum(is_eos_BR, dim=-1) - is_eos_BR  # EOS tokens strictly before t
-    return (eos_before_BR == 0).long()
+    is_eos_BR = torch.isin(response_ids_BR, stop_S)
+    # no EOS strictly before t: the EOS tokens up to t are at most t's own
+    return (torch.cumsum(is_eos_BR, dim=-1) <= is_eos_BR).long()
