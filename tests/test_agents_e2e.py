@@ -114,3 +114,43 @@ def test_hostile_agents_are_counted_and_nothing_hangs(tmp_path, cache_dir):
     assert counts["no_model_calls"] > 0  # scores env.default_reward, not the 1.0 it returned
     assert counts["over_cap_requests"] > 0 and counts["malformed_requests"] > 0
     assert counts["agent_errors"] > 0 and "agent episode(s) failed; first: uid" in stderr
+
+
+def test_the_calculator_agent_examples_train_and_make_the_same_episodes(tmp_path, cache_dir):
+    """examples/agents: the plain `openai` client and the Agents SDK offer the `calculator` tool; the
+    model's calls of it (the embedded model's "=" convention) are run, and the tool-call turns train with
+    the log-probs they were sampled with. Both agents make the same requests, so the same samples."""
+    import shutil
+
+    pytest.importorskip("agents", reason="the Agents SDK: pip install openai-agents")
+    for code in (REPO / "examples/agents").glob("*.py"):
+        shutil.copy(code, tmp_path)
+    (tmp_path / "shaping.py").write_text("def length(prompt, completion, sample):\n    return float(len(completion))\n")
+    steps = {}
+    for agent in ("calculator_agent", "calculator_agents_sdk"):
+        result = run_cli(
+            "train",
+            str(REPO / "examples/agents/calculator.yaml"),
+            *TINY_ARGS,  # the untrained model: it ends a reply with "=" (a tool call) now and then
+            "trainer.prompts_per_step=8",
+            "trainer.loggers=[jsonl]",
+            "task.rewards=[{fn: 'shaping:length'}]",  # rewards that differ within a group: the update runs
+            f"rollout.agent={agent}:solve",
+            f"warmstart.cache_dir={cache_dir}",
+            f"trainer.output_dir={tmp_path}",
+            f"trainer.run_name={agent}",
+            cwd=tmp_path,
+            timeout=1800,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        records = [json.loads(line) for line in (tmp_path / agent / "metrics.jsonl").read_text().splitlines()]
+        steps[agent] = [
+            {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in records if "step" in r
+        ]
+    trained = [r for r in steps["calculator_agent"] if "reward/mean" in r]
+    assert len(trained) == 2 and sum(r["agent/tool_calls"] for r in trained) > 0
+    assert all(r["agent/agent_errors"] == 0 and r["mismatch/logp_abs_diff_max"] <= 1e-5 for r in trained)
+    # The same samples: every metric equal, except the sampling-time log-probs' float rounding, which
+    # follows how the endpoint happened to batch the concurrent requests.
+    same = [[{k: v for k, v in r.items() if not k.startswith("mismatch/")} for r in steps[a]] for a in steps]
+    assert same[0] == same[1]

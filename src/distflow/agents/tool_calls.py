@@ -88,11 +88,11 @@ def parse_equals(text: str) -> ParsedReply:
 
     >>> parse_equals("(12+34)=").tool_calls
     [ToolCall(name='calculator', arguments='{"expression": "(12+34)"}')]
-    >>> parse_equals("46").content, parse_equals("=").tool_calls
-    ('46', [])
+    >>> parse_equals("46").content, parse_equals(" =").tool_calls, parse_equals(" 1+2=").tool_calls[0].arguments
+    ('46', [], '{"expression": " 1+2"}')
     """
-    expression = text.strip()[:-1]
-    if not text.strip().endswith("=") or not expression.strip():
+    expression = text[:-1]  # as written, spaces included: the template renders it back the same
+    if not text.endswith("=") or not expression.strip():
         return ParsedReply(content=text)
     return ParsedReply(content=None, tool_calls=[ToolCall(EQUALS_TOOL, json.dumps({"expression": expression}))])
 
