@@ -1,5 +1,5 @@
 """The calculator agent of calculator_agent.py written with the OpenAI Agents SDK
-(`pip install openai-agents`): the SDK runs the tool loop, distflow serves the model.
+(in the `agents` extra): the SDK runs the tool loop, distflow serves the model.
 
     cd examples/agents && distflow train calculator.yaml rollout.agent=calculator_agents_sdk:solve
 
