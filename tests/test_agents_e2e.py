@@ -154,3 +154,31 @@ def test_the_calculator_agent_examples_train_and_make_the_same_episodes(tmp_path
     # follows how the endpoint happened to batch the concurrent requests.
     same = [[{k: v for k, v in r.items() if not k.startswith("mismatch/")} for r in steps[a]] for a in steps]
     assert same[0] == same[1]
+
+
+@pytest.mark.slow  # three launches, ~2 min each under load: CI runs it
+def test_kill_9_then_resume_reproduces_an_agent_run(tmp_path, cache_dir):
+    """An agent run killed at step 3 on one of 2 ranks and resumed on 1 rank samples what the
+    uninterrupted run sampled, step for step (the episodes' keys derive from the samples' uids)."""
+    from resume_common import assert_same_run, samples, train
+    from test_e2e import read_metrics
+
+    agent = ["rollout.agent=adder:solve", "trainer.run_name=run"]
+    runs = {}
+    for name, extra, env in [
+        ("whole", [], None),
+        ("first", ["--nproc", "2"], {"KILL_AT_STEP": "3", "KILL_RANK": "1"}),
+        ("second", ["--resume"], None),
+    ]:
+        cwd = tmp_path / name
+        cwd.mkdir()
+        (cwd / "adder.py").write_text(AGENT.replace("raise RuntimeError", "return 0.0  #"))
+        out = tmp_path / ("whole-out" if name == "whole" else "out")
+        runs[name] = train(cwd, out, cache_dir, *agent, *extra, env=env)
+    assert runs["whole"].returncode == 0, runs["whole"].stderr[-3000:]
+    assert runs["first"].returncode != 0 and "killed by SIGKILL" in runs["first"].stderr
+    assert runs["second"].returncode == 0, runs["second"].stderr[-3000:]
+    assert json.loads(runs["second"].stdout.strip().splitlines()[-1])["resumed_from_step"] == 2
+    whole = {"metrics": read_metrics(tmp_path / "whole-out/run"), "samples": samples(tmp_path / "whole")}
+    got = {**samples(tmp_path / "first"), **samples(tmp_path / "second")}
+    assert_same_run(got, read_metrics(tmp_path / "out/run"), whole, steps=(1, 2, 3, 4))
