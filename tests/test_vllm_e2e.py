@@ -124,6 +124,8 @@ def _trained(done, run_dir, *, child: bool) -> list[dict]:
     # vLLM's own log is off by default: the one line above instead of ~40 per engine start and 2 per push.
     assert not [line for line in VLLM_LOG if line in output], output[-3000:]
     assert not re.search(r"^\((MainProcess|EngineCore|Worker|VllmWorker)\S* pid=\d+\) (INFO|WARNING)", output, re.M)
+    # Nor torch's C++ log: vLLM's CPU worker logs its NUMA binding as "[W1127 05:12:33.1 ...] Warning: ...".
+    assert not re.search(r"^(\[rank\d+\]:)?\[W\d{4} ", output, re.M), output[-3000:]
     records = _steps(run_dir)
     assert [r["step"] for r in records] == [0, 1, 2]
     return records

@@ -59,6 +59,12 @@ class Component:
         """What this machine lacks for it, one line each (run before anything loads)."""
         return []
 
+    @classmethod
+    def process_environment(cls, config: Any) -> dict[str, str]:
+        """Variables it needs set in each rank's process before torch loads (a library reads them once,
+        at import): `distflow train` sets them, unless the user set them, before any rank starts."""
+        return {}
+
     def close(self) -> None:
         """End what the instance holds (threads, child processes, files)."""
 

@@ -54,6 +54,18 @@ class VllmRollout(RolloutEngine):
         return (ROLLOUT_LOGP,)
 
     @classmethod
+    def process_environment(cls, config) -> dict[str, str]:
+        """An engine in the rank's process, quiet (`rollout.vllm.log` off): torch's C++ log at ERROR in
+        the rank, where vLLM's CPU worker logs its NUMA binding as a `[W...] Warning:` line. torch reads
+        that level once, at its import, so it is set before; it mutes torch's other C++ warnings in the
+        rank too (Python warnings are untouched). A child engine's processes get it when they start."""
+        from distflow.engines import vllm_logs
+
+        if in_child(config) or not vllm_logs.quiet(cls.options(config.rollout.options, "rollout.vllm").log):
+            return {}
+        return {"TORCH_CPP_LOG_LEVEL": vllm_logs.QUIET_LEVEL}
+
+    @classmethod
     def preflight(cls, config) -> list[str]:
         """vLLM must import (in a child process: importing it takes seconds and sets process-wide state
         the launcher should not carry)."""

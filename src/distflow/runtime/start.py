@@ -28,6 +28,7 @@ import yaml
 
 from distflow import preflight
 from distflow.config import Config, ConfigError, to_dict
+from distflow.config.components import ROLLOUT_ENGINES
 from distflow.console import say
 from distflow.envvars import LAUNCHED_ENV, RESUME_ENV, RUN_DIR_ENV, RUN_NAME_ENV, STARTED_ENV
 from distflow.errors import RunFailed
@@ -63,6 +64,8 @@ def start(
         )
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if launcher else nproc
     os.environ.setdefault(STARTED_ENV, str(time.time()))
+    for name, value in ROLLOUT_ENGINES.get(config.rollout.engine).process_environment(config).items():
+        os.environ.setdefault(name, value)  # before torch loads here, and inherited by the ranks
     checkpoint, fresh_restart = None, False
     if launcher and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         resume, fresh_restart = after_restart(config, resume)
