@@ -38,8 +38,9 @@ Settings (P prompts x G samples, new-token cap, temperature):
    (distflow: skip_zero_variance_groups false, as TRL updates on zero advantages).
 As on CUDA: both sides run torch's optimizers in their foreach implementation, and distflow's
 decoding looks at ended rows as often as on a GPU (`stop_check_interval`), and its training passes
-split responses by length as on a GPU (`max_length_buckets`). Left as on the CPU:
-the sampler's GPU-only guard against empty bins (engines/sampling.py, a few ops per token).
+run padded as on a GPU (`shares_prefixes`; on a CPU they share prompts, split by length:
+`max_length_buckets`). Left as on the CPU: the sampler's GPU-only guard against empty bins
+(engines/sampling.py, a few ops per token).
 
 The table goes to stdout; the last line is one JSON object. No timing is reported.
 """
@@ -152,21 +153,31 @@ def model_dir_of(args: argparse.Namespace, work: Path) -> Path:
 # --- 1. rollout engines, per decode step ------------------------------------------------
 
 
+CHOICES_BY_DEVICE = (  # (module, function of the device): distflow's choices by device, counted at the GPU's
+    ("decoding", "stop_check_interval"),
+    ("prefix_sharing", "shares_prefixes"),
+    ("prefix_sharing", "max_length_buckets"),
+)
+
+
 @contextlib.contextmanager
 def choices_as_on_cuda():
-    """distflow makes two choices by device, counted at the GPU's: its decoding looks at which rows
+    """distflow makes three choices by device, counted at the GPU's: its decoding looks at which rows
     ended every token on a CPU and every few tokens on a GPU (engines/decoding.py's
-    `stop_check_interval`, a sync each look), and its training passes split responses into length
-    buckets on a CPU only (engines/prefix_sharing.py's `max_length_buckets`, a forward call each)."""
+    `stop_check_interval`, a sync each look), and its training passes compute each distinct prompt
+    once on a CPU only (engines/prefix_sharing.py's `shares_prefixes`: a second forward call), there
+    splitting responses into length buckets (`max_length_buckets`, a forward call each)."""
     from distflow.engines import decoding, prefix_sharing
 
-    originals = decoding.stop_check_interval, prefix_sharing.max_length_buckets
-    decoding.stop_check_interval = lambda device: originals[0](torch.device("cuda"))
-    prefix_sharing.max_length_buckets = lambda device: originals[1](torch.device("cuda"))
+    modules = {"decoding": decoding, "prefix_sharing": prefix_sharing}
+    originals = [(modules[m], name, getattr(modules[m], name)) for m, name in CHOICES_BY_DEVICE]
+    for module, name, original in originals:
+        setattr(module, name, lambda device, original=original: original(torch.device("cuda")))
     try:
         yield
     finally:
-        decoding.stop_check_interval, prefix_sharing.max_length_buckets = originals
+        for module, name, original in originals:
+            setattr(module, name, original)
 
 
 class ForwardCounts:
@@ -424,11 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature,
             "count_step": COUNT_STEP,
-            "as_on_cuda": [
-                "optimizers' foreach implementation",
-                "decoding.stop_check_interval",
-                "prefix_sharing.max_length_buckets",
-            ],
+            "as_on_cuda": ["optimizers' foreach implementation", *(".".join(c) for c in CHOICES_BY_DEVICE)],
             "torch": torch.__version__,
         },
         "step": {},

@@ -137,6 +137,33 @@ def test_each_distinct_prompt_goes_through_the_model_once():
     assert calls == [((3, ids.shape[1]), False, False)]
 
 
+def test_on_a_gpu_the_passes_run_padded_in_one_call(monkeypatch):
+    """A second forward call costs a GPU its kernel launches whatever its columns (`shares_prefixes`):
+    there the passes run padded, with the padded pass's outputs; on a CPU the prompts are shared."""
+    from distflow.engines import prefix_sharing
+
+    assert prefix_sharing.shares_prefixes(torch.device("cpu"))
+    assert not prefix_sharing.shares_prefixes(torch.device("cuda"))
+    model = build_tiny_model(build_char_tokenizer(), seed=3)
+    ids, mask, response_mask = _groups(prompts=4, n=4)
+    calls = []
+
+    def forward(ids, mask, positions, cache, last_only):
+        calls.append((tuple(ids.shape), cache is not None))
+        return model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache)).logits
+
+    shared = shared_prefix_outputs(forward, model.config, ids, mask, response_mask.shape[1])
+    assert len(calls) >= 2 and calls[0][1]  # the prompt pass, then the responses over its cache
+    calls.clear()
+    monkeypatch.setattr(prefix_sharing, "shares_prefixes", lambda device: False)
+    for lockstep in (False, True):  # in lockstep too: every rank, on the same device, makes the one call
+        padded = shared_prefix_outputs(forward, model.config, ids, mask, response_mask.shape[1], lockstep=lockstep)
+        assert calls == [(tuple(ids.shape), False)]
+        calls.clear()
+        valid = response_mask.bool()
+        assert (padded[valid] - shared[valid]).abs().max() <= 1e-5
+
+
 def test_in_lockstep_every_call_makes_the_same_two_forward_calls():
     """Under fsdp2 training each forward is a collective: a micro-batch of shared prompts, one of
     distinct prompts and a one-row zero-gradient pass must make the same calls on every rank."""

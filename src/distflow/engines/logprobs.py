@@ -56,7 +56,9 @@ def response_logprobs(
         logits_BRV = response_outputs(
             forward, input_ids_BT, attention_mask_BT, response_width, padding_free=padding_free, model=model
         )
-    logits_BRV = logits_BRV.float() / temperature
+    logits_BRV = logits_BRV.float()
+    if temperature != 1.0:  # x / 1.0 is x: the same log-probs without the op (and its backward)
+        logits_BRV = logits_BRV / temperature
     targets_BR = input_ids_BT[:, input_ids_BT.shape[1] - response_width :]
     logz_BR = torch.logsumexp(logits_BRV, dim=-1)
     logp_BR = torch.gather(logits_BRV, -1, targets_BR.unsqueeze(-1)).squeeze(-1) - logz_BR

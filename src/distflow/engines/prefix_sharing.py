@@ -21,7 +21,9 @@ every gradient equal the padded pass's to float rounding (tests/test_prefix_shar
 
 GRPO-style groups (n samples per prompt) make U = B / n: the prompt's tokens are computed once
 instead of n times, in the forward and in the backward. A micro-batch without a repeated
-prompt runs the padded pass (the same result without the second call).
+prompt runs the padded pass (the same result without the second call), and so does every
+micro-batch on a GPU, where the second call costs more than the columns it saves
+(`shares_prefixes`).
 
 The caches are write-once, so activation checkpointing may run either pass again in the
 backward: the prompt pass's cache keeps the keys and values of its latest call (a recomputation
@@ -79,12 +81,13 @@ def shared_prefix_outputs(
     """
     batch, total = input_ids_BT.shape
     width = total - response_width
+    if not shares_prefixes(input_ids_BT.device):
+        return _padded(forward, input_ids_BT, attention_mask_BT, width)
     prompt_ids_UW, prompt_mask_UW, index_B = distinct_prompts(input_ids_BT, attention_mask_BT, response_width)
     cache = _write_once_cache(model_config)
     unshared = prompt_ids_UW.shape[0] == batch and not lockstep
     if unshared or width == 0 or response_width == 0 or cache is None:  # nothing to share: the padded pass
-        out = forward(input_ids_BT, attention_mask_BT, position_ids_from_mask(attention_mask_BT), None, False)
-        return out[:, width - 1 : -1]
+        return _padded(forward, input_ids_BT, attention_mask_BT, width)
     first_U = forward(prompt_ids_UW, prompt_mask_UW, position_ids_from_mask(prompt_mask_UW), cache, True)[:, -1:]
     positions_BT = position_ids_from_mask(attention_mask_BT)
     rest = first_U.new_zeros((batch, response_width - 1, *first_U.shape[2:]))
@@ -111,6 +114,22 @@ def shared_prefix_outputs(
         )
         rest[rows_N, : length - 1] = out[:, : length - 1]
     return torch.cat([first_U[index_B], rest], dim=1)
+
+
+def _padded(forward: PrefixForward, input_ids_BT, attention_mask_BT, width: int) -> torch.Tensor:
+    """The padded pass's outputs that predict the response tokens (one forward call)."""
+    out = forward(input_ids_BT, attention_mask_BT, position_ids_from_mask(attention_mask_BT), None, False)
+    return out[:, width - 1 : -1]
+
+
+def shares_prefixes(device: torch.device) -> bool:
+    """Whether `passes.shared_prefix` computes each distinct prompt once on this device, or the passes
+    run padded. Sharing makes two forward calls (and two backward) where the padded pass makes one.
+    On a CPU a call costs its arithmetic, and a group's n - 1 prompts saved pay for the second call;
+    on a GPU a call of a model this size costs its kernel launches whatever its columns, and the
+    second call doubles them (benchmarks/host_costs.py at the recipe's shape: the policy update's
+    ops ~1.9x the padded pass's), so there the passes run padded."""
+    return device.type == "cpu"
 
 
 def response_lengths(response_mask_BR: torch.Tensor) -> torch.Tensor:
