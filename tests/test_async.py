@@ -18,6 +18,7 @@ from conftest import REPO, run_cli
 
 from distflow.algorithms.off_policy import behaviour_version, importance_weight_BR, staleness_B
 from distflow.config.algorithm import AlgorithmConfig
+from distflow.config.components import OFF_POLICY_CORRECTIONS
 from distflow.dag.update_stages import OffPolicyTally, PolicyObjective
 from distflow.data.batch import Batch
 from distflow.engines.generation import generate
@@ -32,11 +33,13 @@ def test_importance_weights_by_hand():
     prox_BR = torch.log(torch.tensor([[1.0, 3.0, 0.5]]))
     behav_BR = torch.zeros(1, 3)
     for mode, expected in (("none", [1.0, 1.0, 1.0]), ("tis", [1.0, 2.0, 0.5]), ("mask", [1.0, 0.0, 0.5])):
-        weight_BR, ratio_BR = importance_weight_BR(prox_BR, behav_BR, mode=mode, cap=2.0)
+        weight_BR, ratio_BR = importance_weight_BR(prox_BR, behav_BR, correction=OFF_POLICY_CORRECTIONS[mode], cap=2.0)
         assert weight_BR[0].tolist() == pytest.approx(expected), mode
         assert ratio_BR[0].tolist() == pytest.approx([1.0, 3.0, 0.5])
     # Behaviour log-prob -30 against 0: the log-ratio is clamped to 20 (as PPO's), not overflowed.
-    _, ratio_BR = importance_weight_BR(torch.zeros(1, 1), torch.full((1, 1), -30.0), mode="tis", cap=2.0)
+    _, ratio_BR = importance_weight_BR(
+        torch.zeros(1, 1), torch.full((1, 1), -30.0), correction=OFF_POLICY_CORRECTIONS["tis"], cap=2.0
+    )
     assert ratio_BR.item() == pytest.approx(math.exp(20.0))
 
 
