@@ -289,7 +289,7 @@ def test_the_embedded_models_convention_calls_the_calculator_and_renders_back_to
 
     (call,) = parse_equals("(12+34)=").tool_calls
     assert (call.name, json.loads(call.arguments)) == ("calculator", {"expression": "(12+34)"})
-    assert parse_equals("102").tool_calls == [] and parse_equals(" = ").tool_calls == [] and parse_equals("=").tool_calls == []
+    assert all(parse_equals(text).tool_calls == [] for text in ("102", " = ", "="))
     tokenizer = build_char_tokenizer()
     assistant = {
         "role": "assistant",
