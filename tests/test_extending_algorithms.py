@@ -109,6 +109,11 @@ def test_the_settings_name_a_users_part_at_load(my_parts):
             "algorithm.loss_agg must be one of: token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean, "
             "seq-mean-token-sum-norm (got 'mean')",
         ),
+        (
+            "algorithm.estimator=grpoo",
+            "algorithm.estimator must be one of: grpo, rloo, remax, reinforce_pp, reinforce_pp_baseline, gae "
+            "(got 'grpoo')",
+        ),
     ],
 )
 def test_an_unknown_name_is_one_line_listing_the_choices(setting, needle):

@@ -23,7 +23,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from distflow.config.components import KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_CORRECTIONS, POLICY_LOSSES
+from distflow.config.components import (
+    ESTIMATORS,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    OFF_POLICY_CORRECTIONS,
+    POLICY_LOSSES,
+)
 from distflow.config.errors import check, check_one_of
 
 
@@ -239,6 +245,7 @@ class AlgorithmConfig:
         POLICY_LOSSES.check_name(self.policy_loss)
         LOSS_AGGREGATIONS.check_name(self.loss_agg)
         OFF_POLICY_CORRECTIONS.check_name(self.off_policy_correction)
+        ESTIMATORS.check_name(self.estimator)
         check(self.off_policy_cap >= 1, f"algorithm.off_policy_cap must be >= 1 (got {self.off_policy_cap})")
 
     def _take_defaults(self, builtin: BuiltinAlgorithm) -> None:
