@@ -78,18 +78,17 @@ def generate(
         response_BR, logp_BR = (engine_named(engine) if isinstance(engine, str) else engine).responses(model, request)
     finally:
         model.train(was_training)
-    prompt_B = torch.arange(len(rows) * n, device=device) // n  # each row's prompt: one gather per tensor
-    prompt_ids_BP, prompt_mask_BP = prompt_ids_GP[prompt_B], prompt_mask_GP[prompt_B]
+    prompt_B = torch.arange(len(rows) * n, device=device) // n  # each row's prompt (a gather: one op a tensor)
+    input_ids_BT, attention_mask_BT = prompt_ids_GP[prompt_B], prompt_mask_GP[prompt_B]
     response_mask_BR = response_mask_from_ids(response_BR, stop_token_ids(tokenizer))
-    outside_BR = response_mask_BR == 0
-    response_BR = response_BR.masked_fill(outside_BR, tokenizer.pad_token_id)
+    response_BR = response_BR.masked_fill(response_mask_BR == 0, tokenizer.pad_token_id)
     completions = tokenizer.batch_decode(response_BR, skip_special_tokens=True)
-    input_ids_BT = torch.cat([prompt_ids_BP, response_BR], dim=1)
-    attention_mask_BT = torch.cat([prompt_mask_BP, response_mask_BR], dim=1)
+    input_ids_BT = torch.cat([input_ids_BT, response_BR], dim=1)
+    attention_mask_BT = torch.cat([attention_mask_BT, response_mask_BR], dim=1)
     if logprobs and logp_BR is None:  # greedy through `generate`: no sampler recorded them
         logp_BR = _recomputed_logp(model, input_ids_BT, attention_mask_BT, response_BR.shape[1], temperature)
     if logp_BR is not None:
-        logp_BR = logp_BR.masked_fill(outside_BR, 0.0)
+        logp_BR = logp_BR.masked_fill(response_mask_BR == 0, 0.0)
     return Generation(
         input_ids_BT, attention_mask_BT, response_mask_BR, width, completions, logp_BR if logprobs else None
     )
