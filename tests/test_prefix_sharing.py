@@ -162,6 +162,9 @@ def test_on_a_gpu_the_passes_run_padded_in_one_call(monkeypatch):
         calls.clear()
         valid = response_mask.bool()
         assert (padded[valid] - shared[valid]).abs().max() <= 1e-5
+    # passes.shared_prefix=true set by the user: the prompts are shared there too (None follows the device).
+    again = shared_prefix_outputs(forward, model.config, ids, mask, response_mask.shape[1], follow_device=False)
+    assert len(calls) >= 2 and calls[0][1] and torch.equal(again, shared)
 
 
 def test_in_lockstep_every_call_makes_the_same_two_forward_calls():
@@ -262,7 +265,7 @@ def test_a_model_with_sliding_window_layers_runs_the_padded_pass_and_says_so():
 
 
 def test_auto_shares_prefixes_unless_the_passes_are_packed():
-    assert load_config(None, []).passes.shared_prefix is True
+    assert load_config(None, []).passes.shared_prefix is None  # on where the device gains: shares_prefixes
     assert load_config(None, ["passes.padding_free=true"]).passes.shared_prefix is False
     assert load_config(None, ["passes.shared_prefix=false"]).passes.shared_prefix is False
     with pytest.raises(ConfigError, match="passes.shared_prefix=true and passes.padding_free=true"):

@@ -97,7 +97,9 @@ class PassesConfig:
     shared_prefix: bool | None = None
     """Log-prob, value and training passes compute each distinct prompt of a micro-batch once and the
     responses over its KV cache (engines/prefix_sharing.py): the same results, a group's prompt not
-    computed n times. Not with padding_free; null (auto): on unless padding_free."""
+    computed n times. Not with padding_free. null (auto): off with padding_free; else on where the
+    device gains from it, on a CPU (on a GPU a second forward call costs more kernel launches than the
+    prompts it saves: engines/prefix_sharing.py's `shares_prefixes`)."""
 
     def __post_init__(self) -> None:
         check(self.micro_batch_size >= 1, f"passes.micro_batch_size must be >= 1 (got {self.micro_batch_size})")
@@ -107,5 +109,5 @@ class PassesConfig:
             "passes.shared_prefix=true and passes.padding_free=true "
             "exclude each other (packed rows hold several prompts); set one of them to false",
         )
-        if self.shared_prefix is None:  # frozen: the one resolved default is set once, here
-            object.__setattr__(self, "shared_prefix", not self.padding_free)
+        if self.shared_prefix is None and self.padding_free:  # frozen: resolved once, here; else the device's
+            object.__setattr__(self, "shared_prefix", False)

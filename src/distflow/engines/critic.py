@@ -77,14 +77,23 @@ def response_values(
     response_width: int,
     *,
     padding_free: bool = False,
-    shared_prefix: bool = False,
+    shared_prefix: bool | None = False,
     lockstep: bool = False,
 ) -> torch.Tensor:
     """V of the state before each response token: values_BR (packed with `padding_free`; each
-    distinct prompt computed once with `shared_prefix`, in `lockstep` when each forward is a collective)."""
-    if shared_prefix:
+    distinct prompt computed once with `shared_prefix`, in `lockstep` when each forward is a collective;
+    None: where the device gains from it)."""
+    if shared_prefix is not False:
         config = getattr(model, "module", model).backbone.config  # under DDP: the wrapped model's
-        return shared_prefix_outputs(model, config, input_ids_BT, attention_mask_BT, response_width, lockstep=lockstep)
+        return shared_prefix_outputs(
+            model,
+            config,
+            input_ids_BT,
+            attention_mask_BT,
+            response_width,
+            lockstep=lockstep,
+            follow_device=shared_prefix is None,
+        )
     return response_outputs(
         model, input_ids_BT, attention_mask_BT, response_width, padding_free=padding_free, model=model
     )

@@ -25,7 +25,7 @@ def response_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     padding_free: bool = False,
-    shared_prefix: bool = False,
+    shared_prefix: bool | None = False,
     lockstep: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each response token (the last R = `response_width` columns), shape [B, R].
@@ -34,7 +34,8 @@ def response_logprobs(
     constant unless `entropy_grad` (an entropy bonus back-propagates through it). With
     `padding_free` the sequences are packed (engines.packing); values where the response
     mask is 0 are then those of zero logits. With `shared_prefix` each distinct prompt is computed
-    once (engines.prefix_sharing), in `lockstep` where each forward is a collective (fsdp2 training).
+    once (engines.prefix_sharing), in `lockstep` where each forward is a collective (fsdp2 training);
+    None: where the device gains from it (`prefix_sharing.shares_prefixes`).
     """
 
     def forward(ids, mask, positions, cache=None, last_only=False):
@@ -47,10 +48,16 @@ def response_logprobs(
             logits_to_keep=1 if last_only else 0,
         ).logits
 
-    if shared_prefix:
+    if shared_prefix is not False:
         config = getattr(model, "module", model).config  # under DDP: the wrapped model's
         logits_BRV = shared_prefix_outputs(
-            forward, config, input_ids_BT, attention_mask_BT, response_width, lockstep=lockstep
+            forward,
+            config,
+            input_ids_BT,
+            attention_mask_BT,
+            response_width,
+            lockstep=lockstep,
+            follow_device=shared_prefix is None,
         )
     else:
         logits_BRV = response_outputs(

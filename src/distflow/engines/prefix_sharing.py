@@ -71,17 +71,20 @@ def shared_prefix_outputs(
     response_width: int,
     *,
     lockstep: bool = False,
+    follow_device: bool = True,
 ) -> torch.Tensor:
     """The outputs that predict the response tokens, [B, R, ...], each distinct prompt computed once.
 
     `model_config` (the model's) says which cache layers the model uses. With `lockstep` every
     call makes the same two forward calls whatever its rows (the prompts, then every response
     at full width): under fsdp2 training each forward is a collective, so the ranks' calls must
-    match, including a rank's zero-gradient pass (engines/trainable.py).
+    match, including a rank's zero-gradient pass (engines/trainable.py). With `follow_device` (the
+    user left `passes.shared_prefix` unset) the device decides (`shares_prefixes`); otherwise prompts
+    are shared wherever it runs.
     """
     batch, total = input_ids_BT.shape
     width = total - response_width
-    if not shares_prefixes(input_ids_BT.device):
+    if follow_device and not shares_prefixes(input_ids_BT.device):
         return _padded(forward, input_ids_BT, attention_mask_BT, width)
     prompt_ids_UW, prompt_mask_UW, index_B = distinct_prompts(input_ids_BT, attention_mask_BT, response_width)
     cache = _write_once_cache(model_config)
