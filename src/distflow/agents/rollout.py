@@ -51,12 +51,15 @@ class AgentResult:
     def rewards(self) -> list[float]:
         return [e.reward for e in self.episodes]
 
+    def longest(self) -> list:
+        """Each episode's longest chain of calls (the sample with most sampled tokens; the first of
+        equals), None for an episode without model calls: what an episode trains on and is judged by."""
+        return [max(e.samples, key=lambda sample: sample.num_sampled) if e.samples else None for e in self.episodes]
+
     def final_texts(self) -> list[str]:
         """Each episode's final reply: the last call of its longest chain ("" without model calls),
         the text the task's reward functions and verifier judge."""
-        return [
-            max(e.samples, key=lambda sample: sample.num_sampled).completion if e.samples else "" for e in self.episodes
-        ]
+        return [sample.completion if sample is not None else "" for sample in self.longest()]
 
     def trajectories(self, rows: list[dict]) -> list[tuple[int, object]]:
         """(row index, `engines.multiturn.Trajectory`) for every sample of every episode, in row order."""

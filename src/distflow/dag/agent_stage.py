@@ -58,7 +58,7 @@ class AgentRolloutStage:
         rows = [dict(row) for row in expanded[SAMPLE]]
         with gathered(ctx.engines.rollout_model):  # the endpoint samples from the whole policy
             result = ctx.engines.agent.run(rows, uids)
-        trajs = _one_per_episode(result.trajectories(rows), len(rows), expanded[PROMPT_IDS], rows, uids)
+        trajs = _one_per_episode(result, expanded[PROMPT_IDS], rows, uids)
         width = int(ctx.comm.all_reduce_max(torch.tensor([max(len(t.prompt_ids) for t in trajs)])).item())
         truncated = [_cut(t, ctx.config.env.max_tokens) for t in trajs]
         tensors = layout(trajs, width, ctx.config.env.max_tokens, ctx.tokenizer.pad_token_id)
@@ -98,19 +98,17 @@ def agent_rollout(config, tokenizer, model, sampling):
     return AgentRollout(agent, tokenizer, EngineBackend(model, tokenizer, engine=sampling.engine))
 
 
-def _one_per_episode(found: list, count: int, prompt_ids: list, rows: list, uids: list) -> list:
-    """Each episode's trajectory: its longest chain of calls (the one with most sampled tokens); an
-    episode without model calls is its prompt with an empty response (it scores the default reward)."""
+def _one_per_episode(result, prompt_ids: list, rows: list, uids: list) -> list:
+    """Each episode's trajectory: its longest chain of calls (`AgentResult.longest`); an episode
+    without model calls is its prompt with an empty response (it scores the default reward)."""
+    from distflow.agents.trajectory import to_trajectory
     from distflow.engines.multiturn import Trajectory
 
-    best: dict[int, object] = {}
-    for i, traj in found:
-        if i not in best or sum(traj.mask) > sum(best[i].mask):
-            best[i] = traj
     return [
-        best.get(i)
-        or Trajectory(sample=rows[i], env=None, env_seconds=0.0, uid=uids[i], prompt_ids=list(prompt_ids[i]))
-        for i in range(count)
+        to_trajectory(sample, rows[i], uid=episode.uid, reward=episode.reward)
+        if sample is not None
+        else Trajectory(sample=rows[i], env=None, env_seconds=0.0, uid=uids[i], prompt_ids=list(prompt_ids[i]))
+        for i, (episode, sample) in enumerate(zip(result.episodes, result.longest(), strict=True))
     ]
 
 
