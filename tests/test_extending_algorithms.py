@@ -1,16 +1,25 @@
 """The algorithm's parts of one's own through the component door (config/components.py), no edit to src/:
-a policy loss, a KL estimator, an off-policy correction and a loss aggregation given as `module:name`
-and used by a real `distflow train` run; and the one-line errors of a name that is none of them."""
+an algorithm preset, a policy loss, a KL estimator, an off-policy correction and a loss aggregation given
+as `module:name` and used by a real `distflow train` run; and the one-line errors of a name that is none of
+them."""
 
+import re
 import sys
 
 import pytest
+import yaml
 from conftest import REPO, run_cli
 from test_bad_inputs import check_one_line_error
 from test_extending import SHAPING, _train_tiny
 
 from distflow.config import ConfigError, load_config
-from distflow.config.components import KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_CORRECTIONS, POLICY_LOSSES
+from distflow.config.components import (
+    ALGORITHMS,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    OFF_POLICY_CORRECTIONS,
+    POLICY_LOSSES,
+)
 
 # A user's module: each part writes a line to calls.txt beside it when it runs (on every rank, every
 # micro-batch), so the test sees that the run used it, and not a built-in of the same shape.
@@ -20,6 +29,7 @@ from pathlib import Path
 import torch
 
 from distflow.algorithms.aggregation import TokenMean
+from distflow.config.algorithm import AlgorithmPreset
 
 CALLS = Path(__file__).with_name("calls.txt")
 
@@ -55,6 +65,11 @@ class Counted(TokenMean):
 
 
 NOT_A_FUNCTION = 3
+
+# An algorithm of one's own: RLOO's estimator with this module's loss and aggregation, a tighter clip.
+OWN = AlgorithmPreset(
+    estimator="rloo", clip_low=0.1, clip_high=0.15, policy_loss="my_parts:reinforce", loss_agg="my_parts:Counted"
+)
 '''
 
 MINE = [
@@ -76,11 +91,21 @@ def my_parts(tmp_path, monkeypatch):
 
 
 def test_a_run_trains_with_parts_of_ones_own(my_parts, cache_dir):
+    """The preset `algorithm.name` names brings the loss and the aggregation; the settings, the rest."""
     (my_parts / "shaping.py").write_text(SHAPING)  # rewards that differ within a group: the loss has signal
-    records = _train_tiny(my_parts, *MINE, "task.rewards=[{fn: 'shaping:length'}]", f"warmstart.cache_dir={cache_dir}")
+    settings = [s for s in MINE if not s.startswith(("algorithm.policy_loss", "algorithm.loss_agg"))]
+    records = _train_tiny(
+        my_parts,
+        "algorithm.name=my_parts:OWN",
+        *settings,
+        "task.rewards=[{fn: 'shaping:length'}]",
+        f"warmstart.cache_dir={cache_dir}",
+    )
     step = next(r for r in records if r.get("step") == 1)
     calls = set((my_parts / "calls.txt").read_text().split())
     assert calls == {"policy_loss", "kl_estimator", "off_policy_correction", "loss_agg"}
+    resolved = yaml.safe_load((my_parts / "run/config.yaml").read_text())["algorithm"]
+    assert (resolved["name"], resolved["estimator"], resolved["clip"]["high"]) == ("my_parts:OWN", "rloo", 0.15)
     assert step["train/clip_fraction"] == 0.0  # the user's loss clips nothing
     assert step["train/kl"] >= 0.0  # the KL loss ran, with the user's estimator
     assert step["off_policy/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)  # the ratio; the weight is halved
@@ -95,9 +120,28 @@ def test_the_settings_name_a_users_part_at_load(my_parts):
     assert not (my_parts / "calls.txt").exists()  # found, not called
 
 
+def test_an_algorithm_preset_of_ones_own_sets_the_null_settings(my_parts):
+    algo = load_config(None, ["algorithm.name=my_parts:OWN", "algorithm.clip.low=0.05"]).algorithm
+    assert (algo.estimator, algo.policy_loss, algo.loss_agg) == ("rloo", "my_parts:reinforce", "my_parts:Counted")
+    assert (algo.clip.low, algo.clip.high) == (0.05, 0.15)  # a setting given wins over the preset's
+    assert algo.norm_adv_by_std and not algo.dynamic_sampling.enabled  # the preset's defaults
+    assert ALGORITHMS["my_parts:OWN"].clip_low == 0.1
+
+
+def test_a_preset_that_is_not_one_is_one_line_at_load(my_parts):
+    needle = "algorithm.name='my_parts:TokenMean' is a type, not a distflow.config.algorithm.AlgorithmPreset"
+    with pytest.raises(ConfigError, match="^" + re.escape(needle) + "$"):
+        load_config(None, ["algorithm.name=my_parts:TokenMean"])
+
+
 @pytest.mark.parametrize(
     ("setting", "needle"),
     [
+        (
+            "algorithm.name=grpo2",
+            "algorithm.name must be one of: grpo, dr_grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, remax, "
+            "gspo, ppo (got 'grpo2')",
+        ),
         ("algorithm.policy_loss=vanilla", "algorithm.policy_loss must be one of: ppo, gspo (got 'vanilla')"),
         ("algorithm.kl.estimator=k4", "algorithm.kl.estimator must be one of: k1, k2, k3, abs, k1+, k3+ (got 'k4')"),
         (

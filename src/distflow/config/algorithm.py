@@ -1,7 +1,7 @@
-"""The `algorithm` section: which built-in algorithm, and its settings in sub-sections.
+"""The `algorithm` section: which algorithm preset, and its settings in sub-sections.
 
     algorithm:
-      name: grpo              # a key of ALGORITHMS below
+      name: grpo              # a preset of ALGORITHMS (config/components.py), or your own
       policy_loss, loss_agg, norm_adv_by_std, skip_zero_variance_groups,
       reward_clip, entropy_coef, gamma, lam, ppo_epochs, num_mini_batches
       clip:             {low, high, dual_c}            the policy ratio's clip range
@@ -11,11 +11,12 @@
       critic:           {lr, value_clip, warmup_steps} PPO
       off_policy_correction, off_policy_cap            stale samples (asynchronous.max_staleness)
 
-A setting documented as "null: the algorithm's" takes the value of `algorithm.name` in
-`ALGORITHMS`. The settings that name a part (`policy_loss`, `loss_agg`, `kl.estimator`,
-`off_policy_correction`) name it in its registry (config/components.py), built in or your own
-`package.module:name`, and are checked here, when the config is loaded; a built-in's module (and
-torch) is imported only by the run that uses it.
+A setting documented as "null: the algorithm's" takes the value of the preset `algorithm.name`
+names (`ALGORITHMS`: the built-ins below, or your own `AlgorithmPreset` as `package.module:NAME`).
+The settings that name a part (`policy_loss`, `loss_agg`, `kl.estimator`, `off_policy_correction`)
+name it in its registry (config/components.py), built in or your own `package.module:name`, and are
+checked here, when the config is loaded; a built-in's module (and torch) is imported only by the run
+that uses it.
 The flat keys of the previous release (`algorithm.kl_coef`, ...) are `deprecated.py`'s.
 """
 
@@ -24,21 +25,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from distflow.config.components import (
+    ALGORITHMS,
     ESTIMATORS,
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
     OFF_POLICY_CORRECTIONS,
     POLICY_LOSSES,
 )
-from distflow.config.errors import check, check_one_of
+from distflow.config.errors import check
 
 
 @dataclass(frozen=True, kw_only=True)
-class BuiltinAlgorithm:
-    """What a built-in `algorithm.name` is, and the values its null settings take."""
+class AlgorithmPreset:
+    """What an `algorithm.name` is: its advantage estimator and the values its null settings take. The
+    built-ins are below; yours is one of these in your module, named as `algorithm.name: 'package.module:NAME'`
+    (or registered: `ALGORITHMS.register(preset, "name")`)."""
 
     estimator: str
-    """The advantage estimator (`algorithm.estimator`'s default): a built-in of `config.components.ESTIMATORS`."""
+    """The advantage estimator (`algorithm.estimator`'s default): a name of `config.components.ESTIMATORS`."""
     clip_low: float = 0.2
     clip_high: float = 0.2
     policy_loss: str = "ppo"
@@ -48,31 +52,40 @@ class BuiltinAlgorithm:
     dynamic_sampling: bool = False
 
 
-ALGORITHMS = {
-    "grpo": BuiltinAlgorithm(estimator="grpo"),
-    # Dr.GRPO (Liu et al. 2025): no std division, and a constant normaliser (sequences x
-    # max length, zero-variance groups included) so no length or difficulty bias.
-    "dr_grpo": BuiltinAlgorithm(
-        estimator="grpo", norm_adv_by_std=False, loss_agg="seq-mean-token-sum-norm", skip_zero_variance_groups=False
-    ),
-    # DAPO (Yu et al. 2025): clip-higher, token-mean, dynamic sampling (+ overlong penalty, opt-in).
-    "dapo": BuiltinAlgorithm(estimator="grpo", clip_high=0.28, dynamic_sampling=True),
-    "rloo": BuiltinAlgorithm(estimator="rloo"),
-    "reinforce_pp": BuiltinAlgorithm(estimator="reinforce_pp"),
-    # REINFORCE++-baseline (verl, OpenRLHF): whitened over every response token of the step,
-    # groups with equal rewards included (their centred advantage is 0 before whitening).
-    "reinforce_pp_baseline": BuiltinAlgorithm(estimator="reinforce_pp_baseline", skip_zero_variance_groups=False),
-    # ReMax (Li et al. 2023): r - r(greedy completion of the prompt), not whitened (as verl).
-    # A group whose rewards all equal the greedy one has no signal; kept like verl does.
-    "remax": BuiltinAlgorithm(estimator="remax", skip_zero_variance_groups=False),
-    # GSPO (Zheng et al. 2025): the ratio is per sequence (a geometric mean), hence tiny bounds.
-    "gspo": BuiltinAlgorithm(
-        estimator="grpo", clip_low=3e-4, clip_high=4e-4, policy_loss="gspo", loss_agg="seq-mean-token-mean"
-    ),
-    # PPO: GAE on a learned value; the critic is trained after the policy.
-    "ppo": BuiltinAlgorithm(estimator="gae"),
-}
-"""`algorithm.name` → what it is. Its keys are the valid names."""
+# The built-in presets, by name in `ALGORITHMS` (config/components.py).
+GRPO = AlgorithmPreset(estimator="grpo")
+# Dr.GRPO (Liu et al. 2025): no std division, and a constant normaliser (sequences x
+# max length, zero-variance groups included) so no length or difficulty bias.
+DR_GRPO = AlgorithmPreset(
+    estimator="grpo", norm_adv_by_std=False, loss_agg="seq-mean-token-sum-norm", skip_zero_variance_groups=False
+)
+# DAPO (Yu et al. 2025): clip-higher, token-mean, dynamic sampling (+ overlong penalty, opt-in).
+DAPO = AlgorithmPreset(estimator="grpo", clip_high=0.28, dynamic_sampling=True)
+RLOO = AlgorithmPreset(estimator="rloo")
+REINFORCE_PP = AlgorithmPreset(estimator="reinforce_pp")
+# REINFORCE++-baseline (verl, OpenRLHF): whitened over every response token of the step,
+# groups with equal rewards included (their centred advantage is 0 before whitening).
+REINFORCE_PP_BASELINE = AlgorithmPreset(estimator="reinforce_pp_baseline", skip_zero_variance_groups=False)
+# ReMax (Li et al. 2023): r - r(greedy completion of the prompt), not whitened (as verl).
+# A group whose rewards all equal the greedy one has no signal; kept like verl does.
+REMAX = AlgorithmPreset(estimator="remax", skip_zero_variance_groups=False)
+# GSPO (Zheng et al. 2025): the ratio is per sequence (a geometric mean), hence tiny bounds.
+GSPO = AlgorithmPreset(
+    estimator="grpo", clip_low=3e-4, clip_high=4e-4, policy_loss="gspo", loss_agg="seq-mean-token-mean"
+)
+# PPO: GAE on a learned value; the critic is trained after the policy.
+PPO = AlgorithmPreset(estimator="gae")
+
+
+def preset(name: str) -> AlgorithmPreset:
+    """The preset `algorithm.name` names (checked: a one-line ConfigError that lists the built-ins)."""
+    ALGORITHMS.check_name(name)
+    found = ALGORITHMS.get(name)
+    check(
+        isinstance(found, AlgorithmPreset),
+        f"algorithm.name={name!r} is a {type(found).__name__}, not a distflow.config.algorithm.AlgorithmPreset",
+    )
+    return found
 
 
 @dataclass(kw_only=True)
@@ -179,8 +192,9 @@ class AlgorithmConfig:
     """`algorithm`: the built-in algorithm and its settings (the layout is in the module docstring)."""
 
     name: str = "grpo"
-    """The built-in algorithm: grpo, dr_grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, remax,
-    gspo or ppo (the keys of `ALGORITHMS`); settings documented as "null: the algorithm's" take its value."""
+    """The algorithm: grpo, dr_grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, remax, gspo or ppo
+    (`ALGORITHMS`), or your own preset 'package.module:NAME' (an `AlgorithmPreset`); settings documented as
+    "null: the algorithm's" take its value."""
     estimator: str | None = None
     """The advantage estimator, with the stages it needs (dag/estimators.py): grpo, rloo, remax (a greedy
     baseline), reinforce_pp, reinforce_pp_baseline, gae (a critic), or your own 'package.module:NAME';
@@ -232,8 +246,7 @@ class AlgorithmConfig:
     """The importance weight's cap (tis) or threshold (mask)."""
 
     def __post_init__(self) -> None:
-        check_one_of("algorithm.name", self.name, ALGORITHMS)
-        self._take_defaults(ALGORITHMS[self.name])
+        self._take_defaults(preset(self.name))
         check(self.reward_clip >= 0, f"algorithm.reward_clip must be >= 0 (0: off; got {self.reward_clip})")
         check(self.entropy_coef >= 0, f"algorithm.entropy_coef must be >= 0 (got {self.entropy_coef})")
         check(
@@ -248,8 +261,8 @@ class AlgorithmConfig:
         ESTIMATORS.check_name(self.estimator)
         check(self.off_policy_cap >= 1, f"algorithm.off_policy_cap must be >= 1 (got {self.off_policy_cap})")
 
-    def _take_defaults(self, builtin: BuiltinAlgorithm) -> None:
-        """Every null setting takes `builtin`'s value (the sections are rebuilt, so validated again)."""
+    def _take_defaults(self, builtin: AlgorithmPreset) -> None:
+        """Every null setting takes the preset's value (the sections are rebuilt, so validated again)."""
         self.clip = replace(
             self.clip, low=_or(self.clip.low, builtin.clip_low), high=_or(self.clip.high, builtin.clip_high)
         )

@@ -120,6 +120,14 @@ class Registry:
     def __contains__(self, name: object) -> bool:
         return name in self.names()
 
+    def __iter__(self):
+        """The names a config gives plainly: the built-ins, then those registered (not a `module:name`)."""
+        return iter([name for name in self.names() if ":" not in name])
+
+    def values(self) -> list:
+        """The parts `iter(self)` names, each imported now."""
+        return [self.get(name) for name in self]
+
     def check_name(self, name: str) -> None:
         """At config load: `name` is one of this kind's, built in (not imported here: only a run that uses it
         pays for its module's imports, torch among them) or registered, or your `module:name`, imported now,
@@ -189,6 +197,24 @@ def _imported(path: str, where: str) -> Any:
         raise ConfigError(f"{where}: cannot import {path!r} ({type(err).__name__}: {err})".replace("\n", " ")) from None
     return found
 
+
+ALGORITHMS = Registry(
+    "algorithm",
+    "algorithm.name",
+    {
+        "grpo": "distflow.config.algorithm:GRPO",
+        "dr_grpo": "distflow.config.algorithm:DR_GRPO",
+        "dapo": "distflow.config.algorithm:DAPO",
+        "rloo": "distflow.config.algorithm:RLOO",
+        "reinforce_pp": "distflow.config.algorithm:REINFORCE_PP",
+        "reinforce_pp_baseline": "distflow.config.algorithm:REINFORCE_PP_BASELINE",
+        "remax": "distflow.config.algorithm:REMAX",
+        "gspo": "distflow.config.algorithm:GSPO",
+        "ppo": "distflow.config.algorithm:PPO",
+    },
+)
+"""The algorithm presets (config/algorithm.py): an `AlgorithmPreset` each, the estimator and the values the
+null settings of `algorithm` take; your own is `algorithm.name: 'package.module:NAME'`, an `AlgorithmPreset`."""
 
 ROLLOUT_ENGINES = Registry(
     "rollout engine",

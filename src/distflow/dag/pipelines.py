@@ -1,9 +1,9 @@
 """The built-in pipelines: one skeleton of pieces (dag/pieces.py), built by `policy_gradient`;
 copy it, or compose the pieces, to write your own (`pipeline.builder`).
 
-Every built-in is the skeleton with its advantage estimator (and, for PPO, a critic), as
-`config.algorithm.ALGORITHMS` says (dag/estimators.py: each estimator's own stages); the rest is
-chosen by the algorithm's settings:
+Every built-in is the skeleton with its advantage estimator (and, for PPO, a critic), as the
+preset `algorithm.name` names says (config/algorithm.py; dag/estimators.py: each estimator's own
+stages); the rest is chosen by the algorithm's settings:
 
     rollout → [greedy_baseline] → reward → [reward_clip] → [dynamic_sampling] → [overlong_penalty]
               (ReMax)           (algorithm.reward_clip > 0)
