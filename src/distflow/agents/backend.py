@@ -82,22 +82,24 @@ class EngineBackend:
         stop: list[str] | None,
     ) -> list[Completion]:
         from distflow.engines.generation import generate
+        from distflow.engines.parallelize import autocast
         from distflow.engines.sequences import stop_token_ids
 
         greedy = temperature <= 0
-        out = generate(
-            self.model,
-            self.tokenizer,
-            [""] * len(prompts),
-            prompt_ids=prompts,
-            sample_keys=None if greedy else list(keys),
-            samples_per_prompt=1,
-            max_new_tokens=max_new_tokens,
-            temperature=1.0 if greedy else temperature,
-            top_p=top_p,
-            engine=self.engine,
-            logprobs=True,
-        )
+        with autocast(self.model):  # this thread's own: the rank thread's `gathered` does not reach it
+            out = generate(
+                self.model,
+                self.tokenizer,
+                [""] * len(prompts),
+                prompt_ids=prompts,
+                sample_keys=None if greedy else list(keys),
+                samples_per_prompt=1,
+                max_new_tokens=max_new_tokens,
+                temperature=1.0 if greedy else temperature,
+                top_p=top_p,
+                engine=self.engine,
+                logprobs=True,
+            )
         lengths = out.response_mask_BR.sum(-1).tolist()
         response_BR = out.input_ids_BT[:, out.prompt_width :].tolist()
         logp_BR = out.logp_BR.tolist()

@@ -45,10 +45,12 @@ class ParallelConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Settings of parallel.strategy=fsdp2."""
     param_dtype: str = "auto"
-    """fsdp2: the dtype of the gathered parameters that forward and backward compute in (float32,
-    bfloat16, float16; the sharded master copy and the optimizer stay float32). auto: bfloat16 on
-    CUDA, float32 on CPU. float16 is refused on the CPU. ddp computes in float32 (auto or float32
-    only). Below float32 a single process is sharded too (FSDP2 over a one-rank group)."""
+    """The dtype that forward and backward compute in (float32, bfloat16, float16); the parameters
+    that the optimizer updates, and its state, stay float32. fsdp2: the dtype of the gathered
+    parameters (below float32 a single process is sharded too, FSDP2 over a one-rank group). ddp:
+    bfloat16 computes under `torch.autocast` over the float32 parameters, in every training
+    forward, rollout, log-prob and evaluation pass (float16 needs loss scaling: fsdp2 on CUDA only).
+    auto: bfloat16 under fsdp2 on CUDA, float32 otherwise. float16 is refused on the CPU."""
     reduce_dtype: str = "auto"
     """fsdp2: the dtype gradients are reduced in across ranks (auto: float32)."""
     activation_checkpointing: bool = False
@@ -59,15 +61,34 @@ class ParallelConfig:
     collective_timeout_s: int = 1800
     """Collective timeout: a rank waiting longer than this on its peers fails the job."""
 
+    def compute_dtype(self, cuda: bool | None = None) -> str:
+        """The dtype forwards compute in (`param_dtype` with `auto` resolved); `cuda`: whether the ranks
+        run on CUDA (None: `device`, with `auto` asking torch)."""
+        if self.param_dtype != "auto":
+            return self.param_dtype
+        if self.strategy != "fsdp2" or self.device == "cpu":
+            return "float32"
+        if cuda is None:
+            import torch
+
+            cuda = self.device == "cuda" or torch.cuda.is_available()
+        return "bfloat16" if cuda else "float32"
+
     def __post_init__(self) -> None:
         check(self.strategy in STRATEGIES, f"parallel.strategy must be ddp or fsdp2 (got {self.strategy!r})")
         for key in ("param_dtype", "reduce_dtype"):
             value = getattr(self, key)
             check(value in DTYPES, f"parallel.{key} must be one of {', '.join(DTYPES)} (got {value!r})")
-            check(
-                self.strategy == "fsdp2" or value in ("auto", "float32"),
-                f"parallel.{key}={value} needs parallel.strategy=fsdp2 (ddp computes in float32)",
-            )
+        check(
+            self.strategy == "fsdp2" or self.param_dtype != "float16",
+            "parallel.param_dtype=float16 needs parallel.strategy=fsdp2 (ddp has no loss scaling); "
+            "use parallel.param_dtype=bfloat16",
+        )
+        check(
+            self.strategy == "fsdp2" or self.reduce_dtype in ("auto", "float32"),
+            f"parallel.reduce_dtype={self.reduce_dtype} needs parallel.strategy=fsdp2 "
+            "(ddp reduces the float32 gradients)",
+        )
         check(
             self.strategy == "fsdp2" or self.fsdp.shard_size == 0,
             "parallel.fsdp.shard_size is a setting of parallel.strategy=fsdp2; set the strategy too",

@@ -24,6 +24,12 @@ each train rank sends its own (float32) shard (engines/weight_shares.py). A worl
 nothing to shard: both strategies leave the model plain there, except fsdp2 computing below
 float32 (`parallel.param_dtype`), which shards over a one-rank group to keep a float32 master
 copy beside its compute dtype (`shards`).
+
+Below float32 without sharding (ddp, a rollout-only rank's copy), the model keeps float32
+parameters and computes in `parallel.param_dtype` under `torch.autocast`: `autocast(model)`
+around each training forward, and `gathered(model)` around every inference pass, so that a
+rollout casts the weights once (autocast's cache lives as long as the outermost region), not once
+per decoded token. Autocast is per thread: the agent endpoint's backend thread enters its own.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ def parallelize(model: torch.nn.Module, comm: Comm, parallel: ParallelConfig | N
     (fsdp2). Activation checkpointing (if asked) wraps the decoder blocks first. A model sharded
     already (sharded loading shards before it allocates) is returned as it is."""
     parallel = parallel or ParallelConfig()
+    compute_in(model, resolve_dtypes(parallel, comm.device)[0])
     if is_sharded(model):
         return model
     if parallel.activation_checkpointing:
@@ -81,6 +88,7 @@ def frozen_copy(model: torch.nn.Module, comm: Comm, parallel: ParallelConfig) ->
     """A frozen copy of `model` (the reference policy), sharded like the policy under fsdp2 (with no
     optimizer: it only runs forwards, inside `gathered`). `model` must not be sharded yet."""
     frozen = copy.deepcopy(model).eval().requires_grad_(False)
+    compute_in(frozen, resolve_dtypes(parallel, comm.device)[0])
     if shards(parallel, comm):
         shard(frozen, comm, parallel)
     return frozen
@@ -114,11 +122,30 @@ def shards(parallel: ParallelConfig, comm: Comm) -> bool:
 
 def resolve_dtypes(parallel: ParallelConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
     """(param_dtype, reduce_dtype): `auto` is bfloat16 compute with float32 reduction on CUDA
-    under fsdp2, float32 otherwise."""
-    auto_param = "bfloat16" if device.type == "cuda" and parallel.strategy == "fsdp2" else "float32"
-    param = auto_param if parallel.param_dtype == "auto" else parallel.param_dtype
+    under fsdp2, float32 otherwise (`ParallelConfig.compute_dtype`)."""
+    param = parallel.compute_dtype(cuda=device.type == "cuda")
     reduce = "float32" if parallel.reduce_dtype == "auto" else parallel.reduce_dtype
     return DTYPES[param], DTYPES[reduce]
+
+
+def compute_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Mark `model` to compute in `dtype` (`autocast`, `gathered`); float32 leaves it as it is."""
+    model._distflow_compute_dtype = dtype
+
+
+@contextlib.contextmanager
+def autocast(model: torch.nn.Module | None) -> Iterator[None]:
+    """Within it, this thread computes `model`'s forwards in its compute dtype (`compute_in`) over its
+    float32 parameters: `torch.autocast`, whose cache casts each weight once per outermost region.
+    Nothing for a float32 model, or a sharded one (FSDP2's mixed precision casts its parameters)."""
+    model = getattr(model, "parameters_owner", model)
+    dtype = getattr(model, "_distflow_compute_dtype", torch.float32)
+    if model is None or dtype == torch.float32 or is_sharded(model):
+        yield
+        return
+    device_type = next(model.parameters()).device.type
+    with torch.autocast(device_type=device_type, dtype=dtype):
+        yield
 
 
 def device_mesh(comm: Comm, shard_size: int) -> DeviceMesh:
@@ -197,11 +224,13 @@ def gathered(model: torch.nn.Module | None) -> Iterator[None]:
     """Within it, an fsdp2 model holds its whole parameters on every rank, so each rank may run any
     number of forward passes alone (generation, log-probs). Collective over the train group: every
     train rank enters it together. The memory cost: a full copy of the parameters per rank.
-    A model that is not sharded (ddp, one rank, a rollout-only rank's copy) is left as it is; a view
+    A model that is not sharded (ddp, one rank, a rollout-only rank's copy) is left as it is, computing
+    in its compute dtype (`autocast`); a view
     of another module's parameters (the LoRA reference, engines/lora.py) gathers that module."""
     model = getattr(model, "parameters_owner", model)
     if model is None or not is_sharded(model):
-        yield
+        with autocast(model):
+            yield
         return
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     model.set_reshard_after_forward(False)

@@ -28,7 +28,7 @@ from distflow.config.schema import OptimConfig
 from distflow.data.balance import token_budget_micro_batches
 from distflow.data.batch import Batch
 from distflow.engines.lora import trainable_parameters
-from distflow.engines.parallelize import clip_grad_norm, gradient_sync, is_sharded, parallelize
+from distflow.engines.parallelize import autocast, clip_grad_norm, gradient_sync, is_sharded, parallelize
 
 # (micro-batch, out_BR, entropy_BR) -> (sum of token losses, {stat name: sum over tokens})
 LossFn = Callable[[Batch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -96,7 +96,8 @@ class TrainableEngine(abc.ABC):
                 if i >= len(micros):  # a share shorter than a peer's: join the collectives with a zero gradient
                     self._zero_gradient_pass()
                     continue
-                out_BR, entropy_BR = self.forward(micros[i], entropy_grad=entropy_grad)
+                with autocast(self.model):  # below float32 without sharding: the forward only
+                    out_BR, entropy_BR = self.forward(micros[i], entropy_grad=entropy_grad)
                 loss_sum, stats = loss_fn(micros[i], out_BR, entropy_BR)
                 nonfinite = torch.maximum(nonfinite, (~torch.isfinite(loss_sum.detach())).float().reshape(1))
                 (loss_sum * self.comm.world_size / num_loss_tokens_global).backward()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from distflow.config.components import Component
+from distflow.data.fields import ROLLOUT_LOGP
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +48,14 @@ class RolloutEngine(Component):
     rollout_ranks_only: ClassVar[bool] = False
     """Made only where rollouts run, since it costs a process and a copy of the weights (vLLM): the
     held-out evaluation runs on the rollout ranks too, not on train ranks of a disaggregated run."""
+
+    @classmethod
+    def fields(cls, config: Any) -> tuple[str, ...]:
+        """Computing below float32 (`parallel.param_dtype`), the rollout records each sampled token's
+        log-prob (`rollout_logp`): its gap to the trainer's recomputed ones is logged (`mismatch/*`)
+        and `algorithm.off_policy_correction` may correct for it."""
+        below = config is not None and config.parallel.compute_dtype() != "float32"
+        return (ROLLOUT_LOGP,) if below else ()
 
     @classmethod
     def build(cls, config: Any, options: Any) -> RolloutEngine:

@@ -31,6 +31,7 @@ from distflow.dag.pipelines import LOADER_FIELDS, build_graph
 from distflow.data.loader import PromptLoader, RowRules, ValidRows
 from distflow.data.prefetch import Prefetcher
 from distflow.engines.models import load_model_and_tokenizer
+from distflow.engines.parallelize import compute_in, resolve_dtypes
 from distflow.engines.registry import EngineBuild, build_order
 from distflow.engines.sampling import SamplingSpec
 from distflow.engines.sequences import encode_prompts
@@ -92,6 +93,7 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
     uses = plan.engines_for(rank)
     sharded = _loads_sharded(config, uses, comms["train"], log)
     model, tokenizer = load_model_and_tokenizer(model_dir, tokenizer_dir, world.device, on_meta=sharded)
+    compute_in(model, resolve_dtypes(config.parallel, world.device)[0])  # a rollout-only copy too
     sampling = SamplingSpec.of(config.rollout, engine=build_engine(config))
     model, built = _build_engines(
         config, uses, model, comms["train"], sampling, sharded_from=model_dir if sharded else None

@@ -1,0 +1,130 @@
+"""parallel.param_dtype=bfloat16 under ddp (engines/parallelize.py: `compute_in`, `autocast`): the
+model keeps float32 parameters and optimizer state and computes in bfloat16 under `torch.autocast`,
+in training forwards, in every inference pass inside `gathered`, and in the agent endpoint's
+backend thread; the rollout then records its log-probs, whose gap to the trainer's is logged."""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from test_e2e import read_metrics, train
+from test_fsdp2 import LR, NUM_STEPS, pg_loss, step_batch
+
+from distflow.comm import Comm
+from distflow.config import ConfigError, load_config
+from distflow.data.fields import ROLLOUT_LOGP
+from distflow.engines.generation import generate
+from distflow.engines.parallelize import autocast, compute_in, frozen_copy, gathered, resolve_dtypes
+from distflow.engines.policy import PolicyEngine
+from distflow.rollout.engine import RolloutEngine
+from distflow.tasks.tiny_model import build_tiny_model
+from distflow.tasks.tokenizer import build_char_tokenizer
+
+CPU = Comm(0, 1, 0, 1, torch.device("cpu"))
+
+
+def _engine(dtype: str) -> PolicyEngine:
+    config = load_config(
+        None,
+        [f"parallel.param_dtype={dtype}", f"optim.lr={LR}", "optim.warmup_steps=0", "passes.micro_batch_size=3"],
+    )
+    model = build_tiny_model(build_char_tokenizer(), seed=0)
+    return PolicyEngine(model, CPU, config.optim, temperature=1.0, parallel=config.parallel, passes=config.passes)
+
+
+def _lm_head_dtypes(model: torch.nn.Module) -> list[torch.dtype]:
+    """The dtypes the LM head's outputs had, appended at every forward from now on."""
+    seen: list[torch.dtype] = []
+    model.get_output_embeddings().register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    return seen
+
+
+def test_ddp_trains_in_bfloat16_over_float32_parameters():
+    losses, engines = {}, {}
+    for dtype in ("bfloat16", "float32"):
+        engine = engines[dtype] = _engine(dtype)
+        seen = _lm_head_dtypes(engine.model)
+        losses[dtype] = []
+        for step in range(NUM_STEPS):
+            batch = step_batch(step)
+            stats = engine.update(batch, pg_loss, float(batch["response_mask"].sum()))
+            losses[dtype].append(stats["loss"] / float(batch["response_mask"].sum()))
+        assert set(seen) == {getattr(torch, dtype)}  # every training forward computed in the dtype asked
+        assert {p.dtype for p in engine.model.parameters()} == {torch.float32}  # the master copy
+        states = [s for state in engine.optimizer.state.values() for s in state.values() if s.dim() > 0]
+        assert states and {s.dtype for s in states} == {torch.float32}  # AdamW's moments
+    assert losses["bfloat16"] != losses["float32"]  # computed in bfloat16...
+    assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=0.05, abs=1e-3)  # ...training the same model
+
+
+def test_inference_inside_gathered_computes_in_the_models_dtype_and_outside_in_float32():
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, seed=0).eval()
+    compute_in(model, torch.bfloat16)
+    reference = frozen_copy(model, CPU, load_config(None, ["parallel.param_dtype=bfloat16"]).parallel)
+    seen, seen_reference = _lm_head_dtypes(model), _lm_head_dtypes(reference)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        model(ids)  # outside: float32
+        with gathered(model):
+            out = generate(
+                model, tokenizer, ["1+2="], sample_keys=[3], max_new_tokens=3, temperature=1.0, logprobs=True
+            )
+        with gathered(reference):
+            reference(ids)
+    assert seen[0] == torch.float32 and set(seen[1:]) == {torch.bfloat16} and len(seen) > 2
+    assert seen_reference == [torch.bfloat16]  # the frozen copy computes like the policy
+    assert out.logp_BR is not None and out.logp_BR.dtype == torch.float32  # logits are upcast before sampling
+
+
+def test_a_float32_model_is_left_as_it_is():
+    model = build_tiny_model(build_char_tokenizer(), seed=0)
+    seen = _lm_head_dtypes(model)
+    with torch.no_grad(), autocast(model), gathered(model):
+        model(torch.tensor([[5, 6]]))
+    assert seen == [torch.float32]
+
+
+def test_the_agent_backend_thread_computes_in_the_models_dtype():
+    from distflow.agents.backend import EngineBackend
+
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, seed=0).eval().requires_grad_(False)
+    compute_in(model, torch.bfloat16)
+    seen, threads = _lm_head_dtypes(model), set()
+    model.get_output_embeddings().register_forward_hook(lambda *_: threads.add(threading.get_ident()))
+    backend = EngineBackend(model, tokenizer)
+    with ThreadPoolExecutor(max_workers=1) as pool:  # autocast is per thread: the endpoint's backend runs in its own
+        pool.submit(backend.sample, [[5, 6, 7]], [1], max_new_tokens=3, temperature=1.0, top_p=1.0, stop=None).result()
+    assert threading.get_ident() not in threads and set(seen) == {torch.bfloat16}
+
+
+def test_the_compute_dtype_its_checks_and_what_the_rollout_records():
+    parallel = load_config(None, []).parallel
+    assert parallel.compute_dtype() == "float32"  # ddp's auto
+    assert resolve_dtypes(parallel, torch.device("cpu")) == (torch.float32, torch.float32)
+    bf16 = load_config(None, ["parallel.param_dtype=bfloat16"])
+    assert resolve_dtypes(bf16.parallel, torch.device("cpu")) == (torch.bfloat16, torch.float32)
+    assert load_config(None, ["parallel.strategy=fsdp2"]).parallel.compute_dtype(cuda=True) == "bfloat16"
+    assert load_config(None, ["parallel.strategy=fsdp2", "parallel.device=cpu"]).parallel.compute_dtype() == "float32"
+    assert RolloutEngine.fields(bf16) == (ROLLOUT_LOGP,) and RolloutEngine.fields(load_config(None, [])) == ()
+    with pytest.raises(ConfigError, match="parallel.param_dtype=float16 needs parallel.strategy=fsdp2.*use parallel"):
+        load_config(None, ["parallel.param_dtype=float16"])
+
+
+def test_cli_trains_in_bfloat16_with_ddp_and_logs_the_rollout_gap(tmp_path, cache_dir):
+    # The warm start of test_e2e's first test (shared cache): its samples score unlike each other,
+    # so the updates run.
+    _, run_dir = train(
+        tmp_path,
+        cache_dir,
+        "warmstart.target_accuracy=0.02",
+        "warmstart.check_every=20",
+        "parallel.param_dtype=bfloat16",
+    )
+    steps = [row for row in read_metrics(run_dir) if "mismatch/logp_abs_diff_max" in row]
+    assert steps  # the rollout recorded its log-probs; their gap to the trainer's is logged
+    for row in steps:
+        assert 0.0 <= row["mismatch/logp_abs_diff_max"] < 1.0
+        assert row["off_policy/is_weight_mean"] == pytest.approx(1.0, abs=0.05)
