@@ -12,6 +12,7 @@ from conftest import REPO, run_cli
 from test_bad_inputs import check_one_line_error
 from test_extending import SHAPING, _train_tiny
 
+from distflow.algorithms.off_policy import OffPolicyCorrection
 from distflow.config import ConfigError, load_config
 from distflow.config.components import (
     ALGORITHMS,
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from distflow.algorithms.aggregation import TokenMean
+from distflow.algorithms.off_policy import OffPolicyCorrection, no_correction
 from distflow.config.algorithm import AlgorithmPreset
 
 CALLS = Path(__file__).with_name("calls.txt")
@@ -64,6 +66,17 @@ class Counted(TokenMean):
         return TokenMean.loss_sum(loss_BR, mask_BR)
 
 
+class Doubled(OffPolicyCorrection):
+    """A correction that needs nothing of the rollout and doubles the loss."""
+
+    def fields(self, config):
+        return ()
+
+    def corrected_loss_BR(self, loss_BR, ratio_BR, cap):
+        return 2 * loss_BR
+
+
+DOUBLED = Doubled(no_correction)
 NOT_A_FUNCTION = 3
 
 # An algorithm of one's own: RLOO's estimator with this module's loss and aggregation, a tighter clip.
@@ -132,6 +145,30 @@ def test_a_preset_that_is_not_one_is_one_line_at_load(my_parts):
     needle = "algorithm.name='my_parts:TokenMean' is a type, not a distflow.config.algorithm.AlgorithmPreset"
     with pytest.raises(ConfigError, match="^" + re.escape(needle) + "$"):
         load_config(None, ["algorithm.name=my_parts:TokenMean"])
+
+
+@pytest.mark.parametrize(
+    ("name", "recorded"),
+    [("none", ()), ("tis", ("rollout_logp",)), ("my_parts:halved", ("rollout_logp",)), ("my_parts:DOUBLED", ())],
+)
+def test_the_correction_declares_what_the_rollout_records(my_parts, name, recorded):
+    """A correction declares the fields it needs (`fields`): a plain weight function needs the behaviour
+    log-probs, `none` and a component that says so need nothing (on a synchronous run, float32)."""
+    from distflow.dag.stages import behaviour_fields
+
+    assert behaviour_fields(load_config(None, [f"algorithm.off_policy_correction={name}"])) == recorded
+
+
+def test_the_correction_corrects_the_loss_its_own_way(my_parts):
+    import torch
+
+    loss_BR, ratio_BR = torch.tensor([[1.0, -2.0, 3.0]]), torch.tensor([[0.5, 1.0, 4.0]])
+    named = OffPolicyCorrection.named
+    assert named("none").corrected_loss_BR(loss_BR, ratio_BR, 2.0) is loss_BR  # untouched, bit for bit
+    assert named("tis").corrected_loss_BR(loss_BR, ratio_BR, 2.0).tolist() == [[0.5, -2.0, 6.0]]
+    assert named("mask").corrected_loss_BR(loss_BR, ratio_BR, 2.0).tolist() == [[0.5, -2.0, 0.0]]
+    assert named("my_parts:halved").corrected_loss_BR(loss_BR, ratio_BR, 2.0).tolist() == [[0.25, -1.0, 3.0]]
+    assert named("my_parts:DOUBLED").corrected_loss_BR(loss_BR, ratio_BR, 2.0).tolist() == [[2.0, -4.0, 6.0]]
 
 
 @pytest.mark.parametrize(

@@ -11,20 +11,39 @@ being trained. Three policies meet in the loss (AReaL's decoupled PPO objective)
     loss_t = w_t · max(-A·r_t, -A·clip(r_t, 1-εl, 1+εh)),   r_t = π_θ/π_p,   w_t = f(π_p/π_b)
 
 The clip keeps the trust region around the proximal policy (so it does not depend on how
-stale the samples are) and w re-weights the stale samples towards it, detached. f is the
-function `algorithm.off_policy_correction` names (config/components.py: OFF_POLICY_CORRECTIONS, yours
-as `module:function`): `tis` truncates w at the cap (verl's rollout correction "truncate"), `mask`
-drops tokens whose w exceeds the cap (verl's "mask"), `none` uses w = 1.
+stale the samples are) and w re-weights the stale samples towards it, detached. The correction
+`algorithm.off_policy_correction` names (config/components.py: OFF_POLICY_CORRECTIONS) is an
+`OffPolicyCorrection`: it declares what it needs of the rollout (`fields`: the behaviour log-probs)
+and how it corrects the loss (`corrected_loss_BR`), so the stages never ask which one it is. `tis`
+truncates w at the cap (verl's rollout correction "truncate"), `mask` drops tokens whose w exceeds
+the cap (verl's "mask"), `none` leaves the loss as it is and needs nothing; yours is a function
+f `(ratio_BR, cap) -> weight_BR` or an `OffPolicyCorrection`, as `module:name`.
 Weights are per token. Log-ratios are clamped to ±MAX_LOG_RATIO before `exp`, like PPO's.
+
+Importing this module loads no torch (the graph's checks ask a correction for its `fields`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from distflow.algorithms.kl import MAX_LOG_RATIO
+from distflow.config.components import OFF_POLICY_CORRECTIONS, Component
+from distflow.data.fields import ROLLOUT_LOGP
+
+if TYPE_CHECKING:
+    import torch
+
+
+def behaviour_ratio_BR(prox_logp_BR: torch.Tensor, behav_logp_BR: torch.Tensor) -> torch.Tensor:
+    """The detached ratio π_p/π_b per token, its log clamped to ±MAX_LOG_RATIO.
+
+    >>> import torch
+    >>> behaviour_ratio_BR(torch.log(torch.tensor([[1.0, 3.0]])), torch.zeros(1, 2)).tolist()
+    [[1.0, 3.0]]
+    """
+    return (prox_logp_BR - behav_logp_BR).detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
 
 
 def importance_weight_BR(
@@ -33,17 +52,20 @@ def importance_weight_BR(
     """(weight_BR, ratio_BR): the detached weight `correction(ratio_BR, cap)` per token, and the raw ratio
     π_p/π_b before truncation (for the metrics: its mean, max, and the share above `cap`).
 
+    >>> import torch
     >>> prox_BR = torch.log(torch.tensor([[1.0, 3.0]]))
     >>> w, ratio = importance_weight_BR(prox_BR, torch.zeros(1, 2), correction=truncated_weight, cap=2.0)
     >>> w.tolist(), ratio.tolist()
     ([[1.0, 2.0]], [[1.0, 3.0]])
     """
-    ratio_BR = torch.exp((prox_logp_BR - behav_logp_BR).detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    ratio_BR = behaviour_ratio_BR(prox_logp_BR, behav_logp_BR)
     return correction(ratio_BR, cap), ratio_BR
 
 
 def no_correction(ratio_BR: torch.Tensor, cap: float) -> torch.Tensor:
     """`none`: every token weighs 1."""
+    import torch
+
     return torch.ones_like(ratio_BR)
 
 
@@ -54,7 +76,52 @@ def truncated_weight(ratio_BR: torch.Tensor, cap: float) -> torch.Tensor:
 
 def masked_weight(ratio_BR: torch.Tensor, cap: float) -> torch.Tensor:
     """`mask`: the ratio, and 0 for the tokens above `cap` (verl's "mask")."""
+    import torch
+
     return torch.where(ratio_BR > cap, torch.zeros_like(ratio_BR), ratio_BR)
+
+
+class OffPolicyCorrection(Component):
+    """A correction that weights each token's loss by `weight_BR(ratio_BR, cap)` of its behaviour→proximal
+    ratio (detached). It needs the behaviour policy's log-probs, so it declares `rollout_logp`: the rollout
+    records them on synchronous runs too (dag/stages.py: behaviour_fields). Called, it is its weight
+    function, so a plain `(ratio_BR, cap) -> weight_BR` and one of these are used alike (`named`)."""
+
+    def __init__(self, weight_BR: Callable[[Any, float], Any]) -> None:
+        self.weight_BR = weight_BR
+
+    def __call__(self, ratio_BR: torch.Tensor, cap: float) -> torch.Tensor:
+        return self.weight_BR(ratio_BR, cap)
+
+    def fields(self, config: Any) -> tuple[str, ...]:
+        """The batch fields the correction needs the rollout to record."""
+        return (ROLLOUT_LOGP,)
+
+    def corrected_loss_BR(self, loss_BR: torch.Tensor, ratio_BR: torch.Tensor, cap: float) -> torch.Tensor:
+        """The per-token loss, corrected for the samples' staleness."""
+        return loss_BR * self.weight_BR(ratio_BR, cap)
+
+    @staticmethod
+    def named(name: str) -> OffPolicyCorrection:
+        """The correction `algorithm.off_policy_correction` names; your plain function becomes one."""
+        part = OFF_POLICY_CORRECTIONS[name]
+        return part if isinstance(part, OffPolicyCorrection) else OffPolicyCorrection(part)
+
+
+class NoCorrection(OffPolicyCorrection):
+    """`none`: the loss as it is (the ratios are still logged when the rollout records its log-probs
+    for another reason: stale samples, an engine with a sampler of its own); it needs nothing."""
+
+    def fields(self, config: Any) -> tuple[str, ...]:
+        return ()
+
+    def corrected_loss_BR(self, loss_BR: torch.Tensor, ratio_BR: torch.Tensor, cap: float) -> torch.Tensor:
+        return loss_BR
+
+
+NONE = NoCorrection(no_correction)
+TIS = OffPolicyCorrection(truncated_weight)
+MASK = OffPolicyCorrection(masked_weight)
 
 
 MISMATCH_THRESHOLD = 0.1
@@ -71,9 +138,12 @@ def logp_mismatch(
     """The train/inference mismatch over the masked tokens: (sum of |Δlogp|, max |Δlogp| (0 without
     tokens), number of tokens with |Δlogp| > threshold, number of tokens), Δlogp = proximal − behaviour.
 
+    >>> import torch
     >>> logp_mismatch(torch.tensor([[-1.0, -2.0, -3.0]]), torch.tensor([[-1.0, -2.5, -9.0]]), torch.tensor([[1, 1, 0]]))
     (0.5, 0.5, 1.0, 2.0)
     """
+    import torch
+
     mask_BR = mask_BR.to(torch.float32)
     diff_BR = (prox_logp_BR.detach().float() - behav_logp_BR.float()).abs() * mask_BR
     num_tokens = float(mask_BR.sum())
@@ -84,6 +154,7 @@ def logp_mismatch(
 def staleness_B(trained_version: int, policy_version_B: torch.Tensor) -> torch.Tensor:
     """Updates between the policy that drew each sample and the one it trains (0: on-policy).
 
+    >>> import torch
     >>> staleness_B(5, torch.tensor([3, 5])).tolist()
     [2, 0]
     """

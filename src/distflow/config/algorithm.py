@@ -240,8 +240,8 @@ class AlgorithmConfig:
     """How the loss corrects for samples drawn by an older policy (`asynchronous.max_staleness`):
     none, tis (PPO ratio to the proximal policy times the behaviour→proximal importance weight
     truncated at `off_policy_cap`) or mask (the weight, tokens above the cap dropped), or your own
-    'package.module:function', (ratio_BR, cap) -> weight_BR. Anything but none also records
-    `rollout_logp` on synchronous runs."""
+    'package.module:name', a function (ratio_BR, cap) -> weight_BR or an OffPolicyCorrection
+    (algorithms/off_policy.py). Anything but none also records `rollout_logp` on synchronous runs."""
     off_policy_cap: float = 2.0
     """The importance weight's cap (tis) or threshold (mask)."""
 

@@ -286,14 +286,16 @@ OFF_POLICY_CORRECTIONS = FunctionRegistry(
     "off-policy correction",
     "algorithm.off_policy_correction",
     {
-        "none": "distflow.algorithms.off_policy:no_correction",
-        "tis": "distflow.algorithms.off_policy:truncated_weight",
-        "mask": "distflow.algorithms.off_policy:masked_weight",
+        "none": "distflow.algorithms.off_policy:NONE",
+        "tis": "distflow.algorithms.off_policy:TIS",
+        "mask": "distflow.algorithms.off_policy:MASK",
     },
 )
-"""The importance weights of stale samples (algorithms/off_policy.py); your own is
-`algorithm.off_policy_correction: 'package.module:function'`, `(ratio_BR, cap) -> weight_BR`: the weight of
-each token from its proximal/behaviour ratio and `algorithm.off_policy_cap`."""
+"""The importance weights of stale samples (algorithms/off_policy.py): each an `OffPolicyCorrection`, which
+declares the batch fields it needs (`fields`) and corrects the loss, and which, called, is its weight function
+`(ratio_BR, cap) -> weight_BR`. Yours is `algorithm.off_policy_correction: 'package.module:name'`, such a
+function (the weight of each token from its proximal/behaviour ratio and `algorithm.off_policy_cap`) or an
+`OffPolicyCorrection`."""
 
 LOSS_AGGREGATIONS = Registry(
     "loss aggregation",

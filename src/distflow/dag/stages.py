@@ -42,14 +42,18 @@ if TYPE_CHECKING:
 
 def behaviour_fields(config) -> tuple[str, ...]:
     """What the rollout also records about the policy that sampled: `rollout_logp` (each sampled
-    token's log-prob, for the off-policy correction, or because the rollout engine declares it: an
-    engine with a sampler of its own, whose gap to the trainer's is logged) and, with stale samples,
-    `policy_version`."""
+    token's log-prob) where a component declares it (the off-policy correction, which weighs by it; an
+    engine with a sampler of its own, whose gap to the trainer's is logged) or with stale samples, and
+    then `policy_version` too."""
+    from distflow.algorithms.off_policy import OffPolicyCorrection
     from distflow.config.components import ROLLOUT_ENGINES
 
-    staleness, correction = config.asynchronous.max_staleness, config.algorithm.off_policy_correction
-    declared = ROLLOUT_ENGINES.get(config.rollout.engine).fields(config)
-    records = staleness > 0 or correction != "none" or ROLLOUT_LOGP in declared
+    staleness = config.asynchronous.max_staleness
+    declared = (
+        *OffPolicyCorrection.named(config.algorithm.off_policy_correction).fields(config),
+        *ROLLOUT_ENGINES.get(config.rollout.engine).fields(config),
+    )
+    records = staleness > 0 or ROLLOUT_LOGP in declared
     return ((ROLLOUT_LOGP,) if records else ()) + ((POLICY_VERSION,) if staleness > 0 else ())
 
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from distflow.config.components import KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_CORRECTIONS, POLICY_LOSSES
+from distflow.config.components import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from distflow.data.fields import (
     ADVANTAGE,
     ATTENTION_MASK,
@@ -156,18 +156,13 @@ class PolicyObjective:
         algo, mask_BR, agg = self.algo, loss_mask_BR(micro), LOSS_AGGREGATIONS[self.algo.loss_agg]
         old_BR = micro[OLD_LOGP] if self.has_old else logp_BR.detach()
         loss_BR, clipped_BR = POLICY_LOSSES[algo.policy_loss](logp_BR, old_BR, micro[ADVANTAGE], mask_BR, algo)
-        if self.tally is not None:  # stale samples: weight towards the proximal policy (algorithms/off_policy.py)
-            from distflow.algorithms.off_policy import importance_weight_BR
+        if self.tally is not None:  # the behaviour policy's log-probs: count its ratios, correct the loss
+            from distflow.algorithms.off_policy import OffPolicyCorrection, behaviour_ratio_BR
 
-            weight_BR, ratio_BR = importance_weight_BR(
-                old_BR,
-                micro[ROLLOUT_LOGP],
-                correction=OFF_POLICY_CORRECTIONS[algo.off_policy_correction],
-                cap=algo.off_policy_cap,
-            )
+            ratio_BR = behaviour_ratio_BR(old_BR, micro[ROLLOUT_LOGP])
             self.tally.add(ratio_BR, mask_BR, algo.off_policy_cap, old_BR, micro[ROLLOUT_LOGP])
-            if algo.off_policy_correction != "none":
-                loss_BR = loss_BR * weight_BR
+            correction = OffPolicyCorrection.named(algo.off_policy_correction)
+            loss_BR = correction.corrected_loss_BR(loss_BR, ratio_BR, algo.off_policy_cap)
         stats = {
             "clip_fraction": (clipped_BR.float() * mask_BR).sum(),
             "entropy": (entropy_BR.detach() * mask_BR).sum(),
