@@ -28,16 +28,23 @@ forward, GRPO's loss, backward, gradient clipping, AdamW), R times after one war
              finished rows dropped, as `compact` does)
   floor s    GEMM s + rollout GEMM s: no step of this setting can be shorter on this
              machine in fp32 (it still leaves out attention, norms, sampling, the optimizer)
+  GEMM s bf16, rollout GEMM s bf16, floor s bf16
+             the same products with bf16 operands (the fp32 tensors cast, torch.mm in
+             bf16): the floor of a step that computes in bf16 (`parallel.param_dtype=
+             bfloat16`, or TRL's `bf16=True`: both multiply in bf16 under autocast). Only a
+             CPU with bf16 instructions (AVX-512 BF16, AMX: `cpu_bf16` in the JSON) runs
+             them faster than fp32; elsewhere they are converted and can be slower
   square     GFLOP/s of one large square fp32 product (2048^3; --quick: 512^3), for
              reference (the model's smaller products can run faster: their operands stay
-             in cache)
+             in cache); `square bf16` the same product in bf16
 
 `update s / GEMM s` is the update's distance from the hardware on its own shapes; a
 measured step time (TRL's, from throughput.py's table) over `floor s` bounds the speed-up
-any engine could reach over it on this machine in fp32.
+any engine could reach over it on this machine in fp32, over `floor s bf16` in bf16.
 
 `smollm2` (only when named) is the real-model recipe's first step and one held-out evaluation,
-stage by stage, each beside its floor: benchmarks/roofline_recipe.py says what is timed.
+stage by stage, each beside its fp32 and its bf16 floor: benchmarks/roofline_recipe.py says
+what is timed.
 The tables go to stdout, the last line is one JSON object.
 """
 
@@ -47,6 +54,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 from bench_setup import build_model, prompt_rows
@@ -118,15 +126,17 @@ def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
     return [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
-def gemm_seconds(shapes: list[tuple[int, int]], row_counts: list[int], repeats: int, *, backward: bool) -> float:
-    """Median seconds of the products of every Linear layer for each row count, run back to back."""
+def gemm_seconds(
+    shapes: list[tuple[int, int]], row_counts: list[int], repeats: int, *, backward: bool, dtype: torch.dtype
+) -> float:
+    """Median seconds of the products of every Linear layer for each row count, run back to back, in `dtype`."""
     g = torch.Generator().manual_seed(0)
     operands = []
     for rows in row_counts:
         for fan_in, fan_out in shapes:
             x, w = torch.randn(rows, fan_in, generator=g), torch.randn(fan_in, fan_out, generator=g)
             dy = torch.randn(rows, fan_out, generator=g)
-            operands.append((x, w, dy))
+            operands.append((x.to(dtype), w.to(dtype), dy.to(dtype)))
 
     def run() -> None:
         for x, w, dy in operands:
@@ -138,9 +148,32 @@ def gemm_seconds(shapes: list[tuple[int, int]], row_counts: list[int], repeats: 
     return median_seconds(run, repeats)
 
 
-def square_gflops(size: int, repeats: int) -> float:
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def square_gflops(size: int, repeats: int, dtype: torch.dtype) -> float:
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     return 2 * size**3 / median_seconds(lambda: torch.mm(a, b), repeats) / 1e9
+
+
+def cpu_bf16() -> str:
+    """This CPU's bf16 instructions (Linux: /proc/cpuinfo's flags), or `none`."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "unknown"
+    return " ".join(f for f in ("avx512_bf16", "amx_bf16") if f in flags) or "none"
+
+
+def floors(shapes: list[tuple[int, int]], prompt_tokens: int, lengths_B: torch.Tensor, repeats: int) -> dict:
+    """The update's and the rollout's Linear products alone, in fp32 and in bf16: `gemm_s` and
+    `rollout_gemm_s`, each also with `_bf16`."""
+    # Decode step t feeds token t of the rows that go on past it (the last token is never fed).
+    decode_rows = [int((lengths_B > t + 1).sum()) for t in range(int(lengths_B.max()) - 1)]
+    update_rows = [prompt_tokens, int(lengths_B.sum())]
+    rollout_rows = [prompt_tokens] + [r for r in decode_rows if r]
+    out = {}
+    for suffix, dtype in (("", torch.float32), ("_bf16", torch.bfloat16)):
+        out[f"gemm_s{suffix}"] = gemm_seconds(shapes, update_rows, repeats, backward=True, dtype=dtype)
+        out[f"rollout_gemm_s{suffix}"] = gemm_seconds(shapes, rollout_rows, repeats, backward=False, dtype=dtype)
+    return out
 
 
 def measure(name: str, repeats: int) -> dict:
@@ -156,10 +189,7 @@ def measure(name: str, repeats: int) -> dict:
     response_rows = int(lengths_B.sum())
     tokens = prompt_rows + response_rows
     update_s = update_seconds(model, batch, repeats)
-    gemm_s = gemm_seconds(shapes, [prompt_rows, response_rows], repeats, backward=True)
-    # Decode step t feeds token t of the rows that go on past it (the last token is never fed).
-    decode_rows = [int((lengths_B > t + 1).sum()) for t in range(new_tokens - 1)]
-    rollout_s = gemm_seconds(shapes, [prompt_rows] + [r for r in decode_rows if r], repeats, backward=False)
+    f = floors(shapes, prompt_rows, lengths_B, repeats)
     gflop = 6 * weights * tokens / 1e9
     return {
         "prompts": prompts,
@@ -173,11 +203,15 @@ def measure(name: str, repeats: int) -> dict:
         "gflop": round(gflop, 3),
         "update_s": round(update_s, 4),
         "update_gflops": round(gflop / update_s, 1),
-        "gemm_s": round(gemm_s, 4),
-        "gemm_gflops": round(gflop / gemm_s, 1),
-        "update_over_gemm": round(update_s / gemm_s, 2),
-        "rollout_gemm_s": round(rollout_s, 4),
-        "floor_s": round(gemm_s + rollout_s, 4),
+        "gemm_s": round(f["gemm_s"], 4),
+        "gemm_gflops": round(gflop / f["gemm_s"], 1),
+        "update_over_gemm": round(update_s / f["gemm_s"], 2),
+        "rollout_gemm_s": round(f["rollout_gemm_s"], 4),
+        "floor_s": round(f["gemm_s"] + f["rollout_gemm_s"], 4),
+        "gemm_s_bf16": round(f["gemm_s_bf16"], 4),
+        "gemm_gflops_bf16": round(gflop / f["gemm_s_bf16"], 1),
+        "rollout_gemm_s_bf16": round(f["rollout_gemm_s_bf16"], 4),
+        "floor_s_bf16": round(f["gemm_s_bf16"] + f["rollout_gemm_s_bf16"], 4),
     }
 
 
@@ -192,15 +226,19 @@ def main(argv: list[str] | None = None) -> int:
         }
     }
     size = 512 if args.quick else 2048
-    out["settings"][f"square_gflops_{size}"] = round(square_gflops(size, args.repeats), 1)
+    out["settings"]["cpu_bf16"] = cpu_bf16()
+    for suffix, dtype in (("", torch.float32), ("_bf16", torch.bfloat16)):
+        out["settings"][f"square_gflops_{size}{suffix}"] = round(square_gflops(size, args.repeats, dtype), 1)
     print(
-        f"square GEMM: {out['settings'][f'square_gflops_{size}']} GFLOP/s ({size}^3 fp32 torch.mm, "
-        f"{torch.get_num_threads()} threads)"
+        f"square GEMM ({size}^3 torch.mm, {torch.get_num_threads()} threads): "
+        f"{out['settings'][f'square_gflops_{size}']} GFLOP/s fp32, "
+        f"{out['settings'][f'square_gflops_{size}_bf16']} GFLOP/s bf16 (CPU bf16 instructions: {cpu_bf16()})"
     )
     if any(name in SETTINGS for name in args.settings):
         print(
             f"{'setting':<10}{'tokens':>8}{'GFLOP':>8}{'update s':>10}{'GFLOP/s':>9}{'GEMM s':>9}{'GFLOP/s':>9}"
             f"{'update/GEMM':>13}{'rollout GEMM s':>16}{'floor s':>9}"
+            f"{'GEMM s bf16':>13}{'rollout GEMM s bf16':>21}{'floor s bf16':>14}"
         )
     for name in [n for n in args.settings if n in SETTINGS]:
         r = out[name] = measure(name, args.repeats)
@@ -208,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:<10}{r['tokens']:>8}{r['gflop']:>8.2f}{r['update_s']:>10.4f}{r['update_gflops']:>9.1f}"
             f"{r['gemm_s']:>9.4f}{r['gemm_gflops']:>9.1f}{r['update_over_gemm']:>13.2f}"
             f"{r['rollout_gemm_s']:>16.4f}{r['floor_s']:>9.4f}"
+            f"{r['gemm_s_bf16']:>13.4f}{r['rollout_gemm_s_bf16']:>21.4f}{r['floor_s_bf16']:>14.4f}"
         )
     for name in [n for n in args.settings if n in RECIPES]:
         out[name] = measure_recipe(name, args.repeats, args.eval_repeats)

@@ -1,5 +1,5 @@
 """benchmarks/roofline.py's real-model settings: a recipe's first step and one held-out
-evaluation, stage by stage, each beside the float32 floor of its Linear products.
+evaluation, stage by stage, each beside the float32 and the bfloat16 floor of its Linear products.
 
 `smollm2` (`roofline.py --settings smollm2`) is examples/smollm2_chain_sum.yaml, its sizes read
 from the file: its first step's prompts as the run's loader gives them (reasoning-gym chain_sum
@@ -9,11 +9,13 @@ the table says how many the recipe's pipeline has), `PolicyEngine.update` in the
 micro-batches, and one held-out evaluation as the run calls it (`engines.evaluation.evaluate`
 over the recipe's `task.num_heldout` problems: `trainer.eval_samples` sampled completions and one
 greedy completion of each, judged by the task's verifier). Each stage's floor is the Linear
-products it computes (one random fp32 weight per layer), counted as distflow feeds them: every
+products it computes (one random weight per layer), counted as distflow feeds them: every
 layer over each prompt's tokens once, then over the response tokens fed (all but each sample's
 last; each decode step's running rows), the output head (a fifth of the weights) only where
 logits are taken (each prompt's last position, then those rows); the update's forward and
-backward products, the others' forward.
+backward products, the others' forward. `floor s` multiplies fp32 tensors, `floor s bf16` the
+same ones cast to bf16 (what a stage computing under bf16 autocast, `parallel.param_dtype=
+bfloat16`, multiplies at the least); the stages themselves are timed as the recipe runs them.
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ def median_seconds(fn, repeats: int, *, warm_up: bool = True) -> float:
     return statistics.median(times)
 
 
-def floor_seconds(model: torch.nn.Module, passes: list[tuple[int, int]], repeats: int, *, backward: bool) -> float:
+def floor_seconds(
+    model: torch.nn.Module, passes: list[tuple[int, int]], repeats: int, *, backward: bool, dtype: torch.dtype
+) -> float:
     """Median seconds of a real model's Linear products, run back to back: each pass (body rows,
     head rows) multiplies every Linear layer but the output head over its body rows, and the
     head over its head rows (the positions whose logits the engine computes). One weight per
@@ -55,18 +59,18 @@ def floor_seconds(model: torch.nn.Module, passes: list[tuple[int, int]], repeats
     Forward-only passes share one random input per shape (a model's activation is fresh from the
     op before it; one per product would take the memory of every decode step of an evaluation at
     once); with `backward`, each product has its own input and output gradient, as the saved
-    activations of a training pass are distinct."""
+    activations of a training pass are distinct. Every operand in `dtype`."""
     g = torch.Generator().manual_seed(0)
     head = model.get_output_embeddings()
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    weights = [torch.randn(m.in_features, m.out_features, generator=g) for m in layers]
+    weights = [torch.randn(m.in_features, m.out_features, generator=g).to(dtype) for m in layers]
     shared: dict[tuple[int, int], torch.Tensor] = {}
 
     def activation(rows: int, width: int) -> torch.Tensor:
         if backward:
-            return torch.randn(rows, width, generator=g)
+            return torch.randn(rows, width, generator=g).to(dtype)
         if (rows, width) not in shared:
-            shared[(rows, width)] = torch.randn(rows, width, generator=g)
+            shared[(rows, width)] = torch.randn(rows, width, generator=g).to(dtype)
         return shared[(rows, width)]
 
     operands = []
@@ -74,7 +78,7 @@ def floor_seconds(model: torch.nn.Module, passes: list[tuple[int, int]], repeats
         for m, w in zip(layers, weights, strict=True):
             rows = head_rows if m is head else body_rows
             if rows:
-                dy = torch.randn(rows, m.out_features, generator=g) if backward else None
+                dy = torch.randn(rows, m.out_features, generator=g).to(dtype) if backward else None
                 operands.append((activation(rows, m.in_features), w, dy))
 
     def run() -> None:
@@ -192,13 +196,14 @@ def evaluation(config, model: torch.nn.Module, tokenizer, task, repeats: int) ->
         "eval_response_tokens": tokens,
         "eval_greedy_accuracy": results[-1].greedy,
         "seconds": seconds,
-        "floor": floor_seconds(model, passes, repeats, backward=False),
+        "floor": floor_seconds(model, passes, repeats, backward=False, dtype=torch.float32),
+        "floor_bf16": floor_seconds(model, passes, repeats, backward=False, dtype=torch.bfloat16),
         "identical": all(r == results[-1] for r in results),
     }
 
 
 def measure_recipe(name: str, repeats: int, eval_repeats: int) -> dict:
-    """One step of a real-model recipe, stage by stage, beside each stage's fp32 Linear-product floor."""
+    """One step of a real-model recipe, stage by stage, beside each stage's fp32 and bf16 Linear-product floors."""
     from distflow.dag.pipelines import build_graph
 
     config, model, tokenizer, task, prompts = recipe_first_step(RECIPES[name])
@@ -218,9 +223,12 @@ def measure_recipe(name: str, repeats: int, eval_repeats: int) -> dict:
     train_passes = [(prompt_tokens, num_prompts), (fed, fed)]
     rollout_passes = generation_passes(prompt_tokens, num_prompts, lengths_B, new_tokens)
     floors = {
-        "rollout": floor_seconds(model, rollout_passes, repeats, backward=False),
-        "logprob_pass": floor_seconds(model, train_passes, repeats, backward=False),
-        "update": floor_seconds(model, train_passes, repeats, backward=True),
+        dtype: {
+            "rollout": floor_seconds(model, rollout_passes, repeats, backward=False, dtype=dtype),
+            "logprob_pass": floor_seconds(model, train_passes, repeats, backward=False, dtype=dtype),
+            "update": floor_seconds(model, train_passes, repeats, backward=True, dtype=dtype),
+        }
+        for dtype in (torch.float32, torch.bfloat16)
     }
     out = {
         "recipe": str(RECIPES[name].relative_to(ROOT)),
@@ -236,17 +244,19 @@ def measure_recipe(name: str, repeats: int, eval_repeats: int) -> dict:
         "logprob_passes_in_step": passes_in_step,
         "samples_identical": seconds["samples_identical"],
     }
-    for stage, floor in floors.items():
+    for stage, floor in floors[torch.float32].items():
         out[f"{stage}_s"] = round(seconds[stage], 4)
         out[f"{stage}_floor_s"] = round(floor, 4)
         out[f"{stage}_over_floor"] = round(seconds[stage] / floor, 2)
+        out[f"{stage}_floor_s_bf16"] = round(floors[torch.bfloat16][stage], 4)
     step = seconds["rollout"] + passes_in_step * seconds["logprob_pass"] + seconds["update"]
-    step_floor = floors["rollout"] + passes_in_step * floors["logprob_pass"] + floors["update"]
-    out.update(step_s=round(step, 4), step_floor_s=round(step_floor, 4), step_over_floor=round(step / step_floor, 2))
+    for suffix, f in (("", floors[torch.float32]), ("_bf16", floors[torch.bfloat16])):
+        out[f"step_floor_s{suffix}"] = round(f["rollout"] + passes_in_step * f["logprob_pass"] + f["update"], 4)
+    out.update(step_s=round(step, 4), step_over_floor=round(step / out["step_floor_s"], 2))
     if ev:
         out.update({k: v for k, v in ev.items() if k.startswith("eval_")}, eval_identical=ev["identical"])
         out.update(eval_s=round(ev["seconds"], 4), eval_floor_s=round(ev["floor"], 4))
-        out["eval_over_floor"] = round(ev["seconds"] / ev["floor"], 2)
+        out.update(eval_over_floor=round(ev["seconds"] / ev["floor"], 2), eval_floor_s_bf16=round(ev["floor_bf16"], 4))
     return out
 
 
@@ -256,11 +266,14 @@ def print_recipe(name: str, r: dict) -> None:
         f"new tokens, T={r['temperature']}; {r['prompt_tokens']} prompt tokens (each prompt once), "
         f"{r['response_tokens']} response tokens"
     )
-    print(f"{'stage':<36}{'measured s':>12}{'floor s':>10}{'measured/floor':>16}")
+    print(f"{'stage':<36}{'measured s':>12}{'floor s':>10}{'measured/floor':>16}{'floor s bf16':>14}")
     passes = r["logprob_passes_in_step"]
     labels = {"rollout": "rollout", "logprob_pass": f"log-prob pass (x{passes} in step)", "update": "update"}
     labels["step"] = "step"
     if "eval_s" in r:
         labels["eval"] = f"evaluation ({r['eval_prompts']} x ({r['eval_samples']} + 1 greedy))"
     for stage, label in labels.items():
-        print(f"{label:<36}{r[f'{stage}_s']:>12.3f}{r[f'{stage}_floor_s']:>10.3f}{r[f'{stage}_over_floor']:>16.2f}")
+        print(
+            f"{label:<36}{r[f'{stage}_s']:>12.3f}{r[f'{stage}_floor_s']:>10.3f}{r[f'{stage}_over_floor']:>16.2f}"
+            f"{r[f'{stage}_floor_s_bf16']:>14.3f}"
+        )

@@ -5,7 +5,8 @@
     .venv/bin/python benchmarks/throughput.py --nproc 1 2          # distflow also with --nproc 2
     .venv/bin/python benchmarks/throughput.py --packed             # distflow also with packed passes
     .venv/bin/python benchmarks/throughput.py --padded             # distflow also with padded passes
-    .venv/bin/python benchmarks/throughput.py --roofline           # + each setting's fp32 floor (roofline.py)
+    .venv/bin/python benchmarks/throughput.py --dtype bfloat16     # both systems computing in bf16
+    .venv/bin/python benchmarks/throughput.py --roofline           # + each setting's fp32 and bf16 floors (roofline.py)
     .venv/bin/python benchmarks/throughput.py --quick              # smoke test: `default`, 4x4, <= 4 tokens, 3 steps
     .venv/bin/python benchmarks/throughput.py --setup-only         # build .venv-bench (TRL) only; make test does
     python benchmarks/throughput.py --gpu --skip-trl               # on CUDA, bf16: the settings below + qwen
@@ -23,9 +24,16 @@ Settings (P prompts x G samples per step, new-token cap, model; all untrained, r
               key-value heads, MLP 4864; 0.36B parameters with the character vocabulary),
               random init from the config: --gpu only (the default with --gpu: all five)
 
---gpu runs every system on CUDA in bf16: distflow with `parallel.device=cuda` and
-`parallel.strategy=fsdp2` (bf16 compute, float32 master weights and reductions; with one
-process the shard is the whole model), TRL with `bf16=True` on the GPU. The rest is the same.
+--dtype bfloat16 makes both systems compute in bf16 over float32 parameters and optimizer
+state, under torch.autocast: distflow with `parallel.param_dtype=bfloat16` (the default ddp
+strategy), TRL with `bf16=True` (benchmarks/trl_worker.py --dtype bfloat16). It is fast only
+on a CPU with bf16 instructions (AVX-512 BF16, AMX); elsewhere bf16 products are converted.
+The default is float32, bfloat16 with --gpu.
+
+--gpu runs every system on CUDA (in bf16 unless --dtype float32): distflow with
+`parallel.device=cuda` and `parallel.strategy=fsdp2` (the --dtype compute, float32 master
+weights and reductions; with one process the shard is the whole model), TRL with `--dtype`'s
+`bf16` on the GPU. The rest is the same.
 
 What runs for each setting, one after another (never at the same time: they would share
 the cores): `distflow train` with each rollout engine (`compact`, `generate`), in 1 process
@@ -65,11 +73,12 @@ start-up and evaluation are outside the timed region. distflow reports `time/ste
     tokens/s      = mean generated tokens per step / median step seconds
 Generated tokens include EOS. The table goes to stdout and the last line is one JSON object.
 
---roofline adds, right after each setting's systems, benchmarks/roofline.py's `floor s` for
-that setting (its Linear layers' matrix multiplies alone, for the update and the rollout of
-one step, in fp32 on this machine: no step can be shorter) and `trl/floor` = TRL's step over
-that floor, the most any fp32 engine could be faster than TRL here, measured in the same run
-as the ratios it bounds.
+--roofline adds, right after each setting's systems, benchmarks/roofline.py's `floor s` and
+`floor s bf16` for that setting (its Linear layers' matrix multiplies alone, for the update and
+the rollout of one step, in fp32 and in bf16 on this machine: no step in that dtype can be
+shorter) and `trl/floor` = TRL's step over the floor of the run's --dtype, the most any engine
+computing in that dtype could be faster than TRL here, measured in the same run as the ratios
+it bounds. The dtype is in each setting's table heading and in the JSON (`settings.dtype`).
 """
 
 from __future__ import annotations
@@ -127,7 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--roofline",
         action="store_true",
-        help="also time each setting's fp32 floor (benchmarks/roofline.py) and report TRL's step over it",
+        help="also time each setting's fp32 and bf16 floors (benchmarks/roofline.py); TRL's step over --dtype's",
     )
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument(
@@ -136,7 +145,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="smoke test (the test suite runs it): `default` at 3 steps of 4 prompts x 4, <= 4 tokens",
     )
     parser.add_argument("--skip-trl", action="store_true", help="only the distflow runs")
-    parser.add_argument("--gpu", action="store_true", help="every system on CUDA in bf16 (adds the qwen setting)")
+    parser.add_argument(
+        "--gpu", action="store_true", help="every system on CUDA, bf16 by default (adds the qwen setting)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        help="what both systems compute in, over float32 weights (default: float32; with --gpu bfloat16)",
+    )
     parser.add_argument(
         "--setup-only",
         action="store_true",
@@ -149,6 +165,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.max_new_tokens, args.steps = args.max_new_tokens or 4, args.steps or 3
     args.settings = args.settings or [*SETTINGS, *(GPU_SETTINGS if args.gpu else ())]
     args.steps = args.steps or 20
+    args.dtype = args.dtype or ("bfloat16" if args.gpu else "float32")
+    check_args(parser, args)
+    return args
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.gpu and set(args.settings) & set(GPU_SETTINGS):
         parser.error(f"settings {sorted(set(args.settings) & set(GPU_SETTINGS))} need --gpu")
     if args.roofline and (args.gpu or args.prompts or args.generations or args.max_new_tokens):
@@ -157,7 +179,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--steps must be > {WARMUP_STEPS} (the first {WARMUP_STEPS} steps are not timed)")
     if 2 in args.nproc and any((args.prompts or SETTINGS[name][0]) % 2 for name in args.settings):
         parser.error("prompts per step must be even with --nproc 2 (the ranks split them)")
-    return args
 
 
 def setting(args: argparse.Namespace, name: str) -> argparse.Namespace:
@@ -220,7 +241,12 @@ def distflow_config(path: Path, model_dir: Path, args: argparse.Namespace, engin
             "progress_bar": False,
         },
         "passes": {"micro_batch_size": batch, **PASSES[passes]},
-        "parallel": {"device": "cuda" if args.gpu else "cpu", **({"strategy": "fsdp2"} if args.gpu else {})},
+        # bfloat16: torch.autocast over float32 parameters and optimizer state (ddp), as TRL's bf16=True.
+        "parallel": {
+            "device": "cuda" if args.gpu else "cpu",
+            **({"strategy": "fsdp2"} if args.gpu else {}),
+            "param_dtype": args.dtype,
+        },
     }
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -278,7 +304,9 @@ def run_trl(
         args.steps,
         "--lr",
         args.lr,
-        *(["--device", "cuda", "--dtype", "bfloat16"] if args.gpu else []),
+        "--dtype",
+        args.dtype,
+        *(["--device", "cuda"] if args.gpu else []),
     ]
     result = json.loads(run_checked(cmd, env=env, what="TRL worker").strip().splitlines()[-1])
     args.trl_version = result["trl_version"]  # the setting's namespace; run_setting reports it
@@ -312,7 +340,7 @@ def significant(value: float, digits: int = 4) -> float:
 def print_table(name: str, args: argparse.Namespace, results: dict) -> None:
     print(
         f"setting {name}: {args.prompts} prompts x {args.generations}, <= {args.max_new_tokens} tokens, "
-        f"model {args.model}"
+        f"model {args.model}, {args.dtype}"
     )
     print(
         f"  {'system':<32}{'step s (median)':>17}{'completions/s':>15}{'tokens/s':>11}{'tokens/step':>13}{'wall s':>9}"
@@ -377,18 +405,10 @@ def run_setting(args: argparse.Namespace, bench_python: Path | None, work: Path)
         results["trl"] = summarize(steps, completions, time.perf_counter() - start)
         results["trl"]["version"] = args.trl_version
     floor = roofline(args.name) if args.roofline else None
-    trl_over_floor = ceiling(results, floor) if floor and "trl" in results else None
+    trl_over_floor = ceiling(results, floor, args.dtype) if floor and "trl" in results else None
     print_table(args.name, args, results)
     if floor is not None:
-        print(
-            f"  fp32 floor (roofline.py): {floor['floor_s']:.4f} s/step (update's GEMMs {floor['gemm_s']:.4f} + "
-            f"rollout's {floor['rollout_gemm_s']:.4f})"
-            + (
-                f"; TRL's step is {trl_over_floor:.2f}x it, the most any fp32 engine can beat TRL by here"
-                if trl_over_floor
-                else ""
-            )
-        )
+        print_floor(floor, trl_over_floor, args.dtype)
     # Same seeds, same samples: every engine's steps generated the same tokens and earned the same rewards.
     identical = {
         (nproc, passes): len({repr(per_step[f"distflow_{e}_{passes}{nproc}proc"]) for e in args.engines}) == 1
@@ -405,6 +425,7 @@ def run_setting(args: argparse.Namespace, bench_python: Path | None, work: Path)
         "max_new_tokens": args.max_new_tokens,
         "model": args.model,
         "model_parameters": model_params,
+        "dtype": args.dtype,
         **results,
         **ratios(results),
         **({"floor": floor} if floor else {}),
@@ -415,18 +436,30 @@ def run_setting(args: argparse.Namespace, bench_python: Path | None, work: Path)
 
 def roofline(name: str) -> dict:
     """benchmarks/roofline.py's row for one setting, run now (a subprocess: its own clean process)."""
-    log(f"{name}: fp32 floor (roofline.py)")
+    log(f"{name}: fp32 and bf16 floors (roofline.py)")
     out = run_checked([sys.executable, ROOT / "benchmarks" / "roofline.py", "--settings", name], what="roofline.py")
     return json.loads(out.strip().splitlines()[-1])[name]
 
 
-def ceiling(results: dict, floor: dict) -> float:
-    """TRL's step over the fp32 floor: the largest distflow/TRL ratio a step at the floor would reach.
+def ceiling(results: dict, floor: dict, dtype: str = "float32") -> float:
+    """TRL's step over the floor in `dtype`: the largest distflow/TRL ratio a step at that floor would reach.
 
-    >>> ceiling({"trl": {"step_s": 0.15}}, {"floor_s": 0.05})
-    3.0
+    >>> ceiling({"trl": {"step_s": 0.15}}, {"floor_s": 0.05, "floor_s_bf16": 0.03}, "bfloat16")
+    5.0
     """
-    return round(results["trl"]["step_s"] / floor["floor_s"], 4)
+    return round(results["trl"]["step_s"] / floor["floor_s_bf16" if dtype == "bfloat16" else "floor_s"], 4)
+
+
+def print_floor(floor: dict, trl_over_floor: float | None, dtype: str) -> None:
+    for name, suffix in (("fp32", ""), ("bf16", "_bf16")):
+        print(
+            f"  {name} floor (roofline.py): {floor[f'floor_s{suffix}']:.4f} s/step (update's GEMMs "
+            f"{floor[f'gemm_s{suffix}']:.4f} + rollout's {floor[f'rollout_gemm_s{suffix}']:.4f})"
+        )
+    if trl_over_floor:
+        print(
+            f"  TRL's step is {trl_over_floor:.2f}x the {dtype} floor, the most any {dtype} engine can beat TRL by here"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -442,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         "top_p": 1.0,
         "kl": 0.0,
         "device": "cuda" if args.gpu else "cpu",
+        "dtype": args.dtype,
         "cpu_count": os.cpu_count(),
     }
     bench_python = None if args.skip_trl else ensure_bench_venv()

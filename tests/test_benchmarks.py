@@ -192,6 +192,7 @@ def test_throughput_gpu_mode_puts_every_system_on_cuda_in_bf16(tmp_path):
         assert config["parallel"]["device"] == device and config["parallel"].get("strategy") == (
             "fsdp2" if gpu else None
         )
+        assert config["parallel"]["param_dtype"] == ("bfloat16" if gpu else "float32")
         assert config["passes"]["padding_free"] is False and config["passes"]["shared_prefix"] is True
     packed = yaml.safe_load(
         throughput.distflow_config(tmp_path / "p.yaml", tmp_path, one, "compact", "packed_").read_text()
@@ -201,6 +202,25 @@ def test_throughput_gpu_mode_puts_every_system_on_cuda_in_bf16(tmp_path):
         throughput.distflow_config(tmp_path / "s.yaml", tmp_path, one, "compact", "padded_").read_text()
     )["passes"]
     assert padded["padding_free"] is False and padded["shared_prefix"] is False  # --padded's systems
+
+
+def test_throughput_dtype_makes_both_systems_compute_the_same_way(tmp_path, monkeypatch):
+    """--dtype: distflow's parallel.param_dtype and TRL's worker --dtype (bf16=True) alike; float32 by
+    default, bfloat16 by default with --gpu; the dtype is recorded."""
+    throughput = throughput_module()
+    assert throughput.parse_args([]).dtype == "float32" and throughput.parse_args(["--gpu"]).dtype == "bfloat16"
+    calls = []
+    worker_out = '{"step_s": [0.1, 0.1, 0.1], "tokens": [8, 8, 8], "trl_version": "x"}\n'
+    monkeypatch.setattr(throughput, "run_checked", lambda cmd, env, what: calls.append(cmd) or worker_out)
+    for dtype in ("float32", "bfloat16"):
+        one = throughput.setting(throughput.parse_args(["--dtype", dtype, "--settings", "default"]), "default")
+        config = yaml.safe_load(throughput.distflow_config(tmp_path / "c.yaml", tmp_path, one, "compact").read_text())
+        assert config["parallel"]["param_dtype"] == dtype and "strategy" not in config["parallel"]  # ddp
+        throughput.run_trl(Path("python"), tmp_path, tmp_path / "rows.jsonl", tmp_path, one)
+        worker_args = [str(c) for c in calls[-1]]
+        assert worker_args[worker_args.index("--dtype") + 1] == dtype and "--device" not in worker_args
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--dtype", "float16"])  # float16 needs loss scaling: not offered
 
 
 def test_throughput_roofline_is_the_settings_own_cpu_floor(monkeypatch):
@@ -222,6 +242,8 @@ def test_throughput_roofline_is_the_settings_own_cpu_floor(monkeypatch):
     floor = throughput.roofline("wide")
     assert calls[0][-2:] == ["--settings", "wide"] and str(calls[0][1]).endswith("roofline.py")
     assert throughput.ceiling({"trl": {"step_s": 1.25}}, floor) == 2.5  # TRL's step over the floor
+    # With --dtype bfloat16, over the bf16 floor (the same products in bf16).
+    assert throughput.ceiling({"trl": {"step_s": 1.25}}, {**floor, "floor_s_bf16": 0.25}, "bfloat16") == 5.0
 
 
 def test_rollout_engines_quick():
@@ -332,6 +354,11 @@ def test_roofline_quick():
     assert row["update_s"] > 0 and row["gemm_s"] > 0 and row["rollout_gemm_s"] > 0
     assert abs(row["floor_s"] - (row["gemm_s"] + row["rollout_gemm_s"])) <= 2e-4  # each rounded to 4 places
     assert out["settings"]["square_gflops_512"] > 0
+    # The same products with bf16 operands, beside the fp32 ones (a speed: only present and positive here).
+    assert row["gemm_s_bf16"] > 0 and row["rollout_gemm_s_bf16"] > 0
+    assert abs(row["floor_s_bf16"] - (row["gemm_s_bf16"] + row["rollout_gemm_s_bf16"])) <= 2e-4
+    assert row["gemm_gflops_bf16"] > 0 and out["settings"]["square_gflops_512_bf16"] > 0
+    assert out["settings"]["cpu_bf16"]  # which bf16 instructions the CPU has, or "none"
 
 
 def test_gpu_quick():
