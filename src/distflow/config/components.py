@@ -6,7 +6,8 @@
                                                          registered under that spelling
     the component class ──owns──► its `Config` (the section's `<name>: {...}` or `options:`), the rules
         it needs of the other sections (`check`), what it adds to a batch (`fields`), what this machine
-        must have (`preflight`), and `build(...)`; an instance's `close()` ends what it holds
+        must have (`preflight`), and `build(...)`; an instance's `state_dict()` is what checkpoints keep
+        of it (`load_state_dict` on resume), its `close()` ends what it holds
 
 Where a kind's parts are plain functions (a policy loss, a KL estimator, an off-policy correction),
 its `FunctionRegistry` gives the function itself: `POLICY_LOSSES[algo.policy_loss](logp_BR, ...)`. The
@@ -64,6 +65,14 @@ class Component:
         """Variables it needs set in each rank's process before torch loads (a library reads them once,
         at import): `distflow train` sets them, unless the user set them, before any rank starts."""
         return {}
+
+    def state_dict(self) -> dict:
+        """What the instance keeps across a resume: JSON values, the same on every rank (a checkpoint keeps the
+        train group's first rank's copy; checkpoint/parts.py); {}: nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back what `state_dict` gave, on resume (not called when the checkpoint holds nothing of it)."""
 
     def close(self) -> None:
         """End what the instance holds (threads, child processes, files)."""

@@ -4,9 +4,11 @@
         train ranks only (collective over the train group; the others hold no optimizer state):
             save_checkpoint(root, s, policy model + optimizer + schedule, this rank's RNG,
                             extra = {config, loader state after batch s, run dir, the evaluation
-                                     before RL, the non-finite streak}, tokenizer)
+                                     before RL, the non-finite streak, the parts' states:
+                                     stages and components that declare one}, tokenizer)
     resume from step-s, at any world size and placement:
-        every rank:        meta.json → step, loader (epoch, cursor), evaluation before RL
+        every rank:        meta.json → step, loader (epoch, cursor), evaluation before RL, the
+                           parts' states (checkpoint/parts.py)
         train ranks:       load_checkpoint (DCP reshards onto the new train group) + their RNG
         rollout-only ranks: the policy's weights by broadcast from train rank 0, before the
                            first rollout (they have no policy of their own to load into)
@@ -32,6 +34,7 @@ from distflow.checkpoint import (
 )
 from distflow.checkpoint.contents import read_meta
 from distflow.checkpoint.directory import COMPLETE
+from distflow.checkpoint.parts import has_state, part_states, restore_part_states, saved_part_states
 from distflow.config import Config, to_dict
 from distflow.config.deprecated import DeprecatedKeyWarning, upgrade_old_keys
 from distflow.engines.registry import checkpointed
@@ -121,7 +124,7 @@ def save(worker: Worker, root: Path, step: int, state: dict, rank_state=None) ->
         "loader": worker.prefetcher.state,
         "world_size": worker.world.world_size,
         "consecutive_nonfinite": policy.consecutive_nonfinite,
-        "stages": {name: stage.state_dict() for name, stage in _stateful_stages(worker).items()},
+        "parts": part_states(_stateful_parts(worker)),
         **state,
     }
     return save_checkpoint(
@@ -139,22 +142,15 @@ def save(worker: Worker, root: Path, step: int, state: dict, rank_state=None) ->
     )
 
 
-def _stateful_stages(worker: Worker) -> dict:
-    """The stages that keep state across steps (e.g. the adaptive KL coefficient), by name."""
-    return {
-        item.stage.name: item.stage.fn
-        for item in worker.plan.items
-        if isinstance(item, PlannedStage) and hasattr(item.stage.fn, "state_dict")
-    }
-
-
-def _restore_stages(worker: Worker, extra: dict) -> None:
-    states = dict(extra.get("stages") or {})
-    if extra.get("kl_coef") is not None:  # written before stages kept their own state
-        states.setdefault("kl_reward", {"kl_coef": extra["kl_coef"]})
-    for name, stage in _stateful_stages(worker).items():
-        if name in states:
-            stage.load_state_dict(states[name])
+def _stateful_parts(worker: Worker) -> dict:
+    """The run's parts that may keep state across steps (checkpoint/parts.py), by name: the stages that do
+    (the adaptive KL coefficient) by their stage name, and the components this rank built by their
+    setting (a resumed run with another `rollout.engine` does not get the old one's state)."""
+    config = worker.config
+    parts = {item.stage.name: item.stage.fn for item in worker.plan.items if isinstance(item, PlannedStage)}
+    parts[f"rollout.engine={config.rollout.engine}"] = worker.engines.sampling.engine
+    parts[f"task.source={config.task.source}"] = worker.task
+    return {name: part for name, part in parts.items() if has_state(part)}
 
 
 def _others(worker: Worker) -> dict:
@@ -202,5 +198,5 @@ def restore(worker: Worker, path: Path) -> Resumed:
         engines.weight_sync.sync(engines.policy.model if engines.policy is not None else engines.rollout_model)
     if engines.policy is not None:
         engines.policy.consecutive_nonfinite = int(extra.get("consecutive_nonfinite", 0))
-        _restore_stages(worker, extra)
+    restore_part_states(_stateful_parts(worker), saved_part_states(extra))
     return Resumed(step, extra, config_changes(extra["config"], to_dict(config)), rank_state)
