@@ -278,6 +278,7 @@ SECTION_READERS = {
         "distflow.config",
         "distflow.engines.registry",
         "distflow.rollout.compiled",
+        "distflow.rollout.engine",  # below float32 a rollout records its log-probs (`fields`)
         "distflow.planner.plan",
         "distflow.preflight",
         "distflow.runtime.executor",
