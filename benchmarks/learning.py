@@ -22,7 +22,7 @@ same held-out rows. The systems run one after another (never at once: they would
 cores). The rows TRL trains on are distflow's loader order, with shuffling off.
 
 --dtype bfloat16 computes in bf16 over float32 master weights and optimizer state in both systems:
-distflow with `parallel.strategy=fsdp2 parallel.param_dtype=bfloat16` (float32: ddp), TRL with
+distflow with `parallel.strategy=ddp parallel.param_dtype=bfloat16` (torch.autocast), TRL with
 `bf16=True` (autocast). --device picks `parallel.device` and TRL's device (auto: CUDA when there is
 one). --trl-python runs TRL's worker with that interpreter instead of building .venv-bench (a machine
 without internet whose Python has TRL).
@@ -126,11 +126,8 @@ def distflow_overrides(args: argparse.Namespace, shared: dict) -> list[str]:
         # On a GPU, the whole step's P x G sequences in one pass, as TRL's per_device_train_batch_size
         # gives it (the recipe's 32 suits a CPU's memory and caches; a GPU pays per call).
         *([f"passes.micro_batch_size={shared['prompts'] * shared['generations']}"] if args.device == "cuda" else []),
-        *(
-            ["parallel.strategy=fsdp2", "parallel.param_dtype=bfloat16"]
-            if args.dtype == "bfloat16"
-            else ["parallel.strategy=ddp"]
-        ),
+        "parallel.strategy=ddp",
+        f"parallel.param_dtype={args.dtype}",  # bfloat16: autocast over float32 weights, as TRL's bf16=True
     ]
 
 

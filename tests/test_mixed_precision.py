@@ -128,3 +128,32 @@ def test_cli_trains_in_bfloat16_with_ddp_and_logs_the_rollout_gap(tmp_path, cach
     for row in steps:
         assert 0.0 <= row["mismatch/logp_abs_diff_max"] < 1.0
         assert row["off_policy/is_weight_mean"] == pytest.approx(1.0, abs=0.05)
+
+
+class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the casts to bfloat16 of float32 tensors with as many elements as a weight of `sizes`."""
+
+    def __init__(self, sizes: set[int]) -> None:
+        super().__init__()
+        self.sizes, self.count = sizes, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16:
+            self.count += args[0].dtype == torch.float32 and args[0].numel() in self.sizes
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_an_inference_pass_casts_the_weights_once_frozen_or_not(frozen):
+    model = build_tiny_model(build_char_tokenizer(), seed=0).eval().requires_grad_(not frozen)
+    compute_in(model, torch.bfloat16)
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    ids, counts = torch.tensor([[5, 6, 7]]), []
+    with torch.no_grad(), gathered(model):
+        for _ in range(3):
+            with _Casts({w.numel() for w in linears}) as casts:
+                model(ids)
+            counts.append(casts.count)
+    assert counts[0] >= len(linears) and counts[1:] == [0, 0]  # cast at the first forward only
+    assert all(p.requires_grad is not frozen for p in model.parameters())  # as it was before the pass

@@ -86,7 +86,7 @@ class EngineBackend:
         from distflow.engines.sequences import stop_token_ids
 
         greedy = temperature <= 0
-        with autocast(self.model):  # this thread's own: the rank thread's `gathered` does not reach it
+        with autocast(self.model, inference=True):  # this thread's own: the rank thread's `gathered` does not reach it
             out = generate(
                 self.model,
                 self.tokenizer,

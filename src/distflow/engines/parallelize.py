@@ -134,18 +134,30 @@ def compute_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 @contextlib.contextmanager
-def autocast(model: torch.nn.Module | None) -> Iterator[None]:
+def autocast(model: torch.nn.Module | None, *, inference: bool = False) -> Iterator[None]:
     """Within it, this thread computes `model`'s forwards in its compute dtype (`compute_in`) over its
     float32 parameters: `torch.autocast`, whose cache casts each weight once per outermost region.
-    Nothing for a float32 model, or a sharded one (FSDP2's mixed precision casts its parameters)."""
+    Nothing for a float32 model, or a sharded one (FSDP2's mixed precision casts its parameters).
+
+    autocast caches only the casts of weights that require a gradient. `inference` (every forward
+    within runs without one: `gathered`'s passes) lets a frozen model's weights (a rollout-only
+    rank's copy, LoRA's base) require one for the region, so that they too are cast once, not at
+    every decoded token."""
     model = getattr(model, "parameters_owner", model)
     dtype = getattr(model, "_distflow_compute_dtype", torch.float32)
     if model is None or dtype == torch.float32 or is_sharded(model):
         yield
         return
     device_type = next(model.parameters()).device.type
-    with torch.autocast(device_type=device_type, dtype=dtype):
-        yield
+    frozen = [p for p in model.parameters() if inference and not p.requires_grad and p.is_floating_point()]
+    for param in frozen:
+        param.requires_grad_(True)
+    try:
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            yield
+    finally:
+        for param in frozen:
+            param.requires_grad_(False)
 
 
 def device_mesh(comm: Comm, shard_size: int) -> DeviceMesh:
@@ -229,7 +241,7 @@ def gathered(model: torch.nn.Module | None) -> Iterator[None]:
     of another module's parameters (the LoRA reference, engines/lora.py) gathers that module."""
     model = getattr(model, "parameters_owner", model)
     if model is None or not is_sharded(model):
-        with autocast(model):
+        with autocast(model, inference=True):
             yield
         return
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
