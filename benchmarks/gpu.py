@@ -187,8 +187,8 @@ def time_engine(
     model, tokenizer, prompt_ids, samples: int, tokens: int, engine: str, warmup: bool, repeats: int, device
 ) -> dict:
     """A warm-up (it compiles `compiled`) if asked, then the median of `repeats` timed generations."""
-    from distflow.engines import decoding
-    from distflow.engines.generation import generate
+    from distflow.rollout import decoding
+    from distflow.rollout.generation import generate
 
     name, original = engine.split("/")[0], decoding.stop_check_interval
     if engine.endswith("every-token"):

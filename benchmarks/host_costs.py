@@ -20,7 +20,7 @@ Settings (P prompts x G samples, new-token cap, temperature):
 
 1. Rollout, per decode step: each engine generates the prompts once uncounted (warm-up), then
    once counted; the totals are divided by the decode steps taken (the longest response, EOS
-   included). Engines: distflow's `compact` and `generate` (`distflow.engines.generation.generate`,
+   included). Engines: distflow's `compact` and `generate` (`distflow.rollout.generation.generate`,
    keyed sampling, log-probs kept, as the rollout stage calls it) and `hf_trl`: Hugging Face
    `model.generate` with the GenerationConfig TRL's GRPOTrainer builds (do_sample, top_k 0,
    top_p 1, min_p None, repetition_penalty 1, no cache_implementation, disable_compile) on the
@@ -40,7 +40,7 @@ As on CUDA: both sides run torch's optimizers in their foreach implementation, a
 decoding looks at ended rows as often as on a GPU (`stop_check_interval`), and its training passes
 run padded as on a GPU (`shares_prefixes`; on a CPU they share prompts, split by length:
 `max_length_buckets`). Left as on the CPU: the sampler's GPU-only guard against empty bins
-(engines/sampling.py, a few ops per token).
+(rollout/sampling.py, a few ops per token).
 
 The table goes to stdout; the last line is one JSON object. No timing is reported.
 """
@@ -163,11 +163,12 @@ CHOICES_BY_DEVICE = (  # (module, function of the device): distflow's choices by
 @contextlib.contextmanager
 def choices_as_on_cuda():
     """distflow makes three choices by device, counted at the GPU's: its decoding looks at which rows
-    ended every token on a CPU and every few tokens on a GPU (engines/decoding.py's
+    ended every token on a CPU and every few tokens on a GPU (rollout/decoding.py's
     `stop_check_interval`, a sync each look), and its training passes compute each distinct prompt
-    once on a CPU only (engines/prefix_sharing.py's `shares_prefixes`: a second forward call), there
+    once on a CPU only (training/prefix_sharing.py's `shares_prefixes`: a second forward call), there
     splitting responses into length buckets (`max_length_buckets`, a forward call each)."""
-    from distflow.engines import decoding, prefix_sharing
+    from distflow.rollout import decoding
+    from distflow.training import prefix_sharing
 
     modules = {"decoding": decoding, "prefix_sharing": prefix_sharing}
     originals = [(modules[m], name, getattr(modules[m], name)) for m, name in CHOICES_BY_DEVICE]
@@ -203,8 +204,8 @@ def rollout_once(engine: str, model, tokenizer, prompts: list[str], args: argpar
     """One generation of the setting's prompts by `engine`; returns the decode steps it took."""
     from transformers import GenerationConfig
 
-    from distflow.engines.generation import generate
-    from distflow.engines.sequences import encode_prompts, left_pad, stop_token_ids
+    from distflow.rollout.generation import generate
+    from distflow.training.sequences import encode_prompts, left_pad, stop_token_ids
 
     n = args.samples
     if engine != "hf_trl":
@@ -247,7 +248,7 @@ def rollout_once(engine: str, model, tokenizer, prompts: list[str], args: argpar
 
 
 def rollout_costs(args: argparse.Namespace, model_dir: Path, prompts: list[str]) -> dict:
-    from distflow.engines.models import load_model_and_tokenizer
+    from distflow.training.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(model_dir, model_dir, torch.device("cpu"))
     model.eval()

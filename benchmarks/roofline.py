@@ -65,8 +65,8 @@ from distflow.config.parallel import PassesConfig
 from distflow.config.schema import AlgorithmConfig, OptimConfig
 from distflow.dag.update_stages import PolicyObjective
 from distflow.data.batch import Batch
-from distflow.engines.generation import generate
-from distflow.engines.policy import PolicyEngine
+from distflow.rollout.generation import generate
+from distflow.training.policy import PolicyEngine
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

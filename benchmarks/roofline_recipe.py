@@ -6,7 +6,7 @@ from the file: its first step's prompts as the run's loader gives them (reasonin
 rows through the chat template), its `rollout` stage (the recipe's engine, keys, temperature),
 one log-prob pass (`PolicyEngine.logprobs`, what `old_logprob` and `reference_logprob` each run;
 the table says how many the recipe's pipeline has), `PolicyEngine.update` in the recipe's
-micro-batches, and one held-out evaluation as the run calls it (`engines.evaluation.evaluate`
+micro-batches, and one held-out evaluation as the run calls it (`rollout.evaluation.evaluate`
 over the recipe's `task.num_heldout` problems: `trainer.eval_samples` sampled completions and one
 greedy completion of each, judged by the task's verifier). Each stage's floor is the Linear
 products it computes (one random weight per layer), counted as distflow feeds them: every
@@ -31,7 +31,7 @@ import torch
 from distflow.comm import Comm
 from distflow.dag.update_stages import PolicyObjective
 from distflow.data.batch import Batch
-from distflow.engines.policy import PolicyEngine
+from distflow.training.policy import PolicyEngine
 
 SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,10 +96,10 @@ def recipe_first_step(path: Path):
     run's loader gives them (rows checked by data.*, the loader's seeded order, chat-rendered, tokenized)."""
     from distflow.config.loader import load_config
     from distflow.data.loader import PromptLoader, RowRules, ValidRows
-    from distflow.engines.models import load_model_and_tokenizer
-    from distflow.engines.sequences import encode_prompts
     from distflow.tasks.build import build_task
     from distflow.tasks.model_source import model_dirs
+    from distflow.training.models import load_model_and_tokenizer
+    from distflow.training.sequences import encode_prompts
 
     config = load_config(path)
     model_dir, tokenizer_dir = model_dirs(config, builder=True, log=lambda text: print(text, file=sys.stderr))
@@ -131,8 +131,8 @@ def recipe_seconds(config, model: torch.nn.Module, tokenizer, prompts: Batch, re
     (what `old_logprob` and `reference_logprob` each run), `PolicyEngine.update` as `policy_update` calls it."""
     from distflow.dag.context import Engines, StageContext
     from distflow.dag.stages import rollout
-    from distflow.engines.sampling import SamplingSpec
     from distflow.observability.metrics import StepMetrics
+    from distflow.rollout.sampling import SamplingSpec
 
     model.eval()  # as a run loads it: no dropout
     engines = Engines(tokenizer, None, None, SamplingSpec.of(config.rollout), rollout_model=model)
@@ -168,10 +168,10 @@ def generation_passes(prompt_tokens: int, num_prompts: int, lengths_B: torch.Ten
 
 
 def evaluation(config, model: torch.nn.Module, tokenizer, task, repeats: int) -> dict:
-    """One held-out evaluation as the run calls it (`engines.evaluation.evaluate`: the sampled and the
+    """One held-out evaluation as the run calls it (`rollout.evaluation.evaluate`: the sampled and the
     greedy completions, chunked and judged as in a run): its median seconds, accuracy and floor."""
-    from distflow.engines.evaluation import completions, eval_keys, evaluate
-    from distflow.engines.sampling import SamplingSpec
+    from distflow.rollout.evaluation import completions, eval_keys, evaluate
+    from distflow.rollout.sampling import SamplingSpec
 
     sampling, n, seed = SamplingSpec.of(config.rollout), config.trainer.eval_samples, config.trainer.seed
     heldout, results = task.heldout, []
@@ -218,7 +218,7 @@ def measure_recipe(name: str, repeats: int, eval_repeats: int) -> dict:
     lengths_B = batch["response_mask"].sum(-1)
     response_tokens = int(lengths_B.sum())
     # A training or log-prob pass feeds each prompt once (logits at its last position only), then
-    # every response token but the last (it predicts nothing): engines/prefix_sharing.py.
+    # every response token but the last (it predicts nothing): training/prefix_sharing.py.
     fed = response_tokens - num_samples
     train_passes = [(prompt_tokens, num_prompts), (fed, fed)]
     rollout_passes = generation_passes(prompt_tokens, num_prompts, lengths_B, new_tokens)

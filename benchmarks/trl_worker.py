@@ -35,7 +35,7 @@ from trl import GRPOConfig, GRPOTrainer
 # The reward is distflow's own code (torch and the standard library only), not a copy:
 # `Rewards` also gives 0 to a completion whose reward function raises, as distflow does.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from distflow.engines.reward import Rewards, RewardTerm  # noqa: E402
+from distflow.scoring.reward import Rewards, RewardTerm  # noqa: E402
 from distflow.tasks.arithmetic import ArithmeticTask, correctness_reward  # noqa: E402
 
 
@@ -204,8 +204,8 @@ def main() -> None:
 
 def greedy_accuracy(model, tokenizer, rows, is_correct, max_new_tokens: int) -> float:
     """Greedy held-out accuracy by distflow's own evaluation code (the same `judge` its runs use)."""
-    from distflow.engines.evaluation import judge
-    from distflow.engines.sampling import SamplingSpec
+    from distflow.rollout.evaluation import judge
+    from distflow.rollout.sampling import SamplingSpec
 
     sampling = SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens, engine="compact")
     judged = judge(model, tokenizer, rows, is_correct, sampling, sample_keys=None)

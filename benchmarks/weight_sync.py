@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 
 from distflow.comm import Comm
-from distflow.engines.weight_sync import BUCKET_BYTES, WeightSync
 from distflow.runtime.launcher import run_local
+from distflow.sync.weight_sync import BUCKET_BYTES, WeightSync
 
 WORLD = 6
 TRAIN_COUNTS = (1, 2, 4)

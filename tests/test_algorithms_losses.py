@@ -111,11 +111,11 @@ def test_value_clip_loss_by_hand():
 
 
 def _entropy_BR(logits_BTV: torch.Tensor) -> torch.Tensor:
-    """The entropy the policy's update sees (engines/logprobs.py), of a model that outputs these
+    """The entropy the policy's update sees (training/logprobs.py), of a model that outputs these
     logits; every column but the first is the response, so the last column predicts nothing."""
     from types import SimpleNamespace
 
-    from distflow.engines.logprobs import response_logprobs
+    from distflow.training.logprobs import response_logprobs
 
     B, T, _ = logits_BTV.shape
     ids_BT, mask_BT = torch.zeros(B, T, dtype=torch.long), torch.ones(B, T, dtype=torch.long)

@@ -21,10 +21,10 @@ from distflow.config.algorithm import AlgorithmConfig
 from distflow.config.components import OFF_POLICY_CORRECTIONS
 from distflow.dag.update_stages import OffPolicyTally, PolicyObjective
 from distflow.data.batch import Batch
-from distflow.engines.generation import generate
-from distflow.engines.logprobs import response_logprobs
+from distflow.rollout.generation import generate
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
+from distflow.training.logprobs import response_logprobs
 
 DISAGGREGATED = ["--nproc", "2", "placement.rollout.ranks=0", "placement.train.ranks=1"]
 

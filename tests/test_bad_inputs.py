@@ -21,9 +21,9 @@ from test_e2e import TINY, read_metrics
 from distflow.checkpoint import save_checkpoint
 from distflow.comm import Comm
 from distflow.config.schema import OptimConfig
-from distflow.engines.policy import PolicyEngine
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
+from distflow.training.policy import PolicyEngine
 
 CONFIG = str(REPO / "examples/arith_grpo.yaml")
 USER_FILES = {

@@ -158,7 +158,7 @@ def test_learning_quick():
 def test_throughput_models():
     """The `long` setting's model writes long answers of spread lengths; the `wide` one has 10-20M parameters."""
     throughput = throughput_module()
-    from distflow.engines.generation import generate
+    from distflow.rollout.generation import generate
 
     model, tokenizer = throughput.build_model("long")
     out = generate(

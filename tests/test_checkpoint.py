@@ -20,10 +20,10 @@ from distflow.checkpoint import (
 )
 from distflow.comm import Comm
 from distflow.config.schema import ConfigError, OptimConfig
-from distflow.engines.policy import PolicyEngine
 from distflow.runtime.launcher import run_local
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
+from distflow.training.policy import PolicyEngine
 
 SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 EXTRA = {"config": {"seed": 3, "trainer": {"steps": 10}}, "loader": {"epoch": 1, "cursor": 7}}

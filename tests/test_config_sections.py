@@ -227,7 +227,7 @@ def test_sections_handed_down_are_frozen(section):
 
 
 def test_passes_resolve_shared_prefix_once():
-    assert PassesConfig().shared_prefix is None  # the device decides (engines/prefix_sharing.shares_prefixes)
+    assert PassesConfig().shared_prefix is None  # the device decides (training/prefix_sharing.shares_prefixes)
     assert PassesConfig(padding_free=True).shared_prefix is False
     assert PassesConfig(shared_prefix=False).shared_prefix is False
     with pytest.raises(ConfigError, match="passes.shared_prefix=true and passes.padding_free=true exclude each other"):

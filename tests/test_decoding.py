@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from distflow.engines.generation import generate
+from distflow.rollout.generation import generate
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
 
@@ -79,7 +79,7 @@ def test_each_prompt_is_prefilled_once_and_finished_rows_cost_nothing(model_and_
 def test_looking_for_ended_rows_less_often_keeps_the_samples(model_and_tokenizer, monkeypatch, every):
     """On a GPU the engine looks at which rows ended every 8 tokens, not every token: rows that
     ended in between decode on but keep their samples, their log-probs and their padding."""
-    from distflow.engines import decoding
+    from distflow.rollout import decoding
 
     model, tokenizer = model_and_tokenizer
     n, keys = 4, list(range(len(PROMPTS) * 4))
@@ -115,7 +115,7 @@ def test_looking_for_ended_rows_less_often_keeps_the_samples(model_and_tokenizer
 
 
 def _left_padded(tokenizer):
-    from distflow.engines.sequences import encode_prompts, left_pad
+    from distflow.training.sequences import encode_prompts, left_pad
 
     return left_pad(encode_prompts(tokenizer, PROMPTS), tokenizer.pad_token_id)
 

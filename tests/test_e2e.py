@@ -7,11 +7,11 @@ import torch
 from conftest import REPO, run_cli
 
 from distflow.config.loader import load_config
-from distflow.engines.sft import supervised_warmstart
 from distflow.tasks.arithmetic import ArithmeticTask
 from distflow.tasks.embedded import embedded_model_dir
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
+from distflow.tasks.warmstart import supervised_warmstart
 
 TINY = [
     "trainer.total_steps=3",

@@ -22,8 +22,8 @@ def odd_sums_are_right(completion, sample):
 
 
 def _evaluate(comm, rows, evaluators=None):
-    from distflow.engines.evaluation import evaluate
-    from distflow.engines.sampling import SamplingSpec
+    from distflow.rollout.evaluation import evaluate
+    from distflow.rollout.sampling import SamplingSpec
     from distflow.tasks.tiny_model import build_tiny_model
     from distflow.tasks.tokenizer import build_char_tokenizer
 

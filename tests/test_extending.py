@@ -54,7 +54,7 @@ TOY = """
 from distflow.config.components import ESTIMATORS
 from distflow.dag import pieces
 from distflow.data.fields import REWARD
-from distflow.engines.registry import EngineSpec, register
+from distflow.training.registry import EngineSpec, register
 
 
 class Bonus:
@@ -215,7 +215,7 @@ class Salted(RolloutEngine):
         return (ROLLOUT_LOGP,)
 
     def responses(self, model, request):
-        from distflow.engines.decoding import decode
+        from distflow.rollout.decoding import decode
 
         ids, logp = decode(
             model, request.prompt_ids_GP, request.prompt_mask_GP, samples_per_prompt=request.n,

@@ -17,10 +17,10 @@ from conftest import REPO
 from distflow.comm import Comm
 from distflow.config.schema import OptimConfig
 from distflow.data.batch import Batch
-from distflow.engines.policy import PolicyEngine
 from distflow.runtime.faults import remove_stale_status_dirs
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
+from distflow.training.policy import PolicyEngine
 
 # No wall-clock assertions: collectives get a 2-hour timeout, so a job that ends at all before
 # the 30-minute hang guard ended because of the fail-fast machinery, not a collective timeout.

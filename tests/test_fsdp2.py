@@ -1,4 +1,4 @@
-"""parallel.strategy=fsdp2 (engines/parallelize.py) trains and samples like ddp.
+"""parallel.strategy=fsdp2 (training/parallelize.py) trains and samples like ddp.
 
 On 2 gloo ranks in float32: five optimizer steps of fsdp2, of HSDP (shard_size=1: two
 replicas of one shard each), of either with activation checkpointing (all of them with the
@@ -23,13 +23,13 @@ from distflow.checkpoint import export_hf
 from distflow.comm import Comm
 from distflow.config import ConfigError, load_config
 from distflow.data.batch import Batch
-from distflow.engines.generation import generate
-from distflow.engines.logprobs import batch_logprobs
-from distflow.engines.parallelize import decoder_blocks, frozen_copy, full_parameters, gathered
-from distflow.engines.policy import PolicyEngine
+from distflow.rollout.generation import generate
 from distflow.runtime.launcher import run_local
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
+from distflow.training.logprobs import batch_logprobs
+from distflow.training.parallelize import decoder_blocks, frozen_copy, full_parameters, gathered
+from distflow.training.policy import PolicyEngine
 
 NUM_STEPS = 5
 LR = 1e-2
@@ -270,7 +270,7 @@ def test_decoder_blocks_are_found_generically():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL, bfloat16 FSDP2 on a GPU)")
 def test_cuda_auto_precision_is_bfloat16_compute_with_float32_reduction():
-    from distflow.engines.parallelize import resolve_dtypes
+    from distflow.training.parallelize import resolve_dtypes
 
     parallel = load_config(None, ["parallel.strategy=fsdp2"]).parallel
     assert resolve_dtypes(parallel, torch.device("cuda", 0)) == (torch.bfloat16, torch.float32)
@@ -279,7 +279,7 @@ def test_cuda_auto_precision_is_bfloat16_compute_with_float32_reduction():
 def one_process_lower_precision() -> dict:
     """Five steps of fsdp2 on one process in bfloat16 and in float32 (run in a fresh interpreter: the
     bfloat16 engine makes this process join a one-rank process group)."""
-    from distflow.engines.parallelize import is_sharded
+    from distflow.training.parallelize import is_sharded
 
     comm, out = Comm(0, 1, 0, 1, torch.device("cpu")), {}
     for dtype in ("bfloat16", "float32"):

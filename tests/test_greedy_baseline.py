@@ -7,13 +7,13 @@ from distflow.config import load_config
 from distflow.dag.context import Engines, StageContext
 from distflow.dag.stages import greedy_baseline
 from distflow.data.batch import Batch
-from distflow.engines.generation import generate
-from distflow.engines.reward import build_rewards
-from distflow.engines.sampling import SamplingSpec
-from distflow.engines.sequences import encode_prompts
 from distflow.observability.metrics import StepMetrics
+from distflow.rollout.generation import generate
+from distflow.rollout.sampling import SamplingSpec
+from distflow.scoring.reward import build_rewards
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
+from distflow.training.sequences import encode_prompts
 
 SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 CALLS = []

@@ -1,4 +1,4 @@
-"""model.lora (engines/lora.py): adapters through peft on a frozen base.
+"""model.lora (training/lora.py): adapters through peft on a frozen base.
 
 Unit: the adapters start at the base model, only they train, the reference is the base
 model with no second copy, nothing else moves. Three gloo ranks (two train, one rollout):
@@ -20,13 +20,13 @@ from transformers import AutoModelForCausalLM
 
 from distflow.comm import Comm
 from distflow.config import ConfigError, load_config
-from distflow.engines.lora import AdaptersOff, apply_lora, is_lora, synced_parameters, trainable_parameters
-from distflow.engines.parallelize import full_parameters, gathered
-from distflow.engines.policy import PolicyEngine
-from distflow.engines.weight_sync import WeightSync
 from distflow.runtime.launcher import run_local
+from distflow.sync.weight_sync import WeightSync
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
+from distflow.training.lora import AdaptersOff, apply_lora, is_lora, synced_parameters, trainable_parameters
+from distflow.training.parallelize import full_parameters, gathered
+from distflow.training.policy import PolicyEngine
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 4, 12, 13, 6, 7]])
 

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, run_cli
 
-from distflow.engines.reward import Rewards, RewardTerm
+from distflow.scoring.reward import Rewards, RewardTerm
 from distflow.tasks.math_answers import SIMPLE_CHAT_TEMPLATE, MathTask, chat_prompt, math_answer_reward
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer

@@ -1,4 +1,4 @@
-"""parallel.param_dtype=bfloat16 under ddp (engines/parallelize.py: `compute_in`, `autocast`): the
+"""parallel.param_dtype=bfloat16 under ddp (training/parallelize.py: `compute_in`, `autocast`): the
 model keeps float32 parameters and optimizer state and computes in bfloat16 under `torch.autocast`,
 in training forwards, in every inference pass inside `gathered`, and in the agent endpoint's
 backend thread; the rollout then records its log-probs, whose gap to the trainer's is logged."""
@@ -14,12 +14,12 @@ from test_fsdp2 import LR, NUM_STEPS, pg_loss, step_batch
 from distflow.comm import Comm
 from distflow.config import ConfigError, load_config
 from distflow.data.fields import ROLLOUT_LOGP
-from distflow.engines.generation import generate
-from distflow.engines.parallelize import autocast, compute_in, frozen_copy, gathered, resolve_dtypes
-from distflow.engines.policy import PolicyEngine
 from distflow.rollout.engine import RolloutEngine
+from distflow.rollout.generation import generate
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
+from distflow.training.parallelize import autocast, compute_in, frozen_copy, gathered, resolve_dtypes
+from distflow.training.policy import PolicyEngine
 
 CPU = Comm(0, 1, 0, 1, torch.device("cpu"))
 

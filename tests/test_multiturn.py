@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from distflow.engines.multiturn import Trajectory, TurnLimits, reset_all, roll_out
 from distflow.envs.calculator import CalculatorError, calculate
 from distflow.envs.python_tool import run_python
 from distflow.envs.tools import CalculatorEnv
+from distflow.rollout.multiturn import Trajectory, TurnLimits, reset_all, roll_out
 from distflow.tasks.tokenizer import build_char_tokenizer
 
 TOK = build_char_tokenizer()
@@ -208,7 +208,7 @@ def test_chat_observations_render_as_the_templates_continuation():
     observation gets it, later ones only what the template adds for the new message."""
     from transformers import PreTrainedTokenizerFast
 
-    from distflow.engines.multiturn import encode_observation
+    from distflow.rollout.multiturn import encode_observation
 
     tok = PreTrainedTokenizerFast(tokenizer_object=TOK.backend_tokenizer, eos_token="<eos>", pad_token="<pad>")
     tok.chat_template = (

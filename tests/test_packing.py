@@ -1,4 +1,4 @@
-"""Padding-free passes (engines/packing.py) give the padded pass's log-probs, values and gradients."""
+"""Padding-free passes (training/packing.py) give the padded pass's log-probs, values and gradients."""
 
 import copy
 
@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from distflow.config.errors import ConfigError
-from distflow.engines.critic import ValueModel, response_values
-from distflow.engines.logprobs import response_logprobs
-from distflow.engines.packing import pack, response_outputs
-from distflow.engines.sequences import left_pad, response_mask_from_ids
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
+from distflow.training.critic import ValueModel, response_values
+from distflow.training.logprobs import response_logprobs
+from distflow.training.packing import pack, response_outputs
+from distflow.training.sequences import left_pad, response_mask_from_ids
 
 EOS, PAD = 2, 0
 

@@ -9,10 +9,10 @@ from distflow.comm import Comm
 from distflow.config.parallel import PassesConfig
 from distflow.config.schema import OptimConfig
 from distflow.data.batch import Batch
-from distflow.engines.policy import PolicyEngine
 from distflow.runtime.launcher import run_local
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
+from distflow.training.policy import PolicyEngine
 
 SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 
@@ -89,8 +89,8 @@ def test_metrics_reduce_single_process():
 
 def test_an_empty_share_has_empty_logprobs_and_values():
     """A short dynamic-sampling step can leave a rank without samples; its stages still run."""
-    from distflow.engines.critic import build_critic
-    from distflow.engines.logprobs import batch_logprobs
+    from distflow.training.critic import build_critic
+    from distflow.training.logprobs import batch_logprobs
 
     model = build_tiny_model(build_char_tokenizer(), seed=0)
     empty = make_batch().select([])

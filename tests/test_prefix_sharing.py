@@ -1,4 +1,4 @@
-"""Shared-prefix passes (engines/prefix_sharing.py) give the padded pass's log-probs, values and gradients."""
+"""Shared-prefix passes (training/prefix_sharing.py) give the padded pass's log-probs, values and gradients."""
 
 import copy
 import json
@@ -10,14 +10,14 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from distflow.config import ConfigError, load_config
 from distflow.data.batch import Batch
-from distflow.engines.critic import ValueModel, response_values
-from distflow.engines.logprobs import batch_logprobs, response_logprobs
-from distflow.engines.models import cache_kwargs
-from distflow.engines.parallelize import checkpoint_blocks
-from distflow.engines.prefix_sharing import distinct_prompts, length_buckets, response_lengths, shared_prefix_outputs
-from distflow.engines.sequences import left_pad, position_ids_from_mask, response_mask_from_ids
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
+from distflow.training.critic import ValueModel, response_values
+from distflow.training.logprobs import batch_logprobs, response_logprobs
+from distflow.training.models import cache_kwargs
+from distflow.training.parallelize import checkpoint_blocks
+from distflow.training.prefix_sharing import distinct_prompts, length_buckets, response_lengths, shared_prefix_outputs
+from distflow.training.sequences import left_pad, position_ids_from_mask, response_mask_from_ids
 
 EOS, PAD = 2, 0
 
@@ -140,7 +140,7 @@ def test_each_distinct_prompt_goes_through_the_model_once():
 def test_on_a_gpu_the_passes_run_padded_in_one_call(monkeypatch):
     """A second forward call costs a GPU its kernel launches whatever its columns (`shares_prefixes`):
     there the passes run padded, with the padded pass's outputs; on a CPU the prompts are shared."""
-    from distflow.engines import prefix_sharing
+    from distflow.training import prefix_sharing
 
     assert prefix_sharing.shares_prefixes(torch.device("cpu"))
     assert not prefix_sharing.shares_prefixes(torch.device("cuda"))
@@ -310,7 +310,7 @@ def test_the_lora_reference_passes_with_shared_prefixes_as_the_policy_does():
     """The reference under LoRA (the policy, adapters off) runs the policy's pass mode: its
     shared-prefix log-probs equal its padded ones and the base model's."""
     from distflow.config.model import LoraConfig
-    from distflow.engines.lora import AdaptersOff, apply_lora
+    from distflow.training.lora import AdaptersOff, apply_lora
 
     base = build_tiny_model(build_char_tokenizer(), seed=5)
     reference = AdaptersOff(apply_lora(copy.deepcopy(base), LoraConfig(rank=4), seed=1))

@@ -31,7 +31,7 @@ TINY = [
 ]
 RECORDER = '''
 import json, os
-from distflow.engines.generation import generate
+from distflow.rollout.generation import generate
 
 PROMPT = [{"role": "user", "content": "What is 23 + 58? Answer with just the number."}]
 
@@ -68,13 +68,13 @@ def model_dir():
 def smollm2(model_dir):
     import torch
 
-    from distflow.engines.models import load_model_and_tokenizer
+    from distflow.training.models import load_model_and_tokenizer
 
     return load_model_and_tokenizer(model_dir, model_dir, torch.device("cpu"))
 
 
 def test_the_materialized_model_is_smollm2_135m_instruct(model_dir, smollm2):
-    from distflow.engines.generation import generate
+    from distflow.rollout.generation import generate
 
     model, tokenizer = smollm2
     config = json.loads((model_dir / "config.json").read_text())
@@ -97,8 +97,8 @@ def test_the_materialized_model_is_smollm2_135m_instruct(model_dir, smollm2):
 
 
 def test_its_tokenizer_ends_turns_at_im_end_and_adds_no_second_special_token(smollm2):
-    from distflow.engines.multiturn import encode_observation
-    from distflow.engines.sequences import encode_prompts, end_of_turn, stop_token_ids
+    from distflow.rollout.multiturn import encode_observation
+    from distflow.training.sequences import encode_prompts, end_of_turn, stop_token_ids
 
     _, tokenizer = smollm2
     im_end, im_start = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>"])

@@ -5,11 +5,11 @@ checks on SmolLM2-135M-Instruct's own tokenizer are in test_real_model.py, slow)
 
 import torch
 
-from distflow.engines.decoding import decode
-from distflow.engines.multiturn import encode_observation
-from distflow.engines.sequences import encode_prompts, end_of_turn, response_mask_from_ids, stop_token_ids
+from distflow.rollout.decoding import decode
+from distflow.rollout.multiturn import encode_observation
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
+from distflow.training.sequences import encode_prompts, end_of_turn, response_mask_from_ids, stop_token_ids
 
 CHATML = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -99,7 +99,7 @@ def test_an_observation_continues_after_the_models_end_of_turn_token():
 def test_a_turn_cut_by_the_token_limit_is_closed_before_the_observation():
     """A turn that ran to rollout.max_new_tokens has no end-of-turn token: the template's is put in
     before the observation (mask 0: not the model's token); a turn that ended by itself gets none."""
-    from distflow.engines.multiturn import Trajectory, TurnLimits, _after_step
+    from distflow.rollout.multiturn import Trajectory, TurnLimits, _after_step
 
     tokenizer = chatml_tokenizer()
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")

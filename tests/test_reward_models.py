@@ -10,8 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassifi
 from distflow import preflight
 from distflow.config import ConfigError
 from distflow.config.loader import load_config
-from distflow.engines.reward import ModelTerm, Rewards, RewardTerm
-from distflow.engines.reward_models import RewardModel
+from distflow.scoring.reward import ModelTerm, Rewards, RewardTerm
+from distflow.scoring.reward_models import RewardModel
 from distflow.tasks.tokenizer import build_char_tokenizer
 
 

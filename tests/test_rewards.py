@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from distflow.config import ConfigError, load_config
-from distflow.engines import reward as reward_module
-from distflow.engines.reward import DeadlineCaller, Rewards, RewardTerm, RewardTimeout, build_rewards
+from distflow.scoring import reward as reward_module
+from distflow.scoring.reward import DeadlineCaller, Rewards, RewardTerm, RewardTimeout, build_rewards
 
 
 def right(prompt, completion, sample):

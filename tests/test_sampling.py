@@ -2,7 +2,7 @@
 
 import torch
 
-from distflow.engines.sampling import keyed_uniform, sample_from_logits
+from distflow.rollout.sampling import keyed_uniform, sample_from_logits
 
 
 def test_uniforms_are_uniform_and_keyed():
@@ -46,7 +46,7 @@ def test_a_row_draws_the_same_token_in_any_batch():
 
 
 def test_the_hash_multiplies_exactly_mod_2_32():
-    from distflow.engines.sampling import _mul32
+    from distflow.rollout.sampling import _mul32
 
     g = torch.Generator().manual_seed(1)
     h = torch.cat([torch.randint(0, 2**32, (10_000,), generator=g), torch.tensor([0, 1, 2**32 - 1, 2**16, 2**31])])

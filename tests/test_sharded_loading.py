@@ -1,4 +1,4 @@
-"""Sharded loading (engines/hf_weights.py): a meta-built, FSDP2-sharded model filled from
+"""Sharded loading (training/hf_weights.py): a meta-built, FSDP2-sharded model filled from
 a Hugging Face directory's safetensors equals the same model loaded by from_pretrained."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from distflow.comm import Comm
 from distflow.config import ConfigError
-from distflow.engines.hf_weights import load_sharded_weights, stored_tensor_names
-from distflow.engines.models import build_on_meta, materialize
 from distflow.runtime.launcher import run_local
+from distflow.training.hf_weights import load_sharded_weights, stored_tensor_names
+from distflow.training.models import build_on_meta, materialize
 
 
 def save_tiny_llama(path, *, tied: bool, max_shard_size: str | None = None) -> None:
@@ -102,8 +102,8 @@ def test_a_directory_without_safetensors_is_named(tmp_path):
 def sharded_critic_on_rank(comm, model_dir):
     from distflow.config.parallel import ParallelConfig
     from distflow.config.schema import OptimConfig
-    from distflow.engines.critic import build_critic
-    from distflow.engines.registry import EngineBuild
+    from distflow.training.critic import build_critic
+    from distflow.training.registry import EngineBuild
 
     loads = EngineBuild(config=None, model=None, comm=comm, sampling=None, sharded_from=model_dir)
     critic = build_critic(
@@ -124,7 +124,7 @@ def test_ppo_critic_is_loaded_sharded_like_a_copy_of_the_policy(tmp_path):
     """The critic of an fsdp2 PPO run: built on the meta device and filled from the files (its
     `backbone.` is the files' `model.`), it equals the critic copied from a from_pretrained policy."""
     from distflow.config.schema import OptimConfig
-    from distflow.engines.critic import build_critic
+    from distflow.training.critic import build_critic
 
     save_tiny_llama(tmp_path, tied=False)
     reference = build_critic(

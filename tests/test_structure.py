@@ -203,7 +203,7 @@ def test_stage_bodies_name_batch_fields_by_their_constants():
 
 def test_every_engine_name_used_is_registered():
     """`uses=(...)` of every stage in src/ and `engines.get(...)` name engines of the registry."""
-    from distflow.engines.registry import ENGINES
+    from distflow.training.registry import ENGINES
 
     used = {}
     for name, tree in _modules().items():
@@ -237,7 +237,8 @@ LAYERS = (
     ("distflow.config",),
     ("distflow.layout",),
     ("distflow.algorithms", "distflow.data", "distflow.envs"),
-    ("distflow.engines", "distflow.rollout"),
+    ("distflow.training", "distflow.scoring"),
+    ("distflow.rollout", "distflow.sync"),
     ("distflow.checkpoint", "distflow.tasks", "distflow.observability", "distflow.agents"),
     ("distflow.dag", "distflow.planner"),
     ("distflow.preflight", "distflow.inputs"),
@@ -276,7 +277,7 @@ MOVED_FROM_TRAINER = {
 SECTION_READERS = {
     "parallel": (
         "distflow.config",
-        "distflow.engines.registry",
+        "distflow.training.registry",
         "distflow.rollout.compiled",
         "distflow.rollout.engine",  # below float32 a rollout records its log-probs (`fields`)
         "distflow.planner.plan",
@@ -285,7 +286,7 @@ SECTION_READERS = {
         "distflow.runtime.worker",
         "distflow.runtime.start",
     ),
-    "passes": ("distflow.config", "distflow.engines.registry"),
+    "passes": ("distflow.config", "distflow.training.registry"),
     "watchdog": ("distflow.config", "distflow.runtime.faults", "distflow.runtime.executor"),
     "asynchronous": (
         "distflow.config",
@@ -346,12 +347,27 @@ def test_modules_read_only_the_config_sections_of_their_concern():
     assert outside == {}
 
 
+ENGINE_PACKAGES = (
+    "distflow.training",
+    "distflow.scoring",
+    "distflow.sync",
+    "distflow.rollout.decoding",
+    "distflow.rollout.evaluation",
+    "distflow.rollout.generation",
+    "distflow.rollout.multiturn",
+    "distflow.rollout.sampling",
+    "distflow.rollout.vllm.",
+)
+"""What engines hold and use; the rollout components themselves (`rollout/engine.py`, `compact`, `compiled`,
+`generate`, `rollout/vllm/__init__.py`) are built from the `Config` by design (config/components.py)."""
+
+
 def test_engines_never_receive_the_whole_config():
     """Engines get the sections they need (`parallel=`, `passes=`, `OptimConfig`, a `LoraConfig`, a
     `SamplingSpec`); only the registry, which builds them, sees the `Config`."""
     takes_config = {}
     for name, tree in _modules().items():
-        if not name.startswith("distflow.engines") or name == "distflow.engines.registry":
+        if not name.startswith(ENGINE_PACKAGES) or name == "distflow.training.registry":
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module in ("distflow.config", "distflow.config.schema"):
@@ -367,7 +383,7 @@ def test_engines_never_receive_the_whole_config():
 def test_max_staleness_is_read_only_where_it_acts():
     """`asynchronous.max_staleness` is validated (config/rules.py, the planner, preflight), chooses the
     pipelined loop (the executor, which hands it to runtime/pipelined.py), and decides what a rollout
-    records (dag/stages.py), and where the vLLM engine runs (rollout/vllm.py); everyone else is handed what
+    records (dag/stages.py), and where the vLLM engine runs (rollout/vllm/); everyone else is handed what
     they need."""
     readers = {
         name

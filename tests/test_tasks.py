@@ -1,12 +1,12 @@
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from distflow.engines.generation import generate
-from distflow.engines.logprobs import response_logprobs
-from distflow.engines.sequences import encode_prompts, left_pad, response_mask_from_ids
+from distflow.rollout.generation import generate
 from distflow.tasks.arithmetic import ArithmeticTask, correctness_reward
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
+from distflow.training.logprobs import response_logprobs
+from distflow.training.sequences import encode_prompts, left_pad, response_mask_from_ids
 
 
 def test_tokenizer_round_trip_and_reload(tmp_path):

@@ -19,13 +19,13 @@ from distflow.config import load_config
 from distflow.dag.context import Engines, StageContext
 from distflow.dag.update_stages import critic_update, policy_update
 from distflow.data.batch import Batch
-from distflow.engines.critic import CriticEngine, ValueModel
-from distflow.engines.policy import PolicyEngine
-from distflow.engines.sampling import SamplingSpec
 from distflow.observability.metrics import StepMetrics
+from distflow.rollout.sampling import SamplingSpec
 from distflow.runtime.launcher import run_local
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
+from distflow.training.critic import CriticEngine, ValueModel
+from distflow.training.policy import PolicyEngine
 
 SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 NO_CLIP = ["optim.grad_clip=1e9", "optim.warmup_steps=0"]

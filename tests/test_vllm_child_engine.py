@@ -33,10 +33,10 @@ def shm_files(pids):
 
 def rollout_rank():
     from distflow.algorithms.off_policy import logp_mismatch
-    from distflow.engines.generation import generate
-    from distflow.engines.logprobs import response_logprobs
-    from distflow.engines.models import load_model_and_tokenizer
-    from distflow.engines.vllm_rollout import engine_for, hf_named_weights
+    from distflow.rollout.generation import generate
+    from distflow.training.logprobs import response_logprobs
+    from distflow.training.models import load_model_and_tokenizer
+    from distflow.rollout.vllm.engine import engine_for, hf_named_weights
     from distflow.rollout.vllm import VllmRollout
     from distflow.tasks.model_source import resolve_model_dir
 
@@ -81,8 +81,8 @@ def rollout_rank():
 def closed():
     """One process, no world: a child engine ended by `close_engines` (as `Worker.close` does at the end
     of a run), then what is left ended by signal (as the CLI's exit does); prints the queues it had mapped."""
-    from distflow.engines.models import load_model_and_tokenizer
-    from distflow.engines.vllm_rollout import close_engines, engine_for
+    from distflow.training.models import load_model_and_tokenizer
+    from distflow.rollout.vllm.engine import close_engines, engine_for
     from distflow.runtime.descendants import descendants, end_descendants
     from distflow.tasks.model_source import resolve_model_dir
 
@@ -131,7 +131,7 @@ def test_a_child_engine_owned_by_one_rank_samples_the_updated_weights_and_dies_w
     import subprocess
     import sys
 
-    from distflow.engines.generation import generate
+    from distflow.rollout.generation import generate
 
     (tmp_path / "owner.py").write_text(OWNER)
     with socket.socket() as s:
@@ -207,7 +207,7 @@ def test_a_child_engine_closed_at_the_end_of_a_run_leaves_no_shared_memory(smoll
 def test_stale_queues_are_removed_only_when_every_owner_is_gone(tmp_path, monkeypatch):
     """A record left by a rank and its engine both killed: its queues go at the next engine start; a record
     with one owner alive (another run's engine, or a reused pid with its own start time) is left alone."""
-    from distflow.engines import vllm_queues
+    from distflow.rollout.vllm import queues as vllm_queues
 
     monkeypatch.setattr(vllm_queues, "SHM_DIR", str(tmp_path))
     me = [os.getpid(), vllm_queues.start_time(os.getpid())]

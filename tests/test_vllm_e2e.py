@@ -50,7 +50,7 @@ def kill(batch, ctx):
 KILL_STAGE = "pipeline.custom_stages=[{name: kill, fn: 'killer:kill', after: [policy_update]}]"
 CRASHER = '''
 import json, os, signal
-from distflow.engines.vllm_queues import mapped_queues, process_tree
+from distflow.rollout.vllm.queues import mapped_queues, process_tree
 
 
 def crash(batch, ctx):

@@ -56,7 +56,7 @@ def test_rollout_vllm_log_reaches_the_engine():
 def test_shared_weights_round_trip_and_outlive_their_file():
     """The rank writes named tensors into one file, the worker maps it and reads views: the same
     tensors, dtypes and shapes at aligned offsets; after the file is unlinked both mappings stay."""
-    from distflow.engines.vllm_worker import ALIGN, SharedWeights, map_file, shared_views
+    from distflow.rollout.vllm.worker import ALIGN, SharedWeights, map_file, shared_views
 
     named = [
         ("model.embed_tokens.weight", torch.randn(7, 3)),
@@ -107,8 +107,8 @@ def test_preflight_names_make_vllm_when_vllm_does_not_import():
 
 
 def test_request_seeds_are_the_sample_keys_and_outputs_pad_like_the_other_engines():
-    from distflow.engines.sequences import response_mask_from_ids
-    from distflow.engines.vllm_rollout import padded_responses, request_seed
+    from distflow.rollout.vllm.engine import padded_responses, request_seed
+    from distflow.training.sequences import response_mask_from_ids
 
     assert request_seed(2**63 + 7) == 7 and request_seed(12345) == 12345
     ids_BR, logp_BR = padded_responses(
@@ -124,7 +124,7 @@ def _seconds(values: list[float]) -> str:
 
 
 def _greedy(model, tokenizer, text, engine):
-    from distflow.engines.generation import generate
+    from distflow.rollout.generation import generate
 
     return generate(model, tokenizer, [text], max_new_tokens=16, temperature=1.0, engine=engine)
 
@@ -133,7 +133,7 @@ def _greedy(model, tokenizer, text, engine):
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed: make test-vllm runs these in .venv-vllm")
 def test_engine_samples_from_the_updated_weights(smollm2):
-    from distflow.engines.vllm_rollout import engine_for
+    from distflow.rollout.vllm.engine import engine_for
 
     model, tokenizer, text = smollm2
     threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
@@ -174,8 +174,8 @@ def test_engine_samples_from_the_updated_weights(smollm2):
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed: make test-vllm runs these in .venv-vllm")
 def test_recorded_log_probs_are_the_policys_and_samples_follow_their_keys(smollm2):
     from distflow.algorithms.off_policy import logp_mismatch
-    from distflow.engines.generation import generate
-    from distflow.engines.logprobs import response_logprobs
+    from distflow.rollout.generation import generate
+    from distflow.training.logprobs import response_logprobs
 
     model, tokenizer, text = smollm2
     other = tokenizer.apply_chat_template(
@@ -236,7 +236,7 @@ def test_a_batch_past_one_engine_steps_token_budget_samples_as_its_keys_say(smol
     """More prompt tokens than vLLM prefills in one step by default on the CPU (4,096), as a held-out evaluation of
     200 prompts has: on the CPU a prompt cut across steps made vLLM wind back a generator's offset,
     which CPU generators do not have (a RuntimeError in the first evaluation)."""
-    from distflow.engines.generation import generate
+    from distflow.rollout.generation import generate
 
     model, tokenizer, text = smollm2
     count = 4096 // len(tokenizer(text)["input_ids"]) + 8
@@ -251,10 +251,10 @@ def test_a_batch_past_one_engine_steps_token_budget_samples_as_its_keys_say(smol
 def test_the_engine_gets_the_merged_lora_weights_under_hugging_face_names():
     """Under LoRA the engine is loaded with W + scale·B·A (no adapters): the weights of peft's own merge."""
     from distflow.config.schema import LoraConfig
-    from distflow.engines.lora import apply_lora
-    from distflow.engines.vllm_rollout import hf_named_weights
+    from distflow.rollout.vllm.engine import hf_named_weights
     from distflow.tasks.tiny_model import build_tiny_model
     from distflow.tasks.tokenizer import build_char_tokenizer
+    from distflow.training.lora import apply_lora
 
     base = build_tiny_model(build_char_tokenizer(), seed=0)
     names = [name for name, _ in base.named_parameters()]

@@ -1,4 +1,4 @@
-"""Disaggregated weight sync (engines/weight_sync.py, weight_shares.py): the byte partition is
+"""Disaggregated weight sync (sync/weight_sync.py, weight_shares.py): the byte partition is
 deterministic and balanced; after a sync every rollout rank's parameters equal the train
 ranks' bitwise, for 1-3 train ranks and 1-2 rollout ranks, DDP-style and FSDP2 shards."""
 
@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from distflow.engines.weight_shares import Piece, ReplicatedShares, parameter_specs, partition_rows, row_view
-from distflow.engines.weight_sync import SyncBytes, WeightSync, _check_coverage, _unpack
 from distflow.runtime.launcher import run_local
+from distflow.sync.weight_shares import Piece, ReplicatedShares, parameter_specs, partition_rows, row_view
+from distflow.sync.weight_sync import SyncBytes, WeightSync, _check_coverage, _unpack
 
 LAYOUTS = [(1, 1), (2, 1), (3, 1), (1, 2), (2, 2), (3, 2)]  # (train ranks, rollout ranks)
 BUCKET_BYTES = 200  # several buckets per share, and shares with different numbers of them

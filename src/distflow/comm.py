@@ -10,11 +10,11 @@ a `Comm` and call its methods. The modules that use `torch.distributed` (an impo
 of DDP, which runs its own all-reduce) are exactly:
 
     comm.py                      this module: process groups and collectives
-    engines/parallelize.py       DDP and FSDP2 (fully_shard, device meshes, DTensor): the gradient
+    training/parallelize.py       DDP and FSDP2 (fully_shard, device meshes, DTensor): the gradient
                                  reduction and the parameter all-gathers live in them
     checkpoint/store.py          torch.distributed.checkpoint (sharded save/load, resharding)
     checkpoint/contents.py       DCP's metadata of a saved checkpoint (tensor names, shapes, shard files)
-    engines/hf_weights.py        DCP's Hugging Face reader (a model directory into sharded parameters)
+    training/hf_weights.py        DCP's Hugging Face reader (a model directory into sharded parameters)
     checkpoint/export.py         DCP reads of a checkpoint's model tensors (the streamed export, one process)
     runtime/launcher.py          torch's elastic launcher (`distflow train --nproc N`)
 
@@ -187,7 +187,7 @@ def init_comm(*, device: str, timeout_s: int) -> Comm:
 
 def join_group_of_one(device: torch.device) -> None:
     """A one-rank process group for a single process (unless one exists): what FSDP2's device mesh
-    needs when one process shards alone (engines/parallelize.py). `shutdown` ends it."""
+    needs when one process shards alone (training/parallelize.py). `shutdown` ends it."""
     if not dist.is_initialized():
         cuda = device.type == "cuda"
         dist.init_process_group(

@@ -222,7 +222,7 @@ def check_lora(config: Config) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from distflow.engines.lora import apply_lora
+    from distflow.training.lora import apply_lora
 
     if config.model.path is None:
         from distflow.tasks.tiny_model import build_tiny_model
@@ -306,7 +306,7 @@ def _check_decoder_blocks(model_dir: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from distflow.engines.parallelize import decoder_blocks
+    from distflow.training.parallelize import decoder_blocks
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))

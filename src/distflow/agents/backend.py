@@ -6,7 +6,7 @@ sampled), their log-probs under the sampling distribution, and why sampling ende
 calls it from one worker thread only (engines are not thread-safe), with the requests that
 share sampling settings batched together.
 
-`EngineBackend` is the one over distflow's rollout engines (`engines.generation.generate`):
+`EngineBackend` is the one over distflow's rollout engines (`rollout.generation.generate`):
 prompt ids in, each row sampled from its own key, so a completion does not depend on its
 batch-mates.
 """
@@ -61,10 +61,10 @@ def cut_at_stop(completion: Completion, stop: list[str] | None, decode: Callable
 
 
 class EngineBackend:
-    """A `Backend` over `engines.generation.generate` (engine `compact`, `compiled`, `generate` or `vllm`).
+    """A `Backend` over `rollout.generation.generate` (engine `compact`, `compiled`, `generate` or `vllm`).
 
     `temperature` 0 samples greedily (its log-probs are then those at temperature 1). Under FSDP the
-    caller wraps the calls in `engines.parallelize.gathered(model)`, as the rollout stage does.
+    caller wraps the calls in `training.parallelize.gathered(model)`, as the rollout stage does.
     """
 
     def __init__(self, model, tokenizer, *, engine="compact") -> None:
@@ -81,9 +81,9 @@ class EngineBackend:
         top_p: float,
         stop: list[str] | None,
     ) -> list[Completion]:
-        from distflow.engines.generation import generate
-        from distflow.engines.parallelize import autocast
-        from distflow.engines.sequences import stop_token_ids
+        from distflow.rollout.generation import generate
+        from distflow.training.parallelize import autocast
+        from distflow.training.sequences import stop_token_ids
 
         greedy = temperature <= 0
         with autocast(self.model, inference=True):  # this thread's own: the rank thread's `gathered` does not reach it

@@ -5,7 +5,7 @@ and what is accepted. Fields the endpoint has no use for (`model`, `user`, `seed
 `seed` in particular: a call's key comes from (run seed, sample uid, turn, choice), never the agent.
 
 Rendering is the same as distflow's prompts: the template's text, then the tokenizer's special
-tokens (BOS) added once unless the template writes them (`engines.sequences.encode_prompts`).
+tokens (BOS) added once unless the template writes them (`training.sequences.encode_prompts`).
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def _tool_call(call: Any, i: int) -> dict:
 
 def render(tokenizer, request: ChatRequest, *, max_prompt_tokens: int, chat_template: str | None = None) -> list[int]:
     """The request's prompt ids: its messages (and tools) through `chat_template`, or the tokenizer's own."""
-    from distflow.engines.sequences import encode_prompts
+    from distflow.training.sequences import encode_prompts
 
     if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise RequestError("the model's tokenizer has no chat template to render messages with")

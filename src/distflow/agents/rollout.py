@@ -3,7 +3,7 @@
     AgentRollout(config, tokenizer, backend)           once per rank (the server starts lazily)
       .run(rows, uids) ─► run_episodes(fn, rows, server, …) ─► AgentResult
          episodes[i]            row i's reward, status, and its samples (one per chain of calls)
-         trajectories(rows)     every sample as engines.multiturn.Trajectory, reward on its last
+         trajectories(rows)     every sample as rollout.multiturn.Trajectory, reward on its last
                                 sampled token, with the index of its row (the stage's layout)
       .close()
 
@@ -62,7 +62,7 @@ class AgentResult:
         return [sample.completion if sample is not None else "" for sample in self.longest()]
 
     def trajectories(self, rows: list[dict]) -> list[tuple[int, object]]:
-        """(row index, `engines.multiturn.Trajectory`) for every sample of every episode, in row order."""
+        """(row index, `rollout.multiturn.Trajectory`) for every sample of every episode, in row order."""
         return [
             (i, to_trajectory(sample, row, uid=episode.uid, reward=episode.reward))
             for i, (episode, row) in enumerate(zip(self.episodes, rows, strict=True))

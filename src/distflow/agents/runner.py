@@ -103,7 +103,7 @@ def _call(fn, sample: dict, base_url: str, token: str, timeout_s: float):
     """fn(client, sample) with an openai client bound to the session (no retries: a refusal is final)."""
     import openai
 
-    from distflow.engines.reward import private_copy
+    from distflow.scoring.reward import private_copy
 
     row = private_copy(sample)
     if inspect.iscoroutinefunction(fn):
@@ -121,7 +121,7 @@ def _call(fn, sample: dict, base_url: str, token: str, timeout_s: float):
 
 
 def _episode(server, session_id: str, uid: int, outcome: tuple, default_reward: float) -> Episode:
-    from distflow.engines.reward import representable
+    from distflow.scoring.reward import representable
 
     session = server.close_session(session_id)
     episode = Episode(uid=uid, session=session, samples=assemble(session.calls), reward=default_reward, status="ok")

@@ -5,7 +5,7 @@
       call 1: prompt P1 = P0 + S0 + N1 ───► sampled S1        (N1: tool results, template tokens)
     sample:  prompt_ids = P0,  ids = S0 + N1 + S1,  mask = 1…1 0…0 1…1,  logp on the 1s, 0 elsewhere
 
-The layout is `engines.multiturn`'s `Trajectory` (prompt | response with holes), so a sample
+The layout is `rollout.multiturn`'s `Trajectory` (prompt | response with holes), so a sample
 trains like any multi-turn sample (`to_trajectory`). Sampled tokens are kept exactly as they were
 sampled; the text the agent sent back is never re-tokenized into the response.
 
@@ -88,9 +88,9 @@ def assemble(calls: Sequence[Call]) -> list[AgentSample]:
 
 
 def to_trajectory(sample: AgentSample, row: dict, *, uid: int, reward: float):
-    """`sample` as `engines.multiturn.Trajectory` (the layout the multi-turn rollout stage trains on),
+    """`sample` as `rollout.multiturn.Trajectory` (the layout the multi-turn rollout stage trains on),
     `reward` on its last sampled token as an environment's turn reward is."""
-    from distflow.engines.multiturn import Trajectory
+    from distflow.rollout.multiturn import Trajectory
 
     trajectory = Trajectory(sample=dict(row), env=None, env_seconds=0.0, uid=uid, prompt_ids=list(sample.prompt_ids))
     trajectory.ids, trajectory.mask, trajectory.logp = list(sample.ids), list(sample.mask), list(sample.logp)

@@ -65,7 +65,7 @@ from distflow.checkpoint.directory import (
 from distflow.checkpoint.rng import capture_rng
 from distflow.checkpoint.write_failure import state_bytes, write_failure
 from distflow.comm import Comm
-from distflow.engines.lora import is_lora
+from distflow.training.lora import is_lora
 
 Trainable = tuple  # (module, its optimizer, its LR scheduler)
 

@@ -112,15 +112,15 @@ class PassesConfig:
     padding_free: bool = False
     """Log-prob, value and training passes pack each micro-batch's sequences end to end (positions
     restart per sequence, attention kept within each) instead of padding them to the widest
-    (engines/packing.py): the same results without computing over padding. Off by default: on the
+    (training/packing.py): the same results without computing over padding. Off by default: on the
     2-core CPU with the embedded model's short sequences the packing costs more than the padding
     it saves (docs/features/rollout-engines.md)."""
     shared_prefix: bool | None = None
     """Log-prob, value and training passes compute each distinct prompt of a micro-batch once and the
-    responses over its KV cache (engines/prefix_sharing.py): the same results, a group's prompt not
+    responses over its KV cache (training/prefix_sharing.py): the same results, a group's prompt not
     computed n times. Not with padding_free. null (auto): off with padding_free; else on where the
     device gains from it, on a CPU (on a GPU a second forward call costs more kernel launches than the
-    prompts it saves: engines/prefix_sharing.py's `shares_prefixes`)."""
+    prompts it saves: training/prefix_sharing.py's `shares_prefixes`)."""
 
     def __post_init__(self) -> None:
         check(self.micro_batch_size >= 1, f"passes.micro_batch_size must be >= 1 (got {self.micro_batch_size})")

@@ -50,7 +50,7 @@ class AgentRolloutStage:
         import torch
 
         from distflow.dag.stages import policy_versions, sample_uids
-        from distflow.engines.parallelize import gathered
+        from distflow.training.parallelize import gathered
 
         n = ctx.config.rollout.num_samples
         expanded = batch.repeat_interleave(n)
@@ -102,7 +102,7 @@ def _one_per_episode(result, prompt_ids: list, rows: list, uids: list) -> list:
     """Each episode's trajectory: its longest chain of calls (`AgentResult.longest`); an episode
     without model calls is its prompt with an empty response (it scores the default reward)."""
     from distflow.agents.trajectory import to_trajectory
-    from distflow.engines.multiturn import Trajectory
+    from distflow.rollout.multiturn import Trajectory
 
     return [
         to_trajectory(sample, rows[i], uid=episode.uid, reward=episode.reward)

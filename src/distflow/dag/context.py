@@ -1,7 +1,7 @@
 """What a stage function may use besides the batch.
 
     Engines        built once per rank by the runtime (runtime/worker.py), never replaced:
-                   the models (from the engine registry, engines/registry.py), the reward
+                   the models (from the engine registry, training/registry.py), the reward
                    functions, the sampling settings, the prompt source
     StageContext   made by the executor for each stage it runs, and not changed by stages:
                    config, engines, the stage's communicator, the world, the step, the metrics
@@ -23,13 +23,13 @@ if TYPE_CHECKING:  # engines import torch/transformers; building a graph must no
 
     from distflow.comm import Comm
     from distflow.data.batch import Batch
-    from distflow.engines.critic import CriticEngine
-    from distflow.engines.evaluation import Verifier
-    from distflow.engines.policy import PolicyEngine, ReferenceEngine
-    from distflow.engines.reward import Rewards
-    from distflow.engines.sampling import SamplingSpec
-    from distflow.engines.weight_sync import WeightSync
     from distflow.observability.metrics import StepMetrics
+    from distflow.rollout.evaluation import Verifier
+    from distflow.rollout.sampling import SamplingSpec
+    from distflow.scoring.reward import Rewards
+    from distflow.sync.weight_sync import WeightSync
+    from distflow.training.critic import CriticEngine
+    from distflow.training.policy import PolicyEngine, ReferenceEngine
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Engines:
     agent: Any = None
     """The `AgentRollout` of a rollout rank when `rollout.agent` is set (dag/agent_stage.py)."""
     built: dict[str, Any] = field(default_factory=dict)
-    """Every engine built from the registry on this rank, by name (engines/registry.py)."""
+    """Every engine built from the registry on this rank, by name (training/registry.py)."""
 
     def get(self, name: str) -> Any:
         """The registered engine `name` on this rank (None where no stage of this rank uses it)."""

@@ -2,7 +2,7 @@
 
 A `Stage` names the callable that runs it, the stages it depends on, and the batch
 fields it reads and writes, and the engines it uses. `Graph.validate` rejects an engine the
-registry does not know (engines/registry.py), unknown dependencies, cycles, and
+registry does not know (training/registry.py), unknown dependencies, cycles, and
 a stage reading a field that no earlier stage (nor the loader) writes; it returns the
 deterministic topological order that every rank executes.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distflow.config.schema import ConfigError
-from distflow.engines.registry import check_uses
+from distflow.training.registry import check_uses
 
 StageFn = Callable[[Any, Any], Any]  # (batch, ctx) -> batch
 
@@ -51,7 +51,7 @@ class Stage:
     """Worker group that runs it (`placement.<group>`): rollout, train, or sync (both)."""
     uses: tuple[str, ...] = ()
     """Registered engines it needs on its ranks besides the rollout model: policy, reference,
-    critic, or one added with `distflow.engines.registry.register` (the runtime builds on a rank
+    critic, or one added with `distflow.training.registry.register` (the runtime builds on a rank
     the engines that rank's stages use, and no others)."""
 
 

@@ -1,6 +1,6 @@
 """The multi-turn rollout stage (`env.cls` set): trajectories against an environment.
 
-The loop is `engines.multiturn`; this stage builds one environment per sample, wires the
+The loop is `rollout.multiturn`; this stage builds one environment per sample, wires the
 loop to the rollout model and the worker group's communicator, and lays the trajectories
 out as the single-turn rollout does: ``[left pad | prompt | response | right pad]`` with the
 response `env.max_tokens` wide. `response_mask` is 1 on model tokens only (0 on observation
@@ -40,9 +40,9 @@ def env_rollout(batch: Batch, ctx: StageContext) -> Batch:
     import torch
 
     from distflow.dag.stages import policy_versions, sample_uids
-    from distflow.engines.multiturn import Trajectory, TurnLimits, reset_all, roll_out, turn_generator
-    from distflow.engines.parallelize import gathered
     from distflow.envs import environment_class
+    from distflow.rollout.multiturn import Trajectory, TurnLimits, reset_all, roll_out, turn_generator
+    from distflow.training.parallelize import gathered
 
     cfg, n = ctx.config.env, ctx.config.rollout.num_samples
     expanded = batch.repeat_interleave(n)
@@ -89,7 +89,7 @@ def env_rollout(batch: Batch, ctx: StageContext) -> Batch:
 def layout(trajs: list, prompt_width: int, width: int, pad_id: int) -> dict:
     import torch
 
-    from distflow.engines.sequences import left_pad
+    from distflow.training.sequences import left_pad
 
     prompt_ids_BP, prompt_mask_BP = left_pad([t.prompt_ids for t in trajs], pad_id, width=prompt_width)
     shape = (len(trajs), width)

@@ -85,8 +85,8 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
     """
     import torch
 
-    from distflow.engines.generation import generate
-    from distflow.engines.parallelize import gathered
+    from distflow.rollout.generation import generate
+    from distflow.training.parallelize import gathered
 
     n = ctx.config.rollout.num_samples
     expanded = batch.repeat_interleave(n)
@@ -140,8 +140,8 @@ def greedy_baseline(batch: Batch, ctx: StageContext) -> Batch:
     import torch
 
     from distflow.algorithms.shaping import clip_reward
-    from distflow.engines.generation import generate
-    from distflow.engines.parallelize import gathered
+    from distflow.rollout.generation import generate
+    from distflow.training.parallelize import gathered
 
     groups = batch[GROUP].tolist()
     first_row = {}  # group id → its first row, which holds the group's prompt
@@ -185,7 +185,7 @@ def greedy_baseline(batch: Batch, ctx: StageContext) -> Batch:
 def reward(batch: Batch, ctx: StageContext) -> Batch:
     """The weighted reward functions (`task.reward` / `task.rewards`); failures are counted.
     Each reward call and each verifier call gets its own copy of the sample's row."""
-    from distflow.engines.reward import private_copy
+    from distflow.scoring.reward import private_copy
 
     scores = ctx.engines.rewards.score(batch[PROMPT], batch[COMPLETION], batch[SAMPLE])
     if TURN_REWARD in batch.fields():  # multi-turn: the environment's rewards count too
@@ -296,7 +296,7 @@ def weight_sync(batch: Batch, ctx: StageContext) -> Batch:
 
     Colocated, rollout samples from the policy's own module: nothing to copy. With rollout
     on other ranks (disaggregated), every train rank sends its share of the parameters to
-    every rollout rank (engines/weight_sync.py). Metrics, max over ranks of one rank's payload
+    every rollout rank (sync/weight_sync.py). Metrics, max over ranks of one rank's payload
     bytes: `sync/bytes_per_rank` sent + received (a rollout rank receives the whole model),
     `sync/bytes_sent_max` sent (the busiest train rank: rollout ranks × its share).
     """

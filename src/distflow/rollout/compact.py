@@ -1,5 +1,5 @@
 """The `compact` engine: each prompt prefilled once for its n samples, finished rows dropped
-(engines/decoding.py); the same samples as `generate`, token for token."""
+(rollout/decoding.py); the same samples as `generate`, token for token."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ class CompactEngine(RolloutEngine):
 
 
 def _decode(model, request: Request):
-    from distflow.engines.decoding import decode
+    from distflow.rollout.decoding import decode
 
     out = decode(
         model,

@@ -1,6 +1,6 @@
 """What a rollout engine is: the component kind `rollout.engine` chooses (config/components.py).
 
-    engines.generation.generate (tokenize, pad, keys: the same for every engine)
+    rollout.generation.generate (tokenize, pad, keys: the same for every engine)
         ──Request──► engine.responses(model, request) ──► response ids [G·n, R] (+ log-probs)
         ◄── response mask, completions' text, recomputed log-probs where an engine kept none
 
@@ -30,7 +30,7 @@ class Request:
     prompt_ids_GP: torch.Tensor
     prompt_mask_GP: torch.Tensor
     keys_B: torch.Tensor | None
-    """One sampling key per row (engines/sampling.py); None: greedy."""
+    """One sampling key per row (rollout/sampling.py); None: greedy."""
     n: int
     max_new_tokens: int
     temperature: float

@@ -3,7 +3,7 @@
 
 The sampling settings are passed as a complete `GenerationConfig`, so nothing from a model
 directory's own `generation_config.json` (repetition penalties, top-k, ...) can change the
-distribution behind the log-probs that training computes. The keyed sampler (engines/sampling.py)
+distribution behind the log-probs that training computes. The keyed sampler (rollout/sampling.py)
 draws each row's token as a logits processor under greedy decoding.
 """
 
@@ -31,7 +31,7 @@ def hf_generate(model, prompt_ids_BP, prompt_mask_BP, request: Request):
     import torch
     from transformers import GenerationConfig, LogitsProcessorList
 
-    from distflow.engines.sampling import KeyedSampler
+    from distflow.rollout.sampling import KeyedSampler
 
     width, keys_B, max_new_tokens = prompt_ids_BP.shape[1], request.keys_B, request.max_new_tokens
     processors = LogitsProcessorList()
@@ -51,7 +51,7 @@ def hf_generate(model, prompt_ids_BP, prompt_mask_BP, request: Request):
     )
     # synced_gpus=False: transformers turns it on for an FSDP module (an all-reduce over the world
     # per token, which ranks outside the train group never join); distflow generates with a
-    # gathered model (engines.parallelize.gathered), each rank on its own.
+    # gathered model (training.parallelize.gathered), each rank on its own.
     out_BT = model.generate(
         input_ids=prompt_ids_BP,
         attention_mask=prompt_mask_BP,

@@ -37,9 +37,9 @@ from distflow.checkpoint.directory import COMPLETE
 from distflow.checkpoint.parts import has_state, part_states, restore_part_states, saved_part_states
 from distflow.config import Config, to_dict
 from distflow.config.deprecated import DeprecatedKeyWarning, upgrade_old_keys
-from distflow.engines.registry import checkpointed
 from distflow.planner.plan import PlannedStage
 from distflow.runtime.worker import Worker
+from distflow.training.registry import checkpointed
 
 # Keys that may change between a run and its resumption without changing what it computes
 # next (where it runs, how long, how it reports); any other change is reported in the log.

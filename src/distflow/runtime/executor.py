@@ -35,7 +35,6 @@ from distflow.comm import Comm, init_comm, node_address, shutdown
 from distflow.config import Config, ConfigError, to_dict
 from distflow.console import say
 from distflow.data.batch import Batch
-from distflow.engines.evaluation import Evaluation, evaluate
 from distflow.envvars import STARTED_ENV
 from distflow.errors import RunFailed
 from distflow.fileio import atomic_write_text
@@ -43,6 +42,7 @@ from distflow.observability.derived import add_derived
 from distflow.observability.metrics import StepMetrics
 from distflow.observability.writer import RunWriter
 from distflow.planner.plan import Transition
+from distflow.rollout.evaluation import Evaluation, evaluate
 from distflow.runtime import checkpointing
 from distflow.runtime.descendants import become_subreaper, end_descendants
 from distflow.runtime.faults import RankStatus, StageTimeouts, TrainingAborted, die_with_parent, raise_on_sigterm

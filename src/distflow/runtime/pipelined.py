@@ -10,7 +10,7 @@ S_s are drawn by the policy after v(s) = max(0, s - 1 - k) updates, W_v(s):
         rollout ranks                              train ranks
         produce S_{t+k} with W_{t-1}       ‖      consume S_t (reward … policy update) → W_t
         ───────── transfer S_{t+k}: rollout → train (redistribute, world collective) ─────────
-        ───────── weight sync W_t: train → rollout (engines/weight_sync.py) ──────────────────
+        ───────── weight sync W_t: train → rollout (sync/weight_sync.py) ──────────────────
         ───────── reduce step t's metrics (the rollout's were recorded when S_t was made) ────
 
     k = 1: S_{t+1} is generated while step t trains; wall time per step ≈ max(rollout, train).

@@ -11,10 +11,10 @@ from distflow.dag.context import StageContext
 from distflow.data.batch import Batch
 from distflow.data.fields import undeclared_writes
 from distflow.data.redistribute import redistribute
-from distflow.engines.reward import private_copy
 from distflow.observability.metrics import StepMetrics
 from distflow.planner.plan import PlannedStage, Transition
 from distflow.runtime.worker import Worker
+from distflow.scoring.reward import private_copy
 
 
 @dataclass

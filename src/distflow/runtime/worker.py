@@ -2,7 +2,7 @@
 
     build_graph(config) → make_plan (same on every rank) → a communicator per worker group
     engines: what this rank's stages declare they use (`Stage.uses`), built on this rank only,
-        from the registry in its dependency order (engines/registry.py): critic · model (LoRA)
+        from the registry in its dependency order (training/registry.py): critic · model (LoRA)
         · reference · policy, each spread over the train ranks by parallel.strategy (ddp or fsdp2)
         the rollout model: the policy's own module where rollout and training share ranks
     weight sync (disaggregated only): every rank learns which rows each train rank sends
@@ -30,16 +30,16 @@ from distflow.dag.context import Engines
 from distflow.dag.pipelines import LOADER_FIELDS, build_graph
 from distflow.data.loader import PromptLoader, RowRules, ValidRows
 from distflow.data.prefetch import Prefetcher
-from distflow.engines.models import load_model_and_tokenizer
-from distflow.engines.parallelize import compute_in, resolve_dtypes
-from distflow.engines.registry import EngineBuild, build_order
-from distflow.engines.sampling import SamplingSpec
-from distflow.engines.sequences import encode_prompts
-from distflow.engines.weight_sync import WeightSync
 from distflow.planner.plan import Plan, make_plan
 from distflow.rollout.engine import build_engine
+from distflow.rollout.sampling import SamplingSpec
+from distflow.sync.weight_sync import WeightSync
 from distflow.tasks.build import Task, build_task
 from distflow.tasks.model_source import model_dirs, prepared_per_node
+from distflow.training.models import load_model_and_tokenizer
+from distflow.training.parallelize import compute_in, resolve_dtypes
+from distflow.training.registry import EngineBuild, build_order
+from distflow.training.sequences import encode_prompts
 
 
 @dataclass
@@ -78,7 +78,7 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
     """One rank's worker: plan, model, engines, task, rows, loader. Long because the build order is
     load-bearing (the model before the engines, the engines before the weight sync, the tokenizer
     before the rows) and reads top to bottom in one place."""
-    from distflow.engines.reward import build_rewards
+    from distflow.scoring.reward import build_rewards
 
     trainer, rank = config.trainer, world.rank
     plan = make_plan(build_graph(config), config, world.world_size, LOADER_FIELDS)
@@ -150,8 +150,8 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
 
 def _loads_sharded(config: Config, uses: set[str], train: Comm | None, log) -> bool:
     """Whether this rank builds its models on the meta device and reads only its own shards
-    (engines/hf_weights.py): a train rank of a sharded (fsdp2) policy, and its critic
-    (engines/critic.py) under PPO."""
+    (training/hf_weights.py): a train rank of a sharded (fsdp2) policy, and its critic
+    (training/critic.py) under PPO."""
     if config.parallel.strategy != "fsdp2" or train is None or not train.distributed or "policy" not in uses:
         return False
     if config.model.lora.enabled:
@@ -170,7 +170,7 @@ def _build_engines(
     sharded_from: Path | None = None,
 ) -> tuple[torch.nn.Module, dict]:
     """This rank's model (with LoRA adapters if `model.lora` asks, on every rank alike) and the
-    engines its stages use, built from the registry in its dependency order (engines/registry.py).
+    engines its stages use, built from the registry in its dependency order (training/registry.py).
 
     `sharded_from`: `model` is on the meta device; each engine shards its module and fills it
     from that directory's files, each rank reading its own rows."""

@@ -1,5 +1,5 @@
 """The embedded default: tiny model + char tokenizer + addition task + cached warm-start
-(the warm-start training itself is `engines/sft.py`).
+(the warm-start training itself is `tasks/warmstart.py`).
 
     cache hit? ──no──► build tokenizer & model → supervised warm-start until the
                        validation accuracy target → save_pretrained into a temp dir →
@@ -85,12 +85,12 @@ def _tool_batches(tokenizer, train: list[dict], seed: int):
 
 def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     """Build, warm-start and save the embedded model into `target` (atomically)."""
-    from distflow.engines.sampling import SamplingSpec
-    from distflow.engines.sft import warm_start_to_target
+    from distflow.rollout.sampling import SamplingSpec
     from distflow.seeding import derive_seed
     from distflow.tasks.build import build_task
     from distflow.tasks.tiny_model import build_tiny_model
     from distflow.tasks.tokenizer import build_char_tokenizer
+    from distflow.tasks.warmstart import warm_start_to_target
 
     start = time.time()
     seed = config.trainer.seed

@@ -13,7 +13,7 @@ truth for mathematical equivalence (1/2 == 0.5 == \\frac{1}{2}) using `math-veri
 
 math-verify's own time-outs use `signal.alarm`, which only works on the main thread; they
 are turned off here because the reward runner calls rewards on a helper thread with its
-own deadline (`task.reward_timeout_s`, see `engines/reward.py`). math-verify warns once per
+own deadline (`task.reward_timeout_s`, see `scoring/reward.py`). math-verify warns once per
 process that its time-out is off; that is this deliberate choice, so the warning is filtered
 out of the user's log (its other messages are kept).
 """

@@ -22,7 +22,7 @@ import random
 
 import torch
 
-from distflow.engines.sequences import left_pad
+from distflow.training.sequences import left_pad
 
 TOOL_FRACTION = 0.3
 

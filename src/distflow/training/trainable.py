@@ -8,7 +8,7 @@ mini-batch across all ranks. Dividing every micro-batch's sum by that global cou
 multiplying by the world size, because DDP and FSDP2 both average gradients over ranks) makes
 the gradient independent of how the mini-batch is split over ranks and micro-batches.
 
-The wrapper is `parallel.strategy`'s (engines/parallelize.py). Under fsdp2 each forward is a
+The wrapper is `parallel.strategy`'s (training/parallelize.py). Under fsdp2 each forward is a
 collective of the train group, so a rank with fewer micro-batches than its peers adds
 zero-loss passes until every rank has run as many; under ddp only the final backward
 communicates, and only a rank with no micro-batch at all adds one such pass.
@@ -27,8 +27,8 @@ from distflow.config.parallel import ParallelConfig, PassesConfig
 from distflow.config.schema import OptimConfig
 from distflow.data.balance import token_budget_micro_batches
 from distflow.data.batch import Batch
-from distflow.engines.lora import trainable_parameters
-from distflow.engines.parallelize import autocast, clip_grad_norm, gradient_sync, is_sharded, parallelize
+from distflow.training.lora import trainable_parameters
+from distflow.training.parallelize import autocast, clip_grad_norm, gradient_sync, is_sharded, parallelize
 
 # (micro-batch, out_BR, entropy_BR) -> (sum of token losses, {stat name: sum over tokens})
 LossFn = Callable[[Batch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]

@@ -158,7 +158,7 @@ def sampled_B1(logits_BV: torch.Tensor, uniform_B1: torch.Tensor, *, temperature
 
 def token_logprob_B(logits_BV: torch.Tensor, token_B: torch.Tensor, *, temperature: float) -> torch.Tensor:
     """log softmax(logits / T) of each row's token, in float32 as the training passes take it
-    (`engines.logprobs`; top-p is ignored there too): the behaviour log-prob `rollout_logp`."""
+    (`training.logprobs`; top-p is ignored there too): the behaviour log-prob `rollout_logp`."""
     return token_logprob_B1(logits_BV, token_B.unsqueeze(-1), temperature=temperature).squeeze(-1)
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from distflow.data.batch import Batch
-from distflow.engines.models import cache_kwargs
-from distflow.engines.packing import response_outputs
-from distflow.engines.prefix_sharing import shared_prefix_outputs
+from distflow.training.models import cache_kwargs
+from distflow.training.packing import response_outputs
+from distflow.training.prefix_sharing import shared_prefix_outputs
 
 
 def response_logprobs(
@@ -32,9 +32,9 @@ def response_logprobs(
 
     The logits at column t predict token t+1, hence the shift by one. The entropy is a
     constant unless `entropy_grad` (an entropy bonus back-propagates through it). With
-    `padding_free` the sequences are packed (engines.packing); values where the response
+    `padding_free` the sequences are packed (training.packing); values where the response
     mask is 0 are then those of zero logits. With `shared_prefix` each distinct prompt is computed
-    once (engines.prefix_sharing), in `lockstep` where each forward is a collective (fsdp2 training);
+    once (training.prefix_sharing), in `lockstep` where each forward is a collective (fsdp2 training);
     None: where the device gains from it (`prefix_sharing.shares_prefixes`).
     """
 

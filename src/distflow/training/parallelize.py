@@ -20,7 +20,7 @@ together, it all-gathers the whole model once and leaves each rank free to run i
 number of forwards. Its cost is a full copy of the parameters (in `parallel.param_dtype`) on
 every rank while inside, as DDP holds at all times; sharding still saves the gradients, the
 optimizer state and the float32 master weights. The disaggregated weight sync needs no gathering:
-each train rank sends its own (float32) shard (engines/weight_shares.py). A world of one has
+each train rank sends its own (float32) shard (sync/weight_shares.py). A world of one has
 nothing to shard: both strategies leave the model plain there, except fsdp2 computing below
 float32 (`parallel.param_dtype`), which shards over a one-rank group to keep a float32 master
 copy beside its compute dtype (`shards`).
@@ -238,7 +238,7 @@ def gathered(model: torch.nn.Module | None) -> Iterator[None]:
     train rank enters it together. The memory cost: a full copy of the parameters per rank.
     A model that is not sharded (ddp, one rank, a rollout-only rank's copy) is left as it is, computing
     in its compute dtype (`autocast`); a view
-    of another module's parameters (the LoRA reference, engines/lora.py) gathers that module."""
+    of another module's parameters (the LoRA reference, training/lora.py) gathers that module."""
     model = getattr(model, "parameters_owner", model)
     if model is None or not is_sharded(model):
         with autocast(model, inference=True):

@@ -133,7 +133,7 @@ class RewardTerm:
 
 @dataclass(frozen=True)
 class ModelTerm:
-    """A reward model's weighted score (engines/reward_models.py): batched, not user code, so not contained."""
+    """A reward model's weighted score (scoring/reward_models.py): batched, not user code, so not contained."""
 
     name: str
     model: object  # RewardModel: .score(prompts, completions) -> float32 [B]
@@ -241,7 +241,7 @@ def build_rewards(task, device: torch.device | None = None) -> Rewards:
     from pathlib import Path
 
     from distflow.config.callables import reward_functions
-    from distflow.engines.reward_models import RewardModel
+    from distflow.scoring.reward_models import RewardModel
 
     terms = [RewardTerm(name, fn, weight) for name, fn, weight in reward_functions(task)]
     models = [

@@ -46,7 +46,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from distflow.engines.sequences import position_ids_from_mask
+from distflow.training.sequences import position_ids_from_mask
 
 # (input_ids, attention_mask, position_ids, cache or None, last_only) -> outputs [rows, columns, ...]
 # (last_only: only the last column is read; a language model may skip the others' logits)
@@ -78,7 +78,7 @@ def shared_prefix_outputs(
     `model_config` (the model's) says which cache layers the model uses. With `lockstep` every
     call makes the same two forward calls whatever its rows (the prompts, then every response
     at full width): under fsdp2 training each forward is a collective, so the ranks' calls must
-    match, including a rank's zero-gradient pass (engines/trainable.py). With `follow_device` (the
+    match, including a rank's zero-gradient pass (training/trainable.py). With `follow_device` (the
     user left `passes.shared_prefix` unset) the device decides (`shares_prefixes`); otherwise prompts
     are shared wherever it runs.
     """

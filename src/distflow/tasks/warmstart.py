@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from distflow.engines.sequences import encode_prompts, left_pad, position_ids_from_mask
 from distflow.seeding import derive_seed
+from distflow.training.sequences import encode_prompts, left_pad, position_ids_from_mask
 
 
 def supervised_batch(
@@ -110,7 +110,7 @@ def warm_start_to_target(
     transcripts). Returns {steps, validation_accuracy, final_loss}.
     """
     from distflow.config import ConfigError
-    from distflow.engines.evaluation import count_correct
+    from distflow.rollout.evaluation import count_correct
 
     accuracy = [0.0]
 

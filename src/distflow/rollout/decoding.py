@@ -11,7 +11,7 @@ sequence stops costing compute instead of decoding padding until the longest row
 
 Samples are the reference's, token for token: the prompt is left-padded to the same width,
 positions count real tokens the same way, and token t of a sample is drawn from that
-sample's key at position t (`engines.sampling`), whatever rows it shares the batch with.
+sample's key at position t (`rollout.sampling`), whatever rows it shares the batch with.
 Equality rests on a row's logits not depending on its batch-mates, which holds for the
 row-independent kernels used here (tested against the reference); a kernel that broke it
 would change samples by rounding only.
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from distflow.engines.models import cache_kwargs
-from distflow.engines.sampling import keyed_uniforms, sampled_B1, token_logprob_B1
+from distflow.rollout.sampling import keyed_uniforms, sampled_B1, token_logprob_B1
+from distflow.training.models import cache_kwargs
 
 
 @torch.no_grad()

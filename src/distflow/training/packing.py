@@ -31,7 +31,7 @@ import torch
 
 from distflow.config.errors import ConfigError
 from distflow.data.balance import token_budget_micro_batches
-from distflow.engines.sequences import position_ids_from_mask
+from distflow.training.sequences import position_ids_from_mask
 
 # (input_ids, attention_mask or None, position_ids) -> per-position outputs [rows, columns, ...]
 Forward = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]

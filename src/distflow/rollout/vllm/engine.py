@@ -9,7 +9,7 @@
                                                             └────────────────────────┘   └──────────────────┘
     both: weights pushed before a rollout whenever a parameter changed since the last push (an optimizer
     step, a weight sync, a checkpoint load: tensors' version counters), through one loader
-    (engines/vllm_worker.py); one request per sample, seed = f(key); no server, no router
+    (rollout/vllm/worker.py); one request per sample, seed = f(key); no server, no router
 
 Which mode: `SamplingSpec.vllm_in_child`, decided once per run by `dag.stages.vllm_in_child(config)`.
 In the rank's process (V1 multiprocessing off, `VLLM_ENABLE_V1_MULTIPROCESSING=0`) the model takes the
@@ -18,9 +18,9 @@ torch's default group, so making the engine is a collective of the whole world, 
 make it at the same point: only when every rank rolls out in lockstep. Otherwise the engine core runs
 in a child process of the rank (`VLLM_ENABLE_V1_MULTIPROCESSING=1`, started by spawn, not fork, so it
 does not inherit the rank's torch.distributed state and builds a world of its own), made by this rank
-alone; its weights go through a shared-memory file (vllm_worker.SharedWeights); the run's end closes it
+alone; its weights go through a shared-memory file (worker.SharedWeights); the run's end closes it
 (`close_engines`, from the worker's close) and the rank's death, kill -9 included, ends it
-(vllm_worker.PolicyWeights.watch_owner).
+(worker.PolicyWeights.watch_owner).
 A push is local (no collective): under fsdp2 it runs inside `gathered`, where every rank holds the
 whole model. Both start from dummy weights (`load_format=dummy`) and get the policy's before their
 first generation, so any model the policy holds (a warm-start, a checkpoint, LoRA merged) is what
@@ -42,9 +42,9 @@ from collections.abc import Iterator
 
 import torch
 
-from distflow.engines import vllm_logs
-from distflow.engines.vllm_queues import EngineQueues, remove_stale
-from distflow.engines.vllm_worker import SharedWeights
+import distflow.rollout.vllm.logs as vllm_logs
+from distflow.rollout.vllm.queues import EngineQueues, remove_stale
+from distflow.rollout.vllm.worker import SharedWeights
 
 SEED_MASK = 2**63 - 1
 SHUTDOWN_GRACE_S = 120.0
@@ -85,7 +85,7 @@ def padded_responses(
 def hf_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) of every weight the inference model needs: a DDP wrapper's prefix
     dropped; under LoRA each adapted Linear's merged weight W + scale·B·A, adapters left out."""
-    from distflow.engines.lora import is_lora
+    from distflow.training.lora import is_lora
 
     model = getattr(model, "module", model)
     if not is_lora(model):
@@ -173,7 +173,7 @@ def _whole_prompts(max_len: int) -> dict:
 
 class VllmEngine:
     """One rank's vLLM engine for one rollout model, with that model's weights loaded; its core in this
-    process or (`in_child`) in a child process. `log`: vLLM's own log shown (engines/vllm_logs.py); by
+    process or (`in_child`) in a child process. `log`: vLLM's own log shown (rollout/vllm/logs.py); by
     default one line of distflow's per engine start."""
 
     def __init__(self, model: torch.nn.Module, *, in_child: bool, log: bool = False) -> None:
@@ -184,7 +184,7 @@ class VllmEngine:
         from vllm.v1.engine.core_client import InprocClient
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: vLLM's CPU default (4) is much for a test box
-        if in_child:  # the queues of engines whose rank and processes were all killed (engines/vllm_queues.py)
+        if in_child:  # the queues of engines whose rank and processes were all killed (rollout/vllm/queues.py)
             remove_stale()
         inner = getattr(model, "module", model)
         config = inner.get_base_model().config if hasattr(inner, "get_base_model") else inner.config
@@ -209,7 +209,7 @@ class VllmEngine:
                     seed=0,
                     generation_config="vllm",
                     logprobs_mode="processed_logprobs",
-                    worker_extension_cls="distflow.engines.vllm_worker.PolicyWeights",
+                    worker_extension_cls="distflow.rollout.vllm.worker.PolicyWeights",
                     **vllm_logs.engine_arguments(quiet),
                     **extra,
                 )
@@ -236,7 +236,7 @@ class VllmEngine:
         self.num_pushes = 0
 
     def _own_child(self) -> int:
-        """The child engine core's pid, once its queues are recorded (engines/vllm_queues.py) and its worker
+        """The child engine core's pid, once its queues are recorded (rollout/vllm/queues.py) and its worker
         watches this process (the engine core does not notice its parent's death)."""
         engine_pid = self.llm.llm_engine.engine_core.resources.engine_manager.processes[0].pid
         self._queues = EngineQueues(engine_pid)
@@ -245,7 +245,7 @@ class VllmEngine:
 
     def push_if_changed(self, model: torch.nn.Module) -> bool:
         """Load `model`'s weights into the engine if they changed since the last push: in this process the
-        tensors themselves, to a child a shared-memory file (engines/vllm_worker.py)."""
+        tensors themselves, to a child a shared-memory file (rollout/vllm/worker.py)."""
         version = _version(model)
         if version == self._loaded:
             return False
@@ -268,7 +268,7 @@ class VllmEngine:
         """End the engine through vLLM's own shutdown, given time to finish: a child engine's processes exit,
         unlinking their shared memory (vLLM's default grace, 5 s, was too short on a loaded 2-core machine:
         it killed them mid-teardown, leaving the memory behind). Then a child engine's queues that are left
-        are unlinked: those of an engine that died by itself (engines/vllm_queues.py)."""
+        are unlinked: those of an engine that died by itself (rollout/vllm/queues.py)."""
         try:
             self.llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
         finally:
@@ -366,7 +366,7 @@ def vllm_responses(
     in_child: bool = False,
     log: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`engines.generation`'s contract for `vllm`: response ids [G·n, max_new_tokens] (right-padded) and,
+    """`rollout.generation`'s contract for `vllm`: response ids [G·n, max_new_tokens] (right-padded) and,
     with `logprobs`, each sampled token's log-prob under the engine (temperature applied); `in_child`: the
     engine's core in a child process (`SamplingSpec.vllm_in_child`); `log`: vLLM's own log shown (made
     with it; `rollout.vllm.log`)."""

@@ -5,7 +5,7 @@ What is the same for every engine is here: prompts tokenized and left-padded, on
 row, the response mask cut at each row's stop token, the completions' text, and each sampled token's
 log-prob recomputed with one forward pass where an engine kept none. All engines but `vllm` give the
 same samples (vLLM has its own sampler). Sampling draws each row's tokens from that row's key
-(`engines.sampling`), so a sample does not depend on the batch it was generated in.
+(`rollout.sampling`), so a sample does not depend on the batch it was generated in.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from distflow.engines.sequences import encode_prompts, left_pad, response_mask_from_ids, stop_token_ids
 from distflow.rollout.engine import Request, RolloutEngine, engine_named
+from distflow.training.sequences import encode_prompts, left_pad, response_mask_from_ids, stop_token_ids
 
 
 @dataclass
@@ -105,7 +105,7 @@ def _keys_tensor(sample_keys: list[int] | None, num_prompts: int, n: int, device
 
 def _recomputed_logp(model, input_ids_BT, attention_mask_BT, width: int, temperature: float) -> torch.Tensor:
     """One forward pass over the samples (the greedy `generate` path keeps no scores)."""
-    from distflow.engines.logprobs import response_logprobs
+    from distflow.training.logprobs import response_logprobs
 
     was_training = model.training
     model.eval()

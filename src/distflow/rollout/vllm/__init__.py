@@ -1,7 +1,7 @@
 """The `vllm` engine as a component: a vLLM engine owned by each rank that rolls out
-(engines/vllm_rollout.py has the engine itself and its diagram).
+(rollout/vllm/engine.py has the engine itself and its diagram).
 
-What it decides and declares, so that nothing outside this file names it:
+What it decides and declares, so that nothing outside this package names it:
     placement   in the rank's process when every rank rolls out in lockstep (colocated, synchronous),
                 else its core in a child process of the rank (`in_child`, decided at `build`)
     rules       one engine per rank: placement.rollout.ranks_per_replica=1
@@ -59,7 +59,7 @@ class VllmRollout(RolloutEngine):
         the rank, where vLLM's CPU worker logs its NUMA binding as a `[W...] Warning:` line. torch reads
         that level once, at its import, so it is set before; it mutes torch's other C++ warnings in the
         rank too (Python warnings are untouched). A child engine's processes get it when they start."""
-        from distflow.engines import vllm_logs
+        import distflow.rollout.vllm.logs as vllm_logs
 
         if in_child(config) or not vllm_logs.quiet(cls.options(config.rollout.options, "rollout.vllm").log):
             return {}
@@ -87,7 +87,7 @@ class VllmRollout(RolloutEngine):
         ]
 
     def responses(self, model, request: Request):
-        from distflow.engines.vllm_rollout import vllm_responses
+        from distflow.rollout.vllm.engine import vllm_responses
 
         return vllm_responses(
             model,
@@ -106,7 +106,7 @@ class VllmRollout(RolloutEngine):
         )
 
     def close(self) -> None:
-        from distflow.engines.vllm_rollout import close_engines
+        from distflow.rollout.vllm.engine import close_engines
 
         close_engines()
 

@@ -1,7 +1,7 @@
 """The trainable policy and the frozen reference: log-probs (and the policy's entropies) of the
 response tokens under the sampling temperature.
 
-Its wrapper, optimizer, schedule and optimizer step are `TrainableEngine`'s (engines/trainable.py),
+Its wrapper, optimizer, schedule and optimizer step are `TrainableEngine`'s (training/trainable.py),
 shared with the critic. Both engines take their log-probs in the pass mode they were built with
 (`passes`: micro-batch size, padded, packed or sharing prompts), so the reference's values are
 computed as the policy's, and as fast.
@@ -15,9 +15,9 @@ from distflow.comm import Comm
 from distflow.config.parallel import ParallelConfig, PassesConfig
 from distflow.config.schema import OptimConfig
 from distflow.data.batch import Batch
-from distflow.engines.logprobs import batch_logprobs, response_logprobs
-from distflow.engines.parallelize import gathered, is_sharded
-from distflow.engines.trainable import TrainableEngine
+from distflow.training.logprobs import batch_logprobs, response_logprobs
+from distflow.training.parallelize import gathered, is_sharded
+from distflow.training.trainable import TrainableEngine
 
 
 class PolicyEngine(TrainableEngine):
@@ -56,7 +56,7 @@ class PolicyEngine(TrainableEngine):
 
 class ReferenceEngine:
     """The frozen reference policy: a copy of the model (sharded like the policy under fsdp2) or,
-    under LoRA, the policy's own module with its adapters off (engines/lora.py's `AdaptersOff`)."""
+    under LoRA, the policy's own module with its adapters off (training/lora.py's `AdaptersOff`)."""
 
     def __init__(self, model: torch.nn.Module, *, temperature: float, passes: PassesConfig | None = None) -> None:
         self.model = model

@@ -47,7 +47,7 @@ class EngineBuild:
     def load_sharded(self, module: Any, rename: tuple[str, str] | None = None) -> None:
         """Allocate a meta-built, sharded `module` and fill it from the model directory's files, each
         train rank reading its own rows (the one sharded-load path; collective over the train group)."""
-        from distflow.engines.hf_weights import allocate_and_load
+        from distflow.training.hf_weights import allocate_and_load
 
         allocate_and_load([module], self.sharded_from, self.comm, rename=rename)
 
@@ -84,7 +84,7 @@ def check_uses(stage: str, uses: Iterable[str]) -> None:
         if name not in ENGINES:
             raise ConfigError(
                 f"stage {stage!r} uses engine {name!r}, which is not registered; engines are: "
-                f"{', '.join(ENGINES)} (distflow.engines.registry.register adds one)"
+                f"{', '.join(ENGINES)} (distflow.training.registry.register adds one)"
             )
 
 
@@ -112,7 +112,7 @@ def checkpointed(built: dict[str, Any]) -> dict[str, tuple]:
 
 
 def _critic(build: EngineBuild):
-    from distflow.engines.critic import build_critic
+    from distflow.training.critic import build_critic
 
     config = build.config
     return build_critic(
@@ -128,7 +128,7 @@ def _critic(build: EngineBuild):
 
 def _model(build: EngineBuild):
     """This rank's model, with LoRA adapters when `model.lora` asks (on every rank alike)."""
-    from distflow.engines.lora import apply_lora
+    from distflow.training.lora import apply_lora
 
     if build.config.model.lora.enabled:
         build.model = apply_lora(build.model, build.config.model.lora, seed=build.config.trainer.seed)
@@ -138,9 +138,9 @@ def _model(build: EngineBuild):
 def _reference(build: EngineBuild):
     """A frozen copy of the model (under LoRA: the policy with its adapters disabled), its log-probs
     taken as the policy's (the sampling temperature, `passes`)."""
-    from distflow.engines.lora import AdaptersOff
-    from distflow.engines.parallelize import frozen_copy
-    from distflow.engines.policy import ReferenceEngine
+    from distflow.training.lora import AdaptersOff
+    from distflow.training.parallelize import frozen_copy
+    from distflow.training.policy import ReferenceEngine
 
     config = build.config
     if config.model.lora.enabled:
@@ -153,8 +153,8 @@ def _reference(build: EngineBuild):
 
 
 def _policy(build: EngineBuild):
-    from distflow.engines.parallelize import parallelize
-    from distflow.engines.policy import PolicyEngine
+    from distflow.training.parallelize import parallelize
+    from distflow.training.policy import PolicyEngine
 
     config = build.config
     if build.sharded_from is not None:

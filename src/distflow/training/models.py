@@ -59,7 +59,7 @@ def rl_model_config(model_dir: Path):
 
 def build_on_meta(model_dir: Path) -> torch.nn.Module:
     """The directory's model with no storage at all (parameters and buffers on the meta
-    device): to be sharded, then `materialize`d and filled (engines/hf_weights.py)."""
+    device): to be sharded, then `materialize`d and filled (training/hf_weights.py)."""
     try:
         config = rl_model_config(model_dir)
         with torch.device("meta"):

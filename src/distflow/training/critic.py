@@ -8,7 +8,7 @@ actor when no reward model is given) with a zero-initialised head, so its first
 predictions are 0. Under fsdp2 with sharded loading the policy is still on the meta device:
 the critic is then built there too, sharded, and each rank reads its own rows of the
 backbone from the model directory's files through the same path as the policy
-(`EngineBuild.load_sharded`, engines/hf_weights.py). The value of response token t is read at
+(`EngineBuild.load_sharded`, training/hf_weights.py). The value of response token t is read at
 the column that predicts it (t - 1), the same alignment as the log-probs. Training is `TrainableEngine`'s, as the
 policy's: the same data-parallel wrapper, micro-batching, global normaliser, AdamW and
 clipping; only the forward pass differs.
@@ -25,11 +25,11 @@ from distflow.comm import Comm
 from distflow.config.parallel import ParallelConfig, PassesConfig
 from distflow.config.schema import OptimConfig
 from distflow.data.batch import Batch
-from distflow.engines.models import cache_kwargs
-from distflow.engines.packing import response_outputs
-from distflow.engines.parallelize import gathered, is_sharded, parallelize
-from distflow.engines.prefix_sharing import shared_prefix_outputs
-from distflow.engines.trainable import TrainableEngine
+from distflow.training.models import cache_kwargs
+from distflow.training.packing import response_outputs
+from distflow.training.parallelize import gathered, is_sharded, parallelize
+from distflow.training.prefix_sharing import shared_prefix_outputs
+from distflow.training.trainable import TrainableEngine
 
 
 class ValueModel(torch.nn.Module):
@@ -46,7 +46,7 @@ class ValueModel(torch.nn.Module):
 
     def _init_weights(self, module: torch.nn.Module) -> None:
         """Buffers the files do not hold (rotary frequencies), computed as the backbone computes them
-        (engines.models.materialize calls this after allocating a meta-built critic)."""
+        (training.models.materialize calls this after allocating a meta-built critic)."""
         self.backbone._init_weights(module)
 
     def forward(
@@ -58,7 +58,7 @@ class ValueModel(torch.nn.Module):
         last_only: bool = False,
     ) -> torch.Tensor:
         """values_BT: one scalar per position (the last one only with `last_only`). `past_key_values`:
-        a KV cache the positions attend to and which keeps theirs (engines.prefix_sharing)."""
+        a KV cache the positions attend to and which keeps theirs (training.prefix_sharing)."""
         out = self.backbone(
             input_ids=input_ids,
             attention_mask=attention_mask,

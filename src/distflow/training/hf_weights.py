@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from distflow.comm import Comm
 from distflow.config.errors import ConfigError
-from distflow.engines.models import materialize
+from distflow.training.models import materialize
 
 
 def stored_tensor_names(model_dir: Path) -> set[str]:

@@ -13,11 +13,11 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from distflow.comm import Comm
-from distflow.engines.generation import generate
-from distflow.engines.parallelize import gathered
-from distflow.engines.reward import private_copy
-from distflow.engines.sampling import SamplingSpec
+from distflow.rollout.generation import generate
+from distflow.rollout.sampling import SamplingSpec
+from distflow.scoring.reward import private_copy
 from distflow.seeding import derive_seed
+from distflow.training.parallelize import gathered
 
 Verifier = Callable[[str, dict], bool]  # (completion, sample) -> correct?
 
@@ -116,7 +116,7 @@ def judge(
 
 
 def _judge_multiturn(model, tokenizer, samples, is_correct, sampling, sample_keys, n, chunk_size, env) -> list[bool]:
-    from distflow.engines.multiturn import local_trajectories
+    from distflow.rollout.multiturn import local_trajectories
 
     judged: list[bool] = []
     step = max(1, chunk_size // n)

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from distflow.engines.lora import synced_parameters
+from distflow.training.lora import synced_parameters
 
 
 @dataclass(frozen=True)

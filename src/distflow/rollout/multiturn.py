@@ -15,7 +15,7 @@ are encoded once, on their own, and appended after it. The sequence a trajectory
 is therefore the one it was sampled as. A trajectory ends when the environment says done,
 at `max_turns`, at the `max_tokens` budget (the tokens past it are dropped), or when an
 environment call raises, returns a turn reward that is not a finite float32 (NaN, inf, 1e308: as
-a reward function's, engines/reward.py) or runs past the environment time the trajectory has left
+a reward function's, scoring/reward.py) or runs past the environment time the trajectory has left
 (`env.deadline_s` for all its calls together; generation does not count) — scored
 `default_reward`, counted (`env/errors`, `env/timeouts`). Turn t of sample uid draws token k
 from the key (seed, uid, t) at position k, and
@@ -29,9 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from distflow.engines.reward import representable
-from distflow.engines.sequences import encode_prompts, end_of_turn, stop_token_ids
 from distflow.envs.calls import run_calls
+from distflow.scoring.reward import representable
+from distflow.training.sequences import encode_prompts, end_of_turn, stop_token_ids
 
 CHARS_PER_TOKEN = 32
 """Text observations are cut to this many characters per token of room left before encoding."""
@@ -212,7 +212,7 @@ def _after_step(traj: Trajectory, step, tokenizer, limits: TurnLimits, turn: int
 def turn_generator(model, tokenizer, sampling, key_of: Callable[[Trajectory, int], int | None]):
     """`generate_turn` for `roll_out` over a model: one `generate` call per turn, token t of
     trajectory j's turn drawn from key_of(j, turn) at position t (greedy when it is None)."""
-    from distflow.engines.generation import generate
+    from distflow.rollout.generation import generate
 
     def generate_turn(running: list[Trajectory], turn: int, width: int):
         rows = [t.prompt_ids + t.ids for t in running]

@@ -18,7 +18,7 @@ arguments, its config, a "Chat template warmup failed" traceback logged as a WAR
 a chat without a tokenizer, and distflow passes token ids, `skip_tokenizer_init`), and two lines per weight
 push ("RotaryEmbedding: Failed to load weights", "ParallelLMHead: Failed to load weights": vLLM's layerwise
 reload counts the rotary cache, a buffer no checkpoint holds, and a tied head, which the reload may not
-load and the loader re-ties, `vllm_worker.retie_lm_head`, as layers it expected to load; every weight
+load and the loader re-ties, `worker.retie_lm_head`, as layers it expected to load; every weight
 is loaded, tests/test_vllm_engine.py checks greedy text against the policy's after a push).
 """
 

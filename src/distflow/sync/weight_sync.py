@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import torch
 
 from distflow.comm import Comm
-from distflow.engines.lora import synced_parameters
-from distflow.engines.weight_shares import Piece, ShareSource, row_view, source_for
+from distflow.sync.weight_shares import Piece, ShareSource, row_view, source_for
+from distflow.training.lora import synced_parameters
 
 BUCKET_BYTES = 64 * 1024 * 1024
 
@@ -134,7 +134,7 @@ def _unpack(buffer: torch.Tensor, bucket: list[Piece], params: dict[str, torch.n
     with torch.no_grad():
         for piece in bucket:
             # Through the parameter itself, not `.data`: the write bumps its version counter, by which a
-            # rollout engine with its own copy of the weights (engines/vllm_rollout.py) sees the change.
+            # rollout engine with its own copy of the weights (rollout/vllm/engine.py) sees the change.
             rows = row_view(params[piece.name])[piece.start : piece.stop]
             rows.copy_(buffer[offset : offset + piece.numel].view(rows.shape))
             offset += piece.numel

@@ -15,7 +15,7 @@ cleanly. The engine core killed (by the kernel's OOM killer, a crash, kill -9) l
 resource tracker (a process the rank starts, shared by the engine's processes) would unlink it when the last of
 them ends, but the rank's exit ends its descendants, the tracker among them, by signal. The names carry no
 owner, hence the record. A kill -9 of the rank alone is handled by the engine's worker
-(vllm_worker.PolicyWeights.watch_owner: vLLM's own shutdown); the record covers the rank and its engine both
+(worker.PolicyWeights.watch_owner: vLLM's own shutdown); the record covers the rank and its engine both
 killed. Invariants: only files mapped by this rank's own engine processes are recorded, and a record is acted
 on only when none of its processes is alive (a pid with the same start time: a reused pid is not the owner).
 """
