@@ -238,7 +238,7 @@ LAYERS = (
     ("distflow.layout",),
     ("distflow.algorithms", "distflow.data", "distflow.envs"),
     ("distflow.training", "distflow.scoring"),
-    ("distflow.rollout", "distflow.sync"),
+    ("distflow.rollout", "distflow.sync", "distflow.engines"),
     ("distflow.checkpoint", "distflow.tasks", "distflow.observability", "distflow.agents"),
     ("distflow.dag", "distflow.planner"),
     ("distflow.preflight", "distflow.inputs"),
@@ -401,3 +401,37 @@ def test_max_staleness_is_read_only_where_it_acts():
         "distflow.dag.stages",
         "distflow.rollout.vllm",
     }
+
+
+DEPRECATED_ALIASES = {
+    "distflow.engines.registry": "distflow.training.registry",
+    "distflow.engines.decoding": "distflow.rollout.decoding",
+    "distflow.engines.sampling": "distflow.rollout.sampling",
+}
+"""The paths the docs once gave users, before `engines/` was split into training/, rollout/, scoring/ and sync/."""
+
+
+def test_the_old_engines_paths_are_deprecated_aliases_only():
+    """`distflow.engines` holds nothing but the aliases; nothing in src imports them; each re-exports its new
+    module's names and warns once (a DeprecationWarning naming the new path)."""
+    graph = _graph()
+    assert sorted(name for name in graph if name.startswith("distflow.engines.")) == sorted(DEPRECATED_ALIASES)
+    importers = [
+        name
+        for name, deps in graph.items()
+        if not name.startswith("distflow.engines") and any(dep.startswith("distflow.engines") for dep in deps)
+    ]
+    assert importers == []
+    check = (
+        "import importlib, warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    for old, new in {DEPRECATED_ALIASES!r}.items():\n"
+        "        alias, module = importlib.import_module(old), importlib.import_module(new)\n"
+        "        assert all(getattr(alias, n) is getattr(module, n) for n in alias.__all__), old\n"
+        "        importlib.import_module(old)\n"
+        "print(sorted(str(w.message).split()[0] for w in caught if w.category is DeprecationWarning))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(sorted(DEPRECATED_ALIASES))
