@@ -9,6 +9,7 @@ whose checkpoint holds only the adapters, resumes, and exports an adapter and a 
 
 import contextlib
 import json
+import warnings
 
 import pytest
 import torch
@@ -60,6 +61,14 @@ def test_adapters_start_at_the_base_model_and_are_all_that_trains():
     again = apply_lora(base_model(), lora_spec(), seed=3)
     for (name, a), (_, b) in zip(model.named_parameters(), again.named_parameters(), strict=True):
         assert torch.equal(a, b), name  # every rank builds the same adapters
+
+
+def test_adding_adapters_warns_nothing():
+    # peft 0.21 reads `is_gradient_checkpointing`, which transformers 5 deprecates with a FutureWarning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_lora(base_model(), lora_spec(), seed=3)
+    assert [str(w.message) for w in caught] == []
 
 
 def test_reference_is_the_base_model_without_a_second_copy():

@@ -18,6 +18,7 @@ What changes elsewhere, all keyed on `is_lora(model)`:
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -45,7 +46,11 @@ def apply_lora(model: torch.nn.Module, spec: LoraConfig, *, seed: int) -> torch.
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         try:
-            peft_model = get_peft_model(model, config)
+            with warnings.catch_warnings():  # peft <= 0.21 reads an attribute transformers 5 deprecates
+                warnings.filterwarnings(
+                    "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+                )
+                peft_model = get_peft_model(model, config)
         except ValueError as err:  # e.g. target modules that match nothing
             from distflow.config import ConfigError
 
