@@ -26,9 +26,8 @@ from distflow.config.parallel import ParallelConfig, PassesConfig
 from distflow.config.schema import OptimConfig
 from distflow.data.batch import Batch
 from distflow.training.models import cache_kwargs
-from distflow.training.packing import response_outputs
 from distflow.training.parallelize import gathered, is_sharded, parallelize
-from distflow.training.prefix_sharing import shared_prefix_outputs
+from distflow.training.prefix_sharing import passes_outputs
 from distflow.training.trainable import TrainableEngine
 
 
@@ -83,19 +82,17 @@ def response_values(
     """V of the state before each response token: values_BR (packed with `padding_free`; each
     distinct prompt computed once with `shared_prefix`, in `lockstep` when each forward is a collective;
     None: where the device gains from it)."""
-    if shared_prefix is not False:
-        config = getattr(model, "module", model).backbone.config  # under DDP: the wrapped model's
-        return shared_prefix_outputs(
-            model,
-            config,
-            input_ids_BT,
-            attention_mask_BT,
-            response_width,
-            lockstep=lockstep,
-            follow_device=shared_prefix is None,
-        )
-    return response_outputs(
-        model, input_ids_BT, attention_mask_BT, response_width, padding_free=padding_free, model=model
+    config = getattr(model, "module", model).backbone.config  # under DDP: the wrapped model's
+    return passes_outputs(
+        model,
+        config,
+        input_ids_BT,
+        attention_mask_BT,
+        response_width,
+        shared_prefix=shared_prefix,
+        padding_free=padding_free,
+        lockstep=lockstep,
+        model=model,
     )
 
 

@@ -11,8 +11,7 @@ import torch
 
 from distflow.data.batch import Batch
 from distflow.training.models import cache_kwargs
-from distflow.training.packing import response_outputs
-from distflow.training.prefix_sharing import shared_prefix_outputs
+from distflow.training.prefix_sharing import passes_outputs
 
 
 def response_logprobs(
@@ -48,21 +47,18 @@ def response_logprobs(
             logits_to_keep=1 if last_only else 0,
         ).logits
 
-    if shared_prefix is not False:
-        config = getattr(model, "module", model).config  # under DDP: the wrapped model's
-        logits_BRV = shared_prefix_outputs(
-            forward,
-            config,
-            input_ids_BT,
-            attention_mask_BT,
-            response_width,
-            lockstep=lockstep,
-            follow_device=shared_prefix is None,
-        )
-    else:
-        logits_BRV = response_outputs(
-            forward, input_ids_BT, attention_mask_BT, response_width, padding_free=padding_free, model=model
-        )
+    config = getattr(model, "module", model).config  # under DDP: the wrapped model's
+    logits_BRV = passes_outputs(
+        forward,
+        config,
+        input_ids_BT,
+        attention_mask_BT,
+        response_width,
+        shared_prefix=shared_prefix,
+        padding_free=padding_free,
+        lockstep=lockstep,
+        model=model,
+    )
     logits_BRV = logits_BRV.float()
     if temperature != 1.0:  # x / 1.0 is x: the same log-probs without the op (and its backward)
         logits_BRV = logits_BRV / temperature

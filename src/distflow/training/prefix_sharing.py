@@ -46,6 +46,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from distflow.training.packing import response_outputs
 from distflow.training.sequences import position_ids_from_mask
 
 # (input_ids, attention_mask, position_ids, cache or None, last_only) -> outputs [rows, columns, ...]
@@ -61,6 +62,36 @@ def distinct_prompts(
     keys = torch.cat([input_ids_BT[:, :width], attention_mask_BT[:, :width].to(input_ids_BT.dtype)], dim=1)
     unique, index_B = torch.unique(keys, dim=0, return_inverse=True)
     return unique[:, :width], unique[:, width:].to(attention_mask_BT.dtype), index_B
+
+
+def passes_outputs(
+    forward,
+    model_config,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    response_width: int,
+    *,
+    shared_prefix: bool | None,
+    padding_free: bool,
+    lockstep: bool,
+    model: torch.nn.Module,
+) -> torch.Tensor:
+    """The outputs that predict the response tokens, [B, R, ...], batched as `passes` asks: each distinct
+    prompt once (`shared_prefix` true; None: where the device gains from it), else padded or packed
+    (`padding_free`; `model` is what `forward` runs). The log-prob and value passes both call this."""
+    if shared_prefix is not False:
+        return shared_prefix_outputs(
+            forward,
+            model_config,
+            input_ids_BT,
+            attention_mask_BT,
+            response_width,
+            lockstep=lockstep,
+            follow_device=shared_prefix is None,
+        )
+    return response_outputs(
+        forward, input_ids_BT, attention_mask_BT, response_width, padding_free=padding_free, model=model
+    )
 
 
 def shared_prefix_outputs(
