@@ -47,7 +47,8 @@ def response_logprobs(
             logits_to_keep=1 if last_only else 0,
         ).logits
 
-    config = getattr(model, "module", model).config  # under DDP: the wrapped model's
+    # Under DDP the wrapped model's config; a plain forward function (padded passes only) has none.
+    config = getattr(getattr(model, "module", model), "config", None)
     logits_BRV = passes_outputs(
         forward,
         config,
