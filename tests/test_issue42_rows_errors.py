@@ -102,3 +102,26 @@ def test_the_rows_written_carry_the_names_the_caller_gave_them():
             inputs.apply(data, num_heldout=1000, dataset=_rows(5), heldout=rows)
     finally:
         inputs.close()
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_a_run_on_rows_leaves_no_file_open(model_dir, tmp_path, bad):
+    """The task's row files are closed when the run ends, or when its rows fail a check: none is
+    left for the garbage collector to warn about (ResourceWarning: unclosed file)."""
+    import gc
+    import warnings
+
+    rows = _rows(20)
+    if bad:
+        rows[3] = {"prompt": "", "answer": "4"}
+    gc.collect()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        if bad:
+            with pytest.raises(distflow.ConfigError):
+                _train(model_dir, tmp_path, dataset=rows)
+        else:
+            _train(model_dir, tmp_path, dataset=rows)
+        gc.collect()
+    unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert unclosed == [], unclosed

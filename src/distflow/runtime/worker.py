@@ -15,6 +15,7 @@ or not it belongs to it; so is the weight sync's start-up exchange (one world al
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from collections.abc import Callable
@@ -65,13 +66,32 @@ class Worker:
     def close(self) -> None:
         """End the threads this rank started (the prefetcher's, the reward runner's): a second run
         in the same process (`distflow.train` in a notebook) starts without the first one's. And its
-        rollout engine (a vLLM engine's child process: cleanly, while it still can)."""
+        rollout engine (a vLLM engine's child process: cleanly, while it still can), and the task's
+        open files (a task may define `close`)."""
         self.prefetcher.close()
         if self.engines.rewards is not None:
             self.engines.rewards.close()
         self.engines.sampling.engine.close()
         if self.engines.agent is not None:
             self.engines.agent.close()
+        _close_task(self.task)
+
+
+def _close_task(task: Task) -> None:
+    """A task's `close`, if it has one (a file task's open row files)."""
+    close = getattr(task, "close", None)
+    if close is not None:
+        close()
+
+
+@contextlib.contextmanager
+def _closed_on_error(task: Task):
+    """The task closed if its rows fail a check: a run that stops there leaves no file open."""
+    try:
+        yield
+    except BaseException:
+        _close_task(task)
+        raise
 
 
 def build_worker(config: Config, world: Comm, log) -> Worker:
@@ -107,8 +127,9 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
     # The prefetch thread tokenizes with its own tokenizer: fast tokenizers are not
     # safe to share with the main thread's decoding.
     tokenize = functools.partial(encode_prompts, copy.deepcopy(tokenizer))
-    rows, heldout = _valid_rows(config, task, tokenize, world, log)
-    _check_lengths(config, model.config, heldout, tokenize)
+    with _closed_on_error(task):
+        rows, heldout = _valid_rows(config, task, tokenize, world, log)
+        _check_lengths(config, model.config, heldout, tokenize)
     loader = PromptLoader(
         rows.__getitem__,
         len(rows),

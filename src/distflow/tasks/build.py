@@ -36,6 +36,8 @@ class Task(Protocol):
 
     def is_correct(self, completion: str, sample: dict) -> bool: ...
 
+    # Optional: `close()`, which the worker calls when the run ends (a file task releases its files).
+
 
 class TaskSource(Component):
     """The task source kind: a subclass sets `name`, implements `build`, and lists in `keys` the

@@ -126,6 +126,10 @@ class ChatRows(Sequence):
             row["prompt"] = chat_prompt(self.tokenizer, row["messages"])
         return row
 
+    def close(self) -> None:
+        """Release the source's open file."""
+        self.source.close()
+
 
 @dataclass(frozen=True)
 class MathTask:
@@ -145,6 +149,11 @@ class MathTask:
     @staticmethod
     def is_correct(completion: str, sample: dict) -> bool:
         return is_correct(completion, sample)
+
+    def close(self) -> None:
+        """Release both row sources' files (the worker calls this when the run ends)."""
+        self.train.close()
+        self.heldout.close()
 
 
 class Files(TaskSource):
