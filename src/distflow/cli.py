@@ -152,10 +152,15 @@ def main(argv: list[str] | None = None) -> int:
         config = _load_config(args.config, args.overrides)
         if args.command == "plan":
             return _plan(config, args.world_size)
-        return _train(config, args)
+        from distflow.api import train  # the engine; the CLI only turns its outcome into an exit status
+
+        train(config, nproc=args.nproc, resume=args.resume or False, max_restarts=args.max_restarts)
+        return 0
     except ConfigError as err:
         print(f"distflow: error: {err}", file=sys.stderr)
         return USER_ERROR
+    except RunFailed as failed:  # its line is printed already (by the rank, or by the launcher)
+        return failed.exit_code
     finally:
         gc_policy.after_startup()
 
@@ -206,17 +211,6 @@ def exit_process(code: int) -> NoReturn:
     )
     sys.stdout.flush()
     os._exit(code)
-
-
-def _train(config: Config, args: argparse.Namespace) -> int:
-    """`distflow.train` (api.py) is the engine: this only turns its outcome into an exit status."""
-    from distflow.api import train
-
-    try:
-        train(config, nproc=args.nproc, resume=args.resume or False, max_restarts=args.max_restarts)
-    except RunFailed as failed:  # its line is printed already (by the rank, or by the launcher)
-        return failed.exit_code
-    return 0
 
 
 def _plan(config: Config, world_size: int) -> int:

@@ -73,7 +73,12 @@ def run(
         comm = init_comm(device=config.parallel.device, timeout_s=config.parallel.collective_timeout_s)
         run_dir = Path(comm.broadcast_object(str(run_dir)))  # one run directory, whichever clock named it
         status.node_addresses = comm.all_gather_object(node_address())  # to name the ranks of a lost machine
-        finished = _train(config, run_dir, comm, started, status, resume, fresh_restart)
+        transformers.utils.logging.disable_progress_bar()
+        log = say if comm.is_main else (lambda text: None)
+        status.enter("setup")
+        with contextlib.closing(build_worker(config, comm, log)) as worker:  # its threads end, whatever happens
+            gc_policy.after_startup()  # imports and model loading done: the usual collections from here on
+            finished = _train(worker, run_dir, comm, started, status, resume, fresh_restart, log)
     except BaseException as err:  # noqa: BLE001 — reported once, here, with rank and stage
         alone = comm is None or not comm.distributed
         code = status.fail(err, say_line=not (alone and isinstance(err, ConfigError)))
@@ -148,25 +153,6 @@ def _step(worker: Worker, step: int, previous: Batch | None, status: RankStatus)
 
 
 def _train(
-    config: Config,
-    run_dir: Path,
-    comm: Comm,
-    started: float,
-    status: RankStatus,
-    resume: Path | None,
-    fresh_restart: bool = False,
-) -> tuple[dict, dict[str, float]]:
-    """(summary, final evaluation's metrics) of this rank's run; the CLI validated config and world
-    size before this rank started."""
-    transformers.utils.logging.disable_progress_bar()
-    log = say if comm.is_main else (lambda text: None)
-    status.enter("setup")
-    with contextlib.closing(build_worker(config, comm, log)) as worker:  # its threads end, whatever happens
-        gc_policy.after_startup()  # imports and model loading done: the usual collections from here on
-        return _train_worker(worker, run_dir, comm, started, status, resume, fresh_restart, log)
-
-
-def _train_worker(
     worker: Worker,
     run_dir: Path,
     comm: Comm,
@@ -176,7 +162,9 @@ def _train_worker(
     fresh_restart: bool,
     log,
 ) -> tuple[dict, dict[str, float]]:
-    """Long because it is the run's outline, step loop included, in one place to read."""
+    """(summary, final evaluation's metrics) of this rank's run, on its built `worker`; the CLI validated
+    config and world size before this rank started. Long because it is the run's outline, step loop
+    included, in one place to read."""
     config = worker.config
     trainer = config.trainer
     torch.manual_seed(derive_seed(trainer.seed, "torch", comm.rank))  # sampling itself is keyed per sample
