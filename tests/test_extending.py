@@ -1,14 +1,17 @@
-"""Extending distflow through its public doors only: an engine of one's own (the engine registry),
-a pipeline of one's own (`pipeline.builder`), and the checks that guard both (no edit to src/)."""
+"""Extending distflow through its public doors only: a trained model of one's own (`TRAINED_MODELS`, named
+`module:Class` in `Stage.uses`), a pipeline of one's own (`pipeline.builder`), and the checks that guard both
+(no edit to src/)."""
 
+import importlib
 import json
 import sys
+import warnings
 
 import pytest
 from conftest import REPO, run_cli
 
 from distflow.config import ConfigError, load_config
-from distflow.config.components import ESTIMATORS
+from distflow.config.components import ESTIMATORS, TRAINED_MODELS
 from distflow.dag import pieces
 from distflow.dag.graph import Graph, Stage
 from distflow.dag.pipelines import LOADER_FIELDS, build_graph
@@ -48,34 +51,38 @@ def _train_tiny(tmp_path, *overrides: str, steps: int = 1) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
 
 
-# A user's module: a toy engine (a constant bonus, built from the config on the train ranks) and a
-# GRPO pipeline with one stage of its own between the reward and the advantage that uses it.
+# A user's module: a toy trained model (a constant bonus, built from the config on the train ranks, after
+# the policy) and a GRPO pipeline with one stage of its own between the reward and the advantage that uses it.
 TOY = """
 from distflow.config.components import ESTIMATORS
 from distflow.dag import pieces
 from distflow.data.fields import REWARD
-from distflow.training.registry import EngineSpec, register
+from distflow.training.registry import TrainedModel
 
 
-class Bonus:
-    def __init__(self, value):
-        self.value = value
+class Bonus(TrainedModel):
+    after = ("policy",)
 
+    def __init__(self, value, policy_built):
+        self.value, self.policy_built = value, policy_built
 
-register(EngineSpec("bonus", lambda build: Bonus(0.25 * build.config.rollout.num_samples)))
+    @classmethod
+    def build(cls, build):
+        return cls(0.25 * build.config.rollout.num_samples, build.built.get("policy") is not None)
 
 
 def add_bonus(batch, ctx):
-    bonus = ctx.engines.get("bonus").value
-    ctx.metrics.mean("toy/bonus", bonus * len(batch), len(batch))
-    return batch.updated(reward=batch[REWARD] + bonus)
+    bonus = ctx.engines.get("toy_pipeline:Bonus")
+    ctx.metrics.mean("toy/bonus", bonus.value * len(batch), len(batch))
+    ctx.metrics.mean("toy/built_after_policy", float(bonus.policy_built) * len(batch), len(batch))
+    return batch.updated(reward=batch[REWARD] + bonus.value)
 
 
 def build(config):
     chain = pieces.Chain(config)
     pieces.add_rollout(chain)
     pieces.add_rewards(chain)
-    chain.add("bonus", add_bonus, "reward", (REWARD,), (REWARD,), uses=("bonus",))
+    chain.add("bonus", add_bonus, "reward", (REWARD,), (REWARD,), uses=("toy_pipeline:Bonus",))
     pieces.add_advantage(chain, ESTIMATORS["grpo"])
     pieces.add_logprobs(chain)
     pieces.add_policy_update(chain)
@@ -113,7 +120,7 @@ def test_a_custom_pipeline_composes_the_library_pieces_and_its_own_engine(toy_mo
         "policy_update",
         "weight_sync",
     ]
-    assert graph.stages["bonus"].uses == ("bonus",)
+    assert graph.stages["bonus"].uses == ("toy_pipeline:Bonus",)
 
 
 @pytest.mark.parametrize(
@@ -121,7 +128,7 @@ def test_a_custom_pipeline_composes_the_library_pieces_and_its_own_engine(toy_mo
     [
         (
             "toy_pipeline:misspelt",
-            "uses engine 'bonsu', which is not registered; engines are: critic, model, reference, policy, bonus",
+            "uses engine 'bonsu', which is not registered; engines are: critic, model, reference, policy",
         ),
         ("toy_pipeline:not_a_graph", "returned list, not a distflow.dag.graph.Graph"),
         ("toy_pipeline:nothing", "module 'toy_pipeline' has no function 'nothing'"),
@@ -159,18 +166,136 @@ def test_a_stage_that_writes_an_undeclared_field_is_named_at_run_time():
 
 
 def test_a_run_trains_through_a_custom_pipeline_with_its_own_engine(tmp_path):
-    """The real entry point: the builder's module registers the engine on the rank, the rank builds it
-    (it is used by a train stage), and the stage reads it: the bonus is 0.25 x 4 samples = 1.0."""
+    """The real entry point: a stage names the trained model `toy_pipeline:Bonus` in `uses`, the rank imports
+    and builds it after the policy (its `after`), and the stage reads it: the bonus is 0.25 x 4 samples = 1.0."""
     (tmp_path / "toy_pipeline.py").write_text(TOY)
     records = _train_tiny(tmp_path, "pipeline.builder=toy_pipeline:build")
     step = next(r for r in records if r.get("step") == 1)
     assert step["toy/bonus"] == 1.0
+    assert step["toy/built_after_policy"] == 1.0
 
 
 def test_graph_checks_name_a_misspelt_builtin_engine():
     graph = Graph().add(Stage("update", lambda b, c: b, "train", uses=("polciy",)))
     with pytest.raises(ConfigError, match="uses engine 'polciy', which is not registered; engines are: critic"):
         graph.validate(LOADER_FIELDS)
+
+
+@pytest.fixture()
+def trained_models(monkeypatch):
+    """`TRAINED_MODELS`, given back as it was after the test (what the test registers stays its own)."""
+    monkeypatch.setattr(TRAINED_MODELS, "_classes", dict(TRAINED_MODELS._classes))
+    return TRAINED_MODELS
+
+
+def test_build_order_honours_after_for_a_users_trained_model(trained_models):
+    from distflow.training.registry import TrainedModel, build_order
+
+    class Judge(TrainedModel):
+        name = "judge"
+        after = ("scorer",)  # registered before the scorer, built after it
+
+    class Scorer(TrainedModel):
+        name = "scorer"
+        after = ("reference",)
+
+    trained_models.register(Judge)
+    trained_models.register(Scorer)
+
+    def order(*uses):
+        return [name for name, _ in build_order(uses)]
+
+    everything = ["model", "reference", "policy", "scorer", "judge"]
+    assert order("model", "policy", "reference", "judge", "scorer") == everything
+    assert order("model", "judge", "scorer") == ["model", "scorer", "judge"]  # `after` a model not built: no wait
+    assert order("judge", "model", "critic") == ["critic", "model", "judge"]
+
+    class Chicken(TrainedModel):
+        name = "chicken"
+        after = ("egg",)
+
+    class Egg(TrainedModel):
+        name = "egg"
+        after = ("chicken",)
+
+    trained_models.register(Chicken)
+    trained_models.register(Egg)
+    with pytest.raises(ConfigError, match="^the engines chicken, egg wait for each other"):
+        build_order(["model", "chicken", "egg"])
+    with pytest.raises(ConfigError, match="^trained model 'policy' is a built-in one; choose another name$"):
+        trained_models.register(type("Policy", (TrainedModel,), {"name": "policy"}))
+
+
+@pytest.mark.parametrize(
+    "uses, needle",
+    [
+        ("json:dumps", "stage 'score': Stage.uses='json:dumps' is .*, not a distflow.training.registry.TrainedModel"),
+        ("json:Nothing", "stage 'score': Stage.uses='json:Nothing': cannot import 'json:Nothing'"),
+    ],
+)
+def test_a_uses_path_that_is_no_trained_model_is_named(trained_models, uses, needle):
+    graph = Graph().add(Stage("score", lambda b, c: b, "train", uses=(uses,)))
+    with pytest.raises(ConfigError, match=needle):
+        graph.validate(LOADER_FIELDS)
+
+
+# The convention before trained models were a component kind: `register(EngineSpec(...))`, still honoured.
+OLD_STYLE = """
+from distflow.training.registry import EngineSpec, register
+
+
+class Scores:
+    def __init__(self):
+        self.model, self.optimizer, self.scheduler = "module", "optimizer", "scheduler"
+
+
+def trained(engine):
+    return engine.model, engine.optimizer, engine.scheduler
+
+
+register(EngineSpec("old_scores", lambda build: Scores(), after=("old_flag",), state=trained))
+register(EngineSpec("old_flag", lambda build: "flag"))
+"""
+
+
+@pytest.fixture()
+def old_style(tmp_path, monkeypatch, trained_models):
+    from distflow.training import registry
+
+    (tmp_path / "old_style.py").write_text(OLD_STYLE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_warned_register", False)
+    yield registry
+    sys.modules.pop("old_style", None)
+
+
+def test_the_old_engine_spec_door_still_works_and_warns_once(old_style):
+    registry = old_style
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module("old_style")
+        importlib.reload(module)  # a reload replaces what it registered
+        with pytest.raises(ConfigError, match="^trained model 'old_flag' is registered twice; choose another name$"):
+            registry.register(registry.EngineSpec("old_flag", len))
+    assert [(w.category, str(w.message)) for w in caught] == [
+        (
+            FutureWarning,
+            "distflow.training.registry.register(EngineSpec(...)) is deprecated; subclass "
+            "distflow.training.registry.TrainedModel and name it 'package.module:Class' in Stage.uses, "
+            "or register it with distflow.config.components.TRAINED_MODELS.register",
+        )
+    ]
+    assert caught[0].filename == module.__file__  # it points at the user's line
+    Graph().add(Stage("score", lambda b, c: b, "train", uses=("old_scores", "old_flag"))).validate(LOADER_FIELDS)
+    order = registry.build_order({"model", "policy", "old_scores", "old_flag"})
+    assert [name for name, _ in order] == ["model", "policy", "old_flag", "old_scores"]
+    build = registry.EngineBuild(config=None, model=None, comm=None, sampling=None)
+    built = {name: trained.build(build) for name, trained in order if name.startswith("old_")}
+    assert built["old_flag"] == "flag" and isinstance(built["old_scores"], module.Scores)
+    assert all(issubclass(trained, registry.TrainedModel) for _, trained in order)
+    assert registry.checkpointed({**built, "policy": built["old_scores"]}) == {
+        "old_scores": ("module", "optimizer", "scheduler")
+    }
 
 
 # A rollout engine of one's own, in one file and no edit to src/: options of its own, a rule it needs of

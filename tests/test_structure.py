@@ -202,8 +202,8 @@ def test_stage_bodies_name_batch_fields_by_their_constants():
 
 
 def test_every_engine_name_used_is_registered():
-    """`uses=(...)` of every stage in src/ and `engines.get(...)` name engines of the registry."""
-    from distflow.training.registry import ENGINES
+    """`uses=(...)` of every stage in src/ and `engines.get(...)` name trained models of the registry."""
+    from distflow.config.components import TRAINED_MODELS
 
     used = {}
     for name, tree in _modules().items():
@@ -221,7 +221,7 @@ def test_every_engine_name_used_is_registered():
             ):
                 used[node.args[0].value] = name
     assert {"policy", "reference", "critic"} <= set(used)
-    assert {engine: module for engine, module in used.items() if engine not in ENGINES} == {}
+    assert {engine: module for engine, module in used.items() if engine not in TRAINED_MODELS} == {}
 
 
 LAYERS = (

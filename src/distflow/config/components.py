@@ -11,7 +11,8 @@
 
 Where a kind's parts are plain functions (a policy loss, a KL estimator, an off-policy correction),
 its `FunctionRegistry` gives the function itself: `POLICY_LOSSES[algo.policy_loss](logp_BR, ...)`. The
-settings that name a part of the algorithm are checked when the config is loaded (`check_name`).
+settings that name a part of the algorithm are checked when the config is loaded (`check_name`). A trained
+model (`TRAINED_MODELS`) is named by a stage's `uses` instead, and checked with the graph (dag/graph.py).
 
 The built-ins are import paths, not references, on purpose: the config layer names them without
 importing the layers above it, and a component's own dependencies (vLLM, datasets, reasoning-gym)
@@ -99,10 +100,10 @@ class Registry:
         decorator."""
         name = name or cls.name
         known = self._classes.get(name)
+        if name in self._paths and (known is None or _origin(known) != _origin(cls)):  # imported or not yet
+            raise ConfigError(f"{self.kind} {name!r} is a built-in one; choose another name")
         if known is not None and _origin(known) != _origin(cls):
             raise ConfigError(f"{self.kind} {name!r} is registered twice; choose another name")
-        if name in self._paths and known is None:
-            raise ConfigError(f"{self.kind} {name!r} is a built-in one; choose another name")
         self._classes[name] = cls
         return cls
 
@@ -236,6 +237,21 @@ ROLLOUT_ENGINES = Registry(
     },
 )
 """The rollout engines (distflow/rollout/); a user's own is `rollout.engine: 'package.module:Class'`."""
+
+TRAINED_MODELS = Registry(
+    "trained model",
+    "Stage.uses",
+    {
+        "critic": "distflow.training.registry:Critic",
+        "model": "distflow.training.registry:Model",
+        "reference": "distflow.training.registry:Reference",
+        "policy": "distflow.training.registry:Policy",
+    },
+)
+"""What a stage names in `uses` and a rank builds for it (training/registry.py): each a
+`distflow.training.registry.TrainedModel`. Named by a stage, not by a config section: your own is
+`uses=('package.module:Class',)`, or a name registered with `TRAINED_MODELS.register(cls)`. The order here is
+the build order where `after` leaves a choice (`build_order`): critic, model (LoRA adapters), reference, policy."""
 
 TASK_SOURCES = Registry(
     "task source",

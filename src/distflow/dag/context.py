@@ -1,7 +1,7 @@
 """What a stage function may use besides the batch.
 
     Engines        built once per rank by the runtime (runtime/worker.py), never replaced:
-                   the models (from the engine registry, training/registry.py), the reward
+                   the trained models (`TRAINED_MODELS`, training/registry.py), the reward
                    functions, the sampling settings, the prompt source
     StageContext   made by the executor for each stage it runs, and not changed by stages:
                    config, engines, the stage's communicator, the world, the step, the metrics
@@ -56,10 +56,11 @@ class Engines:
     agent: Any = None
     """The `AgentRollout` of a rollout rank when `rollout.agent` is set (dag/agent_stage.py)."""
     built: dict[str, Any] = field(default_factory=dict)
-    """Every engine built from the registry on this rank, by name (training/registry.py)."""
+    """Every trained model built on this rank, by the name `Stage.uses` gives it (training/registry.py)."""
 
     def get(self, name: str) -> Any:
-        """The registered engine `name` on this rank (None where no stage of this rank uses it)."""
+        """The trained model `name` (as `Stage.uses` names it) on this rank (None where no stage of this rank
+        uses it)."""
         return self.built.get(name)
 
 

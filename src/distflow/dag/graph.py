@@ -1,8 +1,8 @@
 """The algorithm as a graph of stages, checked before anything launches.
 
 A `Stage` names the callable that runs it, the stages it depends on, and the batch
-fields it reads and writes, and the engines it uses. `Graph.validate` rejects an engine the
-registry does not know (training/registry.py), unknown dependencies, cycles, and
+fields it reads and writes, and the trained models it uses. `Graph.validate` rejects one that is no
+trained model (`TRAINED_MODELS`, training/registry.py), unknown dependencies, cycles, and
 a stage reading a field that no earlier stage (nor the loader) writes; it returns the
 deterministic topological order that every rank executes.
 """
@@ -50,9 +50,10 @@ class Stage:
     group: str = "train"
     """Worker group that runs it (`placement.<group>`): rollout, train, or sync (both)."""
     uses: tuple[str, ...] = ()
-    """Registered engines it needs on its ranks besides the rollout model: policy, reference,
-    critic, or one added with `distflow.training.registry.register` (the runtime builds on a rank
-    the engines that rank's stages use, and no others)."""
+    """Trained models it needs on its ranks besides the rollout model (`TRAINED_MODELS`): policy,
+    reference, critic, a name registered with `TRAINED_MODELS.register`, or your own
+    `'package.module:Class'`, a `distflow.training.registry.TrainedModel` (the runtime builds on a rank
+    the ones that rank's stages use, and no others; a stage reaches one as `ctx.engines.get(name)`)."""
 
 
 @dataclass

@@ -22,7 +22,7 @@ stages); the rest is chosen by the algorithm's settings:
 
 `build_graph` takes the pipeline from `pipeline.builder` ("module:function", config → Graph;
 `builtin` here when unset: the built-ins come through the same door), adds the config's custom
-stages, and checks the whole: the engines the stages use (training/registry.py), their fields. (The
+stages, and checks the whole: the trained models the stages use (training/registry.py), their fields. (The
 settings that name a part, `algorithm.policy_loss` and the like, are checked when the config is
 loaded: config/components.py.)
 """

@@ -154,7 +154,7 @@ def _stateful_parts(worker: Worker) -> dict:
 
 
 def _others(worker: Worker) -> dict:
-    """Trained modules besides the policy (the critic under PPO): what the engine registry says."""
+    """Trained modules besides the policy (the critic under PPO): what each trained model's `trained_state` says."""
     return checkpointed(worker.engines.built)
 
 

@@ -191,13 +191,13 @@ def _build_engines(
     sharded_from: Path | None = None,
 ) -> tuple[torch.nn.Module, dict]:
     """This rank's model (with LoRA adapters if `model.lora` asks, on every rank alike) and the
-    engines its stages use, built from the registry in its dependency order (training/registry.py).
+    trained models its stages use (`TRAINED_MODELS`), built in their dependency order (training/registry.py).
 
     `sharded_from`: `model` is on the meta device; each engine shards its module and fills it
     from that directory's files, each rank reading its own rows."""
     build = EngineBuild(config, model, train, sampling, sharded_from=sharded_from)
-    for spec in build_order({"model", *uses}):
-        build.built[spec.name] = spec.build(build)
+    for name, trained in build_order({"model", *uses}):
+        build.built[name] = trained.build(build)
     if "policy" not in uses:
         build.model.requires_grad_(False)
     return build.model, {name: engine for name, engine in build.built.items() if name != "model"}
