@@ -99,6 +99,26 @@ def misspelt(config):
 
 def not_a_graph(config):
     return [build(config)]
+
+
+class Picky(Bonus):
+    @classmethod
+    def check(cls, config):
+        if config.trainer.prompts_per_step > 4:
+            from distflow.config import ConfigError
+
+            raise ConfigError("toy_pipeline:Picky needs trainer.prompts_per_step <= 4")
+
+    @classmethod
+    def preflight(cls, config):
+        return ["toy_pipeline:Picky needs the toy-weights package: pip install toy-weights"]
+
+
+def picky(config):
+    graph = build(config)
+    stage = graph.stages["bonus"]
+    graph.stages["bonus"] = type(stage)(**{**stage.__dict__, "uses": ("toy_pipeline:Picky",)})
+    return graph
 """
 
 
@@ -173,6 +193,32 @@ def test_a_run_trains_through_a_custom_pipeline_with_its_own_engine(tmp_path):
     step = next(r for r in records if r.get("step") == 1)
     assert step["toy/bonus"] == 1.0
     assert step["toy/built_after_policy"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "extra, line",
+    [
+        ((), "distflow: error: toy_pipeline:Picky needs the toy-weights package: pip install toy-weights"),
+        (("trainer.prompts_per_step=8",), "distflow: error: toy_pipeline:Picky needs trainer.prompts_per_step <= 4"),
+    ],
+)
+def test_a_trained_model_of_ones_own_states_its_rules_and_needs_before_any_rank_starts(tmp_path, extra, line):
+    """Its component's `check` and `preflight` run when the run is validated, as a rollout engine's do: one
+    line, exit 2, no run directory."""
+    (tmp_path / "toy_pipeline.py").write_text(TOY)
+    result = run_cli(
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        *TINY_RUN,
+        "pipeline.builder=toy_pipeline:picky",
+        f"trainer.output_dir={tmp_path}",
+        *extra,
+        cwd=tmp_path,
+        timeout=1800,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == line, result.stderr[-3000:]
+    assert not list(tmp_path.glob("*/metrics.jsonl"))
 
 
 def test_graph_checks_name_a_misspelt_builtin_engine():

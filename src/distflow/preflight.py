@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 
 from distflow.config.parallel import ParallelConfig
@@ -261,6 +262,19 @@ def check_rollout_engine(config: Config) -> None:
     problems = ROLLOUT_ENGINES.get(config.rollout.engine).preflight(config)
     if problems:
         raise ConfigError(problems[0])
+
+
+def check_trained_models(config: Config, uses: Iterable[str]) -> None:
+    """The rules and machine needs of each trained model the run's stages use (`uses`): its component's
+    `check`, then its `preflight`, as for the rollout engine; a user's own `TrainedModel` declares its own."""
+    from distflow.config.components import TRAINED_MODELS
+
+    for name in dict.fromkeys(uses):
+        trained = TRAINED_MODELS.get(name)
+        trained.check(config)
+        problems = trained.preflight(config)
+        if problems:
+            raise ConfigError(problems[0])
 
 
 def check_task_source(config: Config) -> None:

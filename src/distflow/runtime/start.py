@@ -207,7 +207,8 @@ def validate(config: Config, world_size: int, *, check_run_dir: bool, resuming: 
     from distflow.dag.pipelines import LOADER_FIELDS, build_graph
     from distflow.planner.plan import make_plan
 
-    make_plan(build_graph(config), config, world_size, LOADER_FIELDS)
+    graph = build_graph(config)
+    make_plan(graph, config, world_size, LOADER_FIELDS)
     reward_functions(config.task)
     if config.env.cls is not None:
         from distflow.envs import environment_class
@@ -221,6 +222,7 @@ def validate(config: Config, world_size: int, *, check_run_dir: bool, resuming: 
     preflight.check_strategy(config)
     preflight.check_loggers(config)
     preflight.check_rollout_engine(config)
+    preflight.check_trained_models(config, (name for stage in graph.stages.values() for name in stage.uses))
     preflight.check_task_source(config)
     preflight.check_reward_models(config)
     preflight.check_data_files(config)
