@@ -1,7 +1,7 @@
 """The `parallel` section (how models are spread over the train ranks, in what precision, on
 which device) and the `passes` section (how a forward/backward pass batches its sequences).
 
-Both are frozen: the engine registry hands them to the engines that need them
+Both are frozen: each trained model's `build` (training/registry.py) hands them to what needs them
 (`TrainableEngine(parallel=..., passes=...)`, `parallelize(model, comm, parallel)`), and an
 engine cannot change what every other rank was told.
 """
