@@ -113,8 +113,8 @@ class PassesConfig:
     """Log-prob, value and training passes pack each micro-batch's sequences end to end (positions
     restart per sequence, attention kept within each) instead of padding them to the widest
     (training/packing.py): the same results without computing over padding. Off by default: on the
-    2-core CPU with the embedded model's short sequences the packing costs more than the padding
-    it saves (docs/features/rollout-engines.md)."""
+    embedded model's short, nearly equal sequences there is almost no padding to skip, and the
+    packed update takes as long as the padded one (docs/features/rollout-engines.md)."""
     shared_prefix: bool | None = None
     """Log-prob, value and training passes compute each distinct prompt of a micro-batch once and the
     responses over its KV cache (training/prefix_sharing.py): the same results, a group's prompt not
