@@ -25,7 +25,7 @@ how to fetch and install them on a machine without internet). Sections (--sectio
             profiled (`--profile 1`): the stage split (median of steps 3-5) and the profiler's
             tables (device time, then host time, by operator) and its trace; then the same
             unprofiled with each of --step-variants' overrides (default: the update in one pass
-            of 64, with and without the shared prefix).
+            of 64, with and without the shared prefix, and in bf16).
   learning  benchmarks/learning.py, distflow (1 process) against TRL's GRPOTrainer at
             --budget-s seconds of training each, in float32 and in bf16 (learning.py's --dtype).
 
@@ -57,9 +57,13 @@ SECTIONS = ("rollout", "default", "step", "learning")
 ENGINES = ("generate", "compact", "compact/every-token", "compiled")
 SHAPES = {"recipe": (8, 8, 32), "long": (64, 8, 256)}
 PROMPT_TOKENS = 96
-STEP_VARIANTS = ("passes.micro_batch_size=64", "passes.micro_batch_size=64 passes.shared_prefix=false")
+STEP_VARIANTS = (
+    "passes.micro_batch_size=64",
+    "passes.micro_batch_size=64 passes.shared_prefix=false",
+    "passes.micro_batch_size=64 parallel.param_dtype=bfloat16",
+)
 """The step again with these overrides (not profiled): the recipe's update in one pass of 64, with
-and without the shared prefix's second call."""
+and without the shared prefix's second call, and in bf16 (ddp under autocast, float32 weights)."""
 
 
 LOG: list[Path] = []  # gpu.log, once --out is known
