@@ -187,3 +187,13 @@ def test_a_reward_that_calls_sys_exit_is_a_counted_error():
 
     scores = Rewards([RewardTerm("exits", lambda p, c, s: sys.exit(3))], default_reward=0.5).score(["q"], ["a"], [{}])
     assert scores.reward_B.tolist() == [0.5] and scores.errors == 1
+
+
+def test_closing_the_deadline_caller_ends_its_thread_before_returning():
+    """`distflow.train` in a notebook leaves no `distflow-reward` thread behind: close waits for the idle
+    worker to end instead of only asking it to."""
+    caller = DeadlineCaller(timeout_s=60.0)
+    assert caller(lambda x: x + 1, 1) == 2
+    thread = caller._thread
+    caller.close()
+    assert not thread.is_alive()

@@ -121,7 +121,11 @@ class DeadlineCaller:
         return value
 
     def close(self) -> None:
+        """End the worker thread and wait for it: it is idle (every call made through `__call__` has returned
+        or was abandoned to a thread of its own), so it ends as soon as it reads the stop. Abandoned threads,
+        stuck in a call, are left to end when their call returns."""
         self._inbox.put(None)
+        self._thread.join()
 
 
 @dataclass(frozen=True)
@@ -176,7 +180,7 @@ class Rewards:
         self._call = DeadlineCaller(timeout_s) if timeout_s > 0 else (lambda fn, *args: fn(*args))
 
     def close(self) -> None:
-        """Let the reward thread end (a call still running ends it when it returns)."""
+        """End the reward thread (one stuck in a timed-out call ends when that call returns)."""
         if isinstance(self._call, DeadlineCaller):
             self._call.close()
 
