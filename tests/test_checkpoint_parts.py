@@ -7,7 +7,7 @@ import shutil
 from types import SimpleNamespace
 
 import pytest
-from test_extending import _train_tiny
+from extending_common import train_tiny
 
 from distflow.checkpoint.parts import has_state, part_states, restore_part_states, saved_part_states
 from distflow.config import load_config
@@ -109,7 +109,7 @@ def test_a_resumed_run_gets_back_its_parts_states_old_checkpoints_too(tmp_path, 
 
     def train(journal, *extra):
         monkeypatch.setenv("JOURNAL", str(tmp_path / journal))
-        _train_tiny(tmp_path, *mine, *extra, steps=2)
+        train_tiny(tmp_path, *mine, *extra, steps=2)
         return [json.loads(line) for line in (tmp_path / journal).read_text().splitlines()]
 
     full = train("full.jsonl")

@@ -9,8 +9,8 @@ import sys
 import pytest
 import yaml
 from conftest import REPO, run_cli
+from extending_common import SHAPING, train_tiny
 from test_bad_inputs import check_one_line_error
-from test_extending import SHAPING, _train_tiny
 
 from distflow.algorithms.off_policy import OffPolicyCorrection
 from distflow.config import ConfigError, load_config
@@ -107,7 +107,7 @@ def test_a_run_trains_with_parts_of_ones_own(my_parts, cache_dir):
     """The preset `algorithm.name` names brings the loss and the aggregation; the settings, the rest."""
     (my_parts / "shaping.py").write_text(SHAPING)  # rewards that differ within a group: the loss has signal
     settings = [s for s in MINE if not s.startswith(("algorithm.policy_loss", "algorithm.loss_agg"))]
-    records = _train_tiny(
+    records = train_tiny(
         my_parts,
         "algorithm.name=my_parts:OWN",
         *settings,

@@ -267,10 +267,10 @@ def check_rollout_engine(config: Config) -> None:
 def check_trained_models(config: Config, uses: Iterable[str]) -> None:
     """The rules and machine needs of each trained model the run's stages use (`uses`): its component's
     `check`, then its `preflight`, as for the rollout engine; a user's own `TrainedModel` declares its own."""
-    from distflow.config.components import TRAINED_MODELS
+    from distflow.training.registry import trained_model
 
     for name in dict.fromkeys(uses):
-        trained = TRAINED_MODELS.get(name)
+        trained = trained_model(name)
         trained.check(config)
         problems = trained.preflight(config)
         if problems:
