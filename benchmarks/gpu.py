@@ -9,7 +9,7 @@ A GPU machine needs torch and transformers; distflow runs from source (`PYTHONPA
 other packages it and TRL need can come as wheels (benchmarks/requirements-gpu.txt says which, and
 how to fetch and install them on a machine without internet). Sections (--sections, default all):
 
-  rollout   tokens/s of each rollout engine (`generate`, `compact`; `compiled` with --engines),
+  rollout   tokens/s of each rollout engine (`generate`, `compact`, `graphed`; `compiled` with --engines),
             in float32 and bfloat16 (a bf16 copy of the model), at the recipe's shape (8 prompts
             x 8 samples x 32 tokens) and at 64 x 8 x 256. The model is SmolLM2-135M's
             architecture with random weights, on random prompts of 64-96 tokens (left-padded, as
@@ -25,7 +25,7 @@ how to fetch and install them on a machine without internet). Sections (--sectio
             profiled (`--profile 1`): the stage split (median of steps 3-5) and the profiler's
             tables (device time, then host time, by operator) and its trace; then the same
             unprofiled with each of --step-variants' overrides (default: the update in one pass
-            of 64, with and without the shared prefix, and in bf16).
+            of 64, with and without the shared prefix, in bf16, and with `graphed` rollouts).
   learning  benchmarks/learning.py, distflow (1 process) against TRL's GRPOTrainer at
             --budget-s seconds of training each, in float32 and in bf16 (learning.py's --dtype).
 
@@ -54,16 +54,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_setup import ROOT, save_model  # noqa: E402
 
 SECTIONS = ("rollout", "default", "step", "learning")
-ENGINES = ("generate", "compact", "compact/every-token", "compiled")
+ENGINES = ("generate", "compact", "compact/every-token", "graphed", "compiled")
 SHAPES = {"recipe": (8, 8, 32), "long": (64, 8, 256)}
 PROMPT_TOKENS = 96
 STEP_VARIANTS = (
     "passes.micro_batch_size=64",
     "passes.micro_batch_size=64 passes.shared_prefix=false",
     "passes.micro_batch_size=64 parallel.param_dtype=bfloat16",
+    "passes.micro_batch_size=64 rollout.engine=graphed",
+    "passes.micro_batch_size=64 rollout.engine=graphed parallel.param_dtype=bfloat16",
 )
 """The step again with these overrides (not profiled): the recipe's update in one pass of 64, with
-and without the shared prefix's second call, and in bf16 (ddp under autocast, float32 weights)."""
+and without the shared prefix's second call, in bf16 (ddp under autocast, float32 weights), and with
+the rollout's decode steps replayed as CUDA graphs (`graphed`) in float32 and bf16."""
 
 
 LOG: list[Path] = []  # gpu.log, once --out is known

@@ -20,14 +20,16 @@ Settings (P prompts x G samples, new-token cap, temperature):
 
 1. Rollout, per decode step: each engine generates the prompts once uncounted (warm-up), then
    once counted; the totals are divided by the decode steps taken (the longest response, EOS
-   included). Engines: distflow's `compact` and `generate` (`distflow.rollout.generation.generate`,
+   included). Engines: distflow's `compact`, `graphed` and `generate` (`distflow.rollout.generation.generate`,
    keyed sampling, log-probs kept, as the rollout stage calls it) and `hf_trl`: Hugging Face
    `model.generate` with the GenerationConfig TRL's GRPOTrainer builds (do_sample, top_k 0,
    top_p 1, min_p None, repetition_penalty 1, no cache_implementation, disable_compile) on the
    same left-padded prompts, each repeated G times. Forward hooks split the counts into the
    prefill forward, the mean decode forward, and the rest (sampling, stopping, bookkeeping) per
    step. `compiled` is not counted: under a dispatch mode dynamo runs the model eagerly, so its
-   counts would be `compact`'s.
+   counts would be `compact`'s. `launches`: what the host would launch per step on CUDA, the ops
+   but for `graphed`, whose decode step runs eagerly twice, is captured at its third run and is
+   replayed from then on as one launch (its ops from the 4th run on are replaced by 1 each).
 2. Training, per step: distflow in this process (`distflow.train`, one rank, 2 steps, the
    counter open throughout) with `runtime.executor`'s `_step`, `run_stage` and `run_transition`
    wrapped so that each stage of step 2 counts into its own scope (`loader+metrics`: the step's
@@ -70,7 +72,7 @@ SETTINGS = {  # name: (prompts, samples, max_new_tokens, temperature)
     "tiny": (8, 8, 8, 1.0),
     "quick": (4, 4, 4, 1.0),
 }
-ENGINES = ("compact", "generate", "hf_trl")
+ENGINES = ("compact", "graphed", "generate", "hf_trl")
 COUNT_STEP = 2  # the first step after a warm-up one
 TOP = 10
 
@@ -260,11 +262,35 @@ def rollout_costs(args: argparse.Namespace, model_dir: Path, prompts: list[str])
         with choices_as_on_cuda(), HostCostCounter() as counter, counter.scope(engine):
             forwards = ForwardCounts(model, counter, engine)
             try:
-                steps = rollout_once(engine, model, tokenizer, prompts, args)
+                with graphed_step_ops(counter, engine) as step_ops:
+                    steps = rollout_once(engine, model, tokenizer, prompts, args)
             finally:
                 forwards.close()
         results[engine] = per_step(counter, engine, steps, forwards.spans)
+        replayed = step_ops[3:]  # `graphed`: steps after the capture (the 3rd) are one launch each on CUDA
+        results[engine]["launches_per_step"] = round(
+            (counter.totals(engine)["ops"] - sum(replayed) + len(step_ops[2:])) / steps, 1
+        )
     return results
+
+
+@contextlib.contextmanager
+def graphed_step_ops(counter: HostCostCounter, scope: str):
+    """The ops of each run of `graphed`'s decode step (rollout/graphed.py), in a list filled as they run."""
+    from distflow.rollout import graphed
+
+    step_ops, original = [], graphed._Step.__call__
+
+    def counted(step):
+        before = counter.totals(scope)["ops"]
+        original(step)
+        step_ops.append(counter.totals(scope)["ops"] - before)
+
+    graphed._Step.__call__ = counted
+    try:
+        yield step_ops
+    finally:
+        graphed._Step.__call__ = original
 
 
 def per_step(counter: HostCostCounter, scope: str, steps: int, spans: list[list[tuple[int, int]]]) -> dict:
@@ -393,11 +419,12 @@ def print_tables(args: argparse.Namespace, result: dict) -> None:
         "syncs: host waits a GPU would pay)"
     )
     print("rollout, per decode step:")
-    header = f"  {'engine':<10}{'steps':>6}{'ops':>9}{'syncs':>8}{'views':>8}{'h2d':>6}"
+    header = f"  {'engine':<10}{'steps':>6}{'ops':>9}{'launches':>10}{'syncs':>8}{'views':>8}{'h2d':>6}"
     print(header + f"{'prefill ops':>13}{'decode fwd ops':>16}{'other ops':>11}{'other syncs':>13}")
     for engine, r in result["rollout"].items():
         print(
-            f"  {engine:<10}{r['decode_steps']:>6}{r['ops_per_step']:>9.1f}{r['syncs_per_step']:>8.2f}"
+            f"  {engine:<10}{r['decode_steps']:>6}{r['ops_per_step']:>9.1f}{r['launches_per_step']:>10.1f}"
+            f"{r['syncs_per_step']:>8.2f}"
             f"{r['views_per_step']:>8.1f}{r['from_host_per_step']:>6.2f}"
             f"{(r['prefill_forward'] or {}).get('ops', 0):>13}{r['decode_forward']['ops']:>16.1f}"
             f"{r['outside_forward_per_step']['ops']:>11.1f}{r['outside_forward_per_step']['syncs']:>13.2f}"

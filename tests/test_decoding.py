@@ -148,35 +148,9 @@ def test_compiled_engine_draws_the_compact_samples_and_follows_weight_updates(mo
 
 @pytest.mark.slow  # two 2-rank CLI runs, one compiling: CI runs it
 def test_a_compiled_run_on_two_ranks_logs_what_the_compact_run_logs(tmp_path, cache_dir):
-    import json
+    from engines_common import assert_same_run, engine_metrics
 
-    from conftest import REPO, run_cli
-
-    rows = {}
-    for engine in ("compact", "compiled"):
-        result = run_cli(
-            "train",
-            str(REPO / "examples/arith_grpo.yaml"),
-            f"rollout.engine={engine}",
-            "--nproc",
-            "2",
-            "trainer.total_steps=3",
-            "trainer.eval_every=0",
-            "trainer.progress_bar=false",
-            "trainer.loggers=[jsonl]",
-            "checkpoint.every=0",
-            "checkpoint.at_end=false",
-            f"warmstart.cache_dir={cache_dir}",
-            f"trainer.output_dir={tmp_path}",
-            f"trainer.run_name={engine}",
-            cwd=tmp_path,
-            timeout=1800,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert "warning" not in result.stderr  # no compile-worker threads left behind
-        lines = (tmp_path / engine / "metrics.jsonl").read_text().splitlines()
-        rows[engine] = [
-            {k: v for k, v in json.loads(line).items() if k.startswith(("reward/", "response/", "train/"))}
-            for line in lines
-        ]
-    assert rows["compiled"] == rows["compact"] and len(rows["compact"]) == 4
+    steps = ["--nproc", "2", "trainer.total_steps=3", "trainer.eval_every=0"]
+    compiled = engine_metrics(tmp_path, cache_dir, "compiled", *steps)
+    assert_same_run(compiled, engine_metrics(tmp_path, cache_dir, "compact", *steps))
+    assert len(compiled) == 4

@@ -122,7 +122,7 @@ def quick():
 
 
 def test_quick_counts_every_engine_per_decode_step(quick):
-    assert set(quick["rollout"]) == {"compact", "generate", "hf_trl"}
+    assert set(quick["rollout"]) == {"compact", "graphed", "generate", "hf_trl"}
     for engine, r in quick["rollout"].items():
         assert 1 <= r["decode_steps"] <= quick["settings"]["max_new_tokens"], engine
         assert r["forwards"] == r["decode_steps"], engine  # a prefill, then one forward per further token
@@ -130,8 +130,17 @@ def test_quick_counts_every_engine_per_decode_step(quick):
         # Every engine reads its sampled tokens back to decide when to stop: at least once per call.
         assert r["total"]["syncs"] >= 1, engine
         assert r["prefill_forward"]["ops"] >= r["decode_forward"]["ops"], engine
-    # The same model forward whichever engine drives it.
-    assert len({r["decode_forward"]["ops"] for r in quick["rollout"].values()}) == 1
+    # The same model forward whichever engine drives it over a growing cache; `graphed`'s static cache
+    # and ready mask change its forward, and on CUDA all but its first decode steps are one launch each.
+    dynamic = {engine: r for engine, r in quick["rollout"].items() if engine != "graphed"}
+    assert len({r["decode_forward"]["ops"] for r in dynamic.values()}) == 1
+    for engine, r in quick["rollout"].items():
+        if engine != "graphed":
+            assert r["launches_per_step"] == r["ops_per_step"], engine
+    # --quick's 4 tokens: 3 decode steps, the 3rd captured, so none is only replayed.
+    graphed = quick["rollout"]["graphed"]
+    assert graphed["decode_steps"] == 4
+    assert graphed["launches_per_step"] == pytest.approx((graphed["total"]["ops"] + 1) / 4, abs=0.051)
 
 
 def test_quick_counts_both_training_steps_by_stage(quick):

@@ -279,6 +279,7 @@ SECTION_READERS = {
         "distflow.config",
         "distflow.training.registry",
         "distflow.rollout.compiled",
+        "distflow.rollout.graphed",
         "distflow.rollout.engine",  # below float32 a rollout records its log-probs (`fields`)
         "distflow.planner.plan",
         "distflow.preflight",
@@ -359,7 +360,7 @@ ENGINE_PACKAGES = (
     "distflow.rollout.vllm.",
 )
 """What engines hold and use; the rollout components themselves (`rollout/engine.py`, `compact`, `compiled`,
-`generate`, `rollout/vllm/__init__.py`) are built from the `Config` by design (config/components.py)."""
+`graphed`, `generate`, `rollout/vllm/__init__.py`) are built from the `Config` by design (config/components.py)."""
 
 
 def test_engines_never_receive_the_whole_config():

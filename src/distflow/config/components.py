@@ -233,6 +233,7 @@ ROLLOUT_ENGINES = Registry(
         "compact": "distflow.rollout.compact:CompactEngine",
         "compiled": "distflow.rollout.compiled:CompiledEngine",
         "generate": "distflow.rollout.hf_generate:GenerateEngine",
+        "graphed": "distflow.rollout.graphed:GraphedEngine",
         "vllm": "distflow.rollout.vllm:VllmRollout",
     },
 )

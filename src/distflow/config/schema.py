@@ -44,11 +44,13 @@ class RolloutConfig:
     `compact` prefills each prompt once for its n samples and drops finished rows; `generate` is
     Hugging Face `generate` over the batch with each prompt repeated n times, kept as the reference;
     `compiled` is `compact` with the model's forward compiled by `torch.compile` (the first rollout
-    pays the compile; not with fsdp2); `vllm` is a vLLM engine owned by each rank that rolls out,
-    loaded with the policy's weights whenever they change (its own sampler: samples differ from the
-    others'; its sampling log-probs are recorded as `rollout_logp` and their gap to the trainer's is
-    logged under `mismatch/`): in the rank's process when every rank rolls out synchronously, else
-    with its core in a child process of the rank. It needs vLLM installed (`make vllm`) and
+    pays the compile; not with fsdp2); `graphed` is for a GPU: each rollout captures the decode step
+    as a CUDA graph and replays it for every token, its rows kept to the end (not with fsdp2);
+    `vllm` is a vLLM engine owned by each rank that rolls out, loaded with the policy's weights
+    whenever they change (its own sampler: samples differ from the others'; its sampling log-probs
+    are recorded as `rollout_logp` and their gap to the trainer's is logged under `mismatch/`): in
+    the rank's process when every rank rolls out synchronously, else with its core in a child
+    process of the rank. It needs vLLM installed (`make vllm`) and
     placement.rollout.ranks_per_replica=1. Your own: 'package.module:Class', a subclass of
     `distflow.rollout.engine.RolloutEngine`."""
     options: dict = field(default_factory=dict)

@@ -124,7 +124,15 @@ def sample_from_logits(
     return sampled_B1(logits_BV, uniform_B1, temperature=temperature, top_p=top_p).squeeze(-1)
 
 
-_MINUS_INF = torch.tensor(float("-inf"), dtype=torch.float64)
+_MINUS_INF: dict[torch.device, torch.Tensor] = {}
+
+
+def _minus_inf(device: torch.device) -> torch.Tensor:
+    """-inf in float64 on `device`, made once per device: a copy from the host per decoded token would
+    cost a GPU a transfer, and could not be captured in a CUDA graph (rollout/graphed.py)."""
+    if device not in _MINUS_INF:
+        _MINUS_INF[device] = torch.tensor(float("-inf"), dtype=torch.float64, device=device)
+    return _MINUS_INF[device]
 
 
 def sampled_B1(logits_BV: torch.Tensor, uniform_B1: torch.Tensor, *, temperature: float, top_p: float) -> torch.Tensor:
@@ -146,7 +154,7 @@ def sampled_B1(logits_BV: torch.Tensor, uniform_B1: torch.Tensor, *, temperature
     # So one search at the smaller of the two (the search is monotone in its value) needs no look at
     # the values on the host (a loop stepping back over empty bins would stall a GPU once per token).
     total_B1 = cdf_BV[:, -1:]
-    u_B1 = torch.minimum(uniform_B1 * total_B1, torch.nextafter(total_B1, _MINUS_INF.to(cdf_BV.device)))
+    u_B1 = torch.minimum(uniform_B1 * total_B1, torch.nextafter(total_B1, _minus_inf(cdf_BV.device)))
     token_B1 = torch.searchsorted(cdf_BV, u_B1, right=True).clamp(max=logits_BV.shape[-1] - 1)  # NaN logits too
     if cdf_BV.device.type != "cpu":
         # A GPU's parallel scan adds in another order, so an empty bin can round past its neighbour;

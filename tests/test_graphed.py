@@ -1,0 +1,110 @@
+"""The `graphed` rollout engine: `compact`'s samples from a decode step fit for a CUDA graph.
+
+A CPU has no CUDA graphs, so what is checked here is what capture needs of the step: the same samples
+and log-probs as `compact`, rollout after rollout as the weights change, and no value read on the
+host, nor copied from it, inside the step (benchmarks/dispatch_counter.py counts both).
+"""
+
+import sys
+
+import pytest
+import torch
+from conftest import REPO
+from engines_common import assert_same_run, engine_metrics
+
+from distflow.rollout import graphed
+from distflow.rollout.generation import generate
+from distflow.tasks.tiny_model import build_tiny_model
+from distflow.tasks.tokenizer import build_char_tokenizer
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from dispatch_counter import HostCostCounter  # noqa: E402
+
+sys.path.remove(str(REPO / "benchmarks"))
+
+PROMPTS = ["1+2=", "33+44=", "5*6-7=", "8=", "12+(3*4)=", "9-9=", "77+1=", "2*2*2="]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+def _rollout(model, tokenizer, engine: str, n: int, **kwargs):
+    keys = None if kwargs.pop("greedy", False) else [1000 + 7 * row for row in range(len(PROMPTS) * n)]
+    return generate(
+        model, tokenizer, PROMPTS, samples_per_prompt=n, engine=engine, sample_keys=keys, logprobs=True, **kwargs
+    )
+
+
+@pytest.mark.parametrize(
+    "n,temperature,top_p,greedy", [(4, 1.0, 1.0, False), (4, 0.7, 0.9, False), (1, 1.0, 1.0, True)]
+)
+def test_graphed_draws_the_compact_samples_as_the_weights_change(tokenizer, n, temperature, top_p, greedy):
+    model = build_tiny_model(tokenizer, seed=11, max_positions=96).eval()
+    kwargs = dict(max_new_tokens=40, temperature=temperature, top_p=top_p, greedy=greedy)
+    outs = []
+    for _ in range(2):  # the second time with updated weights, in place as an optimizer step makes them
+        compact = _rollout(model, tokenizer, "compact", n, **dict(kwargs))
+        static = _rollout(model, tokenizer, "graphed", n, **dict(kwargs))
+        assert torch.equal(static.input_ids_BT, compact.input_ids_BT)
+        assert torch.equal(static.attention_mask_BT, compact.attention_mask_BT)
+        assert static.completions == compact.completions
+        # Log-probs equal up to rounding: the static cache attends over all its columns, masked or not.
+        torch.testing.assert_close(static.logp_BR, compact.logp_BR, rtol=0, atol=1e-5)
+        outs.append(static)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(1.05)
+    assert not torch.equal(outs[0].input_ids_BT, outs[1].input_ids_BT)
+    if not greedy:
+        lengths = outs[0].response_mask_BR.sum(-1)
+        assert lengths.min() < lengths.max()  # rows end at different steps: their padding is checked too
+
+
+def test_the_step_reads_nothing_on_the_host_and_copies_nothing_from_it(tokenizer, monkeypatch):
+    """What a CUDA graph cannot capture: a read of a device value on the host (it would stall capture),
+    and a copy from the host (captured once, it would replay stale data)."""
+    model = build_tiny_model(tokenizer, seed=11, max_positions=96).eval()
+    step = graphed._Step.__call__
+    steps = []
+    with HostCostCounter() as counter:
+
+        def counted(self):
+            steps.append(1)
+            with counter.scope("step"):
+                step(self)
+
+        monkeypatch.setattr(graphed._Step, "__call__", counted)
+        with counter.scope("rollout"):
+            _rollout(model, tokenizer, "graphed", 4, max_new_tokens=16, temperature=1.0, top_p=0.9)
+    inside, around = counter.totals("step"), counter.totals("rollout")
+    assert len(steps) == 15 and inside["ops"] > 100 * len(steps)
+    assert inside["syncs"] == 0 and inside["from_host"] == 0
+    assert around["syncs"] > 0  # the counter sees the looks for ended rows, outside the step
+
+
+def test_graphed_refuses_fsdp2_and_sliding_window_layers(tokenizer):
+    from transformers import DynamicCache, MistralConfig, MistralForCausalLM
+
+    from distflow.config import load_config
+    from distflow.config.errors import ConfigError
+
+    config = load_config(REPO / "examples" / "arith_grpo.yaml", ["parallel.strategy=fsdp2"])
+    with pytest.raises(ConfigError, match="rollout.engine=compact with parallel.strategy=fsdp2"):
+        graphed.GraphedEngine.check(config)
+    sliding = MistralForCausalLM(
+        MistralConfig(
+            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=2, sliding_window=4,
+        )
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="without sliding-window attention layers; use rollout.engine=compact"):
+        graphed._static_cache(sliding, DynamicCache(config=sliding.config), 8)
+
+
+def test_a_graphed_run_logs_what_the_compact_run_logs(tmp_path, cache_dir):
+    steps = ["trainer.total_steps=3", "trainer.eval_every=3", "task.num_heldout=16"]
+    compact = engine_metrics(tmp_path, cache_dir, "compact", *steps)
+    assert_same_run(engine_metrics(tmp_path, cache_dir, "graphed", *steps), compact)
+    assert any("eval/greedy_accuracy" in r for r in compact)
