@@ -27,7 +27,8 @@ how to fetch and install them on a machine without internet). Sections (--sectio
             unprofiled with each of --step-variants' overrides (default: the update in one pass
             of 64, with and without the shared prefix, in bf16, and with `graphed` rollouts).
   learning  benchmarks/learning.py, distflow (1 process) against TRL's GRPOTrainer at
-            --budget-s seconds of training each, in float32 and in bf16 (learning.py's --dtype).
+            --budget-s seconds of training each, in float32 and in bf16 (learning.py's --dtype);
+            --learning-set gives distflow settings of its own (`rollout.engine=graphed`).
 
 Writes into --out at most 8 files: gpu.log (this run's log), gpu.json (every number), the step's
 profile table and gzipped trace, and the learning curves. The table goes to stdout; the last stdout
@@ -95,6 +96,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--step-variants", nargs="*", default=list(STEP_VARIANTS), help="the step again with these overrides"
+    )
+    parser.add_argument(
+        "--learning-set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="distflow's settings in the learning section (learning.py --set), e.g. rollout.engine=graphed",
     )
     parser.add_argument("--quick", action="store_true", help="the CPU path on the tiny model (seconds)")
     args = parser.parse_args(argv)
@@ -308,6 +316,7 @@ def learning_section(args: argparse.Namespace, out: Path) -> dict:
         cmd = [sys.executable, str(ROOT / "benchmarks" / "learning.py"), "--nproc", "1", "--dtype", dtype]
         cmd += ["--budget-min", str(args.budget_s / 60), "--eval-every-min", str(args.budget_s / 120)]
         cmd += ["--trl-python", sys.executable, "--plot", str(out / f"learning_{dtype}.png")]
+        cmd += ["--set", *args.learning_set] if args.learning_set else []
         log(" ".join(cmd))
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         log(f"learning {dtype} stderr (end):\n{proc.stderr[-4000:]}")

@@ -3,6 +3,7 @@ syncs per decoded token of each rollout engine, and per GRPO step, distflow vs T
 
     .venv/bin/python benchmarks/host_costs.py --model smollm2     # the recipe's shape (make smollm2)
     .venv/bin/python benchmarks/host_costs.py --model tiny        # the embedded-size random Llama
+    .venv/bin/python benchmarks/host_costs.py --engine graphed    # distflow's step with `graphed` rollouts
     .venv/bin/python benchmarks/host_costs.py --quick             # smoke test (the suite): tiny, 4 x 4, 4 tokens
 
 Why: on a GPU a small model's step is bound by the host (issue 39), by the kernels it launches
@@ -20,8 +21,9 @@ Settings (P prompts x G samples, new-token cap, temperature):
 
 1. Rollout, per decode step: each engine generates the prompts once uncounted (warm-up), then
    once counted; the totals are divided by the decode steps taken (the longest response, EOS
-   included). Engines: distflow's `compact`, `graphed` and `generate` (`distflow.rollout.generation.generate`,
-   keyed sampling, log-probs kept, as the rollout stage calls it) and `hf_trl`: Hugging Face
+   included). Engines: distflow's `compact`, `graphed` and `generate`
+   (`distflow.rollout.generation.generate`, keyed sampling, log-probs kept, as the rollout stage
+   calls it) and `hf_trl`: Hugging Face
    `model.generate` with the GenerationConfig TRL's GRPOTrainer builds (do_sample, top_k 0,
    top_p 1, min_p None, repetition_penalty 1, no cache_implementation, disable_compile) on the
    same left-padded prompts, each repeated G times. Forward hooks split the counts into the
@@ -37,7 +39,8 @@ Settings (P prompts x G samples, new-token cap, temperature):
    GRPOTrainer step 2 in .venv-bench (benchmarks/trl_count_worker.py, trl_worker.py's settings),
    split into rollout, reward, score and update. Same model directory, same prompt rows in the
    same order, P x G per optimizer step in one micro-batch, no KL, every group trained
-   (distflow: skip_zero_variance_groups false, as TRL updates on zero advantages).
+   (distflow: skip_zero_variance_groups false, as TRL updates on zero advantages). distflow's
+   rollout engine: `--engine` (default compact); `launches` per stage as above.
 As on CUDA: both sides run torch's optimizers in their foreach implementation, and distflow's
 decoding looks at ended rows as often as on a GPU (`stop_check_interval`), and its training passes
 run padded as on a GPU (`shares_prefixes`; on a CPU they share prompts, split by length:
@@ -50,6 +53,7 @@ The table goes to stdout; the last line is one JSON object. No timing is reporte
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -84,6 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-trl", action="store_true", help="distflow only (no .venv-bench)")
     parser.add_argument("--skip-steps", action="store_true", help="rollout engines only")
     parser.add_argument("--skip-rollout", action="store_true", help="training steps only")
+    parser.add_argument(
+        "--engine", choices=["compact", "graphed", "generate"], default="compact", help="distflow's, in the step"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.model = "tiny"
@@ -103,7 +110,7 @@ def distflow_overrides(args: argparse.Namespace, model_dir: Path, work: Path) ->
         f"rollout.max_new_tokens={args.max_new_tokens}",
         f"rollout.temperature={args.temperature}",
         "rollout.top_p=1.0",
-        "rollout.engine=compact",
+        f"rollout.engine={args.engine}",
         "algorithm.name=grpo",
         "algorithm.kl.coef=0",
         "algorithm.ppo_epochs=1",
@@ -262,35 +269,37 @@ def rollout_costs(args: argparse.Namespace, model_dir: Path, prompts: list[str])
         with choices_as_on_cuda(), HostCostCounter() as counter, counter.scope(engine):
             forwards = ForwardCounts(model, counter, engine)
             try:
-                with graphed_step_ops(counter, engine) as step_ops:
+                with replays_counted(counter) as saved:
                     steps = rollout_once(engine, model, tokenizer, prompts, args)
             finally:
                 forwards.close()
         results[engine] = per_step(counter, engine, steps, forwards.spans)
-        replayed = step_ops[3:]  # `graphed`: steps after the capture (the 3rd) are one launch each on CUDA
-        results[engine]["launches_per_step"] = round(
-            (counter.totals(engine)["ops"] - sum(replayed) + len(step_ops[2:])) / steps, 1
-        )
+        results[engine]["launches_per_step"] = round((counter.totals(engine)["ops"] - saved[engine]) / steps, 1)
     return results
 
 
 @contextlib.contextmanager
-def graphed_step_ops(counter: HostCostCounter, scope: str):
-    """The ops of each run of `graphed`'s decode step (rollout/graphed.py), in a list filled as they run."""
+def replays_counted(counter: HostCostCounter):
+    """The launches `graphed` (rollout/graphed.py) would save on CUDA, per scope, filled as it runs. Its
+    decode step runs eagerly twice, is captured at its 3rd run (the host dispatches its ops, then
+    replays it once) and only replayed from the 4th on: there its ops become one launch."""
     from distflow.rollout import graphed
 
-    step_ops, original = [], graphed._Step.__call__
+    saved, original = collections.Counter(), graphed._Runner.run
 
-    def counted(step):
-        before = counter.totals(scope)["ops"]
-        original(step)
-        step_ops.append(counter.totals(scope)["ops"] - before)
+    def run(runner):
+        scope, before = counter._scopes[-1], sum(counter.ops[counter._scopes[-1]].values())
+        original(runner)
+        if runner.runs >= 3:
+            saved[scope] -= 1  # the replay's one launch
+        if runner.runs >= 4:
+            saved[scope] += sum(counter.ops[scope].values()) - before
 
-    graphed._Step.__call__ = counted
+    graphed._Runner.run = run
     try:
-        yield step_ops
+        yield saved
     finally:
-        graphed._Step.__call__ = original
+        graphed._Runner.run = original
 
 
 def per_step(counter: HostCostCounter, scope: str, steps: int, spans: list[list[tuple[int, int]]]) -> dict:
@@ -350,7 +359,7 @@ def distflow_step_costs(args: argparse.Namespace, model_dir: Path, work: Path) -
     try:
         for name, fn in wrappers.items():
             setattr(executor, name, fn)
-        with choices_as_on_cuda(), counter:
+        with choices_as_on_cuda(), counter, replays_counted(counter) as saved:
             distflow.train(recipe(args), distflow_overrides(args, model_dir, work))
     finally:
         for name, fn in originals.items():
@@ -361,6 +370,7 @@ def distflow_step_costs(args: argparse.Namespace, model_dir: Path, work: Path) -
     return {
         scope[len(prefix) :]: {
             **counter.totals(scope),
+            "launches": counter.totals(scope)["ops"] - saved[scope],
             "top_ops": counter.top_ops(scope, TOP),
             "top_syncs": counter.top_syncs(scope, TOP),
             "sync_sites": counter.top_sync_sites(scope, TOP),
@@ -388,7 +398,7 @@ def trl_step_costs(args: argparse.Namespace, model_dir: Path, work: Path) -> dic
         *("--count-step", COUNT_STEP),
     ]
     out = json.loads(run_checked(cmd, env=env, what="TRL count worker").strip().splitlines()[-1])
-    return {scope: out[scope] for scope in ("rollout", "reward", "score", "update")}
+    return {scope: {**out[scope], "launches": out[scope]["ops"]} for scope in ("rollout", "reward", "score", "update")}
 
 
 def ensure_gym(python: Path) -> None:
@@ -405,7 +415,7 @@ def ensure_gym(python: Path) -> None:
 
 
 def step_total(stages: dict) -> dict:
-    keys = ("ops", "views", "host_ops", "syncs", "from_host")
+    keys = ("ops", "launches", "views", "host_ops", "syncs", "from_host")
     return {key: sum(stage[key] for stage in stages.values()) for key in keys}
 
 
@@ -433,10 +443,13 @@ def print_tables(args: argparse.Namespace, result: dict) -> None:
         if system not in result["step"]:
             continue
         print(f"{system}, training step {COUNT_STEP}, by stage:")
-        print(f"  {'stage':<22}{'ops':>9}{'views':>8}{'syncs':>7}{'h2d':>6}  top syncs")
+        print(f"  {'stage':<22}{'ops':>9}{'launches':>10}{'views':>8}{'syncs':>7}{'h2d':>6}  top syncs")
         for stage, r in {**result["step"][system], "TOTAL": result["step"][f"{system}_total"]}.items():
             syncs = ", ".join(f"{name} {count}" for name, count in r.get("top_syncs", [])[:4])
-            print(f"  {stage:<22}{r['ops']:>9}{r['views']:>8}{r['syncs']:>7}{r['from_host']:>6}  {syncs}")
+            print(
+                f"  {stage:<22}{r['ops']:>9}{r['launches']:>10}{r['views']:>8}{r['syncs']:>7}{r['from_host']:>6}"
+                f"  {syncs}"
+            )
     if "ratios" in result["step"]:
         print("distflow / TRL per step:", json.dumps(result["step"]["ratios"]))
     print("where the syncs are (count: what @ the innermost line outside torch):")
@@ -463,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature,
             "count_step": COUNT_STEP,
+            "engine": args.engine,
             "as_on_cuda": ["optimizers' foreach implementation", *(".".join(c) for c in CHOICES_BY_DEVICE)],
             "torch": torch.__version__,
         },
@@ -483,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
                 result["step"]["trl_total"] = step_total(result["step"]["trl"])
                 ours, theirs = result["step"]["distflow_total"], result["step"]["trl_total"]
                 result["step"]["ratios"] = {
-                    key: round(ours[key] / theirs[key], 2) if theirs[key] else None for key in ("ops", "syncs")
+                    key: round(ours[key] / theirs[key], 2) if theirs[key] else None
+                    for key in ("ops", "launches", "syncs")
                 }
     result["settings"]["wall_s"] = round(time.time() - started, 1)
     print_tables(args, result)

