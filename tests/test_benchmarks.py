@@ -397,3 +397,13 @@ def test_agent_endpoint_quick():
         assert row["added_ms_per_call"] == pytest.approx(row["call_latency_ms"] - row["backend_ms_per_call"], abs=0.02)
         assert 1 <= row["backend_calls"] <= row["requests"], name  # concurrent requests may share a backend call
         assert row["backend_calls"] * row["mean_batch_rows"] == pytest.approx(row["requests"], rel=0.05), name
+
+
+def test_the_gpu_carry_refuses_a_check_before_its_first_load_and_an_unknown_step(tmp_path):
+    """benchmarks/gpu_carry.sh (docs/features/gpu.md): its steps run in order, on separate calls."""
+    script = REPO / "benchmarks" / "gpu_carry.sh"
+    env = dict(os.environ, OUT=str(tmp_path), GPU_CARRY_STASH=str(tmp_path / "stash"))
+    early = subprocess.run(["bash", str(script), "check"], capture_output=True, text=True, env=env)
+    assert early.returncode == 2 and "run 'stash' first, carrying .gpu-carry/one" in early.stderr
+    unknown = subprocess.run(["bash", str(script), "go"], capture_output=True, text=True, env=env)
+    assert unknown.returncode == 2 and unknown.stderr.startswith("usage: gpu_carry.sh pack | stash | check")
