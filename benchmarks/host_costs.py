@@ -356,14 +356,16 @@ def distflow_step_costs(args: argparse.Namespace, model_dir: Path, work: Path) -
             return originals["run_transition"](worker, item, *rest, **kw)
 
     wrappers = {"_step": step, "run_stage": run_stage, "run_transition": run_transition}
+    load_once_uncounted(model_dir)
     try:
         for name, fn in wrappers.items():
             setattr(executor, name, fn)
         with choices_as_on_cuda(), counter, replays_counted(counter) as saved:
-            distflow.train(recipe(args), distflow_overrides(args, model_dir, work))
+            run = distflow.train(recipe(args), distflow_overrides(args, model_dir, work))
     finally:
         for name, fn in originals.items():
             setattr(executor, name, fn)
+    log(f"distflow's greedy held-out accuracy before training: {run.summary['warmstart_greedy_accuracy']}")
     prefix = f"step{COUNT_STEP}/"
     # The stages in their order, then the step's own work outside them.
     stages = sorted((s for s in counter.seen if s.startswith(prefix)), key=lambda s: s.endswith("loader+metrics"))
@@ -377,6 +379,17 @@ def distflow_step_costs(args: argparse.Namespace, model_dir: Path, work: Path) -
         }
         for scope in stages
     }
+
+
+def load_once_uncounted(model_dir: Path) -> None:
+    """Load the model once before the counter opens. The first `from_pretrained` of a process made under
+    a TorchDispatchMode (transformers 5.24, torch 2.13) leaves the rotary frequencies, buffers that
+    checkpoints do not store, uninitialised: in that load and in every later one of the process. The
+    counted run then decoded garbage (SmolLM2's greedy held-out accuracy 0.0 against 0.25). A load
+    before the mode is first entered avoids it; TRL's worker loads its model before counting too."""
+    from distflow.training.models import load_model_and_tokenizer
+
+    load_model_and_tokenizer(model_dir, model_dir, torch.device("cpu"))
 
 
 def trl_step_costs(args: argparse.Namespace, model_dir: Path, work: Path) -> dict:
