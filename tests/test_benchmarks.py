@@ -96,9 +96,11 @@ def test_benchmark_imports_of_distflow_exist(script):
 
 def test_every_benchmark_has_a_quick_test():
     # trl_worker.py is run by throughput.py; roofline_recipe.py is roofline.py's real-model part;
-    # bench_setup.py is what throughput.py, roofline.py and learning.py share; dispatch_counter.py and
-    # trl_count_worker.py are host_costs.py's counter and its TRL side (tests/test_host_costs.py).
+    # bench_setup.py is what throughput.py, roofline.py and learning.py share; dispatch_counter.py,
+    # host_costs_rollout.py and trl_count_worker.py are host_costs.py's counter, its rollout part and its
+    # TRL side (tests/test_host_costs.py).
     helpers = {"trl_worker.py", "roofline_recipe.py", "bench_setup.py", "dispatch_counter.py", "trl_count_worker.py"}
+    helpers |= {"host_costs_rollout.py"}
     scripts = {p.name for p in BENCHMARKS.glob("*.py")} - helpers
     assert scripts == {
         "throughput.py",

@@ -1,0 +1,187 @@
+"""benchmarks/host_costs.py's rollout part: ops, launches and syncs per decoded token of each engine,
+and what it shares with the training step's count (distflow's device choices taken as on CUDA,
+`graphed`'s replays counted as one launch each). The module docstring of host_costs.py says what
+is counted and how."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_setup import log  # noqa: E402
+from dispatch_counter import HostCostCounter  # noqa: E402
+
+ENGINES = ("compact", "graphed", "generate", "hf_trl")
+
+
+CHOICES_BY_DEVICE = (  # (module, function of the device): distflow's choices by device, counted at the GPU's
+    ("decoding", "stop_check_interval"),
+    ("prefix_sharing", "shares_prefixes"),
+    ("prefix_sharing", "max_length_buckets"),
+)
+
+
+@contextlib.contextmanager
+def choices_as_on_cuda():
+    """distflow makes three choices by device, counted at the GPU's: its decoding looks at which rows
+    ended every token on a CPU and every few tokens on a GPU (rollout/decoding.py's
+    `stop_check_interval`, a sync each look), and its training passes compute each distinct prompt
+    once on a CPU only (training/prefix_sharing.py's `shares_prefixes`: a second forward call), there
+    splitting responses into length buckets (`max_length_buckets`, a forward call each)."""
+    from distflow.rollout import decoding
+    from distflow.training import prefix_sharing
+
+    modules = {"decoding": decoding, "prefix_sharing": prefix_sharing}
+    originals = [(modules[m], name, getattr(modules[m], name)) for m, name in CHOICES_BY_DEVICE]
+    for module, name, original in originals:
+        setattr(module, name, lambda device, original=original: original(torch.device("cuda")))
+    try:
+        yield
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
+
+
+class ForwardCounts:
+    """The counter's totals at each forward of `model` (prefill first, then one per decode step)."""
+
+    def __init__(self, model: torch.nn.Module, counter: HostCostCounter, scope: str) -> None:
+        self.counter, self.scope, self.spans = counter, scope, []
+        self.handles = [
+            model.register_forward_pre_hook(lambda *_: self.spans.append([self._now()])),
+            model.register_forward_hook(lambda *_: self.spans[-1].append(self._now())),
+        ]
+
+    def _now(self) -> tuple[int, int]:
+        totals = self.counter.totals(self.scope)
+        return totals["ops"], totals["syncs"]
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def rollout_once(engine: str, model, tokenizer, prompts: list[str], args: argparse.Namespace) -> int:
+    """One generation of the setting's prompts by `engine`; returns the decode steps it took."""
+    from transformers import GenerationConfig
+
+    from distflow.rollout.generation import generate
+    from distflow.training.sequences import encode_prompts, left_pad, stop_token_ids
+
+    n = args.samples
+    if engine != "hf_trl":
+        out = generate(
+            model,
+            tokenizer,
+            prompts,
+            engine=engine,
+            sample_keys=list(range(len(prompts) * n)),
+            samples_per_prompt=n,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            logprobs=True,
+        )
+        return int(out.response_mask_BR.sum(dim=1).max())
+    ids_GP, mask_GP = left_pad(encode_prompts(tokenizer, prompts), tokenizer.pad_token_id)
+    device = next(model.parameters()).device
+    ids_GP, mask_GP = ids_GP.to(device), mask_GP.to(device)
+    config = GenerationConfig(  # trl/trainer/grpo_trainer.py's, with trl_worker.py's settings
+        max_new_tokens=args.max_new_tokens,
+        do_sample=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=list(stop_token_ids(tokenizer)),
+        temperature=args.temperature,
+        top_p=1.0,
+        top_k=0,
+        min_p=None,
+        repetition_penalty=1.0,
+        cache_implementation=None,
+        disable_compile=True,
+    )
+    with torch.no_grad():
+        out_BT = model.generate(
+            input_ids=ids_GP.repeat_interleave(n, dim=0),
+            attention_mask=mask_GP.repeat_interleave(n, dim=0),
+            generation_config=config,
+        )
+    return out_BT.shape[1] - ids_GP.shape[1]
+
+
+def rollout_costs(args: argparse.Namespace, model_dir: Path, prompts: list[str]) -> dict:
+    from distflow.training.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(model_dir, model_dir, torch.device("cpu"))
+    model.eval()
+    results = {}
+    for engine in ENGINES:
+        log(f"rollout: {engine}")
+        torch.manual_seed(0)
+        rollout_once(engine, model, tokenizer, prompts, args)  # warm-up: first-call work is not per token
+        with choices_as_on_cuda(), HostCostCounter() as counter, counter.scope(engine):
+            forwards = ForwardCounts(model, counter, engine)
+            try:
+                with replays_counted(counter) as saved:
+                    steps = rollout_once(engine, model, tokenizer, prompts, args)
+            finally:
+                forwards.close()
+        results[engine] = per_step(counter, engine, steps, forwards.spans)
+        results[engine]["launches_per_step"] = round((counter.totals(engine)["ops"] - saved[engine]) / steps, 1)
+    return results
+
+
+@contextlib.contextmanager
+def replays_counted(counter: HostCostCounter):
+    """The launches `graphed` (rollout/graphed.py) would save on CUDA, per scope, filled as it runs. Its
+    decode step runs eagerly twice, is captured at its 3rd run (the host dispatches its ops, then
+    replays it once) and only replayed from the 4th on: there its ops become one launch."""
+    from distflow.rollout import graphed
+
+    saved, original = collections.Counter(), graphed._Runner.run
+
+    def run(runner):
+        scope, before = counter._scopes[-1], sum(counter.ops[counter._scopes[-1]].values())
+        original(runner)
+        if runner.runs >= 3:
+            saved[scope] -= 1  # the replay's one launch
+        if runner.runs >= 4:
+            saved[scope] += sum(counter.ops[scope].values()) - before
+
+    graphed._Runner.run = run
+    try:
+        yield saved
+    finally:
+        graphed._Runner.run = original
+
+
+def per_step(counter: HostCostCounter, scope: str, steps: int, spans: list[list[tuple[int, int]]]) -> dict:
+    """Totals per decode step, and the split: prefill forward, mean decode forward, the rest per step."""
+    totals = counter.totals(scope)
+    in_forward = [(end[0] - start[0], end[1] - start[1]) for start, end in spans]
+    decode = in_forward[1:] or [(0, 0)]
+    rest_ops = totals["ops"] - sum(ops for ops, _ in in_forward)
+    rest_syncs = totals["syncs"] - sum(syncs for _, syncs in in_forward)
+    return {
+        "decode_steps": steps,
+        "forwards": len(spans),
+        "ops_per_step": round(totals["ops"] / steps, 1),
+        "syncs_per_step": round(totals["syncs"] / steps, 2),
+        "views_per_step": round(totals["views"] / steps, 1),
+        "from_host_per_step": round(totals["from_host"] / steps, 2),
+        "prefill_forward": {"ops": in_forward[0][0], "syncs": in_forward[0][1]} if in_forward else None,
+        "decode_forward": {
+            "ops": round(sum(o for o, _ in decode) / len(decode), 1),
+            "syncs": round(sum(s for _, s in decode) / len(decode), 2),
+        },
+        "outside_forward_per_step": {"ops": round(rest_ops / steps, 1), "syncs": round(rest_syncs / steps, 2)},
+        "total": totals,
+        "top_syncs": counter.top_syncs(scope),
+        "sync_sites": counter.top_sync_sites(scope),
+        "top_ops": counter.top_ops(scope),
+    }
