@@ -142,6 +142,11 @@ class HostCostCounter(TorchDispatchMode):
         finally:
             self._scopes.pop()
 
+    @property
+    def current_scope(self) -> str:
+        """The innermost open scope, which what runs now counts into."""
+        return self._scopes[-1]
+
     def totals(self, scope: str) -> dict[str, int]:
         return {
             "ops": sum(self.ops[scope].values()),

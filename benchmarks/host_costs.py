@@ -65,7 +65,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_setup import ROOT, ensure_bench_venv, log, run_checked, save_model  # noqa: E402
 from dispatch_counter import HostCostCounter  # noqa: E402
-from host_costs_rollout import CHOICES_BY_DEVICE, choices_as_on_cuda, replays_counted, rollout_costs  # noqa: E402
+from host_costs_rollout import (  # noqa: E402
+    CHOICES_BY_DEVICE,
+    choices_as_on_cuda,
+    loaded_uncounted,
+    replays_counted,
+    rollout_costs,
+)
 
 RECIPE = ROOT / "examples" / "smollm2_chain_sum.yaml"
 ARITH = ROOT / "examples" / "arith_grpo.yaml"
@@ -184,7 +190,7 @@ def distflow_step_costs(args: argparse.Namespace, model_dir: Path, work: Path) -
             return originals["run_transition"](worker, item, *rest, **kw)
 
     wrappers = {"_step": step, "run_stage": run_stage, "run_transition": run_transition}
-    load_once_uncounted(model_dir)
+    loaded_uncounted(model_dir)  # before the counter opens: see its docstring
     try:
         for name, fn in wrappers.items():
             setattr(executor, name, fn)
@@ -207,17 +213,6 @@ def distflow_step_costs(args: argparse.Namespace, model_dir: Path, work: Path) -
         }
         for scope in stages
     }
-
-
-def load_once_uncounted(model_dir: Path) -> None:
-    """Load the model once before the counter opens. The first `from_pretrained` of a process made under
-    a TorchDispatchMode (transformers 5.24, torch 2.13) leaves the rotary frequencies, buffers that
-    checkpoints do not store, uninitialised: in that load and in every later one of the process. The
-    counted run then decoded garbage (SmolLM2's greedy held-out accuracy 0.0 against 0.25). A load
-    before the mode is first entered avoids it; TRL's worker loads its model before counting too."""
-    from distflow.training.models import load_model_and_tokenizer
-
-    load_model_and_tokenizer(model_dir, model_dir, torch.device("cpu"))
 
 
 def trl_step_costs(args: argparse.Namespace, model_dir: Path, work: Path) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import sys
 from pathlib import Path
 
@@ -114,11 +115,22 @@ def rollout_once(engine: str, model, tokenizer, prompts: list[str], args: argpar
     return out_BT.shape[1] - ids_GP.shape[1]
 
 
-def rollout_costs(args: argparse.Namespace, model_dir: Path, prompts: list[str]) -> dict:
+@functools.cache
+def loaded_uncounted(model_dir: Path):
+    """(model, tokenizer), loaded once per process and before any counter opens. The first
+    `from_pretrained` of a process made under a TorchDispatchMode (transformers 5.24, torch 2.13) leaves
+    the rotary frequencies, buffers that checkpoints do not store, uninitialised: in that load and in
+    every later one of the process. A counted run then decoded garbage (SmolLM2's greedy held-out
+    accuracy 0.0 against 0.25). A load before the mode is first entered avoids it; TRL's worker loads
+    its model before counting too."""
     from distflow.training.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(model_dir, model_dir, torch.device("cpu"))
-    model.eval()
+    return model.eval(), tokenizer
+
+
+def rollout_costs(args: argparse.Namespace, model_dir: Path, prompts: list[str]) -> dict:
+    model, tokenizer = loaded_uncounted(model_dir)
     results = {}
     for engine in ENGINES:
         log(f"rollout: {engine}")
@@ -146,12 +158,13 @@ def replays_counted(counter: HostCostCounter):
     saved, original = collections.Counter(), graphed._Runner.run
 
     def run(runner):
-        scope, before = counter._scopes[-1], sum(counter.ops[counter._scopes[-1]].values())
+        scope = counter.current_scope
+        before = counter.totals(scope)["ops"]
         original(runner)
         if runner.runs >= 3:
             saved[scope] -= 1  # the replay's one launch
         if runner.runs >= 4:
-            saved[scope] += sum(counter.ops[scope].values()) - before
+            saved[scope] += counter.totals(scope)["ops"] - before
 
     graphed._Runner.run = run
     try:

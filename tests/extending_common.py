@@ -1,6 +1,9 @@
-"""What the tests of distflow's public doors share: a tiny run of the embedded default through the real CLI."""
+"""What the tests of distflow's public doors share: a tiny run of the embedded default through the real CLI,
+and a module of the user's own that the run and the test's process both import."""
 
+import contextlib
 import json
+import sys
 
 from conftest import REPO, run_cli
 
@@ -22,17 +25,32 @@ SHAPING = "def length(prompt, completion, sample):\n    return float(len(complet
 def train_tiny(tmp_path, *overrides: str, steps: int = 1) -> list[dict]:
     """`distflow train` of the embedded default for `steps` tiny steps from `tmp_path` (where the user's
     modules are); the run's metrics records."""
+    return train_default(tmp_path, *TINY_RUN, f"trainer.total_steps={steps}", *overrides)
+
+
+def train_default(tmp_path, *overrides: str) -> list[dict]:
+    """`distflow train examples/arith_grpo.yaml` with `overrides` from `tmp_path`, its warm-start cached
+    and its run (`run`, unless the overrides name another) written there; the metrics records of `run`."""
     result = run_cli(
         "train",
         str(REPO / "examples/arith_grpo.yaml"),
-        *TINY_RUN,
-        f"trainer.total_steps={steps}",
         f"warmstart.cache_dir={tmp_path / 'cache'}",
         f"trainer.output_dir={tmp_path}",
         "trainer.run_name=run",
-        *overrides,
+        *overrides,  # last: they win
         cwd=tmp_path,
         timeout=1800,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+
+
+@contextlib.contextmanager
+def user_module(tmp_path, monkeypatch, name: str, source: str):
+    """`source` written as `tmp_path/NAME.py` and importable in this process too (forgotten after)."""
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        yield tmp_path
+    finally:
+        sys.modules.pop(name, None)

@@ -3,12 +3,11 @@
 (no edit to src/)."""
 
 import importlib
-import sys
 import warnings
 
 import pytest
 from conftest import REPO, run_cli
-from extending_common import TINY_RUN, train_tiny
+from extending_common import TINY_RUN, train_tiny, user_module
 
 from distflow.config import ConfigError, load_config
 from distflow.config.components import TRAINED_MODELS
@@ -89,10 +88,8 @@ def picky(config):
 
 @pytest.fixture()
 def toy_module(tmp_path, monkeypatch):
-    (tmp_path / "toy_pipeline.py").write_text(TOY)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield tmp_path
-    sys.modules.pop("toy_pipeline", None)
+    with user_module(tmp_path, monkeypatch, "toy_pipeline", TOY) as path:
+        yield path
 
 
 def test_a_custom_pipeline_composes_the_library_pieces_and_its_own_engine(toy_module):
@@ -273,11 +270,9 @@ register(EngineSpec("old_flag", lambda build: "flag"))
 def old_style(tmp_path, monkeypatch, trained_models):
     from distflow.training import registry
 
-    (tmp_path / "old_style.py").write_text(OLD_STYLE)
-    monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(registry, "_warned_register", False)
-    yield registry
-    sys.modules.pop("old_style", None)
+    with user_module(tmp_path, monkeypatch, "old_style", OLD_STYLE):
+        yield registry
 
 
 def test_the_old_engine_spec_door_still_works_and_warns_once(old_style):

@@ -4,12 +4,11 @@ as `module:name` and used by a real `distflow train` run; and the one-line error
 them."""
 
 import re
-import sys
 
 import pytest
 import yaml
 from conftest import REPO, run_cli
-from extending_common import SHAPING, train_tiny
+from extending_common import SHAPING, train_tiny, user_module
 from test_bad_inputs import check_one_line_error
 
 from distflow.algorithms.off_policy import OffPolicyCorrection
@@ -97,10 +96,8 @@ MINE = [
 @pytest.fixture
 def my_parts(tmp_path, monkeypatch):
     """tmp_path holding the user's module, importable in this process too."""
-    (tmp_path / "my_parts.py").write_text(MY_PARTS)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield tmp_path
-    sys.modules.pop("my_parts", None)
+    with user_module(tmp_path, monkeypatch, "my_parts", MY_PARTS) as path:
+        yield path
 
 
 def test_a_run_trains_with_parts_of_ones_own(my_parts, cache_dir):

@@ -6,7 +6,7 @@ import json
 import sys
 
 import pytest
-from extending_common import SHAPING, train_tiny
+from extending_common import SHAPING, train_tiny, user_module
 
 from distflow.config import ConfigError, load_config
 from distflow.config.components import ESTIMATORS
@@ -77,10 +77,8 @@ class Salted(RolloutEngine):
 
 @pytest.fixture()
 def toy_engine(tmp_path, monkeypatch):
-    (tmp_path / "toy_engine.py").write_text(TOY_ENGINE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield tmp_path
-    sys.modules.pop("toy_engine", None)
+    with user_module(tmp_path, monkeypatch, "toy_engine", TOY_ENGINE) as path:
+        yield path
 
 
 def test_an_engine_of_ones_own_is_checked_with_its_options_and_rules(toy_engine):

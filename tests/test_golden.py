@@ -7,10 +7,8 @@ group carries signal. The numbers were recorded on the 2-core CPU machine with t
 updates them in the same commit and says why; the assertion message prints the new values.
 """
 
-import json
-
 import pytest
-from conftest import REPO, run_cli
+from extending_common import SHAPING, train_default
 
 ARGS = [
     "trainer.total_steps=3",
@@ -27,7 +25,6 @@ ARGS = [
     "optim.warmup_steps=0",
     "task.rewards=[{fn: 'distflow.tasks.arithmetic:correctness_reward'}, {fn: 'shaping:length', weight: 0.1}]",
 ]
-SHAPING = "def length(prompt, completion, sample):\n    return float(len(completion))\n"
 KEYS = ("reward/mean", "response/length", "tokens/trained", "train/pg_loss", "train/grad_norm", "train/entropy")
 GOLDEN = {
     1: {
@@ -59,18 +56,7 @@ GOLDEN = {
 
 def test_first_steps_of_a_seeded_run_match_the_golden_values(tmp_path):
     (tmp_path / "shaping.py").write_text(SHAPING)
-    result = run_cli(
-        "train",
-        str(REPO / "examples/arith_grpo.yaml"),
-        *ARGS,
-        f"warmstart.cache_dir={tmp_path / 'cache'}",
-        f"trainer.output_dir={tmp_path}",
-        "trainer.run_name=run",
-        cwd=tmp_path,
-        timeout=1800,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    records = train_default(tmp_path, *ARGS)
     actual = {r["step"]: {key: r[key] for key in KEYS} for r in records[1:]}
     assert set(actual) == set(GOLDEN), actual
     for step, values in GOLDEN.items():

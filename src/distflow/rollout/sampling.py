@@ -14,6 +14,7 @@ processor leaves one finite score per row (the sampled token), so argmax picks i
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,15 +125,11 @@ def sample_from_logits(
     return sampled_B1(logits_BV, uniform_B1, temperature=temperature, top_p=top_p).squeeze(-1)
 
 
-_MINUS_INF: dict[torch.device, torch.Tensor] = {}
-
-
+@functools.cache
 def _minus_inf(device: torch.device) -> torch.Tensor:
     """-inf in float64 on `device`, made once per device: a copy from the host per decoded token would
     cost a GPU a transfer, and could not be captured in a CUDA graph (rollout/graphed.py)."""
-    if device not in _MINUS_INF:
-        _MINUS_INF[device] = torch.tensor(float("-inf"), dtype=torch.float64, device=device)
-    return _MINUS_INF[device]
+    return torch.tensor(float("-inf"), dtype=torch.float64, device=device)
 
 
 def sampled_B1(logits_BV: torch.Tensor, uniform_B1: torch.Tensor, *, temperature: float, top_p: float) -> torch.Tensor:
