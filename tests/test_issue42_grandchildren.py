@@ -8,6 +8,7 @@ and a stack dump. No wall-clock assertions: the launcher says when it ends a dea
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 from conftest import REPO
 from test_faults import ARGS, assert_no_orphans, finish, last_line
 
+from distflow.runtime.launcher import left_by
 from distflow.runtime.status_files import is_alive
 
 DAEMON = '''
@@ -62,6 +64,14 @@ def _daemons(cwd) -> list[int]:
     return pids
 
 
+def _ended_by_launcher(stderr: str, rank: int) -> list[int]:
+    """The pids the launcher says it ended for `rank` when it saw the rank gone."""
+    lines = re.findall(
+        rf"^distflow: rank {rank} exited; ended the process\(es\) it left running \(pid ([\d, ]+)\)$", stderr, re.M
+    )
+    return [int(pid) for line in lines for pid in line.split(", ")]
+
+
 EXTRA = ["pipeline.custom_stages=[{name: chaos, fn: 'daemon_stage:chaos', after: [reward], before: [advantage]}]"]
 
 
@@ -100,7 +110,9 @@ def test_kill_9_of_a_rank_with_a_daemon_ends_its_processes_at_once(tmp_path, cac
     )
     # Ended when the death was seen, not after the agent's grace for the surviving rank.
     rank1_daemon = int((tmp_path / "daemon-rank1.pid").read_text())
-    assert f"distflow: rank 1 exited; ended the process(es) it left running (pid {rank1_daemon})" in stderr
+    rank0_daemon = int((tmp_path / "daemon-rank0.pid").read_text())
+    ended = _ended_by_launcher(stderr, rank=1)
+    assert rank1_daemon in ended and rank0_daemon not in ended, stderr[-3000:]
     assert len(daemons) >= 1 and not any(is_alive(pid) for pid in daemons)
     assert "Fatal Python error" not in stderr and "Traceback" not in stderr
     assert_no_orphans(tmp_path)
@@ -116,3 +128,17 @@ def test_a_daemon_left_by_a_good_run_ends_quietly(tmp_path, cache_dir, nproc):
     assert "Fatal Python error" not in stderr + stdout, stderr[-3000:]
     assert json.loads(stdout.strip().splitlines()[-1])["steps"] == 2, stderr[-3000:]
     assert len(daemons) == nproc and not any(is_alive(pid) for pid in daemons)
+
+
+def test_what_a_dead_rank_left_includes_children_still_below_its_pid():
+    """A rank killed with SIGKILL shows as a zombie once its main thread has exited; while its other
+    threads finish exiting, its daemon stays below its pid rather than the launcher's. Seen under load:
+    the launcher missed rank 1's daemon, which then held the peer in a collective for the agent's 30 s.
+    Pids here are made up (above any real one): the tree is the one /proc showed at that moment."""
+    launcher, rank0, rank1, daemon0, daemon1 = os.getpid(), 10**9, 10**9 + 1, 10**9 + 2, 10**9 + 3
+    tree = {launcher: [rank0], rank0: [daemon0], rank1: [daemon1]}  # rank 1 is a zombie: not a live child
+    identity = (b"run", b"0", b"1")
+    assert left_by(rank1, set(), identity, tree, {rank0, rank1}) == [daemon1]
+    # What it left below the launcher, seen below it while it lived, and what that forked since.
+    tree = {launcher: [rank0, daemon1], rank0: [daemon0], daemon1: [daemon1 + 1]}
+    assert left_by(rank1, {daemon1}, identity, tree, {rank0, rank1}) == [daemon1, daemon1 + 1]

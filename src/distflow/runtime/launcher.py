@@ -13,10 +13,11 @@ descendants.py) the launcher inherits it. A daemon forked from the rank holds co
 sockets, so its peers do not see the rank's connections close: one waiting in a collective cannot
 take the agent's SIGTERM and is only ended by the SIGKILL 30 s later. So `_ProcessesOfDeadRanks`
 watches the ranks (pids from their status files) and, as soon as a rank is seen gone, SIGKILLs (named
-in one line) what it left below the launcher, before the agent's grace begins: what was seen below
-the rank while it lived, and what carries the rank's identity in its environment (torchelastic's
-run id, restart count and RANK, inherited by every fork). The second finds what the rank started
-between two looks: a daemon forked just before the rank died, re-parented to the launcher at once.
+in one line) what it left, before the agent's grace begins: what is still below the dead rank's pid
+(`left_by` says why there can be any), what was seen below the rank while it lived, and what carries
+the rank's identity in its environment (torchelastic's run id, restart count and RANK, inherited by
+every fork). The last finds what the rank started between two looks: a daemon forked just before the
+rank died, re-parented to the launcher.
 
 `run_local(fn, N, ...)` is the in-process counterpart for tests and benchmarks: N gloo ranks
 forked by a fork server (a clean process that has imported torch and distflow once), joined
@@ -152,16 +153,27 @@ class _ProcessesOfDeadRanks:
                     self.identity.setdefault(pid, elastic_identity(pid))
                 elif pid in self.identity:  # seen alive, now gone
                     self.ended.add(pid)
-                    left = self._left_by(self.started.pop(pid), self.identity.pop(pid), tree)
+                    left = left_by(pid, self.started.pop(pid), self.identity.pop(pid), tree, set(self.rank_of))
                     _end(rank, left)
         except Exception:  # noqa: BLE001 — a failed look must not end the launcher; the next one may work
             pass
 
-    def _left_by(self, started: set[int], identity: tuple | None, tree: dict[int, list[int]]) -> list[int]:
-        """What a dead rank left below the launcher, parents before children."""
-        ours = [pid for pid in descendants(tree=tree) if pid not in self.rank_of]
-        left = [pid for pid in ours if pid in started or (identity is not None and elastic_identity(pid) == identity)]
-        return left + [pid for parent in left for pid in descendants(parent, tree) if pid not in left]  # forked since
+
+def left_by(
+    rank_pid: int, started: set[int], identity: tuple | None, tree: dict[int, list[int]], ranks: set[int]
+) -> list[int]:
+    """What the dead rank `rank_pid` left, parents before children: what is still below its pid, and what is
+    below the launcher and was seen below the rank or carries its identity (and what those forked since).
+
+    A rank killed with SIGKILL shows as a zombie once its main thread has exited, while its other threads
+    are still exiting; until the last one has, its children stay attached to one of those threads, so
+    /proc still names the dead rank as their parent, not the launcher (common on a loaded machine)."""
+    below_launcher = [pid for pid in descendants(tree=tree) if pid not in ranks]
+    theirs = [
+        pid for pid in below_launcher if pid in started or (identity is not None and elastic_identity(pid) == identity)
+    ]
+    left = list(dict.fromkeys(descendants(rank_pid, tree) + theirs))
+    return left + [pid for parent in left for pid in descendants(parent, tree) if pid not in left]  # forked since
 
 
 def _end(rank: int, left: list[int]) -> None:
