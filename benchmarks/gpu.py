@@ -27,8 +27,10 @@ how to fetch and install them on a machine without internet). Sections (--sectio
             unprofiled with each of --step-variants' overrides (default: the update in one pass
             of 64, with and without the shared prefix, in bf16, and with `graphed` rollouts).
   learning  benchmarks/learning.py, distflow (1 process) against TRL's GRPOTrainer at
-            --budget-s seconds of training each, in float32 and in bf16 (learning.py's --dtype);
-            --learning-set gives distflow settings of its own (`rollout.engine=graphed`).
+            --budget-s seconds of training each, in float32 and in bf16 (learning.py's --dtype).
+            distflow runs with the settings of this run's fastest step variant in that dtype
+            (`learning_settings`: e.g. `rollout.engine=graphed` if its step was the faster), or
+            with --learning-set's; the JSON records which, and why.
 
 Writes into --out at most 8 files: gpu.log (this run's log), gpu.json (every number), the step's
 profile table and gzipped trace, and the learning curves. The table goes to stdout; the last stdout
@@ -100,9 +102,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--learning-set",
         nargs="*",
-        default=[],
+        default=None,
         metavar="KEY=VALUE",
-        help="distflow's settings in the learning section (learning.py --set), e.g. rollout.engine=graphed",
+        help="distflow's settings in the learning section (learning.py --set), e.g. rollout.engine=graphed; "
+        "none given: its defaults; the option left out: each dtype's fastest step variant (learning_settings)",
     )
     parser.add_argument("--quick", action="store_true", help="the CPU path on the tiny model (seconds)")
     args = parser.parse_args(argv)
@@ -310,21 +313,51 @@ def step_section(args: argparse.Namespace, work: Path, out: Path) -> dict:
     return result
 
 
-def learning_section(args: argparse.Namespace, out: Path) -> dict:
+LEARNING_SETS_ITSELF = ("parallel.param_dtype=", "passes.micro_batch_size=")
+"""Settings learning.py gives distflow itself on a GPU (--dtype, and the whole step in one pass)."""
+
+
+def learning_settings(step: dict | None, dtype: str) -> tuple[list[str], str]:
+    """distflow's settings for the learning section in `dtype` when --learning-set is left out: those of
+    this run's fastest step variant in that dtype (median step time), less what learning.py sets itself;
+    and where they came from, for the record. No step section, or no variant of that dtype that ran: []."""
+    variants = (step or {}).get("variants", {})
+    timed = {
+        variant: split["median_s"]["step"]
+        for variant, split in variants.items()
+        if "median_s" in split and ("parallel.param_dtype=bfloat16" in variant.split()) == (dtype == "bfloat16")
+    }
+    if not timed:
+        return [], f"defaults: no {dtype} step variant ran"
+    fastest = min(timed, key=timed.get)
+    settings = [kv for kv in fastest.split() if not kv.startswith(LEARNING_SETS_ITSELF)]
+    ranked = ", ".join(
+        f"{variant!r} {seconds:.3f} s" for variant, seconds in sorted(timed.items(), key=lambda kv: kv[1])
+    )
+    return settings, f"fastest {dtype} step variant: {ranked}"
+
+
+def learning_section(args: argparse.Namespace, out: Path, step: dict | None) -> dict:
     results = {}
     for dtype in args.dtypes:
+        if args.learning_set is None:
+            settings, source = learning_settings(step, dtype)
+        else:
+            settings, source = args.learning_set, "--learning-set"
+        log(f"learning {dtype}: distflow settings {settings} ({source})")
         cmd = [sys.executable, str(ROOT / "benchmarks" / "learning.py"), "--nproc", "1", "--dtype", dtype]
         cmd += ["--budget-min", str(args.budget_s / 60), "--eval-every-min", str(args.budget_s / 120)]
         cmd += ["--trl-python", sys.executable, "--plot", str(out / f"learning_{dtype}.png")]
-        cmd += ["--set", *args.learning_set] if args.learning_set else []
+        cmd += ["--set", *settings] if settings else []
         log(" ".join(cmd))
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         log(f"learning {dtype} stderr (end):\n{proc.stderr[-4000:]}")
+        record = {"distflow_settings": settings, "settings_from": source}
         if proc.returncode != 0:
-            results[dtype] = {"error": proc.stderr[-1000:]}
+            results[dtype] = {**record, "error": proc.stderr[-1000:]}
             continue
         print(proc.stdout, flush=True)
-        results[dtype] = json.loads(proc.stdout.strip().splitlines()[-1])
+        results[dtype] = {**record, **json.loads(proc.stdout.strip().splitlines()[-1])}
     return results
 
 
@@ -356,6 +389,8 @@ def print_tables(result: dict) -> None:
                     f"learning {dtype:<9}{system:<16}{s['steps']:>5} steps {s['completions_per_s']:>8.2f} completions/s"
                     f"  accuracy {s['evals']}"
                 )
+        if "distflow_settings" in r:
+            print(f"learning {dtype}: distflow settings {r['distflow_settings']} ({r['settings_from']})")
         if "distflow_1proc/trl_completions" in r:
             print(f"learning {dtype}: distflow/TRL completions/s = {r['distflow_1proc/trl_completions']}")
 
@@ -384,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                 elif section == "step":
                     result["step"] = step_section(args, work, args.out)
                 else:
-                    result["learning"] = learning_section(args, args.out)
+                    result["learning"] = learning_section(args, args.out, result.get("step"))
             except Exception as err:  # keep the other sections' numbers
                 log(f"section {section} failed: {type(err).__name__}: {err}")
                 result[section] = {"error": f"{type(err).__name__}: {str(err)[-1500:]}"}

@@ -385,6 +385,35 @@ def test_gpu_quick():
     assert {"gpu.json", "gpu.log", "step_profile.txt", "step_trace.json.gz"} <= written
 
 
+def test_the_gpu_checks_learning_runs_distflow_with_each_dtypes_fastest_step_variant():
+    """gpu.py's learning section, with --learning-set left out: the settings of the fastest step variant
+    of each dtype, less what learning.py sets itself; none where no variant of that dtype ran."""
+    gpu = benchmark_module("gpu")
+
+    def timed(seconds):
+        return {"median_s": {"rollout": seconds / 2, "step": seconds}}
+
+    step = {
+        "variants": {
+            "passes.micro_batch_size=64": timed(0.9),
+            "passes.micro_batch_size=64 rollout.engine=graphed": timed(0.4),
+            "passes.micro_batch_size=64 passes.shared_prefix=false": timed(1.2),
+            "passes.micro_batch_size=64 parallel.param_dtype=bfloat16": timed(0.7),
+            "passes.micro_batch_size=64 rollout.engine=graphed parallel.param_dtype=bfloat16": {"error": "capture"},
+        }
+    }
+    settings, source = gpu.learning_settings(step, "float32")
+    assert settings == ["rollout.engine=graphed"]
+    assert source.startswith(
+        "fastest float32 step variant: 'passes.micro_batch_size=64 rollout.engine=graphed' 0.400 s"
+    )
+    assert gpu.learning_settings(step, "bfloat16")[0] == []  # the graphed bf16 variant failed: the other one
+    assert gpu.learning_settings({"error": "no model"}, "float32") == ([], "defaults: no float32 step variant ran")
+    assert gpu.learning_settings(None, "bfloat16")[0] == []
+    assert gpu.parse_args([]).learning_set is None  # left out: chosen as above
+    assert gpu.parse_args(["--learning-set"]).learning_set == []  # given empty: distflow's defaults
+
+
 def test_agent_endpoint_quick():
     """1 and 16 sessions of 2 chat calls through the agent endpoint (openai client), over the tiny model
     and over a backend that costs nothing; the machine named."""
