@@ -2,9 +2,12 @@
 
 A CPU has no CUDA graphs, so what is checked here is what capture needs of the step: the same samples
 and log-probs as `compact`, rollout after rollout as the weights change, and no value read on the
-host, nor copied from it, inside the step (benchmarks/dispatch_counter.py counts both).
+host, nor copied from it, inside the step (benchmarks/dispatch_counter.py counts both). The CUDA
+branch's order of calls (warm-up, capture, replays) and its error are checked against stand-ins for
+torch.cuda's streams and graphs.
 """
 
+import contextlib
 import sys
 
 import pytest
@@ -108,3 +111,58 @@ def test_a_graphed_run_logs_what_the_compact_run_logs(tmp_path, cache_dir):
     compact = engine_metrics(tmp_path, cache_dir, "compact", *steps)
     assert_same_run(engine_metrics(tmp_path, cache_dir, "graphed", *steps), compact)
     assert any("eval/greedy_accuracy" in r for r in compact)
+
+
+class _FakeCuda:
+    """torch.cuda's stream and graph calls, recording what `_Runner` asks of them (a CPU has neither)."""
+
+    def __init__(self, monkeypatch, capture_fails: bool = False) -> None:
+        self.events, self.capture_fails = [], capture_fails
+        fake = self
+
+        class Graph:
+            def replay(self):
+                fake.events.append("replay")
+
+        @contextlib.contextmanager
+        def graph(cuda_graph, capture_error_mode):
+            fake.events.append(f"capture ({capture_error_mode})")
+            yield
+            if fake.capture_fails:
+                raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+
+        @contextlib.contextmanager
+        def stream(side):
+            fake.events.append("side stream")
+            yield
+
+        class Stream:
+            def wait_stream(self, other):
+                pass
+
+        for name, value in dict(CUDAGraph=Graph, graph=graph, stream=stream, Stream=Stream).items():
+            monkeypatch.setattr(torch.cuda, name, value)
+        monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+
+
+def test_on_cuda_the_step_runs_twice_on_a_side_stream_then_is_captured_once_and_replayed(monkeypatch):
+    cuda = _FakeCuda(monkeypatch)
+    runner = graphed._Runner(lambda: cuda.events.append("step"), torch.device("cuda"))
+    for _ in range(5):
+        runner.run()
+    eager = ["side stream", "step"]
+    assert cuda.events == [*eager, *eager, "capture (thread_local)", "step", "replay", "replay", "replay"]
+
+
+def test_a_step_that_cannot_be_captured_fails_in_one_line_naming_compact(monkeypatch):
+    cuda = _FakeCuda(monkeypatch, capture_fails=True)
+    runner = graphed._Runner(lambda: None, torch.device("cuda"))
+    for _ in range(2):  # the eager warm-up
+        runner.run()
+    with pytest.raises(RuntimeError) as failed:
+        runner.run()
+    assert str(failed.value) == (
+        "rollout.engine=graphed could not capture this model's decode step as a CUDA graph (CUDA error: operation "
+        "not permitted when stream is capturing); use rollout.engine=compact"
+    )
+    assert "replay" not in cuda.events

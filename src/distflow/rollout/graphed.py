@@ -148,9 +148,16 @@ class _Runner:
             torch.cuda.current_stream().wait_stream(side)
         else:
             self.graph = torch.cuda.CUDAGraph()
-            # thread_local: the run's other threads (the prefetcher, the reward thread) may use CUDA meanwhile
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), _casts_uncached():
-                self.step()
+            try:
+                # thread_local: the run's other threads (the prefetcher, the reward thread) may use CUDA meanwhile
+                with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), _casts_uncached():
+                    self.step()
+            except RuntimeError as err:  # a model whose forward reads a value on the host, or copies from it
+                reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+                raise RuntimeError(
+                    f"rollout.engine=graphed could not capture this model's decode step as a CUDA graph ({reason}); "
+                    "use rollout.engine=compact"
+                ) from err
             self.graph.replay()
 
 
