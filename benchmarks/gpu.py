@@ -35,7 +35,8 @@ how to fetch and install them on a machine without internet). Sections (--sectio
 Writes into --out at most 8 files: gpu.log (this run's log), gpu.json (every number), the step's
 profile table and gzipped trace, and the learning curves. The table goes to stdout; the last stdout
 line is one JSON object. --quick: the tiny model at 4 x 4 x 8 (no `compiled`: compiling takes
-tens of seconds on a CPU), the default for 4 steps, a 3-step tiny-model profile, no learning.
+tens of seconds on a CPU), the default for 4 steps, a 3-step tiny-model profile, and learning.py's
+own --quick run of distflow alone in float32 (no TRL).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="the CPU path on the tiny model (seconds)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.sections, args.step_variants = ["rollout", "default", "step"], ["passes.shared_prefix=false"]
+        args.sections, args.step_variants, args.dtypes = list(SECTIONS), ["passes.shared_prefix=false"], ["float32"]
     return args
 
 
@@ -346,8 +347,12 @@ def learning_section(args: argparse.Namespace, out: Path, step: dict | None) -> 
             settings, source = args.learning_set, "--learning-set"
         log(f"learning {dtype}: distflow settings {settings} ({source})")
         cmd = [sys.executable, str(ROOT / "benchmarks" / "learning.py"), "--nproc", "1", "--dtype", dtype]
-        cmd += ["--budget-min", str(args.budget_s / 60), "--eval-every-min", str(args.budget_s / 120)]
-        cmd += ["--trl-python", sys.executable, "--plot", str(out / f"learning_{dtype}.png")]
+        if args.quick:  # the harness's own quick run (3 s of steps), distflow's side only
+            cmd += ["--quick", "--skip-trl"]
+        else:
+            cmd += ["--budget-min", str(args.budget_s / 60), "--eval-every-min", str(args.budget_s / 120)]
+            cmd += ["--trl-python", sys.executable]
+        cmd += ["--plot", str(out / f"learning_{dtype}.png")]
         cmd += ["--set", *settings] if settings else []
         log(" ".join(cmd))
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)

@@ -365,9 +365,9 @@ def test_roofline_quick():
 
 def test_gpu_quick():
     """The GPU check's CPU path: every engine's rollout on the tiny model, the embedded default, a profiled
-    step; its files in --out."""
+    step, learning.py's quick run with the faster step's settings; its files in --out."""
     out = run_quick("gpu.py", timeout=3600)
-    assert out["quick"] and out["sections"] == ["rollout", "default", "step"]
+    assert out["quick"] and out["sections"] == ["rollout", "default", "step", "learning"]
     engines = {(r["engine"], r["dtype"]) for r in out["rollout"]}
     assert {("generate", "float32"), ("compact", "float32"), ("compact/every-token", "float32")} <= engines
     for row in out["rollout"]:
@@ -381,8 +381,12 @@ def test_gpu_quick():
     assert len(out["default"]["greedy_accuracy"]) == 3  # steps 0, 2 and 4
     variant = out["step"]["variants"]["passes.shared_prefix=false"]  # the step again, another way
     assert variant["median_s"]["rollout"] > 0, variant
+    learning = out["learning"]["float32"]  # distflow alone: --quick has no TRL
+    assert learning["distflow_settings"] == ["passes.shared_prefix=false"]  # the one step variant it ran
+    assert learning["settings_from"].startswith("fastest float32 step variant: 'passes.shared_prefix=false'")
+    assert learning["distflow_1proc"]["steps"] > 0 and "trl" not in learning
     written = {p.name for p in (BENCHMARKS.parent / "runs" / "gpu").iterdir()}
-    assert {"gpu.json", "gpu.log", "step_profile.txt", "step_trace.json.gz"} <= written
+    assert {"gpu.json", "gpu.log", "step_profile.txt", "step_trace.json.gz", "learning_float32.png"} <= written
 
 
 def test_the_gpu_checks_learning_runs_distflow_with_each_dtypes_fastest_step_variant():
