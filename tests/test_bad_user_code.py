@@ -316,7 +316,9 @@ def test_a_signal_to_the_launcher_stops_the_run_with_one_line(userdir, cache_dir
         f"stopped; last complete checkpoint: {userdir / name / 'checkpoints'}/step-"
     ), stderr[-3000:]
     assert last.endswith(")") and "continue with --resume" in last
-    assert _alive_with(f"trainer.run_name={name}") == []  # no rank outlives the launcher
+    # No rank outlives the launcher: a rank's command line names the run's launch config, in this run's own
+    # directory (the launcher's own names the run otherwise, and it has been waited for).
+    assert _alive_with(str(userdir / name / ".launch-config.yaml")) == []
 
 
 def test_a_stage_that_returns_no_batch_is_named(userdir, cache_dir):
