@@ -31,7 +31,9 @@ Settings (P prompts x G samples, new-token cap, temperature):
    step. `compiled` is not counted: under a dispatch mode dynamo runs the model eagerly, so its
    counts would be `compact`'s. `launches`: what the host would launch per step on CUDA, the ops
    but for `graphed`, whose decode step runs eagerly twice, is captured at its third run and is
-   replayed from then on as one launch (its ops from the 4th run on are replaced by 1 each).
+   replayed from then on as one launch (its ops from the 4th run on are replaced by 1 each; the
+   runs add up over the rollouts that share its decoder, so the counted rollout, after the
+   warm-up's, replays every step).
 2. Training, per step: distflow in this process (`distflow.train`, one rank, 2 steps, the
    counter open throughout) with `runtime.executor`'s `_step`, `run_stage` and `run_transition`
    wrapped so that each stage of step 2 counts into its own scope (`loader+metrics`: the step's

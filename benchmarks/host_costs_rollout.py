@@ -152,7 +152,8 @@ def rollout_costs(args: argparse.Namespace, model_dir: Path, prompts: list[str])
 def replays_counted(counter: HostCostCounter):
     """The launches `graphed` (rollout/graphed.py) would save on CUDA, per scope, filled as it runs. Its
     decode step runs eagerly twice, is captured at its 3rd run (the host dispatches its ops, then
-    replays it once) and only replayed from the 4th on: there its ops become one launch."""
+    replays it once) and only replayed from the 4th on: there its ops become one launch. A runner's
+    runs add up over the rollouts that share its decoder."""
     from distflow.rollout import graphed
 
     saved, original = collections.Counter(), graphed._Runner.run

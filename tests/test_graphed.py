@@ -88,7 +88,7 @@ def test_the_step_reads_nothing_on_the_host_and_copies_nothing_from_it(tokenizer
 
 
 def test_graphed_refuses_fsdp2_and_sliding_window_layers(tokenizer):
-    from transformers import DynamicCache, MistralConfig, MistralForCausalLM
+    from transformers import MistralConfig, MistralForCausalLM
 
     from distflow.config import load_config
     from distflow.config.errors import ConfigError
@@ -103,7 +103,7 @@ def test_graphed_refuses_fsdp2_and_sliding_window_layers(tokenizer):
         )
     )  # fmt: skip
     with pytest.raises(ValueError, match="without sliding-window attention layers; use rollout.engine=compact"):
-        graphed._static_cache(sliding, DynamicCache(config=sliding.config), 8)
+        graphed._static_cache(sliding, 8)
 
 
 def test_a_graphed_run_logs_what_the_compact_run_logs(tmp_path, cache_dir):
@@ -166,3 +166,31 @@ def test_a_step_that_cannot_be_captured_fails_in_one_line_naming_compact(monkeyp
         "not permitted when stream is capturing); use rollout.engine=compact"
     )
     assert "replay" not in cuda.events
+
+
+def test_rollouts_of_one_shape_share_a_decoder_and_still_draw_the_compact_samples(tokenizer):
+    """The graph, cache and buffers outlive a rollout: prompts of other lengths within the bucketed width
+    refill them; a new decoder for another shape, or for weights that moved in memory."""
+    model = build_tiny_model(tokenizer, seed=11, max_positions=160).eval()
+    engine = graphed.GraphedEngine()
+    kwargs = dict(samples_per_prompt=2, max_new_tokens=24, temperature=1.0, logprobs=True, sample_keys=list(range(16)))
+    decoders, outs = [], []
+    for prompts in [PROMPTS, [p * 3 for p in PROMPTS], PROMPTS[::-1]]:  # widths 9, 27, 9: one bucket
+        compact = generate(model, tokenizer, prompts, engine="compact", **kwargs)
+        static = generate(model, tokenizer, prompts, engine=engine, **kwargs)
+        assert static.completions == compact.completions
+        torch.testing.assert_close(static.logp_BR, compact.logp_BR, rtol=0, atol=1e-5)
+        decoders.append(engine._kept.decoder)
+        outs.append((static, static.input_ids_BT.clone(), static.logp_BR.clone()))
+    assert decoders[0] is decoders[1] is decoders[2]
+    for static, ids, logp in outs:  # what a rollout returned is its own, not the buffers the next one refills
+        assert torch.equal(static.input_ids_BT, ids) and torch.equal(static.logp_BR, logp)
+    greedy = dict(samples_per_prompt=1, max_new_tokens=24, temperature=1.0)
+    generate(model, tokenizer, PROMPTS, engine=engine, **greedy)
+    assert engine._kept.decoder is not decoders[0]  # another shape: greedy, 8 rows
+    again = engine._kept.decoder
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.clone()  # the same values, elsewhere in memory
+    generate(model, tokenizer, PROMPTS, engine=engine, **greedy)
+    assert engine._kept.decoder is not again

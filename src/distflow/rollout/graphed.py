@@ -1,8 +1,9 @@
 """The `graphed` engine: a decode step is one launch on a GPU (a CUDA graph), for hosts that set the pace.
 
-    prompts ──prefill once each, repeat n (as compact)──▶ static KV cache [G·n, heads, P + R, d]
+    prompts ──prefill once each, repeat n (as compact)──▶ static KV cache [G·n, heads, W + R, d]
+                                                          (W: the prompt width rounded up to 64)
     token 0: drawn from the prefill's logits
-    token t = 1..R-1: one step, captured as a CUDA graph at its 3rd run and replayed after:
+    token t = 1..R-1: one step, replayed as a CUDA graph:
         forward token t-1 ▸ keyed draw ▸ write token t (and its log-prob) ▸ t += 1
     every 8 tokens on a GPU (every token on a CPU) one look on the host: stop once every row has ended
 
@@ -10,23 +11,34 @@ On a GPU at the recipe's sizes a decode step is ~2,300 kernels, and their launch
 set its pace (docs/features/gpu.md). Replaying the step as a graph makes them one launch. A graph
 needs fixed shapes and addresses and no value read on the host inside it, so unlike `compact`:
 every row stays in the batch to the end (an ended row decodes on; what it draws after its stop
-token is padded away), the cache is transformers' `StaticCache` of P + R columns, the attention
+token is padded away), the cache is transformers' `StaticCache` of W + R columns, the attention
 mask is a ready 4D mask, and the step's inputs and outputs are tensors it updates in place.
 
-The samples are `compact`'s: the same prefill, and token t of a row is drawn from the row's key at
-t. The graph lives for one rollout: it holds this rollout's cache, the weights' addresses and, under
-autocast, the casts of the weights made by the eager steps, and is dropped with them.
+The graph, the cache and those tensors outlive a rollout (`_Decoder`, one per thread): the next
+rollout of the same shape refills them and replays the same graph. The step runs eagerly twice
+(the warm-up capture needs), is captured at its 3rd run, and is only replayed from then on. A
+rollout of another shape (rows, bucketed width, lengths, sampling settings, autocast), or weights
+that have moved in memory, make a new decoder, dropping the old one first. Under autocast the graph
+casts the weights itself (autocast's cache is not used in capture), so it always reads their values
+of the moment.
 
-On a CPU nothing is captured: the same step runs eagerly (how the tests check it). It is slower than
-`compact` there, since ended rows decode on. Not with fsdp2, whose forward runs FSDP's hooks, nor
-with sliding-window attention layers, whose static cache rolls (`check`, `_static_cache`).
+The samples are `compact`'s: the same prefill, and token t of a row is drawn from the row's key at
+t; the extra, masked columns of the cache change the log-probs only at rounding.
+
+On a CPU nothing is captured: the same step runs eagerly on the same buffers (how the tests check
+it). It is slower than `compact` there, since ended rows decode on. Not with fsdp2, whose forward
+runs FSDP's hooks, nor with sliding-window attention layers, whose static cache rolls (`check`,
+`_static_cache`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import threading
 
 import torch
+import torch.nn.functional as F
 from transformers import StaticCache
 
 from distflow.config.errors import check
@@ -37,9 +49,16 @@ from distflow.rollout.engine import Request
 from distflow.rollout.sampling import sampled_B1, token_logprob_B1
 from distflow.training.models import cache_kwargs
 
+WIDTH_BUCKET = 64
+"""Prompt widths are rounded up to a multiple of this (the extra columns masked), so that rollouts whose
+prompts differ in length share one graph."""
+
 
 class GraphedEngine(CompactEngine):
     name = "graphed"
+
+    def __init__(self) -> None:
+        self._kept = threading.local()  # each thread's last decoder: its graph, cache and buffers
 
     @classmethod
     def check(cls, config) -> None:
@@ -51,54 +70,115 @@ class GraphedEngine(CompactEngine):
 
     @torch.no_grad()
     def responses(self, model, request: Request):
-        out = decode_static(model, request)
+        kept = getattr(self._kept, "decoder", None)
+        if kept is None or not kept.fits(model, request):
+            self._kept.decoder = kept = None  # the old graph and cache go before the new ones are made
+            kept = self._kept.decoder = _Decoder(model, request)
+        out = kept.decode(request)
         return out if request.logprobs else (out, None)
 
-
-def decode_static(model: torch.nn.Module, request: Request):
-    """Response ids [G·n, R] (and log-probs with `request.logprobs`), as `rollout.decoding.decode`."""
-    ids_GP, R = request.prompt_ids_GP, request.max_new_tokens
-    device, width = ids_GP.device, ids_GP.shape[1]
-    stop_S = torch.tensor(request.stop_ids, device=device)
-    logits_BV, dynamic, rows = _prefill(model, ids_GP, request.prompt_mask_GP, request.n, request.keys_B, R)
-    drawn = _Drawn(rows.rows_A.shape[0], R, request.pad_id, request.logprobs, device)
-    step = _Step(model, request, _static_cache(model, dynamic, width + R), rows, drawn)
-    step.draw(logits_BV, torch.zeros(1, dtype=torch.long, device=device))
-    del logits_BV, dynamic
-    runner, every = _Runner(step, device), decoding.stop_check_interval(device)
-    for t in range(1, R):
-        runner.run()
-        if (t + 1) % every == 0 and t < R - 1:  # the only look at the values on the host
-            if torch.isin(drawn.response_BR[:, : t + 1], stop_S).any(dim=1).all():
-                break
-    return drawn.result(stop_S, padded=True)
+    def close(self) -> None:
+        self._kept = threading.local()
 
 
-def _static_cache(model, dynamic, length: int) -> StaticCache:
-    """A static cache of `length` columns holding the prefill's keys and values in its first ones."""
+class _Decoder:
+    """What rollouts of one shape share: a static KV cache, the step's buffers and its graph. Another
+    rollout reuses them when it has the same rows, bucketed prompt width, lengths, sampling settings and
+    autocast, on the same model whose weights are where they were (a graph reads them by address)."""
+
+    def __init__(self, model, request: Request) -> None:
+        self.model, self.key, self.addresses = model, _shape_key(request), _addresses(model)
+        device = request.prompt_ids_GP.device
+        rows = request.prompt_ids_GP.shape[0] * request.n
+        self.width = _bucketed(request.prompt_ids_GP.shape[1])
+        self.cache = _static_cache(model, self.width + request.max_new_tokens)
+        self.drawn = _Drawn(rows, request.max_new_tokens, request.pad_id, request.logprobs, device)
+        self.step = _Step(model, request, self.cache, self.drawn, self.width)
+        self.runner = _Runner(self.step, device)
+
+    def fits(self, model, request: Request) -> bool:
+        return model is self.model and _shape_key(request) == self.key and _addresses(model) == self.addresses
+
+    def decode(self, request: Request):
+        """Response ids [G·n, R] (and log-probs with `request.logprobs`), as `rollout.decoding.decode`."""
+        ids_GP, R = request.prompt_ids_GP, request.max_new_tokens
+        stop_S = torch.tensor(request.stop_ids, device=ids_GP.device)
+        logits_BV, dynamic, rows = _prefill(self.model, ids_GP, request.prompt_mask_GP, request.n, request.keys_B, R)
+        self.step.load(dynamic, rows, request.pad_id)
+        del dynamic
+        self.step.draw(logits_BV, self.step.t_1 - 1)
+        del logits_BV
+        every = decoding.stop_check_interval(ids_GP.device)
+        for t in range(1, R):
+            self.runner.run()
+            if (t + 1) % every == 0 and t < R - 1:  # the only look at the values on the host
+                if torch.isin(self.drawn.response_BR[:, : t + 1], stop_S).any(dim=1).all():
+                    break
+        return self.drawn.result(stop_S, padded=True)  # new tensors: the buffers are the next rollout's
+
+
+def _bucketed(width: int) -> int:
+    return -(-width // WIDTH_BUCKET) * WIDTH_BUCKET
+
+
+def _shape_key(request: Request) -> tuple:
+    ids_GP = request.prompt_ids_GP
+    device = ids_GP.device.type
+    casts = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    sampling = None if request.keys_B is None else (request.temperature, request.top_p)
+    rows = ids_GP.shape[0] * request.n
+    return rows, _bucketed(ids_GP.shape[1]), request.max_new_tokens, request.logprobs, sampling, ids_GP.device, casts
+
+
+def _addresses(model) -> tuple[int, ...]:
+    """Where the weights and buffers are: a graph replays reads of these addresses."""
+    return tuple(t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def _static_cache(model, length: int) -> StaticCache:
+    """A static cache of `length` columns (filled by `_Step.load`)."""
     cache = StaticCache(config=model.config, max_cache_len=length)
     if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
         raise ValueError(
             "rollout.engine=graphed needs a model without sliding-window attention layers; use rollout.engine=compact"
         )
-    for index, layer in enumerate(dynamic.layers):
-        cache.update(layer.keys, layer.values, index)
     return cache
 
 
 class _Step:
     """One decode step over tensors it updates in place (what a CUDA graph replays): the token drawn
-    last (`token_B1`) in, the next one out, written at column `t_1` of the responses, then t += 1."""
+    last (`token_B1`) in, the next one out, written at column `t_1` of the responses, then t += 1.
+    `load` refills them for each rollout; the cache's columns are the bucketed prompt width, then one
+    per new token."""
 
-    def __init__(self, model, request: Request, cache: StaticCache, rows, drawn: _Drawn) -> None:
-        device, width = request.prompt_ids_GP.device, request.prompt_ids_GP.shape[1]
-        self.model, self.request, self.cache, self.drawn, self.width = model, request, cache, drawn, width
-        self.mask_B11L = rows.mask_AT[:, None, None, :].bool()  # prompt mask, then ones
-        self.columns_L = torch.arange(rows.mask_AT.shape[1], device=device)
-        self.positions_BR = rows.positions_AR1[..., 0]
-        self.uniforms_BR = None if rows.uniforms_AR1 is None else rows.uniforms_AR1[..., 0]
-        self.token_B1 = torch.zeros(rows.rows_A.shape[0], 1, dtype=torch.long, device=device)
+    def __init__(self, model, request: Request, cache: StaticCache, drawn: _Drawn, width: int) -> None:
+        device, (rows, R) = request.prompt_ids_GP.device, drawn.response_BR.shape
+        self.model, self.cache, self.drawn, self.width = model, cache, drawn, width
+        self.temperature, self.top_p = request.temperature, request.top_p
+        self.mask_B11L = torch.zeros(rows, 1, 1, width + R, dtype=torch.bool, device=device)
+        self.columns_L = torch.arange(width + R, device=device)
+        self.positions_BR = torch.zeros(rows, R, dtype=torch.long, device=device)
+        self.uniforms_BR = None if request.keys_B is None else torch.zeros(rows, R, device=device)
+        self.token_B1 = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.t_1 = torch.ones(1, dtype=torch.long, device=device)
+
+    def load(self, dynamic, rows, pad_id: int) -> None:
+        """This rollout's prefill and rows: its prompts' keys and values in the last columns of the bucketed
+        width (the columns before them masked), its positions and uniforms, t = 1, the responses blank."""
+        pad = self.width - (rows.mask_AT.shape[1] - self.positions_BR.shape[1])
+        self.cache.reset()
+        for index, layer in enumerate(dynamic.layers):
+            keys, values = (F.pad(x, (0, 0, pad, 0)) for x in (layer.keys, layer.values))
+            self.cache.update(keys, values, index)
+        self.mask_B11L[:, 0, 0, :pad] = False
+        self.mask_B11L[:, 0, 0, pad:] = rows.mask_AT.bool()
+        self.positions_BR.copy_(rows.positions_AR1[..., 0])
+        if self.uniforms_BR is not None:
+            self.uniforms_BR.copy_(rows.uniforms_AR1[..., 0])
+        self.t_1.fill_(1)
+        self.drawn.response_BR.fill_(pad_id)
+        if self.drawn.logp_BR is not None:
+            self.drawn.logp_BR.zero_()
 
     def __call__(self) -> None:
         """Draw token t from the logits after token t-1 (at cache column width + t - 1)."""
@@ -114,15 +194,14 @@ class _Step:
         t_1.add_(1)
 
     def draw(self, logits_BV: torch.Tensor, t_1: torch.Tensor) -> None:
-        request = self.request
         if self.uniforms_BR is None:
             token_B1 = logits_BV.argmax(dim=-1, keepdim=True)
         else:
             uniform_B1 = self.uniforms_BR.index_select(1, t_1)
-            token_B1 = sampled_B1(logits_BV, uniform_B1, temperature=request.temperature, top_p=request.top_p)
+            token_B1 = sampled_B1(logits_BV, uniform_B1, temperature=self.temperature, top_p=self.top_p)
         self.drawn.response_BR.index_copy_(1, t_1, token_B1)
         if self.drawn.logp_BR is not None:
-            logp_B1 = token_logprob_B1(logits_BV, token_B1, temperature=request.temperature)
+            logp_B1 = token_logprob_B1(logits_BV, token_B1, temperature=self.temperature)
             self.drawn.logp_BR.index_copy_(1, t_1, logp_B1)
         self.token_B1.copy_(token_B1)
 
