@@ -194,3 +194,19 @@ def test_rollouts_of_one_shape_share_a_decoder_and_still_draw_the_compact_sample
             param.data = param.data.clone()  # the same values, elsewhere in memory
     generate(model, tokenizer, PROMPTS, engine=engine, **greedy)
     assert engine._kept.decoder is not again
+
+
+def test_an_engine_keeps_no_model_alive(tokenizer):
+    """The decoder an engine keeps between rollouts holds its model weakly (`generate(engine="graphed")`'s
+    engine lives as long as the process)."""
+    import gc
+    import weakref
+
+    model = build_tiny_model(tokenizer, seed=11, max_positions=96).eval()
+    engine = graphed.GraphedEngine()
+    generate(model, tokenizer, PROMPTS, engine=engine, samples_per_prompt=1, max_new_tokens=8, temperature=1.0)
+    assert engine._kept.decoder is not None  # kept
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None

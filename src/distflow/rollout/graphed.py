@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -87,7 +88,8 @@ class _Decoder:
     autocast, on the same model whose weights are where they were (a graph reads them by address)."""
 
     def __init__(self, model, request: Request) -> None:
-        self.model, self.key, self.addresses = model, _shape_key(request), _addresses(model)
+        # The model held weakly: an engine's decoder must not keep a model alive that its user dropped.
+        self.model, self.key, self.addresses = weakref.ref(model), _shape_key(request), _addresses(model)
         device = request.prompt_ids_GP.device
         rows = request.prompt_ids_GP.shape[0] * request.n
         self.width = _bucketed(request.prompt_ids_GP.shape[1])
@@ -97,13 +99,13 @@ class _Decoder:
         self.runner = _Runner(self.step, device)
 
     def fits(self, model, request: Request) -> bool:
-        return model is self.model and _shape_key(request) == self.key and _addresses(model) == self.addresses
+        return model is self.model() and _shape_key(request) == self.key and _addresses(model) == self.addresses
 
     def decode(self, request: Request):
         """Response ids [G·n, R] (and log-probs with `request.logprobs`), as `rollout.decoding.decode`."""
         ids_GP, R = request.prompt_ids_GP, request.max_new_tokens
         stop_S = torch.tensor(request.stop_ids, device=ids_GP.device)
-        logits_BV, dynamic, rows = _prefill(self.model, ids_GP, request.prompt_mask_GP, request.n, request.keys_B, R)
+        logits_BV, dynamic, rows = _prefill(self.model(), ids_GP, request.prompt_mask_GP, request.n, request.keys_B, R)
         self.step.load(dynamic, rows, request.pad_id)
         del dynamic
         self.step.draw(logits_BV, self.step.t_1 - 1)
@@ -153,7 +155,7 @@ class _Step:
 
     def __init__(self, model, request: Request, cache: StaticCache, drawn: _Drawn, width: int) -> None:
         device, (rows, R) = request.prompt_ids_GP.device, drawn.response_BR.shape
-        self.model, self.cache, self.drawn, self.width = model, cache, drawn, width
+        self.model, self.cache, self.drawn, self.width = weakref.ref(model), cache, drawn, width
         self.temperature, self.top_p = request.temperature, request.top_p
         self.mask_B11L = torch.zeros(rows, 1, 1, width + R, dtype=torch.bool, device=device)
         self.columns_L = torch.arange(width + R, device=device)
@@ -183,7 +185,7 @@ class _Step:
     def __call__(self) -> None:
         """Draw token t from the logits after token t-1 (at cache column width + t - 1)."""
         t_1, column_1 = self.t_1, self.t_1 + (self.width - 1)
-        out = self.model(
+        out = self.model()(
             input_ids=self.token_B1,
             attention_mask=self.mask_B11L & (self.columns_L <= column_1),
             position_ids=self.positions_BR.index_select(1, t_1 - 1),
