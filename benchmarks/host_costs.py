@@ -324,15 +324,18 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         model_dir = model_dir_of(args, work)
         rows = loader_rows(args, model_dir, work, 1)
+        if not args.skip_steps and not args.skip_trl:
+            # First, while this process holds no model: TRL's counted step took over 13 GiB at the recipe's
+            # shape, and beside this process's own counts it did not fit in 24 GiB.
+            log(f"TRL GRPOTrainer: {COUNT_STEP} training steps")
+            result["step"]["trl"] = trl_step_costs(args, model_dir, work)
+            result["step"]["trl_total"] = step_total(result["step"]["trl"])
         result["rollout"] = {} if args.skip_rollout else rollout_costs(args, model_dir, [r["prompt"] for r in rows])
         if not args.skip_steps:
             log(f"distflow: {COUNT_STEP} training steps in this process")
             result["step"]["distflow"] = distflow_step_costs(args, model_dir, work / "distflow")
             result["step"]["distflow_total"] = step_total(result["step"]["distflow"])
-            if not args.skip_trl:
-                log(f"TRL GRPOTrainer: {COUNT_STEP} training steps")
-                result["step"]["trl"] = trl_step_costs(args, model_dir, work)
-                result["step"]["trl_total"] = step_total(result["step"]["trl"])
+            if "trl" in result["step"]:
                 ours, theirs = result["step"]["distflow_total"], result["step"]["trl_total"]
                 result["step"]["ratios"] = {
                     key: round(ours[key] / theirs[key], 2) if theirs[key] else None
