@@ -129,7 +129,8 @@ def _shape_key(request: Request) -> tuple:
     casts = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     sampling = None if request.keys_B is None else (request.temperature, request.top_p)
     rows = ids_GP.shape[0] * request.n
-    return rows, _bucketed(ids_GP.shape[1]), request.max_new_tokens, request.logprobs, sampling, ids_GP.device, casts
+    width, R = _bucketed(ids_GP.shape[1]), request.max_new_tokens
+    return rows, width, R, request.logprobs, sampling, request.pad_id, ids_GP.device, casts
 
 
 def _addresses(model) -> tuple[int, ...]:
