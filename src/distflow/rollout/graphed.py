@@ -73,7 +73,7 @@ class GraphedEngine(CompactEngine):
     def responses(self, model, request: Request):
         kept = getattr(self._kept, "decoder", None)
         if kept is None or not kept.fits(model, request):
-            self._kept.decoder = kept = None  # the old graph and cache go before the new ones are made
+            self._kept.decoder = None  # the old graph and cache go before the new ones are made
             kept = self._kept.decoder = _Decoder(model, request)
         out = kept.decode(request)
         return out if request.logprobs else (out, None)
@@ -88,24 +88,22 @@ class _Decoder:
     autocast, on the same model whose weights are where they were (a graph reads them by address)."""
 
     def __init__(self, model, request: Request) -> None:
-        # The model held weakly: an engine's decoder must not keep a model alive that its user dropped.
-        self.model, self.key, self.addresses = weakref.ref(model), _shape_key(request), _addresses(model)
-        device = request.prompt_ids_GP.device
+        self.key, self.addresses = _shape_key(request), _addresses(model)
+        device, width = request.prompt_ids_GP.device, _bucketed(request.prompt_ids_GP.shape[1])
         rows = request.prompt_ids_GP.shape[0] * request.n
-        self.width = _bucketed(request.prompt_ids_GP.shape[1])
-        self.cache = _static_cache(model, self.width + request.max_new_tokens)
         self.drawn = _Drawn(rows, request.max_new_tokens, request.pad_id, request.logprobs, device)
-        self.step = _Step(model, request, self.cache, self.drawn, self.width)
+        self.step = _Step(model, request, _static_cache(model, width + request.max_new_tokens), self.drawn, width)
         self.runner = _Runner(self.step, device)
 
     def fits(self, model, request: Request) -> bool:
-        return model is self.model() and _shape_key(request) == self.key and _addresses(model) == self.addresses
+        return model is self.step.model() and _shape_key(request) == self.key and _addresses(model) == self.addresses
 
     def decode(self, request: Request):
         """Response ids [G·n, R] (and log-probs with `request.logprobs`), as `rollout.decoding.decode`."""
         ids_GP, R = request.prompt_ids_GP, request.max_new_tokens
         stop_S = torch.tensor(request.stop_ids, device=ids_GP.device)
-        logits_BV, dynamic, rows = _prefill(self.model(), ids_GP, request.prompt_mask_GP, request.n, request.keys_B, R)
+        model = self.step.model()
+        logits_BV, dynamic, rows = _prefill(model, ids_GP, request.prompt_mask_GP, request.n, request.keys_B, R)
         self.step.load(dynamic, rows, request.pad_id)
         del dynamic
         self.step.draw(logits_BV, self.step.t_1 - 1)
@@ -156,6 +154,7 @@ class _Step:
 
     def __init__(self, model, request: Request, cache: StaticCache, drawn: _Drawn, width: int) -> None:
         device, (rows, R) = request.prompt_ids_GP.device, drawn.response_BR.shape
+        # The model held weakly: an engine's decoder must not keep a model alive that its user dropped.
         self.model, self.cache, self.drawn, self.width = weakref.ref(model), cache, drawn, width
         self.temperature, self.top_p = request.temperature, request.top_p
         self.mask_B11L = torch.zeros(rows, 1, 1, width + R, dtype=torch.bool, device=device)
