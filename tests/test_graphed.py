@@ -210,3 +210,33 @@ def test_an_engine_keeps_no_model_alive(tokenizer):
     del model
     gc.collect()
     assert gone() is None
+
+
+def test_under_bf16_autocast_graphed_draws_the_compact_samples(tokenizer):
+    """bf16 autocast over float32 weights (`parallel.param_dtype=bfloat16` under ddp): a llama's keys
+    leave RoPE in float32 and its values stay bf16."""
+    model = build_tiny_model(tokenizer, seed=11, max_positions=96).eval()
+    kwargs = dict(max_new_tokens=24, temperature=1.0, top_p=1.0)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        compact = _rollout(model, tokenizer, "compact", 2, **dict(kwargs))
+        static = _rollout(model, tokenizer, "graphed", 2, **dict(kwargs))
+    assert static.completions == compact.completions
+    # Log-probs equal to bf16's rounding (2**-8): the static cache's masked columns change the order of
+    # the attention's sums, which bf16 rounds coarsely.
+    torch.testing.assert_close(static.logp_BR, compact.logp_BR, rtol=0, atol=2e-2)
+
+
+def test_the_static_cache_takes_values_in_another_dtype_than_it_was_laid_out_in(tokenizer):
+    """transformers 5.17 (a GPU machine's) lays a static layer's values out in its keys' dtype, float32
+    under bf16 autocast, then copies the decode step's bf16 values into them: the cache casts them."""
+    model = build_tiny_model(tokenizer, seed=11, max_positions=96).eval()
+    cache = graphed._static_cache(model, 16)
+    layer = cache.layers[0]
+    keys = torch.randn(2, model.config.num_key_value_heads, 3, model.config.head_dim)
+    layer.lazy_initialization(keys, keys)  # both float32, as 5.17 lays them out
+    cache.update(keys, keys.clone(), 0)
+    values = torch.randn_like(keys).to(torch.bfloat16)
+    out_keys, out_values = cache.update(keys, values, 0)
+    assert out_values.dtype == torch.float32
+    assert torch.equal(out_values[:, :, 3:6], values.float())  # exact: every bf16 value is a float32 one
+    assert torch.equal(out_keys[:, :, 3:6], keys)

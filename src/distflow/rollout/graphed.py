@@ -41,6 +41,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
 
 from distflow.config.errors import check
 from distflow.rollout import decoding
@@ -139,11 +140,26 @@ def _addresses(model) -> tuple[int, ...]:
 def _static_cache(model, length: int) -> StaticCache:
     """A static cache of `length` columns (filled by `_Step.load`)."""
     cache = StaticCache(config=model.config, max_cache_len=length)
+    for layer in cache.layers:
+        if type(layer) is StaticLayer:
+            layer.__class__ = _CastingLayer  # the same layer; only its update casts first
     if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
         raise ValueError(
             "rollout.engine=graphed needs a model without sliding-window attention layers; use rollout.engine=compact"
         )
     return cache
+
+
+class _CastingLayer(StaticLayer):
+    """A static layer that takes keys and values of any dtype into the dtypes it was laid out in. Under
+    bf16 autocast over float32 weights, a llama's keys leave RoPE in float32 and its values stay bf16;
+    transformers before 5.2x lays both out in float32 (its dynamic cache, `compact`'s, promotes the values
+    to float32 the same way), and a bf16 value's copy into them would fail. The cast is exact."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.is_initialized:
+            key_states, value_states = key_states.to(self.keys.dtype), value_states.to(self.values.dtype)
+        return super().update(key_states, value_states, *args, **kwargs)
 
 
 class _Step:
