@@ -137,8 +137,25 @@ def test_the_script_under_torchrun_matches_the_cli_with_two_processes(tmp_path, 
 
 
 SCRIPT = """
+import gc
 import sys
+
+import torch.distributed
+from torch.nn.parallel import DistributedDataParallel
+
 import distflow
+
+destroy = torch.distributed.destroy_process_group
+
+
+def destroy_after_the_models(*args, **kwargs):  # a reducer freed after its group: gloo's threads can deadlock
+    alive = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
+    if alive:
+        raise RuntimeError(f"{alive} DDP model(s) alive when the process groups are destroyed")
+    destroy(*args, **kwargs)
+
+
+torch.distributed.destroy_process_group = destroy_after_the_models
 
 def reward(prompt, completion, sample):
     return 1.0 if completion.strip() == sample["answer"] else -0.5

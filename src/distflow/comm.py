@@ -24,6 +24,7 @@ of DDP, which runs its own all-reduce) are exactly:
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -243,5 +244,11 @@ def is_peer_failure(err: BaseException) -> bool:
 
 
 def shutdown() -> None:
+    """Destroy the process groups, once what holds them from C++ is gone: a DDP model's reducer (the
+    rank drops its models first; `gc.collect` frees one held in a reference cycle). The groups' last
+    references are then Python's, released without the GIL. Gloo's destructor joins its threads, and
+    one of them may still be releasing the last collective's tensors, which takes the GIL: freed by a
+    reducer, under the GIL, the two threads waited on each other for ever (a rank hung at exit)."""
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()

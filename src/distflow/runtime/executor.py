@@ -79,6 +79,7 @@ def run(
         with contextlib.closing(build_worker(config, comm, log)) as worker:  # its threads end, whatever happens
             gc_policy.after_startup()  # imports and model loading done: the usual collections from here on
             finished = _train(worker, run_dir, comm, started, status, resume, fresh_restart, log)
+        del worker  # its models before the process groups (comm.shutdown: DDP's reducer holds them)
     except BaseException as err:  # noqa: BLE001 — reported once, here, with rank and stage
         alone = comm is None or not comm.distributed
         code = status.fail(err, say_line=not (alone and isinstance(err, ConfigError)))
