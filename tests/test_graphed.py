@@ -9,6 +9,7 @@ torch.cuda's streams and graphs.
 
 import contextlib
 import sys
+import types
 
 import pytest
 import torch
@@ -240,3 +241,34 @@ def test_the_static_cache_takes_values_in_another_dtype_than_it_was_laid_out_in(
     assert out_values.dtype == torch.float32
     assert torch.equal(out_values[:, :, 3:6], values.float())  # exact: every bf16 value is a float32 one
     assert torch.equal(out_keys[:, :, 3:6], keys)
+
+
+class _OnCuda(torch.nn.Module):
+    """A model whose parameters say CUDA (what `auto` looks at), with a real model's config."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+
+    def parameters(self, recurse=True):
+        yield types.SimpleNamespace(device=torch.device("cuda"))
+
+
+def test_auto_takes_graphed_on_cuda_and_compact_elsewhere(tokenizer):
+    from transformers import MistralConfig
+
+    from distflow.config import load_config
+    from distflow.rollout.auto import AutoEngine
+    from distflow.rollout.engine import build_engine
+
+    model = build_tiny_model(tokenizer, seed=11, max_positions=96).eval()
+    engine = build_engine(load_config(REPO / "examples/arith_grpo.yaml", []))
+    assert isinstance(engine, AutoEngine)  # the default
+    assert engine.engine_for(model) is engine.compact  # a CPU
+    assert engine.engine_for(_OnCuda(model.config)) is engine.graphed
+    sliding = MistralConfig(sliding_window=16, num_hidden_layers=2, hidden_size=32, num_attention_heads=4)
+    assert engine.engine_for(_OnCuda(sliding)) is engine.compact  # its static cache would roll
+    fsdp2 = build_engine(load_config(REPO / "examples/arith_grpo.yaml", ["parallel.strategy=fsdp2"]))
+    assert fsdp2.engine_for(_OnCuda(model.config)) is fsdp2.compact  # FSDP's hooks in the forward
+    for one in (engine, fsdp2):
+        one.close()

@@ -230,6 +230,7 @@ ROLLOUT_ENGINES = Registry(
     "rollout engine",
     "rollout.engine",
     {
+        "auto": "distflow.rollout.auto:AutoEngine",
         "compact": "distflow.rollout.compact:CompactEngine",
         "compiled": "distflow.rollout.compiled:CompiledEngine",
         "generate": "distflow.rollout.hf_generate:GenerateEngine",

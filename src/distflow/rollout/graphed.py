@@ -139,15 +139,21 @@ def _addresses(model) -> tuple[int, ...]:
 
 def _static_cache(model, length: int) -> StaticCache:
     """A static cache of `length` columns (filled by `_Step.load`)."""
+    if sliding(model):
+        raise ValueError(
+            "rollout.engine=graphed needs a model without sliding-window attention layers; use rollout.engine=compact"
+        )
     cache = StaticCache(config=model.config, max_cache_len=length)
     for layer in cache.layers:
         if type(layer) is StaticLayer:
             layer.__class__ = _CastingLayer  # the same layer; only its update casts first
-    if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
-        raise ValueError(
-            "rollout.engine=graphed needs a model without sliding-window attention layers; use rollout.engine=compact"
-        )
     return cache
+
+
+def sliding(model) -> bool:
+    """Whether the model has sliding-window attention layers, whose static cache rolls."""
+    layers = StaticCache(config=model.config, max_cache_len=1).layers  # nothing allocated before an update
+    return any(getattr(layer, "is_sliding", False) for layer in layers)
 
 
 class _CastingLayer(StaticLayer):
