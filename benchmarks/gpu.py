@@ -1,7 +1,7 @@
 """The GPU check in one command: rollout engines, one step by stage, the embedded default, and learning
 against TRL in float32 and bf16, on whatever CUDA device the machine has.
 
-    python benchmarks/gpu.py --out DIR                              # every section (~8 min on one H200)
+    python benchmarks/gpu.py --out DIR                              # every section (~12 min on one H200)
     python benchmarks/gpu.py --sections rollout default --out DIR   # the sections that need no real model
     .venv/bin/python benchmarks/gpu.py --quick                      # its CPU path on the tiny model (the suite)
 
@@ -25,11 +25,11 @@ how to fetch and install them on a machine without internet). Sections (--sectio
             profiled (`--profile 1`): the stage split (median of steps 3-5) and the profiler's
             tables (device time, then host time, by operator) and its trace; then the same
             unprofiled with each of --step-variants' overrides (default: the update in one pass
-            of 64, with and without the shared prefix, in bf16, and with `graphed` rollouts).
+            of 64, in float32 and bf16, and with `compact` rollouts instead of `auto`'s).
   learning  benchmarks/learning.py, distflow (1 process) against TRL's GRPOTrainer at
             --budget-s seconds of training each, in float32 and in bf16 (learning.py's --dtype).
             distflow runs with the settings of this run's fastest step variant in that dtype
-            (`learning_settings`: e.g. `rollout.engine=graphed` if its step was the faster), or
+            (`learning_settings`: e.g. `rollout.engine=compact` if its step was the faster), or
             with --learning-set's; the JSON records which, and why.
 
 Writes into --out at most 8 files: gpu.log (this run's log), gpu.json (every number), the step's
@@ -63,14 +63,12 @@ SHAPES = {"recipe": (8, 8, 32), "long": (64, 8, 256)}
 PROMPT_TOKENS = 96
 STEP_VARIANTS = (
     "passes.micro_batch_size=64",
-    "passes.micro_batch_size=64 passes.shared_prefix=false",
     "passes.micro_batch_size=64 parallel.param_dtype=bfloat16",
-    "passes.micro_batch_size=64 rollout.engine=graphed",
-    "passes.micro_batch_size=64 rollout.engine=graphed parallel.param_dtype=bfloat16",
+    "passes.micro_batch_size=64 rollout.engine=compact",
 )
-"""The step again with these overrides (not profiled): the recipe's update in one pass of 64, with
-and without the shared prefix's second call, in bf16 (ddp under autocast, float32 weights), and with
-the rollout's decode steps replayed as CUDA graphs (`graphed`) in float32 and bf16."""
+"""The step again with these overrides (not profiled): the recipe's update in one pass of 64, in float32
+and in bf16 (ddp under autocast, float32 weights), with the default rollout engine (`auto`: `graphed`
+on CUDA) and with `compact`."""
 
 
 LOG: list[Path] = []  # gpu.log, once --out is known

