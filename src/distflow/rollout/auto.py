@@ -5,7 +5,7 @@
 
 On a GPU a small model's decode step is set by its ~2,300 kernel launches, not by their work, and
 `graphed` replays the step as one CUDA graph; on one H200 at the SmolLM2 recipe's shape its
-rollouts ran 3.2x `compact`'s tokens/s and its training made 4.1x TRL's completions/s
+rollouts ran 3.5x `compact`'s tokens/s and its training made 4.1x TRL's completions/s
 (docs/features/gpu.md). On a CPU there is no graph to replay and `compact` drops ended rows, so it
 is the faster there. Both draw the same samples (each row's keyed draws), so the choice changes
 speed, not the run's metrics beyond rounding.
