@@ -71,7 +71,7 @@ def test_a_runs_parts_are_its_stateful_stages_and_components():
         config=config, plan=plan, engines=SimpleNamespace(sampling=SimpleNamespace(engine=Counter())), task=object()
     )
     parts = _stateful_parts(worker)
-    assert sorted(parts) == ["kl_reward", "rollout.engine=compact"]  # the task keeps nothing
+    assert sorted(parts) == ["kl_reward", "rollout.engine=auto"]  # the task keeps nothing
     assert isinstance(parts["kl_reward"], KLPenalty)
 
 

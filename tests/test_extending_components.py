@@ -91,7 +91,8 @@ def test_an_engine_of_ones_own_is_checked_with_its_options_and_rules(toy_engine)
         load_config(None, ["rollout.engine=toy_engine:Salted"])
     with pytest.raises(ConfigError, match="rollout.engine='toy_engine:Nothing': cannot import 'toy_engine:Nothing'"):
         load_config(None, ["rollout.engine=toy_engine:Nothing"])
-    with pytest.raises(ConfigError, match="rollout.engine='sglang' is not a rollout engine; choose one of compact"):
+    unknown = "rollout.engine='sglang' is not a rollout engine; choose one of auto, compact"
+    with pytest.raises(ConfigError, match=unknown):
         load_config(None, ["rollout.engine=sglang"])
     with pytest.raises(ConfigError, match=r"unknown config key 'rollout.vllm.lgo'; did you mean 'rollout.vllm.log'\?"):
         load_config(None, ["rollout.engine=vllm", "rollout.vllm.lgo=true"])

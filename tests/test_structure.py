@@ -278,6 +278,7 @@ SECTION_READERS = {
     "parallel": (
         "distflow.config",
         "distflow.training.registry",
+        "distflow.rollout.auto",
         "distflow.rollout.compiled",
         "distflow.rollout.graphed",
         "distflow.rollout.engine",  # below float32 a rollout records its log-probs (`fields`)
@@ -359,8 +360,9 @@ ENGINE_PACKAGES = (
     "distflow.rollout.sampling",
     "distflow.rollout.vllm.",
 )
-"""What engines hold and use; the rollout components themselves (`rollout/engine.py`, `compact`, `compiled`,
-`graphed`, `generate`, `rollout/vllm/__init__.py`) are built from the `Config` by design (config/components.py)."""
+"""What engines hold and use; the rollout components themselves (`rollout/engine.py`, `auto`, `compact`,
+`compiled`, `graphed`, `generate`, `rollout/vllm/__init__.py`) are built from the `Config` by design
+(config/components.py)."""
 
 
 def test_engines_never_receive_the_whole_config():

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from distflow.rollout.compact import CompactEngine
 from distflow.rollout.engine import Request, RolloutEngine
-from distflow.rollout.graphed import GraphedEngine, sliding
 
 
 class AutoEngine(RolloutEngine):
     name = "auto"
 
     def __init__(self, graphs: bool = True) -> None:
+        from distflow.rollout.graphed import GraphedEngine  # torch: built on a rank, not where configs load
+
         self.compact, self.graphed, self.graphs = CompactEngine(), GraphedEngine(), graphs
 
     @classmethod
@@ -31,6 +32,8 @@ class AutoEngine(RolloutEngine):
 
     def engine_for(self, model) -> RolloutEngine:
         """The engine this model's rollouts take: `graphed` on CUDA, `compact` elsewhere."""
+        from distflow.rollout.graphed import sliding
+
         cuda = next(model.parameters()).device.type == "cuda"
         return self.graphed if self.graphs and cuda and not sliding(model) else self.compact
 
