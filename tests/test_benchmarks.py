@@ -379,10 +379,11 @@ def test_gpu_quick():
         split = out[section]["median_s"]
         assert split["rollout"] > 0 and split["step"] >= split["rollout"], section
     assert len(out["default"]["greedy_accuracy"]) == 3  # steps 0, 2 and 4
-    variant = out["step"]["variants"]["passes.shared_prefix=false"]  # the step again, another way
-    assert variant["median_s"]["rollout"] > 0, variant
+    for name in ("passes.shared_prefix=false", "rollout.engine=graphed parallel.param_dtype=bfloat16"):
+        variant = out["step"]["variants"][name]  # the step again, another way
+        assert variant["median_s"]["rollout"] > 0, variant
     learning = out["learning"]["float32"]  # distflow alone: --quick has no TRL
-    assert learning["distflow_settings"] == ["passes.shared_prefix=false"]  # the one step variant it ran
+    assert learning["distflow_settings"] == ["passes.shared_prefix=false"]  # the one float32 step variant it ran
     assert learning["settings_from"].startswith("fastest float32 step variant: 'passes.shared_prefix=false'")
     assert learning["distflow_1proc"]["steps"] > 0 and "trl" not in learning
     written = {p.name for p in (BENCHMARKS.parent / "runs" / "gpu").iterdir()}
