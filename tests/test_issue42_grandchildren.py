@@ -17,6 +17,7 @@ import pytest
 from conftest import REPO
 from test_faults import ARGS, assert_no_orphans, finish, last_line
 
+from distflow.runtime.descendants import descendants, tree_of
 from distflow.runtime.launcher import left_by
 from distflow.runtime.status_files import is_alive
 
@@ -142,3 +143,15 @@ def test_what_a_dead_rank_left_includes_children_still_below_its_pid():
     # What it left below the launcher, seen below it while it lived, and what that forked since.
     tree = {launcher: [rank0, daemon1], rank0: [daemon0], daemon1: [daemon1 + 1]}
     assert left_by(rank1, {daemon1}, identity, tree, {rank0, rank1}) == [daemon1, daemon1 + 1]
+
+
+def test_what_is_below_a_process_includes_the_children_of_its_zombie_descendants():
+    """The same window for any process ending its descendants (`end_descendants`): a server that user
+    code started, killed with SIGKILL and still exiting, holds its own child below its zombie pid."""
+    rank, server, helper, other = 10**9, 10**9 + 1, 10**9 + 2, 10**9 + 3
+    stats = {rank: ("S", 1), server: ("Z", rank), helper: ("S", server), other: ("R", rank)}
+    tree = tree_of(stats)
+    assert sorted(descendants(rank, tree)) == [helper, other]  # the zombie itself is nothing to signal
+    assert descendants(server, tree) == [helper]  # what the launcher looks for below a dead rank
+    chain = {rank: ("S", 1), server: ("Z", rank), 10**9 + 4: ("Z", server), helper: ("S", 10**9 + 4)}
+    assert descendants(rank, tree_of(chain)) == [helper]

@@ -40,8 +40,8 @@ def become_subreaper() -> None:
 
 
 def process_tree() -> dict[int, list[int]]:
-    """{parent pid: its live (not zombie) children's pids}, from one pass over /proc."""
-    children: dict[int, list[int]] = {}
+    """{parent pid: its live (not zombie) children's pids}, from one pass over /proc (`tree_of`)."""
+    stats: dict[int, tuple[str, int]] = {}
     try:
         entries = os.listdir("/proc")
     except OSError:
@@ -54,8 +54,26 @@ def process_tree() -> dict[int, list[int]]:
                 state, parent = f.read().rsplit(")", 1)[1].split()[:2]
         except (OSError, ValueError):
             continue  # gone meanwhile, or not ours to read
-        if state != "Z":
-            children.setdefault(int(parent), []).append(int(name))
+        stats[int(name)] = (state, int(parent))
+    return tree_of(stats)
+
+
+def tree_of(stats: dict[int, tuple[str, int]]) -> dict[int, list[int]]:
+    """{parent pid: its live children} from each process's (state, parent pid). A zombie is no process to
+    signal, but it may still hold children: a process killed with SIGKILL shows as a zombie once its main
+    thread has exited, and its children stay attached to it until its last thread has. So a zombie's live
+    children are listed under it and under each ancestor up to the nearest live one: what is below that
+    ancestor includes them (what `end_descendants` ends), and so does what is below the zombie."""
+    children: dict[int, list[int]] = {}
+    for pid, (state, parent) in stats.items():
+        if state == "Z":
+            continue
+        children.setdefault(parent, []).append(pid)
+        seen = {pid}
+        while parent in stats and stats[parent][0] == "Z" and parent not in seen:
+            seen.add(parent)
+            parent = stats[parent][1]
+            children.setdefault(parent, []).append(pid)
     return children
 
 
