@@ -272,3 +272,32 @@ def test_auto_takes_graphed_on_cuda_and_compact_elsewhere(tokenizer):
     assert fsdp2.engine_for(_OnCuda(model.config)) is fsdp2.compact  # FSDP's hooks in the forward
     for one in (engine, fsdp2):
         one.close()
+
+
+def test_auto_rolls_out_with_compact_once_a_capture_fails_and_says_so_once(tokenizer, monkeypatch, capsys):
+    """A model whose decode step cannot be captured (on CUDA; here torch.cuda's stand-ins fail the capture)."""
+    from distflow.rollout.auto import AutoEngine
+
+    cuda = _FakeCuda(monkeypatch, capture_fails=True)
+    init = graphed._Runner.__init__
+
+    def on_cuda(self, step, device):
+        init(self, step, torch.device("cuda"))
+
+    monkeypatch.setattr(graphed._Runner, "__init__", on_cuda)
+    monkeypatch.setattr(AutoEngine, "engine_for", lambda self, model: self.graphed if self.graphs else self.compact)
+    model = build_tiny_model(tokenizer, seed=11, max_positions=96).eval()
+    engine = AutoEngine()
+    kwargs = dict(max_new_tokens=12, temperature=1.0)
+    first = _rollout(model, tokenizer, engine, 2, **dict(kwargs))
+    assert "capture (thread_local)" in cuda.events and "replay" not in cuda.events
+    again = _rollout(model, tokenizer, engine, 2, **dict(kwargs))
+    compact = _rollout(model, tokenizer, "compact", 2, **dict(kwargs))
+    for out in (first, again):
+        assert torch.equal(out.input_ids_BT, compact.input_ids_BT) and out.completions == compact.completions
+    said = [line for line in capsys.readouterr().err.splitlines() if "rollout.engine=auto" in line]
+    assert said == [
+        "distflow: rollout.engine=auto: this model's decode step could not be captured as a CUDA graph (CUDA "
+        "error: operation not permitted when stream is capturing); rolling out with compact"
+    ]
+    assert cuda.events.count("capture (thread_local)") == 1  # not tried again

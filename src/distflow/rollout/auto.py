@@ -8,11 +8,14 @@ On a GPU a small model's decode step is set by its ~2,300 kernel launches, not b
 rollouts ran 3.5x `compact`'s tokens/s and its training made 4.1x TRL's completions/s
 (docs/features/gpu.md). On a CPU there is no graph to replay and `compact` drops ended rows, so it
 is the faster there. Both draw the same samples (each row's keyed draws), so the choice changes
-speed, not the run's metrics beyond rounding.
+speed, not the run's metrics beyond rounding. A model whose decode step cannot be captured (its
+forward reads a device value on the host: data-dependent routing, for one) rolls out with
+`compact` from then on, said in one line.
 """
 
 from __future__ import annotations
 
+from distflow.console import say
 from distflow.rollout.compact import CompactEngine
 from distflow.rollout.engine import Request, RolloutEngine
 
@@ -38,7 +41,19 @@ class AutoEngine(RolloutEngine):
         return self.graphed if self.graphs and cuda and not sliding(model) else self.compact
 
     def responses(self, model, request: Request):
-        return self.engine_for(model).responses(model, request)
+        from distflow.rollout.graphed import CaptureFailed
+
+        engine = self.engine_for(model)
+        try:
+            return engine.responses(model, request)
+        except CaptureFailed as failed:  # said once; the keyed draws make compact's samples the same ones
+            self.graphs = False
+            self.graphed.close()  # its decoder, whose capture failed, goes
+            say(
+                "distflow: rollout.engine=auto: this model's decode step could not be captured as a CUDA graph "
+                f"({failed.reason}); rolling out with compact"
+            )
+            return self.compact.responses(model, request)
 
     def close(self) -> None:
         self.graphed.close()

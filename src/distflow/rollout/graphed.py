@@ -250,18 +250,27 @@ class _Runner:
                 self.step()
             torch.cuda.current_stream().wait_stream(side)
         else:
-            self.graph = torch.cuda.CUDAGraph()
+            graph = torch.cuda.CUDAGraph()
             try:
                 # thread_local: the run's other threads (the prefetcher, the reward thread) may use CUDA meanwhile
-                with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), _casts_uncached():
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"), _casts_uncached():
                     self.step()
             except RuntimeError as err:  # a model whose forward reads a value on the host, or copies from it
-                reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-                raise RuntimeError(
-                    f"rollout.engine=graphed could not capture this model's decode step as a CUDA graph ({reason}); "
-                    "use rollout.engine=compact"
-                ) from err
+                raise CaptureFailed((str(err).strip().splitlines() or [type(err).__name__])[0]) from err
+            self.graph = graph  # only a graph that was captured is replayed
             self.graph.replay()
+
+
+class CaptureFailed(RuntimeError):
+    """The model's decode step could not be captured as a CUDA graph (its forward reads a device value
+    on the host, or copies from it: data-dependent routing, for one); `reason` is torch's first line."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(
+            f"rollout.engine=graphed could not capture this model's decode step as a CUDA graph ({reason}); "
+            "use rollout.engine=compact"
+        )
+        self.reason = reason
 
 
 def _casts_uncached():
