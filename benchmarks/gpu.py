@@ -187,12 +187,12 @@ def rollout_section(args: argparse.Namespace, device) -> list[dict]:
             prompt_ids = [row[width - length :] for row, length in zip(ids.tolist(), lengths, strict=True)]
             for engine in engines:
                 first = shape_name == next(iter(shapes))
-                if engine.endswith("every-token") and not (first and dtype == torch.float32):
-                    continue  # the look's cost shows where steps are short: the recipe's shape
+                # The recipe's shape in float32 only: `compiled` (each compile takes minutes) and the look
+                # after every token (its cost shows where steps are short).
+                if engine in ("compiled", "compact/every-token") and not (first and dtype == torch.float32):
+                    continue
                 if engine == "generate" and not first and dtype != torch.float32:
                     continue  # the reference once at the long shape, in float32 (bf16: 31 s on an H200)
-                if engine == "compiled" and not (first and dtype == torch.float32):
-                    continue  # each compile takes minutes: the recipe's shape in float32 only
                 # The first shape warms every engine up; after it, only `compiled` needs a warm-up
                 # (new shapes can recompile it), and one timed run of a long shape is enough.
                 warmup = first or engine == "compiled"

@@ -15,6 +15,8 @@ forward reads a device value on the host: data-dependent routing, for one) rolls
 
 from __future__ import annotations
 
+import weakref
+
 from distflow.console import say
 from distflow.rollout.compact import CompactEngine
 from distflow.rollout.engine import Request, RolloutEngine
@@ -27,6 +29,7 @@ class AutoEngine(RolloutEngine):
         from distflow.rollout.graphed import GraphedEngine  # torch: built on a rank, not where configs load
 
         self.compact, self.graphed, self.graphs = CompactEngine(), GraphedEngine(), graphs
+        self._sliding: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a model's, looked up once
 
     @classmethod
     def build(cls, config, options) -> AutoEngine:
@@ -37,8 +40,11 @@ class AutoEngine(RolloutEngine):
         """The engine this model's rollouts take: `graphed` on CUDA, `compact` elsewhere."""
         from distflow.rollout.graphed import sliding
 
-        cuda = next(model.parameters()).device.type == "cuda"
-        return self.graphed if self.graphs and cuda and not sliding(model) else self.compact
+        if not self.graphs or next(model.parameters()).device.type != "cuda":
+            return self.compact
+        if model not in self._sliding:
+            self._sliding[model] = sliding(model)
+        return self.compact if self._sliding[model] else self.graphed
 
     def responses(self, model, request: Request):
         from distflow.rollout.graphed import CaptureFailed

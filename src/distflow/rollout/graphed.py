@@ -139,11 +139,11 @@ def _addresses(model) -> tuple[int, ...]:
 
 def _static_cache(model, length: int) -> StaticCache:
     """A static cache of `length` columns (filled by `_Step.load`)."""
-    if sliding(model):
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    if _rolls(cache):
         raise ValueError(
             "rollout.engine=graphed needs a model without sliding-window attention layers; use rollout.engine=compact"
         )
-    cache = StaticCache(config=model.config, max_cache_len=length)
     for layer in cache.layers:
         if type(layer) is StaticLayer:
             layer.__class__ = _CastingLayer  # the same layer; only its update casts first
@@ -152,8 +152,11 @@ def _static_cache(model, length: int) -> StaticCache:
 
 def sliding(model) -> bool:
     """Whether the model has sliding-window attention layers, whose static cache rolls."""
-    layers = StaticCache(config=model.config, max_cache_len=1).layers  # nothing allocated before an update
-    return any(getattr(layer, "is_sliding", False) for layer in layers)
+    return _rolls(StaticCache(config=model.config, max_cache_len=1))  # nothing allocated before an update
+
+
+def _rolls(cache: StaticCache) -> bool:
+    return any(getattr(layer, "is_sliding", False) for layer in cache.layers)
 
 
 class _CastingLayer(StaticLayer):
