@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import REPO, run_cli
 from test_e2e import TINY, read_metrics
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM
 
 from distflow.checkpoint import export_hf
@@ -28,7 +29,7 @@ from distflow.runtime.launcher import run_local
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
 from distflow.training.logprobs import batch_logprobs
-from distflow.training.parallelize import decoder_blocks, frozen_copy, full_parameters, gathered
+from distflow.training.parallelize import decoder_blocks, frozen_copy, full_parameters, gathered, unsharded_view
 from distflow.training.policy import PolicyEngine
 
 NUM_STEPS = 5
@@ -141,15 +142,26 @@ def _inference(comm: Comm) -> dict:
     reference = frozen_copy(model, comm, config.parallel)
     engine = PolicyEngine(model, comm, config.optim, temperature=0.7, parallel=config.parallel, passes=config.passes)
     prompts = ["12+3=", "4+5=", "7+70="][: 1 + 2 * comm.rank]
+    kwargs = dict(max_new_tokens=3 + 3 * comm.rank, temperature=0.7, sample_keys=list(range(len(prompts))))
     with gathered(model):
-        out = generate(
-            model,
-            tok,
-            prompts,
-            max_new_tokens=3 + 3 * comm.rank,
-            temperature=0.7,
-            sample_keys=list(range(len(prompts))),
-        )
+        out = generate(model, tok, prompts, **kwargs)
+        graphed = generate(model, tok, prompts, engine="graphed", **kwargs)  # eager on a CPU, on the same view
+        view = unsharded_view(model)
+        plain_view = {
+            "no_fsdp_module": not any(isinstance(m, FSDPModule) for m in view.modules()),
+            "no_fsdp_hook": all(
+                not getattr(hook, "__module__", "").startswith("torch.distributed.fsdp")
+                for m in view.modules()
+                for hook in [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]
+            ),
+            "same_tensors": all(a is b for a, b in zip(view.parameters(), model.parameters(), strict=True)),
+            "model_keeps_its_hooks": len(model._forward_pre_hooks) > 0,
+        }
+    try:
+        unsharded_view(model)
+        plain_view["refused_outside_gathered"] = False
+    except RuntimeError as err:
+        plain_view["refused_outside_gathered"] = "inside `with gathered(model):`" in str(err)
     batch = Batch(
         {"input_ids": out.input_ids_BT, "attention_mask": out.attention_mask_BT, "response_mask": out.response_mask_BR}
     )
@@ -158,6 +170,8 @@ def _inference(comm: Comm) -> dict:
         reference_logp = batch_logprobs(reference, batch, micro_batch_size=2, temperature=0.7)
     return {
         "completions": out.completions,
+        "graphed": graphed.completions,
+        "plain_view": plain_view,
         "batch": batch,
         "policy": policy_logp,
         "reference": reference_logp,
@@ -176,6 +190,8 @@ def test_generation_and_logprobs_inside_gathered_match_the_plain_model():
             plain, tok, prompts, max_new_tokens=3 + 3 * rank, temperature=0.7, sample_keys=list(range(len(prompts)))
         )
         assert got["completions"] == want.completions
+        assert got["graphed"] == want.completions  # graphed decodes fsdp2's whole model too
+        assert got["plain_view"] == dict.fromkeys(got["plain_view"], True), got["plain_view"]
         logp = batch_logprobs(plain, got["batch"], micro_batch_size=8, temperature=0.7)
         torch.testing.assert_close(got["policy"], logp, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got["reference"], logp, rtol=1e-5, atol=1e-6)
@@ -309,12 +325,30 @@ def one_process_lower_precision() -> dict:
             losses.append(stats["loss"] / float(batch["response_mask"].sum()))
         logits = engine.wrapped(input_ids=step_batch(0)["input_ids"]).logits
         out[dtype] = {
+            "view_samples_as_hooks": _view_samples_as_hooks(engine.model) if dtype == "bfloat16" else None,
             "sharded": is_sharded(engine.model),
             "logits_dtype": str(logits.dtype),
             "loss": losses,
             "param_dtypes": sorted({str(p.dtype) for p in engine.model.parameters()}),
         }
     return out
+
+
+def _view_samples_as_hooks(model) -> bool:
+    """Whether a rollout through `unsharded_view` (what `generate` decodes through) draws, bit for bit, the
+    tokens and log-probs of one through the sharded model's own forward, FSDP's hooks and casts included."""
+    from distflow.rollout import generation
+
+    tok, kwargs = build_char_tokenizer(), dict(max_new_tokens=6, temperature=0.7, samples_per_prompt=2, logprobs=True)
+    prompts = ["12+3=", "4+5=", "7+70="]
+    with gathered(model):
+        view = generate(model, tok, prompts, sample_keys=list(range(6)), **kwargs)
+        generation.unsharded_view = lambda model: model  # FSDP's own forward, hooks and all
+        try:
+            hooks = generate(model, tok, prompts, sample_keys=list(range(6)), **kwargs)
+        finally:
+            generation.unsharded_view = unsharded_view
+    return view.completions == hooks.completions and torch.equal(view.logp_BR, hooks.logp_BR)
 
 
 def test_fsdp2_on_one_process_computes_in_the_dtype_asked():
@@ -327,6 +361,7 @@ def test_fsdp2_on_one_process_computes_in_the_dtype_asked():
     out = json.loads(done.stdout.strip().splitlines()[-1])
     bf16, fp32 = out["bfloat16"], out["float32"]
     assert bf16["sharded"] and bf16["logits_dtype"] == "torch.bfloat16"
+    assert bf16["view_samples_as_hooks"]  # the rollout's view of the sharded model: its casts, bit for bit
     assert bf16["param_dtypes"] == ["torch.float32"]  # the master copy AdamW steps stays float32
     assert not fp32["sharded"] and fp32["logits_dtype"] == "torch.float32"  # float32 alone: the plain model
     assert bf16["loss"] != fp32["loss"]  # computed in bfloat16...

@@ -1,7 +1,7 @@
 """The `auto` engine, `rollout.engine`'s default: `graphed` where a CUDA graph pays, `compact` elsewhere.
 
-    a rollout ──▶ on CUDA, a plain (not fsdp2-sharded) model without sliding-window layers ──▶ graphed
-              └─▶ otherwise (a CPU; fsdp2; sliding-window attention) ─────────────────────▶ compact
+    a rollout ──▶ on CUDA, a model without sliding-window layers (ddp or fsdp2) ──▶ graphed
+              └─▶ otherwise (a CPU; sliding-window attention) ──────────────────▶ compact
 
 On a GPU a small model's decode step is set by its ~2,300 kernel launches, not by their work, and
 `graphed` replays the step as one CUDA graph; on one H200 at the SmolLM2 recipe's shape its
@@ -25,16 +25,11 @@ from distflow.rollout.engine import Request, RolloutEngine
 class AutoEngine(RolloutEngine):
     name = "auto"
 
-    def __init__(self, graphs: bool = True) -> None:
+    def __init__(self) -> None:
         from distflow.rollout.graphed import GraphedEngine  # torch: built on a rank, not where configs load
 
-        self.compact, self.graphed, self.graphs = CompactEngine(), GraphedEngine(), graphs
+        self.compact, self.graphed, self.graphs = CompactEngine(), GraphedEngine(), True
         self._sliding: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a model's, looked up once
-
-    @classmethod
-    def build(cls, config, options) -> AutoEngine:
-        """No graphs under fsdp2, whose forward runs FSDP's hooks (`graphed.check`)."""
-        return cls(graphs=config is None or config.parallel.strategy == "ddp")
 
     def engine_for(self, model) -> RolloutEngine:
         """The engine this model's rollouts take: `graphed` on CUDA, `compact` elsewhere."""

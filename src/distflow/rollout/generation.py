@@ -16,6 +16,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from distflow.rollout.engine import Request, RolloutEngine, engine_named
+from distflow.training.parallelize import unsharded_view
 from distflow.training.sequences import encode_prompts, left_pad, response_mask_from_ids, stop_token_ids
 
 
@@ -53,6 +54,7 @@ def generate(
     tokenization; `prompt_width` left-pads prompts to at least this many columns (a worker group's widest);
     `logprobs` keeps each sampled token's log-prob (`Generation.logp_BR`); `engine`: the run's (`SamplingSpec.engine`)
     or a built-in one's name."""
+    model = unsharded_view(model)  # fsdp2 (inside `gathered`): the whole model, without FSDP's hooks
     device, n = next(model.parameters()).device, samples_per_prompt
     rows = prompt_ids if prompt_ids is not None else encode_prompts(tokenizer, prompts)
     prompt_ids_GP, prompt_mask_GP = left_pad(rows, tokenizer.pad_token_id, width=prompt_width)

@@ -26,9 +26,10 @@ The samples are `compact`'s: the same prefill, and token t of a row is drawn fro
 t; the extra, masked columns of the cache change the log-probs only at rounding.
 
 On a CPU nothing is captured: the same step runs eagerly on the same buffers (how the tests check
-it). It is slower than `compact` there, since ended rows decode on. Not with fsdp2, whose forward
-runs FSDP's hooks, nor with sliding-window attention layers, whose static cache rolls (`check`,
-`_static_cache`).
+it). It is slower than `compact` there, since ended rows decode on. Under fsdp2 it decodes through
+`gathered`'s whole parameters without FSDP's hooks (`training.parallelize.unsharded_view`); where
+gathering placed them elsewhere than for the last rollout, the graph is captured again. Not with
+sliding-window attention layers, whose static cache rolls (`_static_cache`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ import torch.nn.functional as F
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
-from distflow.config.errors import check
 from distflow.rollout import decoding
 from distflow.rollout.compact import CompactEngine
 from distflow.rollout.decoding import _Drawn, _prefill
@@ -61,14 +61,6 @@ class GraphedEngine(CompactEngine):
 
     def __init__(self) -> None:
         self._kept = threading.local()  # each thread's last decoder: its graph, cache and buffers
-
-    @classmethod
-    def check(cls, config) -> None:
-        check(
-            config.parallel.strategy == "ddp",
-            "rollout.engine=graphed replays the rollout model's forward as a CUDA graph, and fsdp2's forward "
-            "runs its hooks; use rollout.engine=compact with parallel.strategy=fsdp2",
-        )
 
     @torch.no_grad()
     def responses(self, model, request: Request):

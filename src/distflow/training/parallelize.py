@@ -34,9 +34,12 @@ per decoded token. Autocast is per thread: the agent endpoint's backend thread e
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
+import functools
 import inspect
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -46,6 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_map_only
 
 from distflow.comm import Comm, join_group_of_one
 from distflow.config import ConfigError
@@ -105,7 +109,9 @@ def shard(model: torch.nn.Module, comm: Comm, parallel: ParallelConfig) -> torch
     )
     for block in decoder_blocks(model):
         fully_shard(block, **options)
+        block._distflow_param_dtype = param_dtype  # what FSDP casts its floating inputs to (`unsharded_view`)
     fully_shard(model, **options)
+    model._distflow_param_dtype = param_dtype
     model._distflow_reshard_after_forward = parallel.fsdp.reshard_after_forward  # restored after `gathered`
     return model
 
@@ -254,6 +260,60 @@ def gathered(model: torch.nn.Module | None) -> Iterator[None]:
         for module in modules:
             module.reshard()
         model.set_reshard_after_forward(_reshard_after_forward(model))
+
+
+def unsharded_view(model: torch.nn.Module) -> torch.nn.Module:
+    """Inside `gathered`, an fsdp2 model as a plain module: the same classes and the same tensors (FSDP's
+    gathered parameters: no copy, no memory), without FSDP's forward hooks. Any other model is returned
+    as it is. The rollout engines decode through it (`rollout.generation.generate`): FSDP's hooks cost
+    host time at every block of every decoded token, and a CUDA graph (`graphed`) cannot capture them.
+    Each block still casts its floating inputs to the compute dtype first, as FSDP's mixed precision
+    does, so the view computes what the model computes, bit for bit. One view per model, its tensors
+    taken afresh at each call (gathering may place the parameters elsewhere)."""
+    if not is_sharded(model):
+        return model
+    view = _VIEWS.get(model)
+    if view is None:
+        view = _VIEWS[model] = _view_of(model)
+    for original, mine in zip(model.modules(), view.modules(), strict=True):
+        mine._parameters, mine._buffers = dict(original._parameters), dict(original._buffers)
+    if any(isinstance(param, DTensor) for param in view.parameters()):
+        raise RuntimeError("unsharded_view(model) is for inside `with gathered(model):`, where the model is whole")
+    return view
+
+
+_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _view_of(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` again as its own class (FSDP's `FSDP<class>` undone), sharing its attributes, less FSDP's
+    hooks; its children likewise. Parameters and buffers are filled in by `unsharded_view`."""
+    view = object.__new__(next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)))
+    view.__dict__.update(module.__dict__)
+    for flags in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+        setattr(view, flags, collections.OrderedDict(getattr(module, flags)))  # the view's own: its hooks are not the module's
+    view._modules = {name: _view_of(child) for name, child in module._modules.items()}
+    view._forward_pre_hooks = _without_fsdp(module._forward_pre_hooks)
+    view._forward_hooks = _without_fsdp(module._forward_hooks)
+    dtype = getattr(module, "_distflow_param_dtype", None) if isinstance(module, FSDPModule) else None
+    if dtype is not None:
+        view.register_forward_pre_hook(functools.partial(_cast_inputs, dtype), prepend=True, with_kwargs=True)
+    return view
+
+
+def _without_fsdp(hooks: dict) -> collections.OrderedDict:
+    """The hooks FSDP did not register (its own are defined in torch.distributed.fsdp)."""
+    return collections.OrderedDict(
+        (key, hook) for key, hook in hooks.items() if not getattr(hook, "__module__", "").startswith(_FSDP_MODULE)
+    )
+
+
+_FSDP_MODULE = FSDPModule.__module__.split("._")[0]  # torch.distributed.fsdp
+
+
+def _cast_inputs(dtype: torch.dtype, module, args, kwargs):
+    """A block's floating inputs in `dtype`, as FSDP's mixed precision gives them (`cast_forward_inputs`)."""
+    return tree_map_only(torch.Tensor, lambda x: x.to(dtype) if x.is_floating_point() else x, (args, kwargs))
 
 
 def _reshard_after_forward(model: torch.nn.Module) -> bool:
