@@ -326,12 +326,47 @@ def one_process_lower_precision() -> dict:
         logits = engine.wrapped(input_ids=step_batch(0)["input_ids"]).logits
         out[dtype] = {
             "view_samples_as_hooks": _view_samples_as_hooks(engine.model) if dtype == "bfloat16" else None,
+            "view_casts_as_fsdp": _view_casts_as_fsdp(comm) if dtype == "bfloat16" else None,
             "sharded": is_sharded(engine.model),
             "logits_dtype": str(logits.dtype),
             "loss": losses,
             "param_dtypes": sorted({str(p.dtype) for p in engine.model.parameters()}),
         }
     return out
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x, scale):
+        return self.linear(x) * scale
+
+
+class _FeedsFloat32(torch.nn.Module):
+    """Gives its blocks float32 inputs, which FSDP's mixed precision casts to the compute dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Scaled(), _Scaled()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x.float(), torch.full((), 1 / 3))
+        return x
+
+
+def _view_casts_as_fsdp(comm: Comm) -> bool:
+    """Whether `unsharded_view` of a bf16-sharded model computes what the sharded model's forward does, where
+    the casts of the blocks' inputs matter (without them its bf16 weights would meet float32 inputs)."""
+    from distflow.training.parallelize import shard
+
+    torch.manual_seed(0)
+    toy, x = _FeedsFloat32(), torch.randn(3, 4)
+    shard(toy, comm, load_config(None, ["parallel.strategy=fsdp2", "parallel.param_dtype=bfloat16"]).parallel)
+    with gathered(toy), torch.no_grad():
+        return torch.equal(unsharded_view(toy)(x), toy(x))
 
 
 def _view_samples_as_hooks(model) -> bool:
@@ -362,6 +397,7 @@ def test_fsdp2_on_one_process_computes_in_the_dtype_asked():
     bf16, fp32 = out["bfloat16"], out["float32"]
     assert bf16["sharded"] and bf16["logits_dtype"] == "torch.bfloat16"
     assert bf16["view_samples_as_hooks"]  # the rollout's view of the sharded model: its casts, bit for bit
+    assert bf16["view_casts_as_fsdp"]  # ...also where the casts are not no-ops
     assert bf16["param_dtypes"] == ["torch.float32"]  # the master copy AdamW steps stays float32
     assert not fp32["sharded"] and fp32["logits_dtype"] == "torch.float32"  # float32 alone: the plain model
     assert bf16["loss"] != fp32["loss"]  # computed in bfloat16...
