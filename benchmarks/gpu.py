@@ -26,7 +26,8 @@ how to fetch and install them on a machine without internet). Sections (--sectio
             profiled (`--profile 1`): the stage split (median of steps 3-5) and the profiler's
             tables (device time, then host time, by operator) and its trace; then the same
             unprofiled with each of --step-variants' overrides (default: the update in one pass
-            of 64, in float32 and bf16, and with `compact` rollouts instead of `auto`'s).
+            of 64, in float32 and bf16, with `compact` rollouts instead of `auto`'s, and fsdp2 in
+            bf16).
   learning  benchmarks/learning.py, distflow (1 process) against TRL's GRPOTrainer at
             --budget-s seconds of training each, in float32 and in bf16 (learning.py's --dtype).
             distflow runs with the settings of this run's fastest step variant in that dtype
@@ -66,15 +67,22 @@ STEP_VARIANTS = (
     "passes.micro_batch_size=64",
     "passes.micro_batch_size=64 parallel.param_dtype=bfloat16",
     "passes.micro_batch_size=64 rollout.engine=compact",
+    "passes.micro_batch_size=64 parallel.strategy=fsdp2 parallel.param_dtype=bfloat16",
 )
 """The step again with these overrides (not profiled): the recipe's update in one pass of 64, in float32
 and in bf16 (ddp under autocast, float32 weights), with the default rollout engine (`auto`: `graphed`
-on CUDA) and with `compact`."""
+on CUDA) and with `compact`; and fsdp2 in bf16 (FSDP's mixed precision over a one-rank shard, its
+rollouts `graphed` through `unsharded_view`)."""
 
 
-QUICK_VARIANTS = ("passes.shared_prefix=false", "rollout.engine=graphed parallel.param_dtype=bfloat16")
-"""--quick's step variants: the passes padded, and `graphed` under bf16 autocast (run eagerly on a CPU; under
-transformers 5.17, as on a GPU machine, this is where its static cache refused bf16 values)."""
+QUICK_VARIANTS = (
+    "passes.shared_prefix=false",
+    "rollout.engine=graphed parallel.param_dtype=bfloat16",
+    "rollout.engine=graphed parallel.strategy=fsdp2 parallel.param_dtype=bfloat16",
+)
+"""--quick's step variants: the passes padded, and `graphed` under bf16 autocast and under fsdp2 in bf16 (run
+eagerly on a CPU; under transformers 5.17, as on a GPU machine, the first is where its static cache refused
+bf16 values)."""
 
 
 LOG: list[Path] = []  # gpu.log, once --out is known

@@ -379,7 +379,7 @@ def test_gpu_quick():
         split = out[section]["median_s"]
         assert split["rollout"] > 0 and split["step"] >= split["rollout"], section
     assert len(out["default"]["greedy_accuracy"]) == 3  # steps 0, 2 and 4
-    for name in ("passes.shared_prefix=false", "rollout.engine=graphed parallel.param_dtype=bfloat16"):
+    for name in benchmark_module("gpu").QUICK_VARIANTS:  # padded passes; graphed in bf16 (ddp autocast, fsdp2)
         variant = out["step"]["variants"][name]  # the step again, another way
         assert variant["median_s"]["rollout"] > 0, variant
     learning = out["learning"]["float32"]  # distflow alone: --quick has no TRL
