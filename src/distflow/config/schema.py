@@ -41,13 +41,13 @@ class RolloutConfig:
     """Completion length limit in tokens (a turn's limit in multi-turn rollouts)."""
     engine: str = "auto"
     """How completions are computed (distflow/rollout/; the same samples either way but vLLM's):
-    `auto` is `graphed` on CUDA (unless fsdp2, or a model with sliding-window layers) and `compact`
+    `auto` is `graphed` on CUDA (unless the model has sliding-window layers) and `compact`
     elsewhere, the faster of the two on each (docs/features/gpu.md); `compact` prefills each prompt
     once for its n samples and drops finished rows; `generate` is Hugging Face `generate` over the
     batch with each prompt repeated n times, kept as the reference; `compiled` is `compact` with the
     model's forward compiled by `torch.compile` (the first rollout pays the compile; not with
     fsdp2); `graphed` is for a GPU: the decode step captured once as a CUDA graph and replayed for
-    every token of every rollout of that shape, its rows kept to the end (not with fsdp2); `vllm` is
+    every token of every rollout of that shape, its rows kept to the end; `vllm` is
     a vLLM engine owned by each rank that rolls out, loaded with the policy's weights whenever they
     change (its own sampler: samples differ from the others'; its sampling log-probs
     are recorded as `rollout_logp` and their gap to the trainer's is logged under `mismatch/`): in

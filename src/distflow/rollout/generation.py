@@ -57,8 +57,7 @@ def generate(
     model = unsharded_view(model)  # fsdp2 (inside `gathered`): the whole model, without FSDP's hooks
     device, n = next(model.parameters()).device, samples_per_prompt
     rows = prompt_ids if prompt_ids is not None else encode_prompts(tokenizer, prompts)
-    prompt_ids_GP, prompt_mask_GP = left_pad(rows, tokenizer.pad_token_id, width=prompt_width)
-    prompt_ids_GP, prompt_mask_GP = prompt_ids_GP.to(device), prompt_mask_GP.to(device)
+    prompt_ids_GP, prompt_mask_GP = (x.to(device) for x in left_pad(rows, tokenizer.pad_token_id, width=prompt_width))
     width = prompt_ids_GP.shape[1]
     keys_B = _keys_tensor(sample_keys, len(rows), n, device)
     was_training = model.training

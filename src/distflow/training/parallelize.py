@@ -291,7 +291,7 @@ def _view_of(module: torch.nn.Module) -> torch.nn.Module:
     view = object.__new__(next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)))
     view.__dict__.update(module.__dict__)
     for flags in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
-        setattr(view, flags, collections.OrderedDict(getattr(module, flags)))  # the view's own: its hooks are not the module's
+        setattr(view, flags, collections.OrderedDict(getattr(module, flags)))  # its own: the hooks differ
     view._modules = {name: _view_of(child) for name, child in module._modules.items()}
     view._forward_pre_hooks = _without_fsdp(module._forward_pre_hooks)
     view._forward_hooks = _without_fsdp(module._forward_hooks)
