@@ -108,6 +108,15 @@ def test_a_graphed_run_logs_what_the_compact_run_logs(tmp_path, cache_dir):
     assert any("eval/greedy_accuracy" in r for r in compact)
 
 
+@pytest.mark.slow  # two 2-rank runs (~1 min idle): CI runs it
+def test_under_fsdp2_a_graphed_run_logs_what_the_compact_run_logs(tmp_path, cache_dir):
+    """Both decode the gathered model through `unsharded_view`, on each of 2 ranks."""
+    steps = ["trainer.total_steps=2", "trainer.eval_every=2", "task.num_heldout=16", "parallel.strategy=fsdp2"]
+    compact = engine_metrics(tmp_path, cache_dir, "compact", *steps, "--nproc", "2")
+    assert_same_run(engine_metrics(tmp_path, cache_dir, "graphed", *steps, "--nproc", "2"), compact)
+    assert any("eval/greedy_accuracy" in r for r in compact)
+
+
 class _FakeCuda:
     """torch.cuda's stream and graph calls, recording what `_Runner` asks of them (a CPU has neither)."""
 
