@@ -42,9 +42,14 @@ def _rollout(model, tokenizer, engine: str, n: int, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "n,temperature,top_p,greedy", [(4, 1.0, 1.0, False), (4, 0.7, 0.9, False), (1, 1.0, 1.0, True)]
+    "n,temperature,top_p,greedy,span",
+    [(4, 1.0, 1.0, False, 64), (4, 0.7, 0.9, False, 64), (1, 1.0, 1.0, True, 64), (4, 1.0, 1.0, False, 8)],
 )
-def test_graphed_draws_the_compact_samples_as_the_weights_change(tokenizer, n, temperature, top_p, greedy):
+def test_graphed_draws_the_compact_samples_as_the_weights_change(
+    tokenizer, monkeypatch, n, temperature, top_p, greedy, span
+):
+    """span 8: the 40 tokens' steps attend over 5 growing spans of the cache (one graph each on CUDA)."""
+    monkeypatch.setattr(graphed, "ATTEND_SPAN", span)
     model = build_tiny_model(tokenizer, seed=11, max_positions=96).eval()
     kwargs = dict(max_new_tokens=40, temperature=temperature, top_p=top_p, greedy=greedy)
     outs = []
@@ -54,7 +59,7 @@ def test_graphed_draws_the_compact_samples_as_the_weights_change(tokenizer, n, t
         assert torch.equal(static.input_ids_BT, compact.input_ids_BT)
         assert torch.equal(static.attention_mask_BT, compact.attention_mask_BT)
         assert static.completions == compact.completions
-        # Log-probs equal up to rounding: the static cache attends over all its columns, masked or not.
+        # Log-probs equal up to rounding: the static cache attends over masked columns too.
         torch.testing.assert_close(static.logp_BR, compact.logp_BR, rtol=0, atol=1e-5)
         outs.append(static)
         with torch.no_grad():
@@ -121,16 +126,20 @@ class _FakeCuda:
     """torch.cuda's stream and graph calls, recording what `_Runner` asks of them (a CPU has neither)."""
 
     def __init__(self, monkeypatch, capture_fails: bool = False) -> None:
-        self.events, self.capture_fails = [], capture_fails
+        self.events, self.capture_fails, self.pools = [], capture_fails, []
         fake = self
 
         class Graph:
             def replay(self):
                 fake.events.append("replay")
 
+            def pool(self):
+                return f"pool of {id(self)}"
+
         @contextlib.contextmanager
-        def graph(cuda_graph, capture_error_mode):
+        def graph(cuda_graph, capture_error_mode, pool=None):
             fake.events.append(f"capture ({capture_error_mode})")
+            fake.pools.append(pool)
             yield
             if fake.capture_fails:
                 raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
@@ -149,22 +158,57 @@ class _FakeCuda:
         monkeypatch.setattr(torch.cuda, "current_stream", Stream)
 
 
+class _FakeStep:
+    """A step that records its runs and the columns it attends over (`_Step.attend`)."""
+
+    def __init__(self, events: list) -> None:
+        self.events = events
+
+    def attend(self, columns: int) -> None:
+        self.columns = columns
+
+    def __call__(self) -> None:
+        self.events.append(f"step {self.columns}")
+
+
 def test_on_cuda_the_step_runs_twice_on_a_side_stream_then_is_captured_once_and_replayed(monkeypatch):
     cuda = _FakeCuda(monkeypatch)
-    runner = graphed._Runner(lambda: cuda.events.append("step"), torch.device("cuda"))
+    runner = graphed._Runner(_FakeStep(cuda.events), torch.device("cuda"))
     for _ in range(5):
-        runner.run()
-    eager = ["side stream", "step"]
-    assert cuda.events == [*eager, *eager, "capture (thread_local)", "step", "replay", "replay", "replay"]
+        runner.run(40)
+    eager = ["side stream", "step 40"]
+    assert cuda.events == [*eager, *eager, "capture (thread_local)", "step 40", "replay", "replay", "replay"]
+
+
+def test_each_span_of_tokens_gets_its_graph_captured_once_in_one_shared_pool(monkeypatch):
+    """A step attends over the columns up to the end of its span: one graph a span, the first warmed up
+    twice, each other once; the next rollout replays them all."""
+    cuda = _FakeCuda(monkeypatch)
+    runner = graphed._Runner(_FakeStep(cuda.events), torch.device("cuda"))
+    spans = [68] * 4 + [72] * 4 + [76] * 3  # 11 decode steps, spans of 4 tokens (ATTEND_SPAN 4), W = 64
+    for columns in spans:
+        runner.run(columns)
+    eager, capture = ["side stream"], ["capture (thread_local)"]
+    assert cuda.events == [
+        *eager, "step 68", *eager, "step 68", *capture, "step 68", "replay", "replay",
+        *eager, "step 72", *capture, "step 72", "replay", "replay", "replay",
+        *eager, "step 76", *capture, "step 76", "replay", "replay",
+    ]  # fmt: skip  (a capture's step is replayed at once: capture only records it)
+    first = runner.graphs[68]
+    assert cuda.pools == [None, first.pool(), first.pool()]  # the later graphs share the first one's pool
+    cuda.events.clear()
+    for columns in spans:
+        runner.run(columns)
+    assert cuda.events == ["replay"] * len(spans)
 
 
 def test_a_step_that_cannot_be_captured_fails_in_one_line_naming_compact(monkeypatch):
     cuda = _FakeCuda(monkeypatch, capture_fails=True)
-    runner = graphed._Runner(lambda: None, torch.device("cuda"))
+    runner = graphed._Runner(_FakeStep(cuda.events), torch.device("cuda"))
     for _ in range(2):  # the eager warm-up
-        runner.run()
+        runner.run(40)
     with pytest.raises(RuntimeError) as failed:
-        runner.run()
+        runner.run(40)
     assert str(failed.value) == (
         "rollout.engine=graphed could not capture this model's decode step as a CUDA graph (CUDA error: operation "
         "not permitted when stream is capturing); use rollout.engine=compact"

@@ -3,7 +3,7 @@
     prompts ──prefill once each, repeat n (as compact)──▶ static KV cache [G·n, heads, W + R, d]
                                                           (W: the prompt width rounded up to 64)
     token 0: drawn from the prefill's logits
-    token t = 1..R-1: one step, replayed as a CUDA graph:
+    token t = 1..R-1: one step, replayed as a CUDA graph (one graph per 64 tokens: see below):
         forward token t-1 ▸ keyed draw ▸ write token t (and its log-prob) ▸ t += 1
     every 8 tokens on a GPU (every token on a CPU) one look on the host: stop once every row has ended
 
@@ -14,9 +14,15 @@ every row stays in the batch to the end (an ended row decodes on; what it draws 
 token is padded away), the cache is transformers' `StaticCache` of W + R columns, the attention
 mask is a ready 4D mask, and the step's inputs and outputs are tensors it updates in place.
 
-The graph, the cache and those tensors outlive a rollout (`_Decoder`, one per thread): the next
-rollout of the same shape refills them and replays the same graph. The step runs eagerly twice
-(the warm-up capture needs), is captured at its 3rd run, and is only replayed from then on. A
+A step attends over the cache's columns up to the end of its 64-token span (`ATTEND_SPAN`): tokens
+1-64 over W + 64 columns, tokens 65-128 over W + 128, and so on (at most W + R), each span with a graph
+of its own. So a long rollout reads about as much of the cache as `compact`'s growing one, not all
+W + R columns at every step.
+
+The graphs, the cache and those tensors outlive a rollout (`_Decoder`, one per thread): the next
+rollout of the same shape refills them and replays the same graphs. A span's step runs eagerly
+(twice for the first span, once for each other: the warm-up capture needs), is captured at its
+next run, and is only replayed from then on. A
 rollout of another shape (rows, bucketed width, lengths, sampling settings, autocast), or weights
 that have moved in memory, make a new decoder, dropping the old one first. Under autocast the graph
 casts the weights itself (autocast's cache is not used in capture), so it always reads their values
@@ -34,6 +40,7 @@ sliding-window attention layers, whose static cache rolls (`_static_cache`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import threading
@@ -54,6 +61,9 @@ from distflow.training.models import cache_kwargs
 WIDTH_BUCKET = 64
 """Prompt widths are rounded up to a multiple of this (the extra columns masked), so that rollouts whose
 prompts differ in length share one graph."""
+
+ATTEND_SPAN = 64
+"""Decode steps attend over the cache up to the end of their span of this many tokens, one graph a span."""
 
 
 class GraphedEngine(CompactEngine):
@@ -103,7 +113,7 @@ class _Decoder:
         del logits_BV
         every = decoding.stop_check_interval(ids_GP.device)
         for t in range(1, R):
-            self.runner.run()
+            self.runner.run(min(self.step.width + -(-t // ATTEND_SPAN) * ATTEND_SPAN, self.step.width + R))
             if (t + 1) % every == 0 and t < R - 1:  # the only look at the values on the host
                 if torch.isin(self.drawn.response_BR[:, : t + 1], stop_S).any(dim=1).all():
                     break
@@ -155,12 +165,17 @@ class _CastingLayer(StaticLayer):
     """A static layer that takes keys and values of any dtype into the dtypes it was laid out in. Under
     bf16 autocast over float32 weights, a llama's keys leave RoPE in float32 and its values stay bf16;
     transformers before 5.2x lays both out in float32 (its dynamic cache, `compact`'s, promotes the values
-    to float32 the same way), and a bf16 value's copy into them would fail. The cast is exact."""
+    to float32 the same way), and a bf16 value's copy into them would fail. The cast is exact. It returns
+    the first `columns` of the keys and values: views, which a step attends over."""
+
+    columns: int | None = None
+    """The columns a step attends over (`_Step.attend`), None: all."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.is_initialized:
             key_states, value_states = key_states.to(self.keys.dtype), value_states.to(self.values.dtype)
-        return super().update(key_states, value_states, *args, **kwargs)
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        return (keys, values) if self.columns is None else (keys[:, :, : self.columns], values[:, :, : self.columns])
 
 
 class _Step:
@@ -180,6 +195,14 @@ class _Step:
         self.uniforms_BR = None if request.keys_B is None else torch.zeros(rows, R, device=device)
         self.token_B1 = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.t_1 = torch.ones(1, dtype=torch.long, device=device)
+        self.columns = width + R
+
+    def attend(self, columns: int) -> None:
+        """Attend over the cache's first `columns` from now on: read by an eager step and by a capture (a
+        graph replays what it captured)."""
+        self.columns = columns
+        for layer in self.cache.layers:
+            layer.columns = columns
 
     def load(self, dynamic, rows, pad_id: int) -> None:
         """This rollout's prefill and rows: its prompts' keys and values in the last columns of the bucketed
@@ -204,7 +227,7 @@ class _Step:
         t_1, column_1 = self.t_1, self.t_1 + (self.width - 1)
         out = self.model()(
             input_ids=self.token_B1,
-            attention_mask=self.mask_B11L & (self.columns_L <= column_1),
+            attention_mask=(self.mask_B11L & (self.columns_L <= column_1))[..., : self.columns],
             position_ids=self.positions_BR.index_select(1, t_1 - 1),
             **cache_kwargs(self.cache),
             use_cache=True,
@@ -226,19 +249,26 @@ class _Step:
 
 
 class _Runner:
-    """Runs the step: eagerly on a CPU; on CUDA eagerly twice on a side stream (warm-up, as capture
-    requires: real steps all the same), then captured once and replayed."""
+    """Runs the step over the columns of its span: eagerly on a CPU; on CUDA, for each span, eagerly on a side
+    stream (warm-up, as capture requires: twice before the first capture, once before each other; real steps
+    all the same), then captured and replayed. The spans' graphs share one memory pool: each step keeps what
+    the next reads in the step's own tensors, not in the pool, and one graph replays at a time."""
 
     def __init__(self, step: _Step, device: torch.device) -> None:
-        self.step, self.cuda, self.runs, self.graph = step, device.type == "cuda", 0, None
+        self.step, self.cuda, self.pool = step, device.type == "cuda", None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # columns attended over → its captured step
+        self.runs: collections.Counter = collections.Counter()
 
-    def run(self) -> None:
-        self.runs += 1
+    def run(self, columns: int) -> None:
+        graph = self.graphs.get(columns)
+        if graph is not None:
+            graph.replay()
+            return
+        self.step.attend(columns)
+        self.runs[columns] += 1
         if not self.cuda:
             self.step()
-        elif self.graph is not None:
-            self.graph.replay()
-        elif self.runs < 3:
+        elif self.runs[columns] <= (1 if self.graphs else 2):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side), _casts_uncached():
@@ -248,12 +278,13 @@ class _Runner:
             graph = torch.cuda.CUDAGraph()
             try:
                 # thread_local: the run's other threads (the prefetcher, the reward thread) may use CUDA meanwhile
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"), _casts_uncached():
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"), _casts_uncached():
                     self.step()
             except RuntimeError as err:  # a model whose forward reads a value on the host, or copies from it
                 raise CaptureFailed((str(err).strip().splitlines() or [type(err).__name__])[0]) from err
-            self.graph = graph  # only a graph that was captured is replayed
-            self.graph.replay()
+            self.graphs[columns] = graph  # only a graph that was captured is replayed
+            self.pool = self.pool or graph.pool()
+            graph.replay()
 
 
 class CaptureFailed(RuntimeError):
