@@ -150,21 +150,23 @@ def rollout_costs(args: argparse.Namespace, model_dir: Path, prompts: list[str])
 
 @contextlib.contextmanager
 def replays_counted(counter: HostCostCounter):
-    """The launches `graphed` (rollout/graphed.py) would save on CUDA, per scope, filled as it runs. Its
-    decode step runs eagerly twice, is captured at its 3rd run (the host dispatches its ops, then
-    replays it once) and only replayed from the 4th on: there its ops become one launch. A runner's
-    runs add up over the rollouts that share its decoder."""
+    """The launches `graphed` (rollout/graphed.py) would save on CUDA, per scope, filled as it runs. Each
+    span's decode step runs eagerly (twice for the runner's first span, once for each other), is captured
+    at its next run (the host dispatches its ops, then replays it once) and only replayed after: there its
+    ops become one launch. A runner's runs (`_Runner.runs`, by span in the order first run) add up over the
+    rollouts that share its decoder."""
     from distflow.rollout import graphed
 
     saved, original = collections.Counter(), graphed._Runner.run
 
-    def run(runner):
+    def run(runner, columns):
         scope = counter.current_scope
         before = counter.totals(scope)["ops"]
-        original(runner)
-        if runner.runs >= 3:
+        original(runner, columns)
+        capture = 3 if next(iter(runner.runs)) == columns else 2  # the run that captures this span on CUDA
+        if runner.runs[columns] >= capture:
             saved[scope] -= 1  # the replay's one launch
-        if runner.runs >= 4:
+        if runner.runs[columns] > capture:
             saved[scope] += counter.totals(scope)["ops"] - before
 
     graphed._Runner.run = run

@@ -189,11 +189,12 @@ def test_each_span_of_tokens_gets_its_graph_captured_once_in_one_shared_pool(mon
     for columns in spans:
         runner.run(columns)
     eager, capture = ["side stream"], ["capture (thread_local)"]
+    # A capture's step is replayed at once: capturing only records it.
     assert cuda.events == [
         *eager, "step 68", *eager, "step 68", *capture, "step 68", "replay", "replay",
         *eager, "step 72", *capture, "step 72", "replay", "replay", "replay",
         *eager, "step 76", *capture, "step 76", "replay", "replay",
-    ]  # fmt: skip  (a capture's step is replayed at once: capture only records it)
+    ]  # fmt: skip
     first = runner.graphs[68]
     assert cuda.pools == [None, first.pool(), first.pool()]  # the later graphs share the first one's pool
     cuda.events.clear()
