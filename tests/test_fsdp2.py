@@ -146,6 +146,7 @@ def _inference(comm: Comm) -> dict:
     with gathered(model):
         out = generate(model, tok, prompts, **kwargs)
         graphed = generate(model, tok, prompts, engine="graphed", **kwargs)  # eager on a CPU, on the same view
+        hf = generate(model, tok, prompts, engine="generate", **kwargs)  # transformers' generate on the view
         view = unsharded_view(model)
         plain_view = {
             "no_fsdp_module": not any(isinstance(m, FSDPModule) for m in view.modules()),
@@ -171,6 +172,7 @@ def _inference(comm: Comm) -> dict:
     return {
         "completions": out.completions,
         "graphed": graphed.completions,
+        "generate": hf.completions,
         "plain_view": plain_view,
         "batch": batch,
         "policy": policy_logp,
@@ -190,7 +192,7 @@ def test_generation_and_logprobs_inside_gathered_match_the_plain_model():
             plain, tok, prompts, max_new_tokens=3 + 3 * rank, temperature=0.7, sample_keys=list(range(len(prompts)))
         )
         assert got["completions"] == want.completions
-        assert got["graphed"] == want.completions  # graphed decodes fsdp2's whole model too
+        assert got["graphed"] == got["generate"] == want.completions  # every engine decodes the view
         assert got["plain_view"] == dict.fromkeys(got["plain_view"], True), got["plain_view"]
         logp = batch_logprobs(plain, got["batch"], micro_batch_size=8, temperature=0.7)
         torch.testing.assert_close(got["policy"], logp, rtol=1e-5, atol=1e-6)
