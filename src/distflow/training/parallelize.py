@@ -17,7 +17,8 @@ share with zero-loss passes, and shared-prefix passes run in lockstep: the same 
 whatever the rows) and every inference pass (generation, log-probs, values,
 evaluation) runs inside `gathered(model)`: entered by every train rank
 together, it all-gathers the whole model once and leaves each rank free to run its own
-number of forwards. Its cost is a full copy of the parameters (in `parallel.param_dtype`) on
+number of forwards (the rollout engines decode through `unsharded_view`: the same tensors, without
+FSDP's hooks). Its cost is a full copy of the parameters (in `parallel.param_dtype`) on
 every rank while inside, as DDP holds at all times; sharding still saves the gradients, the
 optimizer state and the float32 master weights. The disaggregated weight sync needs no gathering:
 each train rank sends its own (float32) shard (sync/weight_shares.py). A world of one has
