@@ -286,6 +286,38 @@ def test_decoder_blocks_are_found_generically():
         decoder_blocks(torch.nn.Linear(2, 2))
 
 
+def test_inference_passes_skip_activation_checkpointing_and_training_keeps_it(monkeypatch):
+    """Inside `gathered` (rollouts, log-prob passes) the blocks' checkpoint hooks pass, with the same samples;
+    a training forward after it checkpoints each block again."""
+    from torch.distributed._composable import checkpoint_activation
+
+    from distflow.training.parallelize import checkpoint_blocks
+
+    opened, original = [], checkpoint_activation._checkpoint_without_reentrant_generator
+
+    def counted(*args, **kwargs):
+        opened.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_activation, "_checkpoint_without_reentrant_generator", counted)
+    tok, prompts = build_char_tokenizer(), ["12+3=", "4+5="]
+    kwargs = dict(max_new_tokens=5, temperature=0.7, sample_keys=[0, 1])
+    model = build_tiny_model(tok, seed=3)
+    checkpoint_blocks(model)
+    with gathered(model):
+        with gathered(model):  # nested: the outer region stays without checkpoints after the inner one
+            inner = generate(model, tok, prompts, **kwargs)
+        outer = generate(model, tok, prompts, **kwargs)
+    assert opened == []
+    assert (
+        inner.completions
+        == outer.completions
+        == generate(build_tiny_model(tok, seed=3), tok, prompts, **kwargs).completions
+    )
+    model(input_ids=outer.input_ids_BT).logits.sum().backward()
+    assert len(opened) == len(decoder_blocks(model))  # training: each block checkpointed
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL, bfloat16 FSDP2 on a GPU)")
 def test_cuda_auto_precision_is_bfloat16_compute_with_float32_reduction():
     from distflow.training.parallelize import resolve_dtypes

@@ -248,7 +248,7 @@ def gathered(model: torch.nn.Module | None) -> Iterator[None]:
     of another module's parameters (the LoRA reference, training/lora.py) gathers that module."""
     model = getattr(model, "parameters_owner", model)
     if model is None or not is_sharded(model):
-        with autocast(model, inference=True):
+        with autocast(model, inference=True), _checkpointing_passed(model):
             yield
         return
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -256,11 +256,30 @@ def gathered(model: torch.nn.Module | None) -> Iterator[None]:
     for module in modules:
         module.unshard()
     try:
-        yield
+        with _checkpointing_passed(model):
+            yield
     finally:
         for module in modules:
             module.reshard()
         model.set_reshard_after_forward(_reshard_after_forward(model))
+
+
+@contextlib.contextmanager
+def _checkpointing_passed(model: torch.nn.Module | None) -> Iterator[None]:
+    """Within it, the blocks' activation checkpointing (`checkpoint_blocks`) is off: an inference pass keeps
+    no activations to recompute, and its hooks would stash the RNG states and open a checkpoint at every
+    block of every decoded token: host work for nothing. The values computed are the same. What was on
+    before is on again after, also when nested."""
+    states = [] if model is None else [checkpoint_activations.state(m) for m in model.modules()]
+    states = [state for state in states if state is not None]
+    before = [state.enable_hook for state in states]
+    for state in states:
+        state.enable_hook = False
+    try:
+        yield
+    finally:
+        for state, enabled in zip(states, before, strict=True):
+            state.enable_hook = enabled
 
 
 def unsharded_view(model: torch.nn.Module) -> torch.nn.Module:
