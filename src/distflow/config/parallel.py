@@ -55,7 +55,8 @@ class ParallelConfig:
     """fsdp2: the dtype gradients are reduced in across ranks (auto: float32)."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in the backward pass instead of keeping them
-    (less memory, about one more forward of compute); any strategy."""
+    (less memory, about one more forward of compute); any strategy. Training passes only: rollouts and
+    log-prob passes, which keep no activations, run without it."""
     device: str = "auto"
     """auto (CUDA when present, else CPU), cpu or cuda."""
     collective_timeout_s: int = 1800
