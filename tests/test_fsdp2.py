@@ -394,11 +394,11 @@ class _FeedsFloat32(torch.nn.Module):
 def _view_casts_as_fsdp(comm: Comm) -> bool:
     """Whether `unsharded_view` of a bf16-sharded model computes what the sharded model's forward does, where
     the casts of the blocks' inputs matter (without them its bf16 weights would meet float32 inputs)."""
-    from distflow.training.parallelize import shard
+    from distflow.training.parallelize import parallelize
 
     torch.manual_seed(0)
     toy, x = _FeedsFloat32(), torch.randn(3, 4)
-    shard(toy, comm, load_config(None, ["parallel.strategy=fsdp2", "parallel.param_dtype=bfloat16"]).parallel)
+    parallelize(toy, comm, load_config(None, ["parallel.strategy=fsdp2", "parallel.param_dtype=bfloat16"]).parallel)
     with gathered(toy), torch.no_grad():
         return torch.equal(unsharded_view(toy)(x), toy(x))
 

@@ -110,9 +110,7 @@ def shard(model: torch.nn.Module, comm: Comm, parallel: ParallelConfig) -> torch
     )
     for block in decoder_blocks(model):
         fully_shard(block, **options)
-        block._distflow_param_dtype = param_dtype  # what FSDP casts its floating inputs to (`unsharded_view`)
     fully_shard(model, **options)
-    model._distflow_param_dtype = param_dtype
     model._distflow_reshard_after_forward = parallel.fsdp.reshard_after_forward  # restored after `gathered`
     return model
 
@@ -294,7 +292,8 @@ def unsharded_view(model: torch.nn.Module) -> torch.nn.Module:
         return model
     view = _VIEWS.get(model)
     if view is None:
-        view = _VIEWS[model] = _view_of(model)
+        # FSDP casts each sharded module's floating inputs to param_dtype, the compute dtype (`compute_in`)
+        view = _VIEWS[model] = _view_of(model, getattr(model, "_distflow_compute_dtype", None))
     for original, mine in zip(model.modules(), view.modules(), strict=True):
         mine._parameters, mine._buffers = dict(original._parameters), dict(original._buffers)
     if any(isinstance(param, DTensor) for param in view.parameters()):
@@ -305,18 +304,18 @@ def unsharded_view(model: torch.nn.Module) -> torch.nn.Module:
 _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _view_of(module: torch.nn.Module) -> torch.nn.Module:
-    """`module` again as its own class (FSDP's `FSDP<class>` undone), sharing its attributes, less FSDP's
-    hooks; its children likewise. Parameters and buffers are filled in by `unsharded_view`."""
+def _view_of(module: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
+    """`module` again as its own class (FSDP's `FSDP<class>` undone), sharing its attributes, with FSDP's
+    hooks replaced by a cast of its floating inputs to `dtype` where it was sharded; its children likewise.
+    Parameters and buffers are filled in by `unsharded_view`."""
     view = object.__new__(next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)))
     view.__dict__.update(module.__dict__)
     for flags in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
         setattr(view, flags, collections.OrderedDict(getattr(module, flags)))  # its own: the hooks differ
-    view._modules = {name: _view_of(child) for name, child in module._modules.items()}
+    view._modules = {name: _view_of(child, dtype) for name, child in module._modules.items()}
     view._forward_pre_hooks = _without_fsdp(module._forward_pre_hooks)
     view._forward_hooks = _without_fsdp(module._forward_hooks)
-    dtype = getattr(module, "_distflow_param_dtype", None) if isinstance(module, FSDPModule) else None
-    if dtype is not None:
+    if isinstance(module, FSDPModule) and dtype is not None:
         view.register_forward_pre_hook(functools.partial(_cast_inputs, dtype), prepend=True, with_kwargs=True)
     return view
 
