@@ -12,6 +12,7 @@ import torch
 from distflow.data.batch import Batch
 from distflow.training.models import cache_kwargs
 from distflow.training.prefix_sharing import passes_outputs
+from distflow.training.token_logprobs import token_logprobs
 
 
 def response_logprobs(
@@ -30,9 +31,10 @@ def response_logprobs(
     """Log-prob of each response token (the last R = `response_width` columns), shape [B, R].
 
     The logits at column t predict token t+1, hence the shift by one. The entropy is a
-    constant unless `entropy_grad` (an entropy bonus back-propagates through it). With
-    `padding_free` the sequences are packed (training.packing); values where the response
-    mask is 0 are then those of zero logits. With `shared_prefix` each distinct prompt is computed
+    constant unless `entropy_grad` (an entropy bonus back-propagates through it). Each forward
+    call's logits become log-probs at once (training.token_logprobs). Values where the response
+    mask is 0 are 0 with `padding_free` (the sequences packed: training.packing) and past a length
+    bucket's end with `shared_prefix`. With `shared_prefix` each distinct prompt is computed
     once (training.prefix_sharing), in `lockstep` where each forward is a collective (fsdp2 training);
     None: where the device gains from it (`prefix_sharing.shares_prefixes`).
     """
@@ -47,9 +49,16 @@ def response_logprobs(
             logits_to_keep=1 if last_only else 0,
         ).logits
 
+    def reduce(logits_NCV: torch.Tensor, targets_NC: torch.Tensor) -> torch.Tensor:
+        """Each forward call's logits to [N, C, 1 or 2]: log-probs (and entropies) of the tokens they predict."""
+        logp_NC, entropy_NC = token_logprobs(
+            logits_NCV, targets_NC, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad
+        )
+        return torch.stack([logp_NC, entropy_NC], -1) if with_entropy else logp_NC.unsqueeze(-1)
+
     # Under DDP the wrapped model's config; a plain forward function (padded passes only) has none.
     config = getattr(getattr(model, "module", model), "config", None)
-    logits_BRV = passes_outputs(
+    kept_BRK = passes_outputs(
         forward,
         config,
         input_ids_BT,
@@ -59,18 +68,12 @@ def response_logprobs(
         padding_free=padding_free,
         lockstep=lockstep,
         model=model,
+        reduce=reduce,
     )
-    logits_BRV = logits_BRV.float()
-    if temperature != 1.0:  # x / 1.0 is x: the same log-probs without the op (and its backward)
-        logits_BRV = logits_BRV / temperature
-    targets_BR = input_ids_BT[:, input_ids_BT.shape[1] - response_width :]
-    logz_BR = torch.logsumexp(logits_BRV, dim=-1)
-    logp_BR = torch.gather(logits_BRV, -1, targets_BR.unsqueeze(-1)).squeeze(-1) - logz_BR
+    logp_BR = kept_BRK[..., 0]
     entropy_BR = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            probs_BRV = torch.softmax(logits_BRV, dim=-1)
-            entropy_BR = logz_BR - (probs_BRV * logits_BRV).sum(-1)
+    if with_entropy:  # a constant unless an entropy bonus back-propagates through it
+        entropy_BR = kept_BRK[..., 1] if entropy_grad else kept_BRK[..., 1].detach()
     return logp_BR, entropy_BR
 
 

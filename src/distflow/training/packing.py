@@ -36,6 +36,14 @@ from distflow.training.sequences import position_ids_from_mask
 # (input_ids, attention_mask or None, position_ids) -> per-position outputs [rows, columns, ...]
 Forward = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
 
+# (outputs [rows, columns, ...], the token ids they predict [rows, columns]) -> what is kept [rows, columns, ...]
+Reduce = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def keep_outputs(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The `Reduce` that keeps the outputs as they are (a value model's)."""
+    return outputs
+
 
 @dataclass(frozen=True)
 class Packing:
@@ -106,19 +114,23 @@ def response_outputs(
     *,
     padding_free: bool,
     model: torch.nn.Module | None = None,
+    reduce: Reduce | None = None,
 ) -> torch.Tensor:
-    """The outputs that predict the response tokens, [B, R, ...]: column t - 1 for token t.
+    """The outputs that predict the response tokens, [B, R, ...]: column t - 1 for token t, each with
+    the token it predicts through `reduce` (default: kept as they are; zero where the response mask is 0).
 
     `model` (what `forward` runs) is probed before its first packed pass.
     """
+    reduce = reduce or keep_outputs
+    targets_BR = input_ids_BT[:, input_ids_BT.shape[1] - response_width :]
     if not padding_free:
         out = forward(input_ids_BT, attention_mask_BT, position_ids_from_mask(attention_mask_BT))
         start = input_ids_BT.shape[1] - response_width
-        return out[:, start - 1 : -1]
+        return reduce(out[:, start - 1 : -1], targets_BR)
     if model is not None:
         probe_packing(model, forward, input_ids_BT.device)
     packing = pack(input_ids_BT, attention_mask_BT, response_width)
     out = forward(packing.input_ids_KL, None, packing.position_ids_KL)
-    gathered = out[packing.source_BR]
-    valid = packing.valid_BR.view(*packing.valid_BR.shape, *([1] * (gathered.dim() - 2)))
-    return torch.where(valid, gathered, torch.zeros((), dtype=gathered.dtype, device=gathered.device))
+    kept = reduce(out[packing.source_BR], targets_BR)
+    valid = packing.valid_BR.view(*packing.valid_BR.shape, *([1] * (kept.dim() - 2)))
+    return torch.where(valid, kept, torch.zeros((), dtype=kept.dtype, device=kept.device))

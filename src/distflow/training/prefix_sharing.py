@@ -46,7 +46,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from distflow.training.packing import response_outputs
+from distflow.training.packing import Reduce, keep_outputs, response_outputs
 from distflow.training.sequences import position_ids_from_mask
 
 # (input_ids, attention_mask, position_ids, cache or None, last_only) -> outputs [rows, columns, ...]
@@ -75,10 +75,13 @@ def passes_outputs(
     padding_free: bool,
     lockstep: bool,
     model: torch.nn.Module,
+    reduce: Reduce | None = None,
 ) -> torch.Tensor:
     """The outputs that predict the response tokens, [B, R, ...], batched as `passes` asks: each distinct
     prompt once (`shared_prefix` true; None: where the device gains from it), else padded or packed
-    (`padding_free`; `model` is what `forward` runs). The log-prob and value passes both call this."""
+    (`padding_free`; `model` is what `forward` runs). The log-prob and value passes both call this.
+    `reduce` maps each forward call's outputs, with the tokens they predict, to what is kept of them
+    (a language model's logits to log-probs), so the [B, R, V] logits are never assembled."""
     if shared_prefix is not False:
         return shared_prefix_outputs(
             forward,
@@ -88,9 +91,10 @@ def passes_outputs(
             response_width,
             lockstep=lockstep,
             follow_device=shared_prefix is None,
+            reduce=reduce,
         )
     return response_outputs(
-        forward, input_ids_BT, attention_mask_BT, response_width, padding_free=padding_free, model=model
+        forward, input_ids_BT, attention_mask_BT, response_width, padding_free=padding_free, model=model, reduce=reduce
     )
 
 
@@ -103,6 +107,7 @@ def shared_prefix_outputs(
     *,
     lockstep: bool = False,
     follow_device: bool = True,
+    reduce: Reduce | None = None,
 ) -> torch.Tensor:
     """The outputs that predict the response tokens, [B, R, ...], each distinct prompt computed once.
 
@@ -111,20 +116,22 @@ def shared_prefix_outputs(
     at full width): under fsdp2 training each forward is a collective, so the ranks' calls must
     match, including a rank's zero-gradient pass (training/trainable.py). With `follow_device` (the
     user left `passes.shared_prefix` unset) the device decides (`shares_prefixes`); otherwise prompts
-    are shared wherever it runs.
+    are shared wherever it runs. `reduce`: as `passes_outputs`'s.
     """
+    reduce = reduce or keep_outputs
     batch, total = input_ids_BT.shape
     width = total - response_width
     if follow_device and not shares_prefixes(input_ids_BT.device):
-        return _padded(forward, input_ids_BT, attention_mask_BT, width)
+        return _padded(forward, input_ids_BT, attention_mask_BT, width, reduce)
     prompt_ids_UW, prompt_mask_UW, index_B = distinct_prompts(input_ids_BT, attention_mask_BT, response_width)
     cache = _write_once_cache(model_config)
     unshared = prompt_ids_UW.shape[0] == batch and not lockstep
     if unshared or width == 0 or response_width == 0 or cache is None:  # nothing to share: the padded pass
-        return _padded(forward, input_ids_BT, attention_mask_BT, width)
+        return _padded(forward, input_ids_BT, attention_mask_BT, width, reduce)
     first_U = forward(prompt_ids_UW, prompt_mask_UW, position_ids_from_mask(prompt_mask_UW), cache, True)[:, -1:]
+    first_B = reduce(first_U[index_B], input_ids_BT[:, width : width + 1])
     positions_BT = position_ids_from_mask(attention_mask_BT)
-    rest = first_U.new_zeros((batch, response_width - 1, *first_U.shape[2:]))
+    rest = first_B.new_zeros((batch, response_width - 1, *first_B.shape[2:]))
     buckets = (
         [(torch.arange(batch, device=index_B.device), response_width)]
         if lockstep
@@ -146,14 +153,14 @@ def shared_prefix_outputs(
             gathered,
             False,
         )
-        rest[rows_N, : length - 1] = out[:, : length - 1]
-    return torch.cat([first_U[index_B], rest], dim=1)
+        rest[rows_N, : length - 1] = reduce(out[:, : length - 1], input_ids_BT[rows_N, width + 1 : width + length])
+    return torch.cat([first_B, rest], dim=1)
 
 
-def _padded(forward: PrefixForward, input_ids_BT, attention_mask_BT, width: int) -> torch.Tensor:
+def _padded(forward: PrefixForward, input_ids_BT, attention_mask_BT, width: int, reduce: Reduce) -> torch.Tensor:
     """The padded pass's outputs that predict the response tokens (one forward call)."""
     out = forward(input_ids_BT, attention_mask_BT, position_ids_from_mask(attention_mask_BT), None, False)
-    return out[:, width - 1 : -1]
+    return reduce(out[:, width - 1 : -1], input_ids_BT[:, width:])
 
 
 def shares_prefixes(device: torch.device) -> bool:
