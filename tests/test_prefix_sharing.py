@@ -110,8 +110,8 @@ def test_each_distinct_prompt_goes_through_the_model_once():
     ids, mask, response_mask = _groups(prompts=5, n=4)  # 4 groups of 4 and one prompt alone: 17 rows, 5 prompts
     calls = []
 
-    def forward(ids, mask, positions, cache, last_only):
-        calls.append((tuple(ids.shape), cache is not None, last_only))
+    def forward(ids, mask, positions, cache, keep):
+        calls.append((tuple(ids.shape), cache is not None, keep))
         return model(
             input_ids=ids,
             attention_mask=mask,
@@ -134,7 +134,7 @@ def test_each_distinct_prompt_goes_through_the_model_once():
     index = distinct_prompts(ids, mask, response_mask.shape[1])[2]
     lone = [int((index == u).nonzero()[0]) for u in range(3)]
     shared_prefix_outputs(forward, model.config, ids[lone], mask[lone], response_mask.shape[1])
-    assert calls == [((3, ids.shape[1]), False, False)]
+    assert calls == [((3, ids.shape[1]), False, response_mask.shape[1] + 1)]  # the last R + 1 columns' outputs
 
 
 def test_on_a_gpu_the_passes_run_padded_in_one_call(monkeypatch):
@@ -148,7 +148,7 @@ def test_on_a_gpu_the_passes_run_padded_in_one_call(monkeypatch):
     ids, mask, response_mask = _groups(prompts=4, n=4)
     calls = []
 
-    def forward(ids, mask, positions, cache, last_only):
+    def forward(ids, mask, positions, cache, keep):
         calls.append((tuple(ids.shape), cache is not None))
         return model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache)).logits
 
@@ -178,8 +178,8 @@ def test_in_lockstep_every_call_makes_the_same_two_forward_calls():
     for rows in (list(range(17)), lone, lone[:1]):
         calls = []
 
-        def forward(ids, mask, positions, cache, last_only, calls=calls):
-            calls.append((tuple(ids.shape), cache is not None, last_only))
+        def forward(ids, mask, positions, cache, keep, calls=calls):
+            calls.append((tuple(ids.shape), cache is not None, keep))
             return model(
                 input_ids=ids,
                 attention_mask=mask,

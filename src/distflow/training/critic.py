@@ -54,9 +54,9 @@ class ValueModel(torch.nn.Module):
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor,
         past_key_values=None,
-        last_only: bool = False,
+        keep: int = 0,
     ) -> torch.Tensor:
-        """values_BT: one scalar per position (the last one only with `last_only`). `past_key_values`:
+        """values_BT: one scalar per position (the last `keep` only, if > 0). `past_key_values`:
         a KV cache the positions attend to and which keeps theirs (training.prefix_sharing)."""
         out = self.backbone(
             input_ids=input_ids,
@@ -65,7 +65,7 @@ class ValueModel(torch.nn.Module):
             **cache_kwargs(past_key_values),
             use_cache=past_key_values is not None,
         )
-        hidden_BTH = out.last_hidden_state[:, -1:] if last_only else out.last_hidden_state
+        hidden_BTH = out.last_hidden_state[:, -keep:] if keep else out.last_hidden_state
         return self.value_head(hidden_BTH.float()).squeeze(-1)
 
 

@@ -39,14 +39,14 @@ def response_logprobs(
     None: where the device gains from it (`prefix_sharing.shares_prefixes`).
     """
 
-    def forward(ids, mask, positions, cache=None, last_only=False):
+    def forward(ids, mask, positions, cache=None, keep=0):
         return model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
             **cache_kwargs(cache),
             use_cache=cache is not None,
-            logits_to_keep=1 if last_only else 0,
+            logits_to_keep=keep,
         ).logits
 
     def reduce(logits_NCV: torch.Tensor, targets_NC: torch.Tensor) -> torch.Tensor:

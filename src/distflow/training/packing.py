@@ -123,10 +123,10 @@ def response_outputs(
     """
     reduce = reduce or keep_outputs
     targets_BR = input_ids_BT[:, input_ids_BT.shape[1] - response_width :]
-    if not padding_free:
-        out = forward(input_ids_BT, attention_mask_BT, position_ids_from_mask(attention_mask_BT))
-        start = input_ids_BT.shape[1] - response_width
-        return reduce(out[:, start - 1 : -1], targets_BR)
+    if not padding_free:  # the outputs of the last R + 1 columns only (`keep`: prefix_sharing.PrefixForward)
+        keep = response_width + 1
+        out = forward(input_ids_BT, attention_mask_BT, position_ids_from_mask(attention_mask_BT), None, keep)
+        return reduce(out[:, -keep:-1], targets_BR)
     if model is not None:
         probe_packing(model, forward, input_ids_BT.device)
     packing = pack(input_ids_BT, attention_mask_BT, response_width)

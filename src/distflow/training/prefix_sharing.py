@@ -49,8 +49,8 @@ from transformers.cache_utils import DynamicLayer
 from distflow.training.packing import Reduce, keep_outputs, response_outputs
 from distflow.training.sequences import position_ids_from_mask
 
-# (input_ids, attention_mask, position_ids, cache or None, last_only) -> outputs [rows, columns, ...]
-# (last_only: only the last column is read; a language model may skip the others' logits)
+# (input_ids, attention_mask, position_ids, cache or None, keep) -> outputs [rows, columns, ...]
+# (keep > 0: only the last `keep` columns are read; a language model may skip the others' logits)
 PrefixForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache | None, bool], torch.Tensor]
 
 
@@ -128,7 +128,7 @@ def shared_prefix_outputs(
     unshared = prompt_ids_UW.shape[0] == batch and not lockstep
     if unshared or width == 0 or response_width == 0 or cache is None:  # nothing to share: the padded pass
         return _padded(forward, input_ids_BT, attention_mask_BT, width, reduce)
-    first_U = forward(prompt_ids_UW, prompt_mask_UW, position_ids_from_mask(prompt_mask_UW), cache, True)[:, -1:]
+    first_U = forward(prompt_ids_UW, prompt_mask_UW, position_ids_from_mask(prompt_mask_UW), cache, 1)[:, -1:]
     first_B = reduce(first_U[index_B], input_ids_BT[:, width : width + 1])
     positions_BT = position_ids_from_mask(attention_mask_BT)
     rest = first_B.new_zeros((batch, response_width - 1, *first_B.shape[2:]))
@@ -151,16 +151,18 @@ def shared_prefix_outputs(
             attention_mask_BT[rows_N, :end],
             positions_BT[rows_N, width:end],
             gathered,
-            False,
+            0,
         )
         rest[rows_N, : length - 1] = reduce(out[:, : length - 1], input_ids_BT[rows_N, width + 1 : width + length])
     return torch.cat([first_B, rest], dim=1)
 
 
 def _padded(forward: PrefixForward, input_ids_BT, attention_mask_BT, width: int, reduce: Reduce) -> torch.Tensor:
-    """The padded pass's outputs that predict the response tokens (one forward call)."""
-    out = forward(input_ids_BT, attention_mask_BT, position_ids_from_mask(attention_mask_BT), None, False)
-    return reduce(out[:, width - 1 : -1], input_ids_BT[:, width:])
+    """The padded pass's outputs that predict the response tokens (one forward call, keeping the outputs
+    of the last R + 1 columns only: a language model's head skips the prompt's)."""
+    keep = input_ids_BT.shape[1] - width + 1
+    out = forward(input_ids_BT, attention_mask_BT, position_ids_from_mask(attention_mask_BT), None, keep)
+    return reduce(out[:, -keep:-1], input_ids_BT[:, width:])
 
 
 def shares_prefixes(device: torch.device) -> bool:
