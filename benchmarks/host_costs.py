@@ -43,7 +43,8 @@ Settings (P prompts x G samples, new-token cap, temperature):
    same order, P x G per optimizer step in one micro-batch, no KL, every group trained
    (distflow: skip_zero_variance_groups false, as TRL updates on zero advantages). distflow's
    rollout engine: `--engine` (default compact); `launches` per stage as above.
-As on CUDA: both sides run torch's optimizers in their foreach implementation, and distflow's
+As on CUDA: both sides' AdamW is fused, one op a step (TRL's default `optim`, adamw_torch_fused;
+distflow's training/trainable.py), any other torch optimizer would take its foreach implementation, and distflow's
 decoding looks at ended rows as often as on a GPU (`stop_check_interval`), and its training passes
 run padded as on a GPU (`shares_prefixes`; on a CPU they share prompts, split by length:
 `max_length_buckets`). Left as on the CPU: the sampler's GPU-only guard against empty bins
@@ -315,7 +316,10 @@ def main(argv: list[str] | None = None) -> int:
             "temperature": args.temperature,
             "count_step": COUNT_STEP,
             "engine": args.engine,
-            "as_on_cuda": ["optimizers' foreach implementation", *(".".join(c) for c in CHOICES_BY_DEVICE)],
+            "as_on_cuda": [
+                "optimizers' foreach implementation where not fused",
+                *(".".join(c) for c in CHOICES_BY_DEVICE),
+            ],
             "torch": torch.__version__,
         },
         "step": {},
