@@ -115,6 +115,7 @@ def test_every_benchmark_has_a_quick_test():
         "gpu.py",
         "host_costs.py",
         "agent_endpoint.py",
+        "precision.py",
     }, f"benchmarks/ now holds {sorted(scripts)}: give each a --quick mode and a test here"
 
 
@@ -332,6 +333,31 @@ def test_async_quick():
     assert timing["k1"]["sync_bytes_per_rank"] == timing["k0"]["sync_bytes_per_rank"] > 0
     assert timing["k1"]["samples_bytes_sent"] == timing["k2"]["samples_bytes_sent"] > timing["k0"]["samples_bytes_sent"]
     assert timing["k1/k0"] > 0 and "learning" not in out
+
+
+def test_precision_quick():
+    """float32, then bf16, each 3 untrained steps of the embedded default evaluated at every step on 16
+    held-out sums; the medians over steps 2 and 3 and their ratio; bf16's log-prob mismatch."""
+    out = run_quick("precision.py", timeout=1800)
+    settings = out["settings"]
+    assert settings["quick"] and settings["steps"] == 3 and settings["timed_steps"] == [2, 3]
+    assert settings["cpu_bf16"] and settings["cpu"] and settings["torch"] == torch.__version__
+    for dtype in ("float32", "bfloat16"):
+        row = out[dtype]
+        assert row["param_dtype"] == dtype and row["device"] == settings["device"], row
+        assert row["steps"] == 3 and row["timed_steps"] == [2, 3], row
+        assert row["step_s"] >= row["rollout_s"] > 0 and row["policy_update_s"] > 0, row
+        assert 16 <= row["tokens_per_step"] <= 16 * 6, row  # 4 x 4 completions of 1 to 6 tokens
+        assert [e["step"] for e in row["evals"]] == [0, 1, 2, 3], row
+        for e in row["evals"]:  # accuracies over 16 problems
+            for accuracy in (e["greedy"], e["sampled"]):
+                assert 0 <= accuracy <= 1 and accuracy * 16 == round(accuracy * 16), row
+    assert out["float32"]["mismatch"] == {}  # float32 records no rollout log-probs
+    gaps = out["bfloat16"]["mismatch"]
+    assert {"mismatch/logp_abs_diff_mean", "mismatch/logp_abs_diff_max"} <= set(gaps), gaps
+    assert 0 <= gaps["mismatch/logp_abs_diff_mean"] <= gaps["mismatch/logp_abs_diff_max"], gaps
+    ratio = out["float32"]["step_s"] / out["bfloat16"]["step_s"]
+    assert out["float32_over_bfloat16_step_s"] == pytest.approx(ratio, abs=6e-4)
 
 
 def test_roofline_counts_a_generations_passes_as_the_compact_engine_runs_them():
