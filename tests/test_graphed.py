@@ -329,8 +329,8 @@ def test_auto_rolls_out_with_compact_once_a_capture_fails_and_says_so_once(token
     cuda = _FakeCuda(monkeypatch, capture_fails=True)
     init = graphed._Runner.__init__
 
-    def on_cuda(self, step, device):
-        init(self, step, torch.device("cuda"))
+    def on_cuda(self, step, device, counts=None):
+        init(self, step, torch.device("cuda"), counts)
 
     monkeypatch.setattr(graphed._Runner, "__init__", on_cuda)
     monkeypatch.setattr(AutoEngine, "engine_for", lambda self, model: self.graphed if self.graphs else self.compact)
@@ -349,3 +349,47 @@ def test_auto_rolls_out_with_compact_once_a_capture_fails_and_says_so_once(token
         "error: operation not permitted when stream is capturing); rolling out with compact"
     ]
     assert cuda.events.count("capture (thread_local)") == 1  # not tried again
+
+
+def test_the_engines_count_their_captures_and_a_rollout_logs_the_count(tokenizer, monkeypatch):
+    """On CUDA (torch.cuda's stand-ins) a rollout of 12 tokens captures one graph a span of 4 (ATTEND_SPAN)
+    and the next rollout of its shape none; `auto` reports `graphed`'s count, and the rollout stage logs
+    it as `rollout/graph_captures`. On a CPU nothing is captured, and nothing is logged."""
+    from distflow.comm import Comm
+    from distflow.config import load_config
+    from distflow.dag.context import Engines, StageContext
+    from distflow.dag.stages import rollout
+    from distflow.data.batch import Batch
+    from distflow.observability.metrics import StepMetrics
+    from distflow.rollout.auto import AutoEngine
+    from distflow.rollout.sampling import SamplingSpec
+    from distflow.training.sequences import encode_prompts
+
+    single = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    model = build_tiny_model(tokenizer, seed=11, max_positions=96).eval()
+    config = load_config(REPO / "examples/arith_grpo.yaml", ["rollout.max_new_tokens=12", "rollout.num_samples=2"])
+    meta = {"uid": list(range(len(PROMPTS))), "prompt": PROMPTS, "prompt_ids": encode_prompts(tokenizer, PROMPTS)}
+    batch = Batch({}, meta)  # as the loader gives it
+
+    def logged(engine) -> dict:
+        engines = Engines(tokenizer, None, None, SamplingSpec.of(config.rollout, engine=engine), rollout_model=model)
+        ctx = StageContext(config, engines, comm=single, world=single, metrics=StepMetrics())
+        rollout(batch, ctx)
+        return {k: v for k, v in ctx.metrics.reduce(single).items() if k.startswith("rollout/")}
+
+    assert logged(AutoEngine()) == {}  # a CPU: compact, and graphed would capture nothing either
+    _FakeCuda(monkeypatch)
+    init = graphed._Runner.__init__
+    monkeypatch.setattr(graphed, "ATTEND_SPAN", 4)
+    monkeypatch.setattr(
+        graphed._Runner,
+        "__init__",
+        lambda self, step, device, counts=None: init(self, step, torch.device("cuda"), counts),
+    )
+    monkeypatch.setattr(AutoEngine, "engine_for", lambda self, model: self.graphed)
+    engine = AutoEngine()
+    assert engine.counts() == {}
+    assert logged(engine) == {"rollout/graph_captures": 3.0}  # 11 decode steps: spans of 4, 4 and 3
+    assert logged(engine) == {"rollout/graph_captures": 3.0}  # the same shape: replays only
+    assert engine.counts() == engine.graphed.counts() == {"graph_captures": 3}
+    engine.close()

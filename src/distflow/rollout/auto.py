@@ -56,5 +56,9 @@ class AutoEngine(RolloutEngine):
             )
             return self.compact.responses(model, request)
 
+    def counts(self) -> dict[str, float]:
+        """`graphed`'s (`compact` counts nothing)."""
+        return self.graphed.counts()
+
     def close(self) -> None:
         self.graphed.close()

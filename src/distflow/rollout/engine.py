@@ -68,6 +68,11 @@ class RolloutEngine(Component):
         recomputed with one forward pass)."""
         raise NotImplementedError
 
+    def counts(self) -> dict[str, float]:
+        """What this engine has counted since it was built (`graphed`: `graph_captures`), logged after each
+        rollout as `rollout/<name>`: the run's count so far, the most of any rank. None by default."""
+        return {}
+
 
 def build_engine(config: Any) -> RolloutEngine:
     """The engine `config.rollout` chooses, built for this rank."""

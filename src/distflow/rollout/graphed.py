@@ -71,15 +71,22 @@ class GraphedEngine(CompactEngine):
 
     def __init__(self) -> None:
         self._kept = threading.local()  # each thread's last decoder: its graph, cache and buffers
+        self._counts: collections.Counter = collections.Counter()  # graph_captures: of every thread's decoders
 
     @torch.no_grad()
     def responses(self, model, request: Request):
         kept = getattr(self._kept, "decoder", None)
         if kept is None or not kept.fits(model, request):
             self._kept.decoder = None  # the old graph and cache go before the new ones are made
-            kept = self._kept.decoder = _Decoder(model, request)
+            kept = self._kept.decoder = _Decoder(model, request, self._counts)
         out = kept.decode(request)
         return out if request.logprobs else (out, None)
+
+    def counts(self) -> dict[str, float]:
+        """`graph_captures`: the decode steps captured as CUDA graphs so far, one a span of each rollout shape;
+        it grows past the first rollouts only where the shape changes or the weights move (a new capture
+        each rollout costs about 3 eager steps). Nothing is captured on a CPU: no count."""
+        return dict(self._counts)
 
     def close(self) -> None:
         self._kept = threading.local()
@@ -90,13 +97,13 @@ class _Decoder:
     rollout reuses them when it has the same rows, bucketed prompt width, lengths, sampling settings and
     autocast, on the same model whose weights are where they were (a graph reads them by address)."""
 
-    def __init__(self, model, request: Request) -> None:
+    def __init__(self, model, request: Request, counts: collections.Counter) -> None:
         self.key, self.addresses = _shape_key(request), _addresses(model)
         device, width = request.prompt_ids_GP.device, _bucketed(request.prompt_ids_GP.shape[1])
         rows = request.prompt_ids_GP.shape[0] * request.n
         self.drawn = _Drawn(rows, request.max_new_tokens, request.pad_id, request.logprobs, device)
         self.step = _Step(model, request, _static_cache(model, width + request.max_new_tokens), self.drawn, width)
-        self.runner = _Runner(self.step, device)
+        self.runner = _Runner(self.step, device, counts)
 
     def fits(self, model, request: Request) -> bool:
         return model is self.step.model() and _shape_key(request) == self.key and _addresses(model) == self.addresses
@@ -254,8 +261,9 @@ class _Runner:
     all the same), then captured and replayed. The spans' graphs share one memory pool: each step keeps what
     the next reads in the step's own tensors, not in the pool, and one graph replays at a time."""
 
-    def __init__(self, step: _Step, device: torch.device) -> None:
+    def __init__(self, step: _Step, device: torch.device, counts: collections.Counter | None = None) -> None:
         self.step, self.cuda, self.pool = step, device.type == "cuda", None
+        self.counts = collections.Counter() if counts is None else counts  # its engine's: graph_captures
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # columns attended over → its captured step
         self.runs: collections.Counter = collections.Counter()
 
@@ -283,6 +291,7 @@ class _Runner:
             except RuntimeError as err:  # a model whose forward reads a value on the host, or copies from it
                 raise CaptureFailed((str(err).strip().splitlines() or [type(err).__name__])[0]) from err
             self.graphs[columns] = graph  # only a graph that was captured is replayed
+            self.counts["graph_captures"] += 1
             self.pool = self.pool or graph.pool()
             graph.replay()
 
