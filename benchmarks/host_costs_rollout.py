@@ -25,20 +25,23 @@ CHOICES_BY_DEVICE = (  # (module, function of the device): distflow's choices by
     ("decoding", "stop_check_interval"),
     ("prefix_sharing", "shares_prefixes"),
     ("prefix_sharing", "max_length_buckets"),
+    ("token_logprobs", "block_elements"),
 )
 
 
 @contextlib.contextmanager
 def choices_as_on_cuda():
-    """distflow makes three choices by device, counted at the GPU's: its decoding looks at which rows
+    """distflow makes four choices by device, counted at the GPU's: its decoding looks at which rows
     ended every token on a CPU and every few tokens on a GPU (rollout/decoding.py's
     `stop_check_interval`, a sync each look), and its training passes compute each distinct prompt
     once on a CPU only (training/prefix_sharing.py's `shares_prefixes`: a second forward call), there
-    splitting responses into length buckets (`max_length_buckets`, a forward call each)."""
+    splitting responses into length buckets (`max_length_buckets`, a forward call each), and they turn
+    logits into log-probs by blocks of rows, small ones on a CPU (training/token_logprobs.py's
+    `block_elements`, ~30 ops a block)."""
     from distflow.rollout import decoding
-    from distflow.training import prefix_sharing
+    from distflow.training import prefix_sharing, token_logprobs
 
-    modules = {"decoding": decoding, "prefix_sharing": prefix_sharing}
+    modules = {"decoding": decoding, "prefix_sharing": prefix_sharing, "token_logprobs": token_logprobs}
     originals = [(modules[m], name, getattr(modules[m], name)) for m, name in CHOICES_BY_DEVICE]
     for module, name, original in originals:
         setattr(module, name, lambda device, original=original: original(torch.device("cuda")))

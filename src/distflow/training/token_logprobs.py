@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import torch
 
-BLOCK_ELEMENTS = {"cpu": 1 << 21}
-"""Logits per block on a device: on a CPU 2M (8 MB in float32), so a block's temporaries stay in
-cache; elsewhere (a GPU, where each block costs its kernel launches) 256M, a bound on memory."""
-_OTHER_DEVICES = 1 << 28
+
+def block_elements(device: torch.device) -> int:
+    """Logits per block on `device`: on a CPU 2M (8 MB in float32), so that a block's temporaries stay
+    in cache; elsewhere (a GPU, where each block costs its ~30 kernel launches) 256M, a bound on memory."""
+    return 1 << 21 if device.type == "cpu" else 1 << 28
 
 
 def token_logprobs(
@@ -102,8 +103,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
 
 def _blocks_of(logits: torch.Tensor) -> list[tuple[slice, slice]]:
-    budget = BLOCK_ELEMENTS.get(logits.device.type, _OTHER_DEVICES)
-    return blocks(*logits.shape, budget)
+    return blocks(*logits.shape, block_elements(logits.device))
 
 
 def _scaled(block: torch.Tensor, temperature: float) -> torch.Tensor:
