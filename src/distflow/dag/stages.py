@@ -85,7 +85,7 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
     """
     import torch
 
-    from distflow.rollout.engine import engine_named
+    from distflow.rollout.engine import resolved
     from distflow.rollout.generation import generate
     from distflow.training.parallelize import gathered
 
@@ -111,8 +111,7 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
             engine=sampling.engine,
             logprobs=ROLLOUT_LOGP in behaviour_fields(ctx.config),
         )
-    engine = engine_named(sampling.engine) if isinstance(sampling.engine, str) else sampling.engine
-    for name, count in engine.counts().items():
+    for name, count in resolved(sampling.engine).counts().items():
         ctx.metrics.maximum(f"rollout/{name}", count)
     num_generated = float(out.response_mask_BR.sum())
     ctx.metrics.mean("response/length", num_generated, len(expanded))

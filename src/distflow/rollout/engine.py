@@ -85,6 +85,11 @@ def build_engine(config: Any) -> RolloutEngine:
 _DEFAULTS: dict[str, RolloutEngine] = {}
 
 
+def resolved(engine: RolloutEngine | str) -> RolloutEngine:
+    """`engine` itself, or for a built-in one's name that engine with its default options (`engine_named`)."""
+    return engine_named(engine) if isinstance(engine, str) else engine
+
+
 def engine_named(name: str) -> RolloutEngine:
     """An engine built with its default options, one per name (what `generate(engine="compact")` means)."""
     if name not in _DEFAULTS:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from distflow.rollout.engine import Request, RolloutEngine, engine_named
+from distflow.rollout.engine import Request, RolloutEngine, resolved
 from distflow.training.parallelize import unsharded_view
 from distflow.training.sequences import encode_prompts, left_pad, response_mask_from_ids, stop_token_ids
 
@@ -76,7 +76,7 @@ def generate(
             bos_id=tokenizer.bos_token_id,
             logprobs=logprobs,
         )
-        response_BR, logp_BR = (engine_named(engine) if isinstance(engine, str) else engine).responses(model, request)
+        response_BR, logp_BR = resolved(engine).responses(model, request)
     finally:
         model.train(was_training)
     prompt_B = torch.arange(len(rows) * n, device=device) // n  # each row's prompt (a gather: one op a tensor)

@@ -51,7 +51,7 @@ from distflow.training.sequences import position_ids_from_mask
 
 # (input_ids, attention_mask, position_ids, cache or None, keep) -> outputs [rows, columns, ...]
 # (keep > 0: only the last `keep` columns are read; a language model may skip the others' logits)
-PrefixForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache | None, bool], torch.Tensor]
+PrefixForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache | None, int], torch.Tensor]
 
 
 def distinct_prompts(
