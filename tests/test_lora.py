@@ -145,9 +145,12 @@ def synced():
 def test_ddp_and_fsdp2_train_the_same_adapters(synced):
     ddp, fsdp2 = synced[0]["ddp"], synced[0]["fsdp2"]
     assert fsdp2["losses"] == pytest.approx(ddp["losses"], rel=1e-5)
+    # At lr 1e-2 each of the 3 steps moves a weight by up to ~1e-2. Adam divides by sqrt(v), so where a
+    # gradient is near 0 the layouts' different reduction orders move a weight by up to ~4e-5 (ddp vs fsdp2,
+    # foreach or fused AdamW alike): atol 1e-4 is that, with room, and still 1% of one step.
     for name, tensor in ddp["params"].items():
         torch.testing.assert_close(
-            fsdp2["params"][name], tensor, rtol=1e-3, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+            fsdp2["params"][name], tensor, rtol=1e-3, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
         )
 
 

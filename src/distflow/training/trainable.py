@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable
 
 import torch
+from torch.autograd.graph import increment_version
 
 from distflow.comm import Comm
 from distflow.config.parallel import ParallelConfig, PassesConfig
@@ -52,10 +53,9 @@ class TrainableEngine(abc.ABC):
         self.passes = passes or PassesConfig()
         """How its forward passes batch sequences (padded, packed or sharing prompts)."""
         self.wrapped = parallelize(model, comm, self.parallel)
-        # Not fused: torch's fused AdamW writes the parameters without bumping their version counters,
-        # by which the vLLM engine tells that the weights changed (rollout/vllm/engine.py)
+        # Fused: one kernel a step (TRL's default too), where foreach launches a dozen per parameter group
         self.optimizer = torch.optim.AdamW(
-            trainable_parameters(model), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
+            trainable_parameters(model), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, fused=True
         )
         warmup = optim.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -118,6 +118,9 @@ class TrainableEngine(abc.ABC):
         totals = dict(zip(names, values, strict=True))
         if math.isfinite(grad_norm_value) and not bad_value:
             self.optimizer.step()
+            # The fused kernel writes the parameters without bumping their version counters, by which
+            # the vLLM engine tells that the weights changed (rollout/vllm/engine.py): bumped here
+            increment_version([p for group in self.optimizer.param_groups for p in group["params"]])
             self.scheduler.step()
             totals["nonfinite_grad_steps"] = 0.0
             self.consecutive_nonfinite = 0
