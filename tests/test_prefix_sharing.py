@@ -105,6 +105,22 @@ def test_logprobs_entropies_loss_and_gradients_equal_the_padded_pass():
         assert (grad_a - grad_b).abs().max() <= 1e-6 * max(1.0, grad_a.abs().max().item())
 
 
+def test_with_a_gradient_the_tokens_are_embedded_once_per_pass():
+    """One embedding call makes one dense [V, D] gradient in the backward, not one per forward call; without a
+    gradient the model embeds its own ids. The values and gradients are the padded pass's (the test above)."""
+    model = build_tiny_model(build_char_tokenizer(), seed=3)
+    ids, mask, response_mask = _groups()
+    embedded = []
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: embedded.append(tuple(args[0].shape)))
+    logp, _ = response_logprobs(model, ids, mask, response_mask.shape[1], shared_prefix=True)
+    assert embedded == [tuple(ids.shape)]
+    embedded.clear()
+    with torch.no_grad():
+        again, _ = response_logprobs(model, ids, mask, response_mask.shape[1], shared_prefix=True)
+    assert len(embedded) > 2  # the prompt pass, then each length bucket's
+    assert torch.equal(again, logp.detach())  # the same embeddings, gathered or looked up
+
+
 def test_each_distinct_prompt_goes_through_the_model_once():
     model = build_tiny_model(build_char_tokenizer(), seed=3)
     ids, mask, response_mask = _groups(prompts=5, n=4)  # 4 groups of 4 and one prompt alone: 17 rows, 5 prompts

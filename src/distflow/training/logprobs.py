@@ -11,7 +11,7 @@ import torch
 
 from distflow.data.batch import Batch
 from distflow.training.models import cache_kwargs
-from distflow.training.prefix_sharing import passes_outputs
+from distflow.training.prefix_sharing import input_embedding, passes_outputs
 from distflow.training.token_logprobs import token_logprobs
 
 
@@ -40,8 +40,9 @@ def response_logprobs(
     """
 
     def forward(ids, mask, positions, cache=None, keep=0):
+        tokens = {"inputs_embeds": ids} if ids.is_floating_point() else {"input_ids": ids}  # `input_embedding`'s
         return model(
-            input_ids=ids,
+            **tokens,
             attention_mask=mask,
             position_ids=positions,
             **cache_kwargs(cache),
@@ -69,6 +70,7 @@ def response_logprobs(
         lockstep=lockstep,
         model=model,
         reduce=reduce,
+        embed=input_embedding(model) if shared_prefix is not False else None,
     )
     logp_BR = kept_BRK[..., 0]
     entropy_BR = None

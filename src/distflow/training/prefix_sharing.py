@@ -47,11 +47,14 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from distflow.training.packing import Reduce, keep_outputs, response_outputs
+from distflow.training.parallelize import is_sharded
 from distflow.training.sequences import position_ids_from_mask
 
 # (input_ids, attention_mask, position_ids, cache or None, keep) -> outputs [rows, columns, ...]
-# (keep > 0: only the last `keep` columns are read; a language model may skip the others' logits)
+# (keep > 0: only the last `keep` columns are read; a language model may skip the others' logits).
+# The ids [rows, columns] may come as their embeddings [rows, columns, D] where an `Embed` is given.
 PrefixForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache | None, int], torch.Tensor]
+Embed = Callable[[torch.Tensor], torch.Tensor]  # token ids [B, T] -> their input embeddings [B, T, D]
 
 
 def distinct_prompts(
@@ -62,6 +65,29 @@ def distinct_prompts(
     keys = torch.cat([input_ids_BT[:, :width], attention_mask_BT[:, :width].to(input_ids_BT.dtype)], dim=1)
     unique, index_B = torch.unique(keys, dim=0, return_inverse=True)
     return unique[:, :width], unique[:, width:].to(attention_mask_BT.dtype), index_B
+
+
+def first_rows(index_B: torch.Tensor, count: int) -> torch.Tensor:
+    """For each of `count` distinct prompts, the first row b with index_B[b] equal to it, [U].
+
+    >>> first_rows(torch.tensor([1, 0, 1, 0, 2]), 3).tolist()
+    [1, 0, 4]
+    """
+    rows_B = torch.arange(len(index_B), device=index_B.device)
+    return rows_B.new_full((count,), len(index_B)).scatter_reduce(0, index_B, rows_B, "amin")
+
+
+def input_embedding(model: torch.nn.Module) -> Embed | None:
+    """`model`'s input embedding (under DDP, its module's), for `shared_prefix_outputs` to embed a micro-batch's
+    tokens once: where a gradient is taken for an embedding that trains. None where nothing is saved (no
+    gradient) or where it cannot be called alone: a sharded model gathers its weights in its root's forward."""
+    inner = getattr(model, "module", model)
+    get = getattr(inner, "get_input_embeddings", None)
+    embedding = get() if get is not None and not is_sharded(inner) else None
+    weight = getattr(embedding, "weight", None)
+    if embedding is None or weight is None or not (torch.is_grad_enabled() and weight.requires_grad):
+        return None
+    return embedding
 
 
 def passes_outputs(
@@ -76,12 +102,14 @@ def passes_outputs(
     lockstep: bool,
     model: torch.nn.Module,
     reduce: Reduce | None = None,
+    embed: Embed | None = None,
 ) -> torch.Tensor:
     """The outputs that predict the response tokens, [B, R, ...], batched as `passes` asks: each distinct
     prompt once (`shared_prefix` true; None: where the device gains from it), else padded or packed
     (`padding_free`; `model` is what `forward` runs). The log-prob and value passes both call this.
     `reduce` maps each forward call's outputs, with the tokens they predict, to what is kept of them
-    (a language model's logits to log-probs), so the [B, R, V] logits are never assembled."""
+    (a language model's logits to log-probs), so the [B, R, V] logits are never assembled. `embed`: as
+    `shared_prefix_outputs`'s."""
     if shared_prefix is not False:
         return shared_prefix_outputs(
             forward,
@@ -92,6 +120,7 @@ def passes_outputs(
             lockstep=lockstep,
             follow_device=shared_prefix is None,
             reduce=reduce,
+            embed=embed,
         )
     return response_outputs(
         forward, input_ids_BT, attention_mask_BT, response_width, padding_free=padding_free, model=model, reduce=reduce
@@ -108,6 +137,7 @@ def shared_prefix_outputs(
     lockstep: bool = False,
     follow_device: bool = True,
     reduce: Reduce | None = None,
+    embed: Embed | None = None,
 ) -> torch.Tensor:
     """The outputs that predict the response tokens, [B, R, ...], each distinct prompt computed once.
 
@@ -116,7 +146,9 @@ def shared_prefix_outputs(
     at full width): under fsdp2 training each forward is a collective, so the ranks' calls must
     match, including a rank's zero-gradient pass (training/trainable.py). With `follow_device` (the
     user left `passes.shared_prefix` unset) the device decides (`shares_prefixes`); otherwise prompts
-    are shared wherever it runs. `reduce`: as `passes_outputs`'s.
+    are shared wherever it runs. `reduce`: as `passes_outputs`'s. `embed` (`input_embedding`'s): the
+    tokens are embedded once, and each forward call gets its rows' and columns' embeddings instead of
+    their ids, so the backward makes one dense [V, D] embedding gradient, not one per call.
     """
     reduce = reduce or keep_outputs
     batch, total = input_ids_BT.shape
@@ -128,7 +160,9 @@ def shared_prefix_outputs(
     unshared = prompt_ids_UW.shape[0] == batch and not lockstep
     if unshared or width == 0 or response_width == 0 or cache is None:  # nothing to share: the padded pass
         return _padded(forward, input_ids_BT, attention_mask_BT, width, reduce)
-    first_U = forward(prompt_ids_UW, prompt_mask_UW, position_ids_from_mask(prompt_mask_UW), cache, 1)[:, -1:]
+    tokens_BT = input_ids_BT if embed is None else embed(input_ids_BT)  # ids, or their embeddings [B, T, D]
+    prompts_UW = prompt_ids_UW if embed is None else tokens_BT[first_rows(index_B, len(prompt_ids_UW)), :width]
+    first_U = forward(prompts_UW, prompt_mask_UW, position_ids_from_mask(prompt_mask_UW), cache, 1)[:, -1:]
     first_B = reduce(first_U[index_B], input_ids_BT[:, width : width + 1])
     positions_BT = position_ids_from_mask(attention_mask_BT)
     rest = first_B.new_zeros((batch, response_width - 1, *first_B.shape[2:]))
@@ -147,7 +181,7 @@ def shared_prefix_outputs(
         end = width + columns
         gathered = _read_only_cache(model_config, cache, index_B[rows_N])  # the backward sums each prompt's rows
         out = forward(
-            input_ids_BT[rows_N, width:end],
+            tokens_BT[rows_N, width:end],
             attention_mask_BT[rows_N, :end],
             positions_BT[rows_N, width:end],
             gathered,
