@@ -36,13 +36,11 @@ def response_logprobs(
     mask is 0 are 0 with `padding_free` (the sequences packed: training.packing) and past a length
     bucket's end with `shared_prefix`. With `shared_prefix` each distinct prompt is computed
     once (training.prefix_sharing), in `lockstep` where each forward is a collective (fsdp2 training);
-    None: where the device gains from it (`prefix_sharing.shares_prefixes`).
-    """
+    None: where the device gains from it (`prefix_sharing.shares_prefixes`)."""
 
     def forward(ids, mask, positions, cache=None, keep=0):
-        tokens = {"inputs_embeds": ids} if ids.is_floating_point() else {"input_ids": ids}  # `input_embedding`'s
         return model(
-            **tokens,
+            **({"inputs_embeds": ids} if ids.is_floating_point() else {"input_ids": ids}),  # `input_embedding`'s
             attention_mask=mask,
             position_ids=positions,
             **cache_kwargs(cache),

@@ -147,8 +147,7 @@ def shared_prefix_outputs(
     match, including a rank's zero-gradient pass (training/trainable.py). With `follow_device` (the
     user left `passes.shared_prefix` unset) the device decides (`shares_prefixes`); otherwise prompts
     are shared wherever it runs. `reduce`: as `passes_outputs`'s. `embed` (`input_embedding`'s): the
-    tokens are embedded once, and each forward call gets its rows' and columns' embeddings instead of
-    their ids, so the backward makes one dense [V, D] embedding gradient, not one per call.
+    tokens are embedded once, and the forward calls get their embeddings instead of their ids (`_fed`).
     """
     reduce = reduce or keep_outputs
     batch, total = input_ids_BT.shape
@@ -160,8 +159,7 @@ def shared_prefix_outputs(
     unshared = prompt_ids_UW.shape[0] == batch and not lockstep
     if unshared or width == 0 or response_width == 0 or cache is None:  # nothing to share: the padded pass
         return _padded(forward, input_ids_BT, attention_mask_BT, width, reduce)
-    tokens_BT = input_ids_BT if embed is None else embed(input_ids_BT)  # ids, or their embeddings [B, T, D]
-    prompts_UW = prompt_ids_UW if embed is None else tokens_BT[first_rows(index_B, len(prompt_ids_UW)), :width]
+    tokens_BT, prompts_UW = _fed(embed, input_ids_BT, prompt_ids_UW, index_B, width)
     first_U = forward(prompts_UW, prompt_mask_UW, position_ids_from_mask(prompt_mask_UW), cache, 1)[:, -1:]
     first_B = reduce(first_U[index_B], input_ids_BT[:, width : width + 1])
     positions_BT = position_ids_from_mask(attention_mask_BT)
@@ -189,6 +187,15 @@ def shared_prefix_outputs(
         )
         rest[rows_N, : length - 1] = reduce(out[:, : length - 1], input_ids_BT[rows_N, width + 1 : width + length])
     return torch.cat([first_B, rest], dim=1)
+
+
+def _fed(embed: Embed | None, input_ids_BT, prompt_ids_UW, index_B, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B, T], the prompt pass's [U, W]): the ids, or with `embed` their embeddings ([B, T, D], [U, W, D]),
+    the batch's embedded once: the backward then makes one dense [V, D] embedding gradient, not one per call."""
+    if embed is None:
+        return input_ids_BT, prompt_ids_UW
+    tokens_BTD = embed(input_ids_BT)
+    return tokens_BTD, tokens_BTD[first_rows(index_B, len(prompt_ids_UW)), :width]
 
 
 def _padded(forward: PrefixForward, input_ids_BT, attention_mask_BT, width: int, reduce: Reduce) -> torch.Tensor:

@@ -117,11 +117,7 @@ class TrainableEngine(abc.ABC):
         *values, grad_norm_value, bad_value = read.tolist()  # the step's one read on the host
         totals = dict(zip(names, values, strict=True))
         if math.isfinite(grad_norm_value) and not bad_value:
-            self.optimizer.step()
-            # The fused kernel writes the parameters without bumping their version counters, by which
-            # the vLLM engine tells that the weights changed (rollout/vllm/engine.py): bumped here
-            increment_version([p for group in self.optimizer.param_groups for p in group["params"]])
-            self.scheduler.step()
+            self._optimizer_step()
             totals["nonfinite_grad_steps"] = 0.0
             self.consecutive_nonfinite = 0
         else:  # the same decision on every rank (all-reduced gradient and flag), so replicas stay equal
@@ -131,6 +127,13 @@ class TrainableEngine(abc.ABC):
         totals["grad_norm"] = grad_norm_value
         totals["lr"] = self.scheduler.get_last_lr()[0]
         return totals
+
+    def _optimizer_step(self) -> None:
+        self.optimizer.step()
+        # The fused kernel writes the parameters without bumping their version counters, by which
+        # the vLLM engine tells that the weights changed (rollout/vllm/engine.py): bumped here
+        increment_version([p for group in self.optimizer.param_groups for p in group["params"]])
+        self.scheduler.step()
 
     def optimizer_state_bytes(self) -> int:
         return optimizer_state_bytes(self.optimizer)
