@@ -43,8 +43,8 @@ Settings (P prompts x G samples, new-token cap, temperature):
    same order, P x G per optimizer step in one micro-batch, no KL, every group trained
    (distflow: skip_zero_variance_groups false, as TRL updates on zero advantages). distflow's
    rollout engine: `--engine` (default compact); `launches` per stage as above.
-As on CUDA: torch's optimizers take their foreach implementation where they are not fused (distflow's
-AdamW and TRL's default `optim`, adamw_torch_fused, are fused: one op a step), and distflow's
+As on CUDA: both sides' AdamW is fused, one op a step (TRL's default `optim`, adamw_torch_fused;
+distflow's training/trainable.py), any other torch optimizer would take its foreach implementation, and distflow's
 decoding looks at ended rows as often as on a GPU (`stop_check_interval`), and its training passes
 run padded as on a GPU (`shares_prefixes`; on a CPU they share prompts, split by length:
 `max_length_buckets`), their logits becoming log-probs in one block (`block_elements`; on a CPU, blocks of

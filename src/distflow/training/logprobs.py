@@ -68,7 +68,7 @@ def response_logprobs(
         lockstep=lockstep,
         model=model,
         reduce=reduce,
-        embed=input_embedding(model) if shared_prefix is not False else None,
+        embed=input_embedding(model),  # used where prompts are shared
     )
     logp_BR = kept_BRK[..., 0]
     entropy_BR = None

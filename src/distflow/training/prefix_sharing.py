@@ -85,9 +85,7 @@ def input_embedding(model: torch.nn.Module) -> Embed | None:
     get = getattr(inner, "get_input_embeddings", None)
     embedding = get() if get is not None and not is_sharded(inner) else None
     weight = getattr(embedding, "weight", None)
-    if embedding is None or weight is None or not (torch.is_grad_enabled() and weight.requires_grad):
-        return None
-    return embedding
+    return embedding if weight is not None and torch.is_grad_enabled() and weight.requires_grad else None
 
 
 def passes_outputs(
