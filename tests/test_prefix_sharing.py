@@ -16,7 +16,13 @@ from distflow.training.critic import ValueModel, response_values
 from distflow.training.logprobs import batch_logprobs, response_logprobs
 from distflow.training.models import cache_kwargs
 from distflow.training.parallelize import checkpoint_blocks
-from distflow.training.prefix_sharing import distinct_prompts, length_buckets, response_lengths, shared_prefix_outputs
+from distflow.training.prefix_sharing import (
+    distinct_prompts,
+    length_buckets,
+    prompt_rows,
+    response_lengths,
+    shared_prefix_outputs,
+)
 from distflow.training.sequences import left_pad, position_ids_from_mask, response_mask_from_ids
 
 EOS, PAD = 2, 0
@@ -52,6 +58,30 @@ def test_distinct_prompts_maps_every_row_to_its_prompt():
         assert prompt_ids[index[b]].tolist() == ids[b, :3].tolist()
         assert prompt_mask[index[b]].tolist() == mask[b, :3].tolist()
     assert index[0] == index[2] and len({int(index[1]), int(index[3]), int(index[0])}) == 3
+
+
+def test_a_prompts_rows_sum_their_gradients_one_after_another():
+    # A cached prompt's keys at SmolLM2's shape, shared by 10 samples: large enough that a CPU splits
+    # the work between threads (4 here, whatever the suite's worker has). Indexing's backward then adds
+    # a prompt's rows in whichever order the threads reach them; the gradient must be each prompt's
+    # samples added in order, every time.
+    torch.manual_seed(0)
+    index_B = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 1, 2])  # each prompt's rows in both halves of the batch
+    keys_U = torch.randn(4, 3, 48, 64, requires_grad=True)
+    grad_B = torch.randn(10, 3, 48, 64) * torch.logspace(0, 6, 10).view(10, 1, 1, 1)  # sums that round
+    expected_U = torch.zeros_like(keys_U)
+    for b, u in enumerate(index_B.tolist()):
+        expected_U[u] += grad_B[b]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        for _ in range(20):
+            rows_B = prompt_rows(keys_U, index_B)
+            assert torch.equal(rows_B, keys_U[index_B])
+            (gradient_U,) = torch.autograd.grad(rows_B, keys_U, grad_B)
+            assert torch.equal(gradient_U, expected_U)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_response_lengths_count_to_the_last_attended_column():

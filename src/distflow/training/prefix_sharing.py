@@ -77,6 +77,17 @@ def first_rows(index_B: torch.Tensor, count: int) -> torch.Tensor:
     return rows_B.new_full((count,), len(index_B)).scatter_reduce(0, index_B, rows_B, "amin")
 
 
+def prompt_rows(prompts_U: torch.Tensor, index_B: torch.Tensor) -> torch.Tensor:
+    """Row index_B[b] of `prompts_U` for each sample b, [B, ...], with a backward that sums each prompt's
+    samples in the same order every time. Indexing's backward (`index_put` with accumulation) adds
+    the repeated rows from several threads on a CPU, in whichever order they come (same-seed runs then
+    drift apart); `index_select`'s (`index_add_`) adds them one row after another there. On CUDA it
+    is the other way round: `index_add_` adds atomically, indexing sorts first."""
+    if prompts_U.device.type == "cpu":
+        return prompts_U.index_select(0, index_B)
+    return prompts_U[index_B]
+
+
 def input_embedding(model: torch.nn.Module) -> Embed | None:
     """`model`'s input embedding (under DDP, its module's), for `shared_prefix_outputs` to embed a micro-batch's
     tokens once: where a gradient is taken for an embedding that trains. None where nothing is saved (no
@@ -159,7 +170,7 @@ def shared_prefix_outputs(
         return _padded(forward, input_ids_BT, attention_mask_BT, width, reduce)
     tokens_BT, prompts_UW = _fed(embed, input_ids_BT, prompt_ids_UW, index_B, width)
     first_U = forward(prompts_UW, prompt_mask_UW, position_ids_from_mask(prompt_mask_UW), cache, 1)[:, -1:]
-    first_B = reduce(first_U[index_B], input_ids_BT[:, width : width + 1])
+    first_B = reduce(prompt_rows(first_U, index_B), input_ids_BT[:, width : width + 1])
     positions_BT = position_ids_from_mask(attention_mask_BT)
     rest = first_B.new_zeros((batch, response_width - 1, *first_B.shape[2:]))
     buckets = (
@@ -280,7 +291,7 @@ def _read_only_cache(model_config, prompts: DynamicCache, index_B: torch.Tensor)
     """A cache holding row index_B[b] of the prompt cache for sample b, which a forward reads and never grows."""
     cache = DynamicCache(config=model_config)
     for layer, prompt in zip(cache.layers, prompts.layers, strict=True):
-        _keep(layer, prompt.keys[index_B], prompt.values[index_B])
+        _keep(layer, prompt_rows(prompt.keys, index_B), prompt_rows(prompt.values, index_B))
         layer.update = functools.partial(_read, layer)
     return cache
 
