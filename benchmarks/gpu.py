@@ -1,7 +1,7 @@
 """The GPU check in one command: rollout engines, one step by stage, the embedded default, and learning
 against TRL in float32 and bf16, on whatever CUDA device the machine has.
 
-    python benchmarks/gpu.py --out DIR                              # every section (~10 min on one H200, estimated)
+    python benchmarks/gpu.py --out DIR                              # every section (about 9 min on one H200)
     python benchmarks/gpu.py --sections rollout default --out DIR   # the sections that need no real model
     .venv/bin/python benchmarks/gpu.py --quick                      # its CPU path on the tiny model (the suite)
 
@@ -55,6 +55,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_setup import ROOT, save_model  # noqa: E402
@@ -64,15 +68,16 @@ ENGINES = ("generate", "compact", "compact/every-token", "graphed", "compiled")
 SHAPES = {"recipe": (8, 8, 32), "long": (64, 8, 256)}
 PROMPT_TOKENS = 96
 STEP_VARIANTS = (
-    "passes.micro_batch_size=64",
+    "passes.micro_batch_size=64 parallel.param_dtype=float32",
     "passes.micro_batch_size=64 parallel.param_dtype=bfloat16",
-    "passes.micro_batch_size=64 rollout.engine=compact",
+    "passes.micro_batch_size=64 parallel.param_dtype=float32 rollout.engine=compact",
     "passes.micro_batch_size=64 parallel.strategy=fsdp2 parallel.param_dtype=bfloat16",
 )
 """The step again with these overrides (not profiled): the recipe's update in one pass of 64, in float32
 and in bf16 (ddp under autocast, float32 weights), with the default rollout engine (`auto`: `graphed`
 on CUDA) and with `compact`; and fsdp2 in bf16 (FSDP's mixed precision over a one-rank shard, its
-rollouts `graphed` through `unsharded_view`)."""
+rollouts `graphed` through `unsharded_view`). A variant that names no dtype computes in `auto`'s:
+bf16 on a GPU with bf16 kernels, float32 on a CPU."""
 
 
 QUICK_VARIANTS = (
@@ -332,15 +337,22 @@ LEARNING_SETS_ITSELF = ("parallel.param_dtype=", "passes.micro_batch_size=")
 """Settings learning.py gives distflow itself on a GPU (--dtype, and the whole step in one pass)."""
 
 
-def learning_settings(step: dict | None, dtype: str) -> tuple[list[str], str]:
+def variant_dtype(variant: str, auto: str) -> str:
+    """The dtype a step variant computes in: the one it names, else `auto`'s on this device."""
+    named = [kv.split("=", 1)[1] for kv in variant.split() if kv.startswith("parallel.param_dtype=")]
+    return named[-1] if named and named[-1] != "auto" else auto
+
+
+def learning_settings(step: dict | None, dtype: str, auto: str = "float32") -> tuple[list[str], str]:
     """distflow's settings for the learning section in `dtype` when --learning-set is left out: those of
-    this run's fastest step variant in that dtype (median step time), less what learning.py sets itself;
-    and where they came from, for the record. No step section, or no variant of that dtype that ran: []."""
+    this run's fastest step variant in that dtype (median step time; `auto`: what a variant that names
+    no dtype computes in), less what learning.py sets itself; and where they came from, for the
+    record. No step section, or no variant of that dtype that ran: []."""
     variants = (step or {}).get("variants", {})
     timed = {
         variant: split["median_s"]["step"]
         for variant, split in variants.items()
-        if "median_s" in split and ("parallel.param_dtype=bfloat16" in variant.split()) == (dtype == "bfloat16")
+        if "median_s" in split and variant_dtype(variant, auto) == dtype
     }
     if not timed:
         return [], f"defaults: no {dtype} step variant ran"
@@ -352,11 +364,14 @@ def learning_settings(step: dict | None, dtype: str) -> tuple[list[str], str]:
     return settings, f"fastest {dtype} step variant: {ranked}"
 
 
-def learning_section(args: argparse.Namespace, out: Path, step: dict | None) -> dict:
+def learning_section(args: argparse.Namespace, out: Path, step: dict | None, device: torch.device) -> dict:
+    from distflow.config.parallel import cuda_has_bf16
+
+    auto = "bfloat16" if device.type == "cuda" and cuda_has_bf16() else "float32"
     results = {}
     for dtype in args.dtypes:
         if args.learning_set is None:
-            settings, source = learning_settings(step, dtype)
+            settings, source = learning_settings(step, dtype, auto)
         else:
             settings, source = args.learning_set, "--learning-set"
         log(f"learning {dtype}: distflow settings {settings} ({source})")
@@ -438,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                 elif section == "step":
                     result["step"] = step_section(args, work, args.out)
                 else:
-                    result["learning"] = learning_section(args, args.out, result.get("step"))
+                    result["learning"] = learning_section(args, args.out, result.get("step"), device)
             except Exception as err:  # keep the other sections' numbers
                 log(f"section {section} failed: {type(err).__name__}: {err}")
                 result[section] = {"error": f"{type(err).__name__}: {str(err)[-1500:]}"}

@@ -441,6 +441,10 @@ def test_the_gpu_checks_learning_runs_distflow_with_each_dtypes_fastest_step_var
     assert gpu.learning_settings(step, "bfloat16")[0] == []  # the graphed bf16 variant failed: the other one
     assert gpu.learning_settings({"error": "no model"}, "float32") == ([], "defaults: no float32 step variant ran")
     assert gpu.learning_settings(None, "bfloat16")[0] == []
+    # on a GPU whose `auto` is bf16, a variant that names no dtype is a bf16 one
+    settings, source = gpu.learning_settings(step, "bfloat16", auto="bfloat16")
+    assert settings == ["rollout.engine=graphed"] and "0.400 s" in source
+    assert gpu.variant_dtype("passes.micro_batch_size=64 parallel.param_dtype=auto", "float32") == "float32"
     assert gpu.parse_args([]).learning_set is None  # left out: chosen as above
     assert gpu.parse_args(["--learning-set"]).learning_set == []  # given empty: distflow's defaults
 

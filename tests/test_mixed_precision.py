@@ -102,11 +102,13 @@ def test_the_agent_backend_thread_computes_in_the_models_dtype():
 
 def test_the_compute_dtype_its_checks_and_what_the_rollout_records():
     parallel = load_config(None, []).parallel
-    assert parallel.compute_dtype() == "float32"  # ddp's auto
+    assert parallel.compute_dtype(bf16_device=False) == "float32"  # auto on a CPU, or a GPU without bf16 kernels
+    assert parallel.compute_dtype(bf16_device=True) == "bfloat16"  # auto on a GPU with them, ddp as fsdp2
     assert resolve_dtypes(parallel, torch.device("cpu")) == (torch.float32, torch.float32)
     bf16 = load_config(None, ["parallel.param_dtype=bfloat16"])
     assert resolve_dtypes(bf16.parallel, torch.device("cpu")) == (torch.bfloat16, torch.float32)
-    assert load_config(None, ["parallel.strategy=fsdp2"]).parallel.compute_dtype(cuda=True) == "bfloat16"
+    assert load_config(None, ["parallel.strategy=fsdp2"]).parallel.compute_dtype(bf16_device=True) == "bfloat16"
+    assert load_config(None, ["parallel.param_dtype=float32"]).parallel.compute_dtype(bf16_device=True) == "float32"
     assert load_config(None, ["parallel.strategy=fsdp2", "parallel.device=cpu"]).parallel.compute_dtype() == "float32"
     assert RolloutEngine.fields(bf16) == (ROLLOUT_LOGP,) and RolloutEngine.fields(load_config(None, [])) == ()
     with pytest.raises(ConfigError, match="parallel.param_dtype=float16 needs parallel.strategy=fsdp2.*use parallel"):

@@ -50,7 +50,8 @@ class ParallelConfig:
     parameters (below float32 a single process is sharded too, FSDP2 over a one-rank group). ddp:
     bfloat16 computes under `torch.autocast` over the float32 parameters, in every training
     forward, rollout, log-prob and evaluation pass (float16 needs loss scaling: fsdp2 on CUDA only).
-    auto: bfloat16 under fsdp2 on CUDA, float32 otherwise. float16 is refused on the CPU."""
+    auto: bfloat16 on a CUDA device with bfloat16 kernels (compute capability 8.0 and up), any strategy;
+    float32 on the CPU and older GPUs. float16 is refused on the CPU."""
     reduce_dtype: str = "auto"
     """fsdp2: the dtype gradients are reduced in across ranks (auto: float32)."""
     activation_checkpointing: bool = False
@@ -62,18 +63,18 @@ class ParallelConfig:
     collective_timeout_s: int = 1800
     """Collective timeout: a rank waiting longer than this on its peers fails the job."""
 
-    def compute_dtype(self, cuda: bool | None = None) -> str:
-        """The dtype forwards compute in (`param_dtype` with `auto` resolved); `cuda`: whether the ranks
-        run on CUDA (None: `device`, with `auto` asking torch)."""
+    def compute_dtype(self, bf16_device: bool | None = None) -> str:
+        """The dtype forwards compute in (`param_dtype` with `auto` resolved); `bf16_device`: whether the
+        ranks run on a CUDA device with bfloat16 kernels (None: `device`, with `auto` asking torch)."""
         if self.param_dtype != "auto":
             return self.param_dtype
-        if self.strategy != "fsdp2" or self.device == "cpu":
+        if self.device == "cpu":
             return "float32"
-        if cuda is None:
+        if bf16_device is None:
             import torch
 
-            cuda = self.device == "cuda" or torch.cuda.is_available()
-        return "bfloat16" if cuda else "float32"
+            bf16_device = cuda_has_bf16() if self.device == "cuda" or torch.cuda.is_available() else False
+        return "bfloat16" if bf16_device else "float32"
 
     def __post_init__(self) -> None:
         check(self.strategy in STRATEGIES, f"parallel.strategy must be ddp or fsdp2 (got {self.strategy!r})")
@@ -133,3 +134,11 @@ class PassesConfig:
         )
         if self.shared_prefix is None and self.padding_free:  # frozen: resolved once, here; else the device's
             object.__setattr__(self, "shared_prefix", False)
+
+
+def cuda_has_bf16() -> bool:
+    """Whether this process's CUDA device computes in bfloat16 with kernels of its own (compute capability
+    8.0 and up), not emulated: where `parallel.param_dtype=auto` is bfloat16."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
