@@ -10,8 +10,9 @@
 #                                                     #   /tmp/distflow-site, imports, runs gpu.py --out $OUT ARGS
 #   call 3:  bash benchmarks/gpu_carry.sh again ARGS  # carrying nothing: gpu.py --out $OUT ARGS again
 #
-# Every section takes about 10 minutes on one H200, the most one call may take: so `check --sections
-# step learning`, then `again --sections default rollout` while the machine is warm.
+# The four sections took 8.3 minutes together on one H200 (docs/features/gpu.md), near the 10 one call
+# may take: so `check --sections step learning`, then `again --sections default rollout` while the
+# machine is warm (or the sections needing no model in call 1, after `stash`).
 #
 # /tmp survives between calls while the machine stays warm. PYTHON (default python3) is the Python
 # with torch; `pack` needs internet (pip download) and a Python 3.12 for three sdists (PYTHON312).
