@@ -102,8 +102,12 @@ def test_the_agent_backend_thread_computes_in_the_models_dtype():
 
 def test_the_compute_dtype_its_checks_and_what_the_rollout_records():
     parallel = load_config(None, []).parallel
+    assert parallel.compute_dtype() == "float32"  # auto before a rank resolves it (the CLI's checks, plan)
     assert parallel.compute_dtype(bf16_device=False) == "float32"  # auto on a CPU, or a GPU without bf16 kernels
     assert parallel.compute_dtype(bf16_device=True) == "bfloat16"  # auto on a GPU with them, ddp as fsdp2
+    assert parallel.on_device(True).param_dtype == "bfloat16" and parallel.on_device(False).param_dtype == "float32"
+    on_cpu = load_config(None, ["parallel.device=cpu"]).parallel
+    assert on_cpu.on_device(True).param_dtype == "float32"  # parallel.device=cpu: never a GPU's answer
     assert resolve_dtypes(parallel, torch.device("cpu")) == (torch.float32, torch.float32)
     bf16 = load_config(None, ["parallel.param_dtype=bfloat16"])
     assert resolve_dtypes(bf16.parallel, torch.device("cpu")) == (torch.bfloat16, torch.float32)

@@ -8,6 +8,7 @@ engine cannot change what every other rank was told.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from distflow.config.errors import check
@@ -51,7 +52,8 @@ class ParallelConfig:
     bfloat16 computes under `torch.autocast` over the float32 parameters, in every training
     forward, rollout, log-prob and evaluation pass (float16 needs loss scaling: fsdp2 on CUDA only).
     auto: bfloat16 on a CUDA device with bfloat16 kernels (compute capability 8.0 and up), any strategy;
-    float32 on the CPU and older GPUs. float16 is refused on the CPU."""
+    float32 on the CPU and older GPUs. Each rank resolves it for its device when it starts, and the run's
+    config.yaml records the answer. float16 is refused on the CPU."""
     reduce_dtype: str = "auto"
     """fsdp2: the dtype gradients are reduced in across ranks (auto: float32)."""
     activation_checkpointing: bool = False
@@ -65,16 +67,17 @@ class ParallelConfig:
 
     def compute_dtype(self, bf16_device: bool | None = None) -> str:
         """The dtype forwards compute in (`param_dtype` with `auto` resolved); `bf16_device`: whether the
-        ranks run on a CUDA device with bfloat16 kernels (None: `device`, with `auto` asking torch)."""
+        ranks run on a CUDA device with bfloat16 kernels. None: `auto` not resolved yet (the CLI's checks
+        and `distflow plan`, which import no torch and may run on another machine than the ranks):
+        float32. Each rank resolves it for its own device when it starts (`on_device`)."""
         if self.param_dtype != "auto":
             return self.param_dtype
-        if self.device == "cpu":
-            return "float32"
-        if bf16_device is None:
-            import torch
+        return "bfloat16" if bf16_device and self.device != "cpu" else "float32"
 
-            bf16_device = cuda_has_bf16() if self.device == "cuda" or torch.cuda.is_available() else False
-        return "bfloat16" if bf16_device else "float32"
+    def on_device(self, bf16_device: bool) -> ParallelConfig:
+        """These settings with `param_dtype=auto` resolved for a rank's device (`bf16_device`: a CUDA
+        device with bfloat16 kernels, `cuda_has_bf16`)."""
+        return dataclasses.replace(self, param_dtype=self.compute_dtype(bf16_device))
 
     def __post_init__(self) -> None:
         check(self.strategy in STRATEGIES, f"parallel.strategy must be ddp or fsdp2 (got {self.strategy!r})")

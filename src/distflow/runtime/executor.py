@@ -33,6 +33,7 @@ from distflow import gc_policy
 from distflow.checkpoint.store import step_dir_name
 from distflow.comm import Comm, init_comm, node_address, shutdown
 from distflow.config import Config, ConfigError, to_dict
+from distflow.config.parallel import cuda_has_bf16
 from distflow.console import say
 from distflow.data.batch import Batch
 from distflow.envvars import STARTED_ENV
@@ -71,6 +72,8 @@ def run(
     try:
         status.enter("init")
         comm = init_comm(device=config.parallel.device, timeout_s=config.parallel.collective_timeout_s)
+        bf16_device = comm.device.type == "cuda" and cuda_has_bf16()  # parallel.param_dtype=auto's answer
+        config = dataclasses.replace(config, parallel=config.parallel.on_device(bf16_device))
         run_dir = Path(comm.broadcast_object(str(run_dir)))  # one run directory, whichever clock named it
         status.node_addresses = comm.all_gather_object(node_address())  # to name the ranks of a lost machine
         transformers.utils.logging.disable_progress_bar()
