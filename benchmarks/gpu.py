@@ -286,8 +286,9 @@ def train_run(name: str, config: Path, overrides: list[str], work: Path, profile
 
 def stage_split(run_dir: Path, from_step: int) -> dict:
     """Median seconds of each stage and of the whole step over the steps from `from_step` on
-    (`observability.curves.stage_times`, which leaves the first of the steps it is given out), and
-    the evaluations."""
+    (`observability.curves.stage_times`, which leaves the first of the steps it is given out), the
+    evaluations, and `graphed`'s captures so far after each step (`rollout/graph_captures`; none
+    logged: no graph captured, as on a CPU): one more at every step means every rollout captured."""
     from distflow.observability.curves import stage_times
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -295,7 +296,8 @@ def stage_split(run_dir: Path, from_step: int) -> dict:
     split = {k: round(v, 4) for k, v in stage_times([r for r in rows if r.get("step", 0) >= from_step - 1]).items()}
     split["step"] = round(statistics.median(r["time/step_s"] for r in steps), 4)
     evals = [(r["step"], r["eval/greedy_accuracy"]) for r in rows if "eval/greedy_accuracy" in r]
-    return {"steps": len(steps), "median_s": split, "greedy_accuracy": evals}
+    captures = [r["rollout/graph_captures"] for r in rows if "rollout/graph_captures" in r]
+    return {"steps": len(steps), "median_s": split, "greedy_accuracy": evals, "graph_captures": captures}
 
 
 def default_section(args: argparse.Namespace, work: Path) -> dict:
@@ -412,9 +414,11 @@ def print_tables(result: dict) -> None:
             split = "  ".join(f"{k} {v:.3f}" for k, v in result[section]["median_s"].items())
             print(f"{section}: median s over {result[section]['steps']} steps: {split}")
             print(f"{section}: greedy accuracy (step, value): {result[section]['greedy_accuracy']}")
+            print(f"{section}: graph captures so far, step by step: {result[section].get('graph_captures')}")
             for variant, split in result[section].get("variants", {}).items():
                 times = "  ".join(f"{k} {v:.3f}" for k, v in split.get("median_s", {}).items())
-                print(f"{section} with {variant}: {times or split.get('error', '')[:200]}")
+                captures = f"  (graph captures {split['graph_captures']})" if split.get("graph_captures") else ""
+                print(f"{section} with {variant}: {times or split.get('error', '')[:200]}{captures}")
     for dtype, r in result.get("learning", {}).items():
         for system in ("distflow_1proc", "trl"):
             if system in r:

@@ -408,12 +408,28 @@ def test_gpu_quick():
     for name in benchmark_module("gpu").QUICK_VARIANTS:  # padded passes; graphed in bf16 (ddp autocast, fsdp2)
         variant = out["step"]["variants"][name]  # the step again, another way
         assert variant["median_s"]["rollout"] > 0, variant
+        assert variant["graph_captures"] == []  # graphed on a CPU runs eagerly: nothing captured, no count
     learning = out["learning"]["float32"]  # distflow alone: --quick has no TRL
     assert learning["distflow_settings"] == ["passes.shared_prefix=false"]  # the one float32 step variant it ran
     assert learning["settings_from"].startswith("fastest float32 step variant: 'passes.shared_prefix=false'")
     assert learning["distflow_1proc"]["steps"] > 0 and "trl" not in learning
     written = {p.name for p in (BENCHMARKS.parent / "runs" / "gpu").iterdir()}
     assert {"gpu.json", "gpu.log", "step_profile.txt", "step_trace.json.gz", "learning_float32.png"} <= written
+
+
+def test_the_gpu_checks_step_split_keeps_the_graph_captures_step_by_step(tmp_path):
+    """gpu.py's stage_split: the median stage times from `from_step` on, and `rollout/graph_captures`
+    after each step (a count that grows at every step: every rollout captured its graphs again)."""
+    gpu = benchmark_module("gpu")
+    rows = [
+        {"step": step, "time/step_s": 1.0 + step, "time/rollout_s": 0.5 * step, "rollout/graph_captures": captures}
+        for step, captures in ((1, 4), (2, 4), (3, 8), (4, 12))
+    ]
+    rows.append({"step": 4, "eval/greedy_accuracy": 0.5})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    split = gpu.stage_split(tmp_path, from_step=3)
+    assert split["steps"] == 2 and split["median_s"]["step"] == 4.5  # steps 3 and 4
+    assert split["graph_captures"] == [4, 4, 8, 12] and split["greedy_accuracy"] == [(4, 0.5)]
 
 
 def test_the_gpu_checks_learning_runs_distflow_with_each_dtypes_fastest_step_variant():
