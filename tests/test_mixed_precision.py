@@ -163,3 +163,14 @@ def test_an_inference_pass_casts_the_weights_once_frozen_or_not(frozen):
             counts.append(casts.count)
     assert counts[0] >= len(linears) and counts[1:] == [0, 0]  # cast at the first forward only
     assert all(p.requires_grad is not frozen for p in model.parameters())  # as it was before the pass
+
+
+def test_a_run_says_when_auto_chose_bfloat16_and_how_to_keep_float32():
+    from distflow.runtime.executor import auto_precision_line
+
+    asked = load_config(None, []).parallel
+    line = auto_precision_line(asked, asked.on_device(True))  # a GPU with bf16 kernels
+    assert line.startswith("precision: parallel.param_dtype=auto computes in bfloat16") and "=float32 keeps" in line
+    assert auto_precision_line(asked, asked.on_device(False)) is None  # a CPU: float32, nothing to say
+    named = load_config(None, ["parallel.param_dtype=bfloat16"]).parallel
+    assert auto_precision_line(named, named.on_device(True)) is None  # asked for by name: nothing to say

@@ -33,7 +33,7 @@ from distflow import gc_policy
 from distflow.checkpoint.store import step_dir_name
 from distflow.comm import Comm, init_comm, node_address, shutdown
 from distflow.config import Config, ConfigError, to_dict
-from distflow.config.parallel import cuda_has_bf16
+from distflow.config.parallel import ParallelConfig, cuda_has_bf16
 from distflow.console import say
 from distflow.data.batch import Batch
 from distflow.envvars import STARTED_ENV
@@ -72,8 +72,7 @@ def run(
     try:
         status.enter("init")
         comm = init_comm(device=config.parallel.device, timeout_s=config.parallel.collective_timeout_s)
-        bf16_device = comm.device.type == "cuda" and cuda_has_bf16()  # parallel.param_dtype=auto's answer
-        config = dataclasses.replace(config, parallel=config.parallel.on_device(bf16_device))
+        config = _on_this_device(config, comm)
         run_dir = Path(comm.broadcast_object(str(run_dir)))  # one run directory, whichever clock named it
         status.node_addresses = comm.all_gather_object(node_address())  # to name the ranks of a lost machine
         transformers.utils.logging.disable_progress_bar()
@@ -314,6 +313,27 @@ def _summary(
         "run_dir": str(run_dir),
         "last_checkpoint": str(last_checkpoint) if last_checkpoint else None,
     }
+
+
+def _on_this_device(config: Config, comm: Comm) -> Config:
+    """`config` with `parallel.param_dtype=auto` resolved for this rank's device, said once where it is
+    below float32."""
+    bf16_device = comm.device.type == "cuda" and cuda_has_bf16()
+    resolved = dataclasses.replace(config, parallel=config.parallel.on_device(bf16_device))
+    if comm.is_main and (line := auto_precision_line(config.parallel, resolved.parallel)):
+        say(line)
+    return resolved
+
+
+def auto_precision_line(asked: ParallelConfig, resolved: ParallelConfig) -> str | None:
+    """The line a run prints where `parallel.param_dtype=auto` chose a dtype below float32 (a GPU with
+    bfloat16 kernels), with the setting that keeps float32; None where it chose float32."""
+    if asked.param_dtype != "auto" or resolved.param_dtype == "float32":
+        return None
+    return (
+        f"precision: parallel.param_dtype=auto computes in {resolved.param_dtype} on this device, over float32 "
+        "weights and optimizer state (parallel.param_dtype=float32 keeps float32)"
+    )
 
 
 def _open_writer(config: Config, run_dir: Path, *, resumed_step: int | None) -> RunWriter:
