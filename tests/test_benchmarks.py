@@ -491,4 +491,23 @@ def test_the_gpu_carry_refuses_a_check_before_its_first_load_and_an_unknown_step
     again = subprocess.run(["bash", str(script), "again"], capture_output=True, text=True, env=env)
     assert again.returncode == 2 and "run 'check' first, carrying .gpu-carry/two" in again.stderr
     unknown = subprocess.run(["bash", str(script), "go"], capture_output=True, text=True, env=env)
-    assert unknown.returncode == 2 and unknown.stderr.startswith("usage: gpu_carry.sh pack | stash | check")
+    assert unknown.returncode == 2 and unknown.stderr.startswith("usage: gpu_carry.sh pack | stash [gpu.py args]")
+
+
+def test_the_gpu_carrys_first_load_can_run_the_sections_that_need_no_model(tmp_path):
+    """`gpu_carry.sh stash ARGS`: the first load kept, its wheels installed, gpu.py run with ARGS (here a
+    stand-in Python prints what it was asked to run); plain `stash` only keeps the load."""
+    root = tmp_path / "repo"
+    (root / "benchmarks").mkdir(parents=True)
+    (root / "benchmarks" / "gpu_carry.sh").write_text((REPO / "benchmarks" / "gpu_carry.sh").read_text())
+    (root / ".gpu-carry" / "one").mkdir(parents=True)
+    (root / ".gpu-carry" / "one" / "a-1.0-py3-none-any.whl").write_text("")
+    env = dict(os.environ, OUT=str(tmp_path / "out"), GPU_CARRY_STASH=str(tmp_path / "stash"), PYTHON="echo")
+    env["GPU_CARRY_SITE"] = str(tmp_path / "site")
+    script = ["bash", str(root / "benchmarks" / "gpu_carry.sh"), "stash"]
+    ran = subprocess.run([*script, "--sections", "default", "rollout"], capture_output=True, text=True, env=env)
+    assert ran.returncode == 0, ran.stderr
+    assert f"--target {tmp_path / 'site'} {tmp_path / 'stash'}/a-1.0-py3-none-any.whl" in ran.stdout
+    assert ran.stdout.splitlines()[-1] == f"benchmarks/gpu.py --out {tmp_path / 'out'} --sections default rollout"
+    kept = subprocess.run(script, capture_output=True, text=True, env=env)
+    assert kept.returncode == 0 and kept.stdout.split() == ["1"]  # one file kept, nothing run
