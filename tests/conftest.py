@@ -1,3 +1,5 @@
+import importlib
+import json
 import os
 import subprocess
 import sys
@@ -31,6 +33,35 @@ def run_cli(*args: str, cwd: Path, timeout: float = 1800) -> subprocess.Complete
     return subprocess.run(
         [sys.executable, "-m", "distflow", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+BENCHMARKS = REPO / "benchmarks"
+
+
+def run_quick(script: str, timeout: float) -> dict:
+    """Run `benchmarks/<script> --quick`; return its last stdout line, parsed."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--quick"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, f"{script} --quick exited {result.returncode}:\n{result.stderr[-4000:]}"
+    lines = result.stdout.strip().splitlines()
+    assert lines, f"{script} --quick printed nothing on stdout:\n{result.stderr[-2000:]}"
+    return json.loads(lines[-1])
+
+
+def benchmark_module(name: str):
+    """benchmarks/<name>.py as a module (its functions, without running it)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
 
 
 @pytest.fixture(scope="session")

@@ -76,7 +76,7 @@ class ParallelConfig:
 
     def on_device(self, bf16_device: bool) -> ParallelConfig:
         """These settings with `param_dtype=auto` resolved for a rank's device (`bf16_device`: a CUDA
-        device with bfloat16 kernels, `cuda_has_bf16`)."""
+        device with bfloat16 kernels, `bf16_kernels`)."""
         return dataclasses.replace(self, param_dtype=self.compute_dtype(bf16_device))
 
     def __post_init__(self) -> None:
@@ -139,9 +139,9 @@ class PassesConfig:
             object.__setattr__(self, "shared_prefix", False)
 
 
-def cuda_has_bf16() -> bool:
-    """Whether this process's CUDA device computes in bfloat16 with kernels of its own (compute capability
-    8.0 and up), not emulated: where `parallel.param_dtype=auto` is bfloat16."""
+def bf16_kernels(device) -> bool:
+    """Whether `device` (a torch.device) is a CUDA device that computes in bfloat16 with kernels of its
+    own (compute capability 8.0 and up), not emulated: where `parallel.param_dtype=auto` is bfloat16."""
     import torch
 
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)

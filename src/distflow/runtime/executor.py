@@ -33,7 +33,7 @@ from distflow import gc_policy
 from distflow.checkpoint.store import step_dir_name
 from distflow.comm import Comm, init_comm, node_address, shutdown
 from distflow.config import Config, ConfigError, to_dict
-from distflow.config.parallel import ParallelConfig, cuda_has_bf16
+from distflow.config.parallel import ParallelConfig, bf16_kernels
 from distflow.console import say
 from distflow.data.batch import Batch
 from distflow.envvars import STARTED_ENV
@@ -318,8 +318,7 @@ def _summary(
 def _on_this_device(config: Config, comm: Comm) -> Config:
     """`config` with `parallel.param_dtype=auto` resolved for this rank's device, said once where it is
     below float32."""
-    bf16_device = comm.device.type == "cuda" and cuda_has_bf16()
-    resolved = dataclasses.replace(config, parallel=config.parallel.on_device(bf16_device))
+    resolved = dataclasses.replace(config, parallel=config.parallel.on_device(bf16_kernels(comm.device)))
     if comm.is_main and (line := auto_precision_line(config.parallel, resolved.parallel)):
         say(line)
     return resolved

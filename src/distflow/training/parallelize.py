@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_map_only
 
 from distflow.comm import Comm, join_group_of_one
 from distflow.config import ConfigError
-from distflow.config.parallel import ParallelConfig, cuda_has_bf16
+from distflow.config.parallel import ParallelConfig, bf16_kernels
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MESHES: dict[tuple, DeviceMesh] = {}
@@ -128,7 +128,7 @@ def shards(parallel: ParallelConfig, comm: Comm) -> bool:
 def resolve_dtypes(parallel: ParallelConfig, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
     """(param_dtype, reduce_dtype): `auto` is bfloat16 compute with float32 reduction on a CUDA device
     with bfloat16 kernels, float32 otherwise (`ParallelConfig.compute_dtype`)."""
-    param = parallel.compute_dtype(bf16_device=device.type == "cuda" and cuda_has_bf16())
+    param = parallel.compute_dtype(bf16_device=bf16_kernels(device))
     reduce = "float32" if parallel.reduce_dtype == "auto" else parallel.reduce_dtype
     return DTYPES[param], DTYPES[reduce]
 
