@@ -35,10 +35,13 @@ how to fetch and install them on a machine without internet). Sections (--sectio
             with --learning-set's; the JSON records which, and why.
 
 Writes into --out at most 8 files: gpu.log (this run's log), gpu.json (every number), the step's
-profile table and gzipped trace, and the learning curves. The table goes to stdout; the last stdout
-line is one JSON object. --quick: the tiny model at 4 x 4 x 8 (no `compiled`: compiling takes
-tens of seconds on a CPU), the default for 4 steps, a 3-step tiny-model profile, and learning.py's
-own --quick run of distflow alone in float32 (no TRL).
+profile table and gzipped trace, the learning curves (one per dtype), and with --profile-variant I
+and --rollout-profile ENGINE the tables of step variant I's profile and of one more run of ENGINE
+(where a step variant or an engine is slower than expected: the operators show where its time
+goes). The table goes to stdout; the last stdout line is one JSON object. --quick: the tiny model
+at 4 x 4 x 8 (no `compiled`: compiling takes tens of seconds on a CPU), `compact` profiled, the
+default for 4 steps, a 3-step tiny-model profile and its fsdp2 variant's, and learning.py's own
+--quick run of distflow alone in float32 (no TRL).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ if TYPE_CHECKING:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_setup import ROOT, save_model  # noqa: E402
+from gpu_tables import print_tables  # noqa: E402
 
 SECTIONS = ("rollout", "default", "step", "learning")
 ENGINES = ("generate", "compact", "compact/every-token", "graphed", "compiled")
@@ -125,10 +129,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="distflow's settings in the learning section (learning.py --set), e.g. rollout.engine=graphed; "
         "none given: its defaults; the option left out: each dtype's fastest step variant (learning_settings)",
     )
+    parser.add_argument(
+        "--profile-variant",
+        type=int,
+        default=None,
+        metavar="I",
+        help="profile step variant I (0-based) as the step is: its tables in variant_profile.txt",
+    )
+    parser.add_argument(
+        "--rollout-profile",
+        choices=[e for e in ENGINES if e != "compiled"],
+        default=None,
+        help="profile one more run of ENGINE at the first shape in each dtype: rollout_profile.txt",
+    )
     parser.add_argument("--quick", action="store_true", help="the CPU path on the tiny model (seconds)")
     args = parser.parse_args(argv)
     if args.quick:
         args.sections, args.step_variants, args.dtypes = list(SECTIONS), list(QUICK_VARIANTS), ["float32"]
+        args.profile_variant, args.rollout_profile = 2, "compact"
     return args
 
 
@@ -185,6 +203,7 @@ def rollout_section(args: argparse.Namespace, device) -> list[dict]:
     else:
         model, shapes, engines, repeats = smollm2_shaped(), SHAPES, args.engines, 2
     model = model.to(device).eval()
+    (args.out / "rollout_profile.txt").unlink(missing_ok=True)  # profile_engine appends, a section per dtype
     tokenizer = _IdsTokenizer(pad_id=model.config.pad_token_id, eos_id=model.config.eos_token_id)
     rows = []
     for dtype_name in args.dtypes:
@@ -218,7 +237,26 @@ def rollout_section(args: argparse.Namespace, device) -> list[dict]:
                     row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
                 log(f"rollout {row}")
                 rows.append(row)
+            if args.rollout_profile and shape_name == next(iter(shapes)):
+                profile_engine(args, typed, tokenizer, prompt_ids, samples, tokens, dtype_name, device)
     return rows
+
+
+def profile_engine(args, model, tokenizer, prompt_ids, samples: int, tokens: int, dtype: str, device) -> None:
+    """One more (warm) run of --rollout-profile's engine under the profiler: its operators by device
+    time, then by host time, appended to rollout_profile.txt (one section per dtype)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        time_engine(model, tokenizer, prompt_ids, samples, tokens, args.rollout_profile, False, 1, device)
+    averages = prof.key_averages()
+    sorts = (["self_cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]
+    with (args.out / "rollout_profile.txt").open("a") as f:
+        for sort in sorts:
+            f.write(f"{args.rollout_profile}, {dtype}, {len(prompt_ids)} x {samples} x {tokens}, sorted by {sort}\n")
+            f.write(averages.table(sort_by=sort, row_limit=30) + "\n")
+    log(f"rollout profile of {args.rollout_profile} in {dtype}: rollout_profile.txt")
 
 
 def time_engine(
@@ -327,8 +365,12 @@ def step_section(args: argparse.Namespace, work: Path, out: Path) -> dict:
     result["variants"] = {}
     for i, variant in enumerate(args.step_variants):
         try:
-            again = train_run(f"step_variant{i}", config, [*overrides, *variant.split()], work)
+            profiled = i == args.profile_variant
+            again = train_run(f"step_variant{i}", config, [*overrides, *variant.split()], work, profile=int(profiled))
             result["variants"][variant] = stage_split(again, from_step=first)
+            if profiled:
+                shutil.copy(again / "profile" / "rank0.txt", out / "variant_profile.txt")
+                result["variants"][variant]["profiled"] = True
         except RuntimeError as err:  # a variant failing must not hide the profiled step
             result["variants"][variant] = {"error": str(err)[-1500:]}
         log(f"step {variant}: {result['variants'][variant]}")
@@ -395,42 +437,6 @@ def learning_section(args: argparse.Namespace, out: Path, step: dict | None, dev
         print(proc.stdout, flush=True)
         results[dtype] = {**record, **json.loads(proc.stdout.strip().splitlines()[-1])}
     return results
-
-
-def print_tables(result: dict) -> None:
-    print(f"device: {result['device']}")
-    if "rollout" in result:
-        print(f"{'engine':<22}{'dtype':<10}{'shape':<8}{'rows':>6}{'tokens':>8}{'s':>9}{'tokens/s':>11}{'ms/step':>9}")
-        for r in result["rollout"]:
-            if "error" in r:
-                print(f"{r['engine']:<22}{r['dtype']:<10}{r['shape']:<8}  failed: {r['error'][:60]}")
-                continue
-            print(
-                f"{r['engine']:<22}{r['dtype']:<10}{r['shape']:<8}{r['rows']:>6}{r['new_tokens']:>8}"
-                f"{r['seconds']:>9.3f}{r['tokens_per_s']:>11.1f}{r['ms_per_decode_step']:>9.2f}"
-            )
-    for section in ("default", "step"):
-        if section in result and "median_s" in result[section]:
-            split = "  ".join(f"{k} {v:.3f}" for k, v in result[section]["median_s"].items())
-            print(f"{section}: median s over {result[section]['steps']} steps: {split}")
-            print(f"{section}: greedy accuracy (step, value): {result[section]['greedy_accuracy']}")
-            print(f"{section}: graph captures so far, step by step: {result[section].get('graph_captures')}")
-            for variant, split in result[section].get("variants", {}).items():
-                times = "  ".join(f"{k} {v:.3f}" for k, v in split.get("median_s", {}).items())
-                captures = f"  (graph captures {split['graph_captures']})" if split.get("graph_captures") else ""
-                print(f"{section} with {variant}: {times or split.get('error', '')[:200]}{captures}")
-    for dtype, r in result.get("learning", {}).items():
-        for system in ("distflow_1proc", "trl"):
-            if system in r:
-                s = r[system]
-                print(
-                    f"learning {dtype:<9}{system:<16}{s['steps']:>5} steps {s['completions_per_s']:>8.2f} completions/s"
-                    f"  accuracy {s['evals']}"
-                )
-        if "distflow_settings" in r:
-            print(f"learning {dtype}: distflow settings {r['distflow_settings']} ({r['settings_from']})")
-        if "distflow_1proc/trl_completions" in r:
-            print(f"learning {dtype}: distflow/TRL completions/s = {r['distflow_1proc/trl_completions']}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,8 +34,16 @@ def test_gpu_quick():
     assert learning["distflow_settings"] == ["passes.shared_prefix=false"]  # the one float32 step variant it ran
     assert learning["settings_from"].startswith("fastest float32 step variant: 'passes.shared_prefix=false'")
     assert learning["distflow_1proc"]["steps"] > 0 and "trl" not in learning
-    written = {p.name for p in (BENCHMARKS.parent / "runs" / "gpu").iterdir()}
+    assert out["step"]["variants"][benchmark_module("gpu").QUICK_VARIANTS[2]]["profiled"]  # --profile-variant 2
+    runs = BENCHMARKS.parent / "runs" / "gpu"
+    written = {p.name for p in runs.iterdir()}
     assert {"gpu.json", "gpu.log", "step_profile.txt", "step_trace.json.gz", "learning_float32.png"} <= written
+    assert len(written) <= 8  # what a lent GPU machine sends back
+    # the fsdp2 variant's operators, and compact's (--rollout-profile) in the one dtype --quick runs
+    assert "sorted by self_cpu_time_total" in (runs / "variant_profile.txt").read_text()
+    rollout_profile = (runs / "rollout_profile.txt").read_text()
+    assert rollout_profile.startswith("compact, float32, 4 x 4 x 8, sorted by self_cpu_time_total")
+    assert "aten::" in rollout_profile
 
 
 def test_the_gpu_checks_step_split_keeps_the_graph_captures_step_by_step(tmp_path):
