@@ -7,6 +7,7 @@ branch's order of calls (warm-up, capture, replays) and its error are checked ag
 torch.cuda's streams and graphs.
 """
 
+import collections
 import contextlib
 import sys
 import types
@@ -203,6 +204,28 @@ def test_each_span_of_tokens_gets_its_graph_captured_once_in_one_shared_pool(mon
     assert cuda.events == ["replay"] * len(spans)
 
 
+def test_after_the_weights_move_each_span_is_captured_again_at_once_without_warm_ups(monkeypatch):
+    """`_Runner.forget` (the weights moved: fsdp2's gather): the graphs go, and each span's next step is a
+    capture, in a new pool that the later spans share."""
+    cuda = _FakeCuda(monkeypatch)
+    runner = graphed._Runner(_FakeStep(cuda.events), torch.device("cuda"), counts := collections.Counter())
+    spans = [68] * 3 + [72] * 3
+    for columns in spans:
+        runner.run(columns)
+    assert counts == {"graph_captures": 2}
+    before = dict(runner.graphs)
+    runner.forget()
+    cuda.events.clear()
+    for columns in spans:
+        runner.run(columns)
+    capture = "capture (thread_local)"
+    # a capture's step is replayed at once (capturing only records it), then the span's other two steps
+    assert cuda.events == [capture, "step 68", *["replay"] * 3, capture, "step 72", *["replay"] * 3]
+    assert counts == {"graph_captures": 4}
+    assert all(runner.graphs[c] is not before[c] for c in (68, 72))
+    assert cuda.pools[-2:] == [None, runner.graphs[68].pool()]
+
+
 def test_a_step_that_cannot_be_captured_fails_in_one_line_naming_compact(monkeypatch):
     cuda = _FakeCuda(monkeypatch, capture_fails=True)
     runner = graphed._Runner(_FakeStep(cuda.events), torch.device("cuda"))
@@ -219,7 +242,8 @@ def test_a_step_that_cannot_be_captured_fails_in_one_line_naming_compact(monkeyp
 
 def test_rollouts_of_one_shape_share_a_decoder_and_still_draw_the_compact_samples(tokenizer):
     """The graph, cache and buffers outlive a rollout: prompts of other lengths within the bucketed width
-    refill them; a new decoder for another shape, or for weights that moved in memory."""
+    refill them; a new decoder for another shape. Weights that moved in memory keep the decoder, which
+    reads them where they are now."""
     model = build_tiny_model(tokenizer, seed=11, max_positions=160).eval()
     engine = graphed.GraphedEngine()
     kwargs = dict(samples_per_prompt=2, max_new_tokens=24, temperature=1.0, logprobs=True, sample_keys=list(range(16)))
@@ -240,9 +264,10 @@ def test_rollouts_of_one_shape_share_a_decoder_and_still_draw_the_compact_sample
     again = engine._kept.decoder
     with torch.no_grad():
         for param in model.parameters():
-            param.data = param.data.clone()  # the same values, elsewhere in memory
-    generate(model, tokenizer, PROMPTS, engine=engine, **greedy)
-    assert engine._kept.decoder is not again
+            param.data = param.data * 1.5  # other values, elsewhere in memory (as fsdp2's gather places them)
+    moved = generate(model, tokenizer, PROMPTS, engine=engine, **greedy)
+    assert engine._kept.decoder is again
+    assert moved.completions == generate(model, tokenizer, PROMPTS, engine="compact", **greedy).completions
 
 
 def test_an_engine_keeps_no_model_alive(tokenizer):

@@ -22,19 +22,20 @@ W + R columns at every step.
 The graphs, the cache and those tensors outlive a rollout (`_Decoder`, one per thread): the next
 rollout of the same shape refills them and replays the same graphs. A span's step runs eagerly
 (twice for the first span, once for each other: the warm-up capture needs), is captured at its
-next run, and is only replayed from then on. A
-rollout of another shape (rows, bucketed width, lengths, sampling settings, autocast), or weights
-that have moved in memory, make a new decoder, dropping the old one first. Under autocast the graph
-casts the weights itself (autocast's cache is not used in capture), so it always reads their values
-of the moment.
+next run, and is only replayed from then on. A rollout of another shape (rows, bucketed width,
+lengths, sampling settings, autocast) makes a new decoder, dropping the old one first. Weights that
+have moved in memory (fsdp2 gathers them anew for each rollout) keep the decoder, cache and buffers,
+and drop only the graphs: each span is captured again at its first step, without warm-ups. Under
+autocast the graph casts the weights itself (autocast's cache is not used in capture), so it always
+reads their values of the moment.
 
 The samples are `compact`'s: the same prefill, and token t of a row is drawn from the row's key at
 t; the extra, masked columns of the cache change the log-probs only at rounding.
 
 On a CPU nothing is captured: the same step runs eagerly on the same buffers (how the tests check
 it). It is slower than `compact` there, since ended rows decode on. Under fsdp2 it decodes through
-`gathered`'s whole parameters without FSDP's hooks (`training.parallelize.unsharded_view`); where
-gathering placed them elsewhere than for the last rollout, the graph is captured again. Not with
+`gathered`'s whole parameters without FSDP's hooks (`training.parallelize.unsharded_view`), which
+gathering places anew for each rollout: so each rollout captures its spans again. Not with
 sliding-window attention layers, whose static cache rolls (`_static_cache`).
 """
 
@@ -79,13 +80,16 @@ class GraphedEngine(CompactEngine):
         if kept is None or not kept.fits(model, request):
             self._kept.decoder = None  # the old graph and cache go before the new ones are made
             kept = self._kept.decoder = _Decoder(model, request, self._counts)
+        elif kept.addresses != _addresses(model):
+            kept.moved(model)
         out = kept.decode(request)
         return out if request.logprobs else (out, None)
 
     def counts(self) -> dict[str, float]:
         """`graph_captures`: the decode steps captured as CUDA graphs so far, one a span of each rollout shape;
-        it grows past the first rollouts only where the shape changes or the weights move (a new capture
-        each rollout costs about 3 eager steps). Nothing is captured on a CPU: no count."""
+        it grows past the first rollouts only where the shape changes (a new decoder: its cache, eager
+        warm-ups and captures) or the weights move (captures only, about one eager step's host time a
+        span). Nothing is captured on a CPU: no count."""
         return dict(self._counts)
 
     def close(self) -> None:
@@ -93,9 +97,10 @@ class GraphedEngine(CompactEngine):
 
 
 class _Decoder:
-    """What rollouts of one shape share: a static KV cache, the step's buffers and its graph. Another
+    """What rollouts of one shape share: a static KV cache, the step's buffers and its graphs. Another
     rollout reuses them when it has the same rows, bucketed prompt width, lengths, sampling settings and
-    autocast, on the same model whose weights are where they were (a graph reads them by address)."""
+    autocast, on the same model; its graphs too where the weights are where they were (a graph reads them
+    by address)."""
 
     def __init__(self, model, request: Request, counts: collections.Counter) -> None:
         self.key, self.addresses = _shape_key(request), _addresses(model)
@@ -106,7 +111,16 @@ class _Decoder:
         self.runner = _Runner(self.step, device, counts)
 
     def fits(self, model, request: Request) -> bool:
-        return model is self.step.model() and _shape_key(request) == self.key and _addresses(model) == self.addresses
+        """Whether this rollout can use this decoder: the same model and shape (its weights may have moved)."""
+        return model is self.step.model() and _shape_key(request) == self.key
+
+    def moved(self, model) -> None:
+        """The model's weights are elsewhere in memory (fsdp2 gathers them anew for each rollout): the graphs,
+        which read the old addresses, go; each span's step is captured again at its next run, with no eager
+        warm-up (its shapes and the capture stream's state are those of the warm-ups already run). The
+        cache and buffers stay."""
+        self.addresses = _addresses(model)
+        self.runner.forget()
 
     def decode(self, request: Request):
         """Response ids [G·n, R] (and log-probs with `request.logprobs`), as `rollout.decoding.decode`."""
@@ -266,6 +280,12 @@ class _Runner:
         self.counts = collections.Counter() if counts is None else counts  # its engine's: graph_captures
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # columns attended over → its captured step
         self.runs: collections.Counter = collections.Counter()
+
+    def forget(self) -> None:
+        """Drop the graphs (and with them their pool) so that each span is captured again at its next run. The
+        warm-ups are not run again: `runs` keeps every span past them."""
+        self.graphs.clear()
+        self.pool = None
 
     def run(self, columns: int) -> None:
         graph = self.graphs.get(columns)
