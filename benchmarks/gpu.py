@@ -16,7 +16,10 @@ how to fetch and install them on a machine without internet). Sections (--sectio
             a run's are): a random model seldom samples EOS, so every row decodes every token
             and tokens/s = rows x tokens / seconds. `compact/every-token` is compact looking for
             ended rows after every token (its CPU setting) on the device, at the recipe's shape
-            in float32; `generate`, the reference, runs the long shape in float32 only. The
+            in float32; `graphed/moved-weights` is `graphed`'s rollout after the weights moved in
+            memory (as fsdp2's gather places them each rollout), timed against a new decoder's
+            and checked against it bit for bit (recipe's shape, float32); `generate`, the
+            reference, runs the long shape in float32 only. The
             recipe's shape: a warm-up and the median of 2 runs; the long one: 1 run. `compiled` (only when
             --engines names it: its first call compiled for 235 s on an H200) runs at the
             recipe's shape in float32 only.
@@ -47,7 +50,6 @@ default for 4 steps, a 3-step tiny-model profile and its fsdp2 variant's, and le
 from __future__ import annotations
 
 import argparse
-import copy
 import gzip
 import json
 import os
@@ -65,12 +67,11 @@ if TYPE_CHECKING:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_setup import ROOT, save_model  # noqa: E402
+from gpu_rollout import rollout_section  # noqa: E402
 from gpu_tables import print_tables  # noqa: E402
 
 SECTIONS = ("rollout", "default", "step", "learning")
-ENGINES = ("generate", "compact", "compact/every-token", "graphed", "compiled")
-SHAPES = {"recipe": (8, 8, 32), "long": (64, 8, 256)}
-PROMPT_TOKENS = 96
+ENGINES = ("generate", "compact", "compact/every-token", "graphed", "graphed/moved-weights", "compiled")
 STEP_VARIANTS = (
     "passes.micro_batch_size=64 parallel.param_dtype=float32",
     "passes.micro_batch_size=64 parallel.param_dtype=bfloat16",
@@ -138,7 +139,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--rollout-profile",
-        choices=[e for e in ENGINES if e != "compiled"],
+        choices=[e for e in ENGINES if e not in ("compiled", "graphed/moved-weights")],
         default=None,
         help="profile one more run of ENGINE at the first shape in each dtype: rollout_profile.txt",
     )
@@ -156,156 +157,6 @@ def device_name() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
     return f"CPU, {os.cpu_count()} cores (torch {torch.__version__})"
-
-
-def smollm2_shaped():
-    """SmolLM2-135M's architecture (its config.json's sizes), random weights."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=2048,
-        rope_theta=100000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
-
-
-class _IdsTokenizer:
-    """What `generate` needs of a tokenizer when prompts come as ids: pad, EOS, and decoding (unused)."""
-
-    def __init__(self, pad_id: int, eos_id: int) -> None:
-        self.pad_token_id, self.eos_token_id, self.bos_token_id = pad_id, eos_id, None
-
-    def batch_decode(self, rows, skip_special_tokens=True) -> list[str]:
-        return [""] * len(rows)
-
-
-def rollout_section(args: argparse.Namespace, device) -> list[dict]:
-    import torch
-
-    if args.quick:
-        from bench_setup import build_model
-
-        model, _ = build_model("tiny")
-        shapes, engines, repeats = {"quick": (4, 4, 8)}, [e for e in args.engines if e != "compiled"], 1
-    else:
-        model, shapes, engines, repeats = smollm2_shaped(), SHAPES, args.engines, 2
-    model = model.to(device).eval()
-    (args.out / "rollout_profile.txt").unlink(missing_ok=True)  # profile_engine appends, a section per dtype
-    tokenizer = _IdsTokenizer(pad_id=model.config.pad_token_id, eos_id=model.config.eos_token_id)
-    rows = []
-    for dtype_name in args.dtypes:
-        dtype = getattr(torch, dtype_name)
-        typed = model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
-        for shape_name, (prompts, samples, tokens) in shapes.items():
-            width = 6 if args.quick else PROMPT_TOKENS
-            generator = torch.Generator().manual_seed(0)
-            ids = torch.randint(3, model.config.vocab_size, (prompts, width), generator=generator)
-            # Prompts of 2/3 to all of the width, as a task's prompts differ: left-padded, so the model
-            # attends through a padding mask, as it does in a run.
-            lengths = torch.randint(2 * width // 3, width + 1, (prompts,), generator=generator).tolist()
-            prompt_ids = [row[width - length :] for row, length in zip(ids.tolist(), lengths, strict=True)]
-            for engine in engines:
-                first = shape_name == next(iter(shapes))
-                # The recipe's shape in float32 only: `compiled` (each compile takes minutes) and the look
-                # after every token (its cost shows where steps are short).
-                if engine in ("compiled", "compact/every-token") and not (first and dtype == torch.float32):
-                    continue
-                if engine == "generate" and not first and dtype != torch.float32:
-                    continue  # the reference once at the long shape, in float32 (bf16: 31 s on an H200)
-                # The first shape warms every engine up; after it, only `compiled` needs a warm-up
-                # (new shapes can recompile it), and one timed run of a long shape is enough.
-                warmup = first or engine == "compiled"
-                timed = repeats if first else 1
-                row = {"engine": engine, "dtype": dtype_name, "shape": shape_name}
-                try:
-                    timing = time_engine(typed, tokenizer, prompt_ids, samples, tokens, engine, warmup, timed, device)
-                    row.update(timing)
-                except Exception as err:  # one engine failing must not hide the others' numbers
-                    row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
-                log(f"rollout {row}")
-                rows.append(row)
-            if args.rollout_profile and shape_name == next(iter(shapes)):
-                profile_engine(args, typed, tokenizer, prompt_ids, samples, tokens, dtype_name, device)
-    return rows
-
-
-def profile_engine(args, model, tokenizer, prompt_ids, samples: int, tokens: int, dtype: str, device) -> None:
-    """One more (warm) run of --rollout-profile's engine under the profiler: its operators by device
-    time, then by host time, appended to rollout_profile.txt (one section per dtype)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        time_engine(model, tokenizer, prompt_ids, samples, tokens, args.rollout_profile, False, 1, device)
-    averages = prof.key_averages()
-    sorts = (["self_cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]
-    with (args.out / "rollout_profile.txt").open("a") as f:
-        for sort in sorts:
-            f.write(f"{args.rollout_profile}, {dtype}, {len(prompt_ids)} x {samples} x {tokens}, sorted by {sort}\n")
-            f.write(averages.table(sort_by=sort, row_limit=30) + "\n")
-    log(f"rollout profile of {args.rollout_profile} in {dtype}: rollout_profile.txt")
-
-
-def time_engine(
-    model, tokenizer, prompt_ids, samples: int, tokens: int, engine: str, warmup: bool, repeats: int, device
-) -> dict:
-    """A warm-up (it compiles `compiled`) if asked, then the median of `repeats` timed generations."""
-    from distflow.rollout import decoding
-    from distflow.rollout.generation import generate
-
-    name, original = engine.split("/")[0], decoding.stop_check_interval
-    if engine.endswith("every-token"):
-        decoding.stop_check_interval = lambda device: 1
-    try:
-        seconds = []
-        for _ in range(int(warmup) + repeats):
-            started = time.perf_counter()
-            out = generate(
-                model,
-                tokenizer,
-                [""] * len(prompt_ids),
-                prompt_ids=prompt_ids,
-                samples_per_prompt=samples,
-                max_new_tokens=tokens,
-                temperature=1.0,
-                sample_keys=list(range(len(prompt_ids) * samples)),
-                engine=name,
-                logprobs=True,
-            )
-            synchronize(device)
-            seconds.append(time.perf_counter() - started)
-    finally:
-        decoding.stop_check_interval = original
-    median, generated = statistics.median(seconds[int(warmup) :]), int(out.response_mask_BR.sum())
-    return {
-        "rows": len(prompt_ids) * samples,
-        "new_tokens": tokens,
-        "generated": generated,
-        "seconds": round(median, 4),
-        "warmup_s": round(seconds[0], 2) if warmup else None,
-        "tokens_per_s": round(generated / median, 1),
-        "ms_per_decode_step": round(1000 * median / tokens, 3),
-    }
-
-
-def synchronize(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def train_run(name: str, config: Path, overrides: list[str], work: Path, profile: int = 0) -> Path:
@@ -457,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"section {section}")
             try:
                 if section == "rollout":
-                    result["rollout"] = rollout_section(args, device)
+                    result["rollout"] = rollout_section(args, device, log)
                 elif section == "default":
                     result["default"] = default_section(args, work)
                 elif section == "step":

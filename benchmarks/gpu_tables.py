@@ -15,6 +15,11 @@ def print_tables(result: dict) -> None:
                 f"{r['engine']:<22}{r['dtype']:<10}{r['shape']:<8}{r['rows']:>6}{r['new_tokens']:>8}"
                 f"{r['seconds']:>9.3f}{r['tokens_per_s']:>11.1f}{r['ms_per_decode_step']:>9.2f}"
             )
+            if "new_decoder_s" in r:
+                print(
+                    f"  {r['engine']}: {r['seconds']:.3f} s against a new decoder's {r['new_decoder_s']:.3f} s; "
+                    f"the same tokens and log-probs: {r['same_as_new_decoder']}; captures {r['graph_captures']}"
+                )
     for section in ("default", "step"):
         if section in result and "median_s" in result[section]:
             split = "  ".join(f"{k} {v:.3f}" for k, v in result[section]["median_s"].items())

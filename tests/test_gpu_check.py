@@ -22,6 +22,9 @@ def test_gpu_quick():
         # every row decodes 1 to new_tokens tokens; tokens/s is what was generated over the median run
         assert row["rows"] <= row["generated"] <= row["rows"] * row["new_tokens"], row
         assert row["tokens_per_s"] == pytest.approx(row["generated"] / row["seconds"], rel=0.01)
+    moved = next(r for r in out["rollout"] if r["engine"] == "graphed/moved-weights")
+    # the kept decoder on moved weights draws what a new one draws; a CPU captures nothing
+    assert moved["same_as_new_decoder"] is True and moved["graph_captures"] == 0 and moved["new_decoder_s"] > 0
     for section in ("default", "step"):
         split = out[section]["median_s"]
         assert split["rollout"] > 0 and split["step"] >= split["rollout"], section
