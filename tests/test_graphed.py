@@ -300,6 +300,43 @@ def test_under_bf16_autocast_graphed_draws_the_compact_samples(tokenizer):
     torch.testing.assert_close(static.logp_BR, compact.logp_BR, rtol=0, atol=2e-2)
 
 
+def test_under_autocast_the_cast_weights_and_the_compute_dtype_cache_draw_what_autocast_draws(tokenizer, monkeypatch):
+    """Under bf16 autocast `graphed` decodes through `cast_view` (the linear weights cast once a rollout) over
+    a cache laid out in bf16: the tokens and log-probs of autocast casting the weights and the cache at
+    every step, bit for bit, before and after an in-place weight update."""
+    model = build_tiny_model(tokenizer, seed=11, max_positions=96).eval()
+    kwargs = dict(max_new_tokens=24, temperature=0.8, top_p=0.95)
+
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    def rollouts(engine) -> list:
+        outs = []
+        for _ in range(2):
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                outs.append(_rollout(model, tokenizer, engine, 2, **dict(kwargs)))
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.mul_(1.1)  # the next rollout's weights, changed in place
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(initial[name])
+        return outs
+
+    engine = graphed.GraphedEngine()
+    cast = rollouts(engine)
+    layer = engine._kept.decoder.step.cache.layers[0]
+    assert layer.keys.dtype == layer.values.dtype == torch.bfloat16
+    with monkeypatch.context() as patched:
+        patched.setattr(graphed, "autocast_dtype", lambda device: None)  # autocast casting at every step
+        plain_engine = graphed.GraphedEngine()
+        plain = rollouts(plain_engine)
+        assert plain_engine._kept.decoder.step.cache.layers[0].keys.dtype == torch.float32
+    for mine, theirs in zip(cast, plain, strict=True):
+        assert torch.equal(mine.input_ids_BT, theirs.input_ids_BT)
+        assert torch.equal(mine.logp_BR, theirs.logp_BR)
+    assert not torch.equal(cast[0].input_ids_BT, cast[1].input_ids_BT)  # the update changed the samples
+
+
 def test_the_static_cache_takes_values_in_another_dtype_than_it_was_laid_out_in(tokenizer):
     """transformers 5.17 (a GPU machine's) lays a static layer's values out in its keys' dtype, float32
     under bf16 autocast, then copies the decode step's bf16 values into them: the cache casts them."""

@@ -25,9 +25,13 @@ rollout of the same shape refills them and replays the same graphs. A span's ste
 next run, and is only replayed from then on. A rollout of another shape (rows, bucketed width,
 lengths, sampling settings, autocast) makes a new decoder, dropping the old one first. Weights that
 have moved in memory (fsdp2 gathers them anew for each rollout) keep the decoder, cache and buffers,
-and drop only the graphs: each span is captured again at its first step, without warm-ups. Under
-autocast the graph casts the weights itself (autocast's cache is not used in capture), so it always
-reads their values of the moment.
+and drop only the graphs: each span is captured again at its first step, without warm-ups.
+
+Under autocast (bf16 over float32 weights) the step decodes through `cast_weights.cast_view`: each
+linear layer's weights cast to the compute dtype once a rollout, into copies that stay where the
+graphs read them, rather than at every replayed step (autocast's cache cannot be used in capture; any
+other weight autocast casts is cast inside the graph, so it always reads its values of the moment).
+The cache is laid out in the compute dtype too, the dtype attention reads it in.
 
 The samples are `compact`'s: the same prefill, and token t of a row is drawn from the row's key at
 t; the extra, masked columns of the cache change the log-probs only at rounding.
@@ -53,6 +57,7 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from distflow.rollout import decoding
+from distflow.rollout.cast_weights import autocast_dtype, cast_view
 from distflow.rollout.compact import CompactEngine
 from distflow.rollout.decoding import _Drawn, _prefill
 from distflow.rollout.engine import Request
@@ -76,6 +81,9 @@ class GraphedEngine(CompactEngine):
 
     @torch.no_grad()
     def responses(self, model, request: Request):
+        casts = autocast_dtype(request.prompt_ids_GP.device)
+        if casts is not None:  # the linear layers' weights cast once a rollout, not at every replayed step
+            model = cast_view(model, casts)
         kept = getattr(self._kept, "decoder", None)
         if kept is None or not kept.fits(model, request):
             self._kept.decoder = None  # the old graph and cache go before the new ones are made
@@ -147,8 +155,7 @@ def _bucketed(width: int) -> int:
 
 def _shape_key(request: Request) -> tuple:
     ids_GP = request.prompt_ids_GP
-    device = ids_GP.device.type
-    casts = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    casts = autocast_dtype(ids_GP.device)
     sampling = None if request.keys_B is None else (request.temperature, request.top_p)
     rows = ids_GP.shape[0] * request.n
     width, R = _bucketed(ids_GP.shape[1]), request.max_new_tokens
@@ -217,6 +224,9 @@ class _Step:
         self.token_B1 = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.t_1 = torch.ones(1, dtype=torch.long, device=device)
         self.columns = width + R
+        self.casts = autocast_dtype(device)
+        """Under autocast, the dtype the cache is laid out in: attention casts what it reads from the cache to
+        it, so a cache of that dtype holds the same values, and no step casts the whole cache again."""
 
     def attend(self, columns: int) -> None:
         """Attend over the cache's first `columns` from now on: read by an eager step and by a capture (a
@@ -232,6 +242,8 @@ class _Step:
         self.cache.reset()
         for index, layer in enumerate(dynamic.layers):
             keys, values = (F.pad(x, (0, 0, pad, 0)) for x in (layer.keys, layer.values))
+            if self.casts is not None:
+                keys, values = keys.to(self.casts), values.to(self.casts)
             self.cache.update(keys, values, index)
         self.mask_B11L[:, 0, 0, :pad] = False
         self.mask_B11L[:, 0, 0, pad:] = rows.mask_AT.bool()
