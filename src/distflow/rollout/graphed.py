@@ -341,8 +341,9 @@ class CaptureFailed(RuntimeError):
 
 
 def _casts_uncached():
-    """Under autocast, the weights' casts made inside the graph rather than taken from autocast's cache,
-    whose tensors the graph must not hold (as torch.cuda.graphs' notes require)."""
+    """Under autocast, the casts of weights other than the linear layers' (`cast_view` casts those once a
+    rollout) made inside the graph rather than taken from autocast's cache, whose tensors the graph must
+    not hold (as torch.cuda.graphs' notes require)."""
     if not torch.is_autocast_enabled("cuda"):
         return contextlib.nullcontext()
     return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)

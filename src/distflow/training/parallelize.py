@@ -30,7 +30,9 @@ Below float32 without sharding (ddp, a rollout-only rank's copy), the model keep
 parameters and computes in `parallel.param_dtype` under `torch.autocast`: `autocast(model)`
 around each training forward, and `gathered(model)` around every inference pass, so that a
 rollout casts the weights once (autocast's cache lives as long as the outermost region), not once
-per decoded token. Autocast is per thread: the agent endpoint's backend thread enters its own.
+per decoded token (`graphed`, whose CUDA graphs cannot use that cache, casts its linear layers'
+weights once a rollout itself: `rollout.cast_weights`). Autocast is per thread: the agent
+endpoint's backend thread enters its own.
 """
 
 from __future__ import annotations
