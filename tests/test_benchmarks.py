@@ -67,9 +67,10 @@ def test_every_benchmark_has_a_quick_test():
     # trl_worker.py is run by throughput.py; roofline_recipe.py is roofline.py's real-model part;
     # bench_setup.py is what throughput.py, roofline.py and learning.py share; dispatch_counter.py,
     # host_costs_rollout.py and trl_count_worker.py are host_costs.py's counter, its rollout part and its
-    # TRL side (tests/test_host_costs.py).
+    # TRL side (tests/test_host_costs.py); gpu_rollout.py and gpu_tables.py are gpu.py's rollout section and
+    # tables (tests/test_gpu_check.py).
     helpers = {"trl_worker.py", "roofline_recipe.py", "bench_setup.py", "dispatch_counter.py", "trl_count_worker.py"}
-    helpers |= {"host_costs_rollout.py"}
+    helpers |= {"host_costs_rollout.py", "gpu_rollout.py", "gpu_tables.py"}
     scripts = {p.name for p in BENCHMARKS.glob("*.py")} - helpers
     assert scripts == {
         "throughput.py",
