@@ -86,7 +86,11 @@ def test_every_benchmark_has_a_quick_test():
         "host_costs.py",
         "agent_endpoint.py",
         "precision.py",
-    }, f"benchmarks/ now holds {sorted(scripts)}: give each a --quick mode and a test here (gpu.py: test_gpu_check.py)"
+        "graphed_casts.py",
+    }, (
+        f"benchmarks/ now holds {sorted(scripts)}: give each a --quick mode and a test here "
+        "(gpu.py and graphed_casts.py: test_gpu_check.py)"
+    )
 
 
 def test_throughput_quick():

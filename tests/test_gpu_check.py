@@ -127,3 +127,15 @@ def test_the_gpu_carrys_first_load_can_run_the_sections_that_need_no_model(tmp_p
     assert ran.stdout.splitlines()[-1] == f"benchmarks/gpu.py --out {tmp_path / 'out'} --sections default rollout"
     kept = subprocess.run(script, capture_output=True, text=True, env=env)
     assert kept.returncode == 0 and kept.stdout.split() == ["1"]  # one file kept, nothing run
+
+
+def test_graphed_casts_quick():
+    """benchmarks/graphed_casts.py on the tiny model: under bf16 autocast (a capture's: no cache) `graphed`'s step
+    casts no weight, where a step without the cast view casts each linear layer's (4 blocks x 7, and the head)."""
+    out = run_quick("graphed_casts.py", timeout=600)
+    once, every = out["cast once a rollout"], out["cast in every step"]
+    assert once["decode_steps"] == every["decode_steps"] == 3  # 4 tokens: the first comes from the prefill
+    assert once["param_casts_per_step"] == 0 and every["param_casts_per_step"] == 4 * 7 + 1
+    assert once["casts_per_step"] > 0  # activations and each step's new keys are still cast
+    assert out["mb_saved_per_step"] == pytest.approx(every["mb_per_step"] - once["mb_per_step"], abs=1e-3)
+    assert out["mb_saved_per_step"] > every["param_mb_per_step"]  # the weights', and the cache's read in float32
