@@ -32,17 +32,21 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 
 def cast_view(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """`model` with each nn.Linear's float32 weight and bias read from a copy in `dtype`, made now; the model
-    itself where it has no such layer. One view (and one set of copies) per model and dtype."""
+    """`model` with each nn.Linear's float32 weight and bias read from a copy in `dtype`, made now, and every
+    other attribute the model's as they are now; the model itself where it has no such layer. One view (and
+    one set of copies) per model and dtype."""
     views = _VIEWS.setdefault(model, {})
-    if dtype not in views:
-        if not any(_cast_names(module) for module in model.modules()):
+    modules = list(model.modules())
+    if dtype not in views or [type(m) for m in views[dtype][0].modules()] != [type(m) for m in modules]:
+        if not any(_cast_names(module) for module in modules):
             return model
-        views[dtype] = (_view_of(model), {})
+        views[dtype] = (_view_of(model), {})  # new, or the model's modules changed (adapters added)
     view, copies = views[dtype]
     with torch.no_grad():
-        for original, mine in zip(model.modules(), view.modules(), strict=True):
-            mine._parameters = dict(original._parameters)  # where the model's parameters are now
+        for original, mine in zip(modules, view.modules(), strict=True):
+            children = mine._modules
+            mine.__dict__.update(original.__dict__)  # its attributes now: `training`, an adapter switched off
+            mine._modules, mine._parameters = children, dict(original._parameters)  # its parameters now
             for name in _cast_names(original):
                 param = original._parameters[name]
                 copy = copies.get((id(mine), name))
