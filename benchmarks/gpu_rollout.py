@@ -109,17 +109,15 @@ def rollout_section(args: argparse.Namespace, device, log: Callable[[str], None]
 def profile_engine(args, model, tokenizer, prompt_ids, samples: int, tokens: int, dtype: str, device) -> None:
     """One more (warm) run of --rollout-profile's engine under the profiler: its operators by device
     time, then by host time, appended to rollout_profile.txt (one section per dtype)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    from distflow.runtime.profiling import activities, operator_tables
+
+    with profile(activities=activities()) as prof:
         time_engine(model, tokenizer, prompt_ids, samples, tokens, args.rollout_profile, False, 1, device)
-    averages = prof.key_averages()
-    sorts = (["self_cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]
+    title = f"{args.rollout_profile}, {dtype}, {len(prompt_ids)} x {samples} x {tokens}"
     with (args.out / "rollout_profile.txt").open("a") as f:
-        for sort in sorts:
-            f.write(f"{args.rollout_profile}, {dtype}, {len(prompt_ids)} x {samples} x {tokens}, sorted by {sort}\n")
-            f.write(averages.table(sort_by=sort, row_limit=30) + "\n")
+        f.write(operator_tables(prof, title, row_limit=30))
 
 
 def moved_weights(model, tokenizer, prompt_ids, samples: int, tokens: int, device) -> dict:

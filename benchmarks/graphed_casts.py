@@ -28,15 +28,18 @@ import contextlib
 import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_setup import log  # noqa: E402
+from gpu_rollout import run_rollout, smollm2_shaped  # noqa: E402
 
 CASTING = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
 WAYS = ("cast once a rollout", "cast in every step")
+PROMPTS = ["1+2=", "33+44=", "5*6-7=", "12+(3*4)=", "9-9=", "77+1=", "2*2*2=", "8="]
 
 
 class CastCounter(TorchDispatchMode):
@@ -70,24 +73,21 @@ def model_and_tokenizer(quick: bool):
     tokenizer = build_char_tokenizer()
     if quick:
         return build_tiny_model(tokenizer, seed=0, max_positions=96).eval(), tokenizer
-    from gpu_rollout import smollm2_shaped
-
     return smollm2_shaped().eval(), tokenizer
 
 
 def count_way(way: str, model, tokenizer, args: argparse.Namespace) -> dict:
     """Casts and bytes per decode step of one rollout (after a warm-up rollout of the same shape), one way."""
     from distflow.rollout import graphed
-    from distflow.rollout.generation import generate
+    from distflow.training.sequences import encode_prompts
 
-    prompts = ["1+2=", "33+44=", "5*6-7=", "12+(3*4)=", "9-9=", "77+1=", "2*2*2=", "8="][: args.prompts]
-    prompt_ids = None
     if model.config.vocab_size > len(tokenizer):  # the SmolLM2-shaped model: random prompt ids of its vocabulary
         generator = torch.Generator().manual_seed(0)
         prompt_ids = torch.randint(3, model.config.vocab_size, (args.prompts, 96), generator=generator).tolist()
+    else:
+        prompt_ids = encode_prompts(tokenizer, PROMPTS[: args.prompts])
     engine, original_run = graphed.GraphedEngine(), graphed._Runner.run
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    counter, steps = CastCounter(params), [0]
+    counter, steps = CastCounter({p.untyped_storage().data_ptr() for p in model.parameters()}), [0]
 
     def run(runner, columns):  # only the decode step: what a graph captures
         counter.counting, steps[0] = True, steps[0] + 1
@@ -96,28 +96,14 @@ def count_way(way: str, model, tokenizer, args: argparse.Namespace) -> dict:
         finally:
             counter.counting = False
 
-    patches = contextlib.ExitStack()
-    if way == "cast in every step":  # graphed as it was: no cast view, the cache in the layout transformers picks
-        patches.enter_context(_patched(graphed, "autocast_dtype", lambda device: None))
-    with patches, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-        for counted in (False, True):
-            graphed._Runner.run = run if counted else original_run
-            try:
-                with counter if counted else contextlib.nullcontext():
-                    generate(
-                        model,
-                        tokenizer,
-                        [""] * args.prompts if prompt_ids else prompts,
-                        prompt_ids=prompt_ids,
-                        samples_per_prompt=args.samples,
-                        max_new_tokens=args.tokens,
-                        temperature=1.0,
-                        sample_keys=list(range(args.prompts * args.samples)),
-                        engine=engine,
-                        logprobs=True,
-                    )
-            finally:
-                graphed._Runner.run = original_run
+    with contextlib.ExitStack() as patches:
+        if way == "cast in every step":  # graphed as it was: no cast view, the cache in the layout transformers picks
+            patches.enter_context(mock.patch.object(graphed, "autocast_dtype", lambda device: None))
+        patches.enter_context(torch.no_grad())
+        patches.enter_context(torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False))
+        run_rollout(model, tokenizer, prompt_ids, args.samples, args.tokens, engine)  # the warm-up: captures
+        with mock.patch.object(graphed._Runner, "run", run), counter:
+            run_rollout(model, tokenizer, prompt_ids, args.samples, args.tokens, engine)
     per_step = {k: v / steps[0] for k, v in counter.counts.items()}
     return {
         "decode_steps": steps[0],
@@ -126,16 +112,6 @@ def count_way(way: str, model, tokenizer, args: argparse.Namespace) -> dict:
         "param_casts_per_step": round(per_step["param_casts"], 1),
         "param_mb_per_step": round(per_step["param_bytes"] / 2**20, 3),
     }
-
-
-@contextlib.contextmanager
-def _patched(module, name: str, value):
-    original = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,8 @@ import weakref
 
 import torch
 
+from distflow.training.parallelize import module_view
+
 _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """model → {dtype: its view}: a view lives as long as its model, and holds no reference to it."""
 
@@ -40,7 +42,7 @@ def cast_view(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     if dtype not in views or [type(m) for m in views[dtype][0].modules()] != [type(m) for m in modules]:
         if not any(_cast_names(module) for module in modules):
             return model
-        views[dtype] = (_view_of(model), {})  # new, or the model's modules changed (adapters added)
+        views[dtype] = (module_view(model), {})  # new, or the model's modules changed (adapters added)
     view, copies = views[dtype]
     with torch.no_grad():
         for original, mine in zip(modules, view.modules(), strict=True):
@@ -63,17 +65,3 @@ def _cast_names(module: torch.nn.Module) -> list[str]:
     if type(module) is not torch.nn.Linear:
         return []
     return [name for name, p in module._parameters.items() if p is not None and p.dtype == torch.float32]
-
-
-def _view_of(module: torch.nn.Module, made: dict | None = None) -> torch.nn.Module:
-    """`module` again, of its class, sharing its attributes and hooks, with children and parameter dicts of
-    its own (filled in by `cast_view`); a module that occurs twice in the tree has one view."""
-    made = {} if made is None else made
-    if id(module) not in made:
-        view = made[id(module)] = object.__new__(type(module))
-        view.__dict__.update(module.__dict__)
-        view._modules = {
-            name: None if child is None else _view_of(child, made) for name, child in module._modules.items()
-        }
-        view._parameters = dict(module._parameters)
-    return made[id(module)]

@@ -36,8 +36,7 @@ class StepProfiler:
     def step(self, step: int):
         """Wrap one training step; the profiler runs over the chosen steps and writes after the last."""
         if step == self.steps.start and step in self.steps:
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            self._active = profile(activities=activities, record_shapes=True)
+            self._active = profile(activities=activities(), record_shapes=True)
             self._active.__enter__()
         with torch.profiler.record_function(f"step {step}"):
             yield
@@ -56,12 +55,20 @@ class StepProfiler:
     def _write(self, prof: profile) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.out / f"rank{self.rank}.trace.json"))
-        sorts = (["self_cuda_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total"]
-        averages = prof.key_averages()
-        text = "".join(
-            f"rank {self.rank}, steps {self.steps.start}-{self._last}, sorted by {sort}\n"
-            + averages.table(sort_by=sort, row_limit=40)
-            + "\n"
-            for sort in sorts
-        )
+        text = operator_tables(prof, f"rank {self.rank}, steps {self.steps.start}-{self._last}")
         (self.out / f"rank{self.rank}.txt").write_text(text)
+
+
+def activities() -> list[ProfilerActivity]:
+    """What a profile records: the host, and the device where CUDA is."""
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+
+def operator_tables(prof: profile, title: str, row_limit: int = 40) -> str:
+    """A finished profile's operators by self time on the device (CUDA, when used), then on the host, each
+    table under the line "TITLE, sorted by KEY"."""
+    sorts = (["self_cuda_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total"]
+    averages = prof.key_averages()
+    return "".join(
+        f"{title}, sorted by {sort}\n" + averages.table(sort_by=sort, row_limit=row_limit) + "\n" for sort in sorts
+    )

@@ -295,7 +295,7 @@ def unsharded_view(model: torch.nn.Module) -> torch.nn.Module:
     view = _VIEWS.get(model)
     if view is None:
         # FSDP casts each sharded module's floating inputs to param_dtype, the compute dtype (`compute_in`)
-        view = _VIEWS[model] = _view_of(model, getattr(model, "_distflow_compute_dtype", None))
+        view = _VIEWS[model] = module_view(model, getattr(model, "_distflow_compute_dtype", None))
     for original, mine in zip(model.modules(), view.modules(), strict=True):
         mine._parameters, mine._buffers = dict(original._parameters), dict(original._buffers)
     if any(isinstance(param, DTensor) for param in view.parameters()):
@@ -306,15 +306,22 @@ def unsharded_view(model: torch.nn.Module) -> torch.nn.Module:
 _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _view_of(module: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
-    """`module` again as its own class (FSDP's `FSDP<class>` undone), sharing its attributes, with FSDP's
-    hooks replaced by a cast of its floating inputs to `dtype` where it was sharded; its children likewise.
-    Parameters and buffers are filled in by `unsharded_view`."""
-    view = object.__new__(next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)))
+def module_view(module: torch.nn.Module, dtype: torch.dtype | None = None, made: dict | None = None) -> torch.nn.Module:
+    """`module` again as its own class (FSDP's `FSDP<class>` undone), sharing its attributes, with module and
+    hook dicts of its own: FSDP's hooks replaced by a cast of its floating inputs to `dtype` where it was
+    sharded; its children likewise (a module that occurs twice in the tree has one view). Its parameters
+    are the module's until its user fills them in (`unsharded_view`, `rollout.cast_weights.cast_view`)."""
+    made = {} if made is None else made
+    if id(module) in made:
+        return made[id(module)]
+    view = made[id(module)] = object.__new__(next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)))
     view.__dict__.update(module.__dict__)
     for flags in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
         setattr(view, flags, collections.OrderedDict(getattr(module, flags)))  # its own: the hooks differ
-    view._modules = {name: _view_of(child, dtype) for name, child in module._modules.items()}
+    view._modules = {
+        name: None if child is None else module_view(child, dtype, made) for name, child in module._modules.items()
+    }
+    view._parameters = dict(module._parameters)
     view._forward_pre_hooks = _without_fsdp(module._forward_pre_hooks)
     view._forward_hooks = _without_fsdp(module._forward_hooks)
     if isinstance(module, FSDPModule) and dtype is not None:
