@@ -90,7 +90,7 @@ vllm: $(VLLM_STAMP)
 VLLM_TESTS ?= tests/test_vllm_engine.py tests/test_vllm_child_engine.py tests/test_vllm_e2e.py tests/test_real_tokenizer.py tests/test_model_source.py \
 	tests/test_graphed.py
 test-vllm: vllm smollm2
-	$(VLLM_BIN)/python -m pytest -q $(VLLM_TESTS) $(PYTEST_ARGS)
+	$(VLLM_BIN)/python -m pytest -q $(VLLM_TESTS) $(PYTEST_DURATIONS) $(PYTEST_ARGS)
 
 run: setup
 	$(BIN)/distflow train examples/arith_grpo.yaml $(ARGS)
@@ -104,8 +104,11 @@ PYTEST_MARKS ?= $(if $(CI),,-m "not slow")
 PYTEST_WORKERS ?= 2
 PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
+# CI prints its slowest tests, so that a run near CI's time limit says where the time went.
+PYTEST_DURATIONS ?= $(if $(CI),--durations=30)
+
 test: setup bench-setup agents verifiers $(if $(CI),smollm2 test-vllm)
-	$(BIN)/python -m pytest -q src tests $(PYTEST_MARKS) $(PYTEST_XDIST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q src tests $(PYTEST_MARKS) $(PYTEST_XDIST) $(PYTEST_DURATIONS) $(PYTEST_ARGS)
 
 # The documentation site into site/ (mkdocs.yml); --strict fails on a link to a missing page or anchor.
 docs: setup

@@ -33,7 +33,10 @@ forward, GRPO's loss, backward, gradient clipping, AdamW), R times after one war
              bf16): the floor of a step that computes in bf16 (`parallel.param_dtype=
              bfloat16`, or TRL's `bf16=True`: both multiply in bf16 under autocast). Only a
              CPU with bf16 instructions (AVX-512 BF16, AMX: `cpu_bf16` in the JSON) runs
-             them faster than fp32; elsewhere they are converted and can be slower
+             them faster than fp32. Elsewhere torch converts every product, about 100x
+             slower than fp32 (0.3 against 40 GFLOP/s for the LM head's shape on one
+             thread of an AVX2-only EPYC): there `--bf16-floors auto`, the default, leaves
+             them out (`-` in the table, null in the JSON) and says so; `on` times them
   square     GFLOP/s of one large square fp32 product (2048^3; --quick: 512^3), for
              reference (the model's smaller products can run faster: their operands stay
              in cache); `square bf16` the same product in bf16
@@ -58,7 +61,7 @@ from pathlib import Path
 
 import torch
 from bench_setup import build_model, prompt_rows
-from roofline_recipe import RECIPES, SINGLE, measure_recipe, median_seconds, print_recipe
+from roofline_recipe import RECIPES, SINGLE, dtype_suffix, measure_recipe, median_seconds, print_recipe
 from throughput import SETTINGS
 
 from distflow.config.parallel import PassesConfig
@@ -82,10 +85,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--eval-repeats", type=int, default=1, help="timed held-out evaluations of a recipe (median; 0: none)"
     )
+    parser.add_argument(
+        "--bf16-floors",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="time the bf16 floors too (auto: where the CPU has bf16 instructions; --quick: on)",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke test: default setting, 2 repeats")
     args = parser.parse_args(argv)
     if args.quick:
-        args.settings, args.repeats = ["default"], 2
+        args.settings, args.repeats, args.bf16_floors = ["default"], 2, "on"
     return args
 
 
@@ -162,21 +171,37 @@ def cpu_bf16() -> str:
     return " ".join(f for f in ("avx512_bf16", "amx_bf16") if f in flags) or "none"
 
 
-def floors(shapes: list[tuple[int, int]], prompt_tokens: int, lengths_B: torch.Tensor, repeats: int) -> dict:
-    """The update's and the rollout's Linear products alone, in fp32 and in bf16: `gemm_s` and
-    `rollout_gemm_s`, each also with `_bf16`."""
+def floor_dtypes(mode: str, instructions: str) -> tuple[torch.dtype, ...]:
+    """The dtypes whose floors are timed: fp32, and bf16 when asked (`on`) or (`auto`) where the CPU has
+    bf16 instructions (`cpu_bf16`); without them the real-model recipe's bf16 floors alone take hours.
+
+    >>> floor_dtypes("auto", "none")
+    (torch.float32,)
+    >>> floor_dtypes("auto", "avx512_bf16 amx_bf16") == floor_dtypes("on", "none") == (torch.float32, torch.bfloat16)
+    True
+    """
+    bf16 = mode == "on" or (mode == "auto" and instructions != "none")
+    return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+
+
+def floors(
+    shapes: list[tuple[int, int]], prompt_tokens: int, lengths_B: torch.Tensor, repeats: int, dtypes: tuple
+) -> dict:
+    """The update's and the rollout's Linear products alone, in each of `dtypes`: `gemm_s` and
+    `rollout_gemm_s` (fp32), each also with `_bf16`."""
     # Decode step t feeds token t of the rows that go on past it (the last token is never fed).
     decode_rows = [int((lengths_B > t + 1).sum()) for t in range(int(lengths_B.max()) - 1)]
     update_rows = [prompt_tokens, int(lengths_B.sum())]
     rollout_rows = [prompt_tokens] + [r for r in decode_rows if r]
     out = {}
-    for suffix, dtype in (("", torch.float32), ("_bf16", torch.bfloat16)):
+    for dtype in dtypes:
+        suffix = dtype_suffix(dtype)
         out[f"gemm_s{suffix}"] = gemm_seconds(shapes, update_rows, repeats, backward=True, dtype=dtype)
         out[f"rollout_gemm_s{suffix}"] = gemm_seconds(shapes, rollout_rows, repeats, backward=False, dtype=dtype)
     return out
 
 
-def measure(name: str, repeats: int) -> dict:
+def measure(name: str, repeats: int, dtypes: tuple) -> dict:
     prompts, generations, new_tokens, kind = SETTINGS[name]
     model, tokenizer = build_model(kind)
     model.eval()  # as a run loads it: no dropout
@@ -189,8 +214,9 @@ def measure(name: str, repeats: int) -> dict:
     response_rows = int(lengths_B.sum())
     tokens = prompt_rows + response_rows
     update_s = update_seconds(model, batch, repeats)
-    f = floors(shapes, prompt_rows, lengths_B, repeats)
+    f = floors(shapes, prompt_rows, lengths_B, repeats, dtypes)
     gflop = 6 * weights * tokens / 1e9
+    bf16 = "gemm_s_bf16" in f
     return {
         "prompts": prompts,
         "generations": generations,
@@ -208,11 +234,16 @@ def measure(name: str, repeats: int) -> dict:
         "update_over_gemm": round(update_s / f["gemm_s"], 2),
         "rollout_gemm_s": round(f["rollout_gemm_s"], 4),
         "floor_s": round(f["gemm_s"] + f["rollout_gemm_s"], 4),
-        "gemm_s_bf16": round(f["gemm_s_bf16"], 4),
-        "gemm_gflops_bf16": round(gflop / f["gemm_s_bf16"], 1),
-        "rollout_gemm_s_bf16": round(f["rollout_gemm_s_bf16"], 4),
-        "floor_s_bf16": round(f["gemm_s_bf16"] + f["rollout_gemm_s_bf16"], 4),
+        "gemm_s_bf16": round(f["gemm_s_bf16"], 4) if bf16 else None,
+        "gemm_gflops_bf16": round(gflop / f["gemm_s_bf16"], 1) if bf16 else None,
+        "rollout_gemm_s_bf16": round(f["rollout_gemm_s_bf16"], 4) if bf16 else None,
+        "floor_s_bf16": round(f["gemm_s_bf16"] + f["rollout_gemm_s_bf16"], 4) if bf16 else None,
     }
+
+
+def seconds(value: float | None, width: int) -> str:
+    """A time for the tables, `-` where it was not measured."""
+    return f"{value:>{width}.4f}" if value is not None else f"{'-':>{width}}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,13 +258,23 @@ def main(argv: list[str] | None = None) -> int:
     }
     size = 512 if args.quick else 2048
     out["settings"]["cpu_bf16"] = cpu_bf16()
-    for suffix, dtype in (("", torch.float32), ("_bf16", torch.bfloat16)):
-        out["settings"][f"square_gflops_{size}{suffix}"] = round(square_gflops(size, args.repeats, dtype), 1)
+    dtypes = floor_dtypes(args.bf16_floors, cpu_bf16())
+    out["settings"]["bf16_floors"] = "timed" if torch.bfloat16 in dtypes else "not timed"
+    for dtype in dtypes:
+        out["settings"][f"square_gflops_{size}{dtype_suffix(dtype)}"] = round(
+            square_gflops(size, args.repeats, dtype), 1
+        )
+    bf16 = out["settings"].get(f"square_gflops_{size}_bf16", "-")
     print(
         f"square GEMM ({size}^3 torch.mm, {torch.get_num_threads()} threads): "
-        f"{out['settings'][f'square_gflops_{size}']} GFLOP/s fp32, "
-        f"{out['settings'][f'square_gflops_{size}_bf16']} GFLOP/s bf16 (CPU bf16 instructions: {cpu_bf16()})"
+        f"{out['settings'][f'square_gflops_{size}']} GFLOP/s fp32, {bf16} GFLOP/s bf16 "
+        f"(CPU bf16 instructions: {cpu_bf16()})"
     )
+    if torch.bfloat16 not in dtypes and args.bf16_floors == "auto":
+        print(
+            "bf16 floors not timed: this CPU has no bf16 instructions, so torch converts every bf16 product, "
+            "about 100x slower than fp32; --bf16-floors on times them anyway"
+        )
     if any(name in SETTINGS for name in args.settings):
         print(
             f"{'setting':<10}{'tokens':>8}{'GFLOP':>8}{'update s':>10}{'GFLOP/s':>9}{'GEMM s':>9}{'GFLOP/s':>9}"
@@ -241,15 +282,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{'GEMM s bf16':>13}{'rollout GEMM s bf16':>21}{'floor s bf16':>14}"
         )
     for name in [n for n in args.settings if n in SETTINGS]:
-        r = out[name] = measure(name, args.repeats)
+        r = out[name] = measure(name, args.repeats, dtypes)
         print(
             f"{name:<10}{r['tokens']:>8}{r['gflop']:>8.2f}{r['update_s']:>10.4f}{r['update_gflops']:>9.1f}"
             f"{r['gemm_s']:>9.4f}{r['gemm_gflops']:>9.1f}{r['update_over_gemm']:>13.2f}"
             f"{r['rollout_gemm_s']:>16.4f}{r['floor_s']:>9.4f}"
-            f"{r['gemm_s_bf16']:>13.4f}{r['rollout_gemm_s_bf16']:>21.4f}{r['floor_s_bf16']:>14.4f}"
+            f"{seconds(r['gemm_s_bf16'], 13)}{seconds(r['rollout_gemm_s_bf16'], 21)}{seconds(r['floor_s_bf16'], 14)}"
         )
     for name in [n for n in args.settings if n in RECIPES]:
-        out[name] = measure_recipe(name, args.repeats, args.eval_repeats)
+        out[name] = measure_recipe(name, args.repeats, args.eval_repeats, dtypes)
         print_recipe(name, out[name])
     out["settings"]["load_avg_1min_at_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(out))

@@ -15,7 +15,8 @@ last; each decode step's running rows), the output head (a fifth of the weights)
 logits are taken (each prompt's last position, then those rows); the update's forward and
 backward products, the others' forward. `floor s` multiplies fp32 tensors, `floor s bf16` the
 same ones cast to bf16 (what a stage computing under bf16 autocast, `parallel.param_dtype=
-bfloat16`, multiplies at the least); the stages themselves are timed as the recipe runs them.
+bfloat16`, multiplies at the least; timed where roofline.py's `--bf16-floors` says); the stages
+themselves are timed as the recipe runs them.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ from distflow.training.policy import PolicyEngine
 SINGLE = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {"smollm2": ROOT / "examples" / "smollm2_chain_sum.yaml"}  # real-model settings: not in the default run
+
+
+def dtype_suffix(dtype: torch.dtype) -> str:
+    """The JSON's and the tables' column suffix of a floor in `dtype`."""
+    return "_bf16" if dtype == torch.bfloat16 else ""
 
 
 def median_seconds(fn, repeats: int, *, warm_up: bool = True) -> float:
@@ -167,7 +173,7 @@ def generation_passes(prompt_tokens: int, num_prompts: int, lengths_B: torch.Ten
     return [(prompt_tokens, num_prompts)] + [(r, r) for r in decode_rows if r]
 
 
-def evaluation(config, model: torch.nn.Module, tokenizer, task, repeats: int) -> dict:
+def evaluation(config, model: torch.nn.Module, tokenizer, task, repeats: int, dtypes: tuple) -> dict:
     """One held-out evaluation as the run calls it (`rollout.evaluation.evaluate`: the sampled and the
     greedy completions, chunked and judged as in a run): its median seconds, accuracy and floor."""
     from distflow.rollout.evaluation import completions, eval_keys, evaluate
@@ -196,20 +202,20 @@ def evaluation(config, model: torch.nn.Module, tokenizer, task, repeats: int) ->
         "eval_response_tokens": tokens,
         "eval_greedy_accuracy": results[-1].greedy,
         "seconds": seconds,
-        "floor": floor_seconds(model, passes, repeats, backward=False, dtype=torch.float32),
-        "floor_bf16": floor_seconds(model, passes, repeats, backward=False, dtype=torch.bfloat16),
+        **{f"floor{dtype_suffix(d)}": floor_seconds(model, passes, repeats, backward=False, dtype=d) for d in dtypes},
         "identical": all(r == results[-1] for r in results),
     }
 
 
-def measure_recipe(name: str, repeats: int, eval_repeats: int) -> dict:
-    """One step of a real-model recipe, stage by stage, beside each stage's fp32 and bf16 Linear-product floors."""
+def measure_recipe(name: str, repeats: int, eval_repeats: int, dtypes: tuple) -> dict:
+    """One step of a real-model recipe, stage by stage, beside each stage's Linear-product floor in each of
+    `dtypes` (fp32, and bf16 or None in its `_bf16` columns)."""
     from distflow.dag.pipelines import build_graph
 
     config, model, tokenizer, task, prompts = recipe_first_step(RECIPES[name])
     # The evaluation first, on the model as loaded (the run's evaluation before training): the
     # timed updates below change the weights, and with them the answers and their lengths.
-    ev = evaluation(config, model, tokenizer, task, eval_repeats) if eval_repeats else {}
+    ev = evaluation(config, model, tokenizer, task, eval_repeats, dtypes) if eval_repeats else {}
     passes_in_step = sum(s in build_graph(config).stages for s in ("old_logprob", "reference_logprob"))
     batch, seconds = recipe_seconds(config, model, tokenizer, prompts, repeats)
     num_prompts, num_samples, new_tokens = len(prompts), len(batch), config.rollout.max_new_tokens
@@ -228,8 +234,9 @@ def measure_recipe(name: str, repeats: int, eval_repeats: int) -> dict:
             "logprob_pass": floor_seconds(model, train_passes, repeats, backward=False, dtype=dtype),
             "update": floor_seconds(model, train_passes, repeats, backward=True, dtype=dtype),
         }
-        for dtype in (torch.float32, torch.bfloat16)
+        for dtype in dtypes
     }
+    bf16 = floors.get(torch.bfloat16)
     out = {
         "recipe": str(RECIPES[name].relative_to(ROOT)),
         "prompts": num_prompts,
@@ -248,15 +255,17 @@ def measure_recipe(name: str, repeats: int, eval_repeats: int) -> dict:
         out[f"{stage}_s"] = round(seconds[stage], 4)
         out[f"{stage}_floor_s"] = round(floor, 4)
         out[f"{stage}_over_floor"] = round(seconds[stage] / floor, 2)
-        out[f"{stage}_floor_s_bf16"] = round(floors[torch.bfloat16][stage], 4)
+        out[f"{stage}_floor_s_bf16"] = round(bf16[stage], 4) if bf16 else None
     step = seconds["rollout"] + passes_in_step * seconds["logprob_pass"] + seconds["update"]
-    for suffix, f in (("", floors[torch.float32]), ("_bf16", floors[torch.bfloat16])):
-        out[f"step_floor_s{suffix}"] = round(f["rollout"] + passes_in_step * f["logprob_pass"] + f["update"], 4)
+    for suffix, f in (("", floors[torch.float32]), ("_bf16", bf16)):
+        step_floor = f["rollout"] + passes_in_step * f["logprob_pass"] + f["update"] if f else None
+        out[f"step_floor_s{suffix}"] = round(step_floor, 4) if f else None
     out.update(step_s=round(step, 4), step_over_floor=round(step / out["step_floor_s"], 2))
     if ev:
         out.update({k: v for k, v in ev.items() if k.startswith("eval_")}, eval_identical=ev["identical"])
         out.update(eval_s=round(ev["seconds"], 4), eval_floor_s=round(ev["floor"], 4))
-        out.update(eval_over_floor=round(ev["seconds"] / ev["floor"], 2), eval_floor_s_bf16=round(ev["floor_bf16"], 4))
+        eval_bf16 = round(ev["floor_bf16"], 4) if "floor_bf16" in ev else None
+        out.update(eval_over_floor=round(ev["seconds"] / ev["floor"], 2), eval_floor_s_bf16=eval_bf16)
     return out
 
 
@@ -273,7 +282,8 @@ def print_recipe(name: str, r: dict) -> None:
     if "eval_s" in r:
         labels["eval"] = f"evaluation ({r['eval_prompts']} x ({r['eval_samples']} + 1 greedy))"
     for stage, label in labels.items():
+        bf16 = r[f"{stage}_floor_s_bf16"]
         print(
             f"{label:<36}{r[f'{stage}_s']:>12.3f}{r[f'{stage}_floor_s']:>10.3f}{r[f'{stage}_over_floor']:>16.2f}"
-            f"{r[f'{stage}_floor_s_bf16']:>14.3f}"
+            + (f"{bf16:>14.3f}" if bf16 is not None else f"{'-':>14}")
         )

@@ -361,6 +361,7 @@ def test_roofline_quick():
     assert abs(row["floor_s_bf16"] - (row["gemm_s_bf16"] + row["rollout_gemm_s_bf16"])) <= 2e-4
     assert row["gemm_gflops_bf16"] > 0 and out["settings"]["square_gflops_512_bf16"] > 0
     assert out["settings"]["cpu_bf16"]  # which bf16 instructions the CPU has, or "none"
+    assert out["settings"]["bf16_floors"] == "timed"  # --quick times them on any CPU (--bf16-floors on)
 
 
 def test_agent_endpoint_quick():

@@ -15,7 +15,6 @@ import types
 import pytest
 import torch
 from conftest import REPO
-from engines_common import assert_same_run, engine_metrics
 
 from distflow.rollout import graphed
 from distflow.rollout.generation import generate
@@ -105,22 +104,6 @@ def test_graphed_refuses_sliding_window_layers():
     )  # fmt: skip
     with pytest.raises(ValueError, match="without sliding-window attention layers; use rollout.engine=compact"):
         graphed._static_cache(sliding, 8)
-
-
-def test_a_graphed_run_logs_what_the_compact_run_logs(tmp_path, cache_dir):
-    steps = ["trainer.total_steps=3", "trainer.eval_every=3", "task.num_heldout=16"]
-    compact = engine_metrics(tmp_path, cache_dir, "compact", *steps)
-    assert_same_run(engine_metrics(tmp_path, cache_dir, "graphed", *steps), compact)
-    assert any("eval/greedy_accuracy" in r for r in compact)
-
-
-@pytest.mark.slow  # two 2-rank runs (~1 min idle): CI runs it
-def test_under_fsdp2_a_graphed_run_logs_what_the_compact_run_logs(tmp_path, cache_dir):
-    """Both decode the gathered model through `unsharded_view`, on each of 2 ranks."""
-    steps = ["trainer.total_steps=2", "trainer.eval_every=2", "task.num_heldout=16", "parallel.strategy=fsdp2"]
-    compact = engine_metrics(tmp_path, cache_dir, "compact", *steps, "--nproc", "2")
-    assert_same_run(engine_metrics(tmp_path, cache_dir, "graphed", *steps, "--nproc", "2"), compact)
-    assert any("eval/greedy_accuracy" in r for r in compact)
 
 
 class _FakeCuda:

