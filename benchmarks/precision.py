@@ -32,10 +32,12 @@ Columns, per dtype, from the run's metrics.jsonl:
 
 Then float32 step s / bf16 step s (above 1: bf16 is faster), the CPU's model name, its bf16
 instructions (`avx512_bf16`, `amx_bf16`; benchmarks/roofline.py's `cpu_bf16`), torch's version
-and the device. On a CPU without them (AVX2 only) bf16 has no instructions of its own: it is
-emulated, converted to and from float32 around each product, so expect no gain there (often a
-loss). With 200 held-out problems, an accuracy's noise is about +-0.035: two dtypes' accuracies
-that close are the same result. The table goes to stdout; the last line is one JSON object.
+and the device. On a CPU without them (AVX2 only) bf16 has no instructions of its own: torch
+converts each product, about 100x slower than float32 (a 512^3 product on 2 threads of an
+AVX2-only AMD EPYC: 1.2 against 124 GFLOP/s, `benchmarks/roofline.py --quick`), so the bf16 run
+takes hours there: run this where `cpu_bf16` names the instructions. With 200 held-out problems,
+an accuracy's noise is about +-0.035: two dtypes' accuracies that close are the same result. The
+table goes to stdout; the last line is one JSON object.
 """
 
 from __future__ import annotations

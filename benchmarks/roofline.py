@@ -34,8 +34,8 @@ forward, GRPO's loss, backward, gradient clipping, AdamW), R times after one war
              bfloat16`, or TRL's `bf16=True`: both multiply in bf16 under autocast). Only a
              CPU with bf16 instructions (AVX-512 BF16, AMX: `cpu_bf16` in the JSON) runs
              them faster than fp32. Elsewhere torch converts every product, about 100x
-             slower than fp32 (0.3 against 40 GFLOP/s for the LM head's shape on one
-             thread of an AVX2-only EPYC): there `--bf16-floors auto`, the default, leaves
+             slower than fp32 (a 512^3 product on 2 threads of an AVX2-only AMD EPYC:
+             1.2 against 124 GFLOP/s, --quick's `square` columns): there `--bf16-floors auto`, the default, leaves
              them out (`-` in the table, null in the JSON) and says so; `on` times them
   square     GFLOP/s of one large square fp32 product (2048^3; --quick: 512^3), for
              reference (the model's smaller products can run faster: their operands stay
