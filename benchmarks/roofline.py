@@ -35,8 +35,9 @@ forward, GRPO's loss, backward, gradient clipping, AdamW), R times after one war
              CPU with bf16 instructions (AVX-512 BF16, AMX: `cpu_bf16` in the JSON) runs
              them faster than fp32. Elsewhere torch converts every product, about 100x
              slower than fp32 (a 512^3 product on 2 threads of an AVX2-only AMD EPYC:
-             1.2 against 124 GFLOP/s, --quick's `square` columns): there `--bf16-floors auto`, the default, leaves
-             them out (`-` in the table, null in the JSON) and says so; `on` times them
+             1.2 against 124 GFLOP/s, --quick's `square` columns): there `--bf16-floors
+             auto`, the default, leaves them out (`-` in the table, null in the JSON)
+             and says so; `on` times them
   square     GFLOP/s of one large square fp32 product (2048^3; --quick: 512^3), for
              reference (the model's smaller products can run faster: their operands stay
              in cache); `square bf16` the same product in bf16
@@ -61,7 +62,7 @@ from pathlib import Path
 
 import torch
 from bench_setup import build_model, prompt_rows
-from roofline_recipe import RECIPES, SINGLE, dtype_suffix, measure_recipe, median_seconds, print_recipe
+from roofline_recipe import RECIPES, SINGLE, cell, dtype_suffix, measure_recipe, median_seconds, print_recipe
 from throughput import SETTINGS
 
 from distflow.config.parallel import PassesConfig
@@ -216,7 +217,6 @@ def measure(name: str, repeats: int, dtypes: tuple) -> dict:
     update_s = update_seconds(model, batch, repeats)
     f = floors(shapes, prompt_rows, lengths_B, repeats, dtypes)
     gflop = 6 * weights * tokens / 1e9
-    bf16 = "gemm_s_bf16" in f
     return {
         "prompts": prompts,
         "generations": generations,
@@ -234,16 +234,18 @@ def measure(name: str, repeats: int, dtypes: tuple) -> dict:
         "update_over_gemm": round(update_s / f["gemm_s"], 2),
         "rollout_gemm_s": round(f["rollout_gemm_s"], 4),
         "floor_s": round(f["gemm_s"] + f["rollout_gemm_s"], 4),
-        "gemm_s_bf16": round(f["gemm_s_bf16"], 4) if bf16 else None,
-        "gemm_gflops_bf16": round(gflop / f["gemm_s_bf16"], 1) if bf16 else None,
-        "rollout_gemm_s_bf16": round(f["rollout_gemm_s_bf16"], 4) if bf16 else None,
-        "floor_s_bf16": round(f["gemm_s_bf16"] + f["rollout_gemm_s_bf16"], 4) if bf16 else None,
+        **bf16_columns(f, gflop),
     }
 
 
-def seconds(value: float | None, width: int) -> str:
-    """A time for the tables, `-` where it was not measured."""
-    return f"{value:>{width}.4f}" if value is not None else f"{'-':>{width}}"
+def bf16_columns(f: dict, gflop: float) -> dict:
+    """The row's bf16 floor columns, None where they were not timed."""
+    names = ("gemm_s_bf16", "gemm_gflops_bf16", "rollout_gemm_s_bf16", "floor_s_bf16")
+    if "gemm_s_bf16" not in f:
+        return dict.fromkeys(names)
+    gemm, rollout = f["gemm_s_bf16"], f["rollout_gemm_s_bf16"]
+    values = (round(gemm, 4), round(gflop / gemm, 1), round(rollout, 4), round(gemm + rollout, 4))
+    return dict(zip(names, values, strict=True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,9 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = floor_dtypes(args.bf16_floors, cpu_bf16())
     out["settings"]["bf16_floors"] = "timed" if torch.bfloat16 in dtypes else "not timed"
     for dtype in dtypes:
-        out["settings"][f"square_gflops_{size}{dtype_suffix(dtype)}"] = round(
-            square_gflops(size, args.repeats, dtype), 1
-        )
+        gflops = square_gflops(size, args.repeats, dtype)
+        out["settings"][f"square_gflops_{size}{dtype_suffix(dtype)}"] = round(gflops, 1)
     bf16 = out["settings"].get(f"square_gflops_{size}_bf16", "-")
     print(
         f"square GEMM ({size}^3 torch.mm, {torch.get_num_threads()} threads): "
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:<10}{r['tokens']:>8}{r['gflop']:>8.2f}{r['update_s']:>10.4f}{r['update_gflops']:>9.1f}"
             f"{r['gemm_s']:>9.4f}{r['gemm_gflops']:>9.1f}{r['update_over_gemm']:>13.2f}"
             f"{r['rollout_gemm_s']:>16.4f}{r['floor_s']:>9.4f}"
-            f"{seconds(r['gemm_s_bf16'], 13)}{seconds(r['rollout_gemm_s_bf16'], 21)}{seconds(r['floor_s_bf16'], 14)}"
+            f"{cell(r['gemm_s_bf16'], 13, 4)}{cell(r['rollout_gemm_s_bf16'], 21, 4)}{cell(r['floor_s_bf16'], 14, 4)}"
         )
     for name in [n for n in args.settings if n in RECIPES]:
         out[name] = measure_recipe(name, args.repeats, args.eval_repeats, dtypes)

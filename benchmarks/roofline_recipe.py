@@ -44,6 +44,11 @@ def dtype_suffix(dtype: torch.dtype) -> str:
     return "_bf16" if dtype == torch.bfloat16 else ""
 
 
+def cell(value: float | None, width: int, digits: int) -> str:
+    """A table cell, `-` where the value was not measured (a bf16 floor on a CPU without bf16 instructions)."""
+    return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
+
+
 def median_seconds(fn, repeats: int, *, warm_up: bool = True) -> float:
     if warm_up:
         fn()  # allocator, first-call overheads
@@ -258,8 +263,9 @@ def measure_recipe(name: str, repeats: int, eval_repeats: int, dtypes: tuple) ->
         out[f"{stage}_floor_s_bf16"] = round(bf16[stage], 4) if bf16 else None
     step = seconds["rollout"] + passes_in_step * seconds["logprob_pass"] + seconds["update"]
     for suffix, f in (("", floors[torch.float32]), ("_bf16", bf16)):
-        step_floor = f["rollout"] + passes_in_step * f["logprob_pass"] + f["update"] if f else None
-        out[f"step_floor_s{suffix}"] = round(step_floor, 4) if f else None
+        out[f"step_floor_s{suffix}"] = (
+            round(f["rollout"] + passes_in_step * f["logprob_pass"] + f["update"], 4) if f else None
+        )
     out.update(step_s=round(step, 4), step_over_floor=round(step / out["step_floor_s"], 2))
     if ev:
         out.update({k: v for k, v in ev.items() if k.startswith("eval_")}, eval_identical=ev["identical"])
@@ -282,8 +288,7 @@ def print_recipe(name: str, r: dict) -> None:
     if "eval_s" in r:
         labels["eval"] = f"evaluation ({r['eval_prompts']} x ({r['eval_samples']} + 1 greedy))"
     for stage, label in labels.items():
-        bf16 = r[f"{stage}_floor_s_bf16"]
         print(
             f"{label:<36}{r[f'{stage}_s']:>12.3f}{r[f'{stage}_floor_s']:>10.3f}{r[f'{stage}_over_floor']:>16.2f}"
-            + (f"{bf16:>14.3f}" if bf16 is not None else f"{'-':>14}")
+            f"{cell(r[f'{stage}_floor_s_bf16'], 14, 3)}"
         )

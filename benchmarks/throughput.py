@@ -94,6 +94,7 @@ from pathlib import Path
 
 import yaml
 from bench_setup import ROOT, build_model, ensure_bench_venv, log, run_checked, save_model, write_prompts
+from throughput_floor import ceiling, print_floor, roofline
 
 WARMUP_STEPS = 2  # dropped from every run: allocator warm-up, first-call overheads
 ENGINES = ("compact", "generate")
@@ -432,41 +433,6 @@ def run_setting(args: argparse.Namespace, bench_python: Path | None, work: Path)
         **({"trl/floor": round(trl_over_floor, 2)} if trl_over_floor else {}),
         "samples_identical": all(identical.values()),
     }
-
-
-def roofline(name: str) -> dict:
-    """benchmarks/roofline.py's row for one setting, run now (a subprocess: its own clean process)."""
-    log(f"{name}: fp32 and bf16 floors (roofline.py)")
-    out = run_checked([sys.executable, ROOT / "benchmarks" / "roofline.py", "--settings", name], what="roofline.py")
-    return json.loads(out.strip().splitlines()[-1])[name]
-
-
-def ceiling(results: dict, floor: dict, dtype: str = "float32") -> float | None:
-    """TRL's step over the floor in `dtype`: the largest distflow/TRL ratio a step at that floor would reach
-    (None where that floor was not timed: bf16 on a CPU without bf16 instructions).
-
-    >>> ceiling({"trl": {"step_s": 0.15}}, {"floor_s": 0.05, "floor_s_bf16": 0.03}, "bfloat16")
-    5.0
-    >>> ceiling({"trl": {"step_s": 0.15}}, {"floor_s": 0.05, "floor_s_bf16": None}, "bfloat16") is None
-    True
-    """
-    seconds = floor["floor_s_bf16" if dtype == "bfloat16" else "floor_s"]
-    return round(results["trl"]["step_s"] / seconds, 4) if seconds else None
-
-
-def print_floor(floor: dict, trl_over_floor: float | None, dtype: str) -> None:
-    for name, suffix in (("fp32", ""), ("bf16", "_bf16")):
-        if floor[f"floor_s{suffix}"] is None:
-            print(f"  {name} floor (roofline.py): not timed on this CPU (it has no bf16 instructions)")
-            continue
-        print(
-            f"  {name} floor (roofline.py): {floor[f'floor_s{suffix}']:.4f} s/step (update's GEMMs "
-            f"{floor[f'gemm_s{suffix}']:.4f} + rollout's {floor[f'rollout_gemm_s{suffix}']:.4f})"
-        )
-    if trl_over_floor:
-        print(
-            f"  TRL's step is {trl_over_floor:.2f}x the {dtype} floor, the most any {dtype} engine can beat TRL by here"
-        )
 
 
 def main(argv: list[str] | None = None) -> int:

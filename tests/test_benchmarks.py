@@ -68,9 +68,9 @@ def test_every_benchmark_has_a_quick_test():
     # bench_setup.py is what throughput.py, roofline.py and learning.py share; dispatch_counter.py,
     # host_costs_rollout.py and trl_count_worker.py are host_costs.py's counter, its rollout part and its
     # TRL side (tests/test_host_costs.py); gpu_rollout.py and gpu_tables.py are gpu.py's rollout section and
-    # tables (tests/test_gpu_check.py).
+    # tables (tests/test_gpu_check.py); throughput_floor.py is throughput.py's --roofline part.
     helpers = {"trl_worker.py", "roofline_recipe.py", "bench_setup.py", "dispatch_counter.py", "trl_count_worker.py"}
-    helpers |= {"host_costs_rollout.py", "gpu_rollout.py", "gpu_tables.py"}
+    helpers |= {"host_costs_rollout.py", "gpu_rollout.py", "gpu_tables.py", "throughput_floor.py"}
     scripts = {p.name for p in BENCHMARKS.glob("*.py")} - helpers
     assert scripts == {
         "throughput.py",
@@ -209,7 +209,7 @@ def test_throughput_roofline_is_the_settings_own_cpu_floor(monkeypatch):
     assert throughput.parse_args(["--roofline", "--settings", "wide"]).roofline
     calls = []
     monkeypatch.setattr(
-        throughput,
+        benchmark_module("throughput_floor"),  # where throughput.roofline runs roofline.py
         "run_checked",
         lambda cmd, what: (
             calls.append(cmd)
