@@ -259,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         }
     }
     size = 512 if args.quick else 2048
-    out["settings"]["cpu_bf16"] = cpu_bf16()
-    dtypes = floor_dtypes(args.bf16_floors, cpu_bf16())
+    out["settings"]["cpu_bf16"] = instructions = cpu_bf16()
+    dtypes = floor_dtypes(args.bf16_floors, instructions)
     out["settings"]["bf16_floors"] = "timed" if torch.bfloat16 in dtypes else "not timed"
     for dtype in dtypes:
         gflops = square_gflops(size, args.repeats, dtype)
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"square GEMM ({size}^3 torch.mm, {torch.get_num_threads()} threads): "
         f"{out['settings'][f'square_gflops_{size}']} GFLOP/s fp32, {bf16} GFLOP/s bf16 "
-        f"(CPU bf16 instructions: {cpu_bf16()})"
+        f"(CPU bf16 instructions: {instructions})"
     )
     if torch.bfloat16 not in dtypes and args.bf16_floors == "auto":
         print(
