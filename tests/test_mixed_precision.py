@@ -24,10 +24,16 @@ from distflow.training.policy import PolicyEngine
 CPU = Comm(0, 1, 0, 1, torch.device("cpu"))
 
 
-def _engine(dtype: str) -> PolicyEngine:
+def _engine(dtype: str, *overrides: str) -> PolicyEngine:
     config = load_config(
         None,
-        [f"parallel.param_dtype={dtype}", f"optim.lr={LR}", "optim.warmup_steps=0", "passes.micro_batch_size=3"],
+        [
+            f"parallel.param_dtype={dtype}",
+            f"optim.lr={LR}",
+            "optim.warmup_steps=0",
+            "passes.micro_batch_size=3",
+            *overrides,
+        ],
     )
     model = build_tiny_model(build_char_tokenizer(), seed=0)
     return PolicyEngine(model, CPU, config.optim, temperature=1.0, parallel=config.parallel, passes=config.passes)
@@ -163,6 +169,29 @@ def test_an_inference_pass_casts_the_weights_once_frozen_or_not(frozen):
             counts.append(casts.count)
     assert counts[0] >= len(linears) and counts[1:] == [0, 0]  # cast at the first forward only
     assert all(p.requires_grad is not frozen for p in model.parameters())  # as it was before the pass
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_an_update_casts_each_weight_once_over_its_micro_batches(checkpointing):
+    """One autocast region spans the step's micro-batches (the losses and backwards run with it paused),
+    so a weight is cast once per optimizer step, not per micro-batch or per recomputed block; the
+    gradients are bit for bit those of one region per micro-batch's forward."""
+    overrides = ["optim.grad_clip=1e9", f"parallel.activation_checkpointing={str(checkpointing).lower()}"]
+    engine, reference = _engine("bfloat16", *overrides), _engine("bfloat16", *overrides)
+    linears = [m.weight for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
+    batch = step_batch(0)
+    num_tokens = float(batch["response_mask"].sum())
+    with _Casts({w.numel() for w in linears}) as casts:
+        engine.update(batch, pg_loss, num_tokens)
+    assert len(batch.micro_batches(3)) == 3 and casts.count == len(linears)
+    with _Casts({w.numel() for w in linears}) as casts:
+        for micro in batch.micro_batches(3):  # what `update` did before: a region per forward
+            with autocast(reference.model):
+                out_BR, entropy_BR = reference.forward(micro)
+            (pg_loss(micro, out_BR, entropy_BR)[0] / num_tokens).backward()
+    assert casts.count >= 3 * len(linears)
+    grads = {name: p.grad for name, p in engine.model.named_parameters()}
+    assert all(torch.equal(p.grad, grads[name]) for name, p in reference.model.named_parameters())
 
 
 def test_a_run_says_when_auto_chose_bfloat16_and_how_to_keep_float32():

@@ -28,11 +28,12 @@ copy beside its compute dtype (`shards`).
 
 Below float32 without sharding (ddp, a rollout-only rank's copy), the model keeps float32
 parameters and computes in `parallel.param_dtype` under `torch.autocast`: `autocast(model)`
-around each training forward, and `gathered(model)` around every inference pass, so that a
-rollout casts the weights once (autocast's cache lives as long as the outermost region), not once
-per decoded token (`graphed`, whose CUDA graphs cannot use that cache, casts its linear layers'
-weights once a rollout itself: `rollout.cast_weights`). Autocast is per thread: the agent
-endpoint's backend thread enters its own.
+around an optimizer step's forwards (its losses and backwards paused), and `gathered(model)` around
+every inference pass, so that a step casts the weights once, not once per micro-batch (or per
+block recomputed by activation checkpointing), and a rollout once (autocast's cache lives as long
+as the outermost region), not once per decoded token (`graphed`, whose CUDA graphs cannot use that
+cache, casts its linear layers' weights once a rollout itself: `rollout.cast_weights`).
+Autocast is per thread: the agent endpoint's backend thread enters its own.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import copy
 import functools
 import inspect
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -141,10 +142,15 @@ def compute_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 @contextlib.contextmanager
-def autocast(model: torch.nn.Module | None, *, inference: bool = False) -> Iterator[None]:
+def autocast(
+    model: torch.nn.Module | None, *, inference: bool = False
+) -> Iterator[Callable[[], contextlib.AbstractContextManager]]:
     """Within it, this thread computes `model`'s forwards in its compute dtype (`compute_in`) over its
     float32 parameters: `torch.autocast`, whose cache casts each weight once per outermost region.
     Nothing for a float32 model, or a sharded one (FSDP2's mixed precision casts its parameters).
+
+    It yields `paused`: `with paused():` computes in the tensors' own dtypes (a loss, a backward) and
+    keeps the cache, so that one region can span every micro-batch of an optimizer step.
 
     autocast caches only the casts of weights that require a gradient. `inference` (every forward
     within runs without one: `gathered`'s passes) lets a frozen model's weights (a rollout-only
@@ -153,7 +159,7 @@ def autocast(model: torch.nn.Module | None, *, inference: bool = False) -> Itera
     model = getattr(model, "parameters_owner", model)
     dtype = getattr(model, "_distflow_compute_dtype", torch.float32)
     if model is None or dtype == torch.float32 or is_sharded(model):
-        yield
+        yield contextlib.nullcontext
         return
     device_type = next(model.parameters()).device.type
     frozen = [p for p in model.parameters() if inference and not p.requires_grad and p.is_floating_point()]
@@ -161,7 +167,8 @@ def autocast(model: torch.nn.Module | None, *, inference: bool = False) -> Itera
         param.requires_grad_(True)
     try:
         with torch.autocast(device_type=device_type, dtype=dtype):
-            yield
+            # a nested disabled region keeps the cache: torch clears it when the outermost one exits
+            yield functools.partial(torch.autocast, device_type=device_type, enabled=False)
     finally:
         for param in frozen:
             param.requires_grad_(False)

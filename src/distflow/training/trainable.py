@@ -17,6 +17,7 @@ communicates, and only a rank with no micro-batch at all adds one such pass.
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -93,19 +94,22 @@ class TrainableEngine(abc.ABC):
         # host (each read stalls a GPU until it catches up).
         sums: dict[str, torch.Tensor] = {}
         nonfinite = torch.zeros(1, device=self.comm.device)
-        for i in range(num_passes):
-            with gradient_sync(self.wrapped, enabled=i == num_passes - 1):
-                if i >= len(micros):  # a share shorter than a peer's: join the collectives with a zero gradient
-                    self._zero_gradient_pass()
-                    continue
-                with autocast(self.model):  # below float32 without sharding: the forward only
+        # Below float32 without sharding, the forwards compute in the compute dtype, the losses and
+        # backwards (`paused`) in float32; one region for the step casts each weight once, not per micro-batch.
+        with autocast(self.model) as paused:
+            for i in range(num_passes):
+                with gradient_sync(self.wrapped, enabled=i == num_passes - 1):
+                    if i >= len(micros):  # a share shorter than a peer's: join the collectives with a zero gradient
+                        self._zero_gradient_pass(paused)
+                        continue
                     out_BR, entropy_BR = self.forward(micros[i], entropy_grad=entropy_grad)
-                loss_sum, stats = loss_fn(micros[i], out_BR, entropy_BR)
-                nonfinite = torch.maximum(nonfinite, (~torch.isfinite(loss_sum.detach())).float().reshape(1))
-                (loss_sum * self.comm.world_size / num_loss_tokens_global).backward()
-            for name, value in stats.items():
-                value = torch.as_tensor(value, device=self.comm.device).detach().double().reshape(())
-                sums[name] = sums[name] + value if name in sums else value
+                    with paused():
+                        loss_sum, stats = loss_fn(micros[i], out_BR, entropy_BR)
+                        nonfinite = torch.maximum(nonfinite, (~torch.isfinite(loss_sum.detach())).float().reshape(1))
+                        (loss_sum * self.comm.world_size / num_loss_tokens_global).backward()
+                for name, value in stats.items():
+                    value = torch.as_tensor(value, device=self.comm.device).detach().double().reshape(())
+                    sums[name] = sums[name] + value if name in sums else value
         grad_norm = clip_grad_norm(self.model, self.grad_clip)
         # A NaN loss usually poisons the all-reduced gradient too, but not always (e.g. NaN
         # only where the mask is 0), so the ranks also agree on the losses: one tiny all-reduce.
@@ -157,9 +161,9 @@ class TrainableEngine(abc.ABC):
             return int(self.comm.all_reduce_max(most).item())
         return max(num_micros, 1)
 
-    def _zero_gradient_pass(self) -> None:
+    def _zero_gradient_pass(self, paused: Callable[[], contextlib.AbstractContextManager]) -> None:
         """One backward of 0 x (a one-token forward): every parameter gets a zero gradient
-        and the data-parallel wrapper reduces it with the peers' real ones."""
+        and the data-parallel wrapper reduces it with the peers' real ones (`paused`: as `update`'s)."""
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.comm.device)
         dummy = Batch(
             {
@@ -169,7 +173,8 @@ class TrainableEngine(abc.ABC):
             }
         )
         out_BR, _ = self.forward(dummy)
-        (out_BR.sum() * 0.0).backward()
+        with paused():
+            (out_BR.sum() * 0.0).backward()
 
 
 def local_bytes(tensor: torch.Tensor) -> int:
