@@ -18,6 +18,7 @@ from distflow.rollout.engine import RolloutEngine
 from distflow.rollout.generation import generate
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
+from distflow.training.lora import apply_lora
 from distflow.training.parallelize import autocast, compute_in, frozen_copy, gathered, resolve_dtypes
 from distflow.training.policy import PolicyEngine
 
@@ -36,6 +37,8 @@ def _engine(dtype: str, *overrides: str) -> PolicyEngine:
         ],
     )
     model = build_tiny_model(build_char_tokenizer(), seed=0)
+    if config.model.lora.rank:
+        model = apply_lora(model, config.model.lora, seed=0)
     return PolicyEngine(model, CPU, config.optim, temperature=1.0, parallel=config.parallel, passes=config.passes)
 
 
@@ -171,27 +174,55 @@ def test_an_inference_pass_casts_the_weights_once_frozen_or_not(frozen):
     assert all(p.requires_grad is not frozen for p in model.parameters())  # as it was before the pass
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_an_update_casts_each_weight_once_over_its_micro_batches(checkpointing):
+class _ParameterCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the casts to bfloat16 of each of `model`'s parameters (by name), as they are on entry."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.names = {p.data_ptr(): name for name, p in model.named_parameters()}
+        self.counts = dict.fromkeys(self.names.values(), 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16:
+            name = self.names.get(args[0].data_ptr())
+            if name is not None:
+                self.counts[name] += 1
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("lora, checkpointing", [(False, False), (False, True), (True, True)])
+def test_an_update_casts_each_weight_once_over_its_micro_batches(lora, checkpointing):
     """One autocast region spans the step's micro-batches (the losses and backwards run with it paused),
-    so a weight is cast once per optimizer step, not per micro-batch or per recomputed block; the
-    gradients are bit for bit those of one region per micro-batch's forward."""
+    and LoRA's frozen base weights are held cast for it, so a Linear weight is cast once per optimizer
+    step, not per micro-batch or per recomputed block; the gradients are bit for bit those of plain
+    `torch.autocast` around each micro-batch's forward."""
     overrides = ["optim.grad_clip=1e9", f"parallel.activation_checkpointing={str(checkpointing).lower()}"]
+    overrides += ["model.lora.rank=4"] if lora else []
     engine, reference = _engine("bfloat16", *overrides), _engine("bfloat16", *overrides)
-    linears = [m.weight for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
     batch = step_batch(0)
     num_tokens = float(batch["response_mask"].sum())
-    with _Casts({w.numel() for w in linears}) as casts:
+    with _ParameterCasts(engine.model) as casts:
         engine.update(batch, pg_loss, num_tokens)
-    assert len(batch.micro_batches(3)) == 3 and casts.count == len(linears)
-    with _Casts({w.numel() for w in linears}) as casts:
-        for micro in batch.micro_batches(3):  # what `update` did before: a region per forward
-            with autocast(reference.model):
+    assert len(batch.micro_batches(3)) == 3
+    tied = engine.model.get_input_embeddings().weight  # LoRA leaves it frozen: cast at each forward's LM head
+    weights = [
+        name
+        for name, p in engine.model.named_parameters()
+        if name.endswith("weight") and p.dim() == 2 and p is not tied and (lora or p.requires_grad)
+    ]
+    assert len(weights) > 20 and {casts.counts[name] for name in weights} == {1}
+    assert all(p.dtype == torch.float32 for p in engine.model.parameters())  # the frozen ones' values are back
+    with _ParameterCasts(reference.model) as casts:
+        for micro in batch.micro_batches(3):  # a region per forward, as `update` had before
+            with torch.autocast("cpu", dtype=torch.bfloat16):
                 out_BR, entropy_BR = reference.forward(micro)
             (pg_loss(micro, out_BR, entropy_BR)[0] / num_tokens).backward()
-    assert casts.count >= 3 * len(linears)
+    assert min(casts.counts[name] for name in weights) >= 3
     grads = {name: p.grad for name, p in engine.model.named_parameters()}
-    assert all(torch.equal(p.grad, grads[name]) for name, p in reference.model.named_parameters())
+    for name, p in reference.model.named_parameters():
+        assert (p.grad is None) == (grads[name] is None) and (p.grad is None or torch.equal(p.grad, grads[name]))
+    assert any(p.grad is not None for p in reference.model.parameters())
 
 
 def test_a_run_says_when_auto_chose_bfloat16_and_how_to_keep_float32():

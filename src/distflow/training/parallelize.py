@@ -155,7 +155,8 @@ def autocast(
     autocast caches only the casts of weights that require a gradient. `inference` (every forward
     within runs without one: `gathered`'s passes) lets a frozen model's weights (a rollout-only
     rank's copy, LoRA's base) require one for the region, so that they too are cast once, not at
-    every decoded token."""
+    every decoded token. A training region (forwards that need gradients: those weights must not get
+    one) holds its frozen Linear weights in the compute dtype instead (`_frozen_linears_in`)."""
     model = getattr(model, "parameters_owner", model)
     dtype = getattr(model, "_distflow_compute_dtype", torch.float32)
     if model is None or dtype == torch.float32 or is_sharded(model):
@@ -166,12 +167,34 @@ def autocast(
     for param in frozen:
         param.requires_grad_(True)
     try:
-        with torch.autocast(device_type=device_type, dtype=dtype):
+        with (
+            contextlib.nullcontext() if inference else _frozen_linears_in(model, dtype),
+            torch.autocast(device_type=device_type, dtype=dtype),
+        ):
             # a nested disabled region keeps the cache: torch clears it when the outermost one exits
             yield functools.partial(torch.autocast, device_type=device_type, enabled=False)
     finally:
         for param in frozen:
             param.requires_grad_(False)
+
+
+@contextlib.contextmanager
+def _frozen_linears_in(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """Within it, the float32 weights (and biases) of `model`'s Linear layers that require no gradient
+    (LoRA's base) hold their values cast to `dtype`: what autocast would cast them to at every use,
+    cast once. Not a weight that a non-Linear module shares (a tied embedding, which computes in its
+    parameter's dtype). Their float32 values are back when it exits."""
+    shared = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear) for p in m.parameters(False)}
+    linear = {id(p): p for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters(False)}
+    frozen = [p for p in linear.values() if not p.requires_grad and p.dtype == torch.float32 and id(p) not in shared]
+    kept = [p.data for p in frozen]
+    for param in frozen:
+        param.data = param.data.to(dtype)
+    try:
+        yield
+    finally:
+        for param, data in zip(frozen, kept, strict=True):
+            param.data = data
 
 
 def device_mesh(comm: Comm, shard_size: int) -> DeviceMesh:
