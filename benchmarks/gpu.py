@@ -202,7 +202,9 @@ def default_section(args: argparse.Namespace, work: Path) -> dict:
 def step_section(args: argparse.Namespace, work: Path, out: Path) -> dict:
     if args.quick:
         model_dir = save_model(work / "tiny", "tiny")
-        config, overrides = ROOT / "examples" / "arith_grpo.yaml", [f"model.path={model_dir}", "trainer.total_steps=3"]
+        # the held-out set, evaluated before and after the steps, only as large as a timing run needs
+        overrides = [f"model.path={model_dir}", "trainer.total_steps=3", "task.num_heldout=64"]
+        config = ROOT / "examples" / "arith_grpo.yaml"
     else:
         config, overrides = ROOT / "examples" / "smollm2_chain_sum.yaml", ["trainer.total_steps=5"]
     overrides.append("trainer.eval_every=0")
