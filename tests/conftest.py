@@ -22,7 +22,14 @@ if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("OMP_NUM_THREADS
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
-    """Warm-start cache shared by the end-to-end tests of one session."""
+    """Warm-start cache shared by the end-to-end tests of one session, and by its pytest-xdist workers
+    (their base temp dirs share a parent): a warm-start is built by the first run that needs it. Two
+    workers that build the same one at once both finish it, and the second rename loses
+    (tasks/embedded.py: atomic), so a run never reads half of one."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "warmstart-cache"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("warmstart-cache")
 
 
