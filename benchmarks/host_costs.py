@@ -4,6 +4,8 @@ syncs per decoded token of each rollout engine, and per GRPO step, distflow vs T
     .venv/bin/python benchmarks/host_costs.py --model smollm2     # the recipe's shape (make smollm2)
     .venv/bin/python benchmarks/host_costs.py --model tiny        # the embedded-size random Llama
     .venv/bin/python benchmarks/host_costs.py --engine graphed    # distflow's step with `graphed` rollouts
+    .venv/bin/python benchmarks/host_costs.py --skip-trl --skip-rollout --set parallel.strategy=fsdp2 \
+        parallel.param_dtype=bfloat16                             # distflow's step with these overrides
     .venv/bin/python benchmarks/host_costs.py --quick             # smoke test (the suite): tiny, 4 x 4, 4 tokens
 
 Why: on a GPU a small model's step is bound by the host (issue 39), by the kernels it launches
@@ -99,6 +101,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--engine", choices=["compact", "graphed", "generate"], default="compact", help="distflow's, in the step"
     )
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="distflow's step with these overrides too (e.g. parallel.strategy=fsdp2 parallel.param_dtype=bfloat16)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.model = "tiny"
@@ -136,6 +145,7 @@ def distflow_overrides(args: argparse.Namespace, model_dir: Path, work: Path) ->
         "checkpoint.at_end=false",
         f"trainer.output_dir={work}",
         "trainer.run_name=host_costs",
+        *args.set,
     ]
 
 
@@ -317,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             "temperature": args.temperature,
             "count_step": COUNT_STEP,
             "engine": args.engine,
+            "set": args.set,
             "as_on_cuda": [
                 "optimizers' foreach implementation where not fused",
                 *(".".join(c) for c in CHOICES_BY_DEVICE),

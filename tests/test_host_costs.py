@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, benchmark_module
 
 BENCHMARKS = REPO / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -162,3 +162,11 @@ def test_quick_counts_both_training_steps_by_stage(quick):
         assert total["ops"] == sum(stage["ops"] for stage in quick["step"][system].values())
         assert total["syncs"] > 0
     assert quick["step"]["ratios"]["ops"] > 0
+
+
+def test_set_adds_its_overrides_last_to_distflows_step(tmp_path):
+    host_costs = benchmark_module("host_costs")
+    args = host_costs.parse_args(["--quick", "--set", "parallel.strategy=fsdp2", "parallel.param_dtype=bfloat16"])
+    overrides = host_costs.distflow_overrides(args, tmp_path / "model", tmp_path)
+    assert overrides[-2:] == ["parallel.strategy=fsdp2", "parallel.param_dtype=bfloat16"]  # last: they win
+    assert host_costs.parse_args(["--quick"]).set == []
