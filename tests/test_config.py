@@ -46,11 +46,6 @@ def test_int_is_accepted_for_float_and_none_for_optional(tmp_path):
         ("", ["rollout.temperature=0"], "rollout.temperature must be > 0"),
         ("", ["optim.betas=[0.9]"], "optim.betas must be a list of 2 values"),
         ("", ["algorithm.name=ppo-ish"], "algorithm.name must be one of"),
-        (
-            "",
-            ["rollout.engine=compiled", "parallel.strategy=fsdp2"],
-            "use rollout.engine=compact with parallel.strategy",
-        ),
         ("- a\n- b\n", [], "must hold a mapping"),
         ("trainer: [1\n", [], "is not valid YAML"),
         ("", ["nonsense"], "must look like section.key=value"),

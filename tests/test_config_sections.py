@@ -258,10 +258,6 @@ def test_passes_resolve_shared_prefix_once():
             ["rollout.engine=vllm", "placement.rollout.ranks_per_replica=2"],
             "rollout.engine=vllm runs one engine per rank (a replica of 2 ranks would need vLLM's tensor parallelism)",
         ),
-        (
-            ["rollout.engine=compiled", "parallel.strategy=fsdp2"],
-            "rollout.engine=compiled compiles the rollout model's forward, which fsdp2 gathers",
-        ),
         # Two rules broken: the first in config/rules.py's order is reported.
         (["task.num_digits=1", "task.num_heldout=100", "algorithm.overlong.buffer=6"], "task.num_heldout=100 "),
     ],
@@ -272,7 +268,6 @@ def test_passes_resolve_shared_prefix_once():
         "dynamic-sampling-placement",
         "overlong",
         "vllm-replica",
-        "compiled-fsdp2",
         "first-rule-first",
     ],
 )
@@ -282,10 +277,9 @@ def test_each_rule_between_sections_is_one_error_when_the_config_is_loaded(items
 
 
 def test_the_rules_between_sections_hold_for_a_config_built_in_code():
-    with pytest.raises(ConfigError, match="rollout.engine=compiled compiles"):
-        Config(
-            rollout=load_config(None, ["rollout.engine=compiled"]).rollout, parallel=ParallelConfig(strategy="fsdp2")
-        )
+    algorithm = load_config(None, ["algorithm.overlong.buffer=6", "rollout.max_new_tokens=8"]).algorithm
+    with pytest.raises(ConfigError, match="algorithm.overlong.buffer=6 must be below rollout.max_new_tokens=6"):
+        Config(algorithm=algorithm)  # the default rollout section: 6 new tokens
 
 
 def test_a_block_named_after_a_part_chooses_it_when_the_section_names_none(tmp_path):

@@ -147,10 +147,12 @@ def test_compiled_engine_draws_the_compact_samples_and_follows_weight_updates(mo
 
 
 @pytest.mark.slow  # two 2-rank CLI runs, one compiling: CI runs it
-def test_a_compiled_run_on_two_ranks_logs_what_the_compact_run_logs(tmp_path, cache_dir):
+def test_a_compiled_run_on_two_fsdp2_ranks_logs_what_the_compact_run_logs(tmp_path, cache_dir):
+    """Under fsdp2 both decode the gathered model's view, whose parameters are new at each rollout (under
+    ddp `compiled` compiles the plain model, as the test above does in one process)."""
     from engines_common import assert_same_run, engine_metrics
 
-    steps = ["--nproc", "2", "trainer.total_steps=3", "trainer.eval_every=0"]
+    steps = ["--nproc", "2", "trainer.total_steps=3", "trainer.eval_every=0", "parallel.strategy=fsdp2"]
     compiled = engine_metrics(tmp_path, cache_dir, "compiled", *steps)
     assert_same_run(compiled, engine_metrics(tmp_path, cache_dir, "compact", *steps))
     assert len(compiled) == 4

@@ -1,15 +1,16 @@
 """The `compiled` engine: `compact` over the model's forward compiled by `torch.compile`.
 
 Shapes are dynamic (the batch shrinks as rows finish and the cache grows); the compiled module is
-made once per model and shares its parameters, so weight updates and syncs reach it. The first
-rollout pays the compile (tens of seconds on a CPU, minutes on a GPU). Not with fsdp2, which
-gathers the rollout model from shards for every rollout (`check`)."""
+made once per model and shares its parameters, so weight updates and syncs reach it. Under fsdp2
+the model it decodes is the gathered model's view (`training.parallelize.unsharded_view`): one view
+per model, its parameters taken afresh at each rollout, which the compiled forward reads as inputs,
+so a new gather compiles nothing again. The first rollout pays the compile (tens of seconds on a
+CPU, minutes on a GPU)."""
 
 from __future__ import annotations
 
 import weakref
 
-from distflow.config.errors import check
 from distflow.rollout.compact import _decode
 from distflow.rollout.engine import Request, RolloutEngine
 
@@ -19,14 +20,6 @@ class CompiledEngine(RolloutEngine):
 
     def __init__(self) -> None:
         self._compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    @classmethod
-    def check(cls, config) -> None:
-        check(
-            config.parallel.strategy == "ddp",
-            "rollout.engine=compiled compiles the rollout model's forward, which fsdp2 gathers from shards "
-            "for every rollout; use rollout.engine=compact with parallel.strategy=fsdp2",
-        )
 
     def responses(self, model, request: Request):
         return _decode(self.compiled(model), request)
