@@ -13,8 +13,10 @@ from distflow.runtime.status_files import is_alive
 
 OWNER = '''
 """Two gloo ranks (`main`): rank 0 alone owns a vLLM engine with its core in a child process, then both
-all-reduce; rank 0 prints what it saw and dies by SIGKILL (its engine must end without it). (A finished
-run's `Worker.close` ending its child engine: tests/test_vllm_e2e.py's disaggregated run.)"""
+all-reduce; rank 1 leaves the process group and exits, and only then rank 0 prints what it saw and dies
+by SIGKILL (its engine must end without it; a peer dying while rank 1's gloo threads were still up
+aborted rank 1 at exit: "terminate called without an active exception"). (A finished run's
+`Worker.close` ending its child engine: tests/test_vllm_e2e.py's disaggregated run.)"""
 import datetime, json, os, signal, time
 import torch, torch.distributed as dist
 
@@ -84,10 +86,18 @@ def main():
     seen, model = rollout_rank() if rank == 0 else ({}, None)
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)  # rank 1 joined nothing vLLM did: the world is still just the two ranks
+    pids = torch.tensor([0, 0])
+    pids[rank] = os.getpid()
+    dist.all_reduce(pids)
     if rank == 1:
+        dist.destroy_process_group()
         return
     from distflow.runtime.descendants import descendants
+    from distflow.runtime.status_files import is_alive
 
+    start = time.monotonic()
+    while is_alive(int(pids[1])) and time.monotonic() - start < 1800:  # a hang guard: rank 1 exits at once
+        time.sleep(0.1)
     seen["all_reduce"] = total.item()
     seen["children"] = {pid: open(f"/proc/{pid}/cmdline").read().replace("\\0", " ") for pid in descendants()}
     seen["shm"] = shm_files(descendants())
