@@ -146,35 +146,6 @@ def test_cli_trains_in_bfloat16_with_ddp_and_logs_the_rollout_gap(tmp_path, cach
 
 
 class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the casts to bfloat16 of float32 tensors with as many elements as a weight of `sizes`."""
-
-    def __init__(self, sizes: set[int]) -> None:
-        super().__init__()
-        self.sizes, self.count = sizes, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16:
-            self.count += args[0].dtype == torch.float32 and args[0].numel() in self.sizes
-        return func(*args, **kwargs)
-
-
-@pytest.mark.parametrize("frozen", [False, True])
-def test_an_inference_pass_casts_the_weights_once_frozen_or_not(frozen):
-    model = build_tiny_model(build_char_tokenizer(), seed=0).eval().requires_grad_(not frozen)
-    compute_in(model, torch.bfloat16)
-    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    ids, counts = torch.tensor([[5, 6, 7]]), []
-    with torch.no_grad(), gathered(model):
-        for _ in range(3):
-            with _Casts({w.numel() for w in linears}) as casts:
-                model(ids)
-            counts.append(casts.count)
-    assert counts[0] >= len(linears) and counts[1:] == [0, 0]  # cast at the first forward only
-    assert all(p.requires_grad is not frozen for p in model.parameters())  # as it was before the pass
-
-
-class _ParameterCasts(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the casts to bfloat16 of each of `model`'s parameters (by name), as they are on entry."""
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -191,6 +162,22 @@ class _ParameterCasts(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+@pytest.mark.parametrize("frozen", [False, True])
+def test_an_inference_pass_casts_the_weights_once_frozen_or_not(frozen):
+    model = build_tiny_model(build_char_tokenizer(), seed=0).eval().requires_grad_(not frozen)
+    compute_in(model, torch.bfloat16)
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    names = {p: name for name, p in model.named_parameters()}
+    ids, counts = torch.tensor([[5, 6, 7]]), []
+    with torch.no_grad(), gathered(model):
+        for _ in range(3):
+            with _Casts(model) as casts:
+                model(ids)
+            counts.append(sum(casts.counts[names[w]] for w in linears))
+    assert counts[0] >= len(linears) and counts[1:] == [0, 0]  # cast at the first forward only
+    assert all(p.requires_grad is not frozen for p in model.parameters())  # as it was before the pass
+
+
 @pytest.mark.parametrize("lora, checkpointing", [(False, False), (False, True), (True, True)])
 def test_an_update_casts_each_weight_once_over_its_micro_batches(lora, checkpointing):
     """One autocast region spans the step's micro-batches (the losses and backwards run with it paused),
@@ -202,7 +189,7 @@ def test_an_update_casts_each_weight_once_over_its_micro_batches(lora, checkpoin
     engine, reference = _engine("bfloat16", *overrides), _engine("bfloat16", *overrides)
     batch = step_batch(0)
     num_tokens = float(batch["response_mask"].sum())
-    with _ParameterCasts(engine.model) as casts:
+    with _Casts(engine.model) as casts:
         engine.update(batch, pg_loss, num_tokens)
     assert len(batch.micro_batches(3)) == 3
     tied = engine.model.get_input_embeddings().weight  # LoRA leaves it frozen: cast at each forward's LM head
@@ -213,7 +200,7 @@ def test_an_update_casts_each_weight_once_over_its_micro_batches(lora, checkpoin
     ]
     assert len(weights) > 20 and {casts.counts[name] for name in weights} == {1}
     assert all(p.dtype == torch.float32 for p in engine.model.parameters())  # the frozen ones' values are back
-    with _ParameterCasts(reference.model) as casts:
+    with _Casts(reference.model) as casts:
         for micro in batch.micro_batches(3):  # a region per forward, as `update` had before
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 out_BR, entropy_BR = reference.forward(micro)
