@@ -53,4 +53,16 @@ def user_module(tmp_path, monkeypatch, name: str, source: str):
     try:
         yield tmp_path
     finally:
-        sys.modules.pop(name, None)
+        forget_module(name)
+
+
+def forget_module(name: str) -> None:
+    """This process forgets the user's module `name`: its import, and each registry's part imported from it
+    (a registry keeps what `name:part` gave, so the next test's module of that name would not be read)."""
+    from distflow.config import components
+
+    sys.modules.pop(name, None)
+    for registry in vars(components).values():
+        if isinstance(registry, components.Registry):
+            for part in [p for p in registry.names() if p.startswith(f"{name}:")]:
+                registry._classes.pop(part, None)

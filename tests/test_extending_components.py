@@ -3,7 +3,6 @@ and no edit to src/: a rollout engine (`rollout.engine`), a task source (`task.s
 estimator with a stage of its own (`algorithm.estimator`)."""
 
 import json
-import sys
 
 import pytest
 from extending_common import SHAPING, train_tiny, user_module
@@ -182,21 +181,20 @@ def test_a_run_trains_on_rows_from_a_task_source_of_ones_own(tmp_path):
 def test_each_task_source_reads_its_own_keys_and_old_configs_name_theirs(tmp_path, monkeypatch):
     from distflow.config.deprecated import DeprecatedKeyWarning
 
-    (tmp_path / "http_task.py").write_text(HTTP_TASK)
-    monkeypatch.syspath_prepend(str(tmp_path))
-
-    with pytest.warns(
-        DeprecatedKeyWarning, match="^task.train_file without task.source is deprecated; add task.source=files$"
-    ):
-        config = load_config(None, ["task.train_file=t.jsonl", "task.heldout_file=h.jsonl", "model.path=m"])
-    assert config.task.source == "files"
-    source = "task.source=http_task:rows_over_http"
-    assert load_config(None, ["task.num_heldout=20000", source]).task.num_heldout == 20000  # no addition rule
-    with pytest.raises(
-        ConfigError, match="^task.dataset is a setting of task.source=datasets, and this run's task.source is files"
-    ):
-        load_config(None, ["task.source=files", "task.train_file=t", "task.heldout_file=h", "task.dataset={path: x}"])
-    sys.modules.pop("http_task", None)
+    with user_module(tmp_path, monkeypatch, "http_task", HTTP_TASK):
+        with pytest.warns(
+            DeprecatedKeyWarning, match="^task.train_file without task.source is deprecated; add task.source=files$"
+        ):
+            config = load_config(None, ["task.train_file=t.jsonl", "task.heldout_file=h.jsonl", "model.path=m"])
+        assert config.task.source == "files"
+        source = "task.source=http_task:rows_over_http"
+        assert load_config(None, ["task.num_heldout=20000", source]).task.num_heldout == 20000  # no addition rule
+        with pytest.raises(
+            ConfigError, match="^task.dataset is a setting of task.source=datasets, and this run's task.source is files"
+        ):
+            load_config(
+                None, ["task.source=files", "task.train_file=t", "task.heldout_file=h", "task.dataset={path: x}"]
+            )
 
 
 # An advantage estimator of one's own with a stage of its own, in one file: rewards turned into ranks
@@ -228,28 +226,28 @@ RANKED = Estimator(grpo_advantage, (REWARD, GROUP, RESPONSE_MASK), before_advant
 
 
 def test_an_estimator_of_ones_own_adds_its_stage_and_the_pieces_compose_for_every_kl_placement(tmp_path, monkeypatch):
-    (tmp_path / "rank_estimator.py").write_text(RANK_ESTIMATOR)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    graph = build_graph(load_config(None, ["algorithm.estimator=rank_estimator:RANKED"]))
-    names = [s.name for s in graph.validate(LOADER_FIELDS)]
-    assert names == ["rollout", "reward", "ranks", "advantage", "policy_update", "weight_sync"]
-    ppo = [s.name for s in build_graph(load_config(None, ["algorithm.estimator=gae"])).validate(LOADER_FIELDS)]
-    assert ppo == ["rollout", "reward", "values", "advantage", "policy_update", "critic_update", "weight_sync"]
-    for in_reward in ("true", "false"):  # composed as dag/pieces.py's docstring says
-        config = load_config(None, ["algorithm.kl.coef=0.1", f"algorithm.kl.in_reward={in_reward}"])
-        chain = pieces.Chain(config)
-        pieces.add_rollout(chain)
-        pieces.add_rewards(chain)
-        pieces.add_kl_reward(chain)
-        pieces.add_advantage(chain, ESTIMATORS["grpo"])
-        pieces.add_logprobs(chain)
-        pieces.add_policy_update(chain)
-        pieces.add_weight_sync(chain)
-        stages = [s.name for s in chain.graph.validate(LOADER_FIELDS)]
-        assert stages.count("old_logprob") == (in_reward == "true") and stages.count("reference_logprob") == 1
-    with pytest.raises(ConfigError, match="algorithm.critic.warmup_steps needs a critic, which this pipeline does not"):
-        build_graph(load_config(None, ["algorithm.critic.warmup_steps=2"]))
-    sys.modules.pop("rank_estimator", None)
+    with user_module(tmp_path, monkeypatch, "rank_estimator", RANK_ESTIMATOR):
+        graph = build_graph(load_config(None, ["algorithm.estimator=rank_estimator:RANKED"]))
+        names = [s.name for s in graph.validate(LOADER_FIELDS)]
+        assert names == ["rollout", "reward", "ranks", "advantage", "policy_update", "weight_sync"]
+        ppo = [s.name for s in build_graph(load_config(None, ["algorithm.estimator=gae"])).validate(LOADER_FIELDS)]
+        assert ppo == ["rollout", "reward", "values", "advantage", "policy_update", "critic_update", "weight_sync"]
+        for in_reward in ("true", "false"):  # composed as dag/pieces.py's docstring says
+            config = load_config(None, ["algorithm.kl.coef=0.1", f"algorithm.kl.in_reward={in_reward}"])
+            chain = pieces.Chain(config)
+            pieces.add_rollout(chain)
+            pieces.add_rewards(chain)
+            pieces.add_kl_reward(chain)
+            pieces.add_advantage(chain, ESTIMATORS["grpo"])
+            pieces.add_logprobs(chain)
+            pieces.add_policy_update(chain)
+            pieces.add_weight_sync(chain)
+            stages = [s.name for s in chain.graph.validate(LOADER_FIELDS)]
+            assert stages.count("old_logprob") == (in_reward == "true") and stages.count("reference_logprob") == 1
+        with pytest.raises(
+            ConfigError, match="algorithm.critic.warmup_steps needs a critic, which this pipeline does not"
+        ):
+            build_graph(load_config(None, ["algorithm.critic.warmup_steps=2"]))
 
 
 def test_a_run_trains_with_an_estimator_of_ones_own(tmp_path):
