@@ -11,6 +11,8 @@ inputs checked before any rank starts and signals to the launcher in tests/test_
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -267,6 +269,30 @@ def test_config_errors_stop_before_any_rank(workdir, args, needle):
 def test_file_errors(workdir, args, needle):
     result = run_cli(*[a.replace("{tmp}", str(workdir)) for a in args], cwd=workdir, timeout=1800)
     assert len(check_one_line_error(result, needle.replace("{tmp}", str(workdir)))) == 1
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", CONFIG, "--resume", "{tmp}/nothing"],
+        ["train", CONFIG, "--resume", "{tmp}/empty"],
+        ["export", "{tmp}/nothing", "--out", "{tmp}/hf"],
+    ],
+    ids=["resume missing", "resume empty run", "export missing"],
+)
+def test_a_path_with_no_checkpoint_is_named_before_torch_loads(workdir, args):
+    """What names no checkpoint at all is found from the directories alone (checkpoint/locate.py), in a
+    fraction of a second: torch, and transformers, load only once a checkpoint is found."""
+    args = [a.replace("{tmp}", str(workdir)) for a in args]
+    code = (
+        "import sys; from distflow.cli import main; code = main(sys.argv[1:]); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(code)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=workdir, capture_output=True, text=True, timeout=1800
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.startswith("distflow: error: ") and "checkpoint" in result.stderr
 
 
 # ---- errors that a rank finds (each a short real run) ------------------------------------------

@@ -37,13 +37,14 @@ def export(
     checkpoint: str, out: str, *, merged: bool = False, base_model: str | None = None, max_shard_bytes: int = 5 * 10**9
 ) -> int:
     try:
-        from distflow.checkpoint import export_hf
-        from distflow.runtime.checkpointing import resolve
+        from distflow.checkpoint.locate import resolve
 
         out_dir = Path(out)
         if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
             raise ConfigError(f"--out {out!r} exists and is not an empty directory; choose a new one")
         path = resolve(Path(checkpoint))
+        from distflow.checkpoint import export_hf  # transformers: once the checkpoint is found
+
         export_hf(path, out_dir, merged=merged, base_model=base_model, max_shard_bytes=max_shard_bytes)
     except ConfigError as err:
         print(f"distflow: error: {err}", file=sys.stderr)

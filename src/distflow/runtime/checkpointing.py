@@ -27,15 +27,13 @@ from typing import Any
 
 from distflow.checkpoint import (
     CheckpointError,
-    latest_checkpoint,
     load_checkpoint,
     restore_rng,
     save_checkpoint,
 )
 from distflow.checkpoint.contents import read_meta
-from distflow.checkpoint.directory import COMPLETE
 from distflow.checkpoint.parts import has_state, part_states, restore_part_states, saved_part_states
-from distflow.config import Config, to_dict
+from distflow.config import to_dict
 from distflow.config.deprecated import DeprecatedKeyWarning, upgrade_old_keys
 from distflow.planner.plan import PlannedStage
 from distflow.runtime.worker import Worker
@@ -63,26 +61,6 @@ FREE_TO_CHANGE = (
     "placement.",
     "warmstart.cache_dir",
 )
-
-
-def checkpoint_root(config: Config, run_dir: Path) -> Path:
-    return Path(config.checkpoint.dir).expanduser() if config.checkpoint.dir else run_dir / "checkpoints"
-
-
-def resolve(path: Path) -> Path:
-    """A complete checkpoint from a checkpoint, a checkpoint root, or a run directory (their latest)."""
-    path = Path(path)
-    if (path / COMPLETE).is_file():
-        return path
-    for root in (path, path / "checkpoints"):
-        latest = latest_checkpoint(root)
-        if latest is not None:
-            return latest
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    if path.name.startswith("step-"):
-        read_meta(path)  # names what is wrong with it (incomplete, ...)
-    raise CheckpointError(f"no complete checkpoint in {path} (nor in {path / 'checkpoints'})")
 
 
 def config_changes(saved: dict, current: dict) -> list[str]:

@@ -30,6 +30,7 @@ import transformers
 import yaml
 
 from distflow import gc_policy
+from distflow.checkpoint.locate import checkpoint_root
 from distflow.checkpoint.store import step_dir_name
 from distflow.comm import Comm, init_comm, node_address, shutdown
 from distflow.config import Config, ConfigError, to_dict
@@ -171,7 +172,7 @@ def _train(
     config = worker.config
     trainer = config.trainer
     torch.manual_seed(derive_seed(trainer.seed, "torch", comm.rank))  # sampling itself is keyed per sample
-    root = checkpointing.checkpoint_root(config, run_dir)
+    root = checkpoint_root(config, run_dir)
     resumed = _resume(worker, resume, status, log) if resume is not None else None
     first_step, run_state = (resumed.step + 1, resumed.state) if resumed else (1, {})
     writer = None
@@ -350,7 +351,7 @@ def _open_writer(config: Config, run_dir: Path, *, resumed_step: int | None) -> 
         resumed_step=resumed_step,
         wandb_project=trainer.wandb_project,
         config=resolved,
-        checkpoint_root=checkpointing.checkpoint_root(config, run_dir),
+        checkpoint_root=checkpoint_root(config, run_dir),
     )
 
 

@@ -93,9 +93,9 @@ def start(
 def _checked_resume(config: Config, value: str, world_size: int) -> Path:
     """The checkpoint to resume from (its run directory handed to the ranks); a ConfigError when it
     has nothing left to do."""
-    from distflow.checkpoint.contents import check_rng_files
-
     checkpoint, run_dir, meta = resume_target(config, value)
+    from distflow.checkpoint.contents import check_rng_files  # torch: once the checkpoint is found
+
     check_rng_files(checkpoint)
     step, train_s, budget_s = meta["step"], meta["extra"].get("train_s", 0.0), config.trainer.time_budget_s
     if step >= config.trainer.total_steps:
@@ -247,9 +247,8 @@ def run_dir_of(config: Config) -> Path:
 def resume_target(config: Config, value: str) -> tuple[Path, Path, dict]:
     """(checkpoint to resume from, run directory to continue writing into, the checkpoint's
     metadata: read once here, checked as it is read)."""
-    from distflow.checkpoint.contents import read_meta
     from distflow.checkpoint.directory import latest_checkpoint
-    from distflow.runtime.checkpointing import checkpoint_root, resolve
+    from distflow.checkpoint.locate import checkpoint_root, resolve
 
     if value == LATEST:
         if not config.trainer.run_name and not os.environ.get(RUN_DIR_ENV):
@@ -264,13 +263,19 @@ def resume_target(config: Config, value: str) -> tuple[Path, Path, dict]:
                 f"no complete checkpoint in {checkpoint_root(config, run_dir)} to resume from; "
                 "start the run without --resume"
             )
-        return latest, run_dir, read_meta(latest)
+        return latest, run_dir, _read_meta(latest)
     checkpoint = resolve(Path(value))
-    meta = read_meta(checkpoint)
+    meta = _read_meta(checkpoint)
     if config.trainer.run_name or os.environ.get(RUN_DIR_ENV):
         return checkpoint, run_dir_of(config), meta
     saved = meta["extra"].get("run_dir")
     return checkpoint, Path(saved) if saved else run_dir_of(config), meta
+
+
+def _read_meta(checkpoint: Path) -> dict:
+    from distflow.checkpoint.contents import read_meta  # torch's DCP: once a checkpoint is found
+
+    return read_meta(checkpoint)
 
 
 def after_restart(config: Config, resume: str | None) -> tuple[str | None, bool]:
@@ -279,7 +284,7 @@ def after_restart(config: Config, resume: str | None) -> tuple[str | None, bool]
     Returns (what to resume from, whether the run begins again: no checkpoint yet, its partial
     records go)."""
     from distflow.checkpoint.directory import latest_checkpoint
-    from distflow.runtime.checkpointing import checkpoint_root
+    from distflow.checkpoint.locate import checkpoint_root
 
     run_dir = run_dir_of(config)
     latest = latest_checkpoint(checkpoint_root(config, run_dir))
@@ -299,7 +304,7 @@ def after_restart(config: Config, resume: str | None) -> tuple[str | None, bool]
 def report_stopped(config: Config, signum: int) -> str:
     """The line (printed) about a run stopped from outside (Ctrl-C, `kill`): what stopped it and what to resume from."""
     from distflow.checkpoint.directory import latest_checkpoint
-    from distflow.runtime.checkpointing import checkpoint_root
+    from distflow.checkpoint.locate import checkpoint_root
 
     root = checkpoint_root(config, run_dir_of(config))
     latest = latest_checkpoint(root) if root.is_dir() else None
