@@ -192,13 +192,15 @@ def test_an_update_casts_each_weight_once_over_its_micro_batches(lora, checkpoin
     with _Casts(engine.model) as casts:
         engine.update(batch, pg_loss, num_tokens)
     assert len(batch.micro_batches(3)) == 3
-    tied = engine.model.get_input_embeddings().weight  # LoRA leaves it frozen: cast at each forward's LM head
+    tied = engine.model.get_input_embeddings().weight
+    assert engine.model.get_output_embeddings().weight is tied  # the LM head's: LoRA leaves it frozen
     weights = [
         name
         for name, p in engine.model.named_parameters()
-        if name.endswith("weight") and p.dim() == 2 and p is not tied and (lora or p.requires_grad)
+        if name.endswith("weight") and p.dim() == 2 and (lora or p.requires_grad)
     ]
     assert len(weights) > 20 and {casts.counts[name] for name in weights} == {1}
+    assert engine.model.get_output_embeddings().weight is tied  # tied again
     assert all(p.dtype == torch.float32 for p in engine.model.parameters())  # the frozen ones' values are back
     with _Casts(reference.model) as casts:
         for micro in batch.micro_batches(3):  # a region per forward, as `update` had before

@@ -182,19 +182,31 @@ def autocast(
 def _frozen_linears_in(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
     """Within it, the float32 weights (and biases) of `model`'s Linear layers that require no gradient
     (LoRA's base) hold their values cast to `dtype`: what autocast would cast them to at every use,
-    cast once. Not a weight that a non-Linear module shares (a tied embedding, which computes in its
-    parameter's dtype). Their float32 values are back when it exits."""
+    cast once. A weight that a non-Linear module shares (a tied embedding, which computes in its
+    parameter's dtype) stays as it is there: its Linear holds a cast copy instead. Their float32 values,
+    and the ties, are back when it exits."""
     shared = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear) for p in m.parameters(False)}
     linear = {id(p): p for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters(False)}
     frozen = [p for p in linear.values() if not p.requires_grad and p.dtype == torch.float32 and id(p) not in shared]
+    tied = [
+        (module, name, p)
+        for module in model.modules()
+        if isinstance(module, torch.nn.Linear)
+        for name, p in module.named_parameters(recurse=False)
+        if not p.requires_grad and p.dtype == torch.float32 and id(p) in shared
+    ]
     kept = [p.data for p in frozen]
     for param in frozen:
         param.data = param.data.to(dtype)
+    for module, name, param in tied:
+        module._parameters[name] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=False)
     try:
         yield
     finally:
         for param, data in zip(frozen, kept, strict=True):
             param.data = data
+        for module, name, param in tied:
+            module._parameters[name] = param
 
 
 def device_mesh(comm: Comm, shard_size: int) -> DeviceMesh:
