@@ -180,32 +180,27 @@ def autocast(
 
 @contextlib.contextmanager
 def _frozen_linears_in(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
-    """Within it, the float32 weights (and biases) of `model`'s Linear layers that require no gradient
-    (LoRA's base) hold their values cast to `dtype`: what autocast would cast them to at every use,
-    cast once. A weight that a non-Linear module shares (a tied embedding, which computes in its
-    parameter's dtype) stays as it is there: its Linear holds a cast copy instead. Their float32 values,
-    and the ties, are back when it exits."""
-    shared = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear) for p in m.parameters(False)}
-    linear = {id(p): p for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters(False)}
-    frozen = [p for p in linear.values() if not p.requires_grad and p.dtype == torch.float32 and id(p) not in shared]
-    tied = [
-        (module, name, p)
+    """Within it, `model`'s Linear layers hold their float32 weights (and biases) that require no gradient
+    (LoRA's base) cast to `dtype`: what autocast would cast them to at every use, cast once. The Linear
+    gets a cast copy and the parameter stays as it is, so a module that shares it (a tied embedding,
+    which computes in its parameter's dtype) still reads float32. The Linears hold their own again when
+    it exits."""
+    held = [
+        (module, name, param)
         for module in model.modules()
         if isinstance(module, torch.nn.Linear)
-        for name, p in module.named_parameters(recurse=False)
-        if not p.requires_grad and p.dtype == torch.float32 and id(p) in shared
+        for name, param in module.named_parameters(recurse=False)
+        if not param.requires_grad and param.dtype == torch.float32
     ]
-    kept = [p.data for p in frozen]
-    for param in frozen:
-        param.data = param.data.to(dtype)
-    for module, name, param in tied:
-        module._parameters[name] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=False)
+    cast: dict[int, torch.nn.Parameter] = {}  # one copy of a weight that several Linears share
+    for module, name, param in held:
+        if id(param) not in cast:
+            cast[id(param)] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=False)
+        module._parameters[name] = cast[id(param)]
     try:
         yield
     finally:
-        for param, data in zip(frozen, kept, strict=True):
-            param.data = data
-        for module, name, param in tied:
+        for module, name, param in held:
             module._parameters[name] = param
 
 
