@@ -41,32 +41,6 @@ def test_ranks_inherit_no_lock_of_this_process_and_see_its_environment(monkeypat
         holder.join()
 
 
-def _leave_at_once_or_watch(comm: Comm) -> bool:
-    """Rank 0 returns at once. Rank 1 watches it for a while: True where it is still alive then, as it
-    is when no rank leaves before all have returned (a peer may still be joining the group)."""
-    import time
-
-    import torch
-
-    from distflow.runtime.status_files import is_alive
-
-    pids = torch.zeros(comm.world_size, dtype=torch.long)
-    pids[comm.rank] = os.getpid()
-    torch.distributed.all_reduce(pids)
-    if comm.rank == 0:
-        return True
-    deadline = time.monotonic() + 3.0  # no bound on what passes: a rank 0 that waits is alive all along
-    while time.monotonic() < deadline:
-        if not is_alive(int(pids[0])):
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def test_no_rank_leaves_before_every_rank_has_returned():
-    assert run_local(_leave_at_once_or_watch, 2) == [True, True]
-
-
 def _one_rank_fails(comm: Comm, failing: int) -> int:
     if comm.rank == failing:
         raise ValueError(f"rank {failing}'s own error")
@@ -75,6 +49,7 @@ def _one_rank_fails(comm: Comm, failing: int) -> int:
 
 @pytest.mark.parametrize("failing", [0, 1])
 def test_the_rank_that_fails_is_the_one_reported(failing):
-    """Not a peer that lost its connection to it while waiting to leave."""
+    """Not a peer that was still joining the group when the failing rank left (without the barrier after
+    init_process_group, [1] once reported rank 0's "Gloo connectFullMesh failed" in a loaded suite)."""
     with pytest.raises(ProcessRaisedException, match=f"rank {failing}'s own error"):
         run_local(_one_rank_fails, 2, failing)

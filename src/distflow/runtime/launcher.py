@@ -52,7 +52,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from distflow.comm import Comm, is_peer_failure
+from distflow.comm import Comm
 from distflow.envvars import LAUNCHED_ENV, STATUS_DIR_ENV
 from distflow.errors import RunFailed
 from distflow.runtime.descendants import become_subreaper, descendants, process_tree
@@ -217,11 +217,12 @@ def _local_rank(rank: int, fn: Callable, world: int, out: str, args: tuple, envi
     store.set_timeout(LOCAL_TIMEOUT)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=LOCAL_TIMEOUT)
     try:
+        # No rank goes on before every rank has joined. A rank's init_process_group can return while a peer's
+        # is still accepting their connection; a rank that then exits at once (an `fn` that needs no
+        # collective, or raises) fails that peer with "Gloo connectFullMesh failed ... Connection closed
+        # by peer" (seen in CI and in a loaded suite, which then reported the peer, not the raising rank).
+        dist.barrier()
         torch.save(fn(Comm(rank, world, rank, world, torch.device("cpu")), *args), Path(out) / f"{rank}.pt")
-        # Leave together. A rank whose `fn` needs no collective would otherwise close its connections
-        # while a peer is still accepting them in its own init_process_group: the peer then fails with
-        # "Gloo connectFullMesh failed ... Connection closed by peer" (seen once in CI, under load).
-        _leave_together()
     finally:
         dist.destroy_process_group()
     # Done, result saved: leave without interpreter finalization. A gloo worker thread can still be
@@ -232,16 +233,6 @@ def _local_rank(rank: int, fn: Callable, world: int, out: str, args: tuple, envi
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def _leave_together() -> None:
-    """A barrier, where a peer's failure is left to that peer to report: this rank's result is saved, and
-    the peer whose `fn` raised ends the run with its own error, not with this rank's lost connection."""
-    try:
-        dist.barrier()
-    except Exception as err:
-        if not is_peer_failure(err):
-            raise
 
 
 def _preload() -> list[str]:
