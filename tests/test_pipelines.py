@@ -30,7 +30,7 @@ def order(*overrides):
     return [s.name for s in build_graph(load_config(None, list(overrides))).validate(LOADER_FIELDS)]
 
 
-@pytest.mark.parametrize("name", ALGORITHMS)
+@pytest.mark.parametrize("name", list(ALGORITHMS))
 def test_every_algorithm_has_a_pipeline_that_plans(name):
     assert order(f"algorithm.name={name}") == ORDERS[name]
     config = load_config(None, [f"algorithm.name={name}"])
