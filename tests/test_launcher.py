@@ -4,7 +4,8 @@ A test session's process has threads (torch's OpenMP pool, reward and prefetch t
 earlier tests left). A rank forked from it inherits every lock one of those threads held at that
 moment, held forever: a rank once hung in its first `torch.manual_seed`, on the CPU generator's
 mutex that a parent thread held while drawing random numbers. A Python lock held by a thread here
-stands for any of them: a rank must find it free.
+stands for any of them: a rank must find it free. And when a rank's function raises, that rank's error is
+the one reported.
 """
 
 import os
