@@ -193,14 +193,13 @@ def test_an_update_casts_each_weight_once_over_its_micro_batches(lora, checkpoin
         engine.update(batch, pg_loss, num_tokens)
     assert len(batch.micro_batches(3)) == 3
     tied = engine.model.get_input_embeddings().weight
-    assert engine.model.get_output_embeddings().weight is tied  # the LM head's: LoRA leaves it frozen
+    assert engine.model.get_output_embeddings().weight is tied  # the LM head's (LoRA leaves it frozen), tied again
     weights = [
         name
         for name, p in engine.model.named_parameters()
         if name.endswith("weight") and p.dim() == 2 and (lora or p.requires_grad)
     ]
     assert len(weights) > 20 and {casts.counts[name] for name in weights} == {1}
-    assert engine.model.get_output_embeddings().weight is tied  # tied again
     assert all(p.dtype == torch.float32 for p in engine.model.parameters())  # the frozen ones' values are back
     with _Casts(reference.model) as casts:
         for micro in batch.micro_batches(3):  # a region per forward, as `update` had before
