@@ -89,8 +89,10 @@ vllm: $(VLLM_STAMP)
 # static cache there lays its values out as a GPU machine's 5.17 does (in the keys' dtype).
 VLLM_TESTS ?= tests/test_vllm_engine.py tests/test_vllm_child_engine.py tests/test_vllm_e2e.py tests/test_real_tokenizer.py tests/test_model_source.py \
 	tests/test_graphed.py
+# A new interpreter for each run (tests/forked_cli.py): vLLM's engine sets TORCH_CPP_LOG_LEVEL before
+# torch loads, which a run forked from a process that has loaded torch cannot do.
 test-vllm: vllm smollm2
-	$(VLLM_BIN)/python -m pytest -q $(VLLM_TESTS) $(PYTEST_DURATIONS) $(PYTEST_ARGS)
+	DISTFLOW_TESTS_FRESH_INTERPRETERS=1 $(VLLM_BIN)/python -m pytest -q $(VLLM_TESTS) $(PYTEST_DURATIONS) $(PYTEST_ARGS)
 
 run: setup
 	$(BIN)/distflow train examples/arith_grpo.yaml $(ARGS)

@@ -39,8 +39,9 @@ def cache_dir(tmp_path_factory) -> Path:
 # The runs are forked from a process that has imported torch, transformers and distflow once
 # (tests/forked_cli.py): the same command, ~4 s sooner each. DISTFLOW_TESTS_FRESH_INTERPRETERS=1:
 # a new interpreter for each, as a user's shell starts it.
-def run_cli(*args: str, cwd: Path, timeout: float = 1800) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def run_cli(*args: str, cwd: Path, timeout: float = 1800, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m distflow ARGS` in `cwd`, with this environment and `env`'s variables on top."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     if os.environ.get("DISTFLOW_TESTS_FRESH_INTERPRETERS") != "1":
         return forked_cli.run(list(args), cwd=cwd, env=env, timeout=timeout)
     return subprocess.run(

@@ -32,6 +32,7 @@ import json
 import os
 import runpy
 import signal
+import site
 import socket
 import subprocess
 import sys
@@ -90,18 +91,34 @@ class ForkServer:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
                 conn.connect(self.address)
                 conn.sendall(json.dumps(request).encode() + b"\n")
-                replies = conn.makefile("r", encoding="utf-8")
-                pid = json.loads(replies.readline())["pid"]
+                replies = _Replies(conn)
+                pid = replies.next()["pid"]
                 conn.settimeout(timeout)
                 try:
-                    status = json.loads(replies.readline())["status"]
+                    status = replies.next()["status"]
                 except TimeoutError:
                     os.kill(pid, signal.SIGKILL)
                     conn.settimeout(None)
-                    replies.readline()
+                    replies.next()  # reaped by its monitor
                     raise subprocess.TimeoutExpired(cmd, timeout, *_read(paths)) from None
             stdout, stderr = _read(paths)
         return subprocess.CompletedProcess(cmd, os.waitstatus_to_exitcode(status), stdout, stderr)
+
+
+class _Replies:
+    """The monitor's JSON lines (a socket's file object cannot be read again after a timeout)."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn, self.buffer = conn, b""
+
+    def next(self) -> dict:
+        while b"\n" not in self.buffer:
+            chunk = self.conn.recv(4096)
+            if not chunk:
+                raise RuntimeError("the fork server's monitor closed the connection without replying")
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
 
 
 def _read(paths: dict) -> tuple[str, str]:
@@ -137,8 +154,16 @@ def _serve(address: str) -> None:
     listener.bind(address)
     listener.listen(64)
     Path(address + ".ready").touch()
+    parent = os.getppid()
+    listener.settimeout(5.0)
     while True:
-        conn, _ = listener.accept()
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            if os.getppid() != parent:  # the test process is gone (killed: its atexit never ran)
+                return
+            continue
+        conn.settimeout(None)
         while True:  # reap the monitors that have ended
             try:
                 if os.waitpid(-1, os.WNOHANG)[0] == 0:
@@ -148,24 +173,25 @@ def _serve(address: str) -> None:
         if os.fork() == 0:
             listener.close()
             try:
-                _monitor(conn, base)
+                _monitor(conn, own, base)
             finally:
                 os._exit(0)
         conn.close()
 
 
-def _monitor(conn: socket.socket, base: list[str]) -> None:
+def _monitor(conn: socket.socket, own: list[str], base: list[str]) -> None:
     request = json.loads(conn.makefile("r", encoding="utf-8").readline())
     pid = os.fork()
     if pid == 0:
         conn.close()
-        _runner(request, base)  # never returns
+        _runner(request, own, base)  # never returns
     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
     _, status = os.waitpid(pid, 0)
     conn.sendall(json.dumps({"status": status}).encode() + b"\n")
 
 
-def _runner(request: dict, base: list[str]) -> None:
+def _runner(request: dict, own: list[str], base: list[str]) -> None:
+    """`own`: the server's PYTHONPATH entries; `base`: its sys.path after them."""
     code = 1
     try:
         os.chdir(request["cwd"])
@@ -180,6 +206,9 @@ def _runner(request: dict, base: list[str]) -> None:
         extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = [request["cwd"], *extra, *base]
         importlib.invalidate_caches()
+        if extra != own:  # the start-up's hook where the run's PYTHONPATH has one (a test's fault injection)
+            sys.modules.pop("sitecustomize", None)
+            site.execsitecustomize()
         sys.argv = ["-m", *request["argv"]]
         code = _main()
         threading._shutdown()  # what interpreter shutdown does, in its order: join threads, then atexit

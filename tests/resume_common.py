@@ -5,12 +5,9 @@ of a resumed run with the uninterrupted one (the session fixture `uninterrupted`
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_cli
 
 USER_CODE = '''
 import json, os, signal, time
@@ -75,14 +72,7 @@ def train(cwd, out_dir, cache_dir, *extra, env=None):
         f"trainer.output_dir={out_dir}",
         *extra,
     ]
-    return subprocess.run(
-        [sys.executable, "-m", "distflow", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
-    )
+    return run_cli(*args, cwd=cwd, env=env)
 
 
 def samples(cwd) -> dict[int, list]:

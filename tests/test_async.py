@@ -8,9 +8,6 @@ reproduce the uninterrupted run."""
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -182,14 +179,7 @@ def train(cwd, cache_dir, *extra, env=None, run_name="run"):
         f"trainer.run_name={run_name}",
         *extra,
     ]
-    return subprocess.run(
-        [sys.executable, "-m", "distflow", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
-    )
+    return run_cli(*args, cwd=cwd, env=env)
 
 
 def records(cwd) -> dict[int, dict]:
