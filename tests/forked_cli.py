@@ -128,13 +128,18 @@ def _read(paths: dict) -> tuple[str, str]:
 _server: ForkServer | None = None
 
 
-def run(args: list[str], *, cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """`subprocess.run([python, "-m", "distflow", *args], cwd=, env=, capture_output=True, text=True,
-    timeout=)`, forked from this process's fork server (started on first use)."""
+def server() -> ForkServer:
+    """This process's fork server, started on first use (and again if it has ended)."""
     global _server
     if _server is None or _server.process.poll() is not None:
         _server = ForkServer()
-    return _server.run(args, cwd=cwd, env=env, timeout=timeout)
+    return _server
+
+
+def run(args: list[str], *, cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """`subprocess.run([python, "-m", "distflow", *args], cwd=, env=, capture_output=True, text=True,
+    timeout=)`, forked from this process's fork server."""
+    return server().run(args, cwd=cwd, env=env, timeout=timeout)
 
 
 # ---- the server side (this file run as a script) ----
