@@ -31,6 +31,7 @@ import io
 import json
 import os
 import runpy
+import shutil
 import signal
 import site
 import socket
@@ -80,6 +81,7 @@ class ForkServer:
         if self.process.poll() is None:
             self.process.terminate()
             self.process.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def run(self, args: list[str], *, cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "distflow", *args]
