@@ -155,7 +155,7 @@ def _serve(address: str) -> None:
     if threading.active_count() != 1:
         raise RuntimeError(f"the fork server runs Python threads after its imports: {threading.enumerate()}")
     # A fresh `python -m` puts the working directory first, then PYTHONPATH's entries, then the rest.
-    own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    own = _pythonpath()
     base = sys.path[1 + len(own) :]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
@@ -210,7 +210,7 @@ def _runner(request: dict, own: list[str], base: list[str]) -> None:
             os.close(target)
         sys.stdout = sys.__stdout__ = _text(1, "strict")
         sys.stderr = sys.__stderr__ = _text(2, "backslashreplace")
-        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        extra = _pythonpath()
         sys.path[:] = [request["cwd"], *extra, *base]
         importlib.invalidate_caches()
         if extra != own:  # the start-up's hook where the run's PYTHONPATH has one (a test's fault injection)
@@ -224,6 +224,11 @@ def _runner(request: dict, own: list[str], base: list[str]) -> None:
             stream.flush()
     finally:
         os._exit(code)
+
+
+def _pythonpath() -> list[str]:
+    """This process's PYTHONPATH entries, as the interpreter adds them to sys.path at start-up."""
+    return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
 def _text(fd: int, errors: str) -> io.TextIOWrapper:
