@@ -87,6 +87,7 @@ def test_every_benchmark_has_a_quick_test():
         "agent_endpoint.py",
         "precision.py",
         "graphed_casts.py",
+        "sampling.py",
     }, (
         f"benchmarks/ now holds {sorted(scripts)}: give each a --quick mode and a test here "
         "(gpu.py and graphed_casts.py: test_gpu_check.py)"
@@ -332,6 +333,26 @@ def test_precision_quick():
     assert 0 <= gaps["mismatch/logp_abs_diff_mean"] <= gaps["mismatch/logp_abs_diff_max"], gaps
     ratio = out["float32"]["step_s"] / out["bfloat16"]["step_s"]
     assert out["float32_over_bfloat16_step_s"] == pytest.approx(ratio, abs=6e-4)
+
+
+def test_sampling_quick():
+    """One draw over 49,152 tokens, float32 against float64 and HF's multinomial, 5 times each at 8 rows;
+    then the tiny model's compact rollout drawing each way, twice each after an untimed call."""
+    out = run_quick("sampling.py", timeout=1800)
+    assert out["settings"]["quick"] and out["settings"]["vocab"] == 49_152
+    (row,) = out["results"]
+    assert (row["rows"], row["top_p"], row["draws"]) == (8, 1.0, 40)
+    assert all(ms > 0 for ms in row["ms"].values()) and set(row["ms"]) == {
+        "distflow float32",
+        "float64",
+        "HF multinomial",
+    }
+    assert row["float64/float32"] == pytest.approx(row["ms"]["float64"] / row["ms"]["distflow float32"])
+    assert 0 <= row["draws_that_differ"] <= row["draws"]
+    whole = out["rollout"]
+    assert (whole["prompts"], whole["samples"], whole["max_new_tokens"], whole["repeats"]) == (4, 4, 8, 2)
+    assert whole["seconds"]["float32"] > 0 and whole["seconds"]["float64"] > 0
+    assert isinstance(whole["same_responses"], bool)
 
 
 def test_roofline_counts_a_generations_passes_as_the_compact_engine_runs_them():

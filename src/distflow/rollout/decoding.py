@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from distflow.rollout.sampling import keyed_uniforms, sampled_B1, token_logprob_B1
+from distflow.rollout.sampling import keyed_uniforms, sampled_logprob_B1, token_logprob_B1
 from distflow.training.models import cache_kwargs
 
 
@@ -62,9 +62,10 @@ def decode(
     for t in range(max_new_tokens):
         if keys_B is None:
             token_A1 = logits_AV.argmax(dim=-1, keepdim=True)
+            logp_A1 = token_logprob_B1(logits_AV, token_A1, temperature=temperature) if logprobs else None
         else:
-            token_A1 = sampled_B1(logits_AV, rows.uniform_A1[t], temperature=temperature, top_p=top_p)
-        drawn.add(token_A1, token_logprob_B1(logits_AV, token_A1, temperature=temperature) if logprobs else None)
+            token_A1, logp_A1 = sampled_logprob_B1(logits_AV, rows.uniform_A1[t], temperature=temperature, top_p=top_p)
+        drawn.add(token_A1, logp_A1 if logprobs else None)
         if t == max_new_tokens - 1:
             break
         if (t + 1) % every == 0:  # the only look at the values on the host
@@ -157,7 +158,7 @@ def _prefill(model, prompt_ids_GP, prompt_mask_GP, n: int, keys_B, max_new_token
     mask_BP = prompt_mask_GP[prompt_B]
     mask_BT = torch.cat([mask_BP, mask_BP.new_ones(num_rows, max_new_tokens)], dim=1)
     positions_BR1 = (mask_BP.sum(-1, keepdim=True) + torch.arange(max_new_tokens, device=device)).unsqueeze(-1)
-    uniforms = None if keys_B is None else keyed_uniforms(keys_B, max_new_tokens).unsqueeze(-1)  # every draw, ahead
+    uniforms = None if keys_B is None else keyed_uniforms(keys_B, max_new_tokens).float().unsqueeze(-1)  # all, ahead
     rows = _Rows(torch.arange(num_rows, device=device), mask_BT, positions_BR1, uniforms)
     return out.logits[:, -1, :].float()[prompt_B], cache, rows
 

@@ -61,7 +61,7 @@ from distflow.rollout.cast_weights import autocast_dtype, cast_view
 from distflow.rollout.compact import CompactEngine
 from distflow.rollout.decoding import _Drawn, _prefill
 from distflow.rollout.engine import Request
-from distflow.rollout.sampling import sampled_B1, token_logprob_B1
+from distflow.rollout.sampling import sampled_logprob_B1, token_logprob_B1
 from distflow.training.models import cache_kwargs
 
 WIDTH_BUCKET = 64
@@ -271,12 +271,16 @@ class _Step:
     def draw(self, logits_BV: torch.Tensor, t_1: torch.Tensor) -> None:
         if self.uniforms_BR is None:
             token_B1 = logits_BV.argmax(dim=-1, keepdim=True)
+            logp_B1 = None
+            if self.drawn.logp_BR is not None:
+                logp_B1 = token_logprob_B1(logits_BV, token_B1, temperature=self.temperature)
         else:
             uniform_B1 = self.uniforms_BR.index_select(1, t_1)
-            token_B1 = sampled_B1(logits_BV, uniform_B1, temperature=self.temperature, top_p=self.top_p)
+            token_B1, logp_B1 = sampled_logprob_B1(
+                logits_BV, uniform_B1, temperature=self.temperature, top_p=self.top_p
+            )
         self.drawn.response_BR.index_copy_(1, t_1, token_B1)
         if self.drawn.logp_BR is not None:
-            logp_B1 = token_logprob_B1(logits_BV, token_B1, temperature=self.temperature)
             self.drawn.logp_BR.index_copy_(1, t_1, logp_B1)
         self.token_B1.copy_(token_B1)
 

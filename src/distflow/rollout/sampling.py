@@ -3,10 +3,10 @@
     u[b, t] = hash(key[b], t) ∈ (0, 1)         counter-based, no generator state
     token   = inverse CDF of softmax(logits / T) (after top-p) at u[b, t]
 
-This is exact categorical sampling, and because the noise of sample b at response
-position t is a pure function of (key[b], t), the same seed gives the same completions
-whichever rank generates a sample, with whatever batch-mates and padding — the basis of
-distflow's layout invariance (1 rank, N ranks, any placement: same samples).
+This is categorical sampling, in float32 (`sampled_logprob_B1` says how exact), and because
+the noise of sample b at response position t is a pure function of (key[b], t), the same seed
+gives the same completions whichever rank generates a sample, with whatever batch-mates and
+padding — the basis of distflow's layout invariance (1 rank, N ranks, any placement: same samples).
 
 Plugged into Hugging Face `generate` as a logits processor under greedy decoding: the
 processor leaves one finite score per row (the sampled token), so argmax picks it.
@@ -127,38 +127,72 @@ def sample_from_logits(
 
 @functools.cache
 def _minus_inf(device: torch.device) -> torch.Tensor:
-    """-inf in float64 on `device`, made once per device: a copy from the host per decoded token would
+    """-inf in float32 on `device`, made once per device: a copy from the host per decoded token would
     cost a GPU a transfer, and could not be captured in a CUDA graph (rollout/graphed.py)."""
-    return torch.tensor(float("-inf"), dtype=torch.float64, device=device)
+    return torch.tensor(float("-inf"), dtype=torch.float32, device=device)
+
+
+def _scaled(logits_BV: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / T in float32."""
+    scaled_BV = logits_BV.float()
+    if temperature != 1.0:  # x / 1.0 is x: the same values without the op
+        scaled_BV = scaled_BV / temperature
+    return scaled_BV
+
+
+def _exp_and_lse(scaled_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exp(scaled - its row max) [B, V], logsumexp(scaled) [B, 1]): the steps of `torch.logsumexp`, so
+    the log-sum-exp is its own, bit for bit, on rows with a finite max (tests/test_sampling.py), and
+    the exponentials it sums are kept: the draw's probabilities, unnormalised, with no further pass."""
+    max_B1 = scaled_BV.amax(dim=-1, keepdim=True)
+    exp_BV = (scaled_BV - max_B1).exp_()
+    return exp_BV, exp_BV.sum(dim=-1, keepdim=True).log_().add_(max_B1)
 
 
 def sampled_B1(logits_BV: torch.Tensor, uniform_B1: torch.Tensor, *, temperature: float, top_p: float) -> torch.Tensor:
     """`sample_from_logits` for a decode loop, [B, 1] in and out (no reshaping per token)."""
-    scaled_BV = logits_BV.double()
-    if temperature != 1.0:  # x / 1.0 is x: the same draws without the op
-        scaled_BV = scaled_BV / temperature
-    probs_BV = torch.softmax(scaled_BV, dim=-1)
+    return sampled_logprob_B1(logits_BV, uniform_B1, temperature=temperature, top_p=top_p)[0]
+
+
+def sampled_logprob_B1(
+    logits_BV: torch.Tensor, uniform_B1: torch.Tensor, *, temperature: float, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`sampled_B1`, the drawn token's `token_logprob_B1`, bit for bit), the two from one pass over the
+    vocabulary, in float32: the probabilities are the exponentials that the log-sum-exp sums.
+
+    float32 is exact enough: a token's probability is off by the rounding of its logit / T (a relative
+    2^-24 of the logit: ~1e-5 of the probability for logits near 100, below the rounding of the logits
+    a float32 model computes) and of the running sum (~1e-7 of the total), against float64's ~1e-16;
+    a draw differs from float64's only where its uniform lies that close to a bin edge
+    (tests/test_sampling.py). On a CPU it costs a third of a float64 draw or less (`benchmarks/sampling.py`)."""
+    scaled_BV = _scaled(logits_BV, temperature)
+    probs_BV, lse_B1 = _exp_and_lse(scaled_BV)
     if top_p < 1.0:
+        probs_BV = probs_BV / probs_BV.sum(dim=-1, keepdim=True)  # the nucleus is a share of the mass
         sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
         before_BV = sorted_BV.cumsum(-1) - sorted_BV  # mass of strictly more likely tokens
         sorted_BV = torch.where(before_BV < top_p, sorted_BV, torch.zeros_like(sorted_BV))
         probs_BV = torch.zeros_like(probs_BV).scatter(-1, order_BV, sorted_BV)
-    cdf_BV = probs_BV.cumsum(-1)
+    on_cpu = probs_BV.device.type == "cpu"
+    cdf_BV = probs_BV.cumsum_(-1) if on_cpu else probs_BV.cumsum(-1)  # a GPU's check below reads the masses
     # The first token whose cumulative mass passes u. In a sequential running sum (a CPU's) a token
     # of zero mass adds exactly 0, so it is never the first to pass u; but rounding can leave u at or
     # past the total mass, where no token passes it: then the last token with mass, the first whose
     # cumulative mass equals the total, which is the first to pass the float just below the total.
     # So one search at the smaller of the two (the search is monotone in its value) needs no look at
     # the values on the host (a loop stepping back over empty bins would stall a GPU once per token).
+    # The uniform is rounded to float32 first (the decode loops round theirs once, ahead), so a
+    # float64 one and its float32 copy draw alike.
     total_B1 = cdf_BV[:, -1:]
-    u_B1 = torch.minimum(uniform_B1 * total_B1, torch.nextafter(total_B1, _minus_inf(cdf_BV.device)))
-    token_B1 = torch.searchsorted(cdf_BV, u_B1, right=True).clamp(max=logits_BV.shape[-1] - 1)  # NaN logits too
-    if cdf_BV.device.type != "cpu":
+    target_B1 = uniform_B1.to(cdf_BV.dtype) * total_B1
+    target_B1 = torch.minimum(target_B1, torch.nextafter(total_B1, _minus_inf(cdf_BV.device)))
+    token_B1 = torch.searchsorted(cdf_BV, target_B1, right=True).clamp(max=logits_BV.shape[-1] - 1)  # NaN too
+    if not on_cpu:
         # A GPU's parallel scan adds in another order, so an empty bin can round past its neighbour;
         # a token of zero mass (outside the nucleus) is then replaced by the most likely one.
         empty_B1 = probs_BV.gather(-1, token_B1) == 0
         token_B1 = torch.where(empty_B1, probs_BV.argmax(-1, keepdim=True), token_B1)
-    return token_B1
+    return token_B1, scaled_BV.gather(-1, token_B1) - lse_B1
 
 
 def token_logprob_B(logits_BV: torch.Tensor, token_B: torch.Tensor, *, temperature: float) -> torch.Tensor:
@@ -169,10 +203,8 @@ def token_logprob_B(logits_BV: torch.Tensor, token_B: torch.Tensor, *, temperatu
 
 def token_logprob_B1(logits_BV: torch.Tensor, token_B1: torch.Tensor, *, temperature: float) -> torch.Tensor:
     """`token_logprob_B` for a decode loop, [B, 1] in and out."""
-    logits_BV = logits_BV.float()
-    if temperature != 1.0:
-        logits_BV = logits_BV / temperature
-    return logits_BV.gather(-1, token_B1) - torch.logsumexp(logits_BV, dim=-1, keepdim=True)
+    scaled_BV = _scaled(logits_BV, temperature)
+    return scaled_BV.gather(-1, token_B1) - torch.logsumexp(scaled_BV, dim=-1, keepdim=True)
 
 
 class KeyedSampler:
@@ -181,7 +213,7 @@ class KeyedSampler:
     def __init__(
         self, keys_B: torch.Tensor, prompt_width: int, *, temperature: float, top_p: float, max_new_tokens: int
     ) -> None:
-        self.uniform_BR = keyed_uniforms(keys_B, max_new_tokens)  # every position's draw, ahead
+        self.uniform_BR = keyed_uniforms(keys_B, max_new_tokens).float()  # every position's draw, ahead
         self.prompt_width = prompt_width
         self.temperature = temperature
         self.top_p = top_p
@@ -190,14 +222,8 @@ class KeyedSampler:
 
     def __call__(self, input_ids_BT: torch.Tensor, scores_BV: torch.Tensor) -> torch.Tensor:
         position = input_ids_BT.shape[1] - self.prompt_width  # index of the response token being drawn
-        token_B = sample_from_logits(
-            scores_BV,
-            None,
-            position,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            uniform_B=self.uniform_BR[:, position],
-        )
-        self.logp_B.append(token_logprob_B(scores_BV, token_B, temperature=self.temperature))
+        uniform_B1 = self.uniform_BR[:, position : position + 1].to(scores_BV.device)
+        token_B1, logp_B1 = sampled_logprob_B1(scores_BV, uniform_B1, temperature=self.temperature, top_p=self.top_p)
+        self.logp_B.append(logp_B1.squeeze(-1))
         out_BV = torch.full_like(scores_BV, float("-inf"))
-        return out_BV.scatter(-1, token_B.unsqueeze(-1), 0.0)
+        return out_BV.scatter(-1, token_B1, 0.0)
