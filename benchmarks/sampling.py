@@ -22,7 +22,8 @@ Times are medians per draw, in ms.
 Then a whole rollout: the `compact` engine on SmolLM2-135M-Instruct at the recipe's shape (8 chat
 prompts x 8 samples, at most 32 new tokens, T = 0.7; `--quick`: the embedded tiny model, 4 x 4 x 8),
 drawing in float32 and, with the decode loop's draw swapped for the float64 one, in float64: the two
-in turn, `--rollout-repeats` times each after one untimed call each, from the same sample keys. It
+in turn, `--rollout-repeats` times each after one untimed call each, from the same sample keys; at
+top-p 1, then 0.9. It
 reports the median seconds and whether the two drew the same responses. The last stdout line is one
 JSON object.
 """
@@ -113,12 +114,17 @@ def measure(rows: int, top_p: float, repeats: int) -> dict:
     }
 
 
-def rollout(quick: bool, repeats: int) -> dict:
+def rollouts(quick: bool, repeats: int) -> list[dict]:
+    """The compact rollout at top-p 1 and 0.9 (`rollout`), the model loaded once."""
+    model, tokenizer, name = _model(quick)
+    return [rollout(model, tokenizer, name, quick, repeats, top_p) for top_p in (1.0, 0.9)]
+
+
+def rollout(model, tokenizer, name: str, quick: bool, repeats: int, top_p: float) -> dict:
     """The compact rollout drawing in float32 and in float64, in turn: median seconds, and whether both drew alike."""
     from distflow.rollout.generation import generate
     from distflow.seeding import derive_seed
 
-    model, tokenizer, name = _model(quick)
     prompts, samples, tokens = _prompts(tokenizer, 4 if quick else 8, quick), 4 if quick else 8, 8 if quick else 32
     keys = [derive_seed(0, "rollout", u) for u in range(len(prompts) * samples)]
 
@@ -135,6 +141,7 @@ def rollout(quick: bool, repeats: int) -> dict:
                 prompts,
                 max_new_tokens=tokens,
                 temperature=TEMPERATURE,
+                top_p=top_p,
                 sample_keys=keys,
                 samples_per_prompt=samples,
                 engine="compact",
@@ -156,6 +163,7 @@ def rollout(quick: bool, repeats: int) -> dict:
         "samples": samples,
         "max_new_tokens": tokens,
         "repeats": repeats,
+        "top_p": top_p,
         "seconds": medians,
         "float64/float32": medians["float64"] / medians["float32"],
         "same_responses": bool(torch.equal(responses["float32"], responses["float64"])),
@@ -187,13 +195,14 @@ def main() -> None:
             f"{res['draws_that_differ']} of {res['draws']} |"
         )
     log("the compact rollout, drawing in float32 and in float64 in turn")
-    whole = rollout(args.quick, 2 if args.quick else args.rollout_repeats)
-    print(
-        f"\nThe compact rollout of {whole['model']}, {whole['prompts']} prompts x {whole['samples']} samples, "
-        f"<= {whole['max_new_tokens']} tokens, median of {whole['repeats']}: "
-        f"float32 {whole['seconds']['float32']:.2f} s, float64 {whole['seconds']['float64']:.2f} s "
-        f"({whole['float64/float32']:.2f}x); the same responses: {whole['same_responses']}"
-    )
+    wholes = rollouts(args.quick, 2 if args.quick else args.rollout_repeats)
+    for whole in wholes:
+        print(
+            f"\nThe compact rollout of {whole['model']}, {whole['prompts']} prompts x {whole['samples']} samples, "
+            f"<= {whole['max_new_tokens']} tokens, top-p {whole['top_p']}, median of {whole['repeats']}: "
+            f"float32 {whole['seconds']['float32']:.2f} s, float64 {whole['seconds']['float64']:.2f} s "
+            f"({whole['float64/float32']:.2f}x); the same responses: {whole['same_responses']}"
+        )
     settings = {
         "quick": args.quick,
         "repeats": repeats,
@@ -202,7 +211,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
-    print(json.dumps({"settings": settings, "results": results, "rollout": whole}))
+    print(json.dumps({"settings": settings, "results": results, "rollouts": wholes}))
 
 
 if __name__ == "__main__":

@@ -337,7 +337,7 @@ def test_precision_quick():
 
 def test_sampling_quick():
     """One draw over 49,152 tokens, float32 against float64 and HF's multinomial, 5 times each at 8 rows;
-    then the tiny model's compact rollout drawing each way, twice each after an untimed call."""
+    then the tiny model's compact rollout drawing each way, twice each after an untimed call, at top-p 1 and 0.9."""
     out = run_quick("sampling.py", timeout=1800)
     assert out["settings"]["quick"] and out["settings"]["vocab"] == 49_152
     (row,) = out["results"]
@@ -349,10 +349,11 @@ def test_sampling_quick():
     }
     assert row["float64/float32"] == pytest.approx(row["ms"]["float64"] / row["ms"]["distflow float32"])
     assert 0 <= row["draws_that_differ"] <= row["draws"]
-    whole = out["rollout"]
-    assert (whole["prompts"], whole["samples"], whole["max_new_tokens"], whole["repeats"]) == (4, 4, 8, 2)
-    assert whole["seconds"]["float32"] > 0 and whole["seconds"]["float64"] > 0
-    assert isinstance(whole["same_responses"], bool)
+    assert [whole["top_p"] for whole in out["rollouts"]] == [1.0, 0.9]
+    for whole in out["rollouts"]:
+        assert (whole["prompts"], whole["samples"], whole["max_new_tokens"], whole["repeats"]) == (4, 4, 8, 2)
+        assert whole["seconds"]["float32"] > 0 and whole["seconds"]["float64"] > 0
+        assert isinstance(whole["same_responses"], bool)
 
 
 def test_roofline_counts_a_generations_passes_as_the_compact_engine_runs_them():

@@ -65,10 +65,7 @@ def _two_searches(logits_BV, uniform_B, temperature, top_p):
     scaled_BV = logits_BV / temperature
     probs_BV = (scaled_BV - scaled_BV.amax(-1, keepdim=True)).exp()  # float32, not normalised
     if top_p < 1.0:
-        probs_BV = probs_BV / probs_BV.sum(-1, keepdim=True)
-        sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
-        kept_BV = torch.where(sorted_BV.cumsum(-1) - sorted_BV < top_p, sorted_BV, torch.zeros_like(sorted_BV))
-        probs_BV = torch.zeros_like(probs_BV).scatter(-1, order_BV, kept_BV)
+        probs_BV = _full_sort_nucleus(probs_BV / probs_BV.sum(-1, keepdim=True), top_p)
     cdf_BV = probs_BV.cumsum(-1)
     total_B1 = cdf_BV[:, -1:].contiguous()
     first_B1 = torch.searchsorted(cdf_BV, uniform_B.float().unsqueeze(-1) * total_B1, right=True)
@@ -134,3 +131,48 @@ def test_a_row_draws_the_same_token_in_any_batch_over_a_real_vocabulary():
     for rows in (slice(0, 1), slice(3, 11), slice(5, 64)):
         part, part_logp = sampled_logprob_B1(logits[rows], uniform[rows], temperature=0.7, top_p=1.0)
         assert torch.equal(part, whole[rows]) and torch.equal(part_logp, logp[rows])
+
+
+def _full_sort_nucleus(probs_BV, top_p):
+    """The nucleus by sorting the vocabulary: the tokens at least as likely as the first token whose
+    running sum in descending order reaches `top_p`."""
+    sorted_BV = probs_BV.sort(dim=-1, descending=True).values
+    least_B1 = sorted_BV.gather(-1, (sorted_BV.cumsum(-1) < top_p).sum(-1, keepdim=True))
+    return torch.where(probs_BV >= least_B1, probs_BV, torch.zeros_like(probs_BV))
+
+
+def test_tokens_as_likely_as_the_nucleus_last_are_all_kept():
+    """Ties at the nucleus' edge: every token as likely as its least likely one is in (their strictly more
+    likely tokens hold the same mass), whichever place a sort gives them."""
+    from distflow.rollout.sampling import nucleus_BV
+
+    probs = torch.tensor([[0.1, 0.4, 0.1, 0.1, 0.1, 0.1, 0.1]] * 2)
+    assert torch.equal(nucleus_BV(probs, 0.45), torch.tensor([[0.1, 0.4, 0.1, 0.1, 0.1, 0.1, 0.1]] * 2))
+    assert torch.equal(nucleus_BV(probs, 0.4), torch.tensor([[0.0, 0.4, 0.0, 0.0, 0.0, 0.0, 0.0]] * 2))
+
+
+def test_top_p_among_the_likeliest_tokens_keeps_the_full_sorts_nucleus():
+    """Nuclei of a few tokens (found among the 64 likeliest), of ~200 (among 1,024) and of most of the
+    vocabulary (the sort): each the full sort's, bit for bit; the first two without sorting."""
+    from unittest import mock
+
+    from distflow.rollout.sampling import nucleus_BV
+
+    g = torch.Generator().manual_seed(6)
+    peaked = torch.randn(16, 49_152, generator=g) * 8
+    wide = torch.randn(16, 49_152, generator=g) * 0.1
+    wide[:, :200] += 10  # ~all the mass on 200 tokens
+    flat = torch.randn(16, 49_152, generator=g) * 0.1
+    for logits, sorts in ((peaked, False), (wide, False), (flat, True), (torch.cat([peaked, wide]), False)):
+        probs = torch.softmax(logits, dim=-1)
+        expected = _full_sort_nucleus(probs, 0.9)
+        kept = (expected > 0).sum(-1)
+        if sorts:
+            assert (kept > 1024).all()
+            got = nucleus_BV(probs, 0.9)
+        else:
+            with mock.patch.object(torch.Tensor, "sort", side_effect=AssertionError("sorted the vocabulary")):
+                got = nucleus_BV(probs, 0.9)
+        assert torch.equal(got, expected)
+    assert (_full_sort_nucleus(torch.softmax(peaked, -1), 0.9) > 0).sum(-1).max() <= 64
+    assert ((_full_sort_nucleus(torch.softmax(wide, -1), 0.9) > 0).sum(-1) > 64).all()
