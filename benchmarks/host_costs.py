@@ -50,7 +50,8 @@ distflow's training/trainable.py), any other torch optimizer would take its fore
 decoding looks at ended rows as often as on a GPU (`stop_check_interval`), and its training passes
 run padded as on a GPU (`shares_prefixes`; on a CPU they share prompts, split by length:
 `max_length_buckets`), their logits becoming log-probs in one block (`block_elements`; on a CPU, blocks of
-2M logits). Left as on the CPU: the sampler's GPU-only guard against empty bins
+2M logits), and top-p sorts the vocabulary (`nucleus_candidates`; on a CPU it first looks among the
+likeliest tokens). Left as on the CPU: the sampler's GPU-only guard against empty bins
 (rollout/sampling.py, a few ops per token).
 
 The table goes to stdout; the last line is one JSON object. No timing is reported.

@@ -26,22 +26,25 @@ CHOICES_BY_DEVICE = (  # (module, function of the device): distflow's choices by
     ("prefix_sharing", "shares_prefixes"),
     ("prefix_sharing", "max_length_buckets"),
     ("token_logprobs", "block_elements"),
+    ("sampling", "nucleus_candidates"),
 )
 
 
 @contextlib.contextmanager
 def choices_as_on_cuda():
-    """distflow makes four choices by device, counted at the GPU's: its decoding looks at which rows
+    """distflow makes five choices by device, counted at the GPU's: its decoding looks at which rows
     ended every token on a CPU and every few tokens on a GPU (rollout/decoding.py's
     `stop_check_interval`, a sync each look), and its training passes compute each distinct prompt
     once on a CPU only (training/prefix_sharing.py's `shares_prefixes`: a second forward call), there
     splitting responses into length buckets (`max_length_buckets`, a forward call each), and they turn
     logits into log-probs by blocks of rows, small ones on a CPU (training/token_logprobs.py's
-    `block_elements`, ~30 ops a block)."""
-    from distflow.rollout import decoding
+    `block_elements`, ~30 ops a block); under top-p its sampler looks for the nucleus among the likeliest
+    tokens on a CPU before sorting (rollout/sampling.py's `nucleus_candidates`, a sync each look)."""
+    from distflow.rollout import decoding, sampling
     from distflow.training import prefix_sharing, token_logprobs
 
     modules = {"decoding": decoding, "prefix_sharing": prefix_sharing, "token_logprobs": token_logprobs}
+    modules["sampling"] = sampling
     originals = [(modules[m], name, getattr(modules[m], name)) for m, name in CHOICES_BY_DEVICE]
     for module, name, original in originals:
         setattr(module, name, lambda device, original=original: original(torch.device("cuda")))

@@ -170,3 +170,30 @@ def test_set_adds_its_overrides_last_to_distflows_step(tmp_path):
     overrides = host_costs.distflow_overrides(args, tmp_path / "model", tmp_path)
     assert overrides[-2:] == ["parallel.strategy=fsdp2", "parallel.param_dtype=bfloat16"]  # last: they win
     assert host_costs.parse_args(["--quick"]).set == []
+
+
+def test_choices_by_device_are_counted_at_the_gpus():
+    """Under `choices_as_on_cuda` each choice by device answers as for CUDA: among them, top-p sorts the
+    vocabulary (no look on the host), where on a CPU it finds a peaked row's nucleus among 64 tokens."""
+    from unittest import mock
+
+    from distflow.rollout import sampling
+
+    rollout = benchmark_module("host_costs_rollout")
+    probs = torch.softmax(torch.randn(4, 49_152, generator=torch.Generator().manual_seed(0)) * 8, dim=-1)
+    with mock.patch.object(torch.Tensor, "sort", side_effect=AssertionError("sorted")):
+        on_cpu = sampling.nucleus_BV(probs, 0.9)
+        with rollout.choices_as_on_cuda(), pytest.raises(AssertionError, match="sorted"):
+            sampling.nucleus_BV(probs, 0.9)
+    from distflow.rollout import decoding
+    from distflow.training import prefix_sharing, token_logprobs
+
+    modules = {"decoding": decoding, "prefix_sharing": prefix_sharing, "token_logprobs": token_logprobs}
+    modules["sampling"] = sampling
+    choices = [getattr(modules[module], name) for module, name in rollout.CHOICES_BY_DEVICE]
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert all(choice(cpu) != choice(cuda) for choice in choices)  # each a choice by device
+    with rollout.choices_as_on_cuda():
+        assert torch.equal(sampling.nucleus_BV(probs, 0.9), on_cpu)
+        assert [getattr(modules[m], name)(cpu) for m, name in rollout.CHOICES_BY_DEVICE] == [c(cuda) for c in choices]
+    assert [getattr(modules[m], name)(cpu) for m, name in rollout.CHOICES_BY_DEVICE] == [c(cpu) for c in choices]

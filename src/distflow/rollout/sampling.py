@@ -149,8 +149,10 @@ def _exp_and_lse(scaled_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return exp_BV, exp_BV.sum(dim=-1, keepdim=True).log_().add_(max_B1)
 
 
-NUCLEUS_CANDIDATES = (64, 1024)
-"""On a CPU, the largest tokens that top-p first looks among, in turn, before sorting the vocabulary."""
+def nucleus_candidates(device: torch.device) -> tuple[int, ...]:
+    """How many of the likeliest tokens top-p looks among first, in turn, before sorting the vocabulary:
+    on a CPU 64, then 1,024; none on a GPU, where each look would be a wait on the host."""
+    return (64, 1024) if device.type == "cpu" else ()
 
 
 def nucleus_BV(probs_BV: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -159,13 +161,12 @@ def nucleus_BV(probs_BV: torch.Tensor, top_p: float) -> torch.Tensor:
     to the first whose running sum reaches `top_p`, and every token as likely as that one: a token's
     place among equals does not decide whether it is kept.
 
-    On a CPU the nucleus is looked for among the k most likely tokens first (`NUCLEUS_CANDIDATES`): a
+    On a CPU the nucleus is looked for among the k most likely tokens first (`nucleus_candidates`): a
     partial sort, 30x cheaper than sorting 49,152 tokens. Where every row's k tokens hold `top_p`, the
     running sums over them are the first k of a full sort's (a running sum adds in order, and equal
     values add alike in any order), so the nucleus is the full sort's; else the next k, then the sort.
     The check reads a value on the host, which a GPU would wait for: there the vocabulary is sorted."""
-    candidates = [k for k in NUCLEUS_CANDIDATES if k < probs_BV.shape[-1]] if probs_BV.device.type == "cpu" else []
-    for k in candidates:
+    for k in (k for k in nucleus_candidates(probs_BV.device) if k < probs_BV.shape[-1]):
         top_BK = probs_BV.topk(k, dim=-1).values
         mass_BK = top_BK.cumsum(-1)
         if bool((mass_BK[:, -1] >= top_p).all()):
