@@ -36,7 +36,8 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature; log-probs are taken under the same distribution (logits / temperature)."""
     top_p: float = 1.0
-    """Nucleus sampling: draw from the smallest set of tokens whose probability reaches this (1: all)."""
+    """Nucleus sampling: draw from the likeliest tokens, up to the first whose running probability
+    reaches this, and any as likely as that one (1: all)."""
     max_new_tokens: int = 6
     """Completion length limit in tokens (a turn's limit in multi-turn rollouts)."""
     engine: str = "auto"
