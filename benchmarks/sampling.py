@@ -6,12 +6,14 @@
 
 Every decoded token of a sampled rollout draws its token from softmax(logits / T) at the row's keyed
 uniform and records the token's log-prob (rollout/sampling.py). Three ways, timed in turn in each
-repeat on the same logits (random, scaled to SmolLM2's spread: N(0, 4^2), T = 0.7):
+repeat on the same logits (random, scaled to SmolLM2's spread: N(0, 4^2), T = 0.7), each way first
+in turn:
 
-  distflow float32   `sampled_logprob_B1`: logits / T and their logsumexp in float32, shared by the
-                     probabilities (one exp) and the token's log-prob
-  float64            the draw over float64 probabilities (a softmax and a running sum in float64), then
-                     the log-prob from the float32 logits: how distflow drew before
+  distflow float32   `sampled_logprob_B1`: logits / T and their log-sum-exp in float32, whose summed
+                     exponentials are the probabilities; the token's log-prob from the same pass; top-p
+                     among the likeliest tokens first (on a CPU)
+  float64            the draw over float64 probabilities (a softmax and a running sum in float64, top-p
+                     by a full sort), then the log-prob from the float32 logits: how distflow drew before
   HF multinomial     what Hugging Face `generate` does when it samples (TRL's rollout): a float32
                      softmax and `torch.multinomial`, not keyed, and no log-prob
 
@@ -89,7 +91,7 @@ def measure(rows: int, top_p: float, repeats: int) -> dict:
         logits_BV = torch.randn(rows, VOCAB, generator=generator) * 4
         uniform_B1 = uniforms_BR[:, r]
         took = {}
-        for way in WAYS:
+        for way in WAYS[r % 3 :] + WAYS[: r % 3]:  # each way first in turn
             start = time.perf_counter()
             if way == "distflow float32":
                 token32_B1, _ = sampled_logprob_B1(logits_BV, uniform_B1, temperature=TEMPERATURE, top_p=top_p)
