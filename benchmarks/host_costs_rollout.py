@@ -30,6 +30,19 @@ CHOICES_BY_DEVICE = (  # (module, function of the device): distflow's choices by
 )
 
 
+def choice_modules() -> dict:
+    """The modules that `CHOICES_BY_DEVICE` names, by name."""
+    from distflow.rollout import decoding, sampling
+    from distflow.training import prefix_sharing, token_logprobs
+
+    return {
+        "decoding": decoding,
+        "prefix_sharing": prefix_sharing,
+        "token_logprobs": token_logprobs,
+        "sampling": sampling,
+    }
+
+
 @contextlib.contextmanager
 def choices_as_on_cuda():
     """distflow makes five choices by device, counted at the GPU's: its decoding looks at which rows
@@ -40,11 +53,7 @@ def choices_as_on_cuda():
     logits into log-probs by blocks of rows, small ones on a CPU (training/token_logprobs.py's
     `block_elements`, ~30 ops a block); under top-p its sampler looks for the nucleus among the likeliest
     tokens on a CPU before sorting (rollout/sampling.py's `nucleus_candidates`, a sync each look)."""
-    from distflow.rollout import decoding, sampling
-    from distflow.training import prefix_sharing, token_logprobs
-
-    modules = {"decoding": decoding, "prefix_sharing": prefix_sharing, "token_logprobs": token_logprobs}
-    modules["sampling"] = sampling
+    modules = choice_modules()
     originals = [(modules[m], name, getattr(modules[m], name)) for m, name in CHOICES_BY_DEVICE]
     for module, name, original in originals:
         setattr(module, name, lambda device, original=original: original(torch.device("cuda")))

@@ -24,7 +24,7 @@ import time
 import torch
 
 
-def _model(quick: bool):
+def load_model(quick: bool):
     if quick:
         from distflow.tasks.tiny_model import build_tiny_model
         from distflow.tasks.tokenizer import build_char_tokenizer
@@ -39,7 +39,7 @@ def _model(quick: bool):
     return model, tokenizer, "SmolLM2-135M-Instruct (float32)"
 
 
-def _prompts(tokenizer, count: int, quick: bool) -> list[str]:
+def chat_prompts(tokenizer, count: int, quick: bool) -> list[str]:
     questions = [f"What is {7 + 13 * i % 90} + {11 + 29 * i % 80}? Answer with just the number." for i in range(count)]
     if quick:
         return [f"{7 + i}+{11 + i}=" for i in range(count)]
@@ -92,9 +92,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.prompts, args.samples, args.max_new_tokens, args.repeats = 4, 4, 4, 1
         args.engines = [e for e in args.engines if e != "compiled"]  # its compile alone is tens of seconds
-    model, tokenizer, name = _model(args.quick)
+    model, tokenizer, name = load_model(args.quick)
     model.eval()
-    prompts = _prompts(tokenizer, args.prompts, args.quick)
+    prompts = chat_prompts(tokenizer, args.prompts, args.quick)
     print(
         f"[bench] {name}: {args.prompts} prompts x {args.samples} samples, <= {args.max_new_tokens} tokens, "
         f"torch threads {torch.get_num_threads()}",

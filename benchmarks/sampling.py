@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_setup import log  # noqa: E402
-from rollout_engines import _model, _prompts  # noqa: E402
+from rollout_engines import chat_prompts, load_model  # noqa: E402
 
 from distflow.rollout.sampling import keyed_uniforms, sampled_logprob_B1, token_logprob_B1  # noqa: E402
 
@@ -118,7 +118,7 @@ def measure(rows: int, top_p: float, repeats: int) -> dict:
 
 def rollouts(quick: bool, repeats: int) -> list[dict]:
     """The compact rollout at top-p 1 and 0.9 (`rollout`), the model loaded once."""
-    model, tokenizer, name = _model(quick)
+    model, tokenizer, name = load_model(quick)
     return [rollout(model, tokenizer, name, quick, repeats, top_p) for top_p in (1.0, 0.9)]
 
 
@@ -127,7 +127,7 @@ def rollout(model, tokenizer, name: str, quick: bool, repeats: int, top_p: float
     from distflow.rollout.generation import generate
     from distflow.seeding import derive_seed
 
-    prompts, samples, tokens = _prompts(tokenizer, 4 if quick else 8, quick), 4 if quick else 8, 8 if quick else 32
+    prompts, samples, tokens = chat_prompts(tokenizer, 4 if quick else 8, quick), 4 if quick else 8, 8 if quick else 32
     keys = [derive_seed(0, "rollout", u) for u in range(len(prompts) * samples)]
 
     def float64_loop_draw(logits_BV, uniform_B1, *, temperature, top_p):

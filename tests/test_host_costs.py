@@ -185,11 +185,7 @@ def test_choices_by_device_are_counted_at_the_gpus():
         on_cpu = sampling.nucleus_BV(probs, 0.9)
         with rollout.choices_as_on_cuda(), pytest.raises(AssertionError, match="sorted"):
             sampling.nucleus_BV(probs, 0.9)
-    from distflow.rollout import decoding
-    from distflow.training import prefix_sharing, token_logprobs
-
-    modules = {"decoding": decoding, "prefix_sharing": prefix_sharing, "token_logprobs": token_logprobs}
-    modules["sampling"] = sampling
+    modules = rollout.choice_modules()
     choices = [getattr(modules[module], name) for module, name in rollout.CHOICES_BY_DEVICE]
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert all(choice(cpu) != choice(cuda) for choice in choices)  # each a choice by device
