@@ -58,6 +58,7 @@ from torch.utils._pytree import tree_map_only
 from distflow.comm import Comm, join_group_of_one
 from distflow.config import ConfigError
 from distflow.config.parallel import ParallelConfig, bf16_kernels
+from distflow.training import attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MESHES: dict[tuple, DeviceMesh] = {}
@@ -137,8 +138,10 @@ def resolve_dtypes(parallel: ParallelConfig, device: torch.device) -> tuple[torc
 
 
 def compute_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Mark `model` to compute in `dtype` (`autocast`, `gathered`); float32 leaves it as it is."""
+    """Mark `model` to compute in `dtype` (`autocast`, `gathered`); float32 leaves it as it is. Below
+    float32 its attention computes in float32 on a CPU (training/attention.py)."""
     model._distflow_compute_dtype = dtype
+    attention.use_for(model, dtype)
 
 
 @contextlib.contextmanager
