@@ -75,6 +75,7 @@ def test_bf16_logits_are_computed_in_float32_and_get_a_bf16_gradient():
     torch.testing.assert_close(entropy, ref_entropy)
     logp.sum().backward()
     assert a.grad.dtype == torch.bfloat16
+    assert torch.equal(a.detach(), logits)  # the temperature divides a float32 copy, never the logits
 
 
 def test_a_strided_view_of_logits_is_read_in_place(monkeypatch):

@@ -109,7 +109,9 @@ def _blocks_of(logits: torch.Tensor) -> list[tuple[slice, slice]]:
 def _scaled(block: torch.Tensor, temperature: float) -> torch.Tensor:
     """The block in float32 divided by the temperature: a new tensor unless `_owned` says otherwise."""
     z = block.float()
-    return z / temperature if temperature != 1.0 else z
+    if temperature == 1.0:
+        return z
+    return z.div_(temperature) if z is not block else z / temperature  # bf16 logits: divide their float32 copy
 
 
 def _owned(logits: torch.Tensor, temperature: float) -> bool:
