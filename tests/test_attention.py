@@ -96,3 +96,15 @@ def test_training_below_float32_back_to_float32_and_other_implementations():
     model.set_attn_implementation("eager")
     compute_in(model, torch.bfloat16)
     assert model.config._attn_implementation == "eager"  # a user's choice is left as it is
+
+
+def test_a_model_on_a_gpu_keeps_sdpa(monkeypatch):
+    """CUDA's bf16 attention kernels are its fast ones: a model there is left as it is."""
+
+    class OnGpu:
+        device = torch.device("cuda")
+
+    model = build_tiny_model(build_char_tokenizer(), seed=0)
+    monkeypatch.setattr(model, "parameters", lambda: iter([OnGpu()]))
+    attention.use_for(model, torch.bfloat16)
+    assert model.config._attn_implementation == "sdpa"

@@ -46,9 +46,14 @@ AttentionMaskInterface.register(NAME, sdpa_mask)  # the masks sdpa takes
 
 def use_for(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Below float32, a model that attends with transformers' sdpa attends with `float32_sdpa`; at
-    float32, back to sdpa. Other implementations (eager, flash attention) are left as chosen."""
+    float32, back to sdpa. Other implementations (eager, flash attention), and a model on a GPU, are
+    left as they are (a model still on the meta device, to be loaded sharded, switches: on a GPU
+    `float32_sdpa` is sdpa)."""
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
+    first = next(model.parameters(), None)
+    if first is not None and first.device.type == "cuda":
+        return
     wanted = NAME if dtype in _LOW else "sdpa"
     if current in ("sdpa", NAME) and current != wanted:
         model.set_attn_implementation(wanted)
