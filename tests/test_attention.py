@@ -50,6 +50,15 @@ def test_bf16_inputs_attend_in_float32_and_return_bf16():
     assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 for t in (q, k, v))
 
 
+def test_an_additive_bf16_mask_is_applied_in_float32():
+    q, k, v = _qkv(torch.bfloat16)
+    mask = torch.zeros(2, 1, 9, 9)
+    mask[..., 4:] = float("-inf")  # every query sees the first 4 positions only
+    out, _ = attention.float32_sdpa(_module(), q, k, v, mask.to(torch.bfloat16))
+    expected, _ = sdpa_attention_forward(_module(), q.float(), k.float(), v.float(), mask)
+    assert torch.equal(out, expected.to(torch.bfloat16))
+
+
 def _sdpa_query_dtypes() -> tuple[list[torch.dtype], object]:
     seen: list[torch.dtype] = []
     real = torch.nn.functional.scaled_dot_product_attention
