@@ -27,32 +27,36 @@ CHOICES_BY_DEVICE = (  # (module, function of the device): distflow's choices by
     ("prefix_sharing", "max_length_buckets"),
     ("token_logprobs", "block_elements"),
     ("sampling", "nucleus_candidates"),
+    ("attention", "attends_in_float32"),
 )
 
 
 def choice_modules() -> dict:
     """The modules that `CHOICES_BY_DEVICE` names, by name."""
     from distflow.rollout import decoding, sampling
-    from distflow.training import prefix_sharing, token_logprobs
+    from distflow.training import attention, prefix_sharing, token_logprobs
 
     return {
         "decoding": decoding,
         "prefix_sharing": prefix_sharing,
         "token_logprobs": token_logprobs,
         "sampling": sampling,
+        "attention": attention,
     }
 
 
 @contextlib.contextmanager
 def choices_as_on_cuda():
-    """distflow makes five choices by device, counted at the GPU's: its decoding looks at which rows
+    """distflow makes six choices by device, counted at the GPU's: its decoding looks at which rows
     ended every token on a CPU and every few tokens on a GPU (rollout/decoding.py's
     `stop_check_interval`, a sync each look), and its training passes compute each distinct prompt
     once on a CPU only (training/prefix_sharing.py's `shares_prefixes`: a second forward call), there
     splitting responses into length buckets (`max_length_buckets`, a forward call each), and they turn
     logits into log-probs by blocks of rows, small ones on a CPU (training/token_logprobs.py's
     `block_elements`, ~30 ops a block); under top-p its sampler looks for the nucleus among the likeliest
-    tokens on a CPU before sorting (rollout/sampling.py's `nucleus_candidates`, a sync each look)."""
+    tokens on a CPU before sorting (rollout/sampling.py's `nucleus_candidates`, a sync each look); and
+    a model computing below float32 attends in float32 on a CPU only (training/attention.py's
+    `attends_in_float32`: casts around each attention call)."""
     modules = choice_modules()
     originals = [(modules[m], name, getattr(modules[m], name)) for m, name in CHOICES_BY_DEVICE]
     for module, name, original in originals:

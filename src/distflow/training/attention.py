@@ -25,11 +25,17 @@ NAME = "distflow_float32_cpu_sdpa"
 _LOW = (torch.bfloat16, torch.float16)
 
 
+def attends_in_float32(device: torch.device) -> bool:
+    """Whether a model computing below float32 attends in float32 on `device`: on a CPU, whose bf16
+    attention is the slower one; not on a GPU, whose bf16 kernels are its fast ones."""
+    return device.type == "cpu"
+
+
 def float32_sdpa(module: torch.nn.Module, query, key, value, attention_mask, **kwargs):
-    """transformers' sdpa attention, computed in float32 where the inputs are on a CPU and any of
-    them below float32; the output in `value`'s dtype. Its signature is an attention function's
-    (transformers' `AttentionInterface`)."""
-    if query.device.type != "cpu" or not any(t.dtype in _LOW for t in (query, key, value)):
+    """transformers' sdpa attention, computed in float32 where the inputs are on a CPU
+    (`attends_in_float32`) and any of them below float32; the output in `value`'s dtype. Its
+    signature is an attention function's (transformers' `AttentionInterface`)."""
+    if not attends_in_float32(query.device) or not any(t.dtype in _LOW for t in (query, key, value)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if attention_mask is not None and attention_mask.dtype in _LOW:
         attention_mask = attention_mask.float()
@@ -52,7 +58,7 @@ def use_for(model: torch.nn.Module, dtype: torch.dtype) -> None:
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
     first = next(model.parameters(), None)
-    if first is not None and first.device.type == "cuda":
+    if first is not None and first.device.type != "meta" and not attends_in_float32(first.device):
         return
     wanted = NAME if dtype in _LOW else "sdpa"
     if current in ("sdpa", NAME) and current != wanted:
