@@ -51,6 +51,7 @@ class ParallelConfig:
     parameters (below float32 a single process is sharded too, FSDP2 over a one-rank group). ddp:
     bfloat16 computes under `torch.autocast` over the float32 parameters, in every training
     forward, rollout, log-prob and evaluation pass (float16 needs loss scaling: fsdp2 on CUDA only).
+    On a CPU, attention computes in float32 below float32 (torch's bf16 CPU attention is the slower).
     auto: bfloat16 on a CUDA device with bfloat16 kernels (compute capability 8.0 and up), any strategy;
     float32 on the CPU and older GPUs. Each rank resolves it for its device when it starts, and the run's
     config.yaml records the answer. float16 is refused on the CPU."""
