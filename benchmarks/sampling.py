@@ -91,7 +91,7 @@ def measure(rows: int, top_p: float, repeats: int) -> dict:
         logits_BV = torch.randn(rows, VOCAB, generator=generator) * 4
         uniform_B1 = uniforms_BR[:, r]
         took = {}
-        for way in WAYS[r % 3 :] + WAYS[: r % 3]:  # each way first in turn
+        for way in WAYS[r % len(WAYS) :] + WAYS[: r % len(WAYS)]:  # each way first in turn
             start = time.perf_counter()
             if way == "distflow float32":
                 token32_B1, _ = sampled_logprob_B1(logits_BV, uniform_B1, temperature=TEMPERATURE, top_p=top_p)

@@ -55,11 +55,10 @@ def use_for(model: torch.nn.Module, dtype: torch.dtype) -> None:
     float32, back to sdpa. Other implementations (eager, flash attention), and a model on a GPU, are
     left as they are (a model still on the meta device, to be loaded sharded, switches: on a GPU
     `float32_sdpa` is sdpa)."""
-    config = getattr(model, "config", None)
-    current = getattr(config, "_attn_implementation", None)
     first = next(model.parameters(), None)
     if first is not None and first.device.type != "meta" and not attends_in_float32(first.device):
         return
+    current = getattr(getattr(model, "config", None), "_attn_implementation", None)
     wanted = NAME if dtype in _LOW else "sdpa"
     if current in ("sdpa", NAME) and current != wanted:
         model.set_attn_implementation(wanted)
