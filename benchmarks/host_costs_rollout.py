@@ -27,7 +27,7 @@ CHOICES_BY_DEVICE = (  # (module, function of the device): distflow's choices by
     ("prefix_sharing", "max_length_buckets"),
     ("token_logprobs", "block_elements"),
     ("sampling", "nucleus_candidates"),
-    ("attention", "attends_in_float32"),
+    ("attention", "attends_on_cpu_kernels"),
 )
 
 
@@ -55,8 +55,9 @@ def choices_as_on_cuda():
     logits into log-probs by blocks of rows, small ones on a CPU (training/token_logprobs.py's
     `block_elements`, ~30 ops a block); under top-p its sampler looks for the nucleus among the likeliest
     tokens on a CPU before sorting (rollout/sampling.py's `nucleus_candidates`, a sync each look); and
-    a model computing below float32 attends in float32 on a CPU only (training/attention.py's
-    `attends_in_float32`: casts around each attention call)."""
+    on a CPU only a model attends as torch's CPU kernels compute it fastest (training/attention.py's
+    `attends_on_cpu_kernels`: grouped heads read in place, float32 below float32, with casts around
+    each attention call)."""
     modules = choice_modules()
     originals = [(modules[m], name, getattr(modules[m], name)) for m, name in CHOICES_BY_DEVICE]
     for module, name, original in originals:
