@@ -16,11 +16,15 @@ logits are taken (each prompt's last position, then those rows); the update's fo
 backward products, the others' forward. `floor s` multiplies fp32 tensors, `floor s bf16` the
 same ones cast to bf16 (what a stage computing under bf16 autocast, `parallel.param_dtype=
 bfloat16`, multiplies at the least; timed where roofline.py's `--bf16-floors` says); the stages
-themselves are timed as the recipe runs them.
+themselves are timed as the recipe runs them, in float32. Where the bf16 floors are timed, the
+rollout, the log-prob pass and the update are timed again computing in bf16 (`measured s bf16`),
+the passes on the float32 rollout's samples (the same work; the bf16 rollout's own samples differ),
+and the last line of the table is the float32 step's seconds over the bf16 step's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 import sys
@@ -137,23 +141,33 @@ def recipe_first_step(path: Path):
     return config, model, tokenizer, task, loader.next_batch()
 
 
-def recipe_seconds(config, model: torch.nn.Module, tokenizer, prompts: Batch, repeats: int) -> tuple[Batch, dict]:
-    """The recipe's samples and its stages' median seconds: its `rollout` stage, one log-prob pass
-    (what `old_logprob` and `reference_logprob` each run), `PolicyEngine.update` as `policy_update` calls it."""
+def recipe_seconds(
+    config, model: torch.nn.Module, tokenizer, prompts: Batch, repeats: int, batch: Batch | None = None
+) -> tuple[Batch, dict]:
+    """The recipe's samples and its stages' median seconds, computing in the dtype of `config.parallel`
+    as a run does: its `rollout` stage, one log-prob pass (what `old_logprob` and `reference_logprob`
+    each run), `PolicyEngine.update` as `policy_update` calls it. The passes take `batch` where given
+    (another dtype's samples: the same work), else this rollout's."""
     from distflow.dag.context import Engines, StageContext
     from distflow.dag.stages import rollout
     from distflow.observability.metrics import StepMetrics
     from distflow.rollout.sampling import SamplingSpec
+    from distflow.training.parallelize import compute_in, resolve_dtypes
 
     model.eval()  # as a run loads it: no dropout
+    compute_in(model, resolve_dtypes(config.parallel, SINGLE.device)[0])  # as the run's worker does at load
     engines = Engines(tokenizer, None, None, SamplingSpec.of(config.rollout), rollout_model=model)
     ctx = StageContext(config, engines, SINGLE, SINGLE, StepMetrics(), step=1)
     drawn: list[Batch] = []
     rollout_s = median_seconds(lambda: drawn.append(rollout(prompts, ctx)), repeats)
-    batch = drawn[-1]
-    g = torch.Generator().manual_seed(0)  # the update's cost does not depend on the advantages' values
-    batch = batch.updated(advantage=torch.randn(len(batch), generator=g), sample_mask=torch.ones(len(batch)))
-    engine = PolicyEngine(model, SINGLE, config.optim, temperature=config.rollout.temperature, passes=config.passes)
+    same = all(torch.equal(d["input_ids"], drawn[-1]["input_ids"]) for d in drawn)
+    if batch is None:
+        g = torch.Generator().manual_seed(0)  # the update's cost does not depend on the advantages' values
+        batch = drawn[-1].updated(
+            advantage=torch.randn(len(drawn[-1]), generator=g), sample_mask=torch.ones(len(drawn[-1]))
+        )
+    temperature, passes, parallel = config.rollout.temperature, config.passes, config.parallel
+    engine = PolicyEngine(model, SINGLE, config.optim, temperature=temperature, passes=passes, parallel=parallel)
     logprob_s = median_seconds(lambda: engine.logprobs(batch), repeats)
     objective = PolicyObjective(config.algorithm, has_old=False)
     tokens = float(batch["response_mask"].sum())  # token-mean: every response token carries signal here
@@ -162,8 +176,12 @@ def recipe_seconds(config, model: torch.nn.Module, tokenizer, prompts: Batch, re
         engine.update(batch, objective, tokens)
 
     update_s = median_seconds(update, repeats)
-    same = all(torch.equal(d["input_ids"], batch["input_ids"]) for d in drawn)
     return batch, {"rollout": rollout_s, "logprob_pass": logprob_s, "update": update_s, "samples_identical": same}
+
+
+def in_dtype(config, dtype: str):
+    """`config` with `parallel.param_dtype=dtype`."""
+    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, param_dtype=dtype))
 
 
 def generation_passes(prompt_tokens: int, num_prompts: int, lengths_B: torch.Tensor, new_tokens: int) -> list:
@@ -222,7 +240,11 @@ def measure_recipe(name: str, repeats: int, eval_repeats: int, dtypes: tuple) ->
     # timed updates below change the weights, and with them the answers and their lengths.
     ev = evaluation(config, model, tokenizer, task, eval_repeats, dtypes) if eval_repeats else {}
     passes_in_step = sum(s in build_graph(config).stages for s in ("old_logprob", "reference_logprob"))
-    batch, seconds = recipe_seconds(config, model, tokenizer, prompts, repeats)
+    batch, seconds = recipe_seconds(in_dtype(config, "float32"), model, tokenizer, prompts, repeats)
+    # The same stages computing in bf16 where its floors are timed (a CPU with bf16 instructions), the
+    # passes on the float32 rollout's samples: the same work in both dtypes, one after the other.
+    bf16_config = in_dtype(config, "bfloat16") if torch.bfloat16 in dtypes else None
+    seconds_bf16 = recipe_seconds(bf16_config, model, tokenizer, prompts, repeats, batch)[1] if bf16_config else None
     num_prompts, num_samples, new_tokens = len(prompts), len(batch), config.rollout.max_new_tokens
     width = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
     prompt_tokens = int(batch["attention_mask"][:: config.rollout.num_samples, :width].sum())
@@ -258,6 +280,7 @@ def measure_recipe(name: str, repeats: int, eval_repeats: int, dtypes: tuple) ->
     }
     for stage, floor in floors[torch.float32].items():
         out[f"{stage}_s"] = round(seconds[stage], 4)
+        out[f"{stage}_s_bf16"] = round(seconds_bf16[stage], 4) if seconds_bf16 else None
         out[f"{stage}_floor_s"] = round(floor, 4)
         out[f"{stage}_over_floor"] = round(seconds[stage] / floor, 2)
         out[f"{stage}_floor_s_bf16"] = round(bf16[stage], 4) if bf16 else None
@@ -267,9 +290,18 @@ def measure_recipe(name: str, repeats: int, eval_repeats: int, dtypes: tuple) ->
             round(f["rollout"] + passes_in_step * f["logprob_pass"] + f["update"], 4) if f else None
         )
     out.update(step_s=round(step, 4), step_over_floor=round(step / out["step_floor_s"], 2))
+    step_bf16 = (
+        seconds_bf16
+        and seconds_bf16["rollout"] + passes_in_step * seconds_bf16["logprob_pass"] + seconds_bf16["update"]
+    )
+    out.update(
+        step_s_bf16=round(step_bf16, 4) if seconds_bf16 else None,
+        step_float32_over_bf16=round(step / step_bf16, 2) if seconds_bf16 else None,
+        samples_identical_bf16=seconds_bf16["samples_identical"] if seconds_bf16 else None,
+    )
     if ev:
         out.update({k: v for k, v in ev.items() if k.startswith("eval_")}, eval_identical=ev["identical"])
-        out.update(eval_s=round(ev["seconds"], 4), eval_floor_s=round(ev["floor"], 4))
+        out.update(eval_s=round(ev["seconds"], 4), eval_floor_s=round(ev["floor"], 4), eval_s_bf16=None)
         eval_bf16 = round(ev["floor_bf16"], 4) if "floor_bf16" in ev else None
         out.update(eval_over_floor=round(ev["seconds"] / ev["floor"], 2), eval_floor_s_bf16=eval_bf16)
     return out
@@ -281,7 +313,8 @@ def print_recipe(name: str, r: dict) -> None:
         f"new tokens, T={r['temperature']}; {r['prompt_tokens']} prompt tokens (each prompt once), "
         f"{r['response_tokens']} response tokens"
     )
-    print(f"{'stage':<36}{'measured s':>12}{'floor s':>10}{'measured/floor':>16}{'floor s bf16':>14}")
+    columns = f"{'measured s':>12}{'floor s':>10}{'measured/floor':>16}{'measured s bf16':>17}{'floor s bf16':>14}"
+    print(f"{'stage':<36}{columns}")
     passes = r["logprob_passes_in_step"]
     labels = {"rollout": "rollout", "logprob_pass": f"log-prob pass (x{passes} in step)", "update": "update"}
     labels["step"] = "step"
@@ -290,5 +323,7 @@ def print_recipe(name: str, r: dict) -> None:
     for stage, label in labels.items():
         print(
             f"{label:<36}{r[f'{stage}_s']:>12.3f}{r[f'{stage}_floor_s']:>10.3f}{r[f'{stage}_over_floor']:>16.2f}"
-            f"{cell(r[f'{stage}_floor_s_bf16'], 14, 3)}"
+            f"{cell(r[f'{stage}_s_bf16'], 17, 3)}{cell(r[f'{stage}_floor_s_bf16'], 14, 3)}"
         )
+    if r["step_float32_over_bf16"] is not None:
+        print(f"float32 step s / bf16 step s, the same work: {r['step_float32_over_bf16']:.2f}")

@@ -193,6 +193,12 @@ def test_roofline_times_the_recipe_step_and_one_evaluation_beside_their_floors(m
     timed = out["settings"]["cpu_bf16"] != "none"
     assert out["settings"]["bf16_floors"] == ("timed" if timed else "not timed")
     assert all((row[f"{stage}_floor_s_bf16"] is not None) == timed for stage in ("rollout", "update", "step", "eval"))
+    # There, the stages are timed computing in bf16 too (not the evaluation), the same work as float32's.
+    assert all((row[f"{stage}_s_bf16"] is not None) == timed for stage in ("rollout", "logprob_pass", "update", "step"))
+    assert row["eval_s_bf16"] is None
+    if timed:
+        assert row["step_float32_over_bf16"] == pytest.approx(row["step_s"] / row["step_s_bf16"], abs=0.01)
+        assert row["samples_identical_bf16"]
     # The recipe's 200 held-out problems, one sampled and one greedy completion each, 1 to 32 tokens.
     assert (row["eval_prompts"], row["eval_samples"]) == (200, 1)
     assert 2 * 200 <= row["eval_response_tokens"] <= 2 * 200 * 32
