@@ -36,8 +36,11 @@ and the device. On a CPU without them (AVX2 only) bf16 has no instructions of it
 converts each product, about 100x slower than float32 (a 512^3 product on 2 threads of an
 AVX2-only AMD EPYC: 1.2 against 124 GFLOP/s, `benchmarks/roofline.py --quick`), so the bf16 run
 takes hours there: run this where `cpu_bf16` names the instructions. With 200 held-out problems,
-an accuracy's noise is about +-0.035: two dtypes' accuracies that close are the same result. The
-table goes to stdout; the last line is one JSON object.
+an evaluation's noise is about +-0.035, and a run's course adds its own: a change of rounding alone
+moved float32's greedy accuracy at step 20 by 0.05 (docs/features/precision.md), so compare
+accuracies over seeds (`--set trainer.seed=N`), and step times on the same work
+(`benchmarks/roofline.py --settings smollm2`): the two runs sample differently. The table goes to
+stdout; the last line is one JSON object.
 """
 
 from __future__ import annotations
