@@ -6,9 +6,9 @@ transformers' sdpa attention, with two differences on a CPU, at every dtype:
   prefill), transformers copies each key and value head once for each query head of its group
   (`repeat_kv`) and, in the backward, sums the copies' gradients back. torch's kernel reads each
   group's head in place (`enable_gqa`), with the same forward, bit for bit: in an update of the
-  SmolLM2 recipe (9 query heads over 3 key/value heads) that took 10% off in bf16 and about 7% in
-  float32. A decoded token (one query position) is left to transformers, which folds the group
-  into the query instead, as fast.
+  SmolLM2 recipe (9 query heads over 3 key/value heads) that took a few percent off (about 3% in
+  bf16 and 4% in float32, paired runs in both orders). A decoded token (one query position) is left
+  to transformers, which folds the group into the query instead, as fast.
 - **float32 below float32.** torch's CPU attention is slower in bf16 than in float32, its backward
   above all: at the recipe's shapes (7-80 positions) the bf16 backward took about 4x float32's time
   on an AVX512-BF16 CPU, more than a third of what bf16's matrix products save in an update. So
