@@ -114,11 +114,13 @@ def recipe_first_step(path: Path):
     from distflow.tasks.build import build_task
     from distflow.tasks.model_source import model_dirs
     from distflow.training.models import load_model_and_tokenizer
+    from distflow.training.parallelize import compute_in, resolve_dtypes
     from distflow.training.sequences import encode_prompts
 
     config = load_config(path)
     model_dir, tokenizer_dir = model_dirs(config, builder=True, log=lambda text: print(text, file=sys.stderr))
     model, tokenizer = load_model_and_tokenizer(model_dir, tokenizer_dir, SINGLE.device)
+    compute_in(model, resolve_dtypes(config.parallel, SINGLE.device)[0])  # as the run's worker does at load
     task = build_task(config, tokenizer)
     tokenize = functools.partial(encode_prompts, tokenizer)
     rules = RowRules(
@@ -155,7 +157,7 @@ def recipe_seconds(
     from distflow.training.parallelize import compute_in, resolve_dtypes
 
     model.eval()  # as a run loads it: no dropout
-    compute_in(model, resolve_dtypes(config.parallel, SINGLE.device)[0])  # as the run's worker does at load
+    compute_in(model, resolve_dtypes(config.parallel, SINGLE.device)[0])  # this dtype's rollout
     engines = Engines(tokenizer, None, None, SamplingSpec.of(config.rollout), rollout_model=model)
     ctx = StageContext(config, engines, SINGLE, SINGLE, StepMetrics(), step=1)
     drawn: list[Batch] = []
