@@ -265,7 +265,6 @@ def measure_recipe(name: str, repeats: int, eval_repeats: int, dtypes: tuple) ->
         }
         for dtype in dtypes
     }
-    bf16 = floors.get(torch.bfloat16)
     out = {
         "recipe": str(RECIPES[name].relative_to(ROOT)),
         "prompts": num_prompts,
@@ -280,32 +279,39 @@ def measure_recipe(name: str, repeats: int, eval_repeats: int, dtypes: tuple) ->
         "logprob_passes_in_step": passes_in_step,
         "samples_identical": seconds["samples_identical"],
     }
+    out.update(stage_columns(seconds, seconds_bf16, floors, passes_in_step))
+    if ev:
+        out.update({k: v for k, v in ev.items() if k.startswith("eval_")}, eval_identical=ev["identical"])
+        out.update(eval_s=round(ev["seconds"], 4), eval_floor_s=round(ev["floor"], 4), eval_s_bf16=None)
+        eval_bf16 = round(ev["floor_bf16"], 4) if "floor_bf16" in ev else None
+        out.update(eval_over_floor=round(ev["seconds"] / ev["floor"], 2), eval_floor_s_bf16=eval_bf16)
+    return out
+
+
+def stage_columns(seconds: dict, seconds_bf16: dict | None, floors: dict, passes_in_step: int) -> dict:
+    """The table's columns of each stage and of the step: the measured seconds (in bf16 too where
+    timed), the floors and their ratios."""
+    out, bf16 = {}, floors.get(torch.bfloat16)
     for stage, floor in floors[torch.float32].items():
         out[f"{stage}_s"] = round(seconds[stage], 4)
         out[f"{stage}_s_bf16"] = round(seconds_bf16[stage], 4) if seconds_bf16 else None
         out[f"{stage}_floor_s"] = round(floor, 4)
         out[f"{stage}_over_floor"] = round(seconds[stage] / floor, 2)
         out[f"{stage}_floor_s_bf16"] = round(bf16[stage], 4) if bf16 else None
-    step = seconds["rollout"] + passes_in_step * seconds["logprob_pass"] + seconds["update"]
+
+    def step_of(stages: dict | None) -> float | None:
+        """A step's seconds from its stages' (None where they were not timed)."""
+        return stages and stages["rollout"] + passes_in_step * stages["logprob_pass"] + stages["update"]
+
+    step, step_bf16 = step_of(seconds), step_of(seconds_bf16)
     for suffix, f in (("", floors[torch.float32]), ("_bf16", bf16)):
-        out[f"step_floor_s{suffix}"] = (
-            round(f["rollout"] + passes_in_step * f["logprob_pass"] + f["update"], 4) if f else None
-        )
+        out[f"step_floor_s{suffix}"] = round(step_of(f), 4) if f else None
     out.update(step_s=round(step, 4), step_over_floor=round(step / out["step_floor_s"], 2))
-    step_bf16 = (
-        seconds_bf16
-        and seconds_bf16["rollout"] + passes_in_step * seconds_bf16["logprob_pass"] + seconds_bf16["update"]
-    )
     out.update(
-        step_s_bf16=round(step_bf16, 4) if seconds_bf16 else None,
-        step_float32_over_bf16=round(step / step_bf16, 2) if seconds_bf16 else None,
+        step_s_bf16=round(step_bf16, 4) if step_bf16 else None,
+        step_float32_over_bf16=round(step / step_bf16, 2) if step_bf16 else None,
         samples_identical_bf16=seconds_bf16["samples_identical"] if seconds_bf16 else None,
     )
-    if ev:
-        out.update({k: v for k, v in ev.items() if k.startswith("eval_")}, eval_identical=ev["identical"])
-        out.update(eval_s=round(ev["seconds"], 4), eval_floor_s=round(ev["floor"], 4), eval_s_bf16=None)
-        eval_bf16 = round(ev["floor_bf16"], 4) if "floor_bf16" in ev else None
-        out.update(eval_over_floor=round(ev["seconds"] / ev["floor"], 2), eval_floor_s_bf16=eval_bf16)
     return out
 
 

@@ -138,8 +138,9 @@ def resolve_dtypes(parallel: ParallelConfig, device: torch.device) -> tuple[torc
 
 
 def compute_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Mark `model` to compute in `dtype` (`autocast`, `gathered`); float32 leaves it as it is. On a
-    CPU its attention takes torch's fastest path there, in float32 (training/attention.py)."""
+    """Mark `model` to compute in `dtype` (`autocast`, `gathered`; float32: in its weights' dtype). On
+    a CPU, at every dtype, its attention takes torch's fastest path there, in float32
+    (training/attention.py)."""
     model._distflow_compute_dtype = dtype
     attention.use_for(model)
 
