@@ -58,14 +58,13 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 import torch
 from bench_setup import build_model, prompt_rows
 from roofline_recipe import RECIPES, SINGLE, cell, dtype_suffix, measure_recipe, median_seconds, print_recipe
 from throughput import SETTINGS
 
-from distflow.config.parallel import PassesConfig
+from distflow.config.parallel import PassesConfig, cpu_bf16_instructions
 from distflow.config.schema import AlgorithmConfig, OptimConfig
 from distflow.dag.update_stages import PolicyObjective
 from distflow.data.batch import Batch
@@ -164,12 +163,9 @@ def square_gflops(size: int, repeats: int, dtype: torch.dtype) -> float:
 
 
 def cpu_bf16() -> str:
-    """This CPU's bf16 instructions (Linux: /proc/cpuinfo's flags), or `none`."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return "unknown"
-    return " ".join(f for f in ("avx512_bf16", "amx_bf16") if f in flags) or "none"
+    """This CPU's bf16 instructions (Linux on x86: /proc/cpuinfo's flags), `none`, or `unknown`."""
+    instructions = cpu_bf16_instructions()
+    return "unknown" if instructions is None else " ".join(instructions) or "none"
 
 
 def floor_dtypes(mode: str, instructions: str) -> tuple[torch.dtype, ...]:

@@ -213,6 +213,29 @@ def test_an_update_casts_each_weight_once_over_its_micro_batches(lora, checkpoin
     assert any(p.grad is not None for p in reference.model.parameters())
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_a_cpu_run_in_bfloat16_says_where_the_cpu_has_no_bf16_instructions(strategy, monkeypatch, capsys):
+    import types
+
+    from distflow.runtime import executor
+
+    config = load_config(None, ["parallel.param_dtype=bfloat16", f"parallel.strategy={strategy}"])
+    line = executor.emulated_bf16_line(config.parallel, ())
+    assert line.startswith("precision: parallel.param_dtype=bfloat16 on a CPU without bf16 instructions (no ")
+    assert "avx512_bf16 or amx_bf16" in line
+    assert line.endswith("parallel.param_dtype=float32 (or auto) computes in float32")
+    assert executor.emulated_bf16_line(config.parallel, ("avx512_bf16",)) is None  # the CPU has them
+    assert executor.emulated_bf16_line(config.parallel, None) is None  # cannot be told: nothing said
+    auto = load_config(None, []).parallel
+    assert executor.emulated_bf16_line(auto.on_device(False), ()) is None  # auto on a CPU: float32
+    # A rank on a CPU says it once, at the start, from its own CPU's flags; on a GPU it says nothing.
+    for device, instructions, said in (("cpu", (), True), ("cpu", ("amx_bf16",), False), ("cuda", (), False)):
+        monkeypatch.setattr(executor, "cpu_bf16_instructions", lambda instructions=instructions: instructions)
+        comm = types.SimpleNamespace(device=torch.device(device), is_main=True)
+        assert executor._on_this_device(config, comm).parallel.param_dtype == "bfloat16"
+        assert (line in capsys.readouterr().err) == said, (device, instructions)
+
+
 def test_a_run_says_when_auto_chose_bfloat16_and_how_to_keep_float32():
     from distflow.runtime.executor import auto_precision_line
 

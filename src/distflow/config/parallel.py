@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from distflow.config.errors import check
 
@@ -54,7 +55,8 @@ class ParallelConfig:
     On a CPU, attention computes in float32 below float32 (torch's bf16 CPU attention is the slower).
     auto: bfloat16 on a CUDA device with bfloat16 kernels (compute capability 8.0 and up), any strategy;
     float32 on the CPU and older GPUs. Each rank resolves it for its device when it starts, and the run's
-    config.yaml records the answer. float16 is refused on the CPU."""
+    config.yaml records the answer. float16 is refused on the CPU. bfloat16 on an x86 CPU without bf16
+    instructions (`cpu_bf16_instructions`) runs, emulated and slow, and the run says so in one line."""
     reduce_dtype: str = "auto"
     """fsdp2: the dtype gradients are reduced in across ranks (auto: float32)."""
     activation_checkpointing: bool = False
@@ -138,6 +140,29 @@ class PassesConfig:
         )
         if self.shared_prefix is None and self.padding_free:  # frozen: resolved once, here; else the device's
             object.__setattr__(self, "shared_prefix", False)
+
+
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_bf16_instructions(cpuinfo: str | None = None) -> tuple[str, ...] | None:
+    r"""The bfloat16 instruction sets of this x86 CPU (`CPU_BF16_FLAGS` among /proc/cpuinfo's flags, or
+    among `cpuinfo`'s): () where it has none, so that torch emulates bf16 products there, far slower
+    than float32's; None where that cannot be told (no /proc/cpuinfo, or a CPU with no x86 flags).
+
+    >>> cpu_bf16_instructions("processor : 0\nflags : fpu sse avx2 avx512f avx512_bf16\n")
+    ('avx512_bf16',)
+    >>> cpu_bf16_instructions("flags : fpu sse avx2\n"), cpu_bf16_instructions("Features : fp asimd bf16\n")
+    ((), None)
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    lines = [line.split(":", 1)[-1] for line in cpuinfo.splitlines() if line.startswith("flags")]
+    flags = {flag for line in lines for flag in line.split()}
+    return tuple(name for name in CPU_BF16_FLAGS if name in flags) if flags else None
 
 
 def bf16_kernels(device) -> bool:

@@ -34,7 +34,7 @@ from distflow.checkpoint.locate import checkpoint_root
 from distflow.checkpoint.store import step_dir_name
 from distflow.comm import Comm, init_comm, node_address, shutdown
 from distflow.config import Config, ConfigError, to_dict
-from distflow.config.parallel import ParallelConfig, bf16_kernels
+from distflow.config.parallel import CPU_BF16_FLAGS, ParallelConfig, bf16_kernels, cpu_bf16_instructions
 from distflow.console import say
 from distflow.data.batch import Batch
 from distflow.envvars import STARTED_ENV
@@ -322,6 +322,9 @@ def _on_this_device(config: Config, comm: Comm) -> Config:
     resolved = dataclasses.replace(config, parallel=config.parallel.on_device(bf16_kernels(comm.device)))
     if comm.is_main and (line := auto_precision_line(config.parallel, resolved.parallel)):
         say(line)
+    if comm.is_main and comm.device.type == "cpu":
+        if line := emulated_bf16_line(resolved.parallel, cpu_bf16_instructions()):
+            say(line)
     return resolved
 
 
@@ -333,6 +336,19 @@ def auto_precision_line(asked: ParallelConfig, resolved: ParallelConfig) -> str 
     return (
         f"precision: parallel.param_dtype=auto computes in {resolved.param_dtype} on this device, over float32 "
         "weights and optimizer state (parallel.param_dtype=float32 keeps float32)"
+    )
+
+
+def emulated_bf16_line(resolved: ParallelConfig, instructions: tuple[str, ...] | None) -> str | None:
+    """The line a CPU run computing in bfloat16 prints where the CPU has no bf16 instructions
+    (`instructions`: `cpu_bf16_instructions()`, () for none), with the setting that computes in
+    float32; None elsewhere, and where the instructions cannot be told."""
+    if resolved.compute_dtype() != "bfloat16" or instructions != ():
+        return None
+    return (
+        "precision: parallel.param_dtype=bfloat16 on a CPU without bf16 instructions (no "
+        f"{' or '.join(CPU_BF16_FLAGS)} in /proc/cpuinfo): torch emulates bf16 products here, many times "
+        "slower than float32's; parallel.param_dtype=float32 (or auto) computes in float32"
     )
 
 
