@@ -318,7 +318,7 @@ def _summary(
 
 def _on_this_device(config: Config, comm: Comm) -> Config:
     """`config` with `parallel.param_dtype=auto` resolved for this rank's device, said once where it is
-    below float32."""
+    below float32, and where bfloat16 meets a CPU without bf16 instructions (`emulated_bf16_line`)."""
     resolved = dataclasses.replace(config, parallel=config.parallel.on_device(bf16_kernels(comm.device)))
     if comm.is_main and (line := auto_precision_line(config.parallel, resolved.parallel)):
         say(line)
