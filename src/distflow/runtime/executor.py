@@ -322,9 +322,9 @@ def _on_this_device(config: Config, comm: Comm) -> Config:
     resolved = dataclasses.replace(config, parallel=config.parallel.on_device(bf16_kernels(comm.device)))
     if comm.is_main and (line := auto_precision_line(config.parallel, resolved.parallel)):
         say(line)
-    if comm.is_main and comm.device.type == "cpu":
-        if line := emulated_bf16_line(resolved.parallel, cpu_bf16_instructions()):
-            say(line)
+    bf16_on_cpu = comm.device.type == "cpu" and resolved.parallel.compute_dtype() == "bfloat16"
+    if comm.is_main and bf16_on_cpu and (line := emulated_bf16_line(resolved.parallel, cpu_bf16_instructions())):
+        say(line)  # /proc/cpuinfo read only where bf16 meets a CPU, not at every run's start
     return resolved
 
 
