@@ -1,15 +1,57 @@
 """The `compact` engine: each prompt prefilled once for its n samples, finished rows dropped
-(rollout/decoding.py); the same samples as `generate`, token for token."""
+(rollout/decoding.py); the same samples as `generate`, token for token.
+
+With `slots` (`rollout.compact: {slots: S}`) it decodes through a fixed set of S rows instead
+(rollout/slots.py): a row whose sample ends takes the next waiting sample, so the batch stays full
+while samples remain; with `draft_tokens` as well, each row verifies draft tokens taken from its
+group's siblings in the same forward. The samples are the same either way (keyed draws)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from distflow.config.errors import check
 from distflow.rollout.engine import Request, RolloutEngine
+
+
+@dataclass(kw_only=True)
+class CompactOptions:
+    slots: int = 0
+    """Rows decoding at once (continuous batching inside a rollout): a row whose sample ends takes the next
+    waiting sample of the rollout, prefilled with its prompt; 0: every sample starts at once and an ended
+    row leaves the batch (no refill)."""
+    draft_tokens: int = 0
+    """With `slots`: draft tokens each row verifies per forward, proposed by matching its last tokens
+    against its group's other samples (grouped speculation); a draft token is kept only where it is the
+    token the row's keyed draw yields there, so the samples are plain decoding's. 0: none."""
+
+    def __post_init__(self) -> None:
+        check(self.slots >= 0, f"rollout.compact.slots must be >= 0 (got {self.slots})")
+        check(self.draft_tokens >= 0, f"rollout.compact.draft_tokens must be >= 0 (got {self.draft_tokens})")
+        check(
+            self.draft_tokens == 0 or self.slots > 0,
+            "rollout.compact.draft_tokens needs rollout.compact.slots > 0 (speculation runs in the slotted decoder)",
+        )
 
 
 class CompactEngine(RolloutEngine):
     name = "compact"
+    Config = CompactOptions
+
+    def __init__(self, options: CompactOptions | None = None) -> None:
+        self.options = options or CompactOptions()
+
+    @classmethod
+    def build(cls, config, options: CompactOptions | None) -> CompactEngine:
+        return cls(options)
 
     def responses(self, model, request: Request):
+        if self.options.slots > 0:
+            from distflow.rollout.slots import decode_in_slots
+
+            out, stats = decode_in_slots(model, request, self.options.slots, self.options.draft_tokens)
+            self.record_stats(stats)
+            return out if request.logprobs else (out, None)
         return _decode(model, request)
 
 

@@ -13,6 +13,7 @@ this machine must have (`preflight`).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -42,6 +43,30 @@ class Request:
     """Also return each sampled token's log-prob under softmax(logits / temperature)."""
 
 
+@dataclass(frozen=True)
+class RolloutStats:
+    """What one call of `responses` paid for and how its samples ended, as the engine that ran it counted.
+
+    The tokens kept over `slot_steps` is the rollout's occupancy (`rollout/occupancy`): an engine that
+    decodes every row until the longest ends pays rows × longest; one that refills ended rows pays
+    little more than the tokens themselves."""
+
+    slot_steps: int
+    """Row-positions computed by the decode forwards: each forward's rows, each with its verified draft
+    tokens (speculation), summed. The tokens kept over this is the rollout's occupancy."""
+    row_forwards: int
+    """Each decode forward's rows, summed: the tokens kept over this is the tokens per forward (1 without
+    speculation, up to 1 + the draft length with it)."""
+    forwards: int
+    """Decode forwards (the prefill not counted)."""
+    tail_seconds: float
+    """Wall time from the moment 90% of the rows had ended to the last row's end."""
+    drafted: int = 0
+    """Speculation: draft tokens proposed and verified."""
+    accepted: int = 0
+    """Speculation: draft tokens the keyed draw accepted."""
+
+
 class RolloutEngine(Component):
     """The rollout engine kind. A subclass sets `name` and implements `responses`."""
 
@@ -67,6 +92,27 @@ class RolloutEngine(Component):
         with `request.logprobs` each sampled token's log-prob (None: the engine kept none; they are
         recomputed with one forward pass)."""
         raise NotImplementedError
+
+    def update_weights(self, model: torch.nn.Module, version: int) -> None:
+        """The one seam through which new weights reach the engine: `model` (the rollout model the next
+        `responses` gets) holds new weights, `version` counts the updates it has had (optimizer steps,
+        weight syncs and loads, 0 for the weights it started from). Called by whatever changed them,
+        before the next rollout. An engine that reads the model's own tensors at each rollout (every
+        built-in one but `vllm`) has nothing to do."""
+
+    def last_stats(self) -> RolloutStats | None:
+        """This thread's last `responses` figures (`record_stats`), None where the engine counts none."""
+        return getattr(self._stats_local(), "stats", None)
+
+    def record_stats(self, stats: RolloutStats) -> None:
+        """Keep `stats` as this thread's last rollout's (rollouts may run in several threads of a rank)."""
+        self._stats_local().stats = stats
+
+    def _stats_local(self) -> threading.local:
+        local = self.__dict__.get("_stats")
+        if local is None:
+            local = self.__dict__["_stats"] = threading.local()
+        return local
 
     def counts(self) -> dict[str, float]:
         """What this engine has counted since it was built (`graphed`: `graph_captures`), logged after each

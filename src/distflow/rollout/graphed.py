@@ -74,6 +74,11 @@ ATTEND_SPAN = 64
 
 class GraphedEngine(CompactEngine):
     name = "graphed"
+    Config = None  # compact's slots and speculation are not graphed's (yet): it takes no options
+
+    @classmethod
+    def build(cls, config, options) -> GraphedEngine:
+        return cls()
 
     def __init__(self) -> None:
         self._kept = threading.local()  # each thread's last decoder: its graph, cache and buffers
