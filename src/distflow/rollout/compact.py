@@ -39,7 +39,10 @@ class CompactEngine(RolloutEngine):
     Config = CompactOptions
 
     def __init__(self, options: CompactOptions | None = None) -> None:
+        from distflow.rollout.slots import DraftHistory
+
         self.options = options or CompactOptions()
+        self.history = DraftHistory()  # each prompt's latest completions: drafts and the order of entry
 
     @classmethod
     def build(cls, config, options: CompactOptions | None) -> CompactEngine:
@@ -49,13 +52,18 @@ class CompactEngine(RolloutEngine):
         if self.options.slots > 0:
             from distflow.rollout.slots import decode_in_slots
 
-            out, stats = decode_in_slots(model, request, self.options.slots, self.options.draft_tokens)
+            out, stats = decode_in_slots(model, request, self.options.slots, self.options.draft_tokens, self.history)
             self.record_stats(stats)
             return out if request.logprobs else (out, None)
-        return _decode(model, request)
+        from distflow.rollout.decoding import Tally
+
+        tally = Tally()
+        out = _decode(model, request, tally)
+        self.record_stats(tally.stats())
+        return out
 
 
-def _decode(model, request: Request):
+def _decode(model, request: Request, tally=None):
     from distflow.rollout.decoding import decode
 
     out = decode(
@@ -70,5 +78,6 @@ def _decode(model, request: Request):
         top_p=request.top_p,
         keys_B=request.keys_B,
         logprobs=request.logprobs,
+        tally=tally,
     )
     return out if request.logprobs else (out, None)

@@ -24,10 +24,14 @@ mean subclassing its private processor classes; this loop is the part of it dist
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+
+from distflow.rollout.engine import RolloutStats
 
 from distflow.rollout.sampling import keyed_uniforms, sampled_logprob_B1, token_logprob_B1
 from distflow.training.models import cache_kwargs
@@ -47,18 +51,21 @@ def decode(
     top_p: float,
     keys_B: torch.Tensor | None,
     logprobs: bool = False,
+    tally: Tally | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Response ids [G·n, max_new_tokens] (pad after a row's stop token) for left-padded prompts.
 
     Row g·n + k is sample k of prompt g, drawn with keys_B[g·n + k] (greedy if keys_B is None).
     `logprobs`: also each drawn token's log-prob under softmax(logits / T), [G·n, max_new_tokens]
-    (0 after a row's end), recorded while sampling.
+    (0 after a row's end), recorded while sampling. `tally`: counts the forwards' rows and when rows
+    end (at the looks), for `RolloutStats`.
     """
     width, device = prompt_ids_GP.shape[1], prompt_ids_GP.device
     stop_S = torch.tensor(stop_ids, device=device)
     logits_AV, cache, rows = _prefill(model, prompt_ids_GP, prompt_mask_GP, samples_per_prompt, keys_B, max_new_tokens)
     drawn = _Drawn(rows.rows_A.shape[0], max_new_tokens, pad_id, logprobs, device)
     every = stop_check_interval(device)
+    tally = tally if tally is not None else Tally()
     for t in range(max_new_tokens):
         if keys_B is None:
             token_A1 = logits_AV.argmax(dim=-1, keepdim=True)
@@ -71,6 +78,7 @@ def decode(
         if (t + 1) % every == 0:  # the only look at the values on the host
             # A row that ended between two looks stayed in the batch; what it drew after its end is padded.
             keep_A = torch.isin(drawn.since_look(), stop_S, invert=True).all(dim=1).nonzero()[:, 0]
+            tally.ended(rows.rows_A.shape[0] - keep_A.shape[0])
             if keep_A.shape[0] == 0:
                 break
             if keep_A.shape[0] < rows.rows_A.shape[0]:
@@ -79,8 +87,59 @@ def decode(
                 token_A1 = token_A1[keep_A]
                 cache.batch_select_indices(keep_A)
         logits_AV = _next_logits(model, token_A1, rows.mask_AT[:, : width + t + 1], rows.position_A1[t], cache)
+        tally.forward(rows.rows_A.shape[0])
+    else:
+        tally.ended(rows.rows_A.shape[0])  # the rows still running at max_new_tokens
     drawn.write(rows.rows_A)
     return drawn.result(stop_S, padded=every > 1)
+
+
+class Tally:
+    """What a decode loop paid for and when its rows ended (`RolloutStats`'s counts)."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.slot_steps = self.row_forwards = self.forwards = self.drafted = self.accepted = 0
+        self.ended_at: list[float] = []
+
+    def forward(self, rows: int, drafts: int = 0) -> None:
+        self.forwards += 1
+        self.row_forwards += rows
+        self.slot_steps += rows + drafts
+        self.drafted += drafts
+
+    def ended(self, rows: int) -> None:
+        if rows:
+            self.ended_at.extend([time.perf_counter()] * rows)
+
+    def stats(self) -> RolloutStats:
+        return RolloutStats(
+            slot_steps=self.slot_steps,
+            row_forwards=self.row_forwards,
+            forwards=self.forwards,
+            tail_seconds=tail_seconds(self.ended_at, self.started),
+            drafted=self.drafted,
+            accepted=self.accepted,
+        )
+
+
+TAIL_FRACTION = 0.9
+"""`RolloutStats.tail_seconds` counts from the moment this fraction of the samples had ended."""
+
+
+def tail_seconds(ended_at: list[float], started: float) -> float:
+    """Seconds from the moment `TAIL_FRACTION` of the samples had ended to the last one's end.
+
+    >>> tail_seconds([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 19.0], 0.0)
+    10.0
+    >>> tail_seconds([], 0.0)
+    0.0
+    """
+    if not ended_at:
+        return 0.0
+    ends = sorted(ended_at)
+    at = ends[max(0, math.ceil(TAIL_FRACTION * len(ends)) - 1)]
+    return max(0.0, ends[-1] - max(at, started))
 
 
 @dataclass

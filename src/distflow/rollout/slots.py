@@ -1,0 +1,401 @@
+"""Slots: continuous batching inside one rollout, and grouped speculation, with plain decoding's samples.
+
+    prompts P_1..P_G ──prefill once──▶ each prompt's KV [heads, P, d] + every sample's token 0
+    S rows, one KV cache [S, heads, P + R + K, d], each row at its own column, running rows first:
+      a forward   each running row feeds its last token, then its draft tokens, at its own columns
+                  and positions ▸ each fed token's logits give the token after it, drawn from the
+                  row's key at that position ▸ the drafts kept up to the first that differs from
+                  what was drawn; the draw at the first difference is kept too
+      an ended row  takes the next waiting sample (its prompt's KV copied in: one prefill a prompt),
+                  or, with none waiting, the last running row moves into it (running rows stay
+                  rows 0..A-1, so a forward reads a view of the cache, never a copy of it)
+
+Why: a rollout that waits for its longest sample decodes its tail a few rows at a time, and a
+decode forward of few rows costs nearly what a full one does (on a 2-core CPU, SmolLM2: 77 ms for
+1 row, 399 ms for 64). Slots keep the rows full while samples wait. Once none wait, the rows that
+left make room for draft tokens: a forward computes at most S row-positions (`draft_lengths`),
+so speculation spends the capacity the tail leaves idle, not more.
+
+The drafts (`Drafter`) come from the row's group: its siblings' tokens so far, the same prompt's
+completions in earlier rollouts (`DraftHistory`), and its own: the continuation after the latest
+earlier occurrence of the row's last few tokens (n-gram matching, as prompt-lookup decoding does).
+
+Samples: token t of a sample is drawn from the sample's key at position t, from the logits after
+its token t-1, whichever forward computed them and whoever its row-mates were; a draft is kept
+only where it is that token. So the tokens are plain decoding's, and the log-probs too, up to
+rounding: a verifying forward computes several positions of a row at once, and a row attends over
+masked columns past its own, which can round a logit differently than a one-token step does
+(tests/test_slots.py compares against `compact` bit for bit on tokens, log-probs to 1e-6).
+
+The order of entry is fixed by data, never by timing: waiting samples whose prompt is expected
+longest enter first (its earlier rollouts' mean length; else its siblings' that have ended; a
+prompt with neither first of all), ties in row order.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from distflow.rollout.decoding import Tally
+from distflow.rollout.engine import Request
+from distflow.rollout.sampling import keyed_uniforms, sampled_logprob_B1, token_logprob_B1
+from distflow.training.models import cache_kwargs
+
+MATCH_LENGTHS = (3, 2)
+"""The suffix lengths a row's last tokens are matched by to find drafts, longest first."""
+
+
+@torch.no_grad()
+def decode_in_slots(
+    model: torch.nn.Module,
+    request: Request,
+    num_slots: int,
+    draft_tokens: int,
+    history: DraftHistory | None = None,
+):
+    """The responses of `request` ([G·n, R], and log-probs with `request.logprobs`, as `decoding.decode`)
+    decoded through `num_slots` rows, each verifying up to `draft_tokens` drafts a forward; and the
+    rollout's `RolloutStats`. `history`: earlier rollouts' completions by prompt (drafts, order of entry),
+    updated with this one's."""
+    from distflow.rollout.graphed import sliding
+
+    if sliding(model):
+        raise ValueError(
+            "rollout.compact.slots needs a model without sliding-window attention layers; set rollout.compact.slots=0"
+        )
+    run = _Rollout(model, request, num_slots, draft_tokens, history)
+    run.decode()
+    if history is not None:
+        history.add(run.prompt_keys, run.tokens, request.n)
+    out = run.response_BR if run.logp_BR is None else (run.response_BR, run.logp_BR)
+    return out, run.tally.stats()
+
+
+def draft_lengths(num_running: int, num_slots: int, draft_tokens: int) -> int:
+    """How many drafts each running row may verify in a forward: the row-positions of a forward stay
+    within `num_slots` (a full batch decodes without drafts; the tail's idle rows carry them).
+
+    >>> [draft_lengths(a, 64, 4) for a in (64, 33, 32, 16, 13, 12, 1)]
+    [0, 0, 1, 3, 3, 4, 4]
+    """
+    return max(0, min(draft_tokens, num_slots // max(num_running, 1) - 1))
+
+
+@dataclass
+class DraftHistory:
+    """Each prompt's completions in its latest rollout (its tokens, a tuple, as the key), for drafts and the
+    order of entry; at most `max_prompts` prompts, the least recently rolled out dropped first."""
+
+    max_prompts: int = 4096
+    _by_prompt: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+
+    def completions(self, prompt: tuple[int, ...]) -> list[list[int]]:
+        return self._by_prompt.get(prompt, [])
+
+    def add(self, prompts: list[tuple[int, ...]], tokens: list[list[int]], n: int) -> None:
+        for g, prompt in enumerate(prompts):
+            self._by_prompt.pop(prompt, None)
+            self._by_prompt[prompt] = [list(t) for t in tokens[g * n : (g + 1) * n]]
+        while len(self._by_prompt) > self.max_prompts:
+            self._by_prompt.popitem(last=False)
+
+
+class Drafter:
+    """Draft tokens for a group's samples: the continuation after the latest earlier occurrence, in any of
+    the group's sequences (its samples' tokens so far, the prompt's earlier completions), of a sample's last
+    `MATCH_LENGTHS` tokens.
+
+    >>> d = Drafter([[5, 6, 7, 8, 9]])
+    >>> tokens = [1, 5]
+    >>> d.add_sample(0, tokens)
+    >>> tokens.append(6); d.grown(0, 2)
+    >>> d.propose(0, 3)
+    [7, 8, 9]
+    """
+
+    def __init__(self, earlier: list[list[int]]) -> None:
+        self.sequences: dict[object, list[int]] = {}
+        self.index: dict[tuple[int, ...], list[tuple[object, int]]] = collections.defaultdict(list)
+        for k, seq in enumerate(earlier):
+            self._add(("earlier", k), list(seq), 0)
+
+    def add_sample(self, sample: int, tokens: list[int]) -> None:
+        """Sample `sample`'s tokens (a list this object reads as it grows: call `grown` after it does)."""
+        self._add(sample, tokens, 0)
+
+    def grown(self, sample: int, old_length: int) -> None:
+        """Sample `sample`'s tokens past its first `old_length` are new: index the n-grams that end among them."""
+        self._index(sample, self.sequences[sample], old_length + 1)
+
+    def propose(self, sample: int, k: int) -> list[int]:
+        """Up to `k` draft tokens for `sample` (none when nothing matches)."""
+        tokens = self.sequences[sample]
+        for m in MATCH_LENGTHS:
+            if len(tokens) < m:
+                continue
+            for seq_id, after in reversed(self.index.get(tuple(tokens[-m:]), ())):
+                seq = self.sequences[seq_id]
+                if seq_id == sample and after >= len(tokens):
+                    continue  # the row's own last tokens: nothing after them yet
+                if after < len(seq):
+                    return seq[after : after + k]
+        return []
+
+    def _add(self, seq_id: object, tokens: list[int], start: int) -> None:
+        self.sequences[seq_id] = tokens
+        self._index(seq_id, tokens, start)
+
+    def _index(self, seq_id: object, tokens: list[int], start: int) -> None:
+        for end in range(max(start, 1), len(tokens) + 1):
+            for m in MATCH_LENGTHS:
+                if end >= m:
+                    self.index[tuple(tokens[end - m : end])].append((seq_id, end))
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One layer's keys and values for S rows, each written at its own columns (`_SlotCache.at`); a forward
+    attends over a view of the running rows' first `columns`."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, cache: _SlotCache, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.slots, self.keys, self.values, self.is_initialized = cache, keys, values, True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # laid out at construction
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        rows_Aq, columns_Aq, num_rows, num_columns = self.slots.where
+        self.keys[rows_Aq, :, columns_Aq] = key_states.transpose(1, 2).to(self.keys.dtype)
+        self.values[rows_Aq, :, columns_Aq] = value_states.transpose(1, 2).to(self.values.dtype)
+        return self.keys[:num_rows, :, :num_columns], self.values[:num_rows, :, :num_columns]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.slots.where[3], 0
+
+    def get_seq_length(self) -> int:
+        return self.slots.where[3] - self.slots.where[0].shape[1]
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+class _SlotCache(Cache):
+    """The rows' KV cache: a `_SlotLayer` a model layer, laid out from the prefill's (its dtypes, heads, head
+    size), `columns` wide."""
+
+    def __init__(self, prefill: DynamicCache, num_slots: int, columns: int) -> None:
+        layers = []
+        for layer in prefill.layers:
+            heads, dim = layer.keys.shape[1], layer.keys.shape[3]
+            keys = layer.keys.new_zeros(num_slots, heads, columns, dim)
+            values = layer.values.new_zeros(num_slots, layer.values.shape[1], columns, layer.values.shape[3])
+            layers.append(_SlotLayer(self, keys, values))
+        super().__init__(layers=layers)
+        self.where: tuple = ()
+
+    def at(self, rows_Aq: torch.Tensor, columns_Aq: torch.Tensor, num_columns: int) -> None:
+        """The next forward writes its [A, q] positions at these rows and columns, and attends over the first
+        A rows' first `num_columns` columns."""
+        self.where = (rows_Aq, columns_Aq, rows_Aq.shape[0], num_columns)
+
+    def enter(self, row: int, prompt: int, prefill: DynamicCache, width: int) -> None:
+        """Row `row` starts prompt `prompt`'s sample: its prompt's keys and values in its first columns."""
+        for mine, theirs in zip(self.layers, prefill.layers, strict=True):
+            mine.keys[row, :, :width] = theirs.keys[prompt]
+            mine.values[row, :, :width] = theirs.values[prompt]
+
+    def move(self, source: int, target: int, columns: int) -> None:
+        for layer in self.layers:
+            layer.keys[target, :, :columns] = layer.keys[source, :, :columns]
+            layer.values[target, :, :columns] = layer.values[source, :, :columns]
+
+
+class _Rollout:
+    """One rollout's state: the samples' tokens on the host (for drafts), the responses on the device, the
+    rows and what each holds, and the counts of `RolloutStats`."""
+
+    def __init__(self, model, request: Request, num_slots: int, draft_tokens: int, history: DraftHistory | None):
+        ids_GP, mask_GP = request.prompt_ids_GP, request.prompt_mask_GP
+        self.model, self.request, self.device = model, request, ids_GP.device
+        (G, P), n, R = ids_GP.shape, request.n, request.max_new_tokens
+        self.width, self.n, self.R, self.num_rows = P, n, R, G * n
+        self.num_slots, self.draft_tokens = max(1, min(num_slots, self.num_rows)), draft_tokens
+        self.stop = set(request.stop_ids)
+        self.prompt_len_G = mask_GP.sum(-1).tolist()
+        self.prompt_mask_GP = mask_GP.bool()
+        self.prompt_keys = [tuple(ids[m.bool()].tolist()) for ids, m in zip(ids_GP, mask_GP, strict=True)]
+        earlier = [history.completions(p) if history is not None else [] for p in self.prompt_keys]
+        self.expected_G = [sum(map(len, e)) / len(e) if e else None for e in earlier]
+        self.drafters = [Drafter(e) for e in earlier]
+        self.tokens: list[list[int]] = [[] for _ in range(self.num_rows)]
+        for b, tokens in enumerate(self.tokens):
+            self.drafters[b // n].add_sample(b, tokens)
+        self.response_BR = torch.full((self.num_rows, R), request.pad_id, dtype=torch.long, device=self.device)
+        self.logp_BR = torch.zeros(self.response_BR.shape, device=self.device) if request.logprobs else None
+        self.uniforms_BR = None if request.keys_B is None else keyed_uniforms(request.keys_B, R).float()
+        self.tally = Tally()
+
+    def decode(self) -> None:
+        prefill, logits_GV = self._prefill()
+        self._first_tokens(logits_GV)
+        del logits_GV
+        self.cache = _SlotCache(prefill, self.num_slots, self.width + self.R + self.draft_tokens)
+        self.prefill = prefill
+        waiting = [b for b in range(self.num_rows) if not self._ended(b)]
+        self.rows: list[int] = []  # row a holds sample rows[a]
+        self.next_t: list[int] = []  # and has drawn its first next_t[a] tokens
+        self._fill(waiting)
+        while self.rows:
+            done = self._forward()
+            self._leave(done, waiting)
+        del self.cache, self.prefill
+
+    def _prefill(self):
+        request = self.request
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=request.prompt_ids_GP,
+            attention_mask=request.prompt_mask_GP,
+            position_ids=(request.prompt_mask_GP.cumsum(-1) - 1).clamp(min=0),
+            **cache_kwargs(cache),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return cache, out.logits[:, -1, :].float()
+
+    def _first_tokens(self, logits_GV: torch.Tensor) -> None:
+        """Every sample's token 0, from its prompt's last logits (one draw for all rows, as `decode`'s)."""
+        prompt_B = torch.arange(self.num_rows, device=self.device) // self.n
+        token_B1, logp_B1 = self._draw(logits_GV[prompt_B], None if self.uniforms_BR is None else self.uniforms_BR[:, :1])
+        self.response_BR[:, 0] = token_B1[:, 0]
+        if self.logp_BR is not None:
+            self.logp_BR[:, 0] = logp_B1[:, 0]
+        for b, token in enumerate(token_B1[:, 0].tolist()):
+            self.tokens[b].append(token)
+            self.drafters[b // self.n].grown(b, 0)
+        self.tally.ended(sum(self._ended(b) for b in range(self.num_rows)))
+
+    def _draw(self, logits_NV: torch.Tensor, uniform_N1: torch.Tensor | None):
+        request = self.request
+        if uniform_N1 is None:
+            token_N1 = logits_NV.argmax(dim=-1, keepdim=True)
+            logp_N1 = token_logprob_B1(logits_NV, token_N1, temperature=request.temperature) if request.logprobs else None
+            return token_N1, logp_N1
+        return sampled_logprob_B1(logits_NV, uniform_N1, temperature=request.temperature, top_p=request.top_p)
+
+    def _ended(self, b: int) -> bool:
+        tokens = self.tokens[b]
+        return len(tokens) >= self.R or (bool(tokens) and tokens[-1] in self.stop)
+
+    def _priority(self, b: int) -> tuple:
+        """Longest expected first: the prompt's earlier rollouts' mean length, else its ended samples' mean
+        length, else first of all (nothing says it is short); ties in row order."""
+        g = b // self.n
+        expected = self.expected_G[g]
+        if expected is None:
+            ended = [len(self.tokens[s]) for s in range(g * self.n, (g + 1) * self.n) if s not in self.entered_or_waiting]
+            expected = sum(ended) / len(ended) if ended else math.inf
+        return (-expected, b)
+
+    def _fill(self, waiting: list[int]) -> None:
+        """Rows after the running ones take waiting samples while rows are free."""
+        self.entered_or_waiting = set(waiting) | set(self.rows)
+        if waiting and len(self.rows) < self.num_slots:
+            waiting.sort(key=self._priority, reverse=True)  # the first to enter last: popped from the end
+        while waiting and len(self.rows) < self.num_slots:
+            b = waiting.pop()
+            self.cache.enter(len(self.rows), b // self.n, self.prefill, self.width)
+            self.rows.append(b)
+            self.next_t.append(len(self.tokens[b]))
+
+    def _forward(self) -> list[int]:
+        """One forward of the running rows, each with its drafts; the rows whose sample ended."""
+        A = len(self.rows)
+        k = draft_lengths(A, self.num_slots, self.draft_tokens)
+        drafts = [self._drafts(a, k) for a in range(A)] if k else [[] for _ in range(A)]
+        q = 1 + max(map(len, drafts))
+        last = [self.tokens[b][-1] for b in self.rows]
+        inputs = [[last[a], *d] + [last[a]] * (q - 1 - len(d)) for a, d in enumerate(drafts)]
+        offsets_q = torch.arange(q, device=self.device)
+        next_A = torch.tensor(self.next_t, device=self.device)
+        columns_Aq = self.width + next_A.unsqueeze(1) - 1 + offsets_q  # token next_t - 1 + i at its own column
+        prompts_A = torch.tensor([b // self.n for b in self.rows], device=self.device)
+        positions_Aq = torch.tensor(self.prompt_len_G, device=self.device)[prompts_A].unsqueeze(1) + columns_Aq - self.width
+        num_columns = int(columns_Aq[:, -1].max()) + 1
+        self.cache.at(torch.arange(A, device=self.device).unsqueeze(1).expand(A, q), columns_Aq, num_columns)
+        out = self.model(
+            input_ids=torch.tensor(inputs, device=self.device),
+            attention_mask=self._mask(prompts_A, columns_Aq, num_columns),
+            position_ids=positions_Aq,
+            **cache_kwargs(self.cache),
+            use_cache=True,
+        )
+        logits_NV = out.logits.float().reshape(A * q, -1)
+        at_Aq = (next_A.unsqueeze(1) + offsets_q).clamp(max=self.R - 1)  # the positions drawn
+        rows_B = torch.tensor(self.rows, device=self.device)
+        uniform_N1 = None
+        if self.uniforms_BR is not None:
+            uniform_N1 = self.uniforms_BR[rows_B.unsqueeze(1), at_Aq].reshape(A * q, 1)
+        token_N1, logp_N1 = self._draw(logits_NV, uniform_N1)
+        self.tally.forward(A, sum(map(len, drafts)))
+        return self._keep(drafts, token_N1.view(A, q), None if logp_N1 is None else logp_N1.view(A, q))
+
+    def _drafts(self, a: int, k: int) -> list[int]:
+        b = self.rows[a]
+        room = self.R - 1 - self.next_t[a]  # tokens drawn this forward stay below max_new_tokens
+        return self.drafters[b // self.n].propose(b, min(k, room)) if room > 0 else []
+
+    def _mask(self, prompts_A: torch.Tensor, columns_Aq: torch.Tensor, num_columns: int) -> torch.Tensor:
+        """[A, 1, q, L]: a row's query i sees its prompt's real columns and its own columns up to its own."""
+        columns_L = torch.arange(num_columns, device=self.device)
+        mask_AqL = columns_L <= columns_Aq.unsqueeze(-1)
+        prompt_AL = torch.ones(len(self.rows), num_columns, dtype=torch.bool, device=self.device)
+        prompt_AL[:, : self.width] = self.prompt_mask_GP[prompts_A]
+        return (mask_AqL & prompt_AL.unsqueeze(1)).unsqueeze(1)
+
+    def _keep(self, drafts: list[list[int]], token_Aq: torch.Tensor, logp_Aq: torch.Tensor | None) -> list[int]:
+        """Each row's drawn tokens up to its first draft that differs (that draw kept too), cut at a stop token or
+        at max_new_tokens: written to the responses; the rows whose sample ended."""
+        drawn = token_Aq.tolist()
+        rows_N, columns_N, places_N, done = [], [], [], []
+        for a, (b, d) in enumerate(zip(self.rows, drafts, strict=True)):
+            tokens, start = self.tokens[b], self.next_t[a]
+            for i, token in enumerate(drawn[a]):
+                tokens.append(token)
+                rows_N.append(b)
+                columns_N.append(start + i)
+                places_N.append(a * token_Aq.shape[1] + i)
+                if self._ended(b) or i >= len(d) or token != d[i]:
+                    break
+            self.tally.accepted += len(tokens) - start - 1
+            self.next_t[a] = len(tokens)
+            self.drafters[b // self.n].grown(b, start)
+            if self._ended(b):
+                done.append(a)
+        self.tally.ended(len(done))
+        places = torch.tensor(places_N, device=self.device)
+        rows, columns = torch.tensor(rows_N, device=self.device), torch.tensor(columns_N, device=self.device)
+        self.response_BR[rows, columns] = token_Aq.reshape(-1)[places]
+        if self.logp_BR is not None:
+            self.logp_BR[rows, columns] = logp_Aq.reshape(-1)[places]
+        return done
+
+    def _leave(self, done: list[int], waiting: list[int]) -> None:
+        """Ended rows take waiting samples; with none waiting, the last running rows move into them."""
+        for a in sorted(done, reverse=True):
+            last = len(self.rows) - 1
+            if a != last:
+                self.cache.move(last, a, self.width + self.next_t[last])
+                self.rows[a], self.next_t[a] = self.rows[last], self.next_t[last]
+            self.rows.pop()
+            self.next_t.pop()
+        self._fill(waiting)
