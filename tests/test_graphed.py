@@ -399,7 +399,7 @@ def test_auto_rolls_out_with_compact_once_a_capture_fails_and_says_so_once(token
 def test_the_engines_count_their_captures_and_a_rollout_logs_the_count(tokenizer, monkeypatch):
     """On CUDA (torch.cuda's stand-ins) a rollout of 12 tokens captures one graph a span of 4 (ATTEND_SPAN)
     and the next rollout of its shape none; `auto` reports `graphed`'s count, and the rollout stage logs
-    it as `rollout/graph_captures`. On a CPU nothing is captured, and nothing is logged."""
+    it as `rollout/graph_captures`. On a CPU nothing is captured, and no count is logged."""
     from distflow.comm import Comm
     from distflow.config import load_config
     from distflow.dag.context import Engines, StageContext
@@ -420,7 +420,7 @@ def test_the_engines_count_their_captures_and_a_rollout_logs_the_count(tokenizer
         engines = Engines(tokenizer, None, None, SamplingSpec.of(config.rollout, engine=engine), rollout_model=model)
         ctx = StageContext(config, engines, comm=single, world=single, metrics=StepMetrics())
         rollout(batch, ctx)
-        return {k: v for k, v in ctx.metrics.reduce(single).items() if k.startswith("rollout/")}
+        return {k: v for k, v in ctx.metrics.reduce(single).items() if k.startswith("rollout/graph")}
 
     assert logged(AutoEngine()) == {}  # a CPU: compact, and graphed would capture nothing either
     _FakeCuda(monkeypatch)

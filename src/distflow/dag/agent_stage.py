@@ -134,6 +134,7 @@ def _record(ctx: StageContext, result, mask_BR, num_truncated: int) -> None:
         returned = [e.info[key] for e in result.episodes if key in e.info]
         m.mean(f"agent/{key}", sum(returned), len(returned))
     m.mean("response/length", float(mask_BR.sum()), count)
+    m.quantiles("response/length", mask_BR.sum(-1).tolist(), size=mask_BR.shape[1] + 1)  # model tokens only
     m.total("tokens/generated", float(mask_BR.sum()))
     m.mean("agent/model_calls", float(stats["model_calls"]), count)
     m.mean("agent/truncated", float(num_truncated), count)

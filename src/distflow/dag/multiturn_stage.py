@@ -112,6 +112,7 @@ def layout(trajs: list, prompt_width: int, width: int, pad_id: int) -> dict:
 def _record(ctx: StageContext, trajs: list, mask_BR) -> None:
     m, count = ctx.metrics, len(trajs)
     m.mean("response/length", float(mask_BR.sum()), count)
+    m.quantiles("response/length", mask_BR.sum(-1).tolist(), size=mask_BR.shape[1] + 1)  # model tokens only
     m.total("tokens/generated", float(mask_BR.sum()))
     m.mean("env/turns", float(sum(len(t.actions) for t in trajs)), count)
     m.mean("env/tool_calls", float(sum(t.tool_calls for t in trajs)), count)

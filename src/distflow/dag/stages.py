@@ -38,6 +38,7 @@ from distflow.seeding import derive_seed
 if TYPE_CHECKING:
     from distflow.dag.context import StageContext
     from distflow.data.batch import Batch
+    from distflow.rollout.engine import RolloutStats
 
 
 def behaviour_fields(config) -> tuple[str, ...]:
@@ -96,6 +97,8 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
     width = torch.tensor([max(len(ids) for ids in batch[PROMPT_IDS])], device=ctx.comm.device)
     width = int(ctx.comm.all_reduce_max(width).item())
     sampling = ctx.engines.sampling
+    engine = resolved(sampling.engine)
+    before = engine.last_stats()
     with gathered(ctx.engines.rollout_model):  # fsdp2: the whole policy on each rank while it generates
         out = generate(
             ctx.engines.rollout_model,
@@ -111,11 +114,15 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
             engine=sampling.engine,
             logprobs=ROLLOUT_LOGP in behaviour_fields(ctx.config),
         )
-    for name, count in resolved(sampling.engine).counts().items():
+    for name, count in engine.counts().items():
         ctx.metrics.maximum(f"rollout/{name}", count)
     num_generated = float(out.response_mask_BR.sum())
     ctx.metrics.mean("response/length", num_generated, len(expanded))
+    ctx.metrics.quantiles("response/length", out.response_mask_BR.sum(-1).tolist(), size=sampling.max_new_tokens + 1)
     ctx.metrics.total("tokens/generated", num_generated)
+    stats = engine.last_stats()
+    if stats is not None and stats is not before:  # the engine counted this rollout (else: nothing logged)
+        engine_figures(ctx.metrics, stats, num_generated, len(expanded))
     behaviour = {}
     if out.logp_BR is not None:
         behaviour[ROLLOUT_LOGP] = out.logp_BR.to(ctx.comm.device)
@@ -129,6 +136,21 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
         response_mask=out.response_mask_BR.to(ctx.comm.device),
         completion=out.completions,
     )
+
+
+def engine_figures(metrics, stats: RolloutStats, num_tokens: float, num_samples: int) -> None:
+    """What the engine paid for a rollout of `num_samples` samples, `num_tokens` tokens kept (`RolloutStats`),
+    as ratios of totals over ranks. A sample's first token comes from its prompt's prefill, which no engine
+    counts among the slot-steps; the decode forwards kept the others. `rollout/occupancy`: those over the
+    slot-steps paid (1: no row computed for nothing); the slowest rank's `rollout/tail_seconds`; with
+    speculation (draft tokens verified), `rollout/spec_acceptance`, the draft tokens accepted over those
+    verified, and `rollout/tokens_per_forward`, the decoded tokens over the rows of the forwards summed."""
+    num_decoded = num_tokens - num_samples
+    metrics.mean("rollout/occupancy", num_decoded, stats.slot_steps)
+    metrics.maximum("rollout/tail_seconds", stats.tail_seconds)
+    if stats.drafted > 0:
+        metrics.mean("rollout/spec_acceptance", stats.accepted, stats.drafted)
+        metrics.mean("rollout/tokens_per_forward", num_decoded, stats.row_forwards)
 
 
 def greedy_baseline(batch: Batch, ctx: StageContext) -> Batch:

@@ -46,7 +46,7 @@ class AutoEngine(RolloutEngine):
 
         engine = self.engine_for(model)
         try:
-            return engine.responses(model, request)
+            out = engine.responses(model, request)
         except CaptureFailed as failed:  # said once; the keyed draws make compact's samples the same ones
             self.graphs = False
             self.graphed.close()  # its decoder, whose capture failed, goes
@@ -54,7 +54,12 @@ class AutoEngine(RolloutEngine):
                 "distflow: rollout.engine=auto: this model's decode step could not be captured as a CUDA graph "
                 f"({failed.reason}); rolling out with compact"
             )
-            return self.compact.responses(model, request)
+            engine = self.compact
+            out = engine.responses(model, request)
+        stats = engine.last_stats()  # what the engine that rolled out counted, as this engine's own
+        if stats is not None:
+            self.record_stats(stats)
+        return out
 
     def counts(self) -> dict[str, float]:
         """`graphed`'s (`compact` counts nothing)."""

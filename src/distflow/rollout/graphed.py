@@ -6,6 +6,7 @@
     token t = 1..R-1: one step, replayed as a CUDA graph (one graph per 64 tokens: see below):
         forward token t-1 ▸ keyed draw ▸ write token t (and its log-prob) ▸ t += 1
     every 8 tokens on a GPU (every token on a CPU) one look on the host: stop once every row has ended
+    (the look also counts the ended rows, for the rollout's tail: `RolloutStats`, as `compact`'s `Tally`)
 
 On a GPU at the recipe's sizes a decode step is ~2,300 kernels, and their launches, not their work,
 set its pace (docs/features/gpu.md). Replaying the step as a graph makes them one launch. A graph
@@ -59,7 +60,7 @@ from transformers.cache_utils import StaticLayer
 from distflow.rollout import decoding
 from distflow.rollout.cast_weights import autocast_dtype, cast_view
 from distflow.rollout.compact import CompactEngine
-from distflow.rollout.decoding import _Drawn, _prefill
+from distflow.rollout.decoding import Tally, _Drawn, _prefill
 from distflow.rollout.engine import Request
 from distflow.rollout.sampling import sampled_logprob_B1, token_logprob_B1
 from distflow.training.models import cache_kwargs
@@ -95,7 +96,8 @@ class GraphedEngine(CompactEngine):
             kept = self._kept.decoder = _Decoder(model, request, self._counts)
         elif kept.addresses != _addresses(model):
             kept.moved(model)
-        out = kept.decode(request)
+        out, stats = kept.decode(request)
+        self.record_stats(stats)
         return out if request.logprobs else (out, None)
 
     def counts(self) -> dict[str, float]:
@@ -136,7 +138,8 @@ class _Decoder:
         self.runner.forget()
 
     def decode(self, request: Request):
-        """Response ids [G·n, R] (and log-probs with `request.logprobs`), as `rollout.decoding.decode`."""
+        """(response ids [G·n, R] (and log-probs with `request.logprobs`), as `rollout.decoding.decode`; what
+        the rollout paid, `RolloutStats`: every row at every decode step up to the one the loop stopped at)."""
         ids_GP, R = request.prompt_ids_GP, request.max_new_tokens
         stop_S = torch.tensor(request.stop_ids, device=ids_GP.device)
         model = self.step.model()
@@ -145,13 +148,21 @@ class _Decoder:
         del dynamic
         self.step.draw(logits_BV, self.step.t_1 - 1)
         del logits_BV
-        every = decoding.stop_check_interval(ids_GP.device)
+        every, num_rows = decoding.stop_check_interval(ids_GP.device), self.drawn.response_BR.shape[0]
+        tally, num_ended = Tally(), 0  # every row decodes at every step; rows end at the looks
         for t in range(1, R):
             self.runner.run(min(self.step.width + -(-t // ATTEND_SPAN) * ATTEND_SPAN, self.step.width + R))
+            tally.forward(num_rows)
             if (t + 1) % every == 0 and t < R - 1:  # the only look at the values on the host
-                if torch.isin(self.drawn.response_BR[:, : t + 1], stop_S).any(dim=1).all():
+                ended = int(torch.isin(self.drawn.response_BR[:, : t + 1], stop_S).any(dim=1).sum())
+                tally.ended(ended - num_ended)
+                num_ended = ended
+                if num_ended == num_rows:
                     break
-        return self.drawn.result(stop_S, padded=True)  # new tensors: the buffers are the next rollout's
+        # The rows still running end with the loop: on a GPU, at the host's time after launching the last steps
+        # (at most `every` past the last look's wait), not at a wait of its own.
+        tally.ended(num_rows - num_ended)
+        return self.drawn.result(stop_S, padded=True), tally.stats()  # new tensors: the next rollout's buffers
 
 
 def _bucketed(width: int) -> int:

@@ -5,11 +5,17 @@ The sampling settings are passed as a complete `GenerationConfig`, so nothing fr
 directory's own `generation_config.json` (repetition penalties, top-k, ...) can change the
 distribution behind the log-probs that training computes. The keyed sampler (rollout/sampling.py)
 draws each row's token as a logits processor under greedy decoding.
+
+`generate` decodes every row until the longest ends (an ended row decodes padding) and looks on the
+host, after every token, whether all rows have ended: a rollout pays every row at each decode step,
+and a row ends when generate knew its last token (`_StepClock`), as `compact` counts (`Tally`).
 """
 
 from __future__ import annotations
 
-from distflow.rollout.engine import Request, RolloutEngine
+import time
+
+from distflow.rollout.engine import Request, RolloutEngine, RolloutStats
 
 
 class GenerateEngine(RolloutEngine):
@@ -17,24 +23,57 @@ class GenerateEngine(RolloutEngine):
 
     def responses(self, model, request: Request):
         n = request.n
-        return hf_generate(
+        clock = _StepClock()
+        out = hf_generate(
             model,
             request.prompt_ids_GP.repeat_interleave(n, dim=0),
             request.prompt_mask_GP.repeat_interleave(n, dim=0),
             request,
+            watchers=[clock],
         )
+        self.record_stats(clock.stats(out[0], request.stop_ids, end=time.perf_counter()))
+        return out
 
 
-def hf_generate(model, prompt_ids_BP, prompt_mask_BP, request: Request):
+class _StepClock:
+    """A logits processor that changes no score: the host's time as each token's step starts. Generate
+    starts step t + 1 once it has looked, on the host, whether every row ended with token t; so the time
+    at step t + 1 is when token t was known (the last token's: when generate returned)."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def __call__(self, input_ids_BT, scores_BV):
+        self.starts.append(time.perf_counter())
+        return scores_BV
+
+    def stats(self, response_BR, stop_ids: tuple[int, ...], *, end: float) -> RolloutStats:
+        """What the rollout that returned `response_BR` at `end` paid: every row at each decode step generate
+        ran (one call of this processor a token; the first token's is the prefill's), and when each row's last
+        token was known."""
+        from distflow.rollout.decoding import Tally
+        from distflow.training.sequences import response_mask_from_ids
+
+        tally, num_rows = Tally(), response_BR.shape[0]
+        tally.started = self.starts[0] if self.starts else end
+        for _ in self.starts[1:]:
+            tally.forward(num_rows)
+        known = [*self.starts[1:], end]  # when token t was known
+        lengths = response_mask_from_ids(response_BR, stop_ids).sum(-1).tolist()
+        tally.ended_at = [known[min(length, len(known)) - 1] for length in lengths]
+        return tally.stats()
+
+
+def hf_generate(model, prompt_ids_BP, prompt_mask_BP, request: Request, *, watchers=()):
     """Response ids [B, max_new_tokens] and, when sampling, each drawn token's log-prob (the keyed
-    sampler records them)."""
+    sampler records them). `watchers`: logits processors that change no score, called first at each step."""
     import torch
     from transformers import GenerationConfig, LogitsProcessorList
 
     from distflow.rollout.sampling import KeyedSampler
 
     width, keys_B, max_new_tokens = prompt_ids_BP.shape[1], request.keys_B, request.max_new_tokens
-    processors = LogitsProcessorList()
+    processors = LogitsProcessorList(watchers)
     sampler = None
     if keys_B is not None:
         sampler = KeyedSampler(
