@@ -65,14 +65,14 @@ def rollout_rank():
     weight = model.model.layers[3].mlp.down_proj.weight
     with torch.no_grad():  # an "update": the policy's answer changes, and the engine's with it
         weight.mul_(-4.0)
+    seen["unannounced"] = greedy("vllm")  # not announced: the engine still samples from its copy
+    child.update_weights(model, 1)
     seen["after"], seen["compact_after"] = greedy("vllm"), greedy("compact")
     seen["pushes_after"] = engine.num_pushes
     seen["push_s"], seen["copy_s"] = [], []
-    for _ in range(3):  # what a push costs: the copy into the file, then the worker's reload
-        with torch.no_grad():
-            weight.add_(0.0)  # a write: the next push is due
+    for push in range(3):  # what a push costs: the copy into the file, then the worker's reload
         start = time.perf_counter()
-        engine.push_if_changed(model)
+        engine.push(model, 2 + push)
         seen["push_s"].append(time.perf_counter() - start)
         start = time.perf_counter()
         engine._shared.write(list(hf_named_weights(model)))
@@ -145,6 +145,7 @@ def test_a_child_engine_owned_by_one_rank_samples_the_updated_weights_and_dies_w
     seen = json.loads(next(line for line in out.splitlines() if line.startswith("SEEN "))[5:])
     assert seen["before"] == seen["compact_before"] == "23 + 58 = 115"
     assert seen["after"] == seen["compact_after"] and seen["after"] != seen["before"]
+    assert seen["unannounced"] == seen["before"]  # pushed when told (update_weights), not by watching tensors
     assert seen["pushes"] == 1 and seen["pushes_after"] == 2 and not seen["file_left"]
     diff_sum, diff_max, num_over, num_tokens = seen["mismatch"]
     assert num_tokens > 8 and diff_max < 1e-3 and num_over == 0

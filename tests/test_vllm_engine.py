@@ -133,9 +133,12 @@ def _greedy(model, tokenizer, text, engine):
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed: make test-vllm runs these in .venv-vllm")
 def test_engine_samples_from_the_updated_weights(smollm2):
+    """New weights reach the engine when announced (`update_weights`), pushed at the next rollout, once."""
+    from distflow.rollout.engine import resolved
     from distflow.rollout.vllm.engine import engine_for
 
     model, tokenizer, text = smollm2
+    rollout = resolved("vllm")  # the engine component `generate(engine="vllm")` samples with
     threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
     before = _greedy(model, tokenizer, text, "vllm")
     # Making the engine in this process left the rank's torch as it was: its thread count (vLLM's CPU
@@ -143,29 +146,34 @@ def test_engine_samples_from_the_updated_weights(smollm2):
     assert torch.get_num_threads() == threads and torch.set_num_threads is set_num_threads
     assert before.completions == _greedy(model, tokenizer, text, "compact").completions == ["23 + 58 = 115"]
     assert torch.equal(before.response_mask_BR, _greedy(model, tokenizer, text, "compact").response_mask_BR)
-    pushes = engine_for(model).num_pushes
+    engine = engine_for(model)
+    pushes, version = engine.num_pushes, rollout.version
+    assert engine.version == version  # the first rollout pushed the policy's weights over vLLM's dummy ones
     _greedy(model, tokenizer, text, "vllm")
-    assert engine_for(model).num_pushes == pushes  # nothing changed: nothing pushed
+    assert engine.num_pushes == pushes  # nothing announced: nothing pushed
     weight = model.model.layers[3].mlp.down_proj.weight
     original = weight.detach().clone()
     try:
         with torch.no_grad():  # an "update": the policy's answer changes, and the engine's with it
             weight.mul_(-4.0)
+        rollout.update_weights(model, version + 1)
+        rollout.update_weights(model, version + 2)  # two updates before a rollout: one push
+        assert engine.num_pushes == pushes  # deferred to the rollout
         after = _greedy(model, tokenizer, text, "vllm")
-        assert engine_for(model).num_pushes == pushes + 1
+        assert engine.num_pushes == pushes + 1 and engine.version == version + 2
         assert after.completions == _greedy(model, tokenizer, text, "compact").completions
         assert after.completions != before.completions
     finally:
         with torch.no_grad():
             weight.copy_(original)
+        rollout.update_weights(model, version + 3)
     assert _greedy(model, tokenizer, text, "vllm").completions == before.completions
-    engine, push_s = engine_for(model), []
-    for _ in range(3):  # what a push costs in the rank's process: the reload alone, nothing copied first
-        with torch.no_grad():
-            weight.add_(0.0)  # a write: the next push is due
+    push_s = []
+    for push in range(3):  # what a push costs in the rank's process: the reload alone, nothing copied first
         start = time.perf_counter()
-        assert engine.push_if_changed(model)
+        engine.push(model, version + 4 + push)
         push_s.append(time.perf_counter() - start)
+    rollout.update_weights(model, engine.version)  # the next test's rollouts: nothing to push
     print(f"in-process engine: push {_seconds(push_s)} s")
 
 

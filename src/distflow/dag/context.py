@@ -8,6 +8,7 @@
 
 A stage that keeps state from step to step (the adaptive KL coefficient) is an object that
 owns it and hands it to checkpoints (`state_dict` / `load_state_dict`), not a field here.
+A stage that writes the policy's weights tells the rollout engine through `Engines.new_weights`.
 """
 
 from __future__ import annotations
@@ -57,6 +58,25 @@ class Engines:
     """The `AgentRollout` of a rollout rank when `rollout.agent` is set (dag/agent_stage.py)."""
     built: dict[str, Any] = field(default_factory=dict)
     """Every trained model built on this rank, by the name `Stage.uses` gives it (training/registry.py)."""
+
+    @property
+    def policy_module(self) -> torch.nn.Module | None:
+        """This rank's copy of the policy's module: the policy's own on a train rank (colocated, the rollout
+        model too), the rollout model on a rollout-only rank. What a weight sync moves, a checkpoint loads
+        and the rollout engine is told about (`new_weights`)."""
+        return self.policy.model if self.policy is not None else self.rollout_model
+
+    def new_weights(self, version: int) -> None:
+        """This rank's copy of the policy now holds the weights of `version` (the steps whose update they
+        include, as `policy_version` counts): its rollout engine is told (`RolloutEngine.update_weights`).
+        The one path by which new weights reach an engine; called after the policy's update
+        (dag/update_stages.py), after a weight sync lands (dag/stages.py) and after a resume
+        (runtime/checkpointing.py). Telling one version twice is harmless."""
+        from distflow.rollout.engine import resolved
+
+        model = self.policy_module
+        if model is not None:
+            resolved(self.sampling.engine).update_weights(model, version)
 
     def get(self, name: str) -> Any:
         """The trained model `name` (as `Stage.uses` names it) on this rank (None where no stage of this rank

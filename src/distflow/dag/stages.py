@@ -319,9 +319,11 @@ class KLPenalty:
 def weight_sync(batch: Batch, ctx: StageContext) -> Batch:
     """After the update, the rollout engines must sample from the new policy.
 
-    Colocated, rollout samples from the policy's own module: nothing to copy. With rollout
-    on other ranks (disaggregated), every train rank sends its share of the parameters to
-    every rollout rank (sync/weight_sync.py). Metrics, max over ranks of one rank's payload
+    Colocated, rollout samples from the policy's own module: nothing to copy (the update told
+    the rollout engine). With rollout on other ranks (disaggregated), every train rank sends its
+    share of the parameters to every rollout rank (sync/weight_sync.py), whose rollout engine is
+    then told of W_step (`Engines.new_weights`; runtime/pipelined.py runs this stage at the end
+    of iteration t with step t). Metrics, max over ranks of one rank's payload
     bytes: `sync/bytes_per_rank` sent + received (a rollout rank receives the whole model),
     `sync/bytes_sent_max` sent (the busiest train rank: rollout ranks × its share).
     """
@@ -329,8 +331,9 @@ def weight_sync(batch: Batch, ctx: StageContext) -> Batch:
         if ctx.engines.rollout_model is not ctx.engines.policy.model:
             raise RuntimeError("colocated weight sync expects rollout to share the policy module")
         return batch
-    model = ctx.engines.policy.model if ctx.engines.policy is not None else ctx.engines.rollout_model
-    moved = ctx.engines.weight_sync.sync(model)
+    moved = ctx.engines.weight_sync.sync(ctx.engines.policy_module)
+    if ctx.world.rank in ctx.engines.weight_sync.receivers:
+        ctx.engines.new_weights(ctx.step)
     ctx.metrics.maximum("sync/bytes_per_rank", moved.sent + moved.received)
     ctx.metrics.maximum("sync/bytes_sent_max", moved.sent)
     return batch

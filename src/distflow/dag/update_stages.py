@@ -4,6 +4,7 @@
       for mini-batch in num_mini_batches:
         N = finish(all_reduce(Σ loss_normalizer(mask of my rows)))  one number per optimizer step
         engine.update: for each micro-batch: backward(loss_sum(per-token loss) / N)   (DDP averages)
+    any optimizer step taken: engines.new_weights(step)   the rollout engine hears of W_step
 
 The loss of the policy is
 
@@ -198,6 +199,7 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
     tally = OffPolicyTally() if ROLLOUT_LOGP in batch.fields() else None
     objective = PolicyObjective(algo, has_old=OLD_LOGP in batch.fields(), tally=tally)
     _record_staleness(batch, ctx)
+    stepped = False
     for mini in mini_batches(batch, ctx):
         mask_BR = loss_mask_BR(mini)
         normalizer = global_normalizer(mask_BR, algo.loss_agg, ctx)
@@ -211,6 +213,9 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
         stats = ctx.engines.policy.update(mini, objective, normalizer, entropy_grad=algo.entropy_coef > 0)
         _record_update(ctx, "train", stats, float(mask_BR.sum()))
         ctx.metrics.total("tokens/trained", float(mini[ATTENTION_MASK].sum()))
+        stepped = stepped or not stats["nonfinite_grad_steps"]
+    if stepped:  # W_step: colocated, the rollout engine samples from it next (a rollout rank's after the sync)
+        ctx.engines.new_weights(ctx.step)
     ctx.metrics.maximum("train/optimizer_state_bytes", float(ctx.engines.policy.optimizer_state_bytes()))
     if tally is not None and tally.num_tokens:
         tally.record(ctx)

@@ -10,8 +10,9 @@
         every rank:        meta.json → step, loader (epoch, cursor), evaluation before RL, the
                            parts' states (checkpoint/parts.py)
         train ranks:       load_checkpoint (DCP reshards onto the new train group) + their RNG
-        rollout-only ranks: the policy's weights by broadcast from train rank 0, before the
-                           first rollout (they have no policy of their own to load into)
+        rollout-only ranks: the policy's weights by the weight sync, before the first rollout
+                           (they have no policy of their own to load into)
+        every rank:        its rollout engine told of the weights of version s (`Engines.new_weights`)
 
 Because the loader state is (epoch, cursor) and every sample's randomness is keyed by
 (seed, uid), a resumed run draws exactly the samples the uninterrupted run would have.
@@ -173,8 +174,9 @@ def restore(worker: Worker, path: Path) -> Resumed:
     worker.loader.load_state_dict(extra["loader"])
     worker.prefetcher.state = worker.loader.state_dict()
     if engines.weight_sync is not None:  # rollout-only ranks sample from the restored policy
-        engines.weight_sync.sync(engines.policy.model if engines.policy is not None else engines.rollout_model)
+        engines.weight_sync.sync(engines.policy_module)
     if engines.policy is not None:
         engines.policy.consecutive_nonfinite = int(extra.get("consecutive_nonfinite", 0))
     restore_part_states(_stateful_parts(worker), saved_part_states(extra))
+    engines.new_weights(step)  # after the engine's own state (a part): its next rollout samples from W_step
     return Resumed(step, extra, config_changes(extra["config"], to_dict(config)), rank_state)

@@ -32,7 +32,8 @@ Why point-to-point and not one broadcast group per train rank ([t_i] + rollout r
 
 Invariants: rollout ranks end with parameters bitwise equal to the train ranks' (raw copies,
 no casts); a sender holds one packed bucket at a time, a receiver one bucket per sender.
-Synchronous: the next rollout starts after the copy lands.
+Synchronous: the next rollout starts after the copy lands, and the caller then tells the
+rollout engine of the new weights (`Engines.new_weights`: the weight-sync stage, a resume).
 """
 
 from __future__ import annotations
@@ -133,8 +134,8 @@ def _unpack(buffer: torch.Tensor, bucket: list[Piece], params: dict[str, torch.n
     offset = 0
     with torch.no_grad():
         for piece in bucket:
-            # Through the parameter itself, not `.data`: the write bumps its version counter, by which a
-            # rollout engine with its own copy of the weights (rollout/vllm/engine.py) sees the change.
+            # In place: the weights keep their addresses (graphed's CUDA graphs replay reads of them); the
+            # rollout engine hears of the new weights from the caller (`Engines.new_weights`), not the write.
             rows = row_view(params[piece.name])[piece.start : piece.stop]
             rows.copy_(buffer[offset : offset + piece.numel].view(rows.shape))
             offset += piece.numel

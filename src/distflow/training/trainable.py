@@ -22,7 +22,6 @@ import math
 from collections.abc import Callable
 
 import torch
-from torch.autograd.graph import increment_version
 
 from distflow.comm import Comm
 from distflow.config.parallel import ParallelConfig, PassesConfig
@@ -134,9 +133,6 @@ class TrainableEngine(abc.ABC):
 
     def _optimizer_step(self) -> None:
         self.optimizer.step()
-        # The fused kernel writes the parameters without bumping their version counters, by which
-        # the vLLM engine tells that the weights changed (rollout/vllm/engine.py): bumped here
-        increment_version([p for group in self.optimizer.param_groups for p in group["params"]])
         self.scheduler.step()
 
     def optimizer_state_bytes(self) -> int:

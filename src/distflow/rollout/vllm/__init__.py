@@ -5,6 +5,8 @@ What it decides and declares, so that nothing outside this package names it:
     placement   in the rank's process when every rank rolls out in lockstep (colocated, synchronous),
                 else its core in a child process of the rank (`in_child`, decided at `build`)
     rules       one engine per rank: placement.rollout.ranks_per_replica=1
+    weights     `update_weights(model, version)` keeps the version ("dirty since v"); the push is deferred to
+                the next rollout, made there if the engine holds another version (engine.py)
     fields      its own sampler: the rollout records each sampled token's log-prob (`rollout_logp`),
                 whose gap to the trainer's is logged under `mismatch/`
     preflight   `import vllm` works in this environment (tried in a child process)
@@ -35,6 +37,8 @@ class VllmRollout(RolloutEngine):
 
     def __init__(self, *, in_child: bool = False, log: bool = False) -> None:
         self.in_child, self.log = in_child, log
+        self.version = 0
+        """The version of the weights the rollout model holds, the last announced (0: the run's first)."""
 
     @classmethod
     def build(cls, config, options: VllmOptions) -> VllmRollout:
@@ -86,6 +90,12 @@ class VllmRollout(RolloutEngine):
             "'distflow[vllm]' (CUDA), or choose another rollout.engine"
         ]
 
+    def update_weights(self, model, version: int) -> None:
+        """Deferred: only the version is kept, and the next rollout pushes the weights if its engine holds
+        another. Under fsdp2 `model` is sharded here; the whole tensors exist inside `gathered`, where the
+        rollout runs. Several updates between two rollouts cost one push."""
+        self.version = version
+
     def responses(self, model, request: Request):
         from distflow.rollout.vllm.engine import vllm_responses
 
@@ -103,6 +113,7 @@ class VllmRollout(RolloutEngine):
             logprobs=request.logprobs,
             in_child=self.in_child,
             log=self.log,
+            version=self.version,
         )
 
     def close(self) -> None:

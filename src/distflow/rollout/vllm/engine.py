@@ -7,11 +7,13 @@
     │ prompts ──► LLM.generate ──► ids, log-probs │         │ /dev/shm file, rpc     │   │ + its worker:    │
     └─────────────────────────────────────────────┘         │ prompts ──► generate ◄─│◄──│ the vLLM model   │
                                                             └────────────────────────┘   └──────────────────┘
-    both: weights pushed before a rollout whenever a parameter changed since the last push (an optimizer
-    step, a weight sync, a checkpoint load: tensors' version counters), through one loader
+    both: new weights announced by `VllmRollout.update_weights(model, version)` (an optimizer step, a
+    weight sync, a resume: dag/context.py's `Engines.new_weights`), which only keeps the version; the push
+    is deferred to the start of the next rollout and made there when the engine holds another version
+    (the first rollout always: the engine starts from dummy weights), through one loader
     (rollout/vllm/worker.py); one request per sample, seed = f(key); no server, no router
 
-Which mode: `SamplingSpec.vllm_in_child`, decided once per run by `dag.stages.vllm_in_child(config)`.
+Which mode: `VllmRollout.in_child`, decided once per run by `distflow.rollout.vllm.in_child(config)`.
 In the rank's process (V1 multiprocessing off, `VLLM_ENABLE_V1_MULTIPROCESSING=0`) the model takes the
 policy's tensors directly, as TRL's colocate mode does; but vLLM then builds its process groups over
 torch's default group, so making the engine is a collective of the whole world, and every rank must
@@ -22,9 +24,12 @@ alone; its weights go through a shared-memory file (worker.SharedWeights); the r
 (`close_engines`, from the worker's close) and the rank's death, kill -9 included, ends it
 (worker.PolicyWeights.watch_owner).
 A push is local (no collective): under fsdp2 it runs inside `gathered`, where every rank holds the
-whole model. Both start from dummy weights (`load_format=dummy`) and get the policy's before their
-first generation, so any model the policy holds (a warm-start, a checkpoint, LoRA merged) is what
-they sample from, with no model directory read twice.
+whole model (the reason it waits for the rollout: an update is announced outside, on the shards), and
+once per announced version, not at every rollout although gathering hands it new tensors each time.
+Several versions announced between two rollouts cost one push. Nothing watches the tensors: weights
+written without an announcement are not pushed. Both start from dummy weights (`load_format=dummy`)
+and get the policy's before their first generation, so any model the policy holds (a warm-start, a
+checkpoint, LoRA merged) is what they sample from, with no model directory read twice.
 
 Samples: each request's seed is derived from the sample's key (the same (seed, uid) key the other
 engines draw from), so a sample does not depend on its rank, batch-mates or the engine's mode; vLLM's
@@ -103,11 +108,6 @@ def hf_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
             continue
         tensor = merged.get(name, param.detach())
         yield name.removeprefix(prefix).replace(".base_layer.", "."), tensor
-
-
-def _version(model: torch.nn.Module) -> tuple:
-    """Changes whenever any parameter is written in place or replaced (optimizer steps, syncs, loads)."""
-    return tuple((p.data_ptr(), p._version) for p in model.parameters())
 
 
 TORCH_LAUNCH_VARS = (
@@ -232,7 +232,8 @@ class VllmEngine:
         self.in_child = in_child
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self._shared: SharedWeights | None = None
-        self._loaded: tuple | None = None
+        self.version: int | None = None
+        """The version of the weights loaded (`push`); None: vLLM's dummy weights, before the first push."""
         self.num_pushes = 0
 
     def _own_child(self) -> int:
@@ -243,12 +244,9 @@ class VllmEngine:
         self.llm.collective_rpc("watch_owner", args=(os.getpid(),))
         return engine_pid
 
-    def push_if_changed(self, model: torch.nn.Module) -> bool:
-        """Load `model`'s weights into the engine if they changed since the last push: in this process the
-        tensors themselves, to a child a shared-memory file (rollout/vllm/worker.py)."""
-        version = _version(model)
-        if version == self._loaded:
-            return False
+    def push(self, model: torch.nn.Module, version: int) -> None:
+        """Load `model`'s weights, those of `version`, into the engine: in this process the tensors
+        themselves, to a child a shared-memory file (rollout/vllm/worker.py)."""
         weights = list(hf_named_weights(model))
         if not self.in_child:
             self.llm.collective_rpc("load_policy_weights", args=(weights, self.tied))
@@ -260,9 +258,8 @@ class VllmEngine:
                 self.llm.collective_rpc("load_shared_policy_weights", args=(self._shared.handle, self.tied))
             finally:
                 self._shared.unlink()  # mapped on both sides by now: nothing is left behind, even after kill -9
-        self._loaded = _version(model)
+        self.version = version
         self.num_pushes += 1
-        return True
 
     def close(self) -> None:
         """End the engine through vLLM's own shutdown, given time to finish: a child engine's processes exit,
@@ -326,15 +323,14 @@ _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def engine_for(model: torch.nn.Module, *, in_child: bool = False, log: bool = False) -> VllmEngine:
     """This rank's engine for `model` (made on first use, in this process or `in_child`, with vLLM's own log
-    if `log`; see the module docstring), its weights current. A model has one engine: asking for the other
-    mode is an error."""
+    if `log`; see the module docstring), holding the weights of its last push (`VllmEngine.version`). A
+    model has one engine: asking for the other mode is an error."""
     engine = _ENGINES.get(model)
     if engine is None:
         engine = _ENGINES[model] = VllmEngine(model, in_child=in_child, log=log)
     elif engine.in_child != in_child:
         where = "a child process" if engine.in_child else "this process"
         raise RuntimeError(f"this model's vLLM engine runs in {where}; it cannot be asked for the other mode")
-    engine.push_if_changed(model)
     return engine
 
 
@@ -365,14 +361,19 @@ def vllm_responses(
     logprobs: bool,
     in_child: bool = False,
     log: bool = False,
+    version: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`rollout.generation`'s contract for `vllm`: response ids [G·n, max_new_tokens] (right-padded) and,
     with `logprobs`, each sampled token's log-prob under the engine (temperature applied); `in_child`: the
-    engine's core in a child process (`SamplingSpec.vllm_in_child`); `log`: vLLM's own log shown (made
-    with it; `rollout.vllm.log`)."""
+    engine's core in a child process (`VllmRollout.in_child`); `log`: vLLM's own log shown (made
+    with it; `rollout.vllm.log`); `version`: the version of the weights `model` holds (the last one
+    announced, `VllmRollout.update_weights`), pushed first if the engine holds another."""
     rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids_GP.cpu(), prompt_mask_GP.cpu(), strict=True)]
     keys = keys_B.tolist() if keys_B is not None else None
-    token_ids, logps = engine_for(model, in_child=in_child, log=log).generate(
+    engine = engine_for(model, in_child=in_child, log=log)
+    if engine.version != version:
+        engine.push(model, version)
+    token_ids, logps = engine.generate(
         rows,
         samples_per_prompt=n,
         keys=keys,
