@@ -94,18 +94,18 @@ class RolloutEngine(Component):
         raise NotImplementedError
 
     def update_weights(self, model: torch.nn.Module, version: int) -> None:
-        """The one seam through which new weights reach the engine: `model` (this rank's copy of the
-        policy, which the next `responses` samples from) holds new weights, and `version` counts the
-        steps whose update they include: s after step s's policy update, after the weight sync that
-        brings it to a rollout rank, or after a resume from step s's checkpoint; 0 for the weights the
-        run started from, which are never announced. It is the `policy_version` that runtime/pipelined.py
-        gives the samples these weights draw, and it only grows (a step that left the weights as they
-        were may announce nothing). Called through `Engines.new_weights` (dag/context.py) by whatever
-        changed them, before the next rollout; a stage of one's own that writes the policy's weights
-        calls it too. `model` may be sharded (fsdp2): its whole tensors exist only inside `gathered`,
-        where `responses` runs, so an engine that copies them defers the copy to its next rollout.
-        An engine that reads the model's own tensors at each rollout (every built-in one but `vllm`)
-        has nothing to do."""
+        """The one seam through which new weights reach the engine: `model`, this rank's copy of the
+        policy (the model the next `responses` gets, or under fsdp2 the sharded module whose unsharded
+        view it gets), holds new weights. `version` counts the steps whose update they include: s after
+        step s's policy update, after the weight sync that brings it to a rollout rank, or after a resume
+        from step s's checkpoint; 0 for the weights the run started from, which are never announced. It is
+        the `policy_version` that runtime/pipelined.py gives the samples these weights draw, and it only
+        grows (a step that left the weights as they were may announce nothing). Called through
+        `Engines.new_weights` (dag/context.py) by whatever changed the weights, before the next rollout;
+        a stage of one's own that writes them calls `ctx.engines.new_weights(version)` too. Under fsdp2 the
+        whole tensors exist only inside `gathered`, where `responses` runs, so an engine that copies them
+        defers the copy to its next rollout (`vllm`). An engine that reads the model's own tensors at each
+        rollout (every built-in one but `vllm`) has nothing to do."""
 
     def last_stats(self) -> RolloutStats | None:
         """This thread's last `responses` figures (`record_stats`), None where the engine counts none."""
