@@ -17,6 +17,7 @@ import ast
 import importlib
 import importlib.util
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -68,9 +69,11 @@ def test_every_benchmark_has_a_quick_test():
     # bench_setup.py is what throughput.py, roofline.py and learning.py share; dispatch_counter.py,
     # host_costs_rollout.py and trl_count_worker.py are host_costs.py's counter, its rollout part and its
     # TRL side (tests/test_host_costs.py); gpu_rollout.py and gpu_tables.py are gpu.py's rollout section and
-    # tables (tests/test_gpu_check.py); throughput_floor.py is throughput.py's --roofline part.
+    # tables (tests/test_gpu_check.py); throughput_floor.py is throughput.py's --roofline part; long_tail_steps.py
+    # and long_tail_workloads.py are long_tail.py's decode-step curve and workloads.
     helpers = {"trl_worker.py", "roofline_recipe.py", "bench_setup.py", "dispatch_counter.py", "trl_count_worker.py"}
     helpers |= {"host_costs_rollout.py", "gpu_rollout.py", "gpu_tables.py", "throughput_floor.py"}
+    helpers |= {"long_tail_steps.py", "long_tail_workloads.py"}
     scripts = {p.name for p in BENCHMARKS.glob("*.py")} - helpers
     assert scripts == {
         "throughput.py",
@@ -88,6 +91,7 @@ def test_every_benchmark_has_a_quick_test():
         "precision.py",
         "graphed_casts.py",
         "sampling.py",
+        "long_tail.py",
     }, (
         f"benchmarks/ now holds {sorted(scripts)}: give each a --quick mode and a test here "
         "(gpu.py and graphed_casts.py: test_gpu_check.py)"
@@ -231,6 +235,57 @@ def test_rollout_engines_quick():
         assert "make vllm" in out["vllm"]["skipped"]
     else:  # .venv-vllm: the same prompts and keys through vLLM
         assert out["vllm"]["tokens_per_s"] > 0 and out["vllm"]["generated_tokens"] <= 4 * 4 * 4
+
+
+def test_long_tail_quick():
+    """The controlled workload (the embedded model, a heavy-tailed stop law) at 4 prompts x 4 samples, <= 128
+    tokens, two rounds: every mode there, with compact's tokens in every round and, for compact, slots and
+    slots+spec, its log-probs within 1e-6; the lengths, the floor and the decode-step curve."""
+    out = run_quick("long_tail.py", timeout=1800)
+    assert out["same_as_compact"] and "smollm2" not in out  # --quick: the controlled workload only
+    run = out["controlled"]
+    assert (run["prompts"], run["samples"], run["rows"], run["max_new_tokens"]) == (4, 4, 16, 128)
+    assert list(run["modes"]) == ["trl", "compact", "graphed", "slots", "slots+spec"]
+    lengths, modes = run["lengths"], run["modes"]
+    for mode, row in modes.items():
+        assert "skipped" not in row, (mode, row)
+        assert row["same"] and row["tokens_equal"] and row["tokens"] == lengths["tokens"], (mode, row)
+        assert row["logp_held"] == (mode in ("compact", "slots", "slots+spec")), mode
+        assert not row["logp_held"] or row["logp_max_diff"] <= 1e-6, (mode, row)
+        assert row["rounds"] == 2 and row["seconds"] > 0 and row["over_floor"] > 0 and 0 < row["occupancy"], mode
+    assert modes["compact"]["vs_compact"] == 1.0 and modes["trl"]["vs_trl"] == 1.0
+    assert modes["trl"]["occupancy"] < modes["compact"]["occupancy"]  # trl decodes every row to the longest's end
+    assert 1 <= lengths["p10"] <= lengths["p50"] <= lengths["p90"] <= lengths["p99"] <= lengths["max"] <= 128
+    assert lengths["rows"] == 16 and 0 <= lengths["at_cap"] <= 16
+    floor = run["floor"]
+    assert floor["context"] == floor["prompt_width"] + lengths["p50"] and floor["step_s"] > 0
+    table = out["decode_steps"]["table"]
+    assert [(row["context"], row["rows"]) for row in table] == [(c, r) for c in (96, 352) for r in (1, 8, 16, 32, 64)]
+    for row in table:
+        assert row["forward_ms"] > 0 and row["forward_cat_ms"] > 0, row
+        assert ("compact_step_ms" in row) == (row["rows"] in (1, 16, 64)), row
+        assert ("compaction_ms" in row) == (row["rows"] > 1), row
+    assert out["settings"]["cpu_bf16"] and out["settings"]["cores"] >= 1 and out["settings"]["torch_threads"] == 1
+
+
+def test_long_tail_stop_law_gives_lengths_their_heavy_tail():
+    """The controlled workload's hook: at response token t the first stop id has probability h(t), from the row's
+    position alone, the other stop ids none; so P(length > k) = (52 / (k + 52))^2.6: median 16, 1% past 256."""
+    workloads = benchmark_module("long_tail_workloads")
+    law = workloads.StopLaw((2, 5), 7, 0.7, hazard=True)
+    logits_BLV = torch.randn(2, 256, 21)
+    position_BL = (torch.arange(256) + 6).expand(2, -1)  # a 7-token prompt: response tokens 0 to 255
+    hooked = law(None, (), {"position_ids": position_BL}, SimpleNamespace(logits=logits_BLV.clone())).logits
+    probs_BLV = torch.softmax(hooked / 0.7, dim=-1)
+    assert (probs_BLV[..., 5] == 0).all() and torch.allclose(probs_BLV[0, :, 2], probs_BLV[1, :, 2], atol=1e-6)
+    survival_L = torch.cumprod(1 - probs_BLV[0, :, 2].double(), dim=0)  # P(length > k + 1)
+    assert survival_L[15].item() == pytest.approx(0.5, abs=0.005)
+    assert survival_L[255].item() == pytest.approx(0.01, abs=0.001)
+    alone = law(None, (), {"position_ids": position_BL[1:]}, SimpleNamespace(logits=logits_BLV[1:].clone())).logits
+    assert torch.equal(alone, hooked[1:])  # a row's logits do not depend on its batch-mates
+    never = workloads.StopLaw((2, 5), 7, 0.7, hazard=False)
+    stopless = never(None, (), {"position_ids": position_BL}, SimpleNamespace(logits=logits_BLV.clone())).logits
+    assert (torch.softmax(stopless, dim=-1)[..., [2, 5]] == 0).all()
 
 
 def test_data_plane_quick():

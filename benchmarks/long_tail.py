@@ -1,0 +1,401 @@
+"""Rollouts whose lengths have a long tail: TRL's generate, `compact`, `graphed` and the slotted modes, side by side.
+
+    .venv/bin/python benchmarks/long_tail.py                        # both workloads (SmolLM2: make smollm2)
+    .venv/bin/python benchmarks/long_tail.py --workload controlled  # the embedded model only
+    .venv/bin/python benchmarks/long_tail.py --quick                # the suite's smoke test (controlled, tiny)
+
+Generation only, no training. Two workloads (long_tail_workloads.py), P prompts x G samples at temperature 1:
+
+  controlled  the embedded default's tiny Llama (built untrained: its weights do not change what a step
+              costs) on sums "ab+cd=", 8 x 8, <= 256 tokens. A forward hook on the model (`StopLaw`) sets
+              the stop token's probability at response token t to h(t) = 1 - ((t + B) / (t + 1 + B))^A
+              (A = 2.6, B = 52), so that P(length > k) = (B / (k + B))^A: median 16 tokens, 1% past 256.
+              h depends on the row's position alone, so a row's logits do not depend on its batch-mates and
+              the keyed draws give every engine the same samples. The lengths drawn are reported (64 draws
+              of that law scatter: the median of 64 moves by about 3 tokens).
+  smollm2     SmolLM2-135M-Instruct (float32) on reasoning-gym's chain_sum (3-4 terms of 2-3 digits) with a
+              step-by-step instruction, 8 x 8, <= 512 tokens: lengths as they come.
+
+The modes, all through `rollout.generation.generate(..., sample_keys=..., engine=..., logprobs=True)` with
+the same keys:
+
+  trl         the `generate` engine: Hugging Face `model.generate` over the batch with each prompt repeated
+              n times, every row decoded until the longest ends. That is TRL's GRPOTrainer rollout without
+              vLLM (`unwrapped_model.generate(**inputs, generation_config=...)` over the prompts repeated
+              num_generations times, trl 1.16's grpo_trainer.py): the same call, forwards and KV cache. Only
+              the draw differs: keyed (a logits processor under greedy decoding) instead of HF's softmax and
+              `torch.multinomial`, which cost about the same (benchmarks/sampling.py), so that its samples are
+              compact's and can be checked. TRL itself (.venv-bench) would draw other samples, of other lengths.
+  compact     `CompactEngine()`: one prefill per prompt, ended rows dropped, never refilled
+  graphed     `engine_named("graphed")`: on a CPU it runs eagerly, every row decoded to the end
+  slots       `CompactEngine(CompactOptions(slots=S))`: ended rows refilled with waiting samples (rollout/slots.py)
+  slots+spec  `CompactEngine(CompactOptions(slots=S, draft_tokens=K))`: slots, each row verifying K draft tokens
+
+A mode whose engine is not there (ImportError, NotImplementedError at its first call) is listed as skipped,
+with the reason. Each mode's first call (at <= 4 tokens) is untimed; then `--rounds` rounds, each running
+every mode once in turn, the order rotated each round; a mode's seconds are its fastest round's.
+
+For each mode:
+  wall s, tokens (response masks, stop tokens included), tokens/s
+  occupancy   tokens / slot-steps, as the engine counted them (`last_stats()`, what a run logs as
+              `rollout/occupancy`; a row's first token comes from the prefill, not a decode forward, so
+              compact's is a little above 1); for an engine that counts none, computed, marked (c), as
+              tokens / (rows x longest) where it decodes every row to the end (trl, graphed)
+  x floor     its seconds over the full-occupancy floor: the same tokens at the per-token cost of a full
+              batch, tokens / rows decode forwards of all the rows (the forward alone over a static KV
+              cache, no draw) at context prompt width + median length, timed after each round (the floor
+              has no prefill; every mode has one)
+  vs compact, vs trl   its tokens/s over theirs
+  same        its tokens `torch.equal` to compact's, in every round, and for compact, slots and slots+spec
+              its log-probs within 1e-6 of compact's (the largest difference shown); trl and graphed compute
+              their log-probs over other shapes (see LOGP_HELD): theirs are shown, not held. A difference
+              fails the run (exit code 1).
+  the engine's tokens per row-forward, draft acceptance and tail seconds (`RolloutStats`)
+
+Then the decode-step curve (long_tail_steps.py) of the smollm2 workload's model (the embedded model with
+--quick or --workload controlled): the forward alone, with the cache's `torch.cat`, one `compact` step and
+one compaction, at contexts 96 and 352, 1 to 64 rows. The machine is named (CPU, flags, bf16 instructions,
+threads, load). --quick runs the controlled workload at 4 x 4, <= 128 tokens, on one thread (a smoke test
+on a shared machine, where two threads of a tiny model's ops run many times slower), and `--quick --workload
+smollm2` SmolLM2 at 1 x 2, <= 4 tokens, where it is installed. The last stdout line is one JSON object with
+every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from agent_endpoint import machine  # noqa: E402
+from bench_setup import log  # noqa: E402
+from long_tail_steps import curve, forward_s, prefilled, print_curve  # noqa: E402
+from long_tail_workloads import TEMPERATURE, Workload, controlled, smollm2, smollm2_missing  # noqa: E402
+
+from distflow.config.parallel import cpu_bf16_instructions  # noqa: E402
+from distflow.rollout.compact import CompactEngine, CompactOptions  # noqa: E402
+from distflow.rollout.engine import RolloutEngine, engine_named  # noqa: E402
+from distflow.rollout.generation import Generation, generate  # noqa: E402
+from distflow.seeding import derive_seed  # noqa: E402
+from distflow.training.sequences import stop_token_ids  # noqa: E402
+
+MODES = ("trl", "compact", "graphed", "slots", "slots+spec")
+TO_THE_END = ("trl", "graphed")
+"""Modes that decode every row until the longest ends: occupancy tokens / (rows x longest)."""
+LOGP_TOLERANCE = 1e-6
+LOGP_HELD = ("compact", "slots", "slots+spec")
+"""Modes whose log-probs must be compact's within LOGP_TOLERANCE (the issue's bit-for-bit modes). `trl` prefills
+each prompt n times over (a batch of P x G rows, not P) and `graphed` attends over a wider static cache, its
+extra columns masked: the same tokens, log-probs equal to rounding (up to about 1e-5 through SmolLM2's 30
+layers), shown only."""
+CONTEXTS, CURVE_ROWS, COMPACT_ROWS = (96, 352), (1, 8, 16, 32, 64), (64, 16, 1)
+
+
+def engine_for(mode: str, args) -> RolloutEngine:
+    slots = args.slots or args.prompts * args.samples
+    if mode == "trl":
+        return engine_named("generate")
+    if mode == "graphed":
+        return engine_named("graphed")
+    if mode == "slots":
+        return CompactEngine(CompactOptions(slots=slots))
+    if mode == "slots+spec":
+        return CompactEngine(CompactOptions(slots=slots, draft_tokens=args.draft_tokens))
+    return CompactEngine()
+
+
+def rollout(workload: Workload, engine: RolloutEngine, max_new_tokens: int) -> tuple[Generation, float]:
+    keys = [derive_seed(0, "long_tail", u) for u in range(workload.rows)]
+    start = time.perf_counter()
+    out = generate(
+        workload.model,
+        workload.tokenizer,
+        workload.prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=TEMPERATURE,
+        sample_keys=keys,
+        samples_per_prompt=workload.samples,
+        engine=engine,
+        logprobs=True,
+    )
+    return out, time.perf_counter() - start
+
+
+def lengths(out: Generation, stop_ids: tuple[int, ...], cap: int) -> dict:
+    """The responses' token lengths (stop token included): percentiles (nearest rank), max, mean, at the cap."""
+    length_B = out.response_mask_BR.sum(dim=1)
+    ordered = sorted(length_B.tolist())
+    response_BR = out.input_ids_BT[:, out.prompt_width :].masked_fill(out.response_mask_BR == 0, -1)
+    ended_B = torch.isin(response_BR, torch.tensor(stop_ids)).any(dim=1)
+
+    def rank(q: float) -> int:
+        return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+    figures = {f"p{round(100 * q)}": rank(q) for q in (0.1, 0.5, 0.9, 0.99)}
+    return figures | {
+        "tokens": sum(ordered),
+        "max": ordered[-1],
+        "mean": round(sum(ordered) / len(ordered), 1),
+        "at_cap": int((~ended_B).sum()),
+        "rows": len(ordered),
+        "cap": cap,
+    }
+
+
+def compared(mode: str, out: Generation, reference: Generation) -> dict:
+    """Whether `out` has `reference`'s tokens (torch.equal) and, for LOGP_HELD's modes, its log-probs within
+    LOGP_TOLERANCE."""
+    tokens = out.input_ids_BT.shape == reference.input_ids_BT.shape and torch.equal(
+        out.input_ids_BT, reference.input_ids_BT
+    )
+    tokens = tokens and torch.equal(out.response_mask_BR, reference.response_mask_BR)
+    logp = (out.logp_BR - reference.logp_BR).abs().max().item() if tokens else math.inf
+    held = mode in LOGP_HELD
+    same = tokens and (logp <= LOGP_TOLERANCE or not held)
+    return {"tokens_equal": tokens, "logp_max_diff": logp, "logp_held": held, "same": same}
+
+
+def occupancy(mode: str, out: Generation, stats) -> tuple[float | None, bool]:
+    """(tokens / slot-steps, whether computed here rather than counted by the engine): the engine's count
+    where it keeps one, else rows x longest for a mode that decodes every row to the end."""
+    tokens, length_B = int(out.response_mask_BR.sum()), out.response_mask_BR.sum(dim=1)
+    if stats is not None:
+        return tokens / stats.slot_steps, False
+    if mode in TO_THE_END:
+        return tokens / (length_B.numel() * int(length_B.max())), True
+    return None, True
+
+
+def run_workload(workload: Workload, args) -> dict:
+    """Every mode on `workload`, interleaved in rounds, with the floor timed in the same rounds."""
+    stop_ids, cap = stop_token_ids(workload.tokenizer), workload.max_new_tokens
+    log(f"{workload.name}: {workload.model_name}, {len(workload.prompts)} x {workload.samples}, <= {cap} tokens")
+    result: dict = {"model": workload.model_name, "prompts": len(workload.prompts), "samples": workload.samples}
+    result |= {"rows": workload.rows, "max_new_tokens": cap, "temperature": TEMPERATURE}
+    skipped, engines = {}, {}
+    for mode in args.modes:  # the untimed first call, which also finds the engines not there yet
+        engine = engine_for(mode, args)
+        try:
+            rollout(workload, engine, min(4, cap))
+        except (ImportError, NotImplementedError) as err:
+            skipped[mode] = {"skipped": f"not available yet ({type(err).__name__}: {err})"}
+            log(f"{workload.name} {mode}: skipped, {skipped[mode]['skipped']}")
+            continue
+        engines[mode] = engine
+    runs, floor = timed_rounds(workload, engines, args)
+    reference = runs["compact"][0][1]
+    result["lengths"] = lengths(reference, stop_ids, cap)
+    result["floor"] = floor | {"seconds": round(floor["step_s"] * result["lengths"]["tokens"] / workload.rows, 4)}
+    seconds = {mode: min(took for took, _, _ in timed) for mode, timed in runs.items()}
+    modes = {mode: mode_figures(mode, runs[mode], seconds, reference, result["floor"]["seconds"]) for mode in engines}
+    result["modes"] = {mode: modes.get(mode) or skipped[mode] for mode in args.modes}
+    result["same"] = all(row.get("same", True) for row in result["modes"].values())
+    return result
+
+
+def timed_rounds(workload: Workload, engines: dict[str, RolloutEngine], args) -> tuple[dict, dict]:
+    """`args.rounds` rounds of every mode in turn, each round's order rotated by one; after each, the floor's
+    forward (its context known from the first round's compact samples). ({mode: [(seconds, samples, the
+    engine's stats)] per round}, the floor's context and fastest step)."""
+    runs: dict[str, list] = {mode: [] for mode in engines}
+    order, floor_step, one = list(engines), math.inf, None
+    for index in range(args.rounds):
+        for mode in order[index % len(order) :] + order[: index % len(order)]:
+            out, took = rollout(workload, engines[mode], workload.max_new_tokens)
+            runs[mode].append((took, out, engines[mode].last_stats()))
+            log(f"{workload.name} round {index + 1} {mode}: {took:.3f} s, {int(out.response_mask_BR.sum())} tokens")
+        if one is None:
+            reference = runs["compact"][0][1]
+            context = reference.prompt_width + int(reference.response_mask_BR.sum(dim=1).median())
+            one = prefilled(workload.model, workload.tokenizer, context)
+        floor_step = min(floor_step, forward_s(workload.model, one, workload.rows, growing=False, repeats=args.repeats))
+    return runs, {"context": context, "prompt_width": reference.prompt_width, "step_s": round(floor_step, 6)}
+
+
+def mode_figures(mode: str, timed: list, seconds: dict[str, float], reference: Generation, floor_s: float) -> dict:
+    """One mode's row: its fastest round's seconds, the figures of its samples and its engine's counts, and
+    its worst round's comparison with compact's samples."""
+    _, out, stats = timed[0]
+    tokens = int(out.response_mask_BR.sum())
+    worst = max((compared(mode, o, reference) for _, o, _ in timed), key=lambda c: (not c["same"], c["logp_max_diff"]))
+    fill, computed = occupancy(mode, out, stats)
+    row = {
+        "seconds": round(seconds[mode], 4),
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / seconds[mode], 1),
+        "occupancy": None if fill is None else round(fill, 4),
+        "occupancy_computed": computed,
+        "over_floor": round(seconds[mode] / floor_s, 2),
+        "vs_compact": round(seconds["compact"] / seconds[mode], 3),
+        "vs_trl": round(seconds["trl"] / seconds[mode], 3) if "trl" in seconds else None,
+        **worst,
+        "rounds": len(timed),
+    }
+    if stats is not None:
+        row |= {"tokens_per_row_forward": round(tokens / stats.row_forwards, 3), "forwards": stats.forwards}
+        row |= {"tail_s": round(stats.tail_seconds, 4), "drafted": stats.drafted, "accepted": stats.accepted}
+        row["acceptance"] = round(stats.accepted / stats.drafted, 4) if stats.drafted else None
+    return row
+
+
+def print_workload(name: str, result: dict) -> None:
+    if "skipped" in result:
+        print(f"\n{name}: skipped, {result['skipped']}")
+        return
+    lens, floor = result["lengths"], result["floor"]
+    print(
+        f"\n{name}: {result['model']}; {result['prompts']} prompts x {result['samples']} samples, "
+        f"<= {result['max_new_tokens']} tokens, T = {result['temperature']}"
+    )
+    print(
+        f"  lengths (tokens, stop included): p10 {lens['p10']}  p50 {lens['p50']}  p90 {lens['p90']}  "
+        f"p99 {lens['p99']}  max {lens['max']}  mean {lens['mean']}  at the cap {lens['at_cap']} of {lens['rows']}"
+    )
+    print(
+        f"  full-occupancy floor: a decode forward of {result['rows']} rows at context {floor['context']} "
+        f"(prompt width {floor['prompt_width']} + median) {1e3 * floor['step_s']:.2f} ms, "
+        f"x tokens / rows = {floor['seconds']:.3f} s"
+    )
+    print(
+        f"  {'mode':<12}{'wall s':>9}{'tokens':>8}{'tokens/s':>10}{'occupancy':>12}{'x floor':>9}{'vs compact':>12}"
+        f"{'vs trl':>8}  {'same as compact (max |logp diff|)':<36}engine's tokens/row-forward, acceptance, tail s"
+    )
+    for mode, row in result["modes"].items():
+        print(f"  {mode:<12}" + (f"skipped: {row['skipped']}" if "skipped" in row else mode_cells(row)))
+
+
+def mode_cells(row: dict) -> str:
+    fill = "" if row["occupancy"] is None else f"{row['occupancy']:.3f}"
+    fill += " (c)" if row["occupancy_computed"] else ""
+    vs_trl = "" if row["vs_trl"] is None else f"{row['vs_trl']:.2f}x"
+    same = f"{'yes' if row['same'] else 'NO'} ({row['logp_max_diff']:.1e}{'' if row['logp_held'] else ', not held'})"
+    counts = ""
+    if "tokens_per_row_forward" in row:
+        acceptance = "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
+        counts = f"{row['tokens_per_row_forward']:.2f}, {acceptance}, {row['tail_s']:.3f}"
+    return (
+        f"{row['seconds']:>9.3f}{row['tokens']:>8}{row['tokens_per_s']:>10.1f}{fill:>12}{row['over_floor']:>9.2f}"
+        f"{row['vs_compact']:>11.2f}x{vs_trl:>8}  {same:<36}{counts}"
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=("controlled", "smollm2", "both"), help="both (--quick: controlled)")
+    parser.add_argument("--quick", action="store_true", help="the suite's smoke test: tiny sizes")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, help="default: 256 (controlled), 512 (smollm2)")
+    parser.add_argument("--slots", type=int, default=0, help="rows of the slotted modes (default: prompts x samples)")
+    parser.add_argument("--draft-tokens", type=int, default=4, help="draft tokens of slots+spec")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds; each mode's fastest is kept")
+    parser.add_argument("--repeats", type=int, default=3, help="timed forwards per cell and round (floor, curve)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    args = parser.parse_args(argv)
+    args.workload = args.workload or ("controlled" if args.quick else "both")
+    if "compact" not in args.modes:
+        parser.error("--modes must include compact: every mode's samples are checked against compact's")
+    if min(args.prompts, args.samples, args.rounds, args.repeats, args.draft_tokens) < 1 or args.slots < 0:
+        parser.error("--prompts, --samples, --rounds, --repeats and --draft-tokens must be >= 1, --slots >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.quick:  # a smoke test on a shared machine: two threads of a tiny model's ops there run 10x slower
+        torch.set_num_threads(1)
+    started = time.time()
+    out: dict = {"settings": settings_of(args)}
+    workloads = ("controlled", "smollm2") if args.workload == "both" else (args.workload,)
+    curve_of = None
+    for name in workloads:
+        sized = workload_args(args, name)
+        missing = smollm2_missing(args.quick) if name == "smollm2" else None
+        if missing is not None:
+            out[name] = {"skipped": missing}
+            log(f"{name}: skipped, {missing}")
+            continue
+        workload = controlled(sized) if name == "controlled" else smollm2(sized)
+        out[name] = run_workload(workload, sized)
+        if curve_of is None or (name == "smollm2" and not args.quick):
+            curve_of = workload
+    if curve_of is None:  # the smollm2 workload alone, skipped: the curve of the embedded model
+        curve_of = controlled(workload_args(args, "controlled"))
+    out["decode_steps"] = decode_steps(curve_of, args)
+    out["same_as_compact"] = all(out[name].get("same", True) for name in workloads)
+    out["settings"]["load_avg_1min_at_end"] = round(os.getloadavg()[0], 2)
+    out["settings"]["wall_s"] = round(time.time() - started, 1)
+    report(out, workloads)
+    print(json.dumps(out))
+    return 0 if out["same_as_compact"] else 1
+
+
+def settings_of(args: argparse.Namespace) -> dict:
+    """The flags and the machine: CPU, its flags and bf16 instructions, cores, threads, versions, load."""
+    host, instructions = machine(), cpu_bf16_instructions()
+    return {
+        "flags": vars(args),
+        "cpu": host["cpu"],
+        "cpu_flags": host["flags"],
+        "cpu_bf16": "unknown" if instructions is None else " ".join(instructions) or "none",
+        "cores": host["cores"],
+        "torch_threads": host["torch_threads"],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "load_avg_1min_at_start": round(os.getloadavg()[0], 2),
+    }
+
+
+def decode_steps(workload: Workload, args: argparse.Namespace) -> dict:
+    tokens, rounds, repeats = (16, 2, 1) if args.quick else (32, args.rounds, args.repeats)
+    log(f"decode-step curve: {workload.model_name}")
+    table = curve(
+        workload.model,
+        workload.tokenizer,
+        workload.never_stops,
+        contexts=CONTEXTS,
+        rows=CURVE_ROWS,
+        compact_rows=COMPACT_ROWS,
+        tokens=tokens,
+        rounds=rounds,
+        repeats=repeats,
+    )
+    return {"model": workload.model_name, "tokens": tokens, "rounds": rounds, "repeats": repeats, "table": table}
+
+
+def report(out: dict, workloads: tuple[str, ...]) -> None:
+    for name in workloads:
+        print_workload(name, out[name])
+    steps, settings = out["decode_steps"], out["settings"]
+    print_curve(steps["table"], steps["model"], steps["rounds"], steps["repeats"], steps["tokens"])
+    print(
+        f"\nmachine: {settings['cpu']} ({settings['cores']} cores, torch threads {settings['torch_threads']}), "
+        f"bf16 instructions: {settings['cpu_bf16']}, flags {' '.join(settings['cpu_flags'])}; torch "
+        f"{settings['torch']}, transformers {settings['transformers']}; "
+        f"load {settings['load_avg_1min_at_start']} -> {settings['load_avg_1min_at_end']}"
+    )
+    if not out["same_as_compact"]:
+        print("FAILED: a mode's samples differ from compact's (see 'same as compact')")
+
+
+def workload_args(args: argparse.Namespace, name: str) -> argparse.Namespace:
+    """The sizes of one workload: --quick's tiny ones, else the flags (max_new_tokens: the workload's default)."""
+    sized = argparse.Namespace(**vars(args))
+    if args.quick:
+        sized.prompts, sized.samples, sized.max_new_tokens = (4, 4, 128) if name == "controlled" else (1, 2, 4)
+        sized.repeats, sized.rounds = 2, 2 if name == "controlled" else 1
+    elif args.max_new_tokens is None:
+        sized.max_new_tokens = 256 if name == "controlled" else 512
+    return sized
+
+
+if __name__ == "__main__":
+    sys.exit(main())
