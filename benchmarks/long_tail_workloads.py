@@ -21,7 +21,7 @@ TEMPERATURE = 1.0
 LAW_A, LAW_B = 2.6, 52.0
 """The controlled workload's lengths: P(length > k) = (B / (k + B))^A, median 16, 1% past 256."""
 STEP_BY_STEP = (
-    "{question}\nWork it out step by step: add the numbers one at a time, writing each partial sum, "
+    "{question}\nWork it out step by step: take the terms one at a time, writing each partial result, "
     "then give the final answer as the last number."
 )
 CHAIN_SUM = {"min_terms": 3, "max_terms": 4, "min_digits": 2, "max_digits": 3}
