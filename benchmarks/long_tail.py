@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     out: dict = {"settings": settings_of(args)}
     workloads = ("controlled", "smollm2") if args.workload == "both" else (args.workload,)
-    curve_of = None
+    ran: dict[str, Workload] = {}
     for name in workloads:
         sized = workload_args(args, name)
         missing = smollm2_missing(args.quick) if name == "smollm2" else None
@@ -325,10 +325,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         workload = controlled(sized) if name == "controlled" else smollm2(sized)
         out[name] = run_workload(workload, sized)
-        if curve_of is None or (name == "smollm2" and not args.quick):
-            curve_of = workload
-    if curve_of is None:  # the smollm2 workload alone, skipped: the curve of the embedded model
-        curve_of = controlled(workload_args(args, "controlled"))
+        ran[name] = workload
+    curve_of = None if args.quick else ran.get("smollm2")  # else the embedded model's, made here if need be
+    curve_of = curve_of or ran.get("controlled") or controlled(workload_args(args, "controlled"))
     out["decode_steps"] = decode_steps(curve_of, args)
     out["same_as_compact"] = all(out[name].get("same", True) for name in workloads)
     out["settings"]["load_avg_1min_at_end"] = round(os.getloadavg()[0], 2)
