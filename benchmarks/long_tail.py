@@ -157,7 +157,7 @@ def compared(mode: str, out: Generation, reference: Generation) -> dict:
         out.input_ids_BT, reference.input_ids_BT
     )
     tokens = tokens and torch.equal(out.response_mask_BR, reference.response_mask_BR)
-    logp = (out.logp_BR - reference.logp_BR).abs().max().item() if tokens else math.inf
+    logp = (out.logp_BR - reference.logp_BR).abs().max().item() if tokens else None  # None: other tokens
     held = mode in LOGP_HELD
     same = tokens and (logp <= LOGP_TOLERANCE or not held)
     return {"tokens_equal": tokens, "logp_max_diff": logp, "logp_held": held, "same": same}
@@ -220,12 +220,17 @@ def timed_rounds(workload: Workload, engines: dict[str, RolloutEngine], args) ->
     return runs, {"context": context, "prompt_width": reference.prompt_width, "step_s": round(floor_step, 6)}
 
 
+def badness(check: dict) -> tuple[bool, float]:
+    """How far a round's samples are from compact's: other tokens, then the larger log-prob difference."""
+    return not check["same"], math.inf if check["logp_max_diff"] is None else check["logp_max_diff"]
+
+
 def mode_figures(mode: str, timed: list, seconds: dict[str, float], reference: Generation, floor_s: float) -> dict:
     """One mode's row: its fastest round's seconds, the figures of its samples and its engine's counts, and
     its worst round's comparison with compact's samples."""
     _, out, stats = timed[0]
     tokens = int(out.response_mask_BR.sum())
-    worst = max((compared(mode, o, reference) for _, o, _ in timed), key=lambda c: (not c["same"], c["logp_max_diff"]))
+    worst = max((compared(mode, o, reference) for _, o, _ in timed), key=badness)
     fill, computed = occupancy(mode, out, stats)
     row = {
         "seconds": round(seconds[mode], 4),
@@ -276,7 +281,8 @@ def mode_cells(row: dict) -> str:
     fill = "" if row["occupancy"] is None else f"{row['occupancy']:.3f}"
     fill += " (c)" if row["occupancy_computed"] else ""
     vs_trl = "" if row["vs_trl"] is None else f"{row['vs_trl']:.2f}x"
-    same = f"{'yes' if row['same'] else 'NO'} ({row['logp_max_diff']:.1e}{'' if row['logp_held'] else ', not held'})"
+    diff = "other tokens" if row["logp_max_diff"] is None else f"{row['logp_max_diff']:.1e}"
+    same = f"{'yes' if row['same'] else 'NO'} ({diff}{'' if row['logp_held'] else ', not held'})"
     counts = ""
     if "tokens_per_row_forward" in row:
         acceptance = "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
