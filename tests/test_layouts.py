@@ -1,7 +1,8 @@
 """Layout invariance, end to end: the same seed gives the same samples and the same first
 step on 1 rank, 2 ranks, rollout replicas of 2 (rollout DP 1 ≠ train DP 2), rollout and
 training on different ranks (1 + 1, and 2 rollout + 2 train ranks, whose weight sync comes
-from both train ranks), and with the prefetch thread off."""
+from both train ranks), with the prefetch thread off, and rolled out through slots with speculation
+(rollout/slots.py) on 1 and 2 ranks."""
 
 import json
 
@@ -38,6 +39,15 @@ LAYOUTS = {
     "disaggregated": ["--nproc", "2", "placement.rollout.ranks=0", "placement.train.ranks=1"],
     "disaggregated 2 rollout, 2 train": ["--nproc", "4", "placement.rollout.ranks=0-1", "placement.train.ranks=2-3"],
     "no prefetch": ["data.prefetch=false"],
+    # rollout/slots.py: 5 rows refilled as samples end, 3 drafts a row in the tail: compact's samples
+    "slots and speculation": ["rollout.engine=compact", "rollout.compact.slots=5", "rollout.compact.draft_tokens=3"],
+    "slots and speculation, 2 ranks": [
+        "--nproc",
+        "2",
+        "rollout.engine=compact",
+        "rollout.compact.slots=5",
+        "rollout.compact.draft_tokens=3",
+    ],
 }
 
 

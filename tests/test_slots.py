@@ -6,8 +6,9 @@ import torch
 
 from distflow.config import ConfigError
 from distflow.rollout.compact import CompactEngine, CompactOptions
+from distflow.rollout.drafts import Drafter, DraftHistory
 from distflow.rollout.generation import generate
-from distflow.rollout.slots import Drafter, DraftHistory, draft_lengths
+from distflow.rollout.slots import draft_lengths
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
 
@@ -46,7 +47,9 @@ _REFERENCES = {}
 def test_slots_draw_the_compact_samples(model_and_tokenizer, slots, draft_tokens, temperature, top_p):
     model, tokenizer = model_and_tokenizer
     if (temperature, top_p) not in _REFERENCES:
-        _REFERENCES[temperature, top_p] = _rollout(model, tokenizer, CompactEngine(), temperature=temperature, top_p=top_p)
+        _REFERENCES[temperature, top_p] = _rollout(
+            model, tokenizer, CompactEngine(), temperature=temperature, top_p=top_p
+        )
     reference = _REFERENCES[temperature, top_p]
     lengths = reference.response_mask_BR.sum(-1)
     assert lengths.min() < lengths.max()  # samples end at different tokens: rows are refilled and moved
@@ -172,9 +175,9 @@ def test_options_are_checked():
 
 
 def test_slots_refuse_sliding_window_layers(model_and_tokenizer, monkeypatch):
-    import distflow.rollout.graphed as graphed
+    import distflow.rollout.slots as slots
 
     model, tokenizer = model_and_tokenizer
-    monkeypatch.setattr(graphed, "sliding", lambda model: True)
+    monkeypatch.setattr(slots, "_sliding", lambda prefill: True)
     with pytest.raises(ValueError, match="rollout.compact.slots=0"):
         _rollout(model, tokenizer, CompactEngine(CompactOptions(slots=4)))

@@ -39,7 +39,7 @@ class CompactEngine(RolloutEngine):
     Config = CompactOptions
 
     def __init__(self, options: CompactOptions | None = None) -> None:
-        from distflow.rollout.slots import DraftHistory
+        from distflow.rollout.drafts import DraftHistory
 
         self.options = options or CompactOptions()
         self.history = DraftHistory()  # each prompt's latest completions: drafts and the order of entry

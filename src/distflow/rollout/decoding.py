@@ -32,7 +32,6 @@ import torch
 from transformers import DynamicCache
 
 from distflow.rollout.engine import RolloutStats
-
 from distflow.rollout.sampling import keyed_uniforms, sampled_logprob_B1, token_logprob_B1
 from distflow.training.models import cache_kwargs
 

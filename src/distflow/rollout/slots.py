@@ -34,21 +34,17 @@ prompt with neither first of all), ties in row order.
 
 from __future__ import annotations
 
-import collections
 import math
-from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from distflow.rollout.decoding import Tally
+from distflow.rollout.drafts import Drafter, DraftHistory
 from distflow.rollout.engine import Request
 from distflow.rollout.sampling import keyed_uniforms, sampled_logprob_B1, token_logprob_B1
 from distflow.training.models import cache_kwargs
-
-MATCH_LENGTHS = (3, 2)
-"""The suffix lengths a row's last tokens are matched by to find drafts, longest first."""
 
 
 @torch.no_grad()
@@ -63,12 +59,6 @@ def decode_in_slots(
     decoded through `num_slots` rows, each verifying up to `draft_tokens` drafts a forward; and the
     rollout's `RolloutStats`. `history`: earlier rollouts' completions by prompt (drafts, order of entry),
     updated with this one's."""
-    from distflow.rollout.graphed import sliding
-
-    if sliding(model):
-        raise ValueError(
-            "rollout.compact.slots needs a model without sliding-window attention layers; set rollout.compact.slots=0"
-        )
     run = _Rollout(model, request, num_slots, draft_tokens, history)
     run.decode()
     if history is not None:
@@ -85,77 +75,6 @@ def draft_lengths(num_running: int, num_slots: int, draft_tokens: int) -> int:
     [0, 0, 1, 3, 3, 4, 4]
     """
     return max(0, min(draft_tokens, num_slots // max(num_running, 1) - 1))
-
-
-@dataclass
-class DraftHistory:
-    """Each prompt's completions in its latest rollout (its tokens, a tuple, as the key), for drafts and the
-    order of entry; at most `max_prompts` prompts, the least recently rolled out dropped first."""
-
-    max_prompts: int = 4096
-    _by_prompt: collections.OrderedDict = field(default_factory=collections.OrderedDict)
-
-    def completions(self, prompt: tuple[int, ...]) -> list[list[int]]:
-        return self._by_prompt.get(prompt, [])
-
-    def add(self, prompts: list[tuple[int, ...]], tokens: list[list[int]], n: int) -> None:
-        for g, prompt in enumerate(prompts):
-            self._by_prompt.pop(prompt, None)
-            self._by_prompt[prompt] = [list(t) for t in tokens[g * n : (g + 1) * n]]
-        while len(self._by_prompt) > self.max_prompts:
-            self._by_prompt.popitem(last=False)
-
-
-class Drafter:
-    """Draft tokens for a group's samples: the continuation after the latest earlier occurrence, in any of
-    the group's sequences (its samples' tokens so far, the prompt's earlier completions), of a sample's last
-    `MATCH_LENGTHS` tokens.
-
-    >>> d = Drafter([[5, 6, 7, 8, 9]])
-    >>> tokens = [1, 5]
-    >>> d.add_sample(0, tokens)
-    >>> tokens.append(6); d.grown(0, 2)
-    >>> d.propose(0, 3)
-    [7, 8, 9]
-    """
-
-    def __init__(self, earlier: list[list[int]]) -> None:
-        self.sequences: dict[object, list[int]] = {}
-        self.index: dict[tuple[int, ...], list[tuple[object, int]]] = collections.defaultdict(list)
-        for k, seq in enumerate(earlier):
-            self._add(("earlier", k), list(seq), 0)
-
-    def add_sample(self, sample: int, tokens: list[int]) -> None:
-        """Sample `sample`'s tokens (a list this object reads as it grows: call `grown` after it does)."""
-        self._add(sample, tokens, 0)
-
-    def grown(self, sample: int, old_length: int) -> None:
-        """Sample `sample`'s tokens past its first `old_length` are new: index the n-grams that end among them."""
-        self._index(sample, self.sequences[sample], old_length + 1)
-
-    def propose(self, sample: int, k: int) -> list[int]:
-        """Up to `k` draft tokens for `sample` (none when nothing matches)."""
-        tokens = self.sequences[sample]
-        for m in MATCH_LENGTHS:
-            if len(tokens) < m:
-                continue
-            for seq_id, after in reversed(self.index.get(tuple(tokens[-m:]), ())):
-                seq = self.sequences[seq_id]
-                if seq_id == sample and after >= len(tokens):
-                    continue  # the row's own last tokens: nothing after them yet
-                if after < len(seq):
-                    return seq[after : after + k]
-        return []
-
-    def _add(self, seq_id: object, tokens: list[int], start: int) -> None:
-        self.sequences[seq_id] = tokens
-        self._index(seq_id, tokens, start)
-
-    def _index(self, seq_id: object, tokens: list[int], start: int) -> None:
-        for end in range(max(start, 1), len(tokens) + 1):
-            for m in MATCH_LENGTHS:
-                if end >= m:
-                    self.index[tuple(tokens[end - m : end])].append((seq_id, end))
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -246,6 +165,11 @@ class _Rollout:
 
     def decode(self) -> None:
         prefill, logits_GV = self._prefill()
+        if _sliding(prefill):
+            raise ValueError(
+                "rollout.compact.slots needs a model without sliding-window attention layers; "
+                "set rollout.compact.slots=0"
+            )
         self._first_tokens(logits_GV)
         del logits_GV
         self.cache = _SlotCache(prefill, self.num_slots, self.width + self.R + self.draft_tokens)
@@ -275,7 +199,9 @@ class _Rollout:
     def _first_tokens(self, logits_GV: torch.Tensor) -> None:
         """Every sample's token 0, from its prompt's last logits (one draw for all rows, as `decode`'s)."""
         prompt_B = torch.arange(self.num_rows, device=self.device) // self.n
-        token_B1, logp_B1 = self._draw(logits_GV[prompt_B], None if self.uniforms_BR is None else self.uniforms_BR[:, :1])
+        token_B1, logp_B1 = self._draw(
+            logits_GV[prompt_B], None if self.uniforms_BR is None else self.uniforms_BR[:, :1]
+        )
         self.response_BR[:, 0] = token_B1[:, 0]
         if self.logp_BR is not None:
             self.logp_BR[:, 0] = logp_B1[:, 0]
@@ -288,7 +214,9 @@ class _Rollout:
         request = self.request
         if uniform_N1 is None:
             token_N1 = logits_NV.argmax(dim=-1, keepdim=True)
-            logp_N1 = token_logprob_B1(logits_NV, token_N1, temperature=request.temperature) if request.logprobs else None
+            logp_N1 = (
+                token_logprob_B1(logits_NV, token_N1, temperature=request.temperature) if request.logprobs else None
+            )
             return token_N1, logp_N1
         return sampled_logprob_B1(logits_NV, uniform_N1, temperature=request.temperature, top_p=request.top_p)
 
@@ -302,7 +230,9 @@ class _Rollout:
         g = b // self.n
         expected = self.expected_G[g]
         if expected is None:
-            ended = [len(self.tokens[s]) for s in range(g * self.n, (g + 1) * self.n) if s not in self.entered_or_waiting]
+            ended = [
+                len(self.tokens[s]) for s in range(g * self.n, (g + 1) * self.n) if s not in self.entered_or_waiting
+            ]
             expected = sum(ended) / len(ended) if ended else math.inf
         return (-expected, b)
 
@@ -329,7 +259,9 @@ class _Rollout:
         next_A = torch.tensor(self.next_t, device=self.device)
         columns_Aq = self.width + next_A.unsqueeze(1) - 1 + offsets_q  # token next_t - 1 + i at its own column
         prompts_A = torch.tensor([b // self.n for b in self.rows], device=self.device)
-        positions_Aq = torch.tensor(self.prompt_len_G, device=self.device)[prompts_A].unsqueeze(1) + columns_Aq - self.width
+        positions_Aq = (
+            torch.tensor(self.prompt_len_G, device=self.device)[prompts_A].unsqueeze(1) + columns_Aq - self.width
+        )
         num_columns = int(columns_Aq[:, -1].max()) + 1
         self.cache.at(torch.arange(A, device=self.device).unsqueeze(1).expand(A, q), columns_Aq, num_columns)
         out = self.model(
@@ -399,3 +331,8 @@ class _Rollout:
             self.rows.pop()
             self.next_t.pop()
         self._fill(waiting)
+
+
+def _sliding(prefill: DynamicCache) -> bool:
+    """Whether the model has sliding-window attention layers (their cache rolls: not one of slots)."""
+    return any(getattr(layer, "is_sliding", False) for layer in prefill.layers)
