@@ -48,7 +48,7 @@ def test_report_overlays_runs_and_prints_their_summary(tmp_path, capsys):
     b = _fake_run(tmp_path, "b", [0.5] * 10, (0.3, 0.4))
     out = tmp_path / "both.png"
     assert main(["report", str(a), str(b), "--out", str(out)]) == 0
-    assert _png_size(out) == (1440, 640)  # 18 x 8 inches at 80 dpi
+    assert _png_size(out) == (1440, 960)  # 18 x 12 inches at 80 dpi
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == [
         "run",
@@ -125,7 +125,7 @@ def test_wandb_offline_run_has_every_step_once_across_a_resume(tmp_path, cache_d
     first = run_cli("train", config, *common, "trainer.total_steps=3", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     run_dir = tmp_path / "run"
-    assert _png_size(run_dir / "curves.png") == (1440, 640)
+    assert _png_size(run_dir / "curves.png") == (1440, 960)
     # Resume from step 2: step 3 is redone (W&B already has it: not sent again), step 4 is new.
     second = run_cli(
         "train",

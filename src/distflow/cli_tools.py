@@ -2,7 +2,8 @@
 
     distflow export CHECKPOINT --out DIR       a Hugging Face model directory (safetensors)
     distflow model SOURCE                      a GGUF model converted into a cached HF directory
-    distflow report RUN_DIR... [--out PATH]    the runs' curves overlaid, and a summary table
+    distflow report RUN_DIR... [--out PATH]    the runs' curves overlaid, a summary table, their
+                                               rollout figures and samples (samples.jsonl)
 
 Each returns the process's exit code; a user error prints one line and returns 2.
 """
@@ -72,19 +73,37 @@ def model(source: str) -> int:
 
 
 def report(run_dirs: list[str], out: str) -> int:
-    from distflow.observability.curves import draw, format_table, picture_path, read_run, summary_rows
+    """The runs' summary table; their rollout figures (median over the steps) where they log them; the
+    longest and a typical sample of each run's last step in samples.jsonl (`trainer.log_samples`); the
+    curves drawn to `out`."""
+    from distflow.observability.curves import (
+        ROLLOUT_COLUMNS,
+        draw,
+        format_table,
+        picture_path,
+        read_run,
+        rollout_rows,
+        summary_rows,
+    )
+    from distflow.observability.samples import format_samples, read_samples
 
     try:
         picture = picture_path(Path(out))  # before the runs are read: a bad --out costs nothing
-        runs = {}
+        runs, directories = {}, {}
         for run_dir in run_dirs:
             label = Path(run_dir).resolve().name
             if label in runs:  # two runs of the same name from different places: keep both apart
                 label = str(Path(run_dir))
-            runs[label] = read_run(Path(run_dir))
+            runs[label], directories[label] = read_run(Path(run_dir)), Path(run_dir)
     except ConfigError as err:
         print(f"distflow: error: {err}", file=sys.stderr)
         return USER_ERROR
     print(format_table(summary_rows(runs)))
+    if rows := rollout_rows(runs):
+        print("\nrollout, median over the steps:")
+        print(format_table(rows, ["run", *(column for column, _ in ROLLOUT_COLUMNS)]))
+    for label, directory in directories.items():
+        if samples := read_samples(directory):
+            print("\n" + format_samples(label, samples))
     print(f"curves of {len(runs)} run(s) -> {draw(runs, picture)}", file=sys.stderr)
     return 0

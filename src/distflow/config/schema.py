@@ -146,6 +146,12 @@ class TrainerConfig:
     then evaluate and checkpoint as after the last step; 0: run trainer.total_steps. Comparisons at
     equal training time (benchmarks/learning.py) and job time limits use it. Not with
     asynchronous.max_staleness."""
+    log_samples: int = 0
+    """Prompts of each step whose samples rank 0 writes to RUN_DIR/samples.jsonl, one line a sample: its step,
+    uid, group (prompt uid), token length, reward, policy version (where the run records one: stale samples),
+    prompt and completion. The prompts are the N smallest prompt uids among those the step trained on, so
+    the lines are the same at any world size; `distflow report RUN_DIR` shows the longest and a typical
+    (median-length) one; `--resume` keeps the lines of the steps it does not redo. 0: none."""
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.loggers if name not in LOGGERS]
@@ -165,6 +171,7 @@ class TrainerConfig:
                 self.loggers = [name for name in self.loggers if name != "tensorboard"]
         check(self.time_budget_s >= 0, f"trainer.time_budget_s must be >= 0 (0: off; got {self.time_budget_s})")
         check(self.profile_steps >= 0, f"trainer.profile_steps must be >= 0 (got {self.profile_steps})")
+        check(self.log_samples >= 0, f"trainer.log_samples must be >= 0 (0: none; got {self.log_samples})")
         check(self.total_steps >= 1, f"trainer.total_steps must be >= 1 (got {self.total_steps})")
         check(self.prompts_per_step >= 1, f"trainer.prompts_per_step must be >= 1 (got {self.prompts_per_step})")
         check(self.eval_every >= 0, f"trainer.eval_every must be >= 0 (got {self.eval_every})")

@@ -1,8 +1,10 @@
 """Pictures and a table from runs' metrics.jsonl: RUN_DIR/curves.png and `distflow report`.
 
 One panel per curve a user looks at first (reward, held-out accuracy, response length, KL,
-entropy, gradient norm) plus the step's time split; several runs are overlaid, one colour
-each, labelled by run directory name (a curve a run does not log is left out of its panel).
+entropy, gradient norm), then the rollout's tail (the length quantiles, occupancy, the tail's
+seconds, speculation's acceptance and tokens per forward) and the step's time split; several runs
+are overlaid, one colour each, labelled by run directory name (a curve a run does not log is left
+out of its panel; a panel of several curves tells them apart by line style).
 Drawn with matplotlib's Agg backend (no display needed). A name's characters that the font
 lacks (a Chinese or Devanagari run name, an emoji) are drawn as "?": matplotlib would draw an
 empty box and print a missing-glyph warning for each of them.
@@ -18,13 +20,30 @@ from pathlib import Path
 from distflow.config.errors import ConfigError
 
 PANELS = (
-    ("reward/mean", "reward (mean)"),
-    ("eval/accuracy", "held-out accuracy (sampled)"),
-    ("response/length", "response length (tokens)"),
-    ("train/kl", "KL to the reference"),
-    ("train/entropy", "entropy"),
-    ("train/grad_norm", "gradient norm"),
+    (("reward/mean",), "reward (mean)"),
+    (("eval/accuracy",), "held-out accuracy (sampled)"),
+    (("response/length",), "response length (tokens)"),
+    (("train/kl",), "KL to the reference"),
+    (("train/entropy",), "entropy"),
+    (("train/grad_norm",), "gradient norm"),
+    (("response/length_p50", "response/length_p90", "response/length_max"), "response length p50, p90, max"),
+    (("rollout/occupancy",), "rollout occupancy (decoded / slot-steps)"),
+    (("rollout/tail_seconds",), "rollout tail (s after 90% ended)"),
+    (("rollout/spec_acceptance",), "speculation: draft tokens accepted"),
+    (("rollout/tokens_per_forward",), "speculation: tokens per forward"),
 )
+"""Each panel's metrics (drawn -, --, : in this order) and its title."""
+STYLES = ("-", "--", ":")
+ROLLOUT_COLUMNS = (
+    ("length_p50", "response/length_p50"),
+    ("length_p90", "response/length_p90"),
+    ("length_max", "response/length_max"),
+    ("occupancy", "rollout/occupancy"),
+    ("tail_s", "rollout/tail_seconds"),
+    ("spec_accept", "rollout/spec_acceptance"),
+    ("tokens_per_fwd", "rollout/tokens_per_forward"),
+)
+"""`distflow report`'s rollout table: its columns and the metric each is the median of, over the steps."""
 # Wall-clock totals, not stages of a step's split (every wall-clock metric is under time/).
 TOTAL_TIMES = ("time/step_s", "time/loader_wait_s", "time/train_total_s", "time/eval_s")
 
@@ -111,29 +130,39 @@ def draw(runs: dict[str, list[dict]], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     shown = _drawable_labels(list(runs))
-    fig, axes = plt.subplots(2, 4, figsize=(18, 8))
+    fig, axes = plt.subplots(3, 4, figsize=(18, 12))
     # Fixed margins, room for the titles, the x labels and the time split's slanted run names: a layout
     # engine (constrained or tight) measures every text first, doubling the drawing time of a run's end.
-    fig.subplots_adjust(left=0.04, right=0.99, top=0.95, bottom=0.1, wspace=0.25, hspace=0.35)
-    for ax, (key, title) in zip(axes.flat, PANELS, strict=False):
-        drawn = False
-        for label, records in runs.items():
-            steps, values = _series(records, key)
-            if steps:
-                ax.plot(steps, values, marker="o" if len(steps) < 20 else None, markersize=3, label=shown[label])
-                drawn = True
-        if not drawn:  # e.g. no KL term, or no update ran (every group without signal)
-            ax.text(0.5, 0.5, f"no {key} in metrics.jsonl", ha="center", va="center", transform=ax.transAxes)
+    fig.subplots_adjust(left=0.04, right=0.99, top=0.965, bottom=0.07, wspace=0.25, hspace=0.4)
+    for ax, (keys, title) in zip(axes.flat, PANELS, strict=False):
+        _draw_panel(ax, runs, shown, keys)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     _draw_time_split(axes.flat[len(PANELS)], runs, [shown[label] for label in runs])
-    axes.flat[-1].axis("off")
     if len(runs) > 1:
         axes.flat[0].legend(fontsize="small")
     fig.savefig(out, dpi=80)
     plt.close(fig)
     return out
+
+
+def _draw_panel(ax, runs: dict[str, list[dict]], shown: dict[str, str], keys: tuple[str, ...]) -> None:
+    """Each run's curve of each of `keys`, a run's curves in its colour, told apart by line style (and named
+    in the panel's legend where there are several)."""
+    drawn = False
+    for number, (label, records) in enumerate(runs.items()):
+        for key, style in zip(keys, STYLES, strict=False):
+            steps, values = _series(records, key)
+            if steps:
+                name = shown[label] if len(keys) == 1 else f"{shown[label]} {key.rsplit('_', 1)[-1]}"
+                marker = "o" if len(steps) < 20 else None
+                ax.plot(steps, values, style, color=f"C{number}", marker=marker, markersize=3, label=name)
+                drawn = True
+    if not drawn:  # e.g. no KL term, no update ran (every group without signal), an engine that counts nothing
+        ax.text(0.5, 0.5, f"no {keys[0]} in metrics.jsonl", ha="center", va="center", transform=ax.transAxes)
+    elif len(keys) > 1:
+        ax.legend(fontsize="x-small")
 
 
 def _drawable_labels(labels: list[str]) -> dict[str, str]:
@@ -182,11 +211,26 @@ def summary_rows(runs: dict[str, list[dict]]) -> list[dict]:
     return rows
 
 
-def format_table(rows: list[dict]) -> str:
+def rollout_rows(runs: dict[str, list[dict]]) -> list[dict]:
+    """Per run, the median over its steps of each of `ROLLOUT_COLUMNS`' metrics (None: not logged); no rows
+    where no run logged any (a run before these metrics existed)."""
+    rows = []
+    for label, records in runs.items():
+        row = {"run": label}
+        for column, key in ROLLOUT_COLUMNS:
+            values = [r[key] for r in records if r.get("step", 0) >= 1 and r.get(key) is not None]
+            row[column] = statistics.median(values) if values else None
+        rows.append(row)
+    return rows if any(v is not None for row in rows for k, v in row.items() if k != "run") else []
+
+
+def format_table(rows: list[dict], names: list[str] | None = None) -> str:
+    """`rows` as a table of the columns `names` (default: `summary_rows`')."""
+
     def cell(value) -> str:
         return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
 
-    names = ["run", "steps", "accuracy_first", "accuracy_last", "reward_first", "reward_last", "step_s_median"]
+    names = names or ["run", "steps", "accuracy_first", "accuracy_last", "reward_first", "reward_last", "step_s_median"]
     table = [names] + [[cell(row[n]) for n in names] for row in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(names))]
     return "\n".join(

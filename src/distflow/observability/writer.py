@@ -1,4 +1,5 @@
-"""Rank 0's outputs: metrics.jsonl, TensorBoard events, Weights & Biases, the progress bar, curves.png."""
+"""Rank 0's outputs: metrics.jsonl, samples.jsonl, TensorBoard events, Weights & Biases, the progress bar,
+curves.png."""
 
 from __future__ import annotations
 
@@ -31,16 +32,18 @@ class RunWriter:
         config: dict | None = None,
         checkpoint_root: Path | None = None,
     ) -> None:
-        """`resumed_step`: the run continues after this step; the metrics records and TensorBoard
-        events of later steps written before are dropped (the run redoes them), so curves
+        """`resumed_step`: the run continues after this step; the metrics records, sample lines and
+        TensorBoard events of later steps written before are dropped (the run redoes them), so curves
         have no duplicates (W&B: see observability/wandb_run.py). `checkpoint_root`: where the
         run's checkpoints are, named when metrics.jsonl cannot be written."""
         self.run_dir = run_dir
-        lost_step = None
+        lost_step = lost_samples_step = None
         if resumed_step is not None:
             lost_step = drop_records_after(run_dir / "metrics.jsonl", resumed_step)
+            lost_samples_step = drop_records_after(run_dir / "samples.jsonl", resumed_step, kind="samples")
         # Unbuffered bytes: each record goes to the file whole, in `_append_line`, or not at all.
         self.jsonl = open(run_dir / "metrics.jsonl", "ab", buffering=0)
+        self.samples_jsonl = None  # opened by the first `log_samples`
         self.checkpoint_root = checkpoint_root
         self.wandb = None
         if "wandb" in loggers:
@@ -68,6 +71,12 @@ class RunWriter:
                 f"was torn by a crash and the checkpoint covers step {lost_step}, so it is not redone; "
                 f'metrics.jsonl marks it {{"step": {lost_step}, "metrics_lost": true}}'
             )
+        if lost_samples_step is not None:
+            self.message(
+                f"warning: some of step {lost_samples_step}'s samples were lost (a torn last line of "
+                f'{run_dir / "samples.jsonl"}); samples.jsonl marks it {{"step": {lost_samples_step}, '
+                '"samples_lost": true}'
+            )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         # JSON has no NaN/Infinity: a metric with nothing to average, or a non-finite grad norm, is null.
@@ -83,26 +92,41 @@ class RunWriter:
         if self.wandb is not None:
             self.wandb.log(step, metrics)
 
-    def _append_line(self, step: int, line: bytes) -> None:
-        """Append `line` whole. A write the filesystem refuses part-way (a full disk, a quota) is
-        cut back off, so the file never holds a torn record, and ends the run with one line."""
-        start = os.fstat(self.jsonl.fileno()).st_size
+    def log_samples(self, step: int, lines: list[dict]) -> None:
+        """Append the step's samples (observability/samples.py) to samples.jsonl, one line each, in one write."""
+        if not lines:
+            return
+        if self.samples_jsonl is None:
+            self.samples_jsonl = open(self.run_dir / "samples.jsonl", "ab", buffering=0)
+        # JSON's escapes keep the lines ASCII: a resume rewrites the file (drop_records_after) in the locale's encoding.
+        text = "".join(json.dumps({"step": step, **line}) + "\n" for line in lines)
+        self._append_line(step, text.encode(), self.samples_jsonl, "samples")
+
+    def _append_line(self, step: int, line: bytes, file=None, kind: str = "metrics") -> None:
+        """Append `line` (to metrics.jsonl, or `file`: `kind`.jsonl) whole. A write the filesystem refuses
+        part-way (a full disk, a quota) is cut back off, so the file never holds a torn record, and ends
+        the run with one line."""
+        file = self.jsonl if file is None else file
+        start = os.fstat(file.fileno()).st_size
         written = 0
         try:
             while written < len(line):
-                written += self.jsonl.write(line[written:])
+                written += file.write(line[written:])
         except OSError as err:
             try:
-                os.ftruncate(self.jsonl.fileno(), start)
+                os.ftruncate(file.fileno(), start)
             except OSError:
                 pass  # a resume drops a torn last line anyway (drop_records_after)
-            raise metrics_write_failure(err, self.run_dir / "metrics.jsonl", step, self.checkpoint_root) from None
+            path = self.run_dir / f"{kind}.jsonl"
+            raise metrics_write_failure(err, path, step, self.checkpoint_root, kind=kind) from None
 
     def sync(self) -> None:
         """Make every record logged so far survive a power loss (called before a checkpoint);
-        `log` has already handed both files every record (line-buffered JSONL, a TensorBoard
+        `log` and `log_samples` have already handed the files every record (line-buffered JSONL, a TensorBoard
         flush per step), so this only fsyncs them."""
         os.fsync(self.jsonl.fileno())
+        if self.samples_jsonl is not None:
+            os.fsync(self.samples_jsonl.fileno())
         if self.tb is not None:
             for path in (self.run_dir / "tensorboard").glob("events.out.tfevents.*"):
                 with open(path, "rb") as f:
@@ -123,6 +147,8 @@ class RunWriter:
     def close(self) -> None:
         self.bar.close()
         self.jsonl.close()
+        if self.samples_jsonl is not None:
+            self.samples_jsonl.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
@@ -135,9 +161,11 @@ class RunWriter:
         return draw({self.run_dir.name: read_run(self.run_dir)}, self.run_dir / "curves.png")
 
 
-def metrics_write_failure(err: OSError, path: Path, step: int, checkpoint_root: Path | None) -> ConfigError:
-    """One line, as a checkpoint the filesystem refused (checkpoint/write_failure.py): what failed,
-    the free space, and the checkpoint to resume from once there is room."""
+def metrics_write_failure(
+    err: OSError, path: Path, step: int, checkpoint_root: Path | None, *, kind: str = "metrics"
+) -> ConfigError:
+    """One line, as a checkpoint the filesystem refused (checkpoint/write_failure.py): what failed (a step's
+    `kind` of record: metrics or samples), the free space, and the checkpoint to resume from once there is room."""
     from distflow.checkpoint.directory import latest_checkpoint
 
     what = f"{err.strerror or err} ({errno.errorcode.get(err.errno, err.errno)})"
@@ -152,17 +180,17 @@ def metrics_write_failure(err: OSError, path: Path, step: int, checkpoint_root: 
         if latest
         else "no checkpoint yet (free space, then start the run again)"
     )
-    return ConfigError(f"cannot append step {step}'s metrics to {path}: {what}; {resume}")
+    return ConfigError(f"cannot append step {step}'s {kind} to {path}: {what}; {resume}")
 
 
-def drop_records_after(path: Path, step: int) -> int | None:
-    """Keep the metrics of steps <= `step` only (a resumed run redoes the later ones); returns
-    the step whose metrics a torn last line lost, else None.
+def drop_records_after(path: Path, step: int, *, kind: str = "metrics") -> int | None:
+    """Keep the records (`kind`: metrics, or samples: several lines a step) of steps <= `step` only (a
+    resumed run redoes the later ones); returns the step whose records a torn last line lost, else None.
 
     The last line may be torn (the process was killed while writing it). Its step is the one its
     fragment starts with, else the one after the last whole record (steps are logged in order).
     A later step than `step` is redone. An earlier one is not (the checkpoint covers it): its
-    metrics are lost, and the record {"step": N, "metrics_lost": true} takes the line's place so
+    records are lost, and the record {"step": N, "<kind>_lost": true} takes the line's place so
     the hole shows. A damaged line before the last is a damaged file, named with its line."""
     if not path.exists():
         return None
@@ -175,13 +203,13 @@ def drop_records_after(path: Path, step: int) -> int | None:
         except (ValueError, KeyError, TypeError):
             if number < len(lines):
                 raise ConfigError(
-                    f"{path}: line {number} is not a metrics record; repair or remove that line, then resume"
+                    f"{path}: line {number} is not a {kind} record; repair or remove that line, then resume"
                 ) from None
             torn = re.match(r'\s*\{\s*"step"\s*:\s*(\d+)\s*[,}]', line)  # a whole step number only
             torn_step = int(torn.group(1)) if torn else last_step + 1
             if torn_step <= step:
                 lost_step = torn_step
-                kept.append(json.dumps({"step": torn_step, "metrics_lost": True}))
+                kept.append(json.dumps({"step": torn_step, f"{kind}_lost": True}))
             break
         last_step = record_step
         if record_step <= step:

@@ -42,6 +42,7 @@ from distflow.errors import RunFailed
 from distflow.fileio import atomic_write_text
 from distflow.observability.derived import add_derived
 from distflow.observability.metrics import StepMetrics
+from distflow.observability.samples import gathered_samples
 from distflow.observability.writer import RunWriter
 from distflow.planner.plan import Transition
 from distflow.rollout.evaluation import Evaluation, evaluate
@@ -187,7 +188,7 @@ def _train(
     profiler = StepProfiler(trainer.profile_steps, first_step, trainer.total_steps, run_dir, comm.rank)
     staleness = config.asynchronous.max_staleness
     pipeline = Pipeline(worker, status, staleness) if staleness else None  # rollout runs ahead (pipelined.py)
-    for step, metrics in _steps(worker, first_step, status, writer, profiler, pipeline, resumed):
+    for step, metrics, samples in _steps(worker, first_step, status, writer, profiler, pipeline, resumed):
         # The steps' summed time is the slowest rank's (reduced metrics): every rank stops at the same step.
         before_s, train_s = train_s, train_s + metrics.get("time/step_s", 0.0)
         run_state["train_s"] = metrics["time/train_total_s"] = train_s
@@ -203,6 +204,7 @@ def _train(
             after = result if last else after
         if writer:
             writer.log(step, metrics)
+            writer.log_samples(step, samples)
             writer.progress(metrics)
         every = config.checkpoint.every
         if (every and step % every == 0) or (last and config.checkpoint.at_end):
@@ -235,24 +237,28 @@ def _steps(
     pipeline: Pipeline | None = None,
     resumed: checkpointing.Resumed | None = None,
 ):
-    """(step, reduced metrics) for every remaining step; a run of non-finite steps ends the run
-    (its metrics written first). With a `pipeline`, rollout ranks run ahead (runtime/pipelined.py)."""
+    """(step, reduced metrics, the samples to log: `trainer.log_samples`' on rank 0) for every remaining step;
+    a run of non-finite steps ends the run (its metrics written first). With a `pipeline`, rollout ranks
+    run ahead (runtime/pipelined.py)."""
     trainer, previous = worker.config.trainer, None
     if pipeline is not None:
         pipeline.start(first_step, resumed.state if resumed else None, resumed.rank_state if resumed else None)
     for step in range(first_step, trainer.total_steps + 1):
         with profiler.step(step):
             if pipeline is not None:
-                metrics = pipeline.step(step)
+                metrics, batch = pipeline.step(step)
             else:
                 metrics, previous = _step(worker, step, previous, status)
+                batch = previous
         try:
             _check_numerics(metrics, worker.config.watchdog.max_nonfinite_steps)
         except TrainingAborted:
             if writer:
                 writer.log(step, metrics)
             raise
-        yield step, metrics
+        # Every rank alike (a collective of the world); the batch is what this rank trained on.
+        samples = gathered_samples(batch, trainer.log_samples, worker.world) if trainer.log_samples else []
+        yield step, metrics, samples
 
 
 def _resume(worker: Worker, resume: Path, status: RankStatus, log) -> checkpointing.Resumed:

@@ -74,8 +74,9 @@ class Pipeline:
             if step not in self.moved:  # every rank alike: `moved` holds the steps in flight on every rank
                 self._make(step, iteration=first_step)
 
-    def step(self, t: int) -> dict[str, float]:
-        """Iteration t: train step t here while step t + k is generated there; then the hand-overs."""
+    def step(self, t: int) -> tuple[dict[str, float], Batch]:
+        """Iteration t: train step t here while step t + k is generated there; then the hand-overs. (Step t's
+        reduced metrics, this rank's share of its samples as trained: none on a rollout-only rank.)"""
         start = time.time()
         metrics = self.ahead.pop(t, None) or StepMetrics()
         batch = Batch()
@@ -90,7 +91,7 @@ class Pipeline:
         record_step(self.worker, batch, self.moved.pop(t, Moved()), batch.tensor_bytes(), metrics)
         metrics.maximum("time/step_s", time.time() - start)
         self.status.enter("metrics", t, len(self.worker.plan.items) + 1)
-        return add_derived(metrics.reduce(self.worker.world))
+        return add_derived(metrics.reduce(self.worker.world)), batch
 
     def checkpoint_state(self) -> tuple[dict, dict | None]:
         """(JSON for meta.json: every rank's metrics recorded ahead, this train rank's batches in
