@@ -197,15 +197,27 @@ def metrics(run_dir) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def k1_run(tmp_path_factory, cache_dir):
     cwd = tmp_path_factory.mktemp("k1")
-    result = train(cwd, cache_dir, "asynchronous.max_staleness=1", "trainer.total_steps=3", "checkpoint.every=0")
+    result = train(
+        cwd,
+        cache_dir,
+        "asynchronous.max_staleness=1",
+        "trainer.total_steps=3",
+        "checkpoint.every=0",
+        "trainer.log_samples=1",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    return {"records": records(cwd), "metrics": metrics(cwd / "run")}
+    samples = [json.loads(line) for line in (cwd / "run/samples.jsonl").read_text().splitlines()]
+    return {"records": records(cwd), "metrics": metrics(cwd / "run"), "samples": samples}
 
 
 def test_a_pipelined_run_trains_on_the_scheduled_versions(k1_run):
     got, m = k1_run["records"], k1_run["metrics"]
     # k = 1: steps 1 and 2 are drawn by the initial policy, step 3 by the policy after one update.
     assert {step: set(row["version"]) for step, row in got.items()} == {1: {0}, 2: {0}, 3: {1}}
+    # trainer.log_samples=1: one prompt's samples a step, written by rank 0 (a rollout rank) from the train rank's
+    # batch, each with the version that drew it.
+    lines = k1_run["samples"]
+    assert [(line["step"], line["policy_version"]) for line in lines] == [(1, 0)] * 4 + [(2, 0)] * 4 + [(3, 1)] * 4
     assert [m[t]["off_policy/staleness_mean"] for t in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert [m[t]["off_policy/staleness_max"] for t in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert all(len(row["uid"]) == 32 for row in got.values())
@@ -330,6 +342,10 @@ def test_every_builtin_algorithm_but_dapo_trains_pipelined(tmp_path, cache_dir, 
     assert result.returncode == 0, result.stderr[-3000:]
     got, m = records(tmp_path), metrics(tmp_path / "run")
     assert {step: set(row["version"]) for step, row in got.items()} == {1: {0}, 2: {0}, 3: {1}}
+    # trainer.log_samples=1: one prompt's samples a step, written by rank 0 (a rollout rank) from the train rank's
+    # batch, each with the version that drew it.
+    lines = k1_run["samples"]
+    assert [(line["step"], line["policy_version"]) for line in lines] == [(1, 0)] * 4 + [(2, 0)] * 4 + [(3, 1)] * 4
     assert [m[t]["off_policy/staleness_max"] for t in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert all(math.isfinite(m[t]["train/grad_norm"]) for t in (1, 2, 3) if "train/grad_norm" in m[t])
     assert any("off_policy/is_weight_max" in m[t] for t in (2, 3))  # a stale step updated the policy

@@ -43,6 +43,7 @@ def test_int_is_accepted_for_float_and_none_for_optional(tmp_path):
             "trainer.loggers: unknown ['mlflow']; choose from jsonl, tensorboard, wandb",
         ),
         ("", ["trainer.loggers=[tensorboard]"], "trainer.loggers must include jsonl"),
+        ("", ["trainer.log_samples=-1"], "trainer.log_samples must be >= 0 (0: none; got -1)"),
         ("", ["rollout.temperature=0"], "rollout.temperature must be > 0"),
         ("", ["optim.betas=[0.9]"], "optim.betas must be a list of 2 values"),
         ("", ["algorithm.name=ppo-ish"], "algorithm.name must be one of"),
