@@ -149,11 +149,12 @@ class _Rollout:
         self.width, self.n, self.R, self.num_rows = P, n, R, G * n
         self.num_slots, self.draft_tokens = max(1, min(num_slots, self.num_rows)), draft_tokens
         self.stop = set(request.stop_ids)
-        self.prompt_len_G = mask_GP.sum(-1).tolist()
+        self.prompt_len_G = mask_GP.sum(-1)
         self.prompt_mask_GP = mask_GP.bool()
         self.prompt_keys = [tuple(ids[m.bool()].tolist()) for ids, m in zip(ids_GP, mask_GP, strict=True)]
         earlier = [history.completions(p) if history is not None else [] for p in self.prompt_keys]
         self.expected_G = [sum(map(len, e)) / len(e) if e else None for e in earlier]
+        self.ended_G: list[list[int]] = [[] for _ in earlier]  # each prompt's ended samples' lengths
         self.drafters = [Drafter(e) for e in earlier]
         self.tokens: list[list[int]] = [[] for _ in range(self.num_rows)]
         for b, tokens in enumerate(self.tokens):
@@ -208,7 +209,9 @@ class _Rollout:
         for b, token in enumerate(token_B1[:, 0].tolist()):
             self.tokens[b].append(token)
             self.drafters[b // self.n].grown(b, 0)
-        self.tally.ended(sum(self._ended(b) for b in range(self.num_rows)))
+            if self._ended(b):
+                self.ended_G[b // self.n].append(1)
+        self.tally.ended(sum(map(len, self.ended_G)))
 
     def _draw(self, logits_NV: torch.Tensor, uniform_N1: torch.Tensor | None):
         request = self.request
@@ -230,15 +233,12 @@ class _Rollout:
         g = b // self.n
         expected = self.expected_G[g]
         if expected is None:
-            ended = [
-                len(self.tokens[s]) for s in range(g * self.n, (g + 1) * self.n) if s not in self.entered_or_waiting
-            ]
+            ended = self.ended_G[g]
             expected = sum(ended) / len(ended) if ended else math.inf
         return (-expected, b)
 
     def _fill(self, waiting: list[int]) -> None:
         """Rows after the running ones take waiting samples while rows are free."""
-        self.entered_or_waiting = set(waiting) | set(self.rows)
         if waiting and len(self.rows) < self.num_slots:
             waiting.sort(key=self._priority, reverse=True)  # the first to enter last: popped from the end
         while waiting and len(self.rows) < self.num_slots:
@@ -259,9 +259,7 @@ class _Rollout:
         next_A = torch.tensor(self.next_t, device=self.device)
         columns_Aq = self.width + next_A.unsqueeze(1) - 1 + offsets_q  # token next_t - 1 + i at its own column
         prompts_A = torch.tensor([b // self.n for b in self.rows], device=self.device)
-        positions_Aq = (
-            torch.tensor(self.prompt_len_G, device=self.device)[prompts_A].unsqueeze(1) + columns_Aq - self.width
-        )
+        positions_Aq = self.prompt_len_G[prompts_A].unsqueeze(1) + columns_Aq - self.width
         num_columns = int(columns_Aq[:, -1].max()) + 1
         self.cache.at(torch.arange(A, device=self.device).unsqueeze(1).expand(A, q), columns_Aq, num_columns)
         out = self.model(
@@ -313,6 +311,7 @@ class _Rollout:
             self.drafters[b // self.n].grown(b, start)
             if self._ended(b):
                 done.append(a)
+                self.ended_G[b // self.n].append(len(tokens))
         self.tally.ended(len(done))
         places = torch.tensor(places_N, device=self.device)
         rows, columns = torch.tensor(rows_N, device=self.device), torch.tensor(columns_N, device=self.device)
