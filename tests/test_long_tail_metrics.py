@@ -1,6 +1,6 @@
 """Seeing the long tail: a step's exact length quantiles (StepMetrics.quantiles, on one rank and summed over
 two gloo ranks), and what `generate` and `graphed` say a rollout paid (RolloutStats), logged by the
-rollout stage as `rollout/occupancy` and `rollout/tail_seconds`."""
+rollout stage as `rollout/occupancy` and `time/rollout_tail_s`."""
 
 import math
 import random
@@ -164,10 +164,10 @@ def test_the_rollout_stage_logs_occupancy_and_the_tail_where_the_engine_counts(t
     figures, out = logged(engine_named("generate"))
     lengths = out["response_mask"].sum(-1).tolist()
     assert figures["rollout/occupancy"] == pytest.approx((sum(lengths) - 16) / (16 * (max(lengths) - 1)))
-    assert figures["rollout/tail_seconds"] >= 0 and "rollout/spec_acceptance" not in figures
+    assert figures["time/rollout_tail_s"] >= 0 and "rollout/spec_acceptance" not in figures
     assert figures["response/length_max"] == max(lengths) and figures["response/length_p50"] == sorted_quantile(
         lengths, 50
     )
     figures, _ = logged(Counting())
-    assert not any(k in figures for k in ("rollout/occupancy", "rollout/tail_seconds"))
+    assert not any(k in figures for k in ("rollout/occupancy", "time/rollout_tail_s"))
     assert figures["response/length_max"] == max(lengths)

@@ -141,7 +141,7 @@ def test_the_step_logs_its_length_quantiles_alike_at_1_and_2_ranks_and_the_engin
         assert quantiles == {k: v for k, v in two[step].items() if k.startswith("response/length")}
         assert quantiles["response/length_p50"] <= quantiles["response/length_p90"] <= quantiles["response/length_max"]
         for metrics in (one[step], two[step]):
-            assert 0 < metrics["rollout/occupancy"] <= 1 and metrics["rollout/tail_seconds"] >= 0
+            assert 0 < metrics["rollout/occupancy"] <= 1 and metrics["time/rollout_tail_s"] >= 0
             assert "rollout/spec_acceptance" not in metrics  # no speculation: nothing to report
 
 

@@ -28,7 +28,7 @@ PANELS = (
     (("train/grad_norm",), "gradient norm"),
     (("response/length_p50", "response/length_p90", "response/length_max"), "response length p50, p90, max"),
     (("rollout/occupancy",), "rollout occupancy (decoded / slot-steps)"),
-    (("rollout/tail_seconds",), "rollout tail (s after 90% ended)"),
+    (("time/rollout_tail_s",), "rollout tail (s after 90% ended)"),
     (("rollout/spec_acceptance",), "speculation: draft tokens accepted"),
     (("rollout/tokens_per_forward",), "speculation: tokens per forward"),
 )
@@ -39,7 +39,7 @@ ROLLOUT_COLUMNS = (
     ("length_p90", "response/length_p90"),
     ("length_max", "response/length_max"),
     ("occupancy", "rollout/occupancy"),
-    ("tail_s", "rollout/tail_seconds"),
+    ("tail_s", "time/rollout_tail_s"),
     ("spec_accept", "rollout/spec_acceptance"),
     ("tokens_per_fwd", "rollout/tokens_per_forward"),
 )

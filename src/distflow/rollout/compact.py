@@ -37,22 +37,36 @@ class CompactOptions:
 class CompactEngine(RolloutEngine):
     name = "compact"
     Config = CompactOptions
+    settings: CompactOptions = CompactOptions()
+    """The defaults until `build` (or the constructor) sets this rank's: a subclass that overrides
+    `__init__` without calling it still decodes as plain `compact`."""
 
     def __init__(self, options: CompactOptions | None = None) -> None:
-        from distflow.rollout.drafts import DraftHistory
-
-        self.options = options or CompactOptions()
-        self.history = DraftHistory()  # each prompt's latest completions: drafts and the order of entry
+        if options is not None:
+            self.settings = options
 
     @classmethod
     def build(cls, config, options: CompactOptions | None) -> CompactEngine:
-        return cls(options)
+        engine = cls()  # the engine door's contract: a subclass is built without arguments
+        if options is not None:
+            engine.settings = options
+        return engine
+
+    @property
+    def history(self):
+        """Each prompt's latest completions (rollout/drafts.py): the drafts and the order of entry."""
+        from distflow.rollout.drafts import DraftHistory
+
+        history = self.__dict__.get("_history")
+        if history is None:
+            history = self.__dict__["_history"] = DraftHistory()
+        return history
 
     def responses(self, model, request: Request):
-        if self.options.slots > 0:
+        if self.settings.slots > 0:
             from distflow.rollout.slots import decode_in_slots
 
-            out, stats = decode_in_slots(model, request, self.options.slots, self.options.draft_tokens, self.history)
+            out, stats = decode_in_slots(model, request, self.settings.slots, self.settings.draft_tokens, self.history)
             self.record_stats(stats)
             return out if request.logprobs else (out, None)
         from distflow.rollout.decoding import Tally
