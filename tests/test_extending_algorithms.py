@@ -180,7 +180,8 @@ def test_the_correction_corrects_the_loss_its_own_way(my_parts):
         ("algorithm.kl.estimator=k4", "algorithm.kl.estimator must be one of: k1, k2, k3, abs, k1+, k3+ (got 'k4')"),
         (
             "algorithm.off_policy_correction=clip",
-            "algorithm.off_policy_correction must be one of: none, tis, mask (got 'clip')",
+            "algorithm.off_policy_correction must be one of: none, tis, mask, seq_tis, seq_mask, geo_tis, geo_mask "
+            "(got 'clip')",
         ),
         (
             "algorithm.loss_agg=mean",

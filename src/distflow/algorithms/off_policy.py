@@ -15,10 +15,12 @@ stale the samples are) and w re-weights the stale samples towards it, detached. 
 `algorithm.off_policy_correction` names (config/components.py: OFF_POLICY_CORRECTIONS) is an
 `OffPolicyCorrection`: it declares what it needs of the rollout (`fields`: the behaviour log-probs)
 and how it corrects the loss (`corrected_loss_BR`), so the stages never ask which one it is. `tis`
-truncates w at the cap (verl's rollout correction "truncate"), `mask` drops tokens whose w exceeds
-the cap (verl's "mask"), `none` leaves the loss as it is and needs nothing; yours is a function
-f `(ratio_BR, cap) -> weight_BR` or an `OffPolicyCorrection`, as `module:name`.
-Weights are per token. Log-ratios are clamped to ±MAX_LOG_RATIO before `exp`, like PPO's.
+truncates w at the cap (verl's rollout correction "truncate"), `mask` drops tokens whose w is
+outside [`off_policy_floor`, `off_policy_cap`] (verl's rejection sampling; IcePop with a floor),
+`none` leaves the loss as it is and needs nothing. `seq_tis`/`seq_mask` take w from the sequence's
+ratio (the product of its tokens'), `geo_tis`/`geo_mask` from its geometric mean
+(algorithms/correction_levels.py); yours is a function f `(ratio_BR, cap) -> weight_BR` (token level)
+or an `OffPolicyCorrection`, as `module:name`. Log-ratios are clamped to ±MAX_LOG_RATIO before `exp`.
 
 Importing this module loads no torch (the graph's checks ask a correction for its `fields`).
 """
@@ -83,12 +85,21 @@ def masked_weight(ratio_BR: torch.Tensor, cap: float) -> torch.Tensor:
 
 class OffPolicyCorrection(Component):
     """A correction that weights each token's loss by `weight_BR(ratio_BR, cap)` of its behaviour→proximal
-    ratio (detached). It needs the behaviour policy's log-probs, so it declares `rollout_logp`: the rollout
-    records them on synchronous runs too (dag/stages.py: behaviour_fields). Called, it is its weight
-    function, so a plain `(ratio_BR, cap) -> weight_BR` and one of these are used alike (`named`)."""
+    ratio (detached) at its `level` (algorithms/correction_levels.py: the token's own ratio, its sequence's
+    product, or their geometric mean). It needs the behaviour policy's log-probs, so it declares
+    `rollout_logp`: the rollout records them on synchronous runs too (dag/stages.py: behaviour_fields).
+    Called, it is its weight function, so a plain `(ratio_BR, cap) -> weight_BR` and one of these are used
+    alike (`named`)."""
 
-    def __init__(self, weight_BR: Callable[[Any, float], Any]) -> None:
-        self.weight_BR = weight_BR
+    takes_floor: bool = False
+    """Whether it reads `algorithm.off_policy_floor` (the masks: a lower bound on the ratio)."""
+
+    def __init__(self, weight_BR: Callable[[Any, float], Any], level: str = "token") -> None:
+        from distflow.algorithms.correction_levels import LEVELS
+
+        if level not in LEVELS:
+            raise ValueError(f"an OffPolicyCorrection's level is one of {', '.join(LEVELS)} (got {level!r})")
+        self.weight_BR, self.level = weight_BR, level
 
     def __call__(self, ratio_BR: torch.Tensor, cap: float) -> torch.Tensor:
         return self.weight_BR(ratio_BR, cap)
@@ -97,15 +108,40 @@ class OffPolicyCorrection(Component):
         """The batch fields the correction needs the rollout to record."""
         return (ROLLOUT_LOGP,)
 
+    def ratio_BR(self, prox_logp_BR: torch.Tensor, behav_logp_BR: torch.Tensor, mask_BR: torch.Tensor):
+        """The detached ratio each token's weight is taken from, at this correction's level."""
+        from distflow.algorithms.correction_levels import level_ratio_BR
+
+        return level_ratio_BR(prox_logp_BR, behav_logp_BR, mask_BR, self.level)
+
     def corrected_loss_BR(self, loss_BR: torch.Tensor, ratio_BR: torch.Tensor, cap: float) -> torch.Tensor:
         """The per-token loss, corrected for the samples' staleness."""
         return loss_BR * self.weight_BR(ratio_BR, cap)
+
+    def apply(self, loss_BR: torch.Tensor, ratio_BR: torch.Tensor, algo: Any) -> torch.Tensor:
+        """The loss corrected under the run's `algorithm` settings (the cap; a mask's floor too)."""
+        return self.corrected_loss_BR(loss_BR, ratio_BR, algo.off_policy_cap)
 
     @staticmethod
     def named(name: str) -> OffPolicyCorrection:
         """The correction `algorithm.off_policy_correction` names; your plain function becomes one."""
         part = OFF_POLICY_CORRECTIONS[name]
         return part if isinstance(part, OffPolicyCorrection) else OffPolicyCorrection(part)
+
+
+class BandMask(OffPolicyCorrection):
+    """Masking (MIS; IcePop at the token level): the ratio as the weight inside [`algorithm.off_policy_floor`,
+    `algorithm.off_policy_cap`], 0 outside it. The masked tokens still count in the loss's normaliser."""
+
+    takes_floor = True
+
+    def __init__(self, level: str = "token") -> None:
+        super().__init__(masked_weight, level)
+
+    def apply(self, loss_BR: torch.Tensor, ratio_BR: torch.Tensor, algo: Any) -> torch.Tensor:
+        from distflow.algorithms.correction_levels import band_weight
+
+        return loss_BR * band_weight(ratio_BR, algo.off_policy_cap, algo.off_policy_floor)
 
 
 class NoCorrection(OffPolicyCorrection):
@@ -121,7 +157,11 @@ class NoCorrection(OffPolicyCorrection):
 
 NONE = NoCorrection(no_correction)
 TIS = OffPolicyCorrection(truncated_weight)
-MASK = OffPolicyCorrection(masked_weight)
+MASK = BandMask("token")
+SEQ_TIS = OffPolicyCorrection(truncated_weight, "sequence")
+SEQ_MASK = BandMask("sequence")
+GEO_TIS = OffPolicyCorrection(truncated_weight, "geometric")
+GEO_MASK = BandMask("geometric")
 
 
 MISMATCH_THRESHOLD = 0.1

@@ -239,11 +239,15 @@ class AlgorithmConfig:
     off_policy_correction: str = "none"
     """How the loss corrects for samples drawn by an older policy (`asynchronous.max_staleness`):
     none, tis (PPO ratio to the proximal policy times the behaviour→proximal importance weight
-    truncated at `off_policy_cap`) or mask (the weight, tokens above the cap dropped), or your own
+    truncated at `off_policy_cap`) or mask (the weight, tokens outside [off_policy_floor, off_policy_cap]
+    dropped); seq_tis, seq_mask from the sequence's ratio, geo_tis, geo_mask from its geometric mean; or your own
     'package.module:name', a function (ratio_BR, cap) -> weight_BR or an OffPolicyCorrection
     (algorithms/off_policy.py). Anything but none also records `rollout_logp` on synchronous runs."""
     off_policy_cap: float = 2.0
-    """The importance weight's cap (tis) or threshold (mask)."""
+    """The importance weight's cap (the tis kinds) or upper bound (the mask kinds)."""
+    off_policy_floor: float = 0.0
+    """The mask kinds' lower bound: a token whose ratio is below it weighs 0 too (IcePop: 0.5 with cap 5);
+    0: none. Only the masks read it."""
 
     def __post_init__(self) -> None:
         self._take_defaults(preset(self.name))
@@ -260,6 +264,16 @@ class AlgorithmConfig:
         OFF_POLICY_CORRECTIONS.check_name(self.off_policy_correction)
         ESTIMATORS.check_name(self.estimator)
         check(self.off_policy_cap >= 1, f"algorithm.off_policy_cap must be >= 1 (got {self.off_policy_cap})")
+        check(
+            0 <= self.off_policy_floor <= 1,
+            f"algorithm.off_policy_floor must be in [0, 1] (got {self.off_policy_floor})",
+        )
+        if self.off_policy_floor > 0:
+            check(
+                getattr(OFF_POLICY_CORRECTIONS[self.off_policy_correction], "takes_floor", False),
+                f"algorithm.off_policy_floor applies to the masks (mask, seq_mask, geo_mask), not to "
+                f"algorithm.off_policy_correction={self.off_policy_correction}: set the floor to 0 or choose a mask",
+            )
 
     def _take_defaults(self, builtin: AlgorithmPreset) -> None:
         """Every null setting takes the preset's value (the sections are rebuilt, so validated again)."""

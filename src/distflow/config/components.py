@@ -316,6 +316,10 @@ OFF_POLICY_CORRECTIONS = FunctionRegistry(
         "none": "distflow.algorithms.off_policy:NONE",
         "tis": "distflow.algorithms.off_policy:TIS",
         "mask": "distflow.algorithms.off_policy:MASK",
+        "seq_tis": "distflow.algorithms.off_policy:SEQ_TIS",
+        "seq_mask": "distflow.algorithms.off_policy:SEQ_MASK",
+        "geo_tis": "distflow.algorithms.off_policy:GEO_TIS",
+        "geo_mask": "distflow.algorithms.off_policy:GEO_MASK",
     },
 )
 """The importance weights of stale samples (algorithms/off_policy.py): each an `OffPolicyCorrection`, which

@@ -102,6 +102,8 @@ class OffPolicyTally:
     """The train/inference mismatch |proximal − behaviour log-prob| (algorithms.off_policy.logp_mismatch)."""
     abs_diff_max: float = 0.0
     num_over_threshold: float = 0.0
+    num_under_floor: float | None = None
+    """A mask's tokens below `algorithm.off_policy_floor` (None: the correction has no floor)."""
 
     def add(self, ratio_BR, mask_BR, cap: float, prox_BR=None, behav_BR=None) -> None:
         if prox_BR is not None:
@@ -117,7 +119,13 @@ class OffPolicyTally:
         self.num_over_cap += float(((ratio_BR > cap).float() * mask_BR).sum())
         self.num_tokens += float(mask_BR.sum())
 
+    def add_masked(self, ratio_BR, mask_BR, floor: float) -> None:
+        """A mask's share of dropped tokens: those below the floor (those above the cap are counted by `add`)."""
+        self.num_under_floor = (self.num_under_floor or 0.0) + float(((ratio_BR < floor).float() * mask_BR).sum())
+
     def record(self, ctx: StageContext) -> None:
+        if self.num_under_floor is not None:
+            ctx.metrics.mean("off_policy/under_floor_fraction", self.num_under_floor, self.num_tokens)
         ctx.metrics.mean("off_policy/is_weight_mean", self.ratio_sum, self.num_tokens)
         ctx.metrics.maximum("off_policy/is_weight_max", self.ratio_max)
         ctx.metrics.mean("off_policy/truncated_fraction", self.num_over_cap, self.num_tokens)
@@ -158,12 +166,14 @@ class PolicyObjective:
         old_BR = micro[OLD_LOGP] if self.has_old else logp_BR.detach()
         loss_BR, clipped_BR = POLICY_LOSSES[algo.policy_loss](logp_BR, old_BR, micro[ADVANTAGE], mask_BR, algo)
         if self.tally is not None:  # the behaviour policy's log-probs: count its ratios, correct the loss
-            from distflow.algorithms.off_policy import OffPolicyCorrection, behaviour_ratio_BR
+            from distflow.algorithms.off_policy import OffPolicyCorrection
 
-            ratio_BR = behaviour_ratio_BR(old_BR, micro[ROLLOUT_LOGP])
-            self.tally.add(ratio_BR, mask_BR, algo.off_policy_cap, old_BR, micro[ROLLOUT_LOGP])
             correction = OffPolicyCorrection.named(algo.off_policy_correction)
-            loss_BR = correction.corrected_loss_BR(loss_BR, ratio_BR, algo.off_policy_cap)
+            ratio_BR = correction.ratio_BR(old_BR, micro[ROLLOUT_LOGP], mask_BR)  # at its level
+            self.tally.add(ratio_BR, mask_BR, algo.off_policy_cap, old_BR, micro[ROLLOUT_LOGP])
+            if correction.takes_floor:
+                self.tally.add_masked(ratio_BR, mask_BR, algo.off_policy_floor)
+            loss_BR = correction.apply(loss_BR, ratio_BR, algo)
         stats = {
             "clip_fraction": (clipped_BR.float() * mask_BR).sum(),
             "entropy": (entropy_BR.detach() * mask_BR).sum(),
