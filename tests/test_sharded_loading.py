@@ -141,3 +141,40 @@ def test_ppo_critic_is_loaded_sharded_like_a_copy_of_the_policy(tmp_path):
     assert not reference.value_head.weight.any()  # the head starts at zero: first values are 0
     for name, param in reference.named_parameters():
         assert ranks[0]["local_rows"][name] + ranks[1]["local_rows"][name] == param.shape[0], name
+
+
+def test_a_mixture_of_experts_fused_weights_load_sharded_by_experts(tmp_path):
+    """transformers keeps a Qwen3-MoE layer's experts as fused [experts, ...] parameters and stores one
+    tensor per expert and projection: under fsdp2 each rank reads its own experts' tensors (3 experts
+    on 2 ranks: 2 and 1), and the model equals from_pretrained's."""
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=3,
+        num_experts_per_tok=2,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    stored = stored_tensor_names(tmp_path)
+    assert (
+        "model.layers.0.mlp.experts.gate_up_proj" not in stored
+        and "model.layers.0.mlp.experts.2.up_proj.weight" in stored
+    )
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ranks = run_local(load_both_on_rank, 2, [tmp_path])
+    for got in (rank[0] for rank in ranks):
+        for name, param in reference.named_parameters():
+            assert torch.equal(got["params"][name], param), name
+        torch.testing.assert_close(
+            got["logits"], reference(torch.arange(12).reshape(2, 6) % 96).logits, rtol=1e-5, atol=1e-5
+        )
+    fused = "model.layers.1.mlp.experts.gate_up_proj"
+    assert (ranks[0][0]["local_rows"][fused], ranks[1][0]["local_rows"][fused]) == (2, 1)

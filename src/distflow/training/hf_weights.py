@@ -16,7 +16,10 @@ crosses the network once more; with the reader every rank reads its own rows fro
 one slice in flight. Nothing is exchanged between ranks.
 
 Tied weights (an `lm_head` that is the input embedding) are one parameter and are stored
-once; names the files lack are accepted only when they are such an alias.
+once; names the files lack are accepted only when they are such an alias, or a mixture of experts'
+fused expert weights, which transformers keeps as one [experts, ...] parameter per layer and
+`save_pretrained` stores one tensor per expert (and per projection): each rank reads the stored
+tensors of its own experts (FSDP2 shards the fused parameter by its first dimension, the experts).
 """
 
 from __future__ import annotations
@@ -66,13 +69,16 @@ def load_sharded_weights(
         ours, theirs = rename
         state = {theirs + name[len(ours) :]: tensor for name, tensor in state.items() if name.startswith(ours)}
     aliases = _tied_aliases(model)
-    missing = [name for name in state if name not in stored and name not in aliases]
+    fused = {name: sources for name in state if name not in stored and (sources := fused_sources(name, stored))}
+    missing = [name for name in state if name not in stored and name not in aliases and name not in fused]
     if missing:
         raise ConfigError(
             f"{str(model_dir)!r} has no tensor for {len(missing)} parameter(s) of the model, e.g. "
             f"{missing[:3]}; its names differ from the model's (a renamed or converted checkpoint): "
             "use parallel.strategy=ddp, which loads through from_pretrained"
         )
+    for name, sources in fused.items():
+        _load_fused(state[name], sources, model_dir)
     wanted = {name: tensor for name, tensor in state.items() if name in stored}
     dcp.load(
         wanted,
@@ -103,3 +109,74 @@ def _tied_aliases(model: torch.nn.Module) -> set[str]:
         else:
             first[id(param)] = name
     return aliases
+
+
+FUSED_EXPERTS = {
+    "experts.gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")),
+    "experts.down_proj": (("down_proj",), ("w2",)),
+}
+"""A fused expert parameter's stored tensors, `experts.{e}.{projection}.weight` for each expert e, by
+the naming of the checkpoint (Qwen-MoE and DeepSeek's; Mixtral's w1/w3/w2), concatenated along their
+first dimension per expert (gate then up: transformers' Concatenate(dim=1) of the stacked experts)."""
+
+
+def fused_sources(name: str, stored: set[str]) -> list[list[str]] | None:
+    """For a fused expert parameter the files lack, each expert's stored tensor names (None: not one,
+    or the files do not hold every expert's projections).
+
+    >>> stored = {f"m.experts.{e}.{p}.weight" for e in range(2) for p in ("gate_proj", "up_proj")}
+    >>> fused_sources("m.experts.gate_up_proj", stored)[1]
+    ['m.experts.1.gate_proj.weight', 'm.experts.1.up_proj.weight']
+    >>> fused_sources("m.experts.down_proj", stored) is None
+    True
+    """
+    for suffix, namings in FUSED_EXPERTS.items():
+        if not name.endswith(suffix):
+            continue
+        prefix = name[: -len(suffix)] + "experts."
+        for projections in namings:
+            experts = []
+            while all(f"{prefix}{len(experts)}.{p}.weight" in stored for p in projections):
+                experts.append([f"{prefix}{len(experts)}.{p}.weight" for p in projections])
+            if experts:
+                return experts
+    return None
+
+
+def _load_fused(param: torch.Tensor, sources: list[list[str]], model_dir: Path) -> None:
+    """Fill this rank's experts of fused parameter `param` (a DTensor sharded by experts, or whole)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    local, first = param, 0
+    if isinstance(param, DTensor):
+        if any(placement != Shard(0) for placement in param.placements):
+            raise ConfigError(f"a fused expert parameter sharded as {param.placements} cannot be loaded by experts")
+        local = param.to_local()
+        mesh = param.device_mesh
+        rows_per_rank = -(-param.shape[0] // mesh.size())  # torch.chunk's split, as DTensor's Shard(0)
+        first = min(mesh.get_local_rank() * rows_per_rank, param.shape[0])
+    if param.shape[0] != len(sources):
+        raise ConfigError(
+            f"{str(model_dir)!r} stores {len(sources)} experts for a fused parameter of {param.shape[0]}: "
+            "the checkpoint is not this model's"
+        )
+    files = _files_of(model_dir)
+    with torch.no_grad():
+        for row in range(local.shape[0]):
+            pieces = []
+            for name in sources[first + row]:
+                with safe_open(str(model_dir / files[name]), framework="pt") as f:
+                    pieces.append(f.get_tensor(name))
+            local[row].copy_(torch.cat(pieces, dim=0))
+
+
+def _files_of(model_dir: Path) -> dict[str, str]:
+    """Each stored tensor's file (sharded through an index, or one file)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return json.loads(index.read_text())["weight_map"]
+    out: dict[str, str] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            out.update(dict.fromkeys(f.keys(), path.name))
+    return out
