@@ -255,3 +255,47 @@ def test_the_lora_example_is_the_default_run_with_adapters():
     assert lora.model.lora.rank == 8 and lora.model.lora.enabled and not default.model.lora.enabled
     assert lora.optim.lr == 10 * default.optim.lr
     assert load_config(REPO / "examples/arith_grpo_lora.yaml", ["model.lora.rank=0", "optim.lr=1e-4"]) == default
+
+
+def test_a_mixture_of_experts_adapts_its_experts_and_leaves_the_router_alone():
+    """all-linear on Qwen3-MoE (transformers 5: fused expert parameters, a router module): adapters on the
+    attention and on the experts' fused projections, none on the router, whose 4 outputs would cap the rank."""
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=len(build_char_tokenizer()),
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config)
+    want = logits(base.eval())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = apply_lora(base, lora_spec("model.lora.rank=8"), seed=3)  # the router would refuse 8
+    assert [str(w.message) for w in caught] == []
+    adapted = {
+        name.split(".lora_")[0].split("layers.0.")[-1] for name, _ in synced_parameters(model) if "layers.0." in name
+    }
+    assert adapted == {
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.experts",
+        "mlp.experts.base_layer",
+    }
+    torch.testing.assert_close(logits(model.eval()), want, rtol=0, atol=1e-6)  # B = 0: the base model's function
+    model.train()
+    model(input_ids=IDS).logits.square().mean().backward()
+    experts = [p for name, p in model.named_parameters() if "mlp.experts" in name and p.requires_grad]
+    assert len(experts) == 2 * 2 * 2 and all(p.grad is not None for p in experts)  # layers × (gate_up, down) × (A, B)
+    router = model.base_model.model.model.layers[0].mlp.gate
+    assert not any(p.requires_grad for p in router.parameters())

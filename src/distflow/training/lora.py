@@ -34,12 +34,13 @@ def apply_lora(model: torch.nn.Module, spec: LoraConfig, *, seed: int) -> torch.
     from peft import get_peft_model
 
     targets = spec.target_modules
+    every_linear = targets == ["all-linear"]
     config = PeftLoraConfig(
         r=spec.rank,
         lora_alpha=spec.alpha,
         lora_dropout=spec.dropout,
         bias="none",
-        target_modules="all-linear" if targets == ["all-linear"] else list(targets),
+        target_modules=every_linear_but_routers(model) if every_linear else list(targets),
         task_type="CAUSAL_LM",
     )
     devices = [model.device] if getattr(model, "device", torch.device("cpu")).type == "cuda" else []
@@ -50,6 +51,11 @@ def apply_lora(model: torch.nn.Module, spec: LoraConfig, *, seed: int) -> torch.
                 warnings.filterwarnings(
                     "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
                 )
+                # peft <= 0.21 on a transformers 5 mixture of experts sets a rank pattern for the fused
+                # `gate_up_proj` that its own parameter wrapper's name never matches; nothing to act on
+                warnings.filterwarnings(
+                    "ignore", message="The following (rank|alpha)_pattern keys did not match", category=RuntimeWarning
+                )
                 peft_model = get_peft_model(model, config)
         except ValueError as err:  # e.g. target modules that match nothing
             from distflow.config import ConfigError
@@ -57,6 +63,45 @@ def apply_lora(model: torch.nn.Module, spec: LoraConfig, *, seed: int) -> torch.
             raise ConfigError(f"model.lora: {err}".replace("\n", " ")) from None
     check_rank(peft_model, spec)
     return peft_model
+
+
+ROUTER_NAMES = ("gate", "router")
+"""A mixture-of-experts block's router, beside its `experts` (Qwen-MoE, Mixtral, DeepSeek: `gate`; GPT-OSS:
+`router`)."""
+
+
+def routers(model: torch.nn.Module) -> list[str]:
+    """The full names of the model's expert routers: `all-linear` leaves them alone (an adapter on the router
+    changes which experts a token reaches, and its few outputs would cap the rank), while the experts, fused
+    parameters, get adapters of their own. Name one in `model.lora.target_modules` to adapt it."""
+    return [
+        f"{name}.{child}" if name else child
+        for name, module in model.named_modules()
+        if hasattr(module, "experts")
+        for child in ROUTER_NAMES
+        if isinstance(getattr(module, child, None), torch.nn.Module)
+    ]
+
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "w1", "w3", "w2")
+"""The experts' projections by their per-expert names, which peft maps to transformers' fused expert
+parameters (Qwen-MoE and DeepSeek's names; Mixtral's w1, w3, w2)."""
+
+
+def every_linear_but_routers(model: torch.nn.Module) -> str | list[str]:
+    """`all-linear` for peft: the string itself for a dense model; for a mixture of experts, the names of
+    its linear layers but the output head, and its experts' projections, without the routers (peft's
+    `all-linear` on a transformers 5 mixture adapts the router too)."""
+    found = routers(model)
+    if not found:
+        return "all-linear"
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linear = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not head and name not in found
+    }
+    return sorted(linear | set(EXPERT_PROJECTIONS))
 
 
 def check_rank(model: torch.nn.Module, spec: LoraConfig) -> None:
