@@ -7,10 +7,13 @@ conversion is the one slow test here)."""
 import errno
 import importlib.util
 import logging
+import os
+import subprocess
+import sys
 from contextlib import contextmanager
 
 import pytest
-from conftest import run_cli
+from conftest import REPO, run_cli
 
 from distflow import cli_tools
 from distflow.config import ConfigError
@@ -105,6 +108,65 @@ def test_a_full_disk_leaves_no_directory_and_is_one_line(tmp_path, cache, tiny_l
     assert cli_tools.model(str(source)) == 0
     assert (target / "config.json").is_file() and (target / "model.safetensors").is_file()
     assert [p.name for p in cache.iterdir()] == [target.name]
+
+
+# sitecustomize runs in every Python process started with its directory on PYTHONPATH. transformers'
+# reading of a GGUF file gives the tiny model (as `tiny_loader` does), and safetensors' writer fills
+# the disk: half the file, then the SafetensorError a full disk gives (measured on a 64 KiB tmpfs).
+FULL_CACHE_HOOK = """
+import transformers
+from safetensors import SafetensorError, torch as safetensors_torch
+
+from distflow.tasks.tiny_model import build_tiny_model
+from distflow.tasks.tokenizer import build_char_tokenizer
+
+tokenizer = build_char_tokenizer()
+loaded = {"model": build_tiny_model(tokenizer, seed=0, hidden_size=16, num_layers=1), "tokenizer": tokenizer}
+for cls, key in ((transformers.AutoTokenizer, "tokenizer"), (transformers.AutoModelForCausalLM, "model")):
+    real = cls.from_pretrained
+
+    def from_pretrained(*args, _real=real, _key=key, **kwargs):
+        return loaded[_key] if kwargs.get("gguf_file") else _real(*args, **kwargs)
+
+    cls.from_pretrained = from_pretrained
+
+
+def serialize_file(tensors, filename, metadata=None):
+    with open(filename, "wb") as f:
+        f.write(b"x" * 1000)
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+safetensors_torch.serialize_file = serialize_file
+"""
+
+
+@pytest.mark.parametrize("command", ["model", "train", "warmstart"])
+def test_a_full_cache_is_one_line_naming_the_directory_and_its_free_space(tmp_path, cache, command):
+    """The real command in a fresh interpreter (the hook must run before distflow's imports):
+    `distflow model`, `distflow train` with a GGUF model, and the embedded model's warm-start."""
+    (tmp_path / "hooks").mkdir()
+    (tmp_path / "hooks/sitecustomize.py").write_text(FULL_CACHE_HOOK)
+    write_gguf(tmp_path / "m.gguf")
+    train = ["train", str(REPO / "examples/arith_grpo.yaml"), "trainer.total_steps=1"]
+    args = {
+        "model": ["model", "m.gguf"],
+        "train": [*train, "model.path=m.gguf"],
+        "warmstart": [*train, "warmstart.target_accuracy=0", f"warmstart.cache_dir={cache}"],
+    }[command]
+    paths = (str(tmp_path / "hooks"), os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in paths if p))
+    done = subprocess.run(
+        [sys.executable, "-m", "distflow", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "SafetensorError" not in done.stderr, done.stderr[-3000:]
+    line = done.stderr.strip().splitlines()[-1]  # after a line of progress ("converting ...")
+    assert line.startswith(f"distflow {command}: error: " if command == "model" else "distflow: error: "), line
+    what = "the warm-started model" if command == "warmstart" else "the converted model"
+    assert f"writing {what} into {str(cache)!r} failed: No space left on device (" in line, line
+    assert " GiB free there)" in line
+    assert list(cache.iterdir()) == []  # the half-written directory is removed
 
 
 def test_a_model_cache_that_is_a_file_is_refused_before_converting(tmp_path, monkeypatch):

@@ -21,11 +21,12 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
 
-from distflow.config import Config, to_dict
+from distflow.config import Config, ConfigError, to_dict
 
 FORMAT_VERSION = 3  # 3: keyed sampling in the validation check
 UNSHAPING = ("cache_dir", "tool_transcripts")
@@ -122,7 +123,10 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
         save_model_dir(model, tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "distflow_warmstart.json").write_text(json.dumps(info, indent=1))
-    except BaseException:  # a full disk, Ctrl-C: no half-written directory is left behind
+    except OSError as err:  # a full disk: no half-written directory is left behind, one line
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise cache_write_error(err, "the warm-started model", target.parent, "set warmstart.cache_dir") from None
+    except BaseException:  # Ctrl-C: no half-written directory either
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     try:
@@ -141,6 +145,7 @@ def save_model_dir(model, directory: Path) -> None:
     each node's local rank 0, and transformers' `save_pretrained` silently writes no weights on
     any global rank but 0 once torch.distributed is initialized (its config, and the tokenizer,
     it still writes), which would leave a cache entry that cannot be loaded."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -154,7 +159,40 @@ def save_model_dir(model, directory: Path) -> None:
         if tensor.data_ptr() not in seen:
             seen.add(tensor.data_ptr())
             tensors[name] = tensor.contiguous()
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    try:
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    except SafetensorError as err:
+        cause = os_error_of(err)
+        if cause is None:
+            raise
+        raise cause from err
+
+
+def cache_write_error(err: OSError, what: str, directory: Path, elsewhere: str) -> ConfigError:
+    """One line for a model cache that refused a write: the directory, why, and its free space."""
+    try:
+        free = f"{shutil.disk_usage(directory).free / 2**30:.2f} GiB free there"
+    except OSError:
+        free = "its free space unknown"
+    return ConfigError(
+        f"writing {what} into {str(directory)!r} failed: {err.strerror or err} ({free}); "
+        f"free some space, or {elsewhere} to another disk"
+    )
+
+
+def os_error_of(err: Exception) -> OSError | None:
+    """safetensors reports a failed write (a full disk: "I/O error: No space left on device (os
+    error 28)") as a SafetensorError, not an OSError: the OSError it stands for, so that callers
+    handle it as any other failed write; None when it names no OS error.
+
+    >>> os_error_of(Exception("Error while serializing: I/O error: No space left on device (os error 28)"))
+    OSError(28, 'No space left on device')
+    """
+    found = re.search(r"\(os error (\d+)\)", str(err))
+    if found is None:
+        return None
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code))
 
 
 def ensure_embedded_model(config: Config, *, builder: bool, log=print) -> Path:

@@ -196,7 +196,7 @@ def take_special_tokens(model, tokenizer) -> None:
 def write_atomically(model, tokenizer, target: Path) -> None:
     """Write into a temporary directory beside `target`, renamed to it only once complete: a failed
     or interrupted write leaves nothing under the name that the next run takes for a model."""
-    from distflow.tasks.embedded import save_model_dir
+    from distflow.tasks.embedded import cache_write_error, save_model_dir
 
     tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -213,11 +213,7 @@ def write_atomically(model, tokenizer, target: Path) -> None:
             # another process converted the same file first: keep its directory
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        free = shutil.disk_usage(target.parent).free
-        raise ConfigError(
-            f"writing the converted model into {str(target.parent)!r} failed: {err.strerror or err} "
-            f"({free / 2**30:.2f} GiB free there); free some space, or set {CACHE_ENV} to another disk"
-        ) from None
+        raise cache_write_error(err, "the converted model", target.parent, f"set {CACHE_ENV}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
