@@ -63,7 +63,15 @@ class ScriptedBackend:
         self.end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     def sample(self, prompts, keys, *, max_new_tokens, temperature, top_p, stop):
-        self.calls.append({"prompts": [list(p) for p in prompts], "keys": list(keys), "max_new_tokens": max_new_tokens})
+        self.calls.append(
+            {
+                "prompts": [list(p) for p in prompts],
+                "keys": list(keys),
+                "max_new_tokens": max_new_tokens,
+                "temperature": temperature,
+                "top_p": top_p,
+            }
+        )
         out = []
         for prompt, key in zip(prompts, keys, strict=True):
             text = self.script(self.tokenizer.decode(prompt), key)

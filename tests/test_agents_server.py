@@ -160,6 +160,7 @@ def test_refused_requests_have_clear_messages_and_are_counted(tokenizer):
         "refused": 3,
         "backend_errors": 0,
         "server_errors": 0,
+        "disconnected": 0,
     }
 
 

@@ -12,7 +12,7 @@ from distflow.agents.batcher import Batcher, Settings, _groups, _Row
 from distflow.agents.requests import RequestError, RequestLimits, parse_request, render
 from distflow.agents.server import ServerConfig
 from distflow.agents.session import Call, SessionError, Sessions
-from distflow.agents.tool_calls import TOOL_CALL_PARSERS, parse_equals, parse_hermes
+from distflow.agents.tool_calls import TOOL_CALL_CONVENTIONS, parse_equals, parse_hermes
 from distflow.agents.trajectory import assemble, to_trajectory
 
 LIMITS = RequestLimits(max_new_tokens=32, max_n=4, temperature=1.0, top_p=1.0, honor_sampling=False)
@@ -54,7 +54,7 @@ def test_hermes_leaves_malformed_or_unclosed_calls_in_the_text():
 
 
 def test_the_parser_table_has_a_no_tools_entry():
-    assert TOOL_CALL_PARSERS["none"](tool_call_text("f", {})).tool_calls == []
+    assert TOOL_CALL_CONVENTIONS["none"].parse(tool_call_text("f", {}), ["f"]).tool_calls == []
     with pytest.raises(ValueError, match="tool_call_format"):
         ServerConfig(tool_call_format="mistral")
 
@@ -65,7 +65,7 @@ def test_the_parser_table_has_a_no_tools_entry():
 def test_a_request_is_normalised_for_the_template():
     body = {
         "model": "anything",
-        "seed": 123,
+        "user": "a label, changes nothing",
         "messages": [
             {"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
             {"role": "user", "content": "2+3?"},
@@ -77,8 +77,8 @@ def test_a_request_is_normalised_for_the_template():
             {"role": "tool", "tool_call_id": "c1", "content": "5"},
         ],
         "tools": TOOLS,
-        "max_completion_tokens": 1000,
-        "temperature": 0.2,
+        "max_completion_tokens": 20,
+        "temperature": 1.0,
         "stop": "\n\n",
         "n": 2,
         "logprobs": True,
@@ -89,9 +89,9 @@ def test_a_request_is_normalised_for_the_template():
         {"type": "function", "function": {"name": "add", "arguments": {"a": 2}}, "id": "c1"}
     ]
     assert chat.messages[3] == {"role": "tool", "tool_call_id": "c1", "content": "5"}
-    assert (chat.max_new_tokens, chat.n, chat.stop, chat.logprobs) == (32, 2, ["\n\n"], True)  # max_tokens lowered
-    assert chat.temperature == 1.0  # the rollout's: honor_sampling is off
-    honored = parse_request(body, RequestLimits(**{**LIMITS.__dict__, "honor_sampling": True}))
+    assert (chat.max_new_tokens, chat.n, chat.stop, chat.logprobs) == (20, 2, ["\n\n"], True)
+    assert chat.temperature == 1.0  # the rollout's own value: served
+    honored = parse_request({**body, "temperature": 0.2}, RequestLimits(**{**LIMITS.__dict__, "honor_sampling": True}))
     assert honored.temperature == 0.2
 
 
@@ -287,9 +287,9 @@ def test_the_embedded_models_convention_calls_the_calculator_and_renders_back_to
     from distflow.tasks.tokenizer import build_char_tokenizer
     from distflow.tasks.tool_transcripts import transcript
 
-    (call,) = parse_equals("(12+34)=").tool_calls
+    (call,) = parse_equals("(12+34)=", ["calculator"]).tool_calls
     assert (call.name, json.loads(call.arguments)) == ("calculator", {"expression": "(12+34)"})
-    assert all(parse_equals(text).tool_calls == [] for text in ("102", " = ", "="))
+    assert all(parse_equals(text, ["calculator"]).tool_calls == [] for text in ("102", " = ", "="))
     tokenizer = build_char_tokenizer()
     assistant = {
         "role": "assistant",

@@ -55,18 +55,45 @@ def assistant_message(call: Call, reply: ParsedReply) -> dict:
     return message
 
 
-def token_logprobs(tokenizer, call: Call) -> list[dict]:
-    """OpenAI's per-token log-prob entries of a call's sampled tokens (each token's own text)."""
+def token_logprobs(tokenizer, call: Call, stop_ids: set[int]) -> list[dict]:
+    """OpenAI's per-token log-prob entries of a call's sampled tokens (each token's own text). A stop
+    token that ended the call (EOS, end of turn) is not listed, as OpenAI lists none: the call's
+    recorded tokens keep it (it is trained), only the reply's listing leaves it out."""
+    token_ids, token_logprobs = call.token_ids, call.logprobs
+    if call.finish_reason == "stop" and token_ids and token_ids[-1] in stop_ids:
+        token_ids, token_logprobs = token_ids[:-1], token_logprobs[:-1]
     out = []
-    for token_id, logprob in zip(call.token_ids, call.logprobs, strict=True):
+    for token_id, logprob in zip(token_ids, token_logprobs, strict=True):
         text = tokenizer.decode([token_id])
         out.append({"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []})
     return out
 
 
-def models(model: str) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "distflow"}]}
+def model(model: str) -> dict:
+    """The one model served, as `GET /v1/models/{id}` answers."""
+    return {"id": model, "object": "model", "created": 0, "owned_by": "distflow"}
+
+
+def models(model_id: str) -> dict:
+    return {"object": "list", "data": [model(model_id)]}
 
 
 def error(message: str, kind: str, *, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": kind}}
+
+
+def http_error_message(status: int, method: str, path: str, allowed: set[str], max_request_bytes: int) -> str:
+    """What to change, for the HTTP server's own refusals (no route, wrong method, too large)."""
+    if status == 404:
+        return (
+            f"no route {method} {path}: this endpoint serves POST /v1/chat/completions, "
+            "GET /v1/models and GET /v1/models/{id} (under /s/<session> too)"
+        )
+    if status == 405:
+        return f"{method} is not allowed on {path}: use {', '.join(sorted(allowed))}"
+    if status == 413:
+        return (
+            f"the request body is larger than the endpoint's limit of {max_request_bytes} bytes "
+            "(ServerConfig.max_request_bytes); send a shorter conversation"
+        )
+    return f"HTTP {status} on {method} {path}"

@@ -1,8 +1,10 @@
 """A chat-completions request: checked, and rendered into prompt ids with the chat template.
 
 Everything an agent can get wrong is a `RequestError` (HTTP 400) whose message names the field
-and what is accepted. Fields the endpoint has no use for (`model`, `user`, `seed`, ...) are ignored;
-`seed` in particular: a call's key comes from (run seed, sample uid, turn, choice), never the agent.
+and what is accepted. Each field has its rule (`fields.py` for those this module does not read):
+served as asked, served only at the run's own value (`temperature` and `top_p`: the rollout's
+settings, which the trainer's log-probs assume; `max_tokens` up to `rollout.max_new_tokens`), or
+refused. No field is accepted and ignored; `model` may name anything, since one policy answers.
 
 Rendering is the same as distflow's prompts: the template's text, then the tokenizer's special
 tokens (BOS) added once unless the template writes them (`training.sequences.encode_prompts`).
@@ -11,15 +13,16 @@ tokens (BOS) added once unless the template writes them (`training.sequences.enc
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
+
+from distflow.agents.fields import RequestError, check_fields, shown
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 TOOL_CHOICES = {"none", "auto", "required"}
 
-
-class RequestError(Exception):
-    """A malformed request (HTTP 400)."""
+__all__ = ["ChatRequest", "RequestError", "RequestLimits", "normalized_message", "parse_request", "render"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,12 @@ class ChatRequest:
     n: int
     stop: list[str] | None
     logprobs: bool
+    forced: tuple[str, ...] = ()
+    """The functions one of which the reply must call (`tool_choice` naming one, or `required`); () if none."""
+
+    @property
+    def tool_names(self) -> list[str]:
+        return [tool["function"]["name"] for tool in self.tools or []]
 
 
 @dataclass(frozen=True)
@@ -43,45 +52,86 @@ class RequestLimits:
     temperature: float
     top_p: float
     honor_sampling: bool
-    """Take `temperature`/`top_p` from the request (else the rollout's, whatever the agent asks)."""
+    """Take `temperature`/`top_p` from the request (else only the rollout's own values are served)."""
 
 
 def parse_request(body: Any, limits: RequestLimits) -> ChatRequest:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    if body.get("stream"):
-        raise RequestError("stream=true is not supported by this endpoint; send stream=false")
-    if body.get("top_logprobs"):
-        raise RequestError("top_logprobs is not supported (logprobs=true gives each sampled token's)")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = limits.max_new_tokens if max_tokens is None else _int(max_tokens, "max_tokens", 1, None)
-    temperature, top_p = limits.temperature, limits.top_p
-    if limits.honor_sampling:
-        temperature = _number(body.get("temperature", temperature), "temperature", 0.0, 2.0)
-        top_p = _number(body.get("top_p", top_p), "top_p", 1e-6, 1.0)
+    check_fields(body)
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise RequestError(
+            f"model must be a string (any name: one policy answers), got {shown(body['model'])}", param="model"
+        )
+    tools = _tools(body.get("tools"))
+    tool_choice, forced = _tool_choice(body.get("tool_choice"), tools)
     return ChatRequest(
         messages=_messages(body.get("messages")),
-        tools=_tools(body.get("tools")),
-        tool_choice=_tool_choice(body.get("tool_choice")),
-        max_new_tokens=min(max_tokens, limits.max_new_tokens),
-        temperature=temperature,
-        top_p=top_p,
+        tools=tools,
+        tool_choice=tool_choice,
+        max_new_tokens=_max_tokens(body, limits.max_new_tokens),
+        temperature=_sampling(body, "temperature", limits.temperature, (0.0, 2.0), limits.honor_sampling),
+        top_p=_sampling(body, "top_p", limits.top_p, (1e-6, 1.0), limits.honor_sampling),
         n=_int(body.get("n", 1) if body.get("n") is not None else 1, "n", 1, limits.max_n),
         stop=_stop(body.get("stop")),
-        logprobs=bool(body.get("logprobs") or False),
+        logprobs=_logprobs(body.get("logprobs")),
+        forced=forced,
     )
+
+
+def _max_tokens(body: dict, run_max: int) -> int:
+    """`max_completion_tokens` (or its older name `max_tokens`): at most the run's; None: the run's."""
+    given = {k: body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None}
+    if len(set(map(repr, given.values()))) > 1:
+        raise RequestError(
+            f"max_tokens and max_completion_tokens differ ({given}): send one of them", param="max_tokens"
+        )
+    if not given:
+        return run_max
+    name, value = next(iter(given.items()))
+    value = _int(value, name, 1, None)
+    if value > run_max:
+        raise RequestError(
+            f"{name}={value} is above this run's rollout.max_new_tokens={run_max} (a trajectory's turn is "
+            f"at most that long): send at most {run_max}, or raise rollout.max_new_tokens",
+            param=name,
+        )
+    return value
+
+
+def _sampling(body: dict, name: str, run_value: float, bounds: tuple[float, float], honor: bool) -> float:
+    """The request's `name` (temperature, top_p) if valid and the run's own value (or `honor`);
+    left out: the run's. Another value is refused: the rollout's setting defines the policy trained."""
+    value = body.get(name)
+    if value is None:
+        return run_value
+    value = _number(value, name, *bounds)
+    if honor or value == run_value:
+        return value
+    raise RequestError(
+        f"{name}={value:g} is not served: this run samples at rollout.{name}={run_value:g}, the setting its "
+        f"trainer's log-probs assume; leave {name} out or send {run_value:g} (or change rollout.{name})",
+        param=name,
+    )
+
+
+def _logprobs(value: Any) -> bool:
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    raise RequestError(f"logprobs must be true or false, got {shown(value)}", param="logprobs")
 
 
 def _int(value: Any, name: str, low: int, high: int | None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
         bound = f"{low}..{high}" if high is not None else f">= {low}"
-        raise RequestError(f"{name} must be an integer {bound}, got {value!r}")
+        raise RequestError(f"{name} must be an integer {bound}, got {shown(value)}", param=name)
     return value
 
 
 def _number(value: Any, name: str, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise RequestError(f"{name} must be a number in [{low:g}, {high:g}], got {value!r}")
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or not low <= value <= high:
+        raise RequestError(f"{name} must be a number in [{low:g}, {high:g}], got {shown(value)}", param=name)
     return float(value)
 
 
@@ -90,7 +140,7 @@ def _stop(value: Any) -> list[str] | None:
         return None
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) for s in stops):
-        raise RequestError(f"stop must be a string or a list of at most 4 strings, got {value!r}")
+        raise RequestError(f"stop must be a string or a list of at most 4 strings, got {shown(value)}", param="stop")
     return stops or None
 
 
@@ -98,32 +148,49 @@ def _tools(value: Any) -> list[dict] | None:
     if value is None:
         return None
     if not isinstance(value, list):
-        raise RequestError("tools must be a list of {type: function, function: {name, parameters}}")
+        raise RequestError("tools must be a list of {type: function, function: {name, parameters}}", param="tools")
     for i, tool in enumerate(value):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise RequestError(f"tools[{i}] must be {{type: function, function: {{name: str, ...}}}}")
+            raise RequestError(f"tools[{i}] must be {{type: function, function: {{name: str, ...}}}}", param="tools")
     return value or None
 
 
-def _tool_choice(value: Any) -> Any:
-    if value is None or value in TOOL_CHOICES:
-        return value
-    if isinstance(value, dict) and isinstance(value.get("function"), dict):
-        return value
-    raise RequestError(f"tool_choice must be none, auto, required or {{type: function, function: {{name}}}}: {value!r}")
+def _tool_choice(value: Any, tools: list[dict] | None) -> tuple[Any, tuple[str, ...]]:
+    """The tool choice and the functions it forces a call of: `required`, one of the offered ones;
+    {type: function, function: {name}}, that one (OpenAI's meanings)."""
+    names = tuple(tool["function"]["name"] for tool in tools or [])
+    if value is None or value in ("none", "auto"):
+        return value, ()
+    if value == "required":
+        if not names:
+            raise RequestError("tool_choice=required needs tools: offer at least one", param="tool_choice")
+        return value, names
+    function = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise RequestError(
+            f"tool_choice must be none, auto, required or {{type: function, function: {{name}}}}, got {shown(value)}",
+            param="tool_choice",
+        )
+    if name not in names:
+        raise RequestError(
+            f"tool_choice names function {name!r}, which is not among the offered tools {list(names)}",
+            param="tool_choice",
+        )
+    return value, (name,)
 
 
 def _messages(value: Any) -> list[dict]:
     if not isinstance(value, list) or not value:
-        raise RequestError("messages must be a non-empty list of {role, content} objects")
+        raise RequestError("messages must be a non-empty list of {role, content} objects", param="messages")
     return [normalized_message(m, i) for i, m in enumerate(value)]
 
 
 def normalized_message(message: Any, i: int) -> dict:
     """An OpenAI message (number `i` of its request) as chat templates take it."""
     if not isinstance(message, dict) or message.get("role") not in ROLES:
-        raise RequestError(f"messages[{i}] must be an object with a role in {sorted(ROLES)}")
+        raise RequestError(f"messages[{i}] must be an object with a role in {sorted(ROLES)}", param="messages")
     out = {k: v for k, v in message.items() if k in ("role", "name", "tool_call_id")}
     if out["role"] == "developer":
         out["role"] = "system"
@@ -166,25 +233,29 @@ def _tool_call(call: Any, i: int) -> dict:
     return out
 
 
-def render(tokenizer, request: ChatRequest, *, max_prompt_tokens: int, chat_template: str | None = None) -> list[int]:
-    """The request's prompt ids: its messages (and tools) through `chat_template`, or the tokenizer's own."""
+def render(
+    tokenizer, request: ChatRequest, *, max_prompt_tokens: int, chat_template: str | None = None, opening: str = ""
+) -> list[int]:
+    """The request's prompt ids: its messages (and tools) through `chat_template`, or the tokenizer's own,
+    then `opening` (a forced tool call's, `forcing.py`): the model writes on from there."""
     from distflow.training.sequences import encode_prompts
 
-    if not (chat_template or getattr(tokenizer, "chat_template", None)):
-        raise RequestError("the model's tokenizer has no chat template to render messages with")
-    try:
-        text = tokenizer.apply_chat_template(
-            request.messages,
-            tools=request.tools,
-            add_generation_prompt=True,
-            tokenize=False,
-            chat_template=chat_template,
-        )
-    except Exception as err:  # the template's own checks (role order, a missing field): the agent's to fix
-        raise RequestError(f"the chat template refused these messages: {type(err).__name__}: {err}") from None
-    ids = encode_prompts(tokenizer, [text])[0]
+    text = template_text(tokenizer, request.messages, request.tools, chat_template, generation=True)
+    ids = encode_prompts(tokenizer, [text + opening])[0]
     if len(ids) > max_prompt_tokens:
         raise RequestError(
             f"the rendered prompt has {len(ids)} tokens, more than max_prompt_tokens={max_prompt_tokens}"
         )
     return ids
+
+
+def template_text(tokenizer, messages: list[dict], tools, chat_template: str | None, *, generation: bool) -> str:
+    """`messages` through the chat template, with the assistant's generation prompt if `generation`."""
+    if not (chat_template or getattr(tokenizer, "chat_template", None)):
+        raise RequestError("the model's tokenizer has no chat template to render messages with")
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=generation, tokenize=False, chat_template=chat_template
+        )
+    except Exception as err:  # the template's own checks (role order, a missing field): the agent's to fix
+        raise RequestError(f"the chat template refused these messages: {type(err).__name__}: {err}") from None

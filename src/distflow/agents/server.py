@@ -8,8 +8,10 @@
     rank thread: start() … open_session / close_session … stop()
 
 Invariants: the server binds 127.0.0.1 unless told otherwise; every request needs the run's random
-bearer token (401 without it); a refused request (401, 400, 404, 410, 429, 500) has OpenAI's error
-shape and a message that says what to change, and is counted (`stats`); the tokenizer the event
+bearer token (401 without it); every answer that is not a completion (400, 401, 404, 405, 410, 413,
+429, 500), from a handler or from aiohttp itself, has OpenAI's error shape (`{"error": {...}}`) and a
+message that says what to change, and is counted (`stats`); nothing a client sends or does (a body
+nested past the parser's depth, a hang-up mid-request) prints a traceback; the tokenizer the event
 loop renders with is the server's own copy (a Rust tokenizer must not be used from two threads at
 once, and the backend's runs on the worker thread).
 """
@@ -27,9 +29,10 @@ from dataclasses import dataclass
 from distflow.agents import replies
 from distflow.agents.backend import Backend
 from distflow.agents.batcher import Batcher, Settings
+from distflow.agents.forcing import forced_opening
 from distflow.agents.requests import RequestError, RequestLimits, normalized_message, parse_request, render
 from distflow.agents.session import Call, Session, SessionError, Sessions
-from distflow.agents.tool_calls import TOOL_CALL_PARSERS
+from distflow.agents.tool_calls import TOOL_CALL_CONVENTIONS
 
 START_TIMEOUT_S = 60.0
 
@@ -45,12 +48,14 @@ class ServerConfig:
     seed: int = 0
     """The run seed the sampling keys derive from."""
     max_new_tokens: int = 256
-    """Per completion; a request's max_tokens above it is lowered to it."""
+    """Per completion (`rollout.max_new_tokens`); a request's max_tokens above it is refused."""
     max_prompt_tokens: int = 4096
     temperature: float = 1.0
+    """`rollout.temperature`: a request may leave it out or send this value; another is refused."""
     top_p: float = 1.0
+    """`rollout.top_p`, served as `temperature` is."""
     honor_sampling: bool = False
-    """Take temperature/top_p from requests; off: the rollout's (training recomputes log-probs at it)."""
+    """Take temperature/top_p from requests; off: only the rollout's (training recomputes log-probs at it)."""
     max_n: int = 8
     max_calls_per_session: int = 64
     """Requests per session; the next is refused with 429."""
@@ -66,13 +71,24 @@ class ServerConfig:
     chat_template: str | None = None
     """Renders the messages instead of the tokenizer's own template (a tokenizer without one)."""
     tool_call_format: str = "hermes"
-    """The chat template's tool-call convention (a key of `tool_calls.TOOL_CALL_PARSERS`)."""
-    max_request_bytes: int = 8 * 2**20
+    """The chat template's tool-call convention (a key of `tool_calls.TOOL_CALL_CONVENTIONS`)."""
+    max_request_bytes: int = 2**20
+    """A larger request body is refused (413) before it is read, parsed or tokenized: 256 bytes per
+    prompt token at the default max_prompt_tokens."""
 
     def __post_init__(self) -> None:
-        if self.tool_call_format not in TOOL_CALL_PARSERS:
-            raise ValueError(f"tool_call_format={self.tool_call_format!r}: choose one of {sorted(TOOL_CALL_PARSERS)}")
-        for name in ("max_new_tokens", "max_prompt_tokens", "max_n", "max_calls_per_session", "max_batch_rows"):
+        if self.tool_call_format not in TOOL_CALL_CONVENTIONS:
+            raise ValueError(
+                f"tool_call_format={self.tool_call_format!r}: choose one of {sorted(TOOL_CALL_CONVENTIONS)}"
+            )
+        for name in (
+            "max_new_tokens",
+            "max_prompt_tokens",
+            "max_n",
+            "max_calls_per_session",
+            "max_batch_rows",
+            "max_request_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if not 0 <= self.port <= 65535:
@@ -87,7 +103,8 @@ class ServerConfig:
 
 
 class AgentServer:
-    """Serves `POST /v1/chat/completions` and `GET /v1/models` over `backend` (see the module's diagram)."""
+    """Serves `POST /v1/chat/completions`, `GET /v1/models` and `GET /v1/models/{id}` over `backend`
+    (see the module's diagram)."""
 
     def __init__(self, config: ServerConfig, tokenizer, backend: Backend) -> None:
         self.config = config
@@ -102,7 +119,7 @@ class AgentServer:
             num_open=self.sessions.num_open,
         )
         self.stats = dict.fromkeys(
-            ("requests", "malformed", "unauthorized", "refused", "backend_errors", "server_errors"), 0
+            ("requests", "malformed", "unauthorized", "refused", "backend_errors", "server_errors", "disconnected"), 0
         )
         self.greedy = False
         """Every call decodes greedily, whatever its request asks (a greedy evaluation sets it)."""
@@ -182,12 +199,46 @@ class AgentServer:
     def _app(self):
         from aiohttp import web
 
-        app = web.Application(middlewares=[self._auth_middleware()], client_max_size=self.config.max_request_bytes)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_post("/s/{session}/v1/chat/completions", self._chat)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/s/{session}/v1/models", self._models)
+        app = web.Application(
+            middlewares=[self._error_middleware(), self._auth_middleware()],
+            client_max_size=self.config.max_request_bytes,
+        )
+        for prefix in ("", "/s/{session}"):
+            app.router.add_post(f"{prefix}/v1/chat/completions", self._chat)
+            app.router.add_get(f"{prefix}/v1/models", self._models)
+            app.router.add_get(f"{prefix}/v1/models/{{model}}", self._model)
         return app
+
+    def _error_middleware(self):
+        """aiohttp's own refusals (404, 405, 413, ...) and anything a handler did not expect, in
+        OpenAI's error shape; a client that hung up mid-request is counted, without a traceback."""
+        from aiohttp import web
+
+        @web.middleware
+        async def errors(request, handler):
+            try:
+                return await handler(request)
+            except web.HTTPException as err:
+                if err.status < 400:
+                    raise
+                self.stats["refused"] += 1
+                kind = "not_found" if err.status == 404 else "invalid_request_error"
+                message = replies.http_error_message(
+                    err.status,
+                    request.method,
+                    request.path,
+                    getattr(err, "allowed_methods", set()),
+                    self.config.max_request_bytes,
+                )
+                return _json(err.status, replies.error(message, kind))
+            except ConnectionResetError:  # the client went away: there is nobody to answer
+                self.stats["disconnected"] += 1
+                return web.Response(status=499)
+            except Exception as err:  # a bug of ours: the agent gets a 500 that names it, the run goes on
+                self.stats["server_errors"] += 1
+                return _json(500, replies.error(f"internal error: {type(err).__name__}: {err}", "server_error"))
+
+        return errors
 
     def _auth_middleware(self):
         from aiohttp import web
@@ -206,38 +257,54 @@ class AgentServer:
     async def _models(self, request):
         return _json(200, replies.models(self.config.model_name))
 
+    async def _model(self, request):
+        """`client.models.retrieve(id)`: the one model served, or 404 as OpenAI answers an unknown id."""
+        name = request.match_info["model"]
+        if name != self.config.model_name:
+            self.stats["refused"] += 1
+            message = f"the model {name!r} does not exist: this endpoint serves {self.config.model_name!r}"
+            return _json(404, replies.error(message, "model_not_found", param="model"))
+        return _json(200, replies.model(self.config.model_name))
+
     async def _chat(self, request):
+        from aiohttp import web
+
         self.stats["requests"] += 1
         session_id = request.match_info.get("session") or request.headers.get("X-Session-Id")
+        if (request.content_length or 0) > self.config.max_request_bytes:  # refused before it is read
+            raise web.HTTPRequestEntityTooLarge(self.config.max_request_bytes, request.content_length)
         try:
             if not session_id:
                 raise RequestError("no session: use base_url http://HOST:PORT/s/<session>/v1 or an X-Session-Id header")
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                raise RequestError(f"the request body is not JSON: {err}") from None
-            chat = parse_request(body, self._limits)
+            chat = parse_request(await _json_body(request), self._limits)
+            why = TOOL_CALL_CONVENTIONS[self.config.tool_call_format].check_tools(
+                chat.tool_names, self.config.tool_call_format
+            )
+            if why is not None and chat.tool_choice != "none":
+                raise RequestError(why, param="tools")
+            opening = forced_opening(self._tokenizer, chat, self.config.chat_template)
             prompt_ids = render(
                 self._tokenizer,
                 chat,
                 max_prompt_tokens=self.config.max_prompt_tokens,
                 chat_template=self.config.chat_template,
+                opening=opening,
             )
         except RequestError as err:
             self.stats["malformed"] += 1
             self.sessions.count_malformed(session_id)
-            return _json(400, replies.error(str(err), "invalid_request_error"))
+            return _json(400, replies.error(str(err), "invalid_request_error", param=err.param))
         try:
-            return _json(200, await self._complete(session_id, chat, prompt_ids))
+            return _json(200, await self._complete(session_id, chat, prompt_ids, opening))
         except SessionError as err:
             self.stats["refused"] += 1
             return _json(err.status, replies.error(err.message, err.kind))
-        except Exception as err:  # a bug of ours: the agent gets a 500 that names it, the run goes on
-            self.stats["server_errors"] += 1
-            return _json(500, replies.error(f"internal error: {type(err).__name__}: {err}", "server_error"))
 
-    async def _complete(self, session_id: str, chat, prompt_ids: list[int]) -> dict:
+    async def _complete(self, session_id: str, chat, prompt_ids: list[int], opening: str) -> dict:
+        """Sample the request's choices; `prompt_ids` end with the forced call's `opening` (if any), so
+        each choice's text, for its reply, is the opening and what was sampled after it."""
         from distflow.seeding import derive_seed
+        from distflow.training.sequences import stop_token_ids
 
         session, turn = self.sessions.begin(session_id)
         keys = [derive_seed(self.config.seed, "agent-call", session.uid, turn, c) for c in range(chat.n)]
@@ -249,10 +316,11 @@ class AgentServer:
             self.stats["backend_errors"] += 1
             raise SessionError(500, f"sampling failed: {type(err).__name__}: {err}", "server_error") from err
         no_tools = chat.tool_choice == "none" or not chat.tools  # as OpenAI: no tools offered, no tool_calls
-        parse = TOOL_CALL_PARSERS["none" if no_tools else self.config.tool_call_format]
+        parse = TOOL_CALL_CONVENTIONS["none" if no_tools else self.config.tool_call_format].parse
         calls, parsed = [], []
         for choice, completion in enumerate(completions):
-            text = _cut_text(self._tokenizer.decode(completion.token_ids, skip_special_tokens=True), chat.stop)
+            sampled = self._tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            text = opening + _cut_text(sampled, chat.stop)
             calls.append(
                 Call(
                     turn=turn,
@@ -265,10 +333,11 @@ class AgentServer:
                     text=text,
                 )
             )
-            parsed.append(parse(text))
+            parsed.append(parse(text, chat.tool_names))
         reply = normalized_message(replies.assistant_message(calls[0], parsed[0]), len(chat.messages))
         self.sessions.record(session_id, calls, chat.messages + [reply])
-        logprobs = [replies.token_logprobs(self._tokenizer, call) for call in calls] if chat.logprobs else None
+        stops = set(stop_token_ids(self._tokenizer))
+        logprobs = [replies.token_logprobs(self._tokenizer, call, stops) for call in calls] if chat.logprobs else None
         return replies.chat_completion(
             completion_id=f"chatcmpl-{session_id}-{turn}",
             model=self.config.model_name,
@@ -276,6 +345,17 @@ class AgentServer:
             replies=parsed,
             logprobs=logprobs,
         )
+
+
+async def _json_body(request):
+    """The request's body, parsed; what is not JSON (or nests past the parser's depth) is a 400."""
+    text = await request.text()
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RequestError(f"the request body is not JSON: {err}") from None
+    except RecursionError:
+        raise RequestError("the request body nests too deeply to parse: send a flatter JSON object") from None
 
 
 def _cut_text(text: str, stop: list[str] | None) -> str:

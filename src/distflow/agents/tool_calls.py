@@ -10,16 +10,20 @@ trajectory keeps the sampled token ids, never this parse.
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
 
 `equals` is the embedded model's (distflow's own character-level model, whose warm-start with a
-calculator teaches it to end a call with "="): a reply ending in "=" calls `calculator` on the text
-before it, as `CalculatorEnv` reads an action. `EMBEDDED_CHAT_TEMPLATE` in `dag/agent_stage.py`
-renders such a call back as that text and EOS, so the next prompt extends the sampled tokens.
+calculator teaches it to end a call with "="): a reply ending in "=" calls the one offered tool
+with the text before it as {"expression": ...}, as `CalculatorEnv` reads an action. Its call has no
+name in it, so a request may offer one tool only (`Convention.max_tools`). `EMBEDDED_CHAT_TEMPLATE`
+in `dag/agent_stage.py` renders such a call back as that text and EOS, so the next prompt extends
+the sampled tokens.
+
+A parser takes the reply's text and the names of the tools the request offered.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -40,7 +44,7 @@ class ParsedReply:
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def parse_hermes(text: str) -> ParsedReply:
+def parse_hermes(text: str, names: Sequence[str] = ()) -> ParsedReply:
     """Every well-formed ``<tool_call>{json}</tool_call>`` block becomes a call; a block whose JSON
     does not parse, or has no string "name", stays in the content (the client sees what the model wrote).
 
@@ -74,31 +78,45 @@ def _hermes_call(body: str) -> ToolCall | None:
     return ToolCall(name=value["name"], arguments=arguments if isinstance(arguments, str) else json.dumps(arguments))
 
 
-def parse_plain(text: str) -> ParsedReply:
+def parse_plain(text: str, names: Sequence[str] = ()) -> ParsedReply:
     """No tool calls: the text as it is (for templates without a tool convention, or `tool_choice: none`)."""
     return ParsedReply(content=text)
 
 
-EQUALS_TOOL = "calculator"
-"""The one tool the `equals` convention calls, with its text as {"expression": ...}."""
+def parse_equals(text: str, names: Sequence[str]) -> ParsedReply:
+    """A reply that ends in "=" after some text calls the offered tool (names[0]) on that text.
 
-
-def parse_equals(text: str) -> ParsedReply:
-    """A reply that ends in "=" after some text is a call of `calculator` on that text.
-
-    >>> parse_equals("(12+34)=").tool_calls
-    [ToolCall(name='calculator', arguments='{"expression": "(12+34)"}')]
-    >>> parse_equals("46").content, parse_equals(" =").tool_calls, parse_equals(" 1+2=").tool_calls[0].arguments
-    ('46', [], '{"expression": " 1+2"}')
+    >>> parse_equals("(12+34)=", ["calc"]).tool_calls
+    [ToolCall(name='calc', arguments='{"expression": "(12+34)"}')]
+    >>> [parse_equals(text, ["calc"]) for text in ("46", " =")]
+    [ParsedReply(content='46', tool_calls=[]), ParsedReply(content=' =', tool_calls=[])]
+    >>> parse_equals(" 1+2=", ["calc"]).tool_calls[0].arguments
+    '{"expression": " 1+2"}'
     """
     expression = text[:-1]  # as written, spaces included: the template renders it back the same
     if not text.endswith("=") or not expression.strip():
         return ParsedReply(content=text)
-    return ParsedReply(content=None, tool_calls=[ToolCall(EQUALS_TOOL, json.dumps({"expression": expression}))])
+    return ParsedReply(content=None, tool_calls=[ToolCall(names[0], json.dumps({"expression": expression}))])
 
 
-TOOL_CALL_PARSERS: dict[str, Callable[[str], ParsedReply]] = {
-    "hermes": parse_hermes,
-    "equals": parse_equals,
-    "none": parse_plain,
+@dataclass(frozen=True)
+class Convention:
+    parse: Callable[[str, Sequence[str]], ParsedReply]
+    max_tools: int | None = None
+    """How many tools a request may offer (None: any number); `equals` has one call form, without a name."""
+
+    def check_tools(self, names: Sequence[str], convention: str) -> str | None:
+        """Why the request's offered tools cannot be called in this convention (None: they can)."""
+        if self.max_tools is None or len(names) <= self.max_tools:
+            return None
+        return (
+            f"tools: this model's tool-call convention ({convention}) cannot say which tool a call is for, so a "
+            f"request may offer at most {self.max_tools}; {len(names)} were offered ({', '.join(names)})"
+        )
+
+
+TOOL_CALL_CONVENTIONS: dict[str, Convention] = {
+    "hermes": Convention(parse_hermes),
+    "equals": Convention(parse_equals, max_tools=1),
+    "none": Convention(parse_plain),
 }
