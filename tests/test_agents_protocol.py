@@ -303,3 +303,57 @@ def test_a_body_nested_too_deep_and_a_client_that_hangs_up_print_no_traceback(to
         after = client_of(server, "s").chat.completions.create(model="m", messages=ASK)
         assert after.choices[0].message.content.startswith("I would rather not")
     assert "Traceback" not in capfd.readouterr().err
+
+
+# --- in a real run ------------------------------------------------------------------------------------
+
+PROBE = '''
+import openai
+
+CALC = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}
+
+
+def solve(client: openai.OpenAI, sample: dict):
+    """What an agent author tries: each refused in OpenAI's error shape, naming the field; then a call."""
+    ask = dict(model="distflow-policy", messages=[{"role": "user", "content": sample["prompt"]}])
+    out = {}
+    for name, extra in (
+        ("temperature", {"temperature": 0.5}),
+        ("tool_choice", {"tools": [CALC], "tool_choice": {"type": "function", "function": {"name": "calc"}}}),
+        ("max_tokens", {"max_tokens": 999}),
+        ("top_k", {"extra_body": {"top_k": 5}}),
+    ):
+        try:
+            client.chat.completions.create(**ask, **extra)
+        except openai.BadRequestError as err:
+            out[f"refused_{name}"] = float(err.param == name)
+    try:
+        client.completions.create(model="distflow-policy", prompt="1+1=")
+    except openai.NotFoundError as err:
+        out["refused_route"] = float(err.body["type"] == "not_found")
+    out["retrieved"] = float(client.models.retrieve("distflow-policy").id == "distflow-policy")
+    reply = client.chat.completions.create(**ask, temperature=1.0, tools=[CALC], logprobs=True)
+    calls = reply.choices[0].message.tool_calls or []
+    out["calls_named_calc"] = float(all(call.function.name == "calc" for call in calls))
+    out["eos_listed"] = float(any(e.token == "<eos>" for e in reply.choices[0].logprobs.content))
+    return out
+'''
+
+
+def test_an_agent_run_answers_each_refused_field_in_openais_shape_and_prints_no_traceback(tmp_path, cache_dir):
+    from test_agents_e2e import _train
+
+    (tmp_path / "probe.py").write_text(PROBE)
+    records, stderr = _train(tmp_path, cache_dir, "probe", "rollout.agent=probe:solve")
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        refused = {k: v for k, v in record.items() if k.startswith("agent/refused_")}
+        assert refused == dict.fromkeys(
+            ("agent/refused_max_tokens", "agent/refused_route", "agent/refused_temperature")
+            + ("agent/refused_tool_choice", "agent/refused_top_k"),
+            1.0,
+        )
+        assert record["agent/retrieved"] == record["agent/calls_named_calc"] == 1.0
+        assert record["agent/eos_listed"] == 0.0 and record["agent/agent_errors"] == 0
+        assert record["agent/malformed_requests"] == 4 * 16  # 4 prompts x 4 samples, 4 refusals each
+    assert "Traceback" not in stderr
