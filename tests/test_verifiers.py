@@ -77,6 +77,9 @@ def test_environments_that_cannot_load_are_one_line_errors(tmp_path, monkeypatch
         build_task(config("vf-broken", size=3), build_char_tokenizer())
     with pytest.raises(ConfigError, match="its rubric scores groups of rollouts together"):
         build_task(config("vf-grouped"), build_char_tokenizer())
+    (tmp_path / "vf_unscored.py").write_text(UNSCORED_ENV)
+    with pytest.raises(ConfigError, match=r"its rubric \(Rubric\) has no reward functions, so verifiers cannot"):
+        build_task(config("vf-unscored"), build_char_tokenizer())
     monkeypatch.setitem(sys.modules, "verifiers", None)  # not installed
     source.environment.cache_clear()
     with pytest.raises(ConfigError, match=r"needs the verifiers package: pip install 'distflow\[verifiers\]'"):
@@ -94,6 +97,35 @@ def load_environment():
     rows = Dataset.from_list([{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}] * 4)
     return vf.SingleTurnEnv(dataset=rows, rubric=vf.Rubric(funcs=[best_of_group]))
 """
+
+
+UNSCORED_ENV = """
+def load_environment():
+    import verifiers as vf
+    from datasets import Dataset
+
+    rows = Dataset.from_list([{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}] * 4)
+    return vf.SingleTurnEnv(dataset=rows, rubric=vf.Rubric(funcs=[]))
+"""
+
+
+def test_a_rubric_without_reward_functions_ends_the_run_at_load_in_one_line_with_exit_2(tmp_path):
+    """It used to load, then end the run at the first evaluation with verifiers' AssertionError."""
+    (tmp_path / "vf_unscored.py").write_text(UNSCORED_ENV)
+    result = run_cli(
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        "task.source=verifiers",
+        "task.verifiers.env=vf-unscored",
+        f"trainer.output_dir={tmp_path}",
+        cwd=tmp_path,  # distflow train puts the working directory on sys.path
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "AssertionError" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "distflow: error: task.verifiers.env='vf-unscored': its rubric (Rubric) has no reward functions, so "
+        "verifiers cannot score a rollout; give it one, e.g. vf.Rubric(funcs=[my_reward])"
+    )
 
 
 def test_an_unknown_environment_ends_the_run_in_one_line_with_exit_2(tmp_path):

@@ -13,7 +13,7 @@ VF_ENVS = REPO / "tests" / "vf_envs"
 EPISODES = 16  # per step: TINY_ARGS' 4 prompts x 4 samples
 
 
-def _train(tmp_path, cache_dir, monkeypatch, name, env):
+def _train(tmp_path, cache_dir, monkeypatch, name, env, with_stderr=False):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(VF_ENVS), os.environ.get("PYTHONPATH")])))
     result = run_cli(
         "train",
@@ -31,7 +31,8 @@ def _train(tmp_path, cache_dir, monkeypatch, name, env):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if "reward/mean" in r]
+    steps = [r for r in records if "reward/mean" in r]
+    return (steps, result.stderr) if with_stderr else steps
 
 
 def _rubric_score_is_the_reward(steps, score):
@@ -58,3 +59,33 @@ def test_a_tool_environment_trains_and_its_rubrics_score_is_the_reward(tmp_path,
     steps = _train(tmp_path, cache_dir, monkeypatch, "calculator", env)
     _rubric_score_is_the_reward(steps, 0.5)
     assert all(1.0 <= r["agent/model_calls"] <= 3.0 for r in steps)
+
+
+RAISING_ENV = """
+def load_environment():
+    import verifiers as vf
+    from datasets import Dataset
+    from vf_addition import sums
+
+    def exact_answer(completion, answer, **kwargs) -> float:
+        raise ValueError("the answer key is missing")
+
+    return vf.SingleTurnEnv(dataset=Dataset.from_list(sums(40, seed=0)), rubric=vf.Rubric(funcs=[exact_answer]))
+"""
+
+
+def test_a_reward_function_that_raises_fails_its_episode_counted_and_named_once_a_step(
+    tmp_path, cache_dir, monkeypatch
+):
+    """verifiers logs the error and scores the function 0.0 once per rollout (it printed 127 lines in
+    2 steps, and agent/agent_errors did not count them): each such episode fails, is counted and scores
+    env.default_reward, and the step's one line names the first."""
+    (tmp_path / "vf_raising.py").write_text(RAISING_ENV)  # the working directory is on sys.path
+    steps, stderr = _train(tmp_path, cache_dir, monkeypatch, "raising", "{env: vf-raising}", with_stderr=True)
+    assert [r["agent/agent_errors"] for r in steps] == [EPISODES, EPISODES]
+    assert all(abs(r["reward/mean"] + 1.0) < 1e-6 for r in steps)
+    named = [line for line in stderr.splitlines() if "Error calling reward function" in line]
+    judging, *failed = named  # the evaluation's first occurrence, then each step's line; none per rollout
+    assert judging.startswith("distflow: verifiers environment 'vf-raising', judging replies as incorrect: ")
+    assert [line.split(":")[1] for line in failed] == [" rank 0, step 1", " rank 0, step 2"], stderr[-3000:]
+    assert all(line.endswith("Error calling reward function exact_answer: the answer key is missing") for line in named)

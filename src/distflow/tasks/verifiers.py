@@ -22,6 +22,7 @@ are `load_environment(**kwargs) -> vf.Environment` with a dataset and a rubric (
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
 import functools
 import importlib.util
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from distflow.config.errors import ConfigError, check
+from distflow.console import say
 from distflow.tasks.build import TaskSource
 
 if TYPE_CHECKING:
@@ -69,6 +71,24 @@ class _FailuresCountedByDistflow(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("Aborted rollout due to")
+
+
+_REWARD_ERRORS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("reward_errors", default=None)
+"""The "Error calling reward function ..." messages of the rollout being scored in this context."""
+
+
+class _RewardErrorsCountedByDistflow(logging.Filter):
+    """Takes a rubric's "Error calling reward function NAME: ..." (verifiers logs it and scores that
+    function 0.0, once per rollout) into the scoring rollout's list: `run_episode` raises it, so the
+    episode is counted (`agent/agent_errors`) and the step names its first, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        errors = _REWARD_ERRORS.get()
+        if errors is None or not message.startswith("Error calling reward function"):
+            return True
+        errors.append(message)
+        return False
 
 
 def module_name(env: str) -> str:
@@ -129,7 +149,22 @@ def environment(env: str, kwargs_json: str):
         f"task.verifiers.env={env!r}: its rubric scores groups of rollouts together, and distflow scores "
         "each episode on its own; use an environment whose reward functions score one rollout",
     )
+    for rubric in _leaf_rubrics(loaded.rubric):
+        check(
+            bool(rubric.funcs),
+            f"task.verifiers.env={env!r}: its rubric ({type(rubric).__name__}) has no reward functions, so "
+            "verifiers cannot score a rollout; give it one, e.g. vf.Rubric(funcs=[my_reward])",
+        )
+        rubric.logger.addFilter(_RewardErrorsCountedByDistflow())
     return loaded
+
+
+def _leaf_rubrics(rubric) -> list:
+    """The rubrics that score (a `RubricGroup` sums its members' scores)."""
+    members = getattr(rubric, "rubrics", None)
+    if members is None:
+        return [rubric]
+    return [leaf for member in members for leaf in _leaf_rubrics(member)]
 
 
 class VerifiersRows(Sequence):
@@ -210,8 +245,28 @@ async def _score_reply(completion: str, row: dict) -> bool:
     env = environment(row["env"], row["kwargs"])
     state = await env.init_state(row["input"], OpenAIChatCompletionsClient(None), MODEL)  # no calls made
     state["completion"] = normalize_messages([{"role": "assistant", "content": completion}], field_name="completion")
-    await env.rubric.score_rollout(state)
+    errors = await _score(env, state)
+    if errors:  # judged incorrect; said once per process and reward function, not once per reply
+        function = errors[0].split(":", 1)[0]
+        if (row["env"], function) not in _SAID:
+            _SAID.add((row["env"], function))
+            say(f"distflow: verifiers environment {row['env']!r}, judging replies as incorrect: {errors[0]}")
+        return False
     return float(state["reward"]) >= env.pass_threshold
+
+
+async def _score(env, state: dict) -> list[str]:
+    """`env.rubric.score_rollout(state)`; the messages of the reward functions that raised."""
+    errors: list[str] = []
+    token = _REWARD_ERRORS.set(errors)
+    try:
+        await env.rubric.score_rollout(state)
+    finally:
+        _REWARD_ERRORS.reset(token)
+    return errors
+
+
+_SAID: set[tuple[str, str]] = set()
 
 
 async def run_episode(client, sample: dict) -> dict:
@@ -229,8 +284,10 @@ async def run_episode(client, sample: dict) -> dict:
         error = state["error"]
         cause = error.__cause__ or error
         raise RuntimeError(f"verifiers environment {row['env']!r}: {type(error).__name__}: {cause}")
-    await env.rubric.score_rollout(state)
+    errors = await _score(env, state)
     await env.rubric.cleanup(state)
+    if errors:  # verifiers scored the function 0.0: the episode fails instead, counted
+        raise RuntimeError(f"verifiers environment {row['env']!r}: {errors[0]}")
     metrics = {name: float(value) for name, value in (state.get("metrics") or {}).items() if name != "score"}
     return {"score": float(state["reward"]), **metrics}
 
