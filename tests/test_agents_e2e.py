@@ -116,6 +116,26 @@ def test_hostile_agents_are_counted_and_nothing_hangs(tmp_path, cache_dir):
     assert counts["agent_errors"] > 0 and "agent episode(s) failed; first: uid" in stderr
 
 
+HUGE = '''
+def huge(client, sample):
+    """Returns 10**400 (no float holds it) as its score, or beside a score, or a number that fits."""
+    ask = [{"role": "user", "content": sample["prompt"]}]
+    client.chat.completions.create(model="distflow-policy", messages=ask, max_tokens=4)
+    kind = int(sample["answer"]) % 3
+    return 10**400 if kind == 0 else {"score": 1.0, "digits": 10**400 if kind == 1 else 3}
+'''
+
+
+def test_numbers_no_float_holds_score_the_default_and_are_counted(tmp_path, cache_dir):
+    """10**400 as the score or as another number of the agent's dict: `env.default_reward`, counted in
+    `agent/bad_rewards`, at the evaluations and in training; the run does not end in an OverflowError."""
+    (tmp_path / "huge.py").write_text(HUGE)
+    records, stderr = _train(tmp_path, cache_dir, "huge", "rollout.agent=huge:huge", "trainer.prompts_per_step=8")
+    assert "OverflowError" not in stderr
+    assert sum(r["agent/bad_rewards"] for r in records) > 0
+    assert all(r["agent/digits"] == 3.0 for r in records)  # the numbers that fit are logged
+
+
 def test_the_calculator_agent_examples_train_and_make_the_same_episodes(tmp_path, cache_dir):
     """examples/agents: the plain `openai` client and the Agents SDK offer the `calculator` tool; the
     model's calls of it (the embedded model's "=" convention) are run, and the tool-call turns train with

@@ -10,9 +10,10 @@
 Invariants: every sample ends as one `Episode`, in the samples' order, whatever order they finish
 in; nothing waits on an agent past `timeout_s` (a sync agent's thread cannot be killed: it is
 abandoned, a daemon, and its session refuses it; an async agent is also cancelled); a raising agent,
-a timeout, a reward that is not a finite float32, or an episode with no model call scores
-`default_reward`, and each is counted in the stats. A timed-out or raising agent's model calls are
-still assembled into samples (with the default reward), as a failed environment's turns are.
+a timeout, a reward (or another number it returned) that is not a finite float32 (NaN, 10**400), or
+an episode with no model call scores `default_reward`, and each is counted in the stats. A timed-out
+or raising agent's model calls are still assembled into samples (with the default reward), as a
+failed environment's turns are.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def _call(fn, sample: dict, base_url: str, token: str, timeout_s: float):
 
 
 def _episode(server, session_id: str, uid: int, outcome: tuple, default_reward: float) -> Episode:
-    from distflow.scoring.reward import representable
+    from distflow.scoring.reward import as_number, representable
 
     session = server.close_session(session_id)
     episode = Episode(uid=uid, session=session, samples=assemble(session.calls), reward=default_reward, status="ok")
@@ -134,19 +135,26 @@ def _episode(server, session_id: str, uid: int, outcome: tuple, default_reward: 
     score = value.get("score") if isinstance(value, dict) else value
     if score is None:  # no reward of its own: the task's reward functions grade the final reply alone
         score = 0.0
-    try:
-        reward = float(score)
-    except (TypeError, ValueError):
-        reward = float("nan")
+    reward = as_number(score)
+    numbers = value.items() if isinstance(value, dict) else ()
+    extras = {k: as_number(v) for k, v in numbers if k != "score" and isinstance(v, (int, float))}
+    bad = sorted(str(k) for k, v in extras.items() if not representable(v))
     if not episode.samples:
         episode.status, episode.error = "no_model_calls", "the agent returned without calling the model"
-    elif not representable(reward):
-        episode.status, episode.error = "bad_reward", f"the agent returned {value!r}, not a finite float32 reward"
+    elif not representable(reward) or bad:
+        what = f" and finite float32s under {bad}" if bad else ""
+        episode.status = "bad_reward"
+        episode.error = f"the agent returned {_short(value)}, not a finite float32 reward{what}"
     else:
         episode.reward = reward
-    if isinstance(value, dict):
-        episode.info = {k: float(v) for k, v in value.items() if k != "score" and isinstance(v, (int, float))}
+    episode.info = {k: v for k, v in extras.items() if representable(v)}
     return episode
+
+
+def _short(value) -> str:
+    """`repr(value)` cut to 200 characters (10**400 has 401 digits)."""
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def episode_stats(episodes: list[Episode], *, abandoned: int = 0) -> dict:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distflow.envs.calls import run_calls
-from distflow.scoring.reward import representable
+from distflow.scoring.reward import as_number, representable
 from distflow.training.sequences import encode_prompts, end_of_turn, stop_token_ids
 
 CHARS_PER_TOKEN = 32
@@ -108,7 +108,7 @@ def _contain(traj: Trajectory, outcome, default_reward: float) -> tuple[Any, flo
         return None
     try:
         observation, reward, done, info = outcome.value
-        step = observation, float(reward), bool(done), dict(info or {})
+        step = observation, as_number(reward), bool(done), dict(info or {})
     except (TypeError, ValueError):  # not (obs, reward, done, info): the environment's bug, contained
         step = None
     if step is None or not representable(step[1]):  # NaN, inf or beyond float32: as a reward function's

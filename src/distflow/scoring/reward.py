@@ -6,9 +6,9 @@ under "score"; its other numeric entries are logged as `reward/<name>/<key>`. Se
 functions combine as a weighted sum (`task.rewards`).
 
 Nothing a reward function does stops training: an exception, a missing value, a value the
-reward dtype (float32) cannot hold (NaN, inf, or beyond ±3.4e38 such as 1e308), or a call
-that exceeds its deadline scores `default_reward` for that term, and the failure is counted
-(`reward/errors`, `reward/timeouts`).
+reward dtype (float32) cannot hold (NaN, inf, or beyond ±3.4e38 such as 1e308 or 10**400; a dict's
+other numbers too), or a call that exceeds its deadline scores `default_reward` for that term, and
+the failure is counted (`reward/errors`, `reward/timeouts`).
 
 Each call gets its own copy of `sample` (`private_copy`, also for the task's verifier): a
 function that edits the row it is given cannot change what the next function, the next
@@ -62,6 +62,20 @@ def private_copy(value):
     if isinstance(value, (str, int, float, bool, bytes, type(None))):
         return value
     return copy.deepcopy(value)
+
+
+def as_number(value) -> float:
+    """`value` (what user code returned) as a float; NaN where it is not one: text, None, or an int too
+    large for a float (10**400). The one conversion every returned reward and logged number goes through,
+    so that whatever is not `representable` scores the default and is counted instead of crashing a run.
+
+    >>> as_number(3), as_number("0.5"), as_number("x"), as_number(10**400)
+    (3.0, 0.5, nan, nan)
+    """
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        return math.nan
 
 
 def representable(value: float) -> bool:
@@ -188,12 +202,15 @@ class Rewards:
         try:
             value = self._call(term.fn, *args)
             if isinstance(value, dict):
-                extras = {k: v for k, v in value.items() if k != "score" and isinstance(v, (int, float))}
+                extras = {k: as_number(v) for k, v in value.items() if k != "score" and isinstance(v, (int, float))}
+                bad = [k for k, v in extras.items() if not representable(v)]
+                if bad:
+                    raise ValueError(f"the numbers under {bad} do not fit in {REWARD_DTYPE}")
                 for key, extra in extras.items():
                     name = f"{term.name}/{key}"
-                    scores.term_sums[name] = scores.term_sums.get(name, 0.0) + float(extra)
+                    scores.term_sums[name] = scores.term_sums.get(name, 0.0) + extra
                 value = value["score"]
-            value = float(value)
+            value = as_number(value)
             if not representable(value) or not representable(term.weight * value):
                 raise ValueError(f"reward {value} (weight {term.weight}) does not fit in {REWARD_DTYPE}")
             return value
