@@ -224,13 +224,18 @@ def test_a_sampling_setting_the_run_owns_is_refused_with_the_runs_value(tokenize
     assert err.value.param == field and err.value.status_code == 400
 
 
-def test_nan_and_infinity_in_a_raw_body_are_refused(tokenizer):
+def test_nan_infinity_and_huge_numbers_in_a_raw_body_are_refused(tokenizer):
     """The openai client cannot send NaN (its JSON refuses it); a raw body can, and Python's parser reads it."""
     import httpx
 
     with AgentServer(RUN, tokenizer, ScriptedBackend(tokenizer, reluctant_script)) as server:
         server.open_session("s", uid=0)
-        for field, literal in (("temperature", "NaN"), ("top_p", "Infinity")):
+        for field, literal, message in (
+            ("temperature", "NaN", "must be a number in"),
+            ("top_p", "Infinity", "must be a number in"),
+            ("temperature", "1" + "0" * 400, "must be a number in"),
+            ("n", "9" * 5000, "not JSON that can be read"),
+        ):
             raw = httpx.post(
                 f"{server.base_url('s')}/chat/completions",
                 content=f'{{"messages": {json.dumps(ASK)}, "{field}": {literal}}}'.encode(),
@@ -238,7 +243,8 @@ def test_nan_and_infinity_in_a_raw_body_are_refused(tokenizer):
                 timeout=WAIT_S,
             )
             error = raw.json()["error"]
-            assert raw.status_code == 400 and error["param"] == field and "must be a number in" in error["message"]
+            assert raw.status_code == 400 and message in error["message"], (field, literal[:10])
+            assert error["param"] == (None if message.startswith("not JSON") else field)
 
 
 # --- routes and edges ---------------------------------------------------------------------------------

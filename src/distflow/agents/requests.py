@@ -13,7 +13,6 @@ tokens (BOS) added once unless the template writes them (`training.sequences.enc
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,8 +128,8 @@ def _int(value: Any, name: str, low: int, high: int | None) -> int:
 
 
 def _number(value: Any, name: str, low: float, high: float) -> float:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not number or not low <= value <= high:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not low <= value <= high:  # NaN and the infinities too; a huge int compares exactly
         raise RequestError(f"{name} must be a number in [{low:g}, {high:g}], got {shown(value)}", param=name)
     return float(value)
 

@@ -352,8 +352,8 @@ async def _json_body(request):
     text = await request.text()
     try:
         return json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RequestError(f"the request body is not JSON: {err}") from None
+    except ValueError as err:  # not JSON, not UTF-8, or an integer past Python's digit limit
+        raise RequestError(f"the request body is not JSON that can be read: {err}") from None
     except RecursionError:
         raise RequestError("the request body nests too deeply to parse: send a flatter JSON object") from None
 
