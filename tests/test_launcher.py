@@ -8,6 +8,7 @@ stands for any of them: a rank must find it free. And when a rank's function rai
 the one reported.
 """
 
+import json
 import os
 import threading
 
@@ -16,6 +17,7 @@ from torch.multiprocessing.spawn import ProcessRaisedException
 
 from distflow.comm import Comm
 from distflow.runtime.launcher import run_local
+from distflow.runtime.loopback import loopback_interface
 
 _held = threading.Lock()
 
@@ -54,3 +56,71 @@ def test_the_rank_that_fails_is_the_one_reported(failing):
     init_process_group, [1] once reported rank 0's "Gloo connectFullMesh failed" in a loaded suite)."""
     with pytest.raises(ProcessRaisedException, match=f"rank {failing}'s own error"):
         run_local(_one_rank_fails, 2, failing)
+
+
+# A reward of the user's own, run by every rank at its first step: while the run is up (its stores and the
+# ranks' process group), it writes down where each process of the run (the launcher and all below it)
+# listens: /proc/net/tcp{,6}'s listening sockets whose inodes those processes hold.
+LISTENERS = '''
+import json
+import os
+
+
+def addresses(table):
+    """(inode, local address) of each listening socket in /proc/net/tcp or tcp6."""
+    with open(table) as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return {row[9]: row[1] for row in rows if row[3] == "0A"}
+
+
+def tree(root):
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                todo += [int(child) for child in f.read().split()]
+    return found
+
+
+def inodes(pid):
+    held = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            held.add(link[len("socket:["):-1])
+    return held
+
+
+def listening(prompt, completion, sample):
+    out = f"listeners-{os.environ['RANK']}.json"
+    if not os.path.exists(out):
+        listen = {**addresses("/proc/net/tcp"), **addresses("/proc/net/tcp6")}
+        held = set().union(*(inodes(pid) for pid in tree(os.getppid())))
+        with open(out, "w") as f:
+            found = sorted(listen[inode] for inode in held if inode in listen)
+            json.dump({"listening": found, "gloo": os.environ.get("GLOO_SOCKET_IFNAME")}, f)
+    return 0.0
+'''
+LOOPBACK = ("0100007F", "00000000000000000000000001000000")  # 127.0.0.1 and ::1 as /proc/net/tcp{,6} write them
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc/net/tcp")
+def test_a_run_of_two_ranks_listens_on_loopback_only(tmp_path, monkeypatch):
+    """`distflow train --nproc 2` on one machine: the launcher's rendezvous store, the ranks' process
+    group and whatever else the run opened accept connections from this machine only (issue 64)."""
+    from extending_common import train_tiny, user_module
+
+    with user_module(tmp_path, monkeypatch, "listeners", LISTENERS):
+        train_tiny(tmp_path, "--nproc", "2", "task.rewards=[{fn: 'listeners:listening'}]")
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"listeners-{rank}.json").read_text())
+        found = seen["listening"]
+        assert len(found) >= 2, found  # the launcher's two stores at least (and the ranks' gloo)
+        assert [a for a in found if a.rsplit(":", 1)[0] not in LOOPBACK] == [], found
+        # gloo listens where the host name resolves (here loopback; elsewhere a network address) unless told
+        assert seen["gloo"] == loopback_interface()

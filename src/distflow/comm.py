@@ -17,6 +17,7 @@ of DDP, which runs its own all-reduce) are exactly:
     training/hf_weights.py        DCP's Hugging Face reader (a model directory into sharded parameters)
     checkpoint/export.py         DCP reads of a checkpoint's model tensors (the streamed export, one process)
     runtime/launcher.py          torch's elastic launcher (`distflow train --nproc N`)
+    runtime/loopback.py          the launcher's rendezvous, its TCPStores bound to loopback
 
 `tests/test_comm.py` checks that this list matches the code.
 """

@@ -1,10 +1,11 @@
 """`distflow train --nproc N`: start N identical ranks with torch's elastic launcher.
 
-This is what `torchrun --standalone --nproc_per_node N -m distflow train ...` does; the
-launcher's agent only starts and watches the ranks (no data passes through it). If a
-rank fails, the agent stops the others at once (SIGTERM to each rank's process group,
-SIGKILL 30 s later), and `launch` prints one line naming the failed rank and the stage it
-was in (from the ranks' status files, runtime/diagnosis.py) and raises `RunFailed` with it.
+This is what `torchrun --standalone --nproc_per_node N -m distflow train ...` does, with every
+socket of the run on loopback (runtime/loopback.py); the launcher's agent only starts and
+watches the ranks (no data passes through it). If a rank fails, the agent stops the others
+at once (SIGTERM to each rank's process group, SIGKILL 30 s later), and `launch` prints one
+line naming the failed rank and the stage it was in (from the ranks' status files,
+runtime/diagnosis.py) and raises `RunFailed` with it.
 A SIGINT (Ctrl-C) or SIGTERM to this command stops the ranks with the same signal and
 raises `Stopped` (the CLI says where the last checkpoint is).
 
@@ -57,6 +58,7 @@ from distflow.envvars import LAUNCHED_ENV, STATUS_DIR_ENV
 from distflow.errors import RunFailed
 from distflow.runtime.descendants import become_subreaper, descendants, process_tree
 from distflow.runtime.diagnosis import diagnose
+from distflow.runtime.loopback import LOOPBACK, use_loopback
 from distflow.runtime.status_files import read_statuses
 
 
@@ -77,8 +79,9 @@ def launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> None:
         max_nodes=1,
         nproc_per_node=nproc,
         run_id=f"distflow-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",  # the agent's store binds a free port itself, as `torchrun --standalone`
+        rdzv_backend=use_loopback(),  # c10d's, its stores on loopback only (runtime/loopback.py)
+        rdzv_endpoint=f"{LOOPBACK}:0",  # a free port, as `torchrun --standalone`
+        local_addr=LOOPBACK,  # the ranks' MASTER_ADDR
         max_restarts=max_restarts,
         monitor_interval=0.5,
     )
