@@ -49,6 +49,17 @@ FAST = [
     ("every < 0", ["checkpoint.every=-1"], "checkpoint.every must be >= 0"),
     ("stage timeout", ["watchdog.stage_timeout_s=0.5"], "watchdog.stage_timeout_s must be 0 (off) or >= 1"),
     ("collective timeout", ["parallel.collective_timeout_s=5"], "parallel.collective_timeout_s must be >= 10"),
+    # Seconds past what a timer or a timestamp holds (issue 64: 1e30 crashed the run in an OverflowError).
+    (
+        "agent timeout 1e30",
+        ["rollout.agent_timeout_s=1e30"],
+        "rollout.agent_timeout_s must be at most 604800 seconds (7 days; got 1e+30)",
+    ),
+    ("reward timeout 1e30", ["task.reward_timeout_s=1e30"], "task.reward_timeout_s must be at most 604800 seconds"),
+    ("stage timeout 1e30", ["watchdog.stage_timeout_s=1e30"], "watchdog.stage_timeout_s must be at most 604800"),
+    ("collective 1e30", ["parallel.collective_timeout_s=10000000"], "parallel.collective_timeout_s must be at most"),
+    ("env deadline 1e30", ["env.deadline_s=1e30"], "env.deadline_s must be at most 604800 seconds"),
+    ("time budget 1e30", ["trainer.time_budget_s=1e30"], "trainer.time_budget_s must be at most 31536000 seconds"),
     ("nonfinite limit", ["watchdog.max_nonfinite_steps=-1"], "watchdog.max_nonfinite_steps must be >= 0"),
     ("row policy", ["data.on_invalid_row=ignore"], "data.on_invalid_row must be error or skip (got 'ignore')"),
     ("max prompt tokens", ["data.max_prompt_tokens=-3"], "data.max_prompt_tokens must be >= 0"),

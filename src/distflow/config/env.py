@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from distflow.config.errors import check
+from distflow.config.errors import check, check_seconds
 from distflow.config.task import FLOAT32_MAX
 
 
@@ -41,6 +41,7 @@ class EnvConfig:
         check(self.max_turns >= 1, f"env.max_turns must be >= 1 (got {self.max_turns})")
         check(self.max_tokens >= 1, f"env.max_tokens must be >= 1 (got {self.max_tokens})")
         check(self.deadline_s > 0, f"env.deadline_s must be > 0 seconds (got {self.deadline_s})")
+        check_seconds("env.deadline_s", self.deadline_s)
         check(
             abs(self.default_reward) <= FLOAT32_MAX,
             f"env.default_reward must be a finite float32 (got {self.default_reward})",

@@ -1,4 +1,4 @@
-"""The configuration's error type and the two checks every section uses.
+"""The configuration's error type and the checks every section uses.
 
 Its own module so that the sections (`schema.py`, `algorithm.py`) and the layers above
 (the dag's choice check, the planner) raise the same error with the same wording.
@@ -32,3 +32,22 @@ def check_one_of(key: str, value: object, choices: Iterable[str]) -> None:
     """
     choices = tuple(choices)
     check(value in choices, f"{key} must be one of: {', '.join(choices)} (got {value!r})")
+
+
+ONE_WEEK_S = 7 * 24 * 3600
+"""The longest timeout a setting takes: past it a timer, a deadline or a timestamp overflows
+(1e30 s: `OverflowError: timestamp out of range`), and no wait of a run is meant to be longer."""
+ONE_YEAR_S = 365 * 24 * 3600
+"""The longest run length a setting takes (`trainer.time_budget_s`, `trainer.eval_every_s`)."""
+
+
+def check_seconds(key: str, value: float, *, at_most: float = ONE_WEEK_S) -> None:
+    """A number of seconds `key` may hold: at most `at_most` (a week for timeouts); each setting checks
+    its own lower bound.
+
+    >>> check_seconds("rollout.agent_timeout_s", 1e30)
+    Traceback (most recent call last):
+    ...
+    distflow.config.errors.ConfigError: rollout.agent_timeout_s must be at most 604800 seconds (7 days; got 1e+30)
+    """
+    check(value <= at_most, f"{key} must be at most {at_most:.0f} seconds ({at_most / 86400:g} days; got {value:g})")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distflow.config.errors import check
+from distflow.config.errors import check, check_seconds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +37,8 @@ class WatchdogConfig:
             self.stage_timeout_s == 0 or self.stage_timeout_s >= 1,
             f"watchdog.stage_timeout_s must be 0 (off) or >= 1 (got {self.stage_timeout_s})",
         )
+        check_seconds("watchdog.stage_timeout_s", self.stage_timeout_s)
+        check_seconds("watchdog.stage_timeout_floor_s", self.stage_timeout_floor_s)
         check(
             self.stage_timeout_factor == 0 or self.stage_timeout_factor >= 2,
             f"watchdog.stage_timeout_factor must be 0 (off) or >= 2 (got {self.stage_timeout_factor})",

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distflow.config.errors import check
+from distflow.config.errors import check, check_seconds
 
 STRATEGIES = ("ddp", "fsdp2")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -106,6 +106,7 @@ class ParallelConfig:
             self.collective_timeout_s >= 10,
             f"parallel.collective_timeout_s must be >= 10 (got {self.collective_timeout_s})",
         )
+        check_seconds("parallel.collective_timeout_s", self.collective_timeout_s)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from distflow.config.errors import check
+from distflow.config.errors import check, check_seconds
 
 
 @dataclass(kw_only=True)
@@ -59,6 +59,7 @@ class StageSpec:
     def __post_init__(self) -> None:
         check(bool(self.name), "pipeline.custom_stages[].name must not be empty")
         check(self.timeout_s >= 0, f"stage {self.name!r}: timeout_s must be >= 0 (got {self.timeout_s})")
+        check_seconds(f"stage {self.name!r}: timeout_s", self.timeout_s)
         check(
             self.placement in ("train", "rollout"),
             f"stage {self.name!r}: placement must be train or rollout (got {self.placement!r})",

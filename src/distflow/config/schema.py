@@ -19,7 +19,7 @@ from distflow.config.algorithm import AlgorithmConfig
 from distflow.config.components import ROLLOUT_ENGINES
 from distflow.config.deprecated import DeprecatedKeyWarning
 from distflow.config.env import EnvConfig
-from distflow.config.errors import ConfigError, check  # noqa: F401 (ConfigError is imported from here widely)
+from distflow.config.errors import ONE_YEAR_S, ConfigError, check, check_seconds  # noqa: F401 (ConfigError is imported from here widely)
 from distflow.config.execution import AsynchronousConfig, WatchdogConfig
 from distflow.config.model import LoraConfig, ModelConfig, WarmstartConfig  # noqa: F401 (re-exported)
 from distflow.config.parallel import FSDPConfig, ParallelConfig, PassesConfig  # noqa: F401 (FSDPConfig re-exported)
@@ -68,7 +68,7 @@ class RolloutConfig:
     timeout or a malformed request scores `env.default_reward` and is counted (`agent/*`). The
     trajectory's response is `env.max_tokens` wide."""
     agent_timeout_s: float = 300.0
-    """Longest an agent's episode may take; past it the episode scores `env.default_reward`."""
+    """Longest an agent's episode may take (at most a week); past it the episode scores `env.default_reward`."""
 
     def __post_init__(self) -> None:
         ROLLOUT_ENGINES.chosen(self, "engine")  # a known engine, with options it takes
@@ -81,6 +81,7 @@ class RolloutConfig:
             f"rollout.agent must look like 'package.module:function' (got {self.agent!r})",
         )
         check(self.agent_timeout_s > 0, f"rollout.agent_timeout_s must be > 0 (got {self.agent_timeout_s})")
+        check_seconds("rollout.agent_timeout_s", self.agent_timeout_s)
 
 
 @dataclass(kw_only=True)
@@ -170,12 +171,14 @@ class TrainerConfig:
             if not self.tensorboard:
                 self.loggers = [name for name in self.loggers if name != "tensorboard"]
         check(self.time_budget_s >= 0, f"trainer.time_budget_s must be >= 0 (0: off; got {self.time_budget_s})")
+        check_seconds("trainer.time_budget_s", self.time_budget_s, at_most=ONE_YEAR_S)
         check(self.profile_steps >= 0, f"trainer.profile_steps must be >= 0 (got {self.profile_steps})")
         check(self.log_samples >= 0, f"trainer.log_samples must be >= 0 (0: none; got {self.log_samples})")
         check(self.total_steps >= 1, f"trainer.total_steps must be >= 1 (got {self.total_steps})")
         check(self.prompts_per_step >= 1, f"trainer.prompts_per_step must be >= 1 (got {self.prompts_per_step})")
         check(self.eval_every >= 0, f"trainer.eval_every must be >= 0 (got {self.eval_every})")
         check(self.eval_every_s >= 0, f"trainer.eval_every_s must be >= 0 (got {self.eval_every_s})")
+        check_seconds("trainer.eval_every_s", self.eval_every_s, at_most=ONE_YEAR_S)
         check(self.eval_samples >= 1, f"trainer.eval_samples must be >= 1 (got {self.eval_samples})")
         if self.run_name is not None:
             _check_run_name(self.run_name)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from distflow.config.components import TASK_SOURCES
-from distflow.config.errors import check
+from distflow.config.errors import check, check_seconds
 
 GYM_REWARD = "distflow.tasks.reasoning_gym:score_reward"
 """`task.reward` of a reasoning-gym task left at the default: the datasets' own scorer."""
@@ -198,6 +198,7 @@ class TaskConfig:
         check(self.num_heldout >= 1, f"task.num_heldout must be >= 1 (got {self.num_heldout})")
         check(":" in self.reward, f"task.reward must look like 'package.module:function' (got {self.reward!r})")
         check(self.reward_timeout_s >= 0, f"task.reward_timeout_s must be >= 0 (got {self.reward_timeout_s})")
+        check_seconds("task.reward_timeout_s", self.reward_timeout_s)
         check(
             abs(self.default_reward) <= FLOAT32_MAX,
             f"task.default_reward must fit in float32, |x| <= 3.4e38 (got {self.default_reward})",
