@@ -213,6 +213,33 @@ def test_errors_are_the_cli_messages_raised(tmp_path):
     assert dict(os.environ) == environ
 
 
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"nproc": "2"}, "nproc must be a whole number >= 1 (got '2' of type str)"),
+        ({"nproc": 2.5}, "nproc must be a whole number >= 1 (got 2.5 of type float)"),
+        ({"nproc": True}, "nproc must be a whole number >= 1 (got True of type bool)"),  # it had run, as nproc=1
+        ({"nproc": 0}, "nproc must be >= 1 (got 0)"),
+        ({"max_restarts": "1"}, "max_restarts must be a whole number >= 0 (got '1' of type str)"),
+        ({"overrides": 5}, "overrides must be a list of 'section.key=value' strings or a mapping"),
+        ({"overrides": None}, "leave it out for none (got None of type NoneType)"),
+        ({"overrides": [1, 2]}, "strings or a mapping {'section.key': value}: overrides[0] is 1 of type int"),
+        ({"overrides": {"trainer.total_steps=3"}}, "(a set has no order, and a later override wins)"),
+        ({"overrides": "trainer.total_steps=3"}, "(got 'trainer.total_steps=3' of type str)"),
+    ],
+    ids=["nproc str", "nproc float", "nproc bool", "nproc 0", "restarts str", "int", "None", "ints", "set", "str"],
+)
+def test_arguments_of_the_wrong_kind_are_one_line_naming_them(arguments, message):
+    """Each as the CLI's errors are: a `ConfigError` of one line, raised before anything starts."""
+    environ = dict(os.environ)
+    with pytest.raises(distflow.ConfigError) as raised:
+        distflow.train(**arguments)
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+    assert dict(os.environ) == environ
+    assert distflow.api._running.acquire(blocking=False)  # and the next call may run
+    distflow.api._running.release()
+
+
 def test_config_objects_mappings_and_files_give_the_same_config(tmp_path):
     from distflow.api import _config
 

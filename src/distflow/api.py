@@ -26,6 +26,7 @@ returns, the process is as it was: no process group, no distflow threads, enviro
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import signal
 import sys
@@ -98,6 +99,7 @@ def train(
     from distflow.config.callables import provided
     from distflow.runtime.start import LATEST, launches, start
 
+    nproc, max_restarts = _count("nproc", nproc, at_least=1), _count("max_restarts", max_restarts, at_least=0)
     if not _running.acquire(blocking=False):
         raise DistflowError(
             "distflow.train was called while a run is in progress in this process (a module "
@@ -124,10 +126,7 @@ def train(
 
 def _config(config: Any, overrides: Sequence[str] | Mapping[str, Any], inputs: Inputs, **given: Any) -> Config:
     """The typed config of `config` with the overrides, then the Python objects and rows `given`."""
-    if isinstance(overrides, Mapping):
-        overrides = [f"{key}={_as_yaml(key, value)}" for key, value in overrides.items()]
-    elif isinstance(overrides, str):
-        raise ConfigError(f"overrides must be a list of 'section.key=value' strings or a mapping (got {overrides!r})")
+    overrides = _override_lines(overrides)
     if config is None or isinstance(config, (str, Path)):
         base = load_config(config, list(overrides))
     elif isinstance(config, Config):
@@ -141,6 +140,31 @@ def _config(config: Any, overrides: Sequence[str] | Mapping[str, Any], inputs: I
     data = to_dict(base)
     inputs.apply(data, num_heldout=base.task.num_heldout, **given)
     return config_of(data)
+
+
+def _count(name: str, value: Any, *, at_least: int) -> int:
+    """`value` as the whole number `name` is (a bool, a float or a string of digits is none), at least `at_least`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(f"{name} must be a whole number >= {at_least} (got {value!r} of type {type(value).__name__})")
+    if value < at_least:
+        raise ConfigError(f"{name} must be >= {at_least} (got {value})")
+    return int(value)
+
+
+def _override_lines(overrides: Any) -> list[str]:
+    """The overrides as the command line's `section.key=value` strings, in their order (a later one wins)."""
+    if isinstance(overrides, Mapping):
+        return [f"{key}={_as_yaml(key, value)}" for key, value in overrides.items()]
+    shape = "overrides must be a list of 'section.key=value' strings or a mapping {'section.key': value}"
+    if not isinstance(overrides, (list, tuple)):
+        unordered = isinstance(overrides, (set, frozenset))
+        why = " (a set has no order, and a later override wins)" if unordered else ""
+        got = f"got {overrides!r} of type {type(overrides).__name__}"
+        raise ConfigError(f"{shape}{why}; leave it out for none ({got})")
+    for index, line in enumerate(overrides):
+        if not isinstance(line, str):
+            raise ConfigError(f"{shape}: overrides[{index}] is {line!r} of type {type(line).__name__}")
+    return list(overrides)
 
 
 def _as_yaml(key: str, value: Any) -> str:
@@ -163,7 +187,8 @@ def _resume_value(resume: bool | str | Path, latest: str) -> str | None:
 @dataclass
 class _SavedState:
     """What a run changes in its process and `train` gives back: the environment variables through
-    which the CLI hands decisions to ranks (envvars.py), the SIGTERM handler, torch's thread count."""
+    which the CLI hands decisions to ranks (envvars.py; and gloo's interface, runtime/loopback.py), the
+    SIGTERM handler, torch's thread count."""
 
     environ: dict[str, str]
     sigterm: Any
@@ -171,13 +196,13 @@ class _SavedState:
 
     @classmethod
     def take(cls) -> _SavedState:
-        environ = {k: v for k, v in os.environ.items() if k.startswith("DISTFLOW_") or k == "PYTHONPATH"}
+        environ = {k: v for k, v in os.environ.items() if _handed_to_ranks(k)}
         main = threading.current_thread() is threading.main_thread()
         threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
         return cls(environ, signal.getsignal(signal.SIGTERM) if main else None, threads)
 
     def restore(self) -> None:
-        for key in [k for k in os.environ if k.startswith("DISTFLOW_") or k == "PYTHONPATH"]:
+        for key in [k for k in os.environ if _handed_to_ranks(k)]:
             if key not in self.environ:
                 del os.environ[key]
         os.environ.update(self.environ)
@@ -185,3 +210,7 @@ class _SavedState:
             signal.signal(signal.SIGTERM, self.sigterm)
         if self.torch_threads is not None:
             sys.modules["torch"].set_num_threads(self.torch_threads)
+
+
+def _handed_to_ranks(key: str) -> bool:
+    return key.startswith("DISTFLOW_") or key in ("PYTHONPATH", "GLOO_SOCKET_IFNAME")
