@@ -237,7 +237,11 @@ def test_build_order_honours_after_for_a_users_trained_model(trained_models):
 @pytest.mark.parametrize(
     "uses, needle",
     [
-        ("json:dumps", "stage 'score': Stage.uses='json:dumps' is .*, not a distflow.training.registry.TrainedModel"),
+        (
+            "json:dumps",
+            "stage 'score': Stage.uses='json:dumps' is a function, not a trained model: a trained model is a "
+            "distflow.training.registry.TrainedModel subclass",
+        ),
         ("json:Nothing", "stage 'score': Stage.uses='json:Nothing': cannot import 'json:Nothing'"),
     ],
 )

@@ -139,7 +139,10 @@ def test_an_algorithm_preset_of_ones_own_sets_the_null_settings(my_parts):
 
 
 def test_a_preset_that_is_not_one_is_one_line_at_load(my_parts):
-    needle = "algorithm.name='my_parts:TokenMean' is a type, not a distflow.config.algorithm.AlgorithmPreset"
+    needle = (
+        "algorithm.name='my_parts:TokenMean' is the class TokenMean, not an algorithm: an algorithm is a "
+        "distflow.config.algorithm.AlgorithmPreset"
+    )
     with pytest.raises(ConfigError, match="^" + re.escape(needle) + "$"):
         load_config(None, ["algorithm.name=my_parts:TokenMean"])
 

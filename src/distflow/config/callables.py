@@ -4,16 +4,30 @@
 notebook, a lambda, an environment class): it names each in the config and, for a run in its
 own process, provides the object under that name for the run's duration (`provided`), so that
 the config stays plain text (config.yaml, checkpoints) and every consumer resolves it here.
+
+A user's part is checked against its kind's `Contract` here too, so that every kind refuses a wrong one
+in the same words, naming the config key and the contract:
+
+    at load      a function's signature (inspect.signature bound to the arguments it is called with), a
+                 class's or an instance's kind (its base class)                      → ConfigError, exit 2
+    at each call the tensors a function returns: their number, shape (its first argument's) and dtype
+                 → ConfigError: the run ends with that one line (shapes only: no host synchronisation)
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from distflow.config.schema import ConfigError, TaskConfig
+from distflow.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from distflow.config.schema import TaskConfig
 
 _PROVIDED: dict[str, object] = {}
 """Objects `distflow.train` provides for this process's run, by the name its config gives them."""
@@ -68,15 +82,90 @@ def reward_functions(task: TaskConfig) -> list[tuple[str, Callable, float]]:
 def _reward_function(spec: str, key: str) -> Callable:
     """A reward is called as fn(prompt, completion, sample): say so now, not as an error count later."""
     fn = import_callable(spec, key=key)
+    check_signature(fn, ("prompt", "completion", "sample"), f"{key}: {spec!r}", "(prompt, completion, sample)")
+    return fn
+
+
+def check_signature(fn: Callable, params: tuple[str, ...], where: str, contract: str) -> None:
+    """`fn` must accept the positional arguments `params` (as it is called); else one line: `where` (the
+    config key and value) must accept `contract`, and the signature it has."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins without a signature: let the call decide
-        return fn
+        return
     try:
-        signature.bind("prompt", "completion", {})
+        signature.bind(*params)
     except TypeError as err:
-        raise ConfigError(
-            f"{key}: {spec!r} must accept (prompt, completion, sample), but its signature is "
-            f"{fn.__name__}{signature} ({err})"
-        ) from None
-    return fn
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise ConfigError(f"{where} must accept {contract}, but its signature is {name}{signature} ({err})") from None
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What a part of one kind must be (a registry's, config/components.py), quoted in each refusal."""
+
+    text: str
+    """The documented contract: what a call passes and what it returns."""
+    params: tuple[str, ...] = ()
+    """A function part's positional arguments, as it is called; (): a plain function is not such a part."""
+    base: str = ""
+    """`module:Class` that a class part subclasses, or an instance part is an instance of ("": neither)."""
+    returns: int = 0
+    """A function part returns this many tensors (1: one, not a tuple), each of its first argument's shape,
+    the first of a floating dtype; 0: its output is not checked here."""
+
+    def check_part(self, part: Any, where: str, kind: str) -> None:
+        """At load: `part` (what `where`, `key='value'`, names) is a `kind`; a ConfigError otherwise."""
+        base = _imported_base(self.base) if self.base else None
+        if base is not None and (isinstance(part, base) or inspect.isclass(part) and issubclass(part, base)):
+            return
+        if self.params and callable(part) and not inspect.isclass(part):
+            check_signature(part, self.params, where, f"({', '.join(self.params)})")
+            return
+        what = f"the class {part.__qualname__}" if inspect.isclass(part) else f"a {type(part).__name__}"
+        raise ConfigError(f"{where} is {what}, not {_a(kind)}: {_a(kind)} is {self.text}")
+
+    def checked(self, fn: Callable, where: str, kind: str) -> Callable:
+        """`fn`, its outputs checked at each call against `returns` (the first wrong one ends the run)."""
+        if not self.returns:
+            return fn
+
+        @functools.wraps(fn)
+        def call(*args: Any) -> Any:
+            out = fn(*args)
+            self.check_output(out, args[0], where, kind)
+            return out
+
+        return call
+
+    def check_output(self, out: Any, like: Any, where: str, kind: str) -> None:
+        """`out`, what `where` returned for the first argument `like`, is `returns` tensors shaped as `like`."""
+        tensors = out if self.returns > 1 and isinstance(out, tuple) else (out,)
+        if self.returns > 1 and len(tensors) != self.returns or self.returns == 1 and isinstance(out, tuple):
+            raise ConfigError(f"{where} returned {_described(out)}, but {_a(kind)} returns {self.text}")
+        for i, tensor in enumerate(tensors):
+            if not hasattr(tensor, "shape") or tuple(tensor.shape) != tuple(like.shape):
+                raise ConfigError(
+                    f"{where} returned {_described(tensor)} where {list(like.shape)} (its first argument's "
+                    f"shape) is due: {_a(kind)} returns {self.text}"
+                )
+            if i == 0 and not tensor.is_floating_point():
+                raise ConfigError(f"{where} returned a {tensor.dtype} tensor: {_a(kind)} returns {self.text}")
+
+
+def _a(kind: str) -> str:
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, tuple):
+        return f"a tuple of {len(value)}"
+    if hasattr(value, "shape"):
+        shape = list(value.shape)
+        return f"a tensor of shape {shape}" + (" (a scalar: it would be broadcast over every token)" * (not shape))
+    return f"a {type(value).__name__}"
+
+
+def _imported_base(path: str) -> type:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)

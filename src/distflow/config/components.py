@@ -14,6 +14,11 @@ its `FunctionRegistry` gives the function itself: `POLICY_LOSSES[algo.policy_los
 settings that name a part of the algorithm are checked when the config is loaded (`check_name`). A trained
 model (`TRAINED_MODELS`) is named by a stage's `uses` instead, and checked with the graph (dag/graph.py).
 
+Each registry holds its kind's `Contract` (config/callables.py): a part of yours, `module:name` or
+registered, is checked against it when it is first imported (its signature or its base class: one line
+naming the key, exit 2), and a function part's tensors at each call (policy losses, KL estimators and
+off-policy weights return their first argument's shape).
+
 The built-ins are import paths, not references, on purpose: the config layer names them without
 importing the layers above it, and a component's own dependencies (vLLM, datasets, reasoning-gym)
 load only in the runs that choose it. A component module therefore imports torch inside its
@@ -26,6 +31,7 @@ import importlib
 import inspect
 from typing import Any, ClassVar
 
+from distflow.config.callables import Contract
 from distflow.config.errors import ConfigError
 from distflow.config.parse import build
 
@@ -80,10 +86,11 @@ class Component:
 
 
 class Registry:
-    """Name → component class of one kind (`kind`, chosen by config key `key`)."""
+    """Name → component class of one kind (`kind`, chosen by config key `key`); a user's part must meet
+    `contract` (None: any)."""
 
-    def __init__(self, kind: str, key: str, builtins: dict[str, str]) -> None:
-        self.kind, self.key = kind, key
+    def __init__(self, kind: str, key: str, builtins: dict[str, str], contract: Contract | None = None) -> None:
+        self.kind, self.key, self.contract = kind, key, contract
         self._paths = dict(builtins)  # name -> "module:attr", imported when first chosen
         self._classes: dict[str, type] = {}
 
@@ -99,6 +106,8 @@ class Registry:
         under `name` (default: `cls.name`); the same name for another is a ConfigError. Usable as a class
         decorator."""
         name = name or cls.name
+        if self.contract is not None:
+            self.contract.check_part(cls, f"{self.key}={name!r}", self.kind)
         known = self._classes.get(name)
         if name in self._paths and (known is None or _origin(known) != _origin(cls)):  # imported or not yet
             raise ConfigError(f"{self.kind} {name!r} is a built-in one; choose another name")
@@ -119,6 +128,8 @@ class Registry:
                 f"or name your own as 'package.module:name'"
             )
         found = _imported(path, f"{self.key}={name!r}")
+        if self.contract is not None and name not in self._paths:  # yours: checked once, when first imported
+            self.contract.check_part(found, f"{self.key}={name!r}", self.kind)
         if inspect.isfunction(found):
             found = function_component(found, name)
         self._classes[name] = found
@@ -188,6 +199,8 @@ class FunctionRegistry(Registry):
         part = getattr(part, "function", part)  # a plain function comes back wrapped (`function_component`)
         if not callable(part):
             raise ConfigError(f"{self.key}={name!r} is a {type(part).__name__}, not a function")
+        if inspect.isfunction(part) and self.contract is not None:  # its outputs checked at each call
+            return self.contract.checked(part, f"{self.key}={name!r}", self.kind)
         return part
 
 
@@ -222,6 +235,10 @@ ALGORITHMS = Registry(
         "gspo": "distflow.config.algorithm:GSPO",
         "ppo": "distflow.config.algorithm:PPO",
     },
+    Contract(
+        "a distflow.config.algorithm.AlgorithmPreset",
+        base="distflow.config.algorithm:AlgorithmPreset",
+    ),
 )
 """The algorithm presets (config/algorithm.py): an `AlgorithmPreset` each, the estimator and the values the
 null settings of `algorithm` take; your own is `algorithm.name: 'package.module:NAME'`, an `AlgorithmPreset`."""
@@ -237,6 +254,11 @@ ROLLOUT_ENGINES = Registry(
         "graphed": "distflow.rollout.graphed:GraphedEngine",
         "vllm": "distflow.rollout.vllm:VllmRollout",
     },
+    Contract(
+        "a distflow.rollout.engine.RolloutEngine subclass, whose responses(model, request) returns "
+        "(response ids [G·n, R], their log-probs or None)",
+        base="distflow.rollout.engine:RolloutEngine",
+    ),
 )
 """The rollout engines (distflow/rollout/); a user's own is `rollout.engine: 'package.module:Class'`."""
 
@@ -249,6 +271,10 @@ TRAINED_MODELS = Registry(
         "reference": "distflow.training.registry:Reference",
         "policy": "distflow.training.registry:Policy",
     },
+    Contract(
+        "a distflow.training.registry.TrainedModel subclass",
+        base="distflow.training.registry:TrainedModel",
+    ),
 )
 """What a stage names in `uses` and a rank builds for it (training/registry.py): each a
 `distflow.training.registry.TrainedModel`. Named by a stage, not by a config section: your own is
@@ -265,9 +291,14 @@ TASK_SOURCES = Registry(
         "reasoning_gym": "distflow.tasks.reasoning_gym:ReasoningGym",
         "verifiers": "distflow.tasks.verifiers:Verifiers",
     },
+    Contract(
+        "a distflow.tasks.build.TaskSource subclass, or a function (config, tokenizer) -> Task (train, heldout, "
+        "required_fields, is_correct)",
+        params=("config", "tokenizer"),
+        base="distflow.tasks.build:TaskSource",
+    ),
 )
-"""Where a run's rows come from (distflow/tasks/); your own is `task.source: 'package.module:name'`, a
-`distflow.tasks.build.TaskSource` subclass or a function `(config, tokenizer) -> Task`."""
+"""Where a run's rows come from (distflow/tasks/); your own is `task.source: 'package.module:name'`."""
 
 ESTIMATORS = Registry(
     "advantage estimator",
@@ -280,6 +311,7 @@ ESTIMATORS = Registry(
         "reinforce_pp_baseline": "distflow.dag.estimators:REINFORCE_PP_BASELINE",
         "gae": "distflow.dag.estimators:GAE",
     },
+    Contract("a distflow.dag.pieces.Estimator", base="distflow.dag.pieces:Estimator"),
 )
 """The advantage estimators (dag/estimators.py); your own is `algorithm.estimator: 'package.module:NAME'`,
 a `distflow.dag.pieces.Estimator` that may declare stages of its own."""
@@ -288,11 +320,15 @@ POLICY_LOSSES = FunctionRegistry(
     "policy loss",
     "algorithm.policy_loss",
     {"ppo": "distflow.dag.estimators:ppo_policy_loss", "gspo": "distflow.dag.estimators:gspo_policy_loss"},
+    Contract(
+        "fn(logp_BR, old_logp_BR, advantage, mask_BR, algo) -> (loss_BR, clipped_BR), both [B, R] as logp_BR",
+        params=("logp_BR", "old_logp_BR", "advantage", "mask_BR", "algo"),
+        returns=2,
+    ),
 )
 """The policy losses (dag/estimators.py, over algorithms/losses.py); your own is `algorithm.policy_loss:
-'package.module:function'`, `(logp_BR, old_logp_BR, advantage, mask_BR, algo) -> (loss_BR, clipped_BR)`: an
-unreduced per-token loss and the tokens it clipped, `advantage` per sequence `[B]` or per token `[B, R]`,
-`algo` the `algorithm` section."""
+'package.module:function'`: an unreduced per-token loss and the tokens it clipped, `advantage` per sequence
+`[B]` or per token `[B, R]`, `algo` the `algorithm` section."""
 
 KL_ESTIMATORS = FunctionRegistry(
     "KL estimator",
@@ -305,9 +341,13 @@ KL_ESTIMATORS = FunctionRegistry(
         "k1+": "distflow.algorithms.kl:kl_k1_plus",
         "k3+": "distflow.algorithms.kl:kl_k3_plus",
     },
+    Contract(
+        "fn(logp_BR, ref_logp_BR) -> kl_BR, [B, R] as logp_BR",
+        params=("logp_BR", "ref_logp_BR"),
+        returns=1,
+    ),
 )
-"""The per-token KL(π‖π_ref) estimators (algorithms/kl.py); your own is `algorithm.kl.estimator:
-'package.module:function'`, `(logp_BR, ref_logp_BR) -> kl_BR`."""
+"""The per-token KL(π‖π_ref) estimators (algorithms/kl.py); yours is `algorithm.kl.estimator: 'package.module:fn'`."""
 
 OFF_POLICY_CORRECTIONS = FunctionRegistry(
     "off-policy correction",
@@ -321,6 +361,13 @@ OFF_POLICY_CORRECTIONS = FunctionRegistry(
         "geo_tis": "distflow.algorithms.off_policy:GEO_TIS",
         "geo_mask": "distflow.algorithms.off_policy:GEO_MASK",
     },
+    Contract(
+        "a distflow.algorithms.off_policy.OffPolicyCorrection, or a function (ratio_BR, cap) -> weight_BR, [B, R] "
+        "as ratio_BR",
+        params=("ratio_BR", "cap"),
+        base="distflow.algorithms.off_policy:OffPolicyCorrection",
+        returns=1,
+    ),
 )
 """The importance weights of stale samples (algorithms/off_policy.py): each an `OffPolicyCorrection`, which
 declares the batch fields it needs (`fields`) and corrects the loss, and which, called, is its weight function
@@ -338,7 +385,10 @@ LOSS_AGGREGATIONS = Registry(
         "seq-mean-token-mean": "distflow.algorithms.aggregation:SeqMeanTokenMean",
         "seq-mean-token-sum-norm": "distflow.algorithms.aggregation:SeqMeanTokenSumNorm",
     },
+    Contract(
+        "a distflow.algorithms.aggregation.TokenMean subclass (its loss_sum, normalizer and finish)",
+        base="distflow.algorithms.aggregation:TokenMean",
+    ),
 )
 """How a per-token loss becomes the scalar back-propagated (algorithms/aggregation.py); your own is
-`algorithm.loss_agg: 'package.module:Class'`, a `distflow.algorithms.aggregation.TokenMean` subclass with its
-own `loss_sum`, `normalizer` or `finish`."""
+`algorithm.loss_agg: 'package.module:Class'`."""

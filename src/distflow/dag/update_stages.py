@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from distflow.config.components import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from distflow.config.errors import ConfigError
 from distflow.data.fields import (
     ADVANTAGE,
     ATTENTION_MASK,
@@ -72,13 +73,27 @@ def mini_batches(batch: Batch, ctx: StageContext) -> Iterator[Batch]:
 
 
 def global_normalizer(mask_BR: torch.Tensor, mode: str, ctx: StageContext) -> float:
-    """This mini-batch's normaliser from every rank's `loss_normalizer` (one all-reduce)."""
+    """This mini-batch's normaliser from every rank's `loss_normalizer` (one all-reduce, with the mini-batch's
+    loss tokens: a normaliser that is not positive where tokens count is `algorithm.loss_agg`'s error, said
+    alike on every rank, rather than an update skipped as if it had no signal)."""
+    import math
+
+    import torch
+
     from distflow.algorithms.aggregation import finish_normalizer, loss_normalizer
 
     agg = LOSS_AGGREGATIONS[mode]
-    local = loss_normalizer(mask_BR, agg, horizon=ctx.engines.sampling.max_new_tokens).double()
-    total = ctx.comm.all_reduce_sum(local.reshape(1).to(ctx.comm.device)).cpu()
-    return float(finish_normalizer(total, agg).item())
+    local = loss_normalizer(mask_BR, agg, horizon=ctx.engines.sampling.max_new_tokens).double().reshape(1)
+    both = torch.cat([local, mask_BR.bool().sum().double().reshape(1)]).to(ctx.comm.device)
+    total, num_tokens = ctx.comm.all_reduce_sum(both).cpu().split(1)
+    normalizer = float(finish_normalizer(total, agg).item())
+    if num_tokens.item() > 0 and not (math.isfinite(normalizer) and normalizer > 0):
+        raise ConfigError(
+            f"algorithm.loss_agg={mode!r} gave the normaliser {normalizer:g} to a mini-batch of "
+            f"{int(num_tokens.item())} loss tokens: its finish(sum of normalizer(mask_BR, horizon)) must be "
+            "positive and finite wherever a token counts"
+        )
+    return normalizer
 
 
 def _record_update(ctx: StageContext, prefix: str, stats: dict[str, float], num_tokens: float) -> None:
@@ -209,7 +224,7 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
     tally = OffPolicyTally() if ROLLOUT_LOGP in batch.fields() else None
     objective = PolicyObjective(algo, has_old=OLD_LOGP in batch.fields(), tally=tally)
     _record_staleness(batch, ctx)
-    stepped = False
+    num_stepped = 0
     for mini in mini_batches(batch, ctx):
         mask_BR = loss_mask_BR(mini)
         normalizer = global_normalizer(mask_BR, algo.loss_agg, ctx)
@@ -223,8 +238,9 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
         stats = ctx.engines.policy.update(mini, objective, normalizer, entropy_grad=algo.entropy_coef > 0)
         _record_update(ctx, "train", stats, float(mask_BR.sum()))
         ctx.metrics.total("tokens/trained", float(mini[ATTENTION_MASK].sum()))
-        stepped = stepped or not stats["nonfinite_grad_steps"]
-    if stepped:  # W_step: colocated, the rollout engine samples from it next (a rollout rank's after the sync)
+        num_stepped += not stats["nonfinite_grad_steps"]
+    ctx.metrics.maximum("train/optimizer_steps", num_stepped)  # alike on every train rank; 0: nothing trained
+    if num_stepped:  # W_step: colocated, the rollout engine samples from it next (a rollout rank's after the sync)
         ctx.engines.new_weights(ctx.step)
     ctx.metrics.maximum("train/optimizer_state_bytes", float(ctx.engines.policy.optimizer_state_bytes()))
     if tally is not None and tally.num_tokens:

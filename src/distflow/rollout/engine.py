@@ -127,6 +127,38 @@ class RolloutEngine(Component):
         return {}
 
 
+def checked_responses(
+    engine: RolloutEngine, out: Any, request: Request, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What `engine.responses` returned for `request`, checked against the contract (rows, width, dtypes, ids
+    within the model's `vocab_size`: an id past it would make every loss NaN); one line naming
+    `rollout.engine` otherwise. Its one read of the ids is a rollout's, not a token's."""
+    import torch
+
+    from distflow.config.errors import ConfigError
+
+    where = f"rollout.engine ({type(engine).__module__}:{type(engine).__qualname__}): responses(model, request)"
+    rows, width = request.prompt_ids_GP.shape[0] * request.n, request.max_new_tokens
+    contract = f"(response ids [{rows}, <= {width}], log-probs of that shape or None)"
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor)):
+        raise ConfigError(f"{where} returned a {type(out).__name__}; it returns {contract}")
+    ids_BR, logp_BR = out
+    if ids_BR.dim() != 2 or ids_BR.shape[0] != rows or ids_BR.shape[1] > width or ids_BR.is_floating_point():
+        raise ConfigError(
+            f"{where} returned ids of shape {list(ids_BR.shape)} and dtype {ids_BR.dtype}; it returns {contract}"
+        )
+    if logp_BR is not None and (tuple(logp_BR.shape) != tuple(ids_BR.shape) or not logp_BR.is_floating_point()):
+        raise ConfigError(f"{where} returned log-probs of shape {list(logp_BR.shape)}; it returns {contract}")
+    if ids_BR.numel():
+        low, high = (int(x) for x in torch.stack(torch.aminmax(ids_BR)).tolist())
+        if low < 0 or high >= vocab_size:
+            raise ConfigError(
+                f"{where} returned token id {high if high >= vocab_size else low}, outside the model's "
+                f"vocabulary [0, {vocab_size}); it returns {contract}"
+            )
+    return ids_BR, logp_BR
+
+
 def build_engine(config: Any) -> RolloutEngine:
     """The engine `config.rollout` chooses, built for this rank."""
     from distflow.config.components import ROLLOUT_ENGINES

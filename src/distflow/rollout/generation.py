@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from distflow.rollout.engine import Request, RolloutEngine, resolved
+from distflow.rollout.engine import Request, RolloutEngine, checked_responses, resolved
 from distflow.training.parallelize import unsharded_view
 from distflow.training.sequences import encode_prompts, left_pad, response_mask_from_ids, stop_token_ids
 
@@ -76,7 +76,9 @@ def generate(
             bos_id=tokenizer.bos_token_id,
             logprobs=logprobs,
         )
-        response_BR, logp_BR = resolved(engine).responses(model, request)
+        engine = resolved(engine)
+        vocab_size = model.get_input_embeddings().num_embeddings
+        response_BR, logp_BR = checked_responses(engine, engine.responses(model, request), request, vocab_size)
     finally:
         model.train(was_training)
     prompt_B = torch.arange(len(rows) * n, device=device) // n  # each row's prompt (a gather: one op a tensor)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from distflow.config.components import TASK_SOURCES, Component
-from distflow.config.errors import check
+from distflow.config.errors import ConfigError, check
 
 if TYPE_CHECKING:
     from distflow.config.schema import Config
@@ -76,6 +76,36 @@ def only_own_keys(task: Any, own: tuple[str, ...]) -> None:
 def build_task(config: Config, tokenizer: Any, *, name: str | None = None) -> Task:
     """The task `config.task.source` chooses (or the source registered as `name`), built for `tokenizer`.
 
-    Every task has `train` and `heldout` (row sequences with a "prompt" text) and `is_correct`.
+    Every task has `train` and `heldout` (row sequences with a "prompt" text), `required_fields` and
+    `is_correct`. A source of yours that raises, or returns something else, ends the run with one line
+    naming `task.source` (the built-ins raise a ConfigError of their own where the input is wrong).
     """
-    return TASK_SOURCES.get(name or config.task.source).build(config, tokenizer)
+    name = name or config.task.source
+    where = f"task.source={name!r}"
+    try:
+        task = TASK_SOURCES.get(name).build(config, tokenizer)
+    except ConfigError:
+        raise
+    except Exception as err:
+        if name in TASK_SOURCES.builtins():
+            raise
+        raise ConfigError(f"{where} raised {type(err).__name__}: {err} {_raised_at(err)}".replace("\n", " ")) from err
+    missing = [field for field in TASK_FIELDS if not hasattr(task, field)]
+    check(
+        not missing,
+        f"{where} returned {type(task).__name__}, which has no {', '.join(missing)}: a task source returns a Task "
+        f"({', '.join(TASK_FIELDS)})",
+    )
+    return task
+
+
+TASK_FIELDS = ("train", "heldout", "required_fields", "is_correct")
+"""What every task has (`Task`)."""
+
+
+def _raised_at(err: BaseException) -> str:
+    """Where the innermost frame of `err`'s traceback is: `(at FILE:LINE in FUNCTION)`."""
+    import traceback
+
+    frames = traceback.extract_tb(err.__traceback__)
+    return f"(at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
