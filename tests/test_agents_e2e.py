@@ -66,7 +66,7 @@ def test_an_agent_trains_through_the_endpoint_the_same_on_1_and_2_ranks(tmp_path
     # A raising agent scores env.default_reward, is counted, and is named once per step; nothing hangs.
     assert first["agent/agent_errors"] > 0 and "agent episode(s) failed; first: uid" in stderr
     assert "a tool this agent needed was down" in stderr
-    same = ("reward/mean", "response/length", "agent/agent_errors", "tokens/generated", "reward/env")
+    same = ("reward/mean", "response/length", "agent/agent_errors", "tokens/generated", "agent/score")
     assert {k: two[0][k] for k in same} == {k: first[k] for k in same}  # the same samples at 2 ranks
 
 
@@ -134,6 +134,52 @@ def test_numbers_no_float_holds_score_the_default_and_are_counted(tmp_path, cach
     assert "OverflowError" not in stderr
     assert sum(r["agent/bad_rewards"] for r in records) > 0
     assert all(r["agent/digits"] == 3.0 for r in records)  # the numbers that fit are logged
+
+
+OWN_SCORE = '''
+def solve(client, sample):
+    """Calls the model, and says it solved a quarter of the row, whatever the reply (the verifier
+    would judge the reply on its own)."""
+    ask = [{"role": "user", "content": sample["prompt"]}]
+    client.chat.completions.create(model="distflow-policy", messages=ask, max_tokens=4)
+    return {"score": 0.25, "looked_up": 2}
+
+
+def nothing(prompt, completion, sample):
+    return 0.0
+'''
+
+
+def test_held_out_episodes_are_scored_by_the_agent_and_evaluation_turns_off(tmp_path, cache_dir):
+    """An agent run's evaluation is its episodes' reward (the agent's score plus the task's rewards, here
+    0), its agent/* numbers under eval/; `trainer.evaluate=false` evaluates at no step."""
+    (tmp_path / "own.py").write_text(OWN_SCORE)
+    own = ["rollout.agent=own:solve", "task.rewards=[{fn: 'own:nothing'}]"]
+    _train(tmp_path, cache_dir, "scored", *own)
+    records = [json.loads(line) for line in (tmp_path / "scored/metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if "eval/accuracy" in r]
+    assert [r["step"] for r in evaluated] == [0, 2]
+    for record in evaluated:
+        assert record["eval/accuracy"] == record["eval/greedy_accuracy"] == 0.25
+        assert record["eval/agent/looked_up"] == 2.0 and record["eval/agent/model_calls"] == 1.0
+        assert record["eval/agent/agent_errors"] == 0.0
+    result_off = run_cli(
+        "train",
+        str(REPO / "examples/arith_grpo.yaml"),
+        *ARGS,
+        *own,
+        "trainer.evaluate=false",
+        f"warmstart.cache_dir={cache_dir}",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=no-eval",
+        cwd=tmp_path,
+    )
+    assert result_off.returncode == 0, result_off.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "no-eval/metrics.jsonl").read_text().splitlines()]
+    assert not any(key.startswith("eval/") for r in records for key in r)
+    assert [r["step"] for r in records if "reward/mean" in r] == [1, 2]
+    summary = json.loads(result_off.stdout.strip().splitlines()[-1])
+    assert summary["final_accuracy"] is None and summary["steps"] == 2
 
 
 def test_the_calculator_agent_examples_train_and_make_the_same_episodes(tmp_path, cache_dir):

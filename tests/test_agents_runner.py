@@ -219,6 +219,30 @@ def test_agent_rollout_is_the_stage_facing_call():
         AgentConfig(fn="no_colon")
 
 
+def three_choices_agent(client, sample):
+    """Asks for 3 choices, continues the first: its tool call, then the answer."""
+    messages = [{"role": "user", "content": sample["question"]}]
+    choices = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, n=3).choices
+    message = choices[0].message
+    messages.append(message.model_dump(exclude_none=True))
+    call = message.tool_calls[0]
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": "5"})
+    client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+    return 1.0
+
+
+def test_choices_an_episode_does_not_continue_are_counted_as_untrained():
+    """n=3, the first continued: each episode trains on its 2-call chain; the other 2 choices are counted."""
+    tokenizer = chat_tokenizer()
+    config = AgentConfig(fn=three_choices_agent, concurrency=2, server=ServerConfig(seed=1))
+    with AgentRollout(config, tokenizer, ScriptedBackend(tokenizer, calculator_script)) as rollout:
+        result = rollout.run(ROWS[:2], uids=[0, 1])
+    assert result.stats["ok"] == 2 and [len(s.calls) for s in result.longest()] == [2, 2]
+    means, totals = result.metrics()
+    assert totals["agent/untrained_choices"] == 4.0 and totals["agent/branched_episodes"] == 2.0
+    assert means["agent/model_calls"] == (4.0, 2)
+
+
 def _join_agent_threads() -> None:
     for thread in threading.enumerate():
         if thread.name.startswith("distflow-agent-") and thread is not threading.current_thread():

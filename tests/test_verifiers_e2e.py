@@ -40,7 +40,7 @@ def _rubric_score_is_the_reward(steps, score):
     for r in steps:
         failed = r["agent/agent_errors"] + r["agent/timeouts"]  # e.g. an empty reply, which verifiers refuses
         expected = (score * (EPISODES - failed) - 1.0 * failed) / EPISODES
-        assert abs(r["reward/mean"] - expected) < 1e-6 and abs(r["reward/env"] - expected) < 1e-6
+        assert abs(r["reward/mean"] - expected) < 1e-6 and abs(r["agent/score"] - expected) < 1e-6
         assert r["reward/no_reward"] == 0.0  # the task's own reward functions add nothing
         assert r["agent/model_calls"] >= 1.0 and r["response/length"] > 0
     assert any(r["agent/agent_errors"] < EPISODES for r in steps)

@@ -61,6 +61,30 @@ class AgentResult:
         the text the task's reward functions and verifier judge."""
         return [sample.completion if sample is not None else "" for sample in self.longest()]
 
+    def metrics(self) -> tuple[dict[str, tuple[float, int]], dict[str, float]]:
+        """The episodes' `agent/*` numbers, as training and the held-out evaluation log them: means as
+        (sum, number of episodes averaged over), and totals. A number the agent returned beside "score"
+        (`{"tool_calls": 2}`) is `agent/<name>`, its mean over the episodes that returned it."""
+        stats, count = self.stats, len(self.episodes)
+        means = {"agent/model_calls": (float(stats["model_calls"]), count)}
+        for key in sorted({k for e in self.episodes for k in e.info}):
+            returned = [e.info[key] for e in self.episodes if key in e.info]
+            means[f"agent/{key}"] = (sum(returned), len(returned))
+        kept = ("agent_errors", "timeouts", "no_model_calls", "bad_rewards", "malformed_requests", "over_cap_requests")
+        totals = {f"agent/{key}": float(stats[key]) for key in (*kept, "branched_episodes")}
+        totals["agent/untrained_choices"] = float(self.num_untrained_choices())
+        return means, totals
+
+    def num_untrained_choices(self) -> int:
+        """Completions sampled but not trained on: those outside each episode's longest chain (`longest`), the
+        choices of an `n` > 1 request that the agent did not continue, and the calls of a branch."""
+        return sum(
+            len(sample.calls)
+            for episode, trained in zip(self.episodes, self.longest(), strict=True)
+            for sample in episode.samples
+            if sample is not trained
+        )
+
     def trajectories(self, rows: list[dict]) -> list[tuple[int, object]]:
         """(row index, `rollout.multiturn.Trajectory`) for every sample of every episode, in row order."""
         return [

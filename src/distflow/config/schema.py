@@ -116,6 +116,9 @@ class TrainerConfig:
     """Prompts per step across all ranks; must divide by the number of processes."""
     seed: int = 0
     """Seeds the task split, the warm-start, the data order and sampling."""
+    evaluate: bool = True
+    """Held-out evaluation before training, as `eval_every`/`eval_every_s` ask, and after the last step;
+    false: none at all (those two then do nothing; the summary's accuracies are null)."""
     eval_every: int = 25
     """Held-out evaluation every this many steps (0: only before and after training)."""
     eval_every_s: float = 0

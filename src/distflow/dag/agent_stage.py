@@ -126,21 +126,19 @@ def _cut(traj, width: int) -> bool:
 
 
 def _record(ctx: StageContext, result, mask_BR, num_truncated: int) -> None:
-    """The rollout's metrics; a number the agent returned beside "score" (`{"tool_calls": 2}`) is
-    logged as `agent/<name>`, its mean over the episodes that returned it."""
+    """The rollout's metrics: the episodes' `agent/*` (`AgentResult.metrics`, as the evaluation's), the
+    responses' lengths."""
     stats = result.stats
     m, count = ctx.metrics, max(stats["episodes"], 1)
-    for key in sorted({k for e in result.episodes for k in e.info}):
-        returned = [e.info[key] for e in result.episodes if key in e.info]
-        m.mean(f"agent/{key}", sum(returned), len(returned))
+    means, totals = result.metrics()
+    for name, (value, episodes) in means.items():
+        m.mean(name, value, max(episodes, 1))
+    for name, value in totals.items():
+        m.total(name, value)
     m.mean("response/length", float(mask_BR.sum()), count)
     m.quantiles("response/length", mask_BR.sum(-1).tolist(), size=mask_BR.shape[1] + 1)  # model tokens only
     m.total("tokens/generated", float(mask_BR.sum()))
-    m.mean("agent/model_calls", float(stats["model_calls"]), count)
     m.mean("agent/truncated", float(num_truncated), count)
-    for key in ("agent_errors", "timeouts", "no_model_calls", "bad_rewards", "malformed_requests", "over_cap_requests"):
-        m.total(f"agent/{key}", float(stats[key]))
-    m.total("agent/branched_episodes", float(stats["branched_episodes"]))
     failed = stats["agent_errors"] + stats["timeouts"]
     if failed:
         first = stats["first_error"]

@@ -215,7 +215,8 @@ def reward(batch: Batch, ctx: StageContext) -> Batch:
     scores = ctx.engines.rewards.score(batch[PROMPT], batch[COMPLETION], batch[SAMPLE])
     if TURN_REWARD in batch.fields():  # multi-turn: the environment's rewards count too
         env_B = batch[TURN_REWARD].sum(-1).to(scores.reward_B.device, scores.reward_B.dtype)
-        ctx.metrics.mean("reward/env", float(env_B.sum()), len(batch))
+        # an agent's episodes: what the agent returned (its score); an environment's: its turns' rewards
+        ctx.metrics.mean("agent/score" if ctx.config.rollout.agent else "reward/env", float(env_B.sum()), len(batch))
         scores.reward_B = scores.reward_B + env_B
     num_correct = sum(
         ctx.engines.is_correct(c, private_copy(s)) for c, s in zip(batch[COMPLETION], batch[SAMPLE], strict=True)

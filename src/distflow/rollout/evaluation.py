@@ -1,7 +1,10 @@
 """Held-out accuracy: each rank scores its slice of the prompts, one all_reduce sums them.
 
 Accuracy is judged by the task's verifier (`is_correct`), never by the training
-reward, so a shaped or custom reward cannot change what "accuracy" means.
+reward, so a shaped or custom reward cannot change what "accuracy" means. An agent run
+(`rollout.agent`) is the exception: its episodes are judged by their own reward, the one they
+train on (what the agent returned plus the task's reward functions on the final reply), since the
+agent alone knows whether it solved the row; its `agent/*` numbers come along (`Evaluation.metrics`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ class Evaluation:
     dataset of a reasoning-gym mix); empty when the task has fewer than two groups."""
     seconds: float = 0.0
     """How long the evaluation took (set by the runtime, logged as `time/eval_s`)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """More numbers, logged under `eval/`: an agent run's sampled episodes' `agent/*` (as in training)."""
 
 
 def count_correct(
@@ -93,16 +98,12 @@ def judge(
     samples_per_prompt: int = 1,
     chunk_size: int = 1024,
     env=None,
-    agent=None,
 ) -> list[bool]:
     """Whether each completion is correct, completion k of sample i at i·n + k: `samples_per_prompt`
     completions of each sample (n keys per sample, in order), or one greedy completion when
     `sample_keys` is None. With `env` (the `env` config section, `env.cls` set) a completion is a
-    whole trajectory against the environment, judged on its last action; with `agent` (this rank's
-    `AgentRollout`, `rollout.agent` set) it is the agent's episode, judged on its final reply."""
+    whole trajectory against the environment, judged on its last action."""
     n = samples_per_prompt
-    if agent is not None:
-        return _judge_agent(agent, samples, is_correct, sample_keys, n)
     if env is not None and env.cls is not None:
         return _judge_multiturn(model, tokenizer, samples, is_correct, sampling, sample_keys, n, chunk_size, env)
     judged: list[bool] = []
@@ -139,13 +140,29 @@ def _judge_multiturn(model, tokenizer, samples, is_correct, sampling, sample_key
     return judged
 
 
-def _judge_agent(agent, samples, is_correct, sample_keys, n) -> list[bool]:
-    """Each completion is an episode of the agent: sampled ones keyed by their evaluation keys (as the
-    sample uids of the episodes: the same on any rank), greedy ones with every call greedy."""
+def agent_rewards(agent, rewards, samples, sample_keys, n) -> tuple[list[float], object]:
+    """(the reward of each episode, at i·n + k as `judge`'s, and the `AgentResult`): the agent's episodes,
+    sampled ones keyed by their evaluation keys (as the episodes' sample uids: the same on any rank),
+    greedy ones (`sample_keys` None) with every call greedy; each scored as the training reward scores
+    it, the agent's reward plus the task's reward functions (`rewards`) on its final reply."""
     rows = [dict(s) for s in samples for _ in range(n)]
     uids = list(range(len(rows))) if sample_keys is None else list(sample_keys)
-    texts = agent.run(rows, uids, greedy=sample_keys is None).final_texts()
-    return [bool(is_correct(text, private_copy(row))) for text, row in zip(texts, rows, strict=True)]
+    result = agent.run(rows, uids, greedy=sample_keys is None)
+    task_B = rewards.score([row["prompt"] for row in rows], result.final_texts(), rows).reward_B.tolist()
+    return [a + b for a, b in zip(result.rewards, task_B, strict=True)], result
+
+
+def _merged(parts: list[tuple[dict, dict]]) -> dict[str, float]:
+    """Every rank's `AgentResult.metrics()` as one set of numbers: means over all episodes, totals summed."""
+    means: dict[str, list[float]] = {}
+    totals: dict[str, float] = {}
+    for rank_means, rank_totals in parts:
+        for name, (value, count) in rank_means.items():
+            means.setdefault(name, [0.0, 0.0])
+            means[name] = [means[name][0] + value, means[name][1] + count]
+        for name, value in rank_totals.items():
+            totals[name] = totals.get(name, 0.0) + value
+    return {name: value / max(count, 1) for name, (value, count) in means.items()} | totals
 
 
 def evaluate(
@@ -162,9 +179,11 @@ def evaluate(
     group_of: Callable[[dict], str] | None = None,
     evaluators: Sequence[int] | None = None,
     agent=None,
+    rewards=None,
 ) -> Evaluation:
     """Sampled and greedy accuracy over all of `heldout` (and per group of rows, with `group_of`);
-    every rank gets the same answer.
+    every rank gets the same answer. With `agent` (this rank's `AgentRollout`) and `rewards` (the
+    run's `Rewards`), the agent's episodes' mean reward instead (`agent_rewards`).
 
     Sample k of held-out prompt i is drawn with the key (seed, i, k): two evaluations of
     the same policy give the same numbers, at any world size. Every rank calls it together;
@@ -176,18 +195,15 @@ def evaluate(
     mine = [heldout[i] for i in indices]
     keys = eval_keys(seed, indices, num_samples)
     with gathered(model):  # fsdp2: the whole policy on each rank while it generates
-        sampled = judge(
-            model,
-            tokenizer,
-            mine,
-            is_correct,
-            sampling,
-            sample_keys=keys,
-            samples_per_prompt=num_samples,
-            env=env,
-            agent=agent,
-        )
-        greedy = judge(model, tokenizer, mine, is_correct, sampling, sample_keys=None, env=env, agent=agent)
+        if agent is not None:
+            sampled, episodes = agent_rewards(agent, rewards, mine, keys, num_samples)
+            greedy, numbers = agent_rewards(agent, rewards, mine, None, 1)[0], episodes.metrics()
+        else:
+            sampled = judge(
+                model, tokenizer, mine, is_correct, sampling, sample_keys=keys, samples_per_prompt=num_samples, env=env
+            )
+            greedy, numbers = judge(model, tokenizer, mine, is_correct, sampling, sample_keys=None, env=env), ({}, {})
+    metrics = _merged(comm.all_gather_object(numbers))  # every rank, evaluator or not, agent run or not
     # Every rank knows every row's group (the held-out rows are the same everywhere), so the
     # groups, and the layout of the one summed vector, agree without a collective.
     groups = sorted({group_of(heldout[i]) for i in range(len(heldout))}) if group_of is not None else []
@@ -205,6 +221,5 @@ def evaluate(
         (summed[4 * s] / max(summed[4 * s + 1], 1), summed[4 * s + 2] / max(summed[4 * s + 3], 1))
         for s in range(1 + len(groups))
     ]
-    return Evaluation(
-        sampled=rates[0][0], greedy=rates[0][1], per_group={name: rates[g + 1] for g, name in enumerate(groups)}
-    )
+    per_group = {name: rates[g + 1] for g, name in enumerate(groups)}
+    return Evaluation(sampled=rates[0][0], greedy=rates[0][1], per_group=per_group, metrics=metrics)

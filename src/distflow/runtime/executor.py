@@ -45,13 +45,14 @@ from distflow.observability.metrics import StepMetrics
 from distflow.observability.samples import gathered_samples
 from distflow.observability.writer import RunWriter
 from distflow.planner.plan import Transition
-from distflow.rollout.evaluation import Evaluation, evaluate
-from distflow.runtime import checkpointing
+from distflow.rollout.evaluation import Evaluation
+from distflow.runtime import checkpointing, evaluating
 from distflow.runtime.descendants import become_subreaper, end_descendants
 from distflow.runtime.faults import RankStatus, StageTimeouts, TrainingAborted, die_with_parent, raise_on_sigterm
 from distflow.runtime.pipelined import Pipeline
 from distflow.runtime.profiling import StepProfiler
 from distflow.runtime.stage_runner import Moved, record_step, run_stage, run_transition
+from distflow.runtime.step_notes import StepNotes
 from distflow.runtime.worker import Worker, build_worker
 from distflow.seeding import derive_seed
 
@@ -100,35 +101,6 @@ def run(
     status.done()
     shutdown()
     return finished
-
-
-def _evaluate(worker: Worker) -> Evaluation:
-    cfg, engines, start = worker.config, worker.engines, time.time()
-    result = evaluate(
-        worker.eval_model,
-        engines.tokenizer,
-        worker.heldout if worker.heldout is not None else worker.task.heldout,
-        worker.task.is_correct,
-        engines.sampling,
-        num_samples=cfg.trainer.eval_samples,
-        comm=worker.world,
-        seed=cfg.trainer.seed,
-        env=cfg.env,
-        group_of=getattr(worker.task, "group_of", None),
-        evaluators=worker.plan.groups["rollout"].ranks
-        if engines.sampling.engine.rollout_ranks_only or cfg.rollout.agent
-        else None,
-        agent=engines.agent,  # rollout.agent: the held-out rows are the agent's episodes too
-    )
-    return dataclasses.replace(result, seconds=time.time() - start)
-
-
-def _eval_metrics(result: Evaluation) -> dict[str, float]:
-    """The evaluation's metrics: overall, and per group of held-out rows when the task has groups."""
-    metrics = {"eval/accuracy": result.sampled, "eval/greedy_accuracy": result.greedy, "time/eval_s": result.seconds}
-    for group, (sampled, greedy) in result.per_group.items():
-        metrics |= {f"eval/{group}/accuracy": sampled, f"eval/{group}/greedy_accuracy": greedy}
-    return metrics
 
 
 def _step(worker: Worker, step: int, previous: Batch | None, status: RankStatus) -> tuple[dict[str, float], Batch]:
@@ -181,26 +153,26 @@ def _train(
         resumed_step = first_step - 1 if resume is not None else -1 if fresh_restart else None
         writer = _open_writer(config, run_dir, resumed_step=resumed_step)
         log = writer.message
-    before = _evaluation_before(worker, run_state, status, writer, log)
+    before = evaluating.evaluation_before(worker, run_state, status, writer, log)
     train_s = float(run_state.get("train_s", 0.0))
-    run_state = {"eval_before": {"sampled": before.sampled, "greedy": before.greedy}, "run_dir": str(run_dir)}
+    kept = {"sampled": before.sampled, "greedy": before.greedy} if before is not None else None
+    run_state = {"eval_before": kept, "run_dir": str(run_dir)}
     after, last_checkpoint, step = before, None, first_step - 1
     profiler = StepProfiler(trainer.profile_steps, first_step, trainer.total_steps, run_dir, comm.rank)
     staleness = config.asynchronous.max_staleness
     pipeline = Pipeline(worker, status, staleness) if staleness else None  # rollout runs ahead (pipelined.py)
-    for step, metrics, samples in _steps(worker, first_step, status, writer, profiler, pipeline, resumed):
+    notes = StepNotes(config, first_step, log)  # steps that trained nothing: said, and a run that cannot train stopped
+    for step, metrics, samples in _steps(worker, first_step, status, writer, profiler, notes, pipeline, resumed):
         # The steps' summed time is the slowest rank's (reduced metrics): every rank stops at the same step.
         before_s, train_s = train_s, train_s + metrics.get("time/step_s", 0.0)
         run_state["train_s"] = metrics["time/train_total_s"] = train_s
         out_of_time = bool(trainer.time_budget_s) and train_s >= trainer.time_budget_s
         last = step == trainer.total_steps or out_of_time
-        due = bool(trainer.eval_every) and step % trainer.eval_every == 0
-        due = due or bool(trainer.eval_every_s) and train_s // trainer.eval_every_s > before_s // trainer.eval_every_s
-        if last or due:
+        if (last and trainer.evaluate) or evaluating.due(trainer, step, before_s, train_s):
             status.enter("evaluate", step, len(worker.plan.items) + 2)
-            result = _evaluate(worker)
-            metrics.update(_eval_metrics(result))
-            log(f"step {step}: held-out accuracy {result.sampled:.3f}, greedy {result.greedy:.3f}")
+            result = evaluating.evaluate_worker(worker)
+            metrics.update(evaluating.eval_metrics(result))
+            log(f"step {step}: {evaluating.measured(config)} {result.sampled:.3f}, greedy {result.greedy:.3f}")
             after = result if last else after
         if writer:
             writer.log(step, metrics)
@@ -218,6 +190,7 @@ def _train(
             log(f"step {step}: the steps took {train_s:.0f} s >= trainer.time_budget_s={trainer.time_budget_s:g}: done")
             break
     profiler.close()  # a time-budget stop inside the profiled window
+    notes.at_end(step)
     status.enter("finish")
     summary = _summary(config, before, after, first_step, resume, comm, started, run_dir, last_checkpoint, step)
     if writer:
@@ -225,7 +198,7 @@ def _train(
         atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=1))
         _draw_curves(writer)
         print(json.dumps(summary), flush=True)
-    return summary, _eval_metrics(after)
+    return summary, evaluating.eval_metrics(after)
 
 
 def _steps(
@@ -234,12 +207,13 @@ def _steps(
     status: RankStatus,
     writer: RunWriter | None,
     profiler: StepProfiler,
+    notes: StepNotes,
     pipeline: Pipeline | None = None,
     resumed: checkpointing.Resumed | None = None,
 ):
     """(step, reduced metrics, the samples to log: `trainer.log_samples`' on rank 0) for every remaining step;
-    a run of non-finite steps ends the run (its metrics written first). With a `pipeline`, rollout ranks
-    run ahead (runtime/pipelined.py)."""
+    `notes` says the steps that trained nothing and ends a run that cannot train (its metrics written first).
+    With a `pipeline`, rollout ranks run ahead (runtime/pipelined.py)."""
     trainer, previous = worker.config.trainer, None
     if pipeline is not None:
         pipeline.start(first_step, resumed.state if resumed else None, resumed.rank_state if resumed else None)
@@ -251,7 +225,7 @@ def _steps(
                 metrics, previous = _step(worker, step, previous, status)
                 batch = previous
         try:
-            _check_numerics(metrics, worker.config.watchdog.max_nonfinite_steps)
+            notes.after(step, metrics)
         except TrainingAborted:
             if writer:
                 writer.log(step, metrics)
@@ -278,27 +252,10 @@ def _checkpoint_state(run_state: dict, pipeline: Pipeline | None) -> tuple[dict,
     return {**run_state, **shared}, own
 
 
-def _evaluation_before(
-    worker: Worker, run_state: dict, status: RankStatus, writer: RunWriter | None, log
-) -> Evaluation:
-    """Held-out accuracy before RL (a resumed run has it from its checkpoint)."""
-    if "eval_before" in run_state:
-        return Evaluation(**run_state["eval_before"])
-    status.enter("evaluate", 0)
-    before = _evaluate(worker)
-    log(
-        f"held-out accuracy before RL: {before.sampled:.3f} (T={worker.engines.sampling.temperature}), "
-        f"greedy {before.greedy:.3f}"
-    )
-    if writer:
-        writer.log(0, _eval_metrics(before) | {"data/skipped_rows": worker.num_skipped_rows})
-    return before
-
-
 def _summary(
     config: Config,
-    before: Evaluation,
-    after: Evaluation,
+    before: Evaluation | None,
+    after: Evaluation | None,
     first_step: int,
     resume: Path | None,
     comm: Comm,
@@ -308,11 +265,7 @@ def _summary(
     last_step: int,
 ) -> dict:
     return {
-        "warmstart_accuracy": round(before.sampled, 4),
-        "final_accuracy": round(after.sampled, 4),
-        "warmstart_greedy_accuracy": round(before.greedy, 4),
-        "final_greedy_accuracy": round(after.greedy, 4),
-        "accuracy_gain": round(after.sampled - before.sampled, 4),
+        **evaluating.rounded_summary(before, after),
         "steps": last_step,
         "resumed_from_step": first_step - 1 if resume is not None else None,
         "world_size": comm.world_size,
@@ -385,15 +338,4 @@ def _draw_curves(writer: RunWriter) -> None:
         say(
             f"distflow: warning: curves.png was not drawn ({type(err).__name__}: {err}); "
             f"`distflow report {writer.run_dir}` draws it again"
-        )
-
-
-def _check_numerics(metrics: dict[str, float], limit: int) -> None:
-    """Every rank sees the same reduced metrics, so every rank aborts alike."""
-    streak = int(metrics.get("train/consecutive_nonfinite_steps", 0))
-    if limit and streak >= limit:
-        raise TrainingAborted(
-            f"{streak} optimizer steps in a row had a non-finite loss or gradient and were skipped "
-            f"(watchdog.max_nonfinite_steps={limit}); lower optim.lr, check the reward and custom stages, "
-            "or resume from an earlier checkpoint"
         )
