@@ -182,9 +182,12 @@ def test_a_parts_first_wrong_output_ends_the_run_with_one_line(userdir, cache_di
     assert "step 1:" not in result.stderr  # stopped at the first call, before any step was logged
 
 
-def test_a_nan_loss_is_said_at_the_first_skipped_step_and_a_run_that_never_trained_fails(userdir, cache_dir):
-    # 3 steps, under watchdog.max_nonfinite_steps' default 5: before, it exited 0, having trained nothing.
-    result = train(userdir, cache_dir, "nan-loss", "algorithm.policy_loss=parts:nan_loss", LENGTH)
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2 ranks: CI
+def test_a_nan_loss_is_said_at_the_first_skipped_step_and_a_run_that_never_trained_fails(userdir, cache_dir, nproc):
+    # 3 steps, under watchdog.max_nonfinite_steps' default 5: before, it exited 0, having trained nothing. Every
+    # rank decides from the same reduced metrics, so with 2 ranks both stop at step 3 and none waits.
+    nan = ["algorithm.policy_loss=parts:nan_loss", LENGTH, "--nproc", str(nproc)]
+    result = train(userdir, cache_dir, f"nan-loss-{nproc}", *nan)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
