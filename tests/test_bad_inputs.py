@@ -174,6 +174,14 @@ FAST = [
         ["task.reward=rewards_ok:one_arg"],
         "task.reward: 'rewards_ok:one_arg' must accept (prompt, completion, sample)",
     ),
+    # An agent is called as fn(client, sample): one that is not is refused at load (issue 64), not run on
+    # default rewards with every episode failing.
+    (
+        "agent signature",
+        ["rollout.agent=rewards_ok:one_arg"],
+        "rollout.agent: 'rewards_ok:one_arg' must accept (client, sample)",
+    ),
+    ("agent module", ["rollout.agent=no_such_module:solve"], "rollout.agent: cannot import module 'no_such_module'"),
     ("resume without run", ["--resume"], "--resume without a checkpoint continues trainer.run_name's run"),
     ("resume missing", ["--resume", "/nonexistent/ckpt"], "checkpoint /nonexistent/ckpt does not exist"),
     ("resume incomplete", ["--resume", "{tmp}/ckpt/step-000007"], "is incomplete (no COMPLETE marker)"),

@@ -96,10 +96,10 @@ class AgentResult:
 
 class AgentRollout:
     def __init__(self, config: AgentConfig, tokenizer, backend: Backend) -> None:
-        from distflow.config.callables import import_callable
+        from distflow.config.callables import agent_function
 
         self.config = config
-        self.fn = import_callable(config.fn, key="rollout.agent") if isinstance(config.fn, str) else config.fn
+        self.fn = agent_function(config.fn)
         self.server = AgentServer(config.server, tokenizer, backend)
         self._started = False
         self._previous: list[str] = []

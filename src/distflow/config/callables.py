@@ -86,6 +86,15 @@ def _reward_function(spec: str, key: str) -> Callable:
     return fn
 
 
+def agent_function(spec: str | Callable) -> Callable:
+    """The agent `rollout.agent` names, called as fn(client, sample): imported and its signature checked here
+    (the CLI before launch, every rollout rank when it builds its `AgentRollout`), so that an agent that cannot
+    be called is one line at load, not a failed episode each and a run on default rewards."""
+    fn = import_callable(spec, key="rollout.agent") if isinstance(spec, str) else spec
+    check_signature(fn, ("client", "sample"), f"rollout.agent: {spec!r}", "(client, sample)")
+    return fn
+
+
 def check_signature(fn: Callable, params: tuple[str, ...], where: str, contract: str) -> None:
     """`fn` must accept the positional arguments `params` (as it is called); else one line: `where` (the
     config key and value) must accept `contract`, and the signature it has."""

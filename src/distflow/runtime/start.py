@@ -203,13 +203,15 @@ def validate(config: Config, world_size: int, *, check_run_dir: bool, resuming: 
     """Everything that can be checked before a rank starts: layout arithmetic, graph, paths, imports:
     steps 3 (graph, plan) then 4 (preflight) of the validation order in config/rules.py. (Without
     importing torch, which alone takes seconds: a config error shows up at once.)"""
-    from distflow.config.callables import reward_functions
+    from distflow.config.callables import agent_function, reward_functions
     from distflow.dag.pipelines import LOADER_FIELDS, build_graph
     from distflow.planner.plan import make_plan
 
     graph = build_graph(config)
     make_plan(graph, config, world_size, LOADER_FIELDS)
     reward_functions(config.task)
+    if config.rollout.agent is not None:
+        agent_function(config.rollout.agent)
     if config.env.cls is not None:
         from distflow.envs import environment_class
 
