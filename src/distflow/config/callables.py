@@ -22,12 +22,9 @@ import importlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from distflow.config.errors import ConfigError
-
-if TYPE_CHECKING:
-    from distflow.config.schema import TaskConfig
 
 _PROVIDED: dict[str, object] = {}
 """Objects `distflow.train` provides for this process's run, by the name its config gives them."""
@@ -64,8 +61,8 @@ def import_callable(spec: str, *, key: str) -> Callable:
     return fn
 
 
-def reward_functions(task: TaskConfig) -> list[tuple[str, Callable, float]]:
-    """(metric name, function, weight) of each reward term: `task.rewards`, or the single
+def reward_functions(task: Any) -> list[tuple[str, Callable, float]]:
+    """(metric name, function, weight) of each reward term of the `task` section: `task.rewards`, or the single
     `task.reward`. Each is imported and its signature checked against
     fn(prompt, completion, sample) here, the one place that does it (the CLI before launch,
     every rank when it builds its rewards)."""

@@ -128,16 +128,17 @@ class RolloutEngine(Component):
 
 
 def checked_responses(
-    engine: RolloutEngine, out: Any, request: Request, vocab_size: int
+    engine: RolloutEngine, model: torch.nn.Module, request: Request
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What `engine.responses` returned for `request`, checked against the contract (rows, width, dtypes, ids
-    within the model's `vocab_size`: an id past it would make every loss NaN); one line naming
-    `rollout.engine` otherwise. Its one read of the ids is a rollout's, not a token's."""
+    """`engine.responses(model, request)`, checked against the contract (rows, width, dtypes, ids within the
+    model's vocabulary: an id past it would make every loss NaN); one line naming `rollout.engine` otherwise.
+    Its one read of the ids is a rollout's, not a token's."""
     import torch
 
     from distflow.config.errors import ConfigError
 
     where = f"rollout.engine ({type(engine).__module__}:{type(engine).__qualname__}): responses(model, request)"
+    out, vocab_size = engine.responses(model, request), model.get_input_embeddings().num_embeddings
     rows, width = request.prompt_ids_GP.shape[0] * request.n, request.max_new_tokens
     contract = f"(response ids [{rows}, <= {width}], log-probs of that shape or None)"
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor)):

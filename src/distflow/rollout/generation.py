@@ -76,9 +76,7 @@ def generate(
             bos_id=tokenizer.bos_token_id,
             logprobs=logprobs,
         )
-        engine = resolved(engine)
-        vocab_size = model.get_input_embeddings().num_embeddings
-        response_BR, logp_BR = checked_responses(engine, engine.responses(model, request), request, vocab_size)
+        response_BR, logp_BR = checked_responses(resolved(engine), model, request)
     finally:
         model.train(was_training)
     prompt_B = torch.arange(len(rows) * n, device=device) // n  # each row's prompt (a gather: one op a tensor)

@@ -161,7 +161,8 @@ def _train(
     profiler = StepProfiler(trainer.profile_steps, first_step, trainer.total_steps, run_dir, comm.rank)
     staleness = config.asynchronous.max_staleness
     pipeline = Pipeline(worker, status, staleness) if staleness else None  # rollout runs ahead (pipelined.py)
-    notes = StepNotes(config, first_step, log)  # steps that trained nothing: said, and a run that cannot train stopped
+    # Steps that trained nothing: said, and a run that cannot train stopped.
+    notes = StepNotes(config, config.watchdog.max_nonfinite_steps, log)
     for step, metrics, samples in _steps(worker, first_step, status, writer, profiler, notes, pipeline, resumed):
         # The steps' summed time is the slowest rank's (reduced metrics): every rank stops at the same step.
         before_s, train_s = train_s, train_s + metrics.get("time/step_s", 0.0)

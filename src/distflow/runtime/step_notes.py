@@ -20,8 +20,9 @@ from distflow.runtime.faults import TrainingAborted
 
 
 class StepNotes:
-    def __init__(self, config: Any, first_step: int, log: Callable[[str], None]) -> None:
-        self.config, self.first_step, self.log = config, first_step, log
+    def __init__(self, config: Any, max_nonfinite_steps: int, log: Callable[[str], None]) -> None:
+        self.config, self.limit, self.log = config, max_nonfinite_steps, log
+        """`limit`: `watchdog.max_nonfinite_steps` (0: no limit)."""
         self.num_steps = 0
         self.num_untrained = 0
         """Steps whose update changed nothing: no finite optimizer step, or no advantage at all."""
@@ -49,7 +50,7 @@ class StepNotes:
                 self.log(
                     f"step {step}: the loss or gradient was not finite (NaN or inf), so the optimizer step was "
                     f"skipped; the parts that compute it: {self._loss_parts()}; the run stops after "
-                    f"watchdog.max_nonfinite_steps={self.config.watchdog.max_nonfinite_steps} such steps in a row"
+                    f"watchdog.max_nonfinite_steps={self.limit} such steps in a row"
                 )
         self._check_streak(step, int(metrics.get("train/consecutive_nonfinite_steps", 0)))
 
@@ -66,7 +67,7 @@ class StepNotes:
         self.log(line)
 
     def _check_streak(self, step: int, streak: int) -> None:
-        limit, last = self.config.watchdog.max_nonfinite_steps, self.config.trainer.total_steps
+        limit, last = self.limit, self.config.trainer.total_steps
         if limit and streak >= limit:
             raise TrainingAborted(
                 f"{streak} optimizer steps in a row had a non-finite loss or gradient and were skipped "
