@@ -6,8 +6,13 @@ rank started) and its outputs at its first call (one line the run ends with, exi
 """
 
 import pytest
+import torch
 from conftest import run_cli
+from extending_common import user_module
 from test_bad_inputs import CONFIG, check_one_line_error, train
+
+from distflow.algorithms.off_policy import OffPolicyCorrection
+from distflow.config import ConfigError, load_config
 
 PARTS = """
 from distflow.algorithms.aggregation import TokenMean
@@ -215,4 +220,21 @@ def test_a_run_whose_groups_all_have_equal_rewards_says_it_trained_nothing(userd
     assert lines[-1] == (
         "3 of 3 steps trained nothing (3 with every group's rewards equal, 0 with a non-finite loss or gradient): "
         "the policy at step 3 is the one the run started from"
+    )
+
+
+def test_an_off_policy_weight_of_the_wrong_shape_is_named_where_the_loss_is_corrected(tmp_path, monkeypatch):
+    # The correction weighs the loss only with stale samples or a rollout of its own log-probs (2 ranks and
+    # asynchronous.max_staleness, or bf16): its contract is checked here, in the call the update makes.
+    weights = "def per_sequence(ratio_BR, cap):\n    return ratio_BR.clamp(max=cap).mean(-1)\n"
+    with user_module(tmp_path, monkeypatch, "my_weights", weights):
+        algo = load_config(None, ["algorithm.off_policy_correction=my_weights:per_sequence"]).algorithm
+        correction = OffPolicyCorrection.named(algo.off_policy_correction)
+        loss_BR, ratio_BR = torch.ones(2, 3), torch.full((2, 3), 1.5)
+        with pytest.raises(ConfigError) as raised:
+            correction.apply(loss_BR, ratio_BR, algo)
+    assert str(raised.value) == (
+        "algorithm.off_policy_correction='my_weights:per_sequence' returned a tensor of shape [2] where [2, 3] (its "
+        "first argument's shape) is due: an off-policy correction returns a distflow.algorithms.off_policy."
+        "OffPolicyCorrection, or a function (ratio_BR, cap) -> weight_BR, [B, R] as ratio_BR"
     )
