@@ -40,6 +40,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from distflow.config.errors import ConfigError
 from distflow.rollout.decoding import Tally
 from distflow.rollout.drafts import Drafter, DraftHistory
 from distflow.rollout.engine import Request
@@ -167,7 +168,7 @@ class _Rollout:
     def decode(self) -> None:
         prefill, logits_GV = self._prefill()
         if _sliding(prefill):
-            raise ValueError(
+            raise ConfigError(
                 "rollout.compact.slots needs a model without sliding-window attention layers; "
                 "set rollout.compact.slots=0"
             )

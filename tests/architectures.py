@@ -1,0 +1,113 @@
+"""Tiny random models of the decoder families a user brings, built from transformers' own config classes
+(hidden 64, 2 layers: enough for correctness, not for learning), saved as Hugging Face directories with a
+real BPE tokenizer and chat template: SmolLM2's where `make smollm2` has converted it, otherwise a
+byte-level BPE trained here on a few lines of text."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+import transformers
+
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=2048,
+)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+
+ARCHITECTURES: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", {**MOE, "num_experts": 4}),
+    "gemma2": ("Gemma2Config", {"sliding_window": 16, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16}),
+    "gemma3": ("Gemma3TextConfig", {"sliding_window": 16, "query_pre_attn_scalar": 16}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "phi3": ("Phi3Config", {}),
+    "olmo2": ("Olmo2Config", {}),
+    "granite": ("GraniteConfig", {}),
+    "smollm3": ("SmolLM3Config", {}),
+    "gpt_oss": (  # YaRN over its default 4096 positions ×32
+        "GptOssConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16, "max_position_embeddings": 131072},
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        {
+            **MOE,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+            "head_dim": 8,  # the rotary part of a head (qk_rope_head_dim)
+            "num_key_value_heads": 4,  # MLA: as many key-value heads as query heads
+        },
+    ),
+}
+"""name -> (transformers config class, its settings beyond COMMON); those the installed transformers has."""
+
+
+def available() -> list[str]:
+    return [name for name, (cls, _) in ARCHITECTURES.items() if hasattr(transformers, cls)]
+
+
+SMOLLM2_DIRS = sorted(Path("~/.cache/distflow/models").expanduser().glob("SmolLM2-135M-Instruct*"))
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "What is 12 + 30? Think step by step, then give the answer after ####.",
+    "The sum of 7, 8 and 9 is 24. #### 24",
+    "Solve: a train travels 60 km in 1.5 hours; its speed is 40 km/h. #### 40",
+] * 20
+
+
+@functools.cache
+def tokenizer():
+    """SmolLM2's tokenizer (a real BPE with its chat template) where it is on disk; else a byte-level BPE
+    of 512 tokens trained on CORPUS, with a ChatML template."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    for directory in SMOLLM2_DIRS:
+        if (directory / "tokenizer.json").exists():
+            return AutoTokenizer.from_pretrained(directory)
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(CORPUS, vocab_size=512, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>", bos_token="<|im_start|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(name: str):
+    cls_name, extra = ARCHITECTURES[name]
+    tok = tokenizer()
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return getattr(transformers, cls_name)(vocab_size=len(tok), **{**COMMON, **ids, **extra})
+
+
+def save_tiny(name: str, directory: Path, *, seed: int = 0) -> Path:
+    """A tiny random `name` model with the tokenizer, saved as a Hugging Face directory."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(name))
+    model.save_pretrained(directory)
+    tokenizer().save_pretrained(directory)
+    return directory
