@@ -1,4 +1,5 @@
 import importlib
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -9,6 +10,18 @@ import forked_cli
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _verifiers_version() -> str:
+    try:
+        return importlib.metadata.version("verifiers")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+# tests/vf_envs/vf_sums.py builds its classes from verifiers 0.4's API when it is imported (it is the 0.4
+# tests' taskset): pytest's doctest collection leaves it out where verifiers 0.4 is not installed.
+collect_ignore = [] if _verifiers_version().startswith("0.4") else ["vf_envs/vf_sums.py"]
 
 # Under pytest-xdist (`make test` runs 2 workers) each worker's runs get their share of the cores, as
 # comm.py gives each rank of a job its share: two workers whose runs each spread torch's threads over
