@@ -244,3 +244,43 @@ def test_kill_9_then_resume_reproduces_an_agent_run(tmp_path, cache_dir):
     whole = {"metrics": read_metrics(tmp_path / "whole-out/run"), "samples": samples(tmp_path / "whole")}
     got = {**samples(tmp_path / "first"), **samples(tmp_path / "second")}
     assert_same_run(got, read_metrics(tmp_path / "out/run"), whole, steps=(1, 2, 3, 4))
+
+
+def test_the_tool_warm_start_shows_a_bar_and_the_held_out_count_does_not_key_it(tmp_path):
+    """The calculator agent's warm-start (tool transcripts) shows a bar with its steps and an estimate; held-out
+    counts up to 500 share one warm-start, none of whose training problems is held out."""
+    import re
+
+    from distflow.config.loader import load_config
+    from distflow.tasks.arithmetic import ArithmeticTask
+    from distflow.tasks.embedded import cache_key, warmstart_task
+    from distflow.tasks.tokenizer import build_char_tokenizer
+
+    shots = {}
+    for heldout in (40, 500, 1000):
+        config = load_config(REPO / "examples/agents/calculator.yaml", [f"task.num_heldout={heldout}"])
+        task, run_task = warmstart_task(config, build_char_tokenizer()), config.task
+        shots[heldout] = cache_key(config), task.train.ids
+        split = ArithmeticTask.build(
+            num_digits=run_task.num_digits, num_heldout=heldout, seed=0, num_operands=run_task.num_operands
+        )
+        held_out = set(split.heldout.ids)
+        assert held_out.isdisjoint(task.train.ids)
+    assert shots[40] == shots[500] and shots[500][0] != shots[1000][0]
+    (tmp_path / "calculator_agent.py").write_text((REPO / "examples/agents/calculator_agent.py").read_text())
+    result = run_cli(
+        "train",
+        str(REPO / "examples/agents/calculator.yaml"),
+        "trainer.progress_bar=true",
+        "warmstart.max_steps=20",
+        "warmstart.check_every=10",
+        "warmstart.num_validation=20",
+        "warmstart.target_accuracy=0.99",  # not reached in 20 steps: the run ends after the bar, exit 2
+        f"warmstart.cache_dir={tmp_path / 'cache'}",
+        f"trainer.output_dir={tmp_path}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "at most warmstart.max_steps=20 steps" in result.stderr
+    assert "warm-start: 100%" in result.stderr and "20/20 [" in result.stderr  # steps, elapsed<estimate
+    assert re.search(r"validation accuracy \d\.\d{3} of 0\.99", result.stderr)

@@ -9,7 +9,8 @@
 `distflow train` prepares it in the launching process before any rank starts; under a
 bare `torchrun`, local rank 0 of every node prepares it while the node's other ranks wait.
 The build is deterministic, and the cache key hashes everything that shapes the checkpoint
-(task, warm-start settings, sampling settings of the stopping rule, seed, format version).
+(task, warm-start settings, sampling settings of the stopping rule, seed, format version); the
+held-out count only past `HELD_OUT_FLOOR` (`reserved_problems`).
 
 A cache hit imports neither torch nor transformers (the builder's imports are inside it): under
 `--nproc N` the launching process only checks the cache, and each rank imports what it needs.
@@ -31,12 +32,26 @@ from distflow.config import Config, ConfigError, to_dict
 FORMAT_VERSION = 3  # 3: keyed sampling in the validation check
 UNSHAPING = ("cache_dir", "tool_transcripts")
 """Warm-start keys outside the cache key: where it is kept; the transcripts' choice is keyed by `env`."""
+HELD_OUT_FLOOR = 500
+"""The warm-start never trains on the first max(task.num_heldout, 500) problems of the task's seeded
+permutation, whose first `task.num_heldout` are the held-out ones: every held-out count up to 500 shares
+one warm-start (and its cache entry), none of whose problems it trained on. 500 is the smallest count of
+the shipped recipes, so their warm-starts, and the pages' measurements of them, stay as they were."""
+
+
+def reserved_problems(config: Config) -> int:
+    """How many problems, from the start of the permutation, the warm-start leaves out: the held-out ones
+    and up to `HELD_OUT_FLOOR` (at most half of those outside the warm-start's validation problems)."""
+    task = config.task
+    num_problems = 10 ** (task.num_operands * task.num_digits)
+    spare = (num_problems - config.warmstart.num_validation) // 2
+    return max(task.num_heldout, min(HELD_OUT_FLOOR, spare))
 
 
 def cache_key(config: Config) -> str:
     shaping = {
         "version": FORMAT_VERSION,
-        "task": {"num_digits": config.task.num_digits, "num_heldout": config.task.num_heldout},
+        "task": {"num_digits": config.task.num_digits, "num_heldout": reserved_problems(config)},
         "warmstart": {k: v for k, v in to_dict(config)["warmstart"].items() if k not in UNSHAPING}
         | {"cache_dir": None},
         "sampling": [config.rollout.temperature, config.rollout.top_p, config.rollout.max_new_tokens],
@@ -84,11 +99,20 @@ def _tool_batches(tokenizer, train: list[dict], seed: int):
     return batch_of
 
 
+def warmstart_task(config: Config, tokenizer):
+    """The task the warm-start draws from: the run's, with `reserved_problems` held out (the run's
+    held-out problems, or more, so that the held-out count does not key the warm-start). Its training
+    rows' last `warmstart.num_validation` validate the warm-start, and it trains on the others."""
+    from distflow.tasks.build import build_task
+
+    reserved = dataclasses.replace(config, task=dataclasses.replace(config.task, num_heldout=reserved_problems(config)))
+    return build_task(reserved, tokenizer, name="arithmetic")
+
+
 def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     """Build, warm-start and save the embedded model into `target` (atomically)."""
     from distflow.rollout.sampling import SamplingSpec
     from distflow.seeding import derive_seed
-    from distflow.tasks.build import build_task
     from distflow.tasks.tiny_model import build_tiny_model
     from distflow.tasks.tokenizer import build_char_tokenizer
     from distflow.tasks.warmstart import warm_start_to_target
@@ -97,7 +121,7 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
     seed = config.trainer.seed
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tokenizer, seed=derive_seed(seed, "model-init"))
-    task = build_task(config, tokenizer, name="arithmetic")
+    task = warmstart_task(config, tokenizer)
     ws = config.warmstart
     validation, train = task.train[-ws.num_validation :], task.train[: -ws.num_validation]
     sampling = SamplingSpec.of(config.rollout)
@@ -114,6 +138,7 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
         log,
         env=warmstart_env(config),
         batch_of=_tool_batches(tokenizer, train, seed) if tool else None,
+        progress_bar=config.trainer.progress_bar,
     )
     info["seconds"] = round(time.time() - start, 1)
     target.parent.mkdir(parents=True, exist_ok=True)

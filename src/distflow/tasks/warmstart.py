@@ -11,6 +11,7 @@ run every `check_every` steps) says the target competence is reached.
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -47,9 +48,11 @@ def supervised_warmstart(
     should_stop: Callable[[int], bool] = lambda step: False,
     check_every: int = 10,
     batch_of: Callable[[list[int], int], tuple[torch.Tensor, ...]] | None = None,
+    bar=None,
 ) -> list[float]:
     """Train in place (linear warm-up, then constant lr); returns the loss of every step.
-    `batch_of(indices, step)` replaces `supervised_batch` (multi-turn transcripts)."""
+    `batch_of(indices, step)` replaces `supervised_batch` (multi-turn transcripts); `bar` (a tqdm bar)
+    advances by one each step."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     warmup = 50
@@ -79,6 +82,8 @@ def supervised_warmstart(
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
+        if bar is not None:
+            bar.update(1)
         if step % check_every == 0:
             model.eval()
             stop = should_stop(step)
@@ -101,18 +106,32 @@ def warm_start_to_target(
     log,
     env=None,
     batch_of=None,
+    progress_bar: bool = False,
 ) -> dict:
     """Supervised training on `train` rows ({"prompt", "answer"}) until the sampled accuracy on
     `validation` (each row twice, keyed per (step, sample)) reaches `settings.target_accuracy`.
 
     `settings` is the run's `warmstart` section; a target not reached in `settings.max_steps`
     is a user error naming both; `batch_of` as in `supervised_warmstart` (the task's multi-turn
-    transcripts). Returns {steps, validation_accuracy, final_loss}.
+    transcripts). With `progress_bar`, a bar on stderr as the run's own (tqdm): steps out of
+    `settings.max_steps`, so its estimate is of the longest the warm-start can take (it stops at the
+    target), and the latest validation accuracy. Returns {steps, validation_accuracy, final_loss}.
     """
+    from tqdm import tqdm
+
     from distflow.config import ConfigError
     from distflow.rollout.evaluation import count_correct
 
     accuracy = [0.0]
+    bar = tqdm(
+        total=settings.max_steps,
+        desc="warm-start",
+        unit="step",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=1.0,
+        disable=not progress_bar or settings.target_accuracy <= 0,
+    )
 
     def reached_target(step: int) -> bool:
         keys = [derive_seed(seed, "warmstart-validation", step, j) for j in range(2 * len(validation))]
@@ -120,27 +139,31 @@ def warm_start_to_target(
             model, tokenizer, validation, is_correct, sampling, sample_keys=keys, samples_per_prompt=2, env=env
         )
         accuracy[0] = correct / total
+        bar.set_postfix_str(f"validation accuracy {accuracy[0]:.3f} of {settings.target_accuracy}")
         return accuracy[0] >= settings.target_accuracy
 
     losses: list[float] = []
     if settings.target_accuracy > 0:
         log(
             f"warm-start: supervised training on {len(train)} problems until validation accuracy "
-            f">= {settings.target_accuracy} (cached afterwards)"
+            f">= {settings.target_accuracy}, at most warmstart.max_steps={settings.max_steps} steps (the bar's "
+            "estimate is of that many; cached afterwards)"
         )
-        losses = supervised_warmstart(
-            model,
-            tokenizer,
-            [r["prompt"] for r in train],
-            [r["answer"] for r in train],
-            max_steps=settings.max_steps,
-            batch_size=settings.batch_size,
-            lr=settings.lr,
-            seed=derive_seed(seed, "warmstart-order"),
-            should_stop=reached_target,
-            check_every=settings.check_every,
-            batch_of=batch_of,
-        )
+        with bar:
+            losses = supervised_warmstart(
+                model,
+                tokenizer,
+                [r["prompt"] for r in train],
+                [r["answer"] for r in train],
+                max_steps=settings.max_steps,
+                batch_size=settings.batch_size,
+                lr=settings.lr,
+                seed=derive_seed(seed, "warmstart-order"),
+                should_stop=reached_target,
+                check_every=settings.check_every,
+                batch_of=batch_of,
+                bar=bar,
+            )
         if accuracy[0] < settings.target_accuracy:
             raise ConfigError(
                 f"the warm-start reached validation accuracy {accuracy[0]:.3f} < warmstart.target_accuracy="
