@@ -304,3 +304,29 @@ def test_the_embedded_models_convention_calls_the_calculator_and_renders_back_to
     ids = render(tokenizer, request, max_prompt_tokens=64, chat_template=EMBEDDED_CHAT_TEMPLATE)
     tool_ids, _ = transcript(tokenizer, {"prompt": "12+34+56=", "answer": "102"}, use_tool=True)
     assert ids == tool_ids[: len(ids)] and tokenizer.decode(ids) == "<bos>12+34+56=(12+34)=<eos>46"
+
+
+# --- chat templates and tools ---------------------------------------------------------------------------
+
+SMOLLM2_TEMPLATE = (  # SmolLM2-135M-Instruct's chat_template.jinja, as transformers converts it from the GGUF
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_a_template_that_drops_tools_or_calls_is_said_in_one_line():
+    """Rendered with and without a tool, and an assistant turn with and without a call: SmolLM2's template
+    drops both, the Hermes-style test template renders both, the embedded one renders calls only."""
+    from distflow.agents.templates import dropped_by_template, tools_warning
+    from distflow.dag.agent_stage import EMBEDDED_CHAT_TEMPLATE
+
+    tokenizer = chat_tokenizer()
+    assert dropped_by_template(tokenizer) == []
+    assert tools_warning(tokenizer) is None
+    line = tools_warning(tokenizer, SMOLLM2_TEMPLATE, model="SmolLM2-135M-Instruct")
+    assert line.count("\n") == 0 and line.startswith("distflow: warning: SmolLM2-135M-Instruct's chat template")
+    assert "renders neither the tools offered (`tools=`) nor the assistant's tool calls" in line
+    assert "never sees the tools" in line and "chat_template.jinja" in line
+    assert dropped_by_template(tokenizer, EMBEDDED_CHAT_TEMPLATE) == ["the tools offered (`tools=`)"]
