@@ -118,6 +118,15 @@ def test_tasksets_that_cannot_load_are_one_line_errors():
         config("vf-sums", "task.verifiers.harness={name: chat}")
 
 
+def test_the_installed_release_chooses_the_api_and_0_3_is_refused_in_one_line(monkeypatch):
+    assert source.api() == "v1"
+    monkeypatch.setattr(source.importlib.metadata, "version", lambda name: "0.2.1")
+    assert source.api() == "v0"
+    monkeypatch.setattr(source.importlib.metadata, "version", lambda name: "0.3.2")
+    with pytest.raises(ConfigError, match=r"verifiers 0.3.2 is installed; distflow loads its 0.4 line"):
+        source.api()
+
+
 def test_a_taskset_trains_through_the_cli_and_its_rewards_are_the_reward(tmp_path, cache_dir):
     result = run_cli(
         "train",
