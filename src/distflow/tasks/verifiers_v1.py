@@ -51,6 +51,7 @@ class Loaded:
         self.tasks = list(env.taskset)
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._pid = os.getpid()  # a forked child has the loop but not its thread: it serves anew
         self._failed: BaseException | None = None
 
     async def run_episode(self, task: Any, ctx: Any) -> Any:
@@ -59,6 +60,8 @@ class Loaded:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.env.run_episode(task, ctx), loop))
 
     def _serving_loop(self) -> asyncio.AbstractEventLoop:
+        if self._pid != os.getpid():
+            self._lock, self._loop, self._pid = threading.Lock(), None, os.getpid()
         with self._lock:
             if self._loop is None:
                 ready = threading.Event()
