@@ -94,6 +94,21 @@ def supervised_warmstart(
     return losses
 
 
+def _bar(max_steps: int, *, enabled: bool):
+    """The warm-start's progress bar on stderr, as the run's own (tqdm), over its most steps."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=max_steps,
+        desc="warm-start",
+        unit="step",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=1.0,
+        disable=not enabled,
+    )
+
+
 def warm_start_to_target(
     model: torch.nn.Module,
     tokenizer: PreTrainedTokenizerBase,
@@ -111,27 +126,14 @@ def warm_start_to_target(
     """Supervised training on `train` rows ({"prompt", "answer"}) until the sampled accuracy on
     `validation` (each row twice, keyed per (step, sample)) reaches `settings.target_accuracy`.
 
-    `settings` is the run's `warmstart` section; a target not reached in `settings.max_steps`
-    is a user error naming both; `batch_of` as in `supervised_warmstart` (the task's multi-turn
-    transcripts). With `progress_bar`, a bar on stderr as the run's own (tqdm): steps out of
-    `settings.max_steps`, so its estimate is of the longest the warm-start can take (it stops at the
-    target), and the latest validation accuracy. Returns {steps, validation_accuracy, final_loss}.
-    """
-    from tqdm import tqdm
-
-    from distflow.config import ConfigError
+    `settings` is the run's `warmstart` section; a target not reached in `settings.max_steps` is a user
+    error naming both; `batch_of` as in `supervised_warmstart`. `progress_bar`: a bar of the steps out of
+    `settings.max_steps` (the most it can take) and the latest validation accuracy. Returns {steps,
+    validation_accuracy, final_loss}."""
     from distflow.rollout.evaluation import count_correct
 
     accuracy = [0.0]
-    bar = tqdm(
-        total=settings.max_steps,
-        desc="warm-start",
-        unit="step",
-        file=sys.stderr,
-        dynamic_ncols=True,
-        mininterval=1.0,
-        disable=not progress_bar or settings.target_accuracy <= 0,
-    )
+    bar = _bar(settings.max_steps, enabled=progress_bar and settings.target_accuracy > 0)
 
     def reached_target(step: int) -> bool:
         keys = [derive_seed(seed, "warmstart-validation", step, j) for j in range(2 * len(validation))]
@@ -165,9 +167,16 @@ def warm_start_to_target(
                 bar=bar,
             )
         if accuracy[0] < settings.target_accuracy:
-            raise ConfigError(
-                f"the warm-start reached validation accuracy {accuracy[0]:.3f} < warmstart.target_accuracy="
-                f"{settings.target_accuracy} in warmstart.max_steps={settings.max_steps} steps; raise max_steps "
-                "or lower the target"
-            )
+            raise _missed(accuracy[0], settings)
     return {"steps": len(losses), "validation_accuracy": accuracy[0], "final_loss": losses[-1] if losses else None}
+
+
+def _missed(accuracy: float, settings):
+    """The error of a warm-start that did not reach its target."""
+    from distflow.config import ConfigError
+
+    return ConfigError(
+        f"the warm-start reached validation accuracy {accuracy:.3f} < warmstart.target_accuracy="
+        f"{settings.target_accuracy} in warmstart.max_steps={settings.max_steps} steps; raise max_steps "
+        "or lower the target"
+    )
