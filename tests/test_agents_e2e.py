@@ -133,6 +133,8 @@ def test_numbers_no_float_holds_score_the_default_and_are_counted(tmp_path, cach
     records, stderr = _train(tmp_path, cache_dir, "huge", "rollout.agent=huge:huge", "trainer.prompts_per_step=8")
     assert "OverflowError" not in stderr
     assert sum(r["agent/bad_rewards"] for r in records) > 0
+    evaluated = [json.loads(line) for line in (tmp_path / "huge/metrics.jsonl").read_text().splitlines()]
+    assert [r["eval/agent/bad_rewards"] > 0 for r in evaluated if "eval/accuracy" in r] == [True, True]
     assert all(r["agent/digits"] == 3.0 for r in records)  # the numbers that fit are logged
 
 
