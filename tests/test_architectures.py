@@ -179,3 +179,19 @@ def render_table() -> str:
 def test_the_docs_table_is_this_matrix():
     page = (REPO / "docs/features/architectures.md").read_text()
     assert render_table() in page, "docs/features/architectures.md: paste render_table()'s output in"
+
+
+def test_slots_on_a_model_with_sliding_windows_are_refused_before_any_rank_starts(saved, tmp_path):
+    result = run_cli(
+        "train",
+        str(REPO / "examples/math_verl.yaml"),
+        f"model.path={saved['gemma3']}",
+        f"task.train_file={REPO / 'examples/data/math_sample.jsonl'}",
+        f"task.heldout_file={REPO / 'examples/data/math_sample.jsonl'}",
+        "rollout.compact.slots=8",
+        f"trainer.output_dir={tmp_path}",
+        cwd=tmp_path,
+    )
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert "rollout.compact.slots needs a model without sliding-window attention layers" in lines[0]

@@ -168,10 +168,9 @@ class _Rollout:
     def decode(self) -> None:
         prefill, logits_GV = self._prefill()
         if _sliding(prefill):
-            raise ConfigError(
-                "rollout.compact.slots needs a model without sliding-window attention layers; "
-                "set rollout.compact.slots=0"
-            )
+            from distflow.rollout.compact import SLIDING_REFUSAL
+
+            raise ConfigError(SLIDING_REFUSAL)
         self._first_tokens(logits_GV)
         del logits_GV
         self.cache = _SlotCache(prefill, self.num_slots, self.width + self.R + self.draft_tokens)
