@@ -48,6 +48,7 @@ class RaisingTaskset(SumsTaskset):
             yield RaisingTask(task.data, task.config)
 """
 
+ENDLESS = RAISING.replace("Raising", "Endless").replace("(SumsTaskset):", "(SumsTaskset):\n    INFINITE = True")
 UNSCORED = RAISING.replace("    @vf.reward\n", "").replace("RaisingTask", "UnscoredTask").replace("Raising", "Unscored")
 
 
@@ -55,6 +56,7 @@ UNSCORED = RAISING.replace("    @vf.reward\n", "").replace("RaisingTask", "Unsco
 def vf_envs(monkeypatch, tmp_path):
     (tmp_path / "vf_raising.py").write_text(RAISING)
     (tmp_path / "vf_unscored.py").write_text(UNSCORED)
+    (tmp_path / "vf_endless.py").write_text(ENDLESS)
     monkeypatch.syspath_prepend(str(VF_ENVS))
     monkeypatch.syspath_prepend(str(tmp_path))
     paths = [str(VF_ENVS), str(tmp_path), os.environ.get("PYTHONPATH")]
@@ -110,6 +112,8 @@ def test_a_reward_that_raises_fails_its_episode_counted():
 def test_tasksets_that_cannot_load_are_one_line_errors():
     with pytest.raises(ConfigError, match=r"its task \(UnscoredTask\) has no rewards"):
         build_task(config("vf-unscored"), build_char_tokenizer())
+    with pytest.raises(ConfigError, match=r"env='vf-endless': its taskset yields tasks forever \(INFINITE\)"):
+        build_task(config("vf-endless"), build_char_tokenizer())
     with pytest.raises(ConfigError, match=r"env='vf-nowhere': no environment module 'vf_nowhere' is installed"):
         build_task(config("vf-nowhere"), build_char_tokenizer())
     with pytest.raises(ConfigError, match=r"cannot load environment 'vf-sums' with kwargs \{\"num_trian\": 3\}"):

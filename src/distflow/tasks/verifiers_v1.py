@@ -48,6 +48,11 @@ class Loaded:
 
     def __init__(self, env: Any, name: str) -> None:
         self.env, self.name = env, name
+        check(
+            env.taskset.bounded,
+            f"task.verifiers.env={name!r}: its taskset yields tasks forever (INFINITE), and distflow reads a "
+            "taskset's tasks once, as rows; use a bounded taskset (or one of its config's size settings)",
+        )
         self.tasks = list(env.taskset)
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
