@@ -363,3 +363,25 @@ def test_an_agent_run_answers_each_refused_field_in_openais_shape_and_prints_no_
         assert record["agent/eos_listed"] == 0.0 and record["agent/agent_errors"] == 0
         assert record["agent/malformed_requests"] == 4 * 16  # 4 prompts x 4 samples, 4 refusals each
     assert "Traceback" not in stderr
+
+
+def test_a_template_that_drops_tools_is_said_once_at_the_first_request_offering_them(tokenizer, capfd):
+    from test_agents_units import SMOLLM2_TEMPLATE
+
+    backend = ScriptedBackend(tokenizer, reluctant_script)
+    config = ServerConfig(chat_template=SMOLLM2_TEMPLATE, model_name="SmolLM2-135M-Instruct")
+    with AgentServer(config, tokenizer, backend) as server:
+        server.open_session("s", uid=0)
+        client = client_of(server, "s")
+        client.chat.completions.create(model="m", messages=ASK)  # no tools: nothing to say
+        assert server.tools_warning is None and "warning" not in capfd.readouterr().err
+        for _ in range(2):
+            client.chat.completions.create(model="m", messages=ASK, tools=[LOOKUP])
+    lines = [line for line in capfd.readouterr().err.splitlines() if "chat template" in line]
+    assert lines == [server.tools_warning]
+    assert "renders neither the tools offered (`tools=`) nor the assistant's tool calls" in lines[0]
+    # the test template renders both: no line
+    with AgentServer(ServerConfig(), tokenizer, ScriptedBackend(tokenizer, reluctant_script)) as server:
+        server.open_session("s", uid=0)
+        client_of(server, "s").chat.completions.create(model="m", messages=ASK, tools=[LOOKUP])
+    assert server.tools_warning is None

@@ -133,6 +133,9 @@ class AgentServer:
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self.tools_warning: str | None = None
+        """The line printed at the first request offering tools when the chat template drops them."""
+        self._tools_seen = False
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self.port = 0
@@ -282,6 +285,8 @@ class AgentServer:
             )
             if why is not None and chat.tool_choice != "none":
                 raise RequestError(why, param="tools")
+            if chat.tools and not self._tools_seen:
+                self._warn_if_template_drops_tools()
             opening = forced_opening(self._tokenizer, chat, self.config.chat_template)
             prompt_ids = render(
                 self._tokenizer,
@@ -299,6 +304,20 @@ class AgentServer:
         except SessionError as err:
             self.stats["refused"] += 1
             return _json(err.status, replies.error(err.message, err.kind))
+
+    def _warn_if_template_drops_tools(self) -> None:
+        """Once, at the first request that offers tools: say so where the chat template shows the model
+        neither them nor its own calls (the embedded model's `equals` convention renders none by design)."""
+        import sys
+
+        from distflow.agents.templates import tools_warning
+
+        self._tools_seen = True
+        if self.config.tool_call_format == "equals":
+            return
+        self.tools_warning = tools_warning(self._tokenizer, self.config.chat_template, model=self.config.model_name)
+        if self.tools_warning is not None:
+            print(self.tools_warning, file=sys.stderr, flush=True)
 
     async def _complete(self, session_id: str, chat, prompt_ids: list[int], opening: str) -> dict:
         """Sample the request's choices; `prompt_ids` end with the forced call's `opening` (if any), so
