@@ -34,11 +34,6 @@ class CompactOptions:
         )
 
 
-SLIDING_REFUSAL = (
-    "rollout.compact.slots needs a model without sliding-window attention layers; set rollout.compact.slots=0"
-)
-
-
 class CompactEngine(RolloutEngine):
     name = "compact"
     Config = CompactOptions
@@ -56,27 +51,6 @@ class CompactEngine(RolloutEngine):
         if options is not None:
             engine.settings = options
         return engine
-
-    @classmethod
-    def preflight(cls, config) -> list[str]:
-        """Slots keep one cache layout for every layer: a model with sliding-window attention layers (its
-        config's cache, as transformers builds it for generation) is refused before any rank starts."""
-        from distflow.config.components import ROLLOUT_ENGINES
-
-        _, settings = ROLLOUT_ENGINES.chosen(config.rollout, "engine")
-        if getattr(settings, "slots", 0) == 0 or config.model.path is None:
-            return []
-        from distflow.tasks.model_source import resolve_model_dir
-
-        model_dir = resolve_model_dir(config.model.path, builder=False)
-        if not (model_dir / "config.json").is_file():
-            return []  # a GGUF file not converted yet: the first rollout checks its cache
-        from transformers import AutoConfig, DynamicCache
-
-        cache = DynamicCache(config=AutoConfig.from_pretrained(model_dir))
-        if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
-            return [SLIDING_REFUSAL]
-        return []
 
     @property
     def history(self):

@@ -47,6 +47,12 @@ from distflow.rollout.engine import Request
 from distflow.rollout.sampling import keyed_uniforms, sampled_logprob_B1, token_logprob_B1
 from distflow.training.models import cache_kwargs
 
+SLIDING_REFUSAL = (
+    "rollout.compact.slots needs a model without sliding-window attention layers; set rollout.compact.slots=0"
+)
+"""Slots keep one cache layout for every layer: a sliding window's cache rolls (preflight.check_cache_layout
+refuses such a model before any rank starts; the first slotted rollout refuses it too)."""
+
 
 @torch.no_grad()
 def decode_in_slots(
@@ -168,8 +174,6 @@ class _Rollout:
     def decode(self) -> None:
         prefill, logits_GV = self._prefill()
         if _sliding(prefill):
-            from distflow.rollout.compact import SLIDING_REFUSAL
-
             raise ConfigError(SLIDING_REFUSAL)
         self._first_tokens(logits_GV)
         del logits_GV

@@ -232,6 +232,7 @@ def validate(config: Config, world_size: int, *, check_run_dir: bool, resuming: 
     if os.environ.get(LAUNCHED_ENV) != "1":  # else `distflow train --nproc` checked it before starting the ranks
         preflight.check_model_dir(config)
         preflight.check_lora(config)
+        preflight.check_cache_layout(config)
     if check_run_dir and not resuming and (run_dir_of(config) / "metrics.jsonl").exists():
         raise ConfigError(
             f"run directory {str(run_dir_of(config))!r} already holds a run; "
