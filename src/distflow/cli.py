@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(config, args.world_size)
         from distflow.api import train  # the engine; the CLI only turns its outcome into an exit status
 
+        for flag, value, least in (("--nproc", args.nproc, 1), ("--max-restarts", args.max_restarts, 0)):
+            if value < least:  # named as typed here (the Python API names its own arguments)
+                raise ConfigError(f"{flag} must be >= {least} (got {value})")
         train(config, nproc=args.nproc, resume=args.resume or False, max_restarts=args.max_restarts)
         return 0
     except ConfigError as err:

@@ -133,7 +133,6 @@ def warm_start_to_target(
     from distflow.rollout.evaluation import count_correct
 
     accuracy = [0.0]
-    bar = _bar(settings.max_steps, enabled=progress_bar and settings.target_accuracy > 0)
 
     def reached_target(step: int) -> bool:
         keys = [derive_seed(seed, "warmstart-validation", step, j) for j in range(2 * len(validation))]
@@ -151,6 +150,7 @@ def warm_start_to_target(
             f">= {settings.target_accuracy}, at most warmstart.max_steps={settings.max_steps} steps (the bar's "
             "estimate is of that many; cached afterwards)"
         )
+        bar = _bar(settings.max_steps, enabled=progress_bar)  # after the line: tqdm draws when it is made
         with bar:
             losses = supervised_warmstart(
                 model,
