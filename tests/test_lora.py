@@ -260,20 +260,9 @@ def test_the_lora_example_is_the_default_run_with_adapters():
 def test_a_mixture_of_experts_adapts_its_experts_and_leaves_the_router_alone():
     """all-linear on Qwen3-MoE (transformers 5: fused expert parameters, a router module): adapters on the
     attention and on the experts' fused projections, none on the router, whose 4 outputs would cap the rank."""
-    from transformers import Qwen3MoeConfig
+    from architectures import tiny_config
 
-    config = Qwen3MoeConfig(
-        vocab_size=len(build_char_tokenizer()),
-        hidden_size=64,
-        intermediate_size=64,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-    )
+    config = tiny_config("qwen3_moe")  # hidden 64, 4 experts
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(config)
     want = logits(base.eval())

@@ -246,22 +246,22 @@ def check_lora(config: Config) -> None:
 
 def check_cache_layout(config: Config) -> None:
     """`rollout.compact.slots` keep one cache layout for every layer: a model directory whose config makes
-    sliding-window layers (in the cache transformers builds for generation) is refused here."""
+    sliding-window layers (rollout/graphed.py's test, on its config alone) is refused here."""
     from distflow.config.components import ROLLOUT_ENGINES
 
     _, settings = ROLLOUT_ENGINES.chosen(config.rollout, "engine")
     if getattr(settings, "slots", 0) == 0 or config.model.path is None:
         return
-    from transformers import AutoConfig, DynamicCache
+    from transformers import AutoConfig
 
+    from distflow.rollout.graphed import config_has_sliding_layers
     from distflow.rollout.slots import SLIDING_REFUSAL
     from distflow.tasks.model_source import resolve_model_dir
 
     model_dir = resolve_model_dir(config.model.path, builder=False)
     if not (model_dir / "config.json").is_file():
         return  # a GGUF file not converted yet: the first rollout checks its cache
-    cache = DynamicCache(config=AutoConfig.from_pretrained(model_dir))
-    if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+    if config_has_sliding_layers(AutoConfig.from_pretrained(model_dir)):
         raise ConfigError(SLIDING_REFUSAL)
 
 

@@ -198,7 +198,12 @@ def _static_cache(model, length: int) -> StaticCache:
 
 def sliding(model) -> bool:
     """Whether the model has sliding-window attention layers, whose static cache rolls."""
-    return _rolls(StaticCache(config=model.config, max_cache_len=1))  # nothing allocated before an update
+    return config_has_sliding_layers(model.config)
+
+
+def config_has_sliding_layers(model_config) -> bool:
+    """Whether a model of `model_config` has sliding-window attention layers (read from its config alone)."""
+    return _rolls(StaticCache(config=model_config, max_cache_len=1))  # nothing allocated before an update
 
 
 def _rolls(cache: StaticCache) -> bool:

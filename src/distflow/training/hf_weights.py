@@ -39,19 +39,24 @@ from distflow.training.models import materialize
 
 def stored_tensor_names(model_dir: Path) -> set[str]:
     """The tensor names in a directory's safetensors files (sharded through an index, or one file)."""
+    return set(stored_files(model_dir))
+
+
+def stored_files(model_dir: Path) -> dict[str, str]:
+    """Each stored tensor's file name (sharded through an index, or the directory's files)."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        return set(json.loads(index.read_text())["weight_map"])
-    names: set[str] = set()
+        return json.loads(index.read_text())["weight_map"]
+    files: dict[str, str] = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
-            names.update(f.keys())
-    if not names:
+            files.update(dict.fromkeys(f.keys(), path.name))
+    if not files:
         raise ConfigError(
             f"no *.safetensors weights in {str(model_dir)!r}: sharded loading reads safetensors "
             "only (save the model with save_pretrained(safe_serialization=True))"
         )
-    return names
+    return files
 
 
 def load_sharded_weights(
@@ -63,7 +68,8 @@ def load_sharded_weights(
     `theirs` (PPO's critic: `backbone.` is the causal LM's `model.`), and only those are read.
     Collective over `comm`, the ranks the parameters are sharded on (DCP agrees on a read
     plan): in a disaggregated run the rollout-only ranks are not in it."""
-    stored = stored_tensor_names(model_dir)
+    files = stored_files(model_dir)
+    stored = set(files)
     state = get_model_state_dict(model)
     if rename is not None:
         ours, theirs = rename
@@ -78,7 +84,7 @@ def load_sharded_weights(
             "use parallel.strategy=ddp, which loads through from_pretrained"
         )
     for name, sources in fused.items():
-        _load_fused(state[name], sources, model_dir)
+        _load_fused(state[name], sources, model_dir, files)
     wanted = {name: tensor for name, tensor in state.items() if name in stored}
     dcp.load(
         wanted,
@@ -143,8 +149,11 @@ def fused_sources(name: str, stored: set[str]) -> list[list[str]] | None:
     return None
 
 
-def _load_fused(param: torch.Tensor, sources: list[list[str]], model_dir: Path) -> None:
-    """Fill this rank's experts of fused parameter `param` (a DTensor sharded by experts, or whole)."""
+def _load_fused(param: torch.Tensor, sources: list[list[str]], model_dir: Path, files: dict[str, str]) -> None:
+    """Fill this rank's experts of fused parameter `param` (a DTensor sharded by experts, or whole) from
+    their stored tensors (`files`: each one's file), each file opened once."""
+    import contextlib
+
     from torch.distributed.tensor import DTensor, Shard
 
     local, first = param, 0
@@ -160,23 +169,11 @@ def _load_fused(param: torch.Tensor, sources: list[list[str]], model_dir: Path) 
             f"{str(model_dir)!r} stores {len(sources)} experts for a fused parameter of {param.shape[0]}: "
             "the checkpoint is not this model's"
         )
-    files = _files_of(model_dir)
-    with torch.no_grad():
-        for row in range(local.shape[0]):
-            pieces = []
-            for name in sources[first + row]:
-                with safe_open(str(model_dir / files[name]), framework="pt") as f:
-                    pieces.append(f.get_tensor(name))
-            local[row].copy_(torch.cat(pieces, dim=0))
-
-
-def _files_of(model_dir: Path) -> dict[str, str]:
-    """Each stored tensor's file (sharded through an index, or one file)."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        return json.loads(index.read_text())["weight_map"]
-    out: dict[str, str] = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            out.update(dict.fromkeys(f.keys(), path.name))
-    return out
+    mine = sources[first : first + local.shape[0]]
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        opened = {
+            file: stack.enter_context(safe_open(str(model_dir / file), framework="pt"))
+            for file in {files[name] for names in mine for name in names}
+        }
+        for row, names in enumerate(mine):
+            local[row].copy_(torch.cat([opened[files[name]].get_tensor(name) for name in names], dim=0))
