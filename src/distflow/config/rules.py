@@ -34,6 +34,7 @@ def check_sections(config) -> None:
     _check_overlong(config)
     _check_rollout_engine(config)
     _check_agent(config)
+    _check_partial(config)
 
 
 def _check_task_source(config) -> None:
@@ -98,4 +99,45 @@ def _check_agent(config) -> None:
         or (config.env.cls in (None, "distflow.envs.tools:CalculatorEnv") and config.task.num_operands > 2),
         "warmstart.tool_transcripts=true teaches the calculator's convention on sums of more than two operands:"
         " use it with task.num_operands >= 3 and no env.cls other than distflow.envs.tools:CalculatorEnv",
+    )
+
+
+def _check_partial(config) -> None:
+    """Partial rollouts (dag/partial_stage.py) carry samples between the synchronous steps of one rank."""
+    from distflow.config.components import ROLLOUT_ENGINES
+
+    rollout, placement = config.rollout, config.placement
+    partial = rollout.partial
+    if not partial:
+        return
+    where = f"rollout.partial={partial}"
+    check(
+        not config.asynchronous.max_staleness,
+        f"{where} carries samples between synchronous steps; asynchronous.max_staleness > 0 is not supported "
+        "with it yet: set one of them to 0",
+    )
+    check(
+        rollout.agent is None and config.env.cls is None,
+        f"{where} continues single-turn samples; rollout.agent and env.cls roll out episodes: set rollout.partial=0",
+    )
+    check(
+        not config.algorithm.dynamic_sampling.enabled,
+        f"{where} and algorithm.dynamic_sampling both decide which groups a step trains: set one of them off",
+    )
+    check(
+        placement.rollout == placement.train and placement.rollout.ranks_per_replica == 1,
+        f"{where} keeps each rank's samples in flight in its own checkpoint, which needs rollout and training "
+        "on the same ranks: leave placement.rollout and placement.train at their defaults",
+    )
+    check(
+        config.algorithm.off_policy_correction != "none",
+        f"{where} continues samples under newer weights, so their tokens come from several policies: set "
+        "algorithm.off_policy_correction (tis, mask, seq_tis, geo_mask, ...) to weigh each token by its own "
+        "behaviour log-prob",
+    )
+    engine = ROLLOUT_ENGINES.get(rollout.engine)
+    check(
+        getattr(engine, "continues", False),
+        f"rollout.engine={rollout.engine} cannot continue a sample from its tokens so far (it does not declare "
+        f"`continues`), which {where} needs: use compact, generate or auto, or rollout.partial=0",
     )

@@ -40,6 +40,12 @@ class RolloutConfig:
     reaches this, and any as likely as that one (1: all)."""
     max_new_tokens: int = 6
     """Completion length limit in tokens (a turn's limit in multi-turn rollouts)."""
+    partial: int = 0
+    """Partial rollouts: the most tokens a sample decodes in one step. A sample that has not ended then
+    carries over to the next step with its tokens, their log-probs and the policy version of each, and
+    continues under the new weights; a prompt's group is trained in the step its last sample ends
+    (docs/features/partial.md). Needs an off-policy correction (`algorithm.off_policy_correction`), which
+    weighs each token by its own behaviour log-prob. 0: off (every sample decodes to its end in its step)."""
     engine: str = "auto"
     """How completions are computed (distflow/rollout/; the same samples either way but vLLM's):
     `auto` is `graphed` on CUDA (unless the model has sliding-window layers) and `compact`
@@ -76,6 +82,11 @@ class RolloutConfig:
         check(self.temperature > 0, f"rollout.temperature must be > 0 (got {self.temperature})")
         check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1] (got {self.top_p})")
         check(self.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        check(
+            self.partial == 0 or 0 < self.partial < self.max_new_tokens,
+            f"rollout.partial must be in [0, rollout.max_new_tokens) (got {self.partial} with max_new_tokens="
+            f"{self.max_new_tokens}): a cap at or past the longest sample carries nothing over; 0 turns it off",
+        )
         check(
             self.agent is None or ":" in self.agent,
             f"rollout.agent must look like 'package.module:function' (got {self.agent!r})",

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from distflow.config.schema import Config
-from distflow.dag import agent_stage, multiturn_stage, stages, update_stages
+from distflow.dag import agent_stage, multiturn_stage, partial_stage, stages, update_stages
 from distflow.dag.dynamic_sampling import DynamicSampling
 from distflow.dag.graph import Graph, Stage, StageFn
 from distflow.data.fields import (
@@ -113,6 +113,9 @@ def add_rollout(chain: Chain) -> None:
             tuple(dict.fromkeys(multiturn_stage.WRITES + behaviour)),
             group="rollout",
         )
+    elif chain.config.rollout.partial:
+        writes = (*SEQUENCE, *partial_stage.WRITES)
+        chain.add("rollout", partial_stage.PartialRollout(), "rollout", (UID, PROMPT, PROMPT_IDS), writes, group="rollout")
     else:
         chain.add(
             "rollout",

@@ -1,7 +1,7 @@
 """The batch fields, declared once: name, per-sample shape kind and element type.
 
     loader      LOADER_FIELDS                 uid, prompt, prompt_ids, sample
-    rollout     SEQUENCE + completion, group  (+ rollout_logp, policy_version, turn_reward)
+    rollout     SEQUENCE + completion, group  (+ rollout_logp, policy_version, token_version, turn_reward)
     reward …    reward, baseline_reward, kl_penalty, old_logp, ref_logp, values
     advantage   advantage, returns, sample_mask
 
@@ -39,6 +39,7 @@ UID, PROMPT, PROMPT_IDS, SAMPLE = "uid", "prompt", "prompt_ids", "sample"
 INPUT_IDS, ATTENTION_MASK, RESPONSE_MASK = "input_ids", "attention_mask", "response_mask"
 COMPLETION, GROUP = "completion", "group"
 ROLLOUT_LOGP, POLICY_VERSION, TURN_REWARD = "rollout_logp", "policy_version", "turn_reward"
+TOKEN_VERSION = "token_version"
 REWARD, BASELINE_REWARD, KL_PENALTY = "reward", "baseline_reward", "kl_penalty"
 OLD_LOGP, REF_LOGP, VALUES = "old_logp", "ref_logp", "values"
 ADVANTAGE, RETURNS, SAMPLE_MASK = "advantage", "returns", "sample_mask"
@@ -57,6 +58,7 @@ FIELDS: dict[str, Field] = {
         Field(GROUP, "1", "int64"),
         Field(ROLLOUT_LOGP, "R", "float32"),
         Field(POLICY_VERSION, "1", "int64"),
+        Field(TOKEN_VERSION, "R", "int64"),
         Field(TURN_REWARD, "R", "float32"),
         Field(REWARD, "1", "float32"),
         Field(BASELINE_REWARD, "1", "float32"),

@@ -24,6 +24,7 @@ from distflow.rollout.engine import Request, RolloutEngine
 
 class AutoEngine(RolloutEngine):
     name = "auto"
+    continues = True
 
     def __init__(self) -> None:
         from distflow.rollout.graphed import GraphedEngine  # torch: built on a rank, not where configs load

@@ -36,6 +36,7 @@ class CompactOptions:
 
 class CompactEngine(RolloutEngine):
     name = "compact"
+    continues = True
     Config = CompactOptions
     settings: CompactOptions = CompactOptions()
     """The defaults until `build` (or the constructor) sets this rank's: a subclass that overrides
@@ -91,6 +92,7 @@ def _decode(model, request: Request, tally=None):
         temperature=request.temperature,
         top_p=request.top_p,
         keys_B=request.keys_B,
+        offsets_B=request.offsets_B,
         logprobs=request.logprobs,
         tally=tally,
     )

@@ -17,6 +17,7 @@ from distflow.rollout.engine import Request, RolloutEngine
 
 class CompiledEngine(RolloutEngine):
     name = "compiled"
+    continues = True
 
     def __init__(self) -> None:
         self._compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -51,17 +51,20 @@ def decode(
     keys_B: torch.Tensor | None,
     logprobs: bool = False,
     tally: Tally | None = None,
+    offsets_B: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Response ids [G·n, max_new_tokens] (pad after a row's stop token) for left-padded prompts.
 
     Row g·n + k is sample k of prompt g, drawn with keys_B[g·n + k] (greedy if keys_B is None).
     `logprobs`: also each drawn token's log-prob under softmax(logits / T), [G·n, max_new_tokens]
     (0 after a row's end), recorded while sampling. `tally`: counts the forwards' rows and when rows
-    end (at the looks), for `RolloutStats`.
+    end (at the looks), for `RolloutStats`. `offsets_B`: continued rows' draw positions (`Request.offsets_B`).
     """
     width, device = prompt_ids_GP.shape[1], prompt_ids_GP.device
     stop_S = torch.tensor(stop_ids, device=device)
-    logits_AV, cache, rows = _prefill(model, prompt_ids_GP, prompt_mask_GP, samples_per_prompt, keys_B, max_new_tokens)
+    logits_AV, cache, rows = _prefill(
+        model, prompt_ids_GP, prompt_mask_GP, samples_per_prompt, keys_B, max_new_tokens, offsets_B
+    )
     drawn = _Drawn(rows.rows_A.shape[0], max_new_tokens, pad_id, logprobs, device)
     every = stop_check_interval(device)
     tally = tally if tally is not None else Tally()
@@ -198,7 +201,7 @@ class _Drawn:
         return response_BR if logp_BR is None else (response_BR, logp_BR)
 
 
-def _prefill(model, prompt_ids_GP, prompt_mask_GP, n: int, keys_B, max_new_tokens: int):
+def _prefill(model, prompt_ids_GP, prompt_mask_GP, n: int, keys_B, max_new_tokens: int, offsets_B=None):
     """(last-position logits [G·n, V], KV cache of G·n rows, the rows): each prompt computed once, then
     repeated (a gather of the prompt's row for each sample: one op per tensor)."""
     cache = DynamicCache(config=model.config)  # sliding-window layers get their own cache kind, as in generate
@@ -216,7 +219,9 @@ def _prefill(model, prompt_ids_GP, prompt_mask_GP, n: int, keys_B, max_new_token
     mask_BP = prompt_mask_GP[prompt_B]
     mask_BT = torch.cat([mask_BP, mask_BP.new_ones(num_rows, max_new_tokens)], dim=1)
     positions_BR1 = (mask_BP.sum(-1, keepdim=True) + torch.arange(max_new_tokens, device=device)).unsqueeze(-1)
-    uniforms = None if keys_B is None else keyed_uniforms(keys_B, max_new_tokens).float().unsqueeze(-1)  # all, ahead
+    uniforms = (
+        None if keys_B is None else keyed_uniforms(keys_B, max_new_tokens, offsets_B).float().unsqueeze(-1)
+    )  # all, ahead
     rows = _Rows(torch.arange(num_rows, device=device), mask_BT, positions_BR1, uniforms)
     return out.logits[:, -1, :].float()[prompt_B], cache, rows
 

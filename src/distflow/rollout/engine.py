@@ -41,6 +41,10 @@ class Request:
     bos_id: int | None
     logprobs: bool
     """Also return each sampled token's log-prob under softmax(logits / temperature)."""
+    offsets_B: torch.Tensor | None = None
+    """Continued samples (`rollout.partial`): the response tokens each row already has, at the end of its
+    prompt ids; its token t here is drawn from its key at position offsets_B[b] + t. None: every row
+    starts its response. Only an engine that declares `continues` is given them."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,9 @@ class RolloutStats:
 class RolloutEngine(Component):
     """The rollout engine kind. A subclass sets `name` and implements `responses`."""
 
+    continues: ClassVar[bool] = False
+    """Whether `responses` honours `Request.offsets_B` (drawing a continued row's tokens at their positions
+    in the sample), which partial rollouts (`rollout.partial`) need."""
     rollout_ranks_only: ClassVar[bool] = False
     """Made only where rollouts run, since it costs a process and a copy of the weights (vLLM): the
     held-out evaluation runs on the rollout ranks too, not on train ranks of a disaggregated run."""

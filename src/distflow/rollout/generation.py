@@ -47,19 +47,23 @@ def generate(
     samples_per_prompt: int = 1,
     engine: RolloutEngine | str = "compact",
     logprobs: bool = False,
+    offsets: list[int] | None = None,
 ) -> Generation:
     """`samples_per_prompt` completions of each prompt, sample k of prompt g in row g·n + k.
 
     With `sample_keys` (one per row) tokens are sampled from each row's key, else greedily; `prompt_ids` skips
     tokenization; `prompt_width` left-pads prompts to at least this many columns (a worker group's widest);
     `logprobs` keeps each sampled token's log-prob (`Generation.logp_BR`); `engine`: the run's (`SamplingSpec.engine`)
-    or a built-in one's name."""
+    or a built-in one's name; `offsets` (one per row): continued samples, each prompt ending with the response
+    tokens its sample already has, which draw from their keys after those (`Request.offsets_B`; the engine
+    must declare `continues`)."""
     model = unsharded_view(model)  # fsdp2 (inside `gathered`): the whole model, without FSDP's hooks
     device, n = next(model.parameters()).device, samples_per_prompt
     rows = prompt_ids if prompt_ids is not None else encode_prompts(tokenizer, prompts)
     prompt_ids_GP, prompt_mask_GP = (x.to(device) for x in left_pad(rows, tokenizer.pad_token_id, width=prompt_width))
     width = prompt_ids_GP.shape[1]
     keys_B = _keys_tensor(sample_keys, len(rows), n, device)
+    offsets_B = None if offsets is None else _offsets_tensor(resolved(engine), offsets, len(rows) * n, device)
     was_training = model.training
     model.eval()
     try:
@@ -75,6 +79,7 @@ def generate(
             pad_id=tokenizer.pad_token_id,
             bos_id=tokenizer.bos_token_id,
             logprobs=logprobs,
+            offsets_B=offsets_B,
         )
         response_BR, logp_BR = checked_responses(resolved(engine), model, request)
     finally:
@@ -102,6 +107,20 @@ def _keys_tensor(sample_keys: list[int] | None, num_prompts: int, n: int, device
     if len(sample_keys) != num_prompts * n:
         raise ValueError(f"{len(sample_keys)} sample keys for {num_prompts} prompts × {n} samples")
     return torch.tensor(sample_keys, dtype=torch.long, device=device)
+
+
+def _offsets_tensor(engine: RolloutEngine, offsets: list[int], num_rows: int, device) -> torch.Tensor:
+    """Each row's draw offset, for an engine that continues samples (a ConfigError names one that does not)."""
+    from distflow.config.errors import ConfigError
+
+    if not engine.continues:
+        raise ConfigError(
+            f"rollout.engine {engine.name!r} cannot continue a sample from its tokens so far (it does not declare "
+            "`continues`), which rollout.partial needs: use compact, generate or auto, or rollout.partial=0"
+        )
+    if len(offsets) != num_rows:
+        raise ValueError(f"{len(offsets)} offsets for {num_rows} rows")
+    return torch.tensor(offsets, dtype=torch.long, device=device)
 
 
 def _recomputed_logp(model, input_ids_BT, attention_mask_BT, width: int, temperature: float) -> torch.Tensor:

@@ -143,7 +143,9 @@ class _Decoder:
         ids_GP, R = request.prompt_ids_GP, request.max_new_tokens
         stop_S = torch.tensor(request.stop_ids, device=ids_GP.device)
         model = self.step.model()
-        logits_BV, dynamic, rows = _prefill(model, ids_GP, request.prompt_mask_GP, request.n, request.keys_B, R)
+        logits_BV, dynamic, rows = _prefill(
+            model, ids_GP, request.prompt_mask_GP, request.n, request.keys_B, R, request.offsets_B
+        )
         self.step.load(dynamic, rows, request.pad_id)
         del dynamic
         self.step.draw(logits_BV, self.step.t_1 - 1)

@@ -20,6 +20,7 @@ from distflow.rollout.engine import Request, RolloutEngine, RolloutStats
 
 class GenerateEngine(RolloutEngine):
     name = "generate"
+    continues = True
 
     def responses(self, model, request: Request):
         n = request.n
@@ -77,7 +78,12 @@ def hf_generate(model, prompt_ids_BP, prompt_mask_BP, request: Request, *, watch
     sampler = None
     if keys_B is not None:
         sampler = KeyedSampler(
-            keys_B, width, temperature=request.temperature, top_p=request.top_p, max_new_tokens=max_new_tokens
+            keys_B,
+            width,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            max_new_tokens=max_new_tokens,
+            offsets_B=request.offsets_B,
         )
         processors.append(sampler)
     config = GenerationConfig(

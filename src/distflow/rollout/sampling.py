@@ -85,18 +85,23 @@ def keyed_uniform(keys_B: torch.Tensor, position: int) -> torch.Tensor:
     return _uniforms(keys_B, torch.full_like(keys_B, position))
 
 
-def keyed_uniforms(keys_B: torch.Tensor, num_positions: int) -> torch.Tensor:
+def keyed_uniforms(keys_B: torch.Tensor, num_positions: int, offsets_B: torch.Tensor | None = None) -> torch.Tensor:
     """The uniforms of positions 0..R-1 at once, [B, R]: column t is `keyed_uniform(keys_B, t)`, bit
     for bit (the hash is exact integer arithmetic, element by element). A decode loop draws them all
     before its first token, so a decoded token pays for one column, not for the ~70 small integer
-    operations of the hash (each a kernel launch on a GPU).
+    operations of the hash (each a kernel launch on a GPU). `offsets_B`: row b's columns are positions
+    offsets_B[b] .. offsets_B[b] + R - 1 instead (a sample continued after the tokens it already has).
 
     >>> keys = torch.tensor([5, 17, 2**40])
     >>> torch.equal(keyed_uniforms(keys, 3)[:, 2], keyed_uniform(keys, 2))
     True
+    >>> torch.equal(keyed_uniforms(keys, 2, torch.tensor([1, 1, 1])), keyed_uniforms(keys, 3)[:, 1:])
+    True
     """
-    positions_1R = torch.arange(num_positions, device=keys_B.device).unsqueeze(0)
-    return _uniforms(keys_B.long().unsqueeze(-1), positions_1R)
+    positions_BR = torch.arange(num_positions, device=keys_B.device).unsqueeze(0)
+    if offsets_B is not None:
+        positions_BR = positions_BR + offsets_B.to(keys_B.device).long().unsqueeze(-1)
+    return _uniforms(keys_B.long().unsqueeze(-1), positions_BR)
 
 
 def _uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -241,9 +246,16 @@ class KeyedSampler:
     """Logits processor for `generate(do_sample=False)` that samples with per-row keys."""
 
     def __init__(
-        self, keys_B: torch.Tensor, prompt_width: int, *, temperature: float, top_p: float, max_new_tokens: int
+        self,
+        keys_B: torch.Tensor,
+        prompt_width: int,
+        *,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        offsets_B: torch.Tensor | None = None,
     ) -> None:
-        self.uniform_BR = keyed_uniforms(keys_B, max_new_tokens).float()  # every position's draw, ahead
+        self.uniform_BR = keyed_uniforms(keys_B, max_new_tokens, offsets_B).float()  # every position's draw, ahead
         self.prompt_width = prompt_width
         self.temperature = temperature
         self.top_p = top_p

@@ -168,7 +168,9 @@ class _Rollout:
             self.drafters[b // n].add_sample(b, tokens)
         self.response_BR = torch.full((self.num_rows, R), request.pad_id, dtype=torch.long, device=self.device)
         self.logp_BR = torch.zeros(self.response_BR.shape, device=self.device) if request.logprobs else None
-        self.uniforms_BR = None if request.keys_B is None else keyed_uniforms(request.keys_B, R).float()
+        self.uniforms_BR = (
+            None if request.keys_B is None else keyed_uniforms(request.keys_B, R, request.offsets_B).float()
+        )
         self.tally = Tally()
 
     def decode(self) -> None:

@@ -132,6 +132,26 @@ def _stateful_parts(worker: Worker) -> dict:
     return {name: part for name, part in parts.items() if has_state(part)}
 
 
+def rank_states(worker: Worker) -> dict | None:
+    """This rank's own state of the stages that keep one per rank (`rank_state_dict`: the partial rollout's
+    samples in flight), by stage name, for its `state-rank{R}.pt`; None where no stage keeps any."""
+    states = {name: fn.rank_state_dict() for name, fn in _rank_stateful(worker).items()}
+    return states or None
+
+
+def restore_rank_states(worker: Worker, saved: dict | None) -> None:
+    """Hand each stage that keeps a per-rank state what this rank's checkpoint holds of it (a stage it lacks
+    starts empty)."""
+    for name, fn in _rank_stateful(worker).items():
+        if saved and name in saved:
+            fn.load_rank_state_dict(saved[name], worker.world.world_size)
+
+
+def _rank_stateful(worker: Worker) -> dict:
+    stages = (item.stage for item in worker.plan.items if isinstance(item, PlannedStage))
+    return {stage.name: stage.fn for stage in stages if callable(getattr(stage.fn, "rank_state_dict", None))}
+
+
 def _others(worker: Worker) -> dict:
     """Trained modules besides the policy (the critic under PPO): what each trained model's `trained_state` says."""
     return checkpointed(worker.engines.built)

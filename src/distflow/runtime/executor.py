@@ -184,7 +184,7 @@ def _train(
             status.enter("checkpoint", step, len(worker.plan.items) + 3)
             if writer:
                 writer.sync()  # the checkpoint's steps are logged for good before it exists
-            checkpointing.save(worker, root, step, *_checkpoint_state(run_state, pipeline))
+            checkpointing.save(worker, root, step, *_checkpoint_state(worker, run_state, pipeline))
             last_checkpoint = root / step_dir_name(step)
             log(f"checkpoint saved: {last_checkpoint}")
         if out_of_time:
@@ -218,6 +218,8 @@ def _steps(
     trainer, previous = worker.config.trainer, None
     if pipeline is not None:
         pipeline.start(first_step, resumed.state if resumed else None, resumed.rank_state if resumed else None)
+    elif resumed is not None:
+        checkpointing.restore_rank_states(worker, resumed.rank_state)
     for step in range(first_step, trainer.total_steps + 1):
         with profiler.step(step):
             if pipeline is not None:
@@ -245,10 +247,11 @@ def _resume(worker: Worker, resume: Path, status: RankStatus, log) -> checkpoint
     return resumed
 
 
-def _checkpoint_state(run_state: dict, pipeline: Pipeline | None) -> tuple[dict, object]:
-    """(run-level JSON state, this rank's own state): a pipelined run adds its batches in flight."""
+def _checkpoint_state(worker: Worker, run_state: dict, pipeline: Pipeline | None) -> tuple[dict, object]:
+    """(run-level JSON state, this rank's own state): a pipelined run adds its batches in flight, a
+    synchronous one its stages' own (the partial rollout's samples in flight)."""
     if pipeline is None:
-        return run_state, None
+        return run_state, checkpointing.rank_states(worker)
     shared, own = pipeline.checkpoint_state()
     return {**run_state, **shared}, own
 

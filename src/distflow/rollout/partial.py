@@ -1,0 +1,165 @@
+"""Partial rollouts (`rollout.partial` = P): a sample decodes at most P tokens a step, and one that has
+not ended carries over to the next step, where it continues under the newer weights.
+
+    step s, on one rank (the weights: version s - 1, the updates they include)
+      carried groups (from step s - 1, in order)  +  this step's new groups (n samples each, no tokens)
+                 └──────────── every sample that has not ended ────────────┘
+          its prompt ids + its tokens so far, its key, offset = its tokens so far
+                 ──► one engine call (Request.offsets_B), at most P tokens each ──►
+      each sample: tokens += the new ones (cut at max_new_tokens), with their log-probs and version s - 1
+                   ended: a stop token drawn, or max_new_tokens reached
+      a group all of whose n samples ended ──► this step's batch: its advantage is taken over its
+                                               whole group, as GRPO defines it
+      the others ──► carried to step s + 1 (their ended samples wait there, computing nothing)
+
+Invariants:
+- Token t of a sample is drawn from the sample's key at position t (`Request.offsets_B`), from the
+  weights of the step in which t // P-th chunk ran: its version is a function of (the step the sample
+  started in, t), never of timing. The cap is per sample, so which samples end in which step, and so
+  which groups a step trains, do not depend on the world size or the layout.
+- A sample spans at most ceil(max_new_tokens / P) steps, and a group waits for its longest sample:
+  no token is more than ceil(max_new_tokens / P) - 1 updates old when it is trained.
+- Nothing here reads a clock or another rank: the stage (dag/partial_stage.py) does the collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class Sample:
+    """One sample of a group, as far as it has decoded."""
+
+    uid: int
+    key: int
+    """Its sampling key (rollout/sampling.py): token t is drawn at position t of it."""
+    tokens: list[int] = field(default_factory=list)
+    logp: list[float] = field(default_factory=list)
+    """Each token's log-prob under the weights that drew it (the behaviour log-prob)."""
+    versions: list[int] = field(default_factory=list)
+    """Each token's policy version: the updates of the weights that drew it."""
+    ended: bool = False
+
+
+@dataclass
+class Group:
+    """A prompt's n samples, carried until every one has ended."""
+
+    prompt_row: dict[str, Any]
+    """The prompt's loader row (field → value), as the loader gave it."""
+    prompt_ids: list[int]
+    samples: list[Sample]
+    first_step: int
+    """The step its samples started in."""
+
+    @property
+    def ended(self) -> bool:
+        return all(sample.ended for sample in self.samples)
+
+
+def running(groups: list[Group]) -> list[Sample]:
+    """The samples that have not ended, in the groups' order, each group's in its own: one engine row each."""
+    return [sample for group in groups for sample in group.samples if not sample.ended]
+
+
+def work_rows(groups: list[Group]) -> tuple[list[list[int]], list[int], list[int]]:
+    """(prompt ids + tokens so far, key, offset) of each running sample: the engine call's rows, n = 1 each."""
+    rows, keys, offsets = [], [], []
+    for group in groups:
+        for sample in group.samples:
+            if not sample.ended:
+                rows.append(group.prompt_ids + sample.tokens)
+                keys.append(sample.key)
+                offsets.append(len(sample.tokens))
+    return rows, keys, offsets
+
+
+def advance(
+    sample: Sample,
+    new_tokens: list[int],
+    new_logp: list[float],
+    *,
+    version: int,
+    stop_ids: tuple[int, ...],
+    max_new_tokens: int,
+) -> int:
+    """Add a chunk's tokens to `sample` (up to its first stop token, and no further than `max_new_tokens`);
+    the tokens kept.
+
+    >>> s = Sample(uid=0, key=1, tokens=[5, 6])
+    >>> advance(s, [7, 9, 3], [-1.0, -2.0, -3.0], version=4, stop_ids=(9,), max_new_tokens=8), s.tokens, s.ended
+    (2, [5, 6, 7, 9], True)
+    >>> s.versions
+    [4, 4]
+    >>> s = Sample(uid=0, key=1, tokens=[5, 6])
+    >>> advance(s, [7, 8, 3], [-1.0, -2.0, -3.0], version=4, stop_ids=(9,), max_new_tokens=4), s.ended
+    (2, True)
+    """
+    room = max_new_tokens - len(sample.tokens)
+    kept = new_tokens[:room]
+    for i, token in enumerate(kept):
+        if token in stop_ids:
+            kept = kept[: i + 1]
+            sample.ended = True
+            break
+    sample.tokens += kept
+    sample.logp += new_logp[: len(kept)]
+    sample.versions += [version] * len(kept)
+    if len(sample.tokens) >= max_new_tokens:
+        sample.ended = True
+    return len(kept)
+
+
+def take_ended(groups: list[Group]) -> tuple[list[Group], list[Group]]:
+    """(the groups all of whose samples ended, in order; the others, in order)."""
+    return [g for g in groups if g.ended], [g for g in groups if not g.ended]
+
+
+@dataclass
+class Assembled:
+    """The ended groups' samples as the rollout stage's tensors, sample k of group g in row g·n + k."""
+
+    input_ids_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    response_mask_BR: torch.Tensor
+    response_BR: torch.Tensor
+    """The response ids alone, pad after each row's end (what `completion` is decoded from)."""
+    logp_BR: torch.Tensor
+    version_BR: torch.Tensor
+    """Each response token's policy version (0 where the response mask is 0)."""
+
+
+def assemble(groups: list[Group], *, prompt_width: int, response_width: int, pad_id: int) -> Assembled:
+    """The samples of `groups` as tensors: prompts left-padded to `prompt_width`, responses right-padded
+    to `response_width` (the widths every rank of the stage's group uses, so a sample's row is the same
+    wherever it is)."""
+    import torch
+
+    from distflow.training.sequences import left_pad
+
+    samples = [(group, sample) for group in groups for sample in group.samples]
+    B, R = len(samples), response_width
+    prompt_ids_BP, prompt_mask_BP = left_pad([g.prompt_ids for g, _ in samples], pad_id, width=prompt_width)
+    response_BR = torch.full((B, R), pad_id, dtype=torch.long)
+    mask_BR = torch.zeros((B, R), dtype=torch.long)
+    logp_BR = torch.zeros((B, R), dtype=torch.float32)
+    version_BR = torch.zeros((B, R), dtype=torch.long)
+    for b, (_, sample) in enumerate(samples):
+        length = len(sample.tokens)
+        response_BR[b, :length] = torch.tensor(sample.tokens, dtype=torch.long)
+        mask_BR[b, :length] = 1
+        logp_BR[b, :length] = torch.tensor(sample.logp, dtype=torch.float32)
+        version_BR[b, :length] = torch.tensor(sample.versions, dtype=torch.long)
+    return Assembled(
+        input_ids_BT=torch.cat([prompt_ids_BP, response_BR], dim=1),
+        attention_mask_BT=torch.cat([prompt_mask_BP, mask_BR], dim=1),
+        response_mask_BR=mask_BR,
+        response_BR=response_BR,
+        logp_BR=logp_BR,
+        version_BR=version_BR,
+    )
