@@ -371,3 +371,18 @@ def check_resume_inflight(checkpoint: Path, extra: dict, config: Config, world_s
             f"resume it with the same max_staleness and world size (asynchronous.max_staleness={k}, "
             f"{world} ranks), or from the run's last checkpoint once it has finished"
         )
+
+
+def check_resume_partial(checkpoint: Path, extra: dict, config: Config, world_size: int) -> None:
+    """A checkpoint of a run with partial rollouts whose samples are in flight (dag/partial_stage.py keeps
+    them on the rank that started them) continues only on as many ranks, with rollout.partial on."""
+    saved = (extra.get("parts") or {}).get("rollout") or {}
+    in_flight, world = int(saved.get("samples_in_flight", 0)), saved.get("world_size")
+    if not in_flight:
+        return
+    if world != world_size or not config.rollout.partial:
+        raise ConfigError(
+            f"checkpoint {checkpoint} holds {in_flight} samples in flight of a run with rollout.partial on "
+            f"{world} ranks, each kept by the rank that started it: resume it on {world} ranks with "
+            "rollout.partial > 0"
+        )

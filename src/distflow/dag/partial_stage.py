@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from distflow.dag.stages import engine_figures
 from distflow.data.fields import (
     COMPLETION,
     GROUP,
@@ -27,7 +28,6 @@ from distflow.data.fields import (
     TOKEN_VERSION,
     UID,
 )
-from distflow.dag.stages import engine_figures
 from distflow.rollout.engine import resolved
 from distflow.rollout.partial import Group, Sample, advance, assemble, running, take_ended, work_rows
 from distflow.seeding import derive_seed
@@ -44,6 +44,16 @@ class PartialRollout:
         self.carried: list[Group] = []
         """The groups that have not ended, in the order they were opened."""
         self.world_size: int | None = None
+        self.in_flight = 0
+        """The samples carried after the last step, over all ranks."""
+
+    def state_dict(self) -> dict:
+        """What the checkpoint's meta.json says of the samples in flight, over all ranks (preflight reads it
+        before a resume: they continue only on as many ranks)."""
+        return {"samples_in_flight": self.in_flight, "world_size": self.world_size} if self.in_flight else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to take: the samples themselves are in each rank's own state (`load_rank_state_dict`)."""
 
     def rank_state_dict(self) -> dict:
         """What this rank's checkpoint keeps: the groups in flight (pickled with the rank's state)."""
@@ -54,8 +64,8 @@ class PartialRollout:
 
         if state.get("carried") and state["world_size"] != world_size:
             raise CheckpointError(
-                f"this checkpoint holds the samples in flight of a run with rollout.partial on "
-                f"{state['world_size']} ranks, each on the rank that started it: resume it on {state['world_size']} ranks"
+                f"this checkpoint holds the samples in flight of a run with rollout.partial on {state['world_size']} "
+                f"ranks, each on the rank that started it: resume it on {state['world_size']} ranks"
             )
         self.carried = list(state.get("carried") or [])
 
@@ -101,6 +111,7 @@ class PartialRollout:
                     max_new_tokens=rollout.max_new_tokens,
                 )
         ended, self.carried = take_ended(groups)
+        self.in_flight = _group_sum(ctx, len(running(self.carried)))
         _record(ctx, ended, self.carried, num_decoded, len(rows))
         prompt_width = _group_max(ctx, max((len(g.prompt_ids) for g in ended), default=0))
         return _batch(ended, ctx, prompt_width, version)
@@ -128,6 +139,12 @@ def _group_max(ctx: StageContext, value: int) -> int:
     import torch
 
     return int(ctx.comm.all_reduce_max(torch.tensor([value], device=ctx.comm.device)).item())
+
+
+def _group_sum(ctx: StageContext, value: int) -> int:
+    import torch
+
+    return int(ctx.comm.all_reduce_sum(torch.tensor([value], device=ctx.comm.device)).item())
 
 
 def _record(ctx: StageContext, ended: list[Group], carried: list[Group], num_decoded: int, num_rows: int) -> None:

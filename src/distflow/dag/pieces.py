@@ -115,7 +115,8 @@ def add_rollout(chain: Chain) -> None:
         )
     elif chain.config.rollout.partial:
         writes = (*SEQUENCE, *partial_stage.WRITES)
-        chain.add("rollout", partial_stage.PartialRollout(), "rollout", (UID, PROMPT, PROMPT_IDS), writes, group="rollout")
+        reads = (UID, PROMPT, PROMPT_IDS)
+        chain.add("rollout", partial_stage.PartialRollout(), "rollout", reads, writes, group="rollout")
     else:
         chain.add(
             "rollout",

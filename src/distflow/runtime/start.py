@@ -109,6 +109,7 @@ def _checked_resume(config: Config, value: str, world_size: int) -> Path:
             f"{budget_s:g}: nothing left to do; raise trainer.time_budget_s (or set it to 0)"
         )
     preflight.check_resume_inflight(checkpoint, meta["extra"], config, world_size)
+    preflight.check_resume_partial(checkpoint, meta["extra"], config, world_size)
     os.environ.setdefault(RESUME_ENV, str(checkpoint))
     os.environ.setdefault(RUN_DIR_ENV, str(run_dir))
     return checkpoint
