@@ -62,9 +62,7 @@ def _in_chunks(model, tokenizer, engine):
     return groups, calls
 
 
-@pytest.mark.parametrize(
-    "engine", [CompactEngine(), CompactEngine(CompactOptions(slots=5)), GenerateEngine()], ids=str
-)
+@pytest.mark.parametrize("engine", [CompactEngine(), CompactEngine(CompactOptions(slots=5)), GenerateEngine()], ids=str)
 def test_a_sample_continued_in_chunks_draws_the_tokens_of_one_go(model_and_tokenizer, engine):
     model, tokenizer = model_and_tokenizer
     reference = _one_go(model, tokenizer, CompactEngine())
@@ -76,9 +74,7 @@ def test_a_sample_continued_in_chunks_draws_the_tokens_of_one_go(model_and_token
     for b, sample in enumerate(samples):
         assert sample.tokens == response[b, : lengths[b]].tolist(), f"sample {b}"
         assert sample.versions == [t // CHUNK for t in range(lengths[b])]  # the chunk that drew each token
-        torch.testing.assert_close(
-            torch.tensor(sample.logp), reference.logp_BR[b, : lengths[b]], rtol=2e-5, atol=2e-5
-        )
+        torch.testing.assert_close(torch.tensor(sample.logp), reference.logp_BR[b, : lengths[b]], rtol=2e-5, atol=2e-5)
 
 
 def test_a_continued_row_draws_at_its_offset_whatever_the_logits():
@@ -92,8 +88,9 @@ def test_a_continued_row_draws_at_its_offset_whatever_the_logits():
         if getattr(model.get_output_embeddings(), "bias", None) is not None:
             model.get_output_embeddings().bias.zero_()
     keys, offsets = [11, 12, 13], [0, 4, 9]
+    rows = [[5, 6], [5, 6, 7, 8, 9, 10], [7] * 11]
     out = generate(model, tokenizer, [""] * 3, max_new_tokens=5, temperature=1.0, sample_keys=keys,
-                   prompt_ids=[[5, 6], [5, 6, 7, 8, 9, 10], [7] * 11], engine=CompactEngine(), offsets=offsets)  # fmt: skip
+                   prompt_ids=rows, engine=CompactEngine(), offsets=offsets)  # fmt: skip
     vocab = model.get_output_embeddings().weight.shape[0]
     uniforms = keyed_uniforms(torch.tensor(keys), 5, torch.tensor(offsets))
     want = (uniforms * vocab).floor().long().clamp(max=vocab - 1)
