@@ -22,7 +22,6 @@ from distflow.data.fields import (
     COMPLETION,
     GROUP,
     POLICY_VERSION,
-    PROMPT,
     PROMPT_IDS,
     ROLLOUT_LOGP,
     TOKEN_VERSION,
@@ -114,7 +113,7 @@ class PartialRollout:
         self.in_flight = _group_sum(ctx, len(running(self.carried)))
         _record(ctx, ended, self.carried, num_decoded, len(rows))
         prompt_width = _group_max(ctx, max((len(g.prompt_ids) for g in ended), default=0))
-        return _batch(ended, ctx, prompt_width, version)
+        return _batch(ended, batch, ctx, prompt_width)
 
 
 def sampling_stop_ids(ctx: StageContext) -> tuple[int, ...]:
@@ -172,8 +171,9 @@ def _record(ctx: StageContext, ended: list[Group], carried: list[Group], num_dec
         engine_figures(metrics, figures, float(num_decoded), num_rows)
 
 
-def _batch(ended: list[Group], ctx: StageContext, prompt_width: int, version: int) -> Batch:
-    """The ended groups' samples as the rollout stage's batch (the loader's fields repeated on each)."""
+def _batch(ended: list[Group], loader: Batch, ctx: StageContext, prompt_width: int) -> Batch:
+    """The ended groups' samples as the rollout stage's batch (the fields of the `loader`'s rows repeated on
+    each: every step's loader batch has the same ones)."""
     import torch
 
     from distflow.data.batch import Batch
@@ -185,13 +185,10 @@ def _batch(ended: list[Group], ctx: StageContext, prompt_width: int, version: in
     rows = [g.prompt_row for g in ended for _ in range(n)]
     meta: dict[str, list[Any]] = {}
     tensors: dict[str, torch.Tensor] = {}
-    names = list(rows[0]) if rows else [UID, PROMPT, PROMPT_IDS]
-    for name in names:
-        values = [row[name] for row in rows]
-        if values and isinstance(values[0], torch.Tensor):
-            tensors[name] = torch.stack(values)
-        else:
-            meta[name] = values
+    for name in loader.meta:
+        meta[name] = [row[name] for row in rows]
+    for name, tensor in loader.tensors.items():
+        tensors[name] = torch.stack([row[name] for row in rows]) if rows else tensor[:0]
     first_version_B = out.version_BR[:, 0] if len(rows) else torch.zeros(0, dtype=torch.long)
     return Batch(tensors, meta).updated(
         uid=[s.uid for g in ended for s in g.samples],

@@ -1,0 +1,55 @@
+"""Partial rollouts end to end (`rollout.partial`): samples carried across steps are the same on 1 and 2
+ranks, a run killed with samples in flight resumes them exactly, and a resume that would lose them is
+refused before any rank starts."""
+
+import json
+
+import pytest
+from resume_common import assert_same_run, samples, train
+from test_e2e import read_metrics
+
+PARTIAL = ("rollout.partial=3", "algorithm.off_policy_correction=tis", "rollout.max_new_tokens=8")
+EXACT = ("rollout/partial_groups_ended", "rollout/partial_samples_carried", "tokens/generated", "response/length")
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory, cache_dir):
+    root = tmp_path_factory.mktemp("partial-one-rank")
+    result = train(root / "cwd", root, cache_dir, "trainer.run_name=run", *PARTIAL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {"metrics": read_metrics(root / "run"), "samples": samples(root / "cwd")}
+
+
+def test_two_ranks_killed_with_samples_in_flight_resume_the_one_rank_run(tmp_path, cache_dir, one_rank):
+    ref_metrics = {r["step"]: r for r in one_rank["metrics"]}
+    assert ref_metrics[2]["rollout/partial_samples_carried"] > 0  # the checkpoint at step 2 holds samples in flight
+    assert ref_metrics[4]["rollout/partial_steps_max"] >= 2  # some trained group spanned steps
+    assert ref_metrics[4]["off_policy/token_staleness_max"] >= 1
+    out = tmp_path / "out"
+    killed = train(
+        tmp_path / "first", out, cache_dir, "trainer.run_name=run", *PARTIAL, "--nproc", "2",
+        env={"KILL_AT_STEP": "3", "KILL_RANK": "1"},
+    )  # fmt: skip
+    assert killed.returncode != 0
+    assert sorted(p.name for p in (out / "run/checkpoints").iterdir()) == ["step-000002"]
+    meta = json.loads((out / "run/checkpoints/step-000002/meta.json").read_text())
+    assert meta["extra"]["parts"]["rollout"] == {
+        "samples_in_flight": int(ref_metrics[2]["rollout/partial_samples_carried"]),
+        "world_size": 2,
+    }
+
+    refused = train(tmp_path / "refused", out, cache_dir, "trainer.run_name=run", *PARTIAL, "--resume")  # 1 rank
+    assert refused.returncode == 2
+    last = refused.stderr.strip().splitlines()[-1]
+    assert "samples in flight of a run with rollout.partial on 2 ranks" in last and "resume it on 2 ranks" in last
+
+    resumed = train(tmp_path / "second", out, cache_dir, "trainer.run_name=run", *PARTIAL, "--nproc", "2", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    metrics = read_metrics(out / "run")
+    assert [r["step"] for r in metrics] == [0, 1, 2, 3, 4]
+    got = {**samples(tmp_path / "first"), **samples(tmp_path / "second")}
+    ref = {"samples": one_rank["samples"], "metrics": ref_metrics}
+    assert_same_run(got, {r["step"]: r for r in metrics}, ref, steps=(1, 2, 3, 4))
+    for row in metrics[1:]:
+        for key in EXACT:
+            assert row[key] == ref_metrics[row["step"]][key], (row["step"], key)
