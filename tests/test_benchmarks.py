@@ -92,6 +92,7 @@ def test_every_benchmark_has_a_quick_test():
         "graphed_casts.py",
         "sampling.py",
         "long_tail.py",
+        "partial_rollouts.py",
     }, (
         f"benchmarks/ now holds {sorted(scripts)}: give each a --quick mode and a test here "
         "(gpu.py and graphed_casts.py: test_gpu_check.py)"
@@ -235,6 +236,26 @@ def test_rollout_engines_quick():
         assert "make vllm" in out["vllm"]["skipped"]
     else:  # .venv-vllm: the same prompts and keys through vLLM
         assert out["vllm"]["tokens_per_s"] > 0 and out["vllm"]["generated_tokens"] <= 4 * 4 * 4
+
+
+def test_partial_rollouts_quick():
+    """The controlled workload at 4 x 4 per step, <= 64 tokens, rollout.partial=16: both synchronous modes, then
+    ceil(64 / 16) + 3 partial steps whose carry fills (samples carried, groups ended), each over the floor."""
+    out = run_quick("partial_rollouts.py", timeout=1800)
+    run = out["controlled"]
+    assert "smollm2" not in out and (run["prompts"], run["samples"], run["max_new_tokens"], run["partial"]) == (
+        4,
+        4,
+        64,
+        16,
+    )
+    assert set(run["synchronous"]) == {"compact", "slots"}
+    assert run["synchronous"]["compact"]["tokens"] == run["synchronous"]["slots"]["tokens"]  # the same samples
+    steps = run["partial_steps"]
+    assert [row["step"] for row in steps] == list(range(1, 8)) and run["steady_from_step"] == 5
+    assert steps[0]["rows"] == 16 and all(row["tokens"] <= row["rows"] * 16 for row in steps)
+    assert any(row["samples_carried"] for row in steps) and sum(row["groups_ended"] for row in steps) > 0
+    assert all(row["over_floor"] > 0 for row in steps) and run["partial_over_floor"] > 0 and run["floor"]["step_s"] > 0
 
 
 def test_long_tail_quick():

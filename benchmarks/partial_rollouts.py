@@ -1,0 +1,195 @@
+"""Partial rollouts against the drain: a step's rollout wall time over the full-occupancy floor, with and
+without `rollout.partial`, side by side in one run.
+
+    .venv/bin/python benchmarks/partial_rollouts.py                        # both workloads (SmolLM2: make smollm2)
+    .venv/bin/python benchmarks/partial_rollouts.py --workload controlled  # the embedded model only
+    .venv/bin/python benchmarks/partial_rollouts.py --quick                # the suite's smoke test (controlled, tiny)
+
+Generation only, weights fixed, on long_tail.py's workloads (long_tail_workloads.py: P prompts x G samples
+per step, <= R tokens). Each step opens the workload's prompts as new groups (new uids, so new samples).
+
+  synchronous   one step's rollout, every sample to its end: `compact` (ended rows dropped) and `slots`
+                (ended rows refilled; long_tail.py's part-1 modes), the fastest of --rounds
+  partial       `--steps` steps of dag/partial_stage.py's bookkeeping (rollout/partial.py) through `slots`:
+                every running sample, carried ones first, decodes at most `--partial` tokens; the table
+                shows each step, and the steady state is the steps after ceil(R / partial), by which time
+                the carry has filled
+
+x floor: the seconds over the full-occupancy floor of the tokens the step decoded, tokens / S x one decode
+forward of S = P x G rows (the forward alone over a static KV cache at context prompt width + the
+synchronous median length, long_tail.py's floor), timed in the same run. The machine is named; the last
+stdout line is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from agent_endpoint import machine  # noqa: E402
+from bench_setup import log  # noqa: E402
+from long_tail_steps import forward_s, prefilled  # noqa: E402
+from long_tail_workloads import TEMPERATURE, controlled, smollm2, smollm2_missing  # noqa: E402
+
+from distflow.rollout.compact import CompactEngine, CompactOptions  # noqa: E402
+from distflow.rollout.generation import generate  # noqa: E402
+from distflow.rollout.partial import Group, Sample, advance, running, take_ended, work_rows  # noqa: E402
+from distflow.seeding import derive_seed  # noqa: E402
+from distflow.training.sequences import encode_prompts, stop_token_ids  # noqa: E402
+
+
+def synchronous(workload, engine, step: int) -> tuple[float, int, list[int]]:
+    """(seconds, tokens, lengths) of one step's rollout with every sample decoded to its end."""
+    keys = [derive_seed(0, "partial", step * workload.rows + b) for b in range(workload.rows)]
+    start = time.perf_counter()
+    out = generate(
+        workload.model, workload.tokenizer, workload.prompts, max_new_tokens=workload.max_new_tokens,
+        temperature=TEMPERATURE, sample_keys=keys, samples_per_prompt=workload.samples, engine=engine, logprobs=True,
+    )  # fmt: skip
+    took = time.perf_counter() - start
+    lengths = out.response_mask_BR.sum(-1).tolist()
+    return took, sum(lengths), lengths
+
+
+def partial_steps(workload, engine, partial: int, steps: int) -> list[dict]:
+    """`steps` steps of partial rollouts: each step's rows, tokens decoded, seconds and groups ended."""
+    prompt_ids = encode_prompts(workload.tokenizer, workload.prompts)
+    stop_ids, carried, rows_out = tuple(stop_token_ids(workload.tokenizer)), [], []
+    for step in range(1, steps + 1):
+        new = [
+            Group({}, ids, [Sample(u, derive_seed(0, "partial", u)) for u in _uids(step, g, workload)], step)
+            for g, ids in enumerate(prompt_ids)
+        ]
+        groups = carried + new
+        rows, keys, offsets = work_rows(groups)
+        start = time.perf_counter()
+        out = generate(
+            workload.model, workload.tokenizer, [""] * len(rows), max_new_tokens=partial, temperature=TEMPERATURE,
+            sample_keys=keys, prompt_ids=rows, engine=engine, logprobs=True, offsets=offsets,
+        )  # fmt: skip
+        took = time.perf_counter() - start
+        lengths, response = out.response_mask_BR.sum(-1).tolist(), out.input_ids_BT[:, out.prompt_width :].tolist()
+        logp, decoded = out.logp_BR.tolist(), 0
+        for b, sample in enumerate(running(groups)):
+            decoded += advance(sample, response[b][: lengths[b]], logp[b][: lengths[b]], version=step - 1,
+                               stop_ids=stop_ids, max_new_tokens=workload.max_new_tokens)  # fmt: skip
+        ended, carried = take_ended(groups)
+        rows_out.append({"step": step, "rows": len(rows), "tokens": decoded, "seconds": round(took, 4),
+                         "groups_ended": len(ended), "samples_carried": len(running(carried))})  # fmt: skip
+        log(f"{workload.name} partial step {step}: {len(rows)} rows, {decoded} tokens, {took:.3f} s")
+    return rows_out
+
+
+def _uids(step: int, group: int, workload) -> range:
+    first = (step * len(workload.prompts) + group) * workload.samples
+    return range(first, first + workload.samples)
+
+
+def run(workload, args) -> dict:
+    slots = workload.rows
+    engines = {"compact": CompactEngine(), "slots": CompactEngine(CompactOptions(slots=slots))}
+    for engine in engines.values():  # untimed first calls
+        generate(workload.model, workload.tokenizer, workload.prompts[:1], max_new_tokens=2, temperature=1.0,
+                 sample_keys=[1], engine=engine)  # fmt: skip
+    sync = {name: [synchronous(workload, engine, 0) for _ in range(args.rounds)] for name, engine in engines.items()}
+    lengths = sorted(sync["compact"][0][2])
+    context = len(encode_prompts(workload.tokenizer, workload.prompts[:1])[0]) + lengths[len(lengths) // 2]
+    step_s = forward_s(workload.model, prefilled(workload.model, workload.tokenizer, context), slots,
+                       growing=False, repeats=args.repeats)  # fmt: skip
+    table = partial_steps(workload, engines["slots"], args.partial, args.steps)
+    step_s = min(step_s, forward_s(workload.model, prefilled(workload.model, workload.tokenizer, context), slots,
+                                   growing=False, repeats=args.repeats))  # fmt: skip
+    for row in table:
+        row["over_floor"] = round(row["seconds"] / (row["tokens"] / slots * step_s), 3)
+    warm = math.ceil(workload.max_new_tokens / args.partial)
+    steady = [row for row in table if row["step"] > warm] or table[-1:]
+    floor_s = sum(r["tokens"] / slots * step_s for r in steady)
+    synchronous_rows = {}
+    for name, runs in sync.items():
+        seconds, tokens = min(r[0] for r in runs), runs[0][1]
+        synchronous_rows[name] = {"seconds": round(seconds, 4), "tokens": tokens,
+                                  "over_floor": round(seconds / (tokens / slots * step_s), 3)}  # fmt: skip
+    return {
+        "model": workload.model_name, "prompts": len(workload.prompts), "samples": workload.samples,
+        "max_new_tokens": workload.max_new_tokens, "partial": args.partial, "slots": slots,
+        "floor": {"context": context, "step_s": round(step_s, 6)},
+        "lengths": {"p50": lengths[len(lengths) // 2], "p90": lengths[math.ceil(0.9 * len(lengths)) - 1],
+                    "max": lengths[-1], "mean": round(sum(lengths) / len(lengths), 1)},
+        "synchronous": synchronous_rows, "partial_steps": table, "steady_from_step": warm + 1,
+        "partial_over_floor": round(sum(r["seconds"] for r in steady) / floor_s, 3),
+    }  # fmt: skip
+
+
+def report(name: str, result: dict) -> None:
+    if "skipped" in result:
+        print(f"\n{name}: skipped, {result['skipped']}")
+        return
+    lens = result["lengths"]
+    print(f"\n{name}: {result['model']}; {result['prompts']} x {result['samples']} per step, <= "
+          f"{result['max_new_tokens']} tokens, rollout.partial={result['partial']}, {result['slots']} slots; lengths "
+          f"p50 {lens['p50']} p90 {lens['p90']} max {lens['max']} mean {lens['mean']}")  # fmt: skip
+    print(f"  floor: a forward of {result['slots']} rows at context {result['floor']['context']}: "
+          f"{1e3 * result['floor']['step_s']:.2f} ms")  # fmt: skip
+    print(f"  {'rollout':<24}{'wall s':>9}{'tokens':>8}{'x floor':>9}")
+    for mode, row in result["synchronous"].items():
+        print(f"  {'synchronous ' + mode:<24}{row['seconds']:>9.3f}{row['tokens']:>8}{row['over_floor']:>9.2f}")
+    for row in result["partial_steps"]:
+        label = f"partial step {row['step']} ({row['rows']} rows)"
+        print(f"  {label:<24}{row['seconds']:>9.3f}{row['tokens']:>8}{row['over_floor']:>9.2f}"
+              f"   groups ended {row['groups_ended']}, samples carried {row['samples_carried']}")  # fmt: skip
+    print(f"  partial, steady state (steps >= {result['steady_from_step']}): "
+          f"{result['partial_over_floor']:.2f}x floor; "
+          f"synchronous slots {result['synchronous']['slots']['over_floor']:.2f}x, "
+          f"compact {result['synchronous']['compact']['over_floor']:.2f}x")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=("controlled", "smollm2", "both"))
+    parser.add_argument("--quick", action="store_true", help="the suite's smoke test: tiny sizes")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, help="default: 256 (controlled), 512 (smollm2)")
+    parser.add_argument("--partial", type=int, default=32, help="rollout.partial: tokens per sample per step")
+    parser.add_argument("--steps", type=int, help="partial steps (default: ceil(R / partial) + 3)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    workloads = {"controlled": ("controlled",), "smollm2": ("smollm2",), "both": ("controlled", "smollm2")}[
+        args.workload or ("controlled" if args.quick else "both")
+    ]
+    if args.quick:
+        torch.set_num_threads(1)
+        args.prompts, args.samples, args.max_new_tokens, args.partial, args.rounds, args.repeats = 4, 4, 64, 16, 1, 1
+    out: dict = {"machine": machine(), "load_avg_1min_at_start": round(os.getloadavg()[0], 2)}
+    for name in workloads:
+        sized = argparse.Namespace(**vars(args))
+        sized.max_new_tokens = args.max_new_tokens or (256 if name == "controlled" else 512)
+        sized.steps = args.steps or math.ceil(sized.max_new_tokens / args.partial) + 3
+        missing = smollm2_missing(args.quick) if name == "smollm2" else None
+        if missing is not None:
+            out[name] = {"skipped": missing}
+            continue
+        workload = controlled(sized) if name == "controlled" else smollm2(sized)
+        out[name] = run(workload, sized)
+    out["load_avg_1min_at_end"] = round(os.getloadavg()[0], 2)
+    for name in workloads:
+        report(name, out[name])
+    host = out["machine"]
+    print(f"\nmachine: {host['cpu']} ({host['cores']} cores, torch threads {host['torch_threads']}), "
+          f"flags {' '.join(host['flags'])}; "
+          f"load {out['load_avg_1min_at_start']} -> {out['load_avg_1min_at_end']}")  # fmt: skip
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
