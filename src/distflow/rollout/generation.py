@@ -68,19 +68,10 @@ def generate(
     model.eval()
     try:
         request = Request(
-            prompt_ids_GP,
-            prompt_mask_GP,
-            keys_B,
-            n=n,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            stop_ids=stop_token_ids(tokenizer),
-            pad_id=tokenizer.pad_token_id,
-            bos_id=tokenizer.bos_token_id,
-            logprobs=logprobs,
-            offsets_B=offsets_B,
-        )
+            prompt_ids_GP, prompt_mask_GP, keys_B, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_p=top_p, stop_ids=stop_token_ids(tokenizer), pad_id=tokenizer.pad_token_id,
+            bos_id=tokenizer.bos_token_id, logprobs=logprobs, offsets_B=offsets_B,
+        )  # fmt: skip
         response_BR, logp_BR = checked_responses(resolved(engine), model, request)
     finally:
         model.train(was_training)
