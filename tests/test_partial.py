@@ -154,3 +154,11 @@ def test_a_config_built_in_code_is_checked_too():
 
     with pytest.raises(ConfigError, match="rollout.partial"):
         Config(rollout=RolloutConfig(partial=3))
+
+
+def test_the_long_recipe_loads_with_partial_rollouts_through_slots():
+    from conftest import REPO
+
+    config = load_config(REPO / "examples/smollm2_chain_sum_long.yaml")
+    assert (config.rollout.partial, config.rollout.max_new_tokens, config.rollout.engine) == (64, 512, "compact")
+    assert config.algorithm.off_policy_correction == "tis"
