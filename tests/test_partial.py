@@ -62,7 +62,11 @@ def _in_chunks(model, tokenizer, engine):
     return groups, calls
 
 
-@pytest.mark.parametrize("engine", [CompactEngine(), CompactEngine(CompactOptions(slots=5)), GenerateEngine()], ids=str)
+@pytest.mark.parametrize(
+    "engine",
+    [CompactEngine(), CompactEngine(CompactOptions(slots=5)), GenerateEngine()],
+    ids=["compact", "slots", "generate"],
+)
 def test_a_sample_continued_in_chunks_draws_the_tokens_of_one_go(model_and_tokenizer, engine):
     model, tokenizer = model_and_tokenizer
     reference = _one_go(model, tokenizer, CompactEngine())
