@@ -41,7 +41,7 @@ from long_tail_workloads import TEMPERATURE, controlled, smollm2, smollm2_missin
 
 from distflow.rollout.compact import CompactEngine, CompactOptions  # noqa: E402
 from distflow.rollout.generation import generate  # noqa: E402
-from distflow.rollout.partial import Group, Sample, advance, running, take_ended, work_rows  # noqa: E402
+from distflow.rollout.partial import Group, Sample, absorb, running, take_ended, work_rows  # noqa: E402
 from distflow.seeding import derive_seed  # noqa: E402
 from distflow.training.sequences import encode_prompts, stop_token_ids  # noqa: E402
 
@@ -76,11 +76,7 @@ def partial_steps(workload, engine, partial: int, steps: int) -> list[dict]:
             sample_keys=keys, prompt_ids=rows, engine=engine, logprobs=True, offsets=offsets,
         )  # fmt: skip
         took = time.perf_counter() - start
-        lengths, response = out.response_mask_BR.sum(-1).tolist(), out.input_ids_BT[:, out.prompt_width :].tolist()
-        logp, decoded = out.logp_BR.tolist(), 0
-        for b, sample in enumerate(running(groups)):
-            decoded += advance(sample, response[b][: lengths[b]], logp[b][: lengths[b]], version=step - 1,
-                               stop_ids=stop_ids, max_new_tokens=workload.max_new_tokens)  # fmt: skip
+        decoded = absorb(groups, out, version=step - 1, stop_ids=stop_ids, max_new_tokens=workload.max_new_tokens)
         ended, carried = take_ended(groups)
         rows_out.append({"step": step, "rows": len(rows), "tokens": decoded, "seconds": round(took, 4),
                          "groups_ended": len(ended), "samples_carried": len(running(carried))})  # fmt: skip

@@ -9,7 +9,7 @@ from distflow.config import Config, ConfigError, load_config
 from distflow.rollout.compact import CompactEngine, CompactOptions
 from distflow.rollout.generation import generate
 from distflow.rollout.hf_generate import GenerateEngine
-from distflow.rollout.partial import Group, Sample, advance, assemble, take_ended, work_rows
+from distflow.rollout.partial import Group, Sample, absorb, assemble, take_ended, work_rows
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
 from distflow.training.sequences import encode_prompts, stop_token_ids
@@ -51,13 +51,7 @@ def _in_chunks(model, tokenizer, engine):
             sample_keys=row_keys, prompt_ids=rows, engine=engine, logprobs=True, offsets=offsets,
             prompt_width=14 + R,
         )  # fmt: skip
-        lengths = out.response_mask_BR.sum(-1).tolist()
-        response = out.input_ids_BT[:, out.prompt_width :].tolist()
-        running = [s for g in groups for s in g.samples if not s.ended]
-        for b, sample in enumerate(running):
-            chunk_logp = out.logp_BR[b].tolist()[: lengths[b]]
-            advance(sample, response[b][: lengths[b]], chunk_logp, version=calls, stop_ids=stop_token_ids(tokenizer),
-                    max_new_tokens=R)  # fmt: skip
+        absorb(groups, out, version=calls, stop_ids=stop_token_ids(tokenizer), max_new_tokens=R)
         calls += 1
     return groups, calls
 

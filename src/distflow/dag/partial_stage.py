@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from distflow.dag.stages import engine_figures
+from distflow.dag.stages import engine_figures, sample_uids
 from distflow.data.fields import (
     COMPLETION,
     GROUP,
@@ -28,7 +28,7 @@ from distflow.data.fields import (
     UID,
 )
 from distflow.rollout.engine import resolved
-from distflow.rollout.partial import Group, Sample, advance, assemble, running, take_ended, work_rows
+from distflow.rollout.partial import Group, Sample, absorb, assemble, running, take_ended, work_rows
 from distflow.seeding import derive_seed
 
 if TYPE_CHECKING:
@@ -72,6 +72,7 @@ class PartialRollout:
         from distflow.rollout.generation import generate
         from distflow.rollout.sampling import SamplingSpec
         from distflow.training.parallelize import gathered
+        from distflow.training.sequences import stop_token_ids
 
         rollout = ctx.config.rollout
         self.world_size = ctx.comm.world_size
@@ -87,7 +88,7 @@ class PartialRollout:
                     ctx.engines.rollout_model,
                     ctx.tokenizer,
                     [""] * len(rows),
-                    max_new_tokens=min(rollout.partial, rollout.max_new_tokens),
+                    max_new_tokens=rollout.partial,  # below max_new_tokens (RolloutConfig checks)
                     temperature=sampling.temperature,
                     top_p=sampling.top_p,
                     sample_keys=keys,
@@ -97,29 +98,13 @@ class PartialRollout:
                     logprobs=True,
                     offsets=offsets,
                 )
-            lengths = out.response_mask_BR.sum(-1).tolist()
-            response_BR = out.input_ids_BT[:, out.prompt_width :].tolist()
-            logp_BR = out.logp_BR.tolist()
-            for b, sample in enumerate(running(groups)):
-                num_decoded += advance(
-                    sample,
-                    response_BR[b][: lengths[b]],
-                    logp_BR[b][: lengths[b]],
-                    version=version,
-                    stop_ids=sampling_stop_ids(ctx),
-                    max_new_tokens=rollout.max_new_tokens,
-                )
+            stop_ids = stop_token_ids(ctx.tokenizer)
+            num_decoded = absorb(groups, out, version=version, stop_ids=stop_ids, max_new_tokens=rollout.max_new_tokens)
         ended, self.carried = take_ended(groups)
         self.in_flight = _group_sum(ctx, len(running(self.carried)))
         _record(ctx, ended, self.carried, num_decoded, len(rows))
         prompt_width = _group_max(ctx, max((len(g.prompt_ids) for g in ended), default=0))
         return _batch(ended, batch, ctx, prompt_width)
-
-
-def sampling_stop_ids(ctx: StageContext) -> tuple[int, ...]:
-    from distflow.training.sequences import stop_token_ids
-
-    return tuple(stop_token_ids(ctx.tokenizer))
 
 
 def _opened(batch: Batch, n: int, seed: int, step: int) -> list[Group]:
@@ -128,8 +113,8 @@ def _opened(batch: Batch, n: int, seed: int, step: int) -> list[Group]:
     for i in range(len(batch)):
         row = {name: batch[name][i] for name in batch.meta}
         row.update({name: tensor[i] for name, tensor in batch.tensors.items()})
-        uid = batch[UID][i]
-        samples = [Sample(uid=u, key=derive_seed(seed, "rollout", u)) for u in (uid * n + k for k in range(n))]
+        uids = sample_uids([batch[UID][i]] * n, n)
+        samples = [Sample(uid=u, key=derive_seed(seed, "rollout", u)) for u in uids]
         groups.append(Group(prompt_row=row, prompt_ids=list(batch[PROMPT_IDS][i]), samples=samples, first_step=step))
     return groups
 

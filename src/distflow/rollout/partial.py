@@ -115,6 +115,22 @@ def advance(
     return len(kept)
 
 
+def absorb(
+    groups: list[Group], generation: Any, *, version: int, stop_ids: tuple[int, ...], max_new_tokens: int
+) -> int:
+    """`advance` each running sample of `groups` by its row of `generation` (the `rollout.generation.Generation`
+    of `work_rows(groups)`, in that order); the tokens kept, summed."""
+    samples = running(groups)  # before any advances: an ended sample leaves the running ones
+    lengths = generation.response_mask_BR.sum(-1).tolist()
+    response_BR = generation.input_ids_BT[:, generation.prompt_width :].tolist()
+    logp_BR = generation.logp_BR.tolist()
+    return sum(
+        advance(sample, response_BR[b][: lengths[b]], logp_BR[b][: lengths[b]], version=version, stop_ids=stop_ids,
+                max_new_tokens=max_new_tokens)
+        for b, sample in enumerate(samples)
+    )  # fmt: skip
+
+
 def take_ended(groups: list[Group]) -> tuple[list[Group], list[Group]]:
     """(the groups all of whose samples ended, in order; the others, in order)."""
     return [g for g in groups if g.ended], [g for g in groups if not g.ended]
