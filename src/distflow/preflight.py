@@ -8,9 +8,9 @@ and the fix. What is checked:
                   warmstart.cache_dir: each is, or can be created as, a writable directory
     data files    task.train_file / task.heldout_file: readable files of a supported kind, with
                   rows; task.dataset's files: readable, with rows
-    model         model.path: a readable config.json, weight files that are complete
-                  (safetensors headers against file sizes), and a tokenizer whose ids all
-                  fit in the model's embeddings; task.reward_models[].path: a one-label
+    model         model.path: a readable config.json (routers where model.moe.aux_loss_coef > 0),
+                  weight files that are complete (safetensors headers against file sizes), and a
+                  tokenizer whose ids all fit in the model's embeddings; task.reward_models[].path: a one-label
                   sequence classifier with complete weight files
     rollout       what the chosen rollout engine needs (its `preflight`: for vllm, that vLLM imports)
     strategy      parallel.param_dtype / reduce_dtype that the device can use; decoder blocks
@@ -131,6 +131,7 @@ def check_model_dir(config: Config) -> None:
         raise ConfigError(f"model.path: {str(model_dir / 'config.json')!r} is not valid JSON ({err})") from None
     if not isinstance(model_config, dict):
         raise ConfigError(f"model.path: {str(model_dir / 'config.json')!r} must hold a JSON object")
+    config.model.moe.check_model(model_config)  # a load-balancing loss needs routers
     _check_weights(model_dir, "model.path", config.model.path)
     _check_vocabulary(model_config, model_dir, Path(tokenizer_path or model_dir).expanduser())
 

@@ -1,7 +1,9 @@
-"""The `model` section (which model, LoRA) and the `warmstart` section (the embedded model's start)."""
+"""The `model` section (which model, LoRA, a mixture of experts' router) and the `warmstart` section (the
+embedded model's start)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from distflow.config.errors import check
@@ -38,6 +40,35 @@ class LoraConfig:
 
 
 @dataclass(kw_only=True)
+class MoeConfig:
+    """A mixture-of-experts model's routers in the policy update (training/moe.py): every step logs their
+    load-balancing loss (`moe/aux_loss`) and their experts' load (`moe/expert_load_*`, `moe/load_imbalance*`);
+    a dense model logs none of them."""
+
+    aux_loss_coef: float = 0.0
+    """Weight of the routers' load-balancing loss (the model family's own `load_balancing_loss_func` in
+    transformers, Switch Transformer's: `top_k` when the routing is balanced, larger when not) in the policy
+    loss; 0 logs it without training on it. Qwen3-MoE was pretrained with 0.001 (`router_aux_loss_coef` in
+    its config.json). A model without routers refuses a positive value."""
+
+    def __post_init__(self) -> None:
+        check(
+            math.isfinite(self.aux_loss_coef) and self.aux_loss_coef >= 0,
+            f"model.moe.aux_loss_coef must be a finite number >= 0 (got {self.aux_loss_coef}; 0 logs the loss only)",
+        )
+
+    def check_model(self, model_config: dict) -> None:
+        """Refuse a positive `aux_loss_coef` for a model whose config.json (`model_config`) has no routers whose
+        load-balancing loss transformers computes (their config's `output_router_logits`)."""
+        check(
+            self.aux_loss_coef == 0 or "output_router_logits" in model_config,
+            f"model.moe.aux_loss_coef={self.aux_loss_coef:g} needs a mixture-of-experts model with a load-balancing "
+            f"loss (its config.json has no output_router_logits: a dense {model_config.get('model_type', 'model')}); "
+            "set it to 0",
+        )
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     path: str | None = None
     """Local Hugging Face model directory (any `AutoModelForCausalLM`); or a `.gguf` file, or
@@ -48,6 +79,15 @@ class ModelConfig:
     """Tokenizer directory; defaults to `path`."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters instead of full fine-tuning (off by default)."""
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    """A mixture of experts' routers: their load-balancing loss in the policy loss (off by default; logged)."""
+
+    def __post_init__(self) -> None:
+        check(
+            self.path is not None or self.moe.aux_loss_coef == 0,
+            f"model.moe.aux_loss_coef={self.moe.aux_loss_coef:g} needs a mixture-of-experts model (model.path); "
+            "the embedded model is dense: set it to 0",
+        )
 
 
 @dataclass(kw_only=True)

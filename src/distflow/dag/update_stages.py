@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from distflow.config.algorithm import AlgorithmConfig
     from distflow.dag.context import StageContext
     from distflow.data.batch import Batch
+    from distflow.training.moe import MoeTerm
 
 
 def loss_mask_BR(batch: Batch) -> torch.Tensor:
@@ -164,6 +165,8 @@ class PolicyObjective:
     reg_scale: float = 0.0
     tally: OffPolicyTally | None = None
     """With the rollout's log-probs in the batch: where the importance ratios are counted."""
+    moe: MoeTerm | None = None
+    """A mixture of experts' routers: their load-balancing loss (`model.moe.aux_loss_coef`) and load."""
 
     @property
     def kl_loss(self) -> bool:
@@ -199,6 +202,8 @@ class PolicyObjective:
         if self.regularised:
             reg_BR = self._regulariser_BR(micro, logp_BR, entropy_BR, stats, mask_BR)
             total = total + loss_sum(reg_BR, micro[RESPONSE_MASK].float(), agg) * self.reg_scale
+        if self.moe is not None:
+            total = total + self.moe.loss(micro)
         return total, stats
 
     def _regulariser_BR(self, micro: Batch, logp_BR, entropy_BR, stats: dict, mask_BR) -> torch.Tensor:
@@ -221,8 +226,11 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
     if ctx.step <= algo.critic.warmup_steps:  # PPO: let the critic learn the values first
         ctx.metrics.total("train/critic_warmup_steps", 1.0 / ctx.comm.world_size)
         return batch
+    from distflow.training.moe import MoeTerm
+
     tally = OffPolicyTally() if ROLLOUT_LOGP in batch.fields() else None
-    objective = PolicyObjective(algo, has_old=OLD_LOGP in batch.fields(), tally=tally)
+    moe = MoeTerm.of(ctx.engines.policy)
+    objective = PolicyObjective(algo, has_old=OLD_LOGP in batch.fields(), tally=tally, moe=moe)
     _record_staleness(batch, ctx)
     num_stepped = 0
     for mini in mini_batches(batch, ctx):
@@ -235,6 +243,8 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
         if normalizer == 0:  # every group of this mini-batch had equal rewards: no signal
             ctx.metrics.total("train/skipped_empty_steps", 1.0 / ctx.comm.world_size)
             continue
+        if moe is not None:
+            moe.begin(mini, normalizer, ctx.comm)
         stats = ctx.engines.policy.update(mini, objective, normalizer, entropy_grad=algo.entropy_coef > 0)
         _record_update(ctx, "train", stats, float(mask_BR.sum()))
         ctx.metrics.total("tokens/trained", float(mini[ATTENTION_MASK].sum()))
@@ -245,6 +255,8 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
     ctx.metrics.maximum("train/optimizer_state_bytes", float(ctx.engines.policy.optimizer_state_bytes()))
     if tally is not None and tally.num_tokens:
         tally.record(ctx)
+    if moe is not None:
+        moe.record(ctx.metrics, ctx.comm)
     return batch
 
 

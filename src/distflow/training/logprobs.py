@@ -11,6 +11,7 @@ import torch
 
 from distflow.data.batch import Batch
 from distflow.training.models import cache_kwargs
+from distflow.training.moe import RouterCapture
 from distflow.training.prefix_sharing import input_embedding, passes_outputs
 from distflow.training.token_logprobs import token_logprobs
 
@@ -27,6 +28,7 @@ def response_logprobs(
     padding_free: bool = False,
     shared_prefix: bool | None = False,
     lockstep: bool = False,
+    routers: RouterCapture | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each response token (the last R = `response_width` columns), shape [B, R].
 
@@ -36,7 +38,7 @@ def response_logprobs(
     mask is 0 are 0 with `padding_free` (the sequences packed: training.packing) and past a length
     bucket's end with `shared_prefix`. With `shared_prefix` each distinct prompt is computed
     once (training.prefix_sharing), in `lockstep` where each forward is a collective (fsdp2 training);
-    None: where the device gains from it (`prefix_sharing.shares_prefixes`)."""
+    None: where the device gains from it (`prefix_sharing.shares_prefixes`). `routers`: training/moe.py's."""
 
     def forward(ids, mask, positions, cache=None, keep=0):
         return model(
@@ -55,8 +57,8 @@ def response_logprobs(
         )
         return torch.stack([logp_NC, entropy_NC], -1) if with_entropy else logp_NC.unsqueeze(-1)
 
-    # Under DDP the wrapped model's config; a plain forward function (padded passes only) has none.
-    config = getattr(getattr(model, "module", model), "config", None)
+    forward = routers.heard(forward, attention_mask_BT) if routers is not None else forward  # each call's tokens
+    config = getattr(getattr(model, "module", model), "config", None)  # DDP: its module's; a plain function: none
     kept_BRK = passes_outputs(
         forward,
         config,
@@ -70,11 +72,10 @@ def response_logprobs(
         reduce=reduce,
         embed=input_embedding(model),  # used where prompts are shared
     )
-    logp_BR = kept_BRK[..., 0]
     entropy_BR = None
     if with_entropy:  # a constant unless an entropy bonus back-propagates through it
         entropy_BR = kept_BRK[..., 1] if entropy_grad else kept_BRK[..., 1].detach()
-    return logp_BR, entropy_BR
+    return kept_BRK[..., 0], entropy_BR
 
 
 @torch.no_grad()

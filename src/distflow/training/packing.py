@@ -83,6 +83,22 @@ def pack(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, response_w
     return Packing(ids_KL, pos_KL, (row_B.unsqueeze(1).expand_as(packed_col_BR), packed_col_BR), valid_BR)
 
 
+def packed_tokens_KL(attention_mask_BT: torch.Tensor) -> torch.Tensor:
+    """Which places of `pack`'s rows [K, L] hold a sequence's tokens (false: the row's filler), for a
+    forward hook that must tell them apart (training/moe.py's routers).
+
+    >>> packed_tokens_KL(torch.tensor([[0, 1, 1, 1], [0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]])).long().tolist()
+    [[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]]
+
+    (lengths 3, 2, 4, 1 first-fit decreasing into rows of 4: [4], [3, 1], [2])
+    """
+    lengths = attention_mask_BT.sum(-1).tolist()
+    width = max(max(lengths), 1)
+    rows = token_budget_micro_batches(lengths, width)  # `pack`'s rows
+    used_K = torch.tensor([sum(lengths[b] for b in members) for members in rows], device=attention_mask_BT.device)
+    return torch.arange(width, device=attention_mask_BT.device) < used_K.unsqueeze(1)
+
+
 _PROBED: weakref.WeakSet = weakref.WeakSet()
 
 

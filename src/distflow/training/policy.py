@@ -9,13 +9,17 @@ computed as the policy's, and as fast.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from distflow.comm import Comm
+from distflow.config.model import MoeConfig
 from distflow.config.parallel import ParallelConfig, PassesConfig
 from distflow.config.schema import OptimConfig
 from distflow.data.batch import Batch
 from distflow.training.logprobs import batch_logprobs, response_logprobs
+from distflow.training.moe import RouterCapture, check_aux_loss
 from distflow.training.parallelize import gathered, is_sharded
 from distflow.training.trainable import TrainableEngine
 
@@ -30,8 +34,13 @@ class PolicyEngine(TrainableEngine):
         temperature: float,
         parallel: ParallelConfig | None = None,
         passes: PassesConfig | None = None,
+        moe: MoeConfig | None = None,
     ) -> None:
         self.temperature = temperature  # log-probs are taken under the sampling distribution
+        self.moe = moe or MoeConfig()
+        self.routers = RouterCapture.of(model)
+        """A mixture of experts' routers, heard in the training forward (training/moe.py); None: a dense model."""
+        check_aux_loss(self.routers.routers if self.routers else None, self.moe.aux_loss_coef)
         super().__init__(model, comm, optim, parallel=parallel, passes=passes)
 
     def logprobs(self, batch: Batch) -> torch.Tensor:
@@ -39,7 +48,12 @@ class PolicyEngine(TrainableEngine):
         return _gathered_logprobs(self.model, batch, self.temperature, self.passes)
 
     def forward(self, micro: Batch, *, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logp_BR, entropy_BR) of a micro-batch's response tokens through the data-parallel wrapper."""
+        """(logp_BR, entropy_BR) of a micro-batch's response tokens through the data-parallel wrapper (with a
+        mixture of experts, its routers' logits kept for the loss: `routers.take()`)."""
+        with self.routers.recording() if self.routers else contextlib.nullcontext():
+            return self._forward(micro, entropy_grad)
+
+    def _forward(self, micro: Batch, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return response_logprobs(
             self.wrapped,
             micro["input_ids"],
@@ -51,6 +65,7 @@ class PolicyEngine(TrainableEngine):
             padding_free=self.passes.padding_free,
             shared_prefix=self.passes.shared_prefix,
             lockstep=is_sharded(self.wrapped),
+            routers=self.routers,
         )
 
 

@@ -210,6 +210,7 @@ class Policy(TrainedModel):
             temperature=build.sampling.temperature,
             parallel=config.parallel,
             passes=config.passes,
+            moe=config.model.moe,
         )
 
     @classmethod
