@@ -125,6 +125,15 @@ def test_the_coefficient_reaches_the_router_and_the_term_records(moe_model):
     assert metrics.seen["moe/aux_loss"] >= 2.0 - 1e-6  # top_k when balanced, more when not
 
 
+def test_the_loss_is_found_for_a_subclass_defined_elsewhere(moe_model):
+    """fully_shard (fsdp2) makes the model an instance of a class of its own, defined in torch's module."""
+    sharded = type("FSDPQwen3MoeForCausalLM", (type(moe_model),), {"__module__": "torch.distributed.fsdp"})
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
+    model.__class__ = sharded
+    module = __import__("transformers.models.qwen3_moe.modeling_qwen3_moe", fromlist=["load_balancing_loss_func"])
+    assert find_routers(model).balance_loss is module.load_balancing_loss_func
+
+
 def test_model_moe_checks():
     with pytest.raises(ConfigError, match="model.moe.aux_loss_coef must be"):
         MoeConfig(aux_loss_coef=-1.0)
@@ -177,21 +186,32 @@ def test_a_dense_model_with_an_aux_loss_is_refused_before_any_rank_starts(tmp_pa
     assert "model.moe.aux_loss_coef=0.01 needs a mixture-of-experts model" in lines[0]
 
 
-@pytest.mark.slow  # two CLI steps of ~15 s each on 2 cores
+@pytest.mark.slow  # four CLI steps of ~15 s each on 2 cores
 def test_a_qwen3_moe_step_logs_its_routers_and_the_coefficient_moves_the_loss(tmp_path):
     model_dir = save_tiny("qwen3_moe", tmp_path / "qwen3_moe")
+    runs = {
+        "coef0": ["model.moe.aux_loss_coef=0"],
+        "coef10": ["model.moe.aux_loss_coef=10"],
+        "ddp": ["model.moe.aux_loss_coef=10", "--nproc", "2"],
+        "fsdp2": ["model.moe.aux_loss_coef=10", "--nproc", "2", "parallel.strategy=fsdp2"],
+    }
     rows = {}
-    for coef in ("0", "10"):
-        run = tmp_path / f"coef{coef}"
+    for name, overrides in runs.items():
+        run = tmp_path / name
         run.mkdir()
-        result = _train_step(model_dir, run, f"model.moe.aux_loss_coef={coef}", "algorithm.off_policy_correction=tis")
+        result = _train_step(model_dir, run, *overrides, "algorithm.off_policy_correction=tis")
         assert result.returncode == 0, result.stderr[-3000:]
         lines = (run / "run/metrics.jsonl").read_text().splitlines()
-        (rows[coef],) = [row for row in map(json.loads, lines) if row["step"] == 1]
-    zero, ten = rows["0"], rows["10"]
-    for name in ("aux_loss", "expert_load_max", "expert_load_min", "load_imbalance", "load_imbalance_layer_max"):
-        assert f"moe/{name}" in zero and f"moe/{name}" in ten, name
-    assert zero["moe/aux_loss"] == pytest.approx(ten["moe/aux_loss"], rel=1e-4)  # the same samples and weights
+        (rows[name],) = [row for row in map(json.loads, lines) if row["step"] == 1]
+    names = [f"moe/{n}" for n in ("aux_loss", "expert_load_max", "expert_load_min", "load_imbalance")]
+    names.append("moe/load_imbalance_layer_max")
+    assert all(name in row for row in rows.values() for name in names), rows
+    zero, ten = rows["coef0"], rows["coef10"]
     assert zero["moe/expert_load_min"] <= 0.25 <= zero["moe/expert_load_max"] and zero["moe/load_imbalance"] >= 1
+    for name in names:  # the same samples and weights: the same routing, whatever the coefficient or the ranks
+        assert zero[name] == pytest.approx(ten[name], rel=1e-5) == rows["ddp"][name], name
     assert ten["train/grad_norm"] != pytest.approx(zero["train/grad_norm"], rel=1e-3)  # the loss moved the step
-    assert zero["mismatch/logp_abs_diff_max"] <= 1e-5
+    assert rows["ddp"]["train/grad_norm"] == pytest.approx(ten["train/grad_norm"], rel=1e-4)
+    # fsdp2's passes run in lockstep (each response's last token routed too): close, not equal
+    assert rows["fsdp2"]["moe/aux_loss"] == pytest.approx(ten["moe/aux_loss"], rel=1e-2)
+    assert max(row["mismatch/logp_abs_diff_max"] for row in rows.values()) <= 1e-5

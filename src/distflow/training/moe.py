@@ -105,8 +105,19 @@ def find_routers(model: torch.nn.Module) -> Routers | None:
         num_experts = getattr(found[0], "num_experts", None) or (weight.shape[0] if weight is not None else None)
         if not num_experts:
             continue
-        loss = getattr(sys.modules[type(module).__module__], "load_balancing_loss_func", None)
-        return Routers(found, int(getattr(recorder, "index", 0) or 0), int(num_experts), int(top_k), loss)
+        return Routers(
+            found, int(getattr(recorder, "index", 0) or 0), int(num_experts), int(top_k), _balance_loss(module)
+        )
+    return None
+
+
+def _balance_loss(model: torch.nn.Module) -> Callable | None:
+    """The `load_balancing_loss_func` of the module that defines `model`'s class (fsdp2's `fully_shard` makes
+    the model an instance of a subclass of its own, defined elsewhere: its bases are searched)."""
+    for cls in type(model).__mro__:
+        found = getattr(sys.modules.get(cls.__module__), "load_balancing_loss_func", None)
+        if found is not None:
+            return found
     return None
 
 
