@@ -74,6 +74,26 @@ def test_routers_hear_the_real_tokens_of_every_pass(moe_model, passes):
         assert aux.item() == pytest.approx(own.item(), rel=1e-5)
 
 
+@pytest.mark.parametrize("name", [n for n in ("gpt_oss", "deepseek_v3") if n in available()])
+def test_other_families_routers(name):
+    """GPT-OSS (its own router and loss) and DeepSeek-V3 (a dense first layer; no load-balancing loss: load only)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(name)).float()
+    capture = RouterCapture.of(model)
+    routers = capture.routers
+    assert (len(routers.modules), routers.num_experts, routers.top_k) == ({"gpt_oss": 2}.get(name, 1), 4, 2)
+    ids, mask = _batch()
+    with capture.recording():
+        response_logprobs(model, ids, mask, 4, routers=capture)
+    layers, mask_N = capture.take()
+    assert expert_counts_LE(layers, mask_N, 2).sum(-1).tolist() == [2.0 * int(mask.sum())] * len(layers)
+    assert (routers.balance_loss is None) == (name == "deepseek_v3")
+    if routers.balance_loss is not None:
+        aux = routers.balance_loss(tuple(layers), 4, 2, mask_N.reshape(1, -1))
+        own = model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss
+        assert aux.item() == pytest.approx(own.item(), rel=1e-5)
+
+
 def test_nothing_is_kept_outside_recording_or_without_gradient(moe_model):
     capture = RouterCapture.of(moe_model)
     ids, mask = _batch()
