@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup bench-setup agents verifiers verifiers-v1 test-verifiers smollm2 vllm test-vllm run test docs clean
+.PHONY: setup bench-setup agents tinker verifiers verifiers-v1 test-verifiers smollm2 vllm test-vllm run test docs clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,14 @@ $(AGENTS_STAMP): $(STAMP)
 	touch $(AGENTS_STAMP)
 
 agents: $(AGENTS_STAMP)
+
+# The tinker extra (the Tinker SDK: `distflow serve tinker`'s wire types, and the client tests/test_tinker*.py use).
+TINKER_STAMP := $(VENV)/.tinker
+$(TINKER_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[tinker]'
+	touch $(TINKER_STAMP)
+
+tinker: $(TINKER_STAMP)
 
 # verifiers' 0.2 line, the verifiers-v0 extra (task.source: verifiers; tests/test_verifiers.py and
 # tests/test_verifiers_e2e.py train its test environments, tests/vf_envs), on top of the agents one:
@@ -128,7 +136,7 @@ PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist 
 # CI prints its slowest tests, so that a run near CI's time limit says where the time went.
 PYTEST_DURATIONS ?= $(if $(CI),--durations=30)
 
-test: setup bench-setup agents verifiers test-verifiers $(if $(CI),smollm2 test-vllm)
+test: setup bench-setup agents tinker verifiers test-verifiers $(if $(CI),smollm2 test-vllm)
 	$(BIN)/python -m pytest -q src tests $(PYTEST_MARKS) $(PYTEST_XDIST) $(PYTEST_DURATIONS) $(PYTEST_ARGS)
 
 # The documentation site into site/ (mkdocs.yml); --strict fails on a link to a missing page or anchor.
