@@ -135,6 +135,9 @@ def test_the_coefficient_reaches_the_router_and_the_term_records(moe_model):
         def all_reduce_sum(self, tensor):
             return tensor
 
+    empty = Metrics()
+    MoeTerm(capture, 0.0).record(empty, Comm())
+    assert empty.seen == {}  # a step that trained nothing logs nothing (no NaN)
     term, metrics = MoeTerm(capture, 0.0), Metrics()
     ids, mask = _batch()
     with capture.recording():

@@ -231,7 +231,8 @@ class MoeTerm:
 
     def record(self, metrics, comm) -> None:
         """`moe/aux_loss` (the token-weighted mean of the micro-batches') and the load from every rank's counts
-        (one all-reduce; every train rank calls it, those without a micro-batch with zeros)."""
+        (one all-reduce; every train rank calls it, those without a micro-batch with zeros). A step that trained
+        nothing (every mini-batch without signal, on every rank) logs none of them."""
         routers = self.capture.routers
         counts = (
             self.counts_LE if self.counts_LE is not None else torch.zeros(len(routers.modules), routers.num_experts)
@@ -239,7 +240,7 @@ class MoeTerm:
         counts = comm.all_reduce_sum(counts.double().to(comm.device)).cpu()
         for name, value in load_stats(counts).items():
             metrics.maximum(f"moe/{name}", value)  # alike on every rank
-        if routers.balance_loss is not None:
+        if routers.balance_loss is not None and counts.sum() > 0:
             aux_sum, num_tokens = (float(x) if x is not None else 0.0 for x in (self.aux_sum, self.num_tokens))
             metrics.mean("moe/aux_loss", aux_sum, num_tokens)
 
