@@ -6,6 +6,7 @@
     distflow export CHECKPOINT --out DIR
     distflow model SOURCE          (a .gguf file or package:NAME → a Hugging Face directory, printed)
     distflow report RUN_DIR ... [--out PICTURE]
+    distflow serve tinker CONFIG [key=value ...] [--port N]   (the Tinker API: distflow/serve/tinker/)
 
 The configuration (and the stage graph, the reward functions, the checkpoint to resume
 from) is validated before any rank starts; a user error prints one line and exits with
@@ -44,6 +45,12 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=int, default=1, help="number of ranks to start on this machine")
     _add_run_options(train)
     _add_tool_commands(sub)
+    serve = sub.add_parser("serve", help="serve the config's model over an API (tinker: the Tinker SDK's)")
+    serve.add_argument("protocol", choices=["tinker"])
+    serve.add_argument("config")
+    serve.add_argument("overrides", nargs="*")
+    serve.add_argument("--port", type=int, default=0, help="on 127.0.0.1 (default 0: a free port, printed)")
+    serve.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body (default 64)")
     return parser
 
 
@@ -152,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         config = _load_config(args.config, args.overrides)
         if args.command == "plan":
             return _plan(config, args.world_size)
+        if args.command == "serve":
+            from distflow.serve.tinker.command import serve
+
+            return serve(config, port=args.port, max_request_mb=args.max_request_mb)
         from distflow.api import train  # the engine; the CLI only turns its outcome into an exit status
 
         for flag, value, least in (("--nproc", args.nproc, 1), ("--max-restarts", args.max_restarts, 0)):

@@ -1,0 +1,52 @@
+"""`distflow serve tinker CONFIG [key=value ...] [--port N]`: the Tinker API on 127.0.0.1.
+
+Builds the config's model as `distflow train` would (the embedded tiny model when `model.path` is
+unset), prints the URL and a fresh API key, and serves until interrupted:
+
+    import tinker
+    client = tinker.ServiceClient(base_url=URL, api_key=KEY)
+    training = client.create_lora_training_client(base_model="distflow/embedded", rank=8)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from distflow.config import Config, ConfigError
+
+PROTOCOLS = ("tinker",)
+
+
+def checkpoint_dir(config: Config) -> Path:
+    """Where save_state writes: OUTPUT_DIR/RUN_NAME (default `tinker`)/checkpoints."""
+    return Path(config.trainer.output_dir).expanduser() / (config.trainer.run_name or "tinker") / "checkpoints"
+
+
+def serve(config: Config, *, port: int = 0, max_request_mb: float = 64.0) -> int:
+    try:
+        import tinker.proto.tinker_public_pb2  # noqa: F401 (the wire types: fail here, with the fix)
+    except ImportError:
+        raise ConfigError("distflow serve tinker needs the Tinker SDK: pip install 'distflow[tinker]'") from None
+    if not 0 <= port < 65536:
+        raise ConfigError(f"--port must be in [0, 65535] (got {port}; 0 picks a free one)")
+    if max_request_mb <= 0:
+        raise ConfigError(f"--max-request-mb must be > 0 (got {max_request_mb})")
+    from distflow.serve.tinker.server import TinkerServer
+    from distflow.serve.tinker.state import build_state
+
+    state = build_state(config, checkpoint_dir(config), log=lambda line: print(line, file=sys.stderr, flush=True))
+    try:
+        server = TinkerServer(state, port=port, max_request_bytes=int(max_request_mb * (1 << 20)))
+    except OSError as err:
+        raise ConfigError(f"cannot listen on 127.0.0.1:{port}: {err}") from None
+    print(f"distflow: serving the Tinker API for {state.base_model!r} at {server.url}", flush=True)
+    print(f"distflow: api key {server.token}", flush=True)
+    print(f"distflow: TINKER_BASE_URL={server.url} TINKER_API_KEY={server.token}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+    return 0
