@@ -38,6 +38,16 @@ def create_model(state: ServedState, body: dict) -> dict:
     return {"model_id": model_id, "type": "create_model"}
 
 
+def finish_session(state: ServedState, session_id: str) -> dict:
+    """The SDK's ServiceClient.close: the session's models and samplers are dropped (their memory freed)."""
+    state.check_session(session_id)
+    state.sessions.discard(session_id)
+    for table in (state.models, state.samplers):
+        for key in [k for k in table if k.startswith(f"{session_id}:")]:
+            del table[key]
+    return {}
+
+
 def get_info(state: ServedState, body: dict) -> dict:
     model = state.model(body.get("model_id"))
     return {

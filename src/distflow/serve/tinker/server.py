@@ -200,6 +200,9 @@ class _Handler(BaseHTTPRequestHandler):
         elif path.startswith("/api/v1/samplers/"):
             sampling_id = path.removeprefix("/api/v1/samplers/")
             self._send_outcome(server.futures.call(lambda: sampling.get_sampler(state, sampling_id)))
+        elif path.startswith("/api/v1/sessions/") and path.endswith("/finish"):
+            session_id = path.removeprefix("/api/v1/sessions/").removesuffix("/finish")
+            self._send_outcome(server.futures.call(lambda: primitives.finish_session(state, session_id)))
         elif path in FUTURE_ROUTES:
             body = decode_forward_backward(raw) if path == "/api/v1/forward_backward" else _json_body(raw)
             route = FUTURE_ROUTES[path]

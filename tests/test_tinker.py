@@ -1,0 +1,200 @@
+"""`distflow serve tinker`, driven by the official Tinker SDK (tinker.ServiceClient) unchanged.
+
+The server runs in this process (a thread), so a test can read the served model's gradients; the
+real entry point, `distflow serve tinker CONFIG`, is tests/test_tinker_cli.py's.
+"""
+
+import copy
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker", reason="the Tinker SDK is not installed: pip install 'distflow[tinker]'")
+from tinker import types  # noqa: E402
+
+from distflow.algorithms.losses import ppo_clip_loss  # noqa: E402
+from distflow.config import load_config  # noqa: E402
+from distflow.serve.tinker.command import checkpoint_dir  # noqa: E402
+from distflow.serve.tinker.server import TinkerServer  # noqa: E402
+from distflow.serve.tinker.state import EMBEDDED_NAME, build_state  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+# As test_e2e.py's runs (the same warm-start cache key, so one build serves both).
+OVERRIDES = [
+    "trainer.total_steps=3",
+    "trainer.prompts_per_step=4",
+    "rollout.num_samples=4",
+    "trainer.eval_every=2",
+    "trainer.eval_samples=2",
+    "task.num_heldout=40",
+    "trainer.progress_bar=false",
+    "warmstart.target_accuracy=0.02",
+    "warmstart.check_every=20",
+]
+MAX_REQUEST_BYTES = 256 << 10
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp("tinker")
+    config = load_config(
+        str(REPO / "examples/arith_grpo.yaml"),
+        [*OVERRIDES, f"warmstart.cache_dir={cache_dir}", f"trainer.output_dir={out}"],
+    )
+    served = TinkerServer(
+        build_state(config, checkpoint_dir(config), log=lambda _: None), max_request_bytes=MAX_REQUEST_BYTES
+    )
+    yield served.start()
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def service(server):
+    client = tinker.ServiceClient(base_url=server.url, api_key=server.token)
+    yield client
+    client.close("success").result()
+
+
+def datum(server, text: str, **inputs) -> types.Datum:
+    """`text` as a next-token datum: input tokens[:-1], targets tokens[1:] (and `inputs`, one value per position)."""
+    ids = server.state.tokenizer.encode(text)
+    loss_inputs = {"target_tokens": ids[1:], **{k: v(len(ids) - 1) for k, v in inputs.items()}}
+    return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs=loss_inputs)
+
+
+def sft_batch(server) -> list[types.Datum]:
+    return [datum(server, text, weights=lambda n: [1.0] * n) for text in ("12+34=46", "7+8=15", "50+25=75")]
+
+
+def test_loss_falls_under_lora(server, service):
+    training = service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=4).result()
+    assert training.get_info().is_lora and training.get_info().lora_rank == 4
+    losses = []
+    for _ in range(5):
+        result = training.forward_backward(sft_batch(server), "cross_entropy")
+        training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+        losses.append(result.result().metrics["loss:sum"])
+    assert losses[-1] < 0.9 * losses[0], losses
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:], strict=False)), losses
+
+
+def _direct_grads(module, data, loss_fn: str, config: dict) -> tuple[float, dict]:
+    """The batch's summed loss and its gradient, computed here: log_softmax of the logits, then
+    distflow's own loss (ppo_clip_loss; cross-entropy -Σ w·logp)."""
+    total = 0.0
+    for d in data:
+        ids = torch.tensor([d.model_input.to_ints()])
+        inputs = {k: v.to_torch() for k, v in d.loss_fn_inputs.items()}
+        logp_T = torch.log_softmax(module(input_ids=ids).logits[0].float(), -1)
+        logp_T = logp_T.gather(-1, inputs["target_tokens"].long().unsqueeze(-1)).squeeze(-1)
+        if loss_fn == "cross_entropy":
+            loss = -(inputs["weights"] * logp_T).sum()
+        else:
+            low, high = (math.inf, math.inf)
+            if loss_fn == "ppo":
+                low, high = 1 - config["clip_low_threshold"], config["clip_high_threshold"] - 1
+            loss_BR, _ = ppo_clip_loss(
+                logp_T[None], inputs["logprobs"][None], inputs["advantages"][None], clip_low=low, clip_high=high
+            )
+            loss = loss_BR.sum()
+        loss.backward()
+        total += float(loss.detach())
+    return total, {n: p.grad for n, p in module.named_parameters() if p.requires_grad}
+
+
+def _rl_batch(server) -> list[types.Datum]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        datum(
+            server,
+            text,
+            logprobs=lambda n: (-2.0 + 0.5 * torch.randn(n, generator=generator)).tolist(),
+            advantages=lambda n: torch.randn(n, generator=generator).tolist(),
+        )
+        for text in ("3+4=7", "21+13=34")
+    ]
+
+
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo"])
+def test_forward_backward_gradients_equal_a_direct_computation(server, service, loss_fn):
+    """Full-parameter training (LoRA rank 0): the gradient of every weight, float32, within 1e-6 relative."""
+    training = service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=0).result()
+    served = server.state.models[training.model_id]
+    before = copy.deepcopy(served.module)
+    data = sft_batch(server) if loss_fn == "cross_entropy" else _rl_batch(server)
+    config = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1} if loss_fn == "ppo" else None
+    result = training.forward_backward(data, loss_fn, config).result()
+    direct_loss, direct = _direct_grads(before, data, loss_fn, config or {})
+    assert result.metrics["loss:sum"] == pytest.approx(direct_loss, rel=1e-6)
+    grads = {n: p.grad for n, p in served.module.named_parameters() if p.requires_grad}
+    assert set(grads) == set(direct) and len(grads) > 10
+    served_BG, direct_BG = (torch.cat([g[n].reshape(-1) for n in sorted(direct)]) for g in (grads, direct))
+    assert float(direct_BG.norm()) > 0
+    assert float((served_BG - direct_BG).norm() / direct_BG.norm()) < 1e-6
+    assert len(result.loss_fn_outputs) == len(data)
+    assert all(
+        len(o["logprobs"].tolist()) == d.model_input.length for o, d in zip(result.loss_fn_outputs, data, strict=True)
+    )
+
+
+def _step(training, data) -> float:
+    loss = training.forward_backward(data, "cross_entropy")
+    training.optim_step(types.AdamParams(learning_rate=1e-2, weight_decay=0.01)).result()
+    return loss.result().metrics["loss:sum"]
+
+
+def test_save_state_and_load_state_resume_to_the_same_next_losses(server, service):
+    training = service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=4).result()
+    data = sft_batch(server)
+    _step(training, data)
+    _step(training, data)
+    path = training.save_state("after-two").result().path
+    assert path == f"tinker://{training.model_id}/weights/after-two"
+    expected = [_step(training, data), _step(training, data)]
+    resumed = service.create_training_client_from_state_with_optimizer(path).result()
+    assert [_step(resumed, data), _step(resumed, data)] == pytest.approx(expected, rel=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # load_state is deprecated in the SDK, still served
+        training.load_state_with_optimizer(path).result()
+    assert _step(training, data) == pytest.approx(expected[0], rel=1e-6)
+
+
+def test_sample_returns_the_log_probs_training_computes(server, service):
+    """Sampled tokens' log-probs (temperature 1) are what forward computes for them; a seed repeats a draw."""
+    sampler = service.create_sampling_client(base_model=EMBEDDED_NAME).result()
+    prompt = types.ModelInput.from_ints(server.state.tokenizer.encode("12+34="))
+    params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=3)
+    first = sampler.sample(prompt, num_samples=3, sampling_params=params).result()
+    again = sampler.sample(prompt, num_samples=3, sampling_params=params).result()
+    assert len(first.sequences) == 3
+    assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]
+    training = service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=0).result()  # base weights
+    for seq in first.sequences:
+        assert 1 <= len(seq.tokens) <= 4 and len(seq.logprobs) == len(seq.tokens)
+        assert seq.stop_reason in ("stop", "length")
+        full = prompt.to_ints() + seq.tokens
+        forward = training.forward(
+            [
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(full[:-1]), loss_fn_inputs={"target_tokens": full[1:]}
+                )
+            ],
+            "cross_entropy",
+        ).result()
+        computed = forward.loss_fn_outputs[0]["logprobs"].tolist()[-len(seq.tokens) :]
+        assert computed == pytest.approx(seq.logprobs, abs=1e-4)
+
+
+def test_a_sampling_client_of_trained_weights(server, service):
+    training = service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=4).result()
+    _step(training, sft_batch(server))
+    path = training.save_weights_for_sampler("trained").result().path
+    assert path.endswith("/sampler_weights/trained")
+    prompt = types.ModelInput.from_ints(server.state.tokenizer.encode("7+8="))
+    for made in (service.create_sampling_client(model_path=path), training.save_weights_and_get_sampling_client()):
+        sampler = made.result()
+        result = sampler.sample(prompt, num_samples=2, sampling_params=types.SamplingParams(max_tokens=3)).result()
+        assert len(result.sequences) == 2 and all(all(lp <= 0 for lp in s.logprobs) for s in result.sequences)
