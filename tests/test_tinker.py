@@ -198,3 +198,54 @@ def test_a_sampling_client_of_trained_weights(server, service):
         sampler = made.result()
         result = sampler.sample(prompt, num_samples=2, sampling_params=types.SamplingParams(max_tokens=3)).result()
         assert len(result.sequences) == 2 and all(all(lp <= 0 for lp in s.logprobs) for s in result.sequences)
+
+
+# Hostile cases: each gets one clear error, in the SDK's own exception types, and the server goes on.
+
+
+def test_a_wrong_api_key_is_the_sdks_authentication_error(server):
+    client = tinker.ServiceClient(base_url=server.url, api_key="tml-not-this-servers-key")
+    with pytest.raises(tinker.AuthenticationError, match="invalid API key"):
+        client.create_lora_training_client(base_model=EMBEDDED_NAME, rank=4).result()
+
+
+def test_an_unknown_base_model_is_refused_by_name(service):
+    with pytest.raises(tinker.RequestFailedError, match="unknown base_model 'Qwen/Qwen3-8B'.*distflow/embedded"):
+        service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
+
+
+def test_an_unknown_model_id_is_refused_by_name(server, service):
+    training = service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=4).result()
+    training.model_id = "no-such-session:train:7"
+    with pytest.raises(tinker.RequestFailedError, match="unknown model_id 'no-such-session:train:7'") as caught:
+        training.forward_backward(sft_batch(server), "cross_entropy").result()
+    assert caught.value.category == types.RequestErrorCategory.User
+
+
+def test_optim_step_before_any_forward_backward_says_so(service):
+    training = service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=4).result()
+    with pytest.raises(tinker.RequestFailedError, match="optim_step .* before any forward_backward"):
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+
+
+def test_an_oversize_request_is_refused_before_it_is_read(server, service):
+    training = service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=4).result()
+    num = MAX_REQUEST_BYTES // 8  # 16 bytes a position on the wire (int32 token, int64 target, float32 weight)
+    big = types.Datum(
+        model_input=types.ModelInput.from_ints([1] * num),
+        loss_fn_inputs={"target_tokens": [1] * num, "weights": [1.0] * num},
+    )
+    with pytest.raises(tinker.APIStatusError, match="over this server's limit") as caught:
+        training.forward_backward([big], "cross_entropy").result()
+    assert caught.value.status_code == 413
+
+
+def test_a_bad_loss_or_its_missing_inputs_are_named(server, service):
+    training = service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=4).result()
+    with pytest.raises(tinker.RequestFailedError, match=r"loss 'ppo' needs loss_fn_inputs\['logprobs'\]"):
+        training.forward_backward(sft_batch(server), "ppo").result()
+    training = service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=4).result()
+    with pytest.raises(tinker.RequestFailedError, match="loss_fn 'cispo' is not served; served: cross_entropy"):
+        training.forward_backward(sft_batch(server), "cispo").result()
+    training = service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=4).result()
+    assert training.forward_backward(sft_batch(server), "cross_entropy").result().metrics["loss:sum"] > 0
