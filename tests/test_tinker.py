@@ -249,3 +249,20 @@ def test_a_bad_loss_or_its_missing_inputs_are_named(server, service):
         training.forward_backward(sft_batch(server), "cispo").result()
     training = service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=4).result()
     assert training.forward_backward(sft_batch(server), "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_forward_backward_custom_runs_client_side_over_cross_entropy(server, service):
+    """The SDK's forward_backward_custom: forward, the loss's gradient on the client, then cross_entropy with
+    weights = -dC/dlogp. C = -Σ logp has the gradient of cross_entropy with weights 1."""
+    grads = []
+    for custom in (False, True):
+        training = service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=0).result()
+        if custom:
+            training.forward_backward_custom(
+                sft_batch(server), lambda data, logprobs: (-sum(lp.sum() for lp in logprobs), {})
+            ).result()
+        else:
+            training.forward_backward(sft_batch(server), "cross_entropy").result()
+        module = server.state.models[training.model_id].module
+        grads.append(torch.cat([p.grad.reshape(-1) for p in module.parameters() if p.requires_grad]))
+    assert float((grads[0] - grads[1]).norm() / grads[0].norm()) < 1e-6

@@ -19,6 +19,14 @@ from distflow.serve.tinker.state import Sampler, ServedState, ServeError, new_sa
 from distflow.serve.tinker.wire import SampledSequence, SampleResult, WireError, json_tokens
 
 MAX_SAMPLES = 64
+UNSERVED = (
+    "topk_prompt_logprobs",
+    "topk_sample_logprobs",
+    "target_prompt_logprobs",
+    "prompt_alt_tokens_k",
+    "prompt_logprobs_last_n",
+)
+"""SampleRequest fields refused rather than ignored (a client would get an answer without what it asked for)."""
 DEFAULT_MAX_TOKENS = 16
 
 
@@ -79,6 +87,9 @@ def sample(state: ServedState, body: dict) -> SampleResult:
         raise WireError(f"sample needs a non-empty prompt and 1 <= num_samples <= {MAX_SAMPLES}")
     if min(prompt) < 0 or max(prompt) >= state.base.config.vocab_size:
         raise WireError("a prompt token id is outside the vocabulary")
+    unserved = [k for k in UNSERVED if body.get(k)]
+    if unserved:
+        raise WireError(f"sample: {', '.join(unserved)} not served yet (only prompt_logprobs over the whole prompt)")
     params = body.get("sampling_params") or {}
     kwargs = _generation_kwargs(params, state, len(prompt))
     stop_ids = _stop_ids(state, params.get("stop"))
