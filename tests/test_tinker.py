@@ -266,3 +266,27 @@ def test_forward_backward_custom_runs_client_side_over_cross_entropy(server, ser
         module = server.state.models[training.model_id].module
         grads.append(torch.cat([p.grad.reshape(-1) for p in module.parameters() if p.requires_grad]))
     assert float((grads[0] - grads[1]).norm() / grads[0].norm()) < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "message"),
+    [
+        ("/api/v1/create_session", b"{not json", 400, "the body is not JSON"),
+        ("/api/v1/forward_backward", b"\xff\xfe garbage", 400, "not a ForwardBackwardRequest protobuf"),
+        ("/api/v1/retrieve_future", b'{"request_id": "req-999999"}', 404, "unknown request_id 'req-999999'"),
+        ("/api/v1/get_info", b'{"model_id": 3}', 404, "unknown model_id 3"),
+        ("/api/v1/no_such_route", b"{}", 404, "is not served by distflow's Tinker server"),
+    ],
+)
+def test_raw_hostile_requests_get_one_line_errors(server, path, body, status, message):
+    """Below the SDK: malformed bodies and unknown routes are 4xx with {"detail": ...}, never a traceback."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(server.url + path, data=body, headers={"X-API-Key": server.token}, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=1800)
+    assert caught.value.code == status
+    detail = json.loads(caught.value.read())["detail"]
+    assert message in detail and "Traceback" not in detail
