@@ -290,3 +290,15 @@ def test_raw_hostile_requests_get_one_line_errors(server, path, body, status, me
     assert caught.value.code == status
     detail = json.loads(caught.value.read())["detail"]
     assert message in detail and "Traceback" not in detail
+
+
+def test_the_sdks_get_tokenizer_loads_the_served_models_tokenizer(server, service):
+    training = service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=4).result()
+    assert training.get_tokenizer().encode("12+34=46") == server.state.tokenizer.encode("12+34=46")
+
+
+def test_a_lora_rank_above_the_models_dimensions_is_refused_by_name(service):
+    with pytest.raises(
+        tinker.RequestFailedError, match="LoRA rank 100000 is refused: .*exceeds the smallest dimension"
+    ):
+        service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=100000).result()

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from distflow.config import ConfigError
 from distflow.serve.tinker.state import ServeError
 from distflow.serve.tinker.wire import WireError
 
@@ -49,7 +50,7 @@ def run(fn: Callable[[], Any]) -> Outcome:
         return Outcome(result=fn())
     except ServeError as err:
         return Outcome(error=err.message, status=err.status)
-    except WireError as err:
+    except (WireError, ConfigError) as err:  # ConfigError: distflow's own checks (e.g. a LoRA rank too large)
         return Outcome(error=str(err))
     except Exception as err:  # a bug, or something the checks missed: named, not shown
         log.exception("request failed")

@@ -26,15 +26,17 @@ def create_model(state: ServedState, body: dict) -> dict:
     session_id = state.check_session(body.get("session_id"))
     state.check_base_model(body.get("base_model"))
     lora = body.get("lora_config")
-    rank = int(lora.get("rank", 0)) if isinstance(lora, dict) else 0
+    rank = lora.get("rank", 0) if isinstance(lora, dict) else 0
     seed = lora.get("seed") if isinstance(lora, dict) else None
+    if seed is not None and not isinstance(seed, int):
+        raise ServeError(f"lora_config.seed must be an integer (got {seed!r})")
     optimizer = body.get("optimizer_config") or {"type": "adamw"}
     if optimizer.get("type") != "adamw":
         raise ServeError(f"optimizer {optimizer.get('type')!r} is not served (only adamw)")
     model_id = f"{session_id}:train:{body.get('model_seq_id')}"
     if model_id in state.models:
         raise ServeError(f"model {model_id!r} exists already (model_seq_id is reused)", status=400)
-    state.models[model_id] = new_training_model(state, model_id, rank, state.seed if seed is None else int(seed))
+    state.models[model_id] = new_training_model(state, model_id, rank, state.seed if seed is None else seed)
     return {"model_id": model_id, "type": "create_model"}
 
 
@@ -53,7 +55,11 @@ def get_info(state: ServedState, body: dict) -> dict:
     return {
         "type": "get_info",
         "model_id": model.model_id,
-        "model_data": {"arch": type(state.base).__name__, "model_name": state.base_model, "tokenizer_id": None},
+        "model_data": {
+            "arch": type(state.base).__name__,
+            "model_name": state.base_model,
+            "tokenizer_id": state.tokenizer_dir or None,
+        },
         "is_lora": model.lora_rank > 0,
         "lora_rank": model.lora_rank or None,
         "model_name": state.base_model,

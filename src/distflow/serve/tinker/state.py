@@ -22,8 +22,13 @@ from typing import Any
 
 import torch
 
-from distflow.config import Config
+from distflow.config import Config, ConfigError
 from distflow.config.schema import LoraConfig
+
+MAX_TRAINING_MODELS = 32
+MAX_SAMPLERS = 64
+"""Each holds a copy of the base model: a client asking for more is refused, not served out of memory
+(ServiceClient.close frees a session's)."""
 
 EMBEDDED_NAME = "distflow/embedded"
 """The base model's name when `model.path` is unset (what clients pass as `base_model`)."""
@@ -67,6 +72,8 @@ class ServedState:
     seed: int
     checkpoint_dir: Path
     max_context: int
+    tokenizer_dir: str = ""
+    """Where the tokenizer is (`get_info`'s tokenizer_id: the SDK's get_tokenizer loads it from there)."""
     sessions: set[str] = field(default_factory=set)
     models: dict[str, TrainingModel] = field(default_factory=dict)
     samplers: dict[str, Sampler] = field(default_factory=dict)
@@ -108,6 +115,7 @@ def build_state(config: Config, checkpoint_dir: Path, log=print) -> ServedState:
         seed=config.trainer.seed,
         checkpoint_dir=checkpoint_dir,
         max_context=max_context,
+        tokenizer_dir=str(tokenizer_dir),
     )
 
 
@@ -118,19 +126,35 @@ def new_module(state: ServedState, lora_rank: int, seed: int) -> torch.nn.Module
 
     module = copy.deepcopy(state.base)
     if lora_rank > 0:
+        _check_rank_fits(state.base, lora_rank)
         spec = dataclasses.replace(state.lora, rank=lora_rank)
-        module = apply_lora(module, spec, seed=seed)
+        try:
+            module = apply_lora(module, spec, seed=seed)
+        except ConfigError as err:  # its words are the config's: say which request it was
+            raise ServeError(f"LoRA rank {lora_rank} is refused: {err}") from None
     else:
         module.requires_grad_(True)
     module.eval()  # no dropout: the log-probs of one set of weights are the same in every pass
     return module
 
 
+def _check_rank_fits(base: torch.nn.Module, lora_rank: int) -> None:
+    """Before any adapter is allocated (a huge rank would take the memory first): at most every linear
+    layer's larger dimension (training/lora.py's `check_rank` then holds it to the adapted layers' smaller)."""
+    largest = max(
+        (max(m.in_features, m.out_features) for m in base.modules() if isinstance(m, torch.nn.Linear)), default=0
+    )
+    if lora_rank > largest:
+        raise ServeError(f"LoRA rank {lora_rank} is refused: it exceeds the smallest dimension of the adapted layers")
+
+
 def new_training_model(state: ServedState, model_id: str, lora_rank: int, seed: int) -> TrainingModel:
     from distflow.training.lora import trainable_parameters
 
-    if lora_rank < 0:
-        raise ServeError(f"lora rank must be >= 0 (0: full-parameter training), got {lora_rank}")
+    if not isinstance(lora_rank, int) or lora_rank < 0:
+        raise ServeError(f"lora rank must be an integer >= 0 (0: full-parameter training), got {lora_rank!r}")
+    if len(state.models) >= MAX_TRAINING_MODELS:
+        raise ServeError(f"this server holds {MAX_TRAINING_MODELS} training models already: close a session first")
     module = new_module(state, lora_rank, seed)
     optimizer = torch.optim.AdamW(trainable_parameters(module), lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
     return TrainingModel(model_id=model_id, module=module, optimizer=optimizer, lora_rank=lora_rank)
@@ -140,6 +164,10 @@ def new_sampler(state: ServedState, snapshot: dict | None, model_path: str | Non
     """The base model (no snapshot), or a frozen copy with a sampler snapshot's weights."""
     if snapshot is None:
         return Sampler(module=state.base, model_path=None)
+    if sum(s.module is not state.base for s in state.samplers.values()) >= MAX_SAMPLERS:
+        raise ServeError(
+            f"this server holds {MAX_SAMPLERS} sampling sessions of trained weights already: close one first"
+        )
     module = new_module(state, int(snapshot["lora_rank"]), state.seed)
     load_trainable(module, snapshot["weights"])
     module.requires_grad_(False)
