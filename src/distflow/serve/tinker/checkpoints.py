@@ -91,6 +91,8 @@ def load_weights(state: ServedState, body: dict) -> dict:
         if body.get("base_model") is not None:
             state.check_base_model(body["base_model"])
         model_id = f"{session_id}:train:{body.get('model_seq_id')}"
+        if model_id in state.models:
+            raise ServeError(f"model {model_id!r} exists already (model_seq_id is reused)")
         model = new_training_model(state, model_id, int(saved["lora_rank"]), state.seed)
         state.models[model_id] = model
     _restore(model, saved, with_optimizer=bool(body.get("optimizer")))
