@@ -379,6 +379,9 @@ def check_resume_partial(checkpoint: Path, extra: dict, config: Config, world_si
     them on the rank that started them) continues only on as many ranks, with rollout.partial on."""
     saved = (extra.get("parts") or {}).get("rollout") or {}
     in_flight, world = int(saved.get("samples_in_flight", 0)), saved.get("world_size")
+    pipeline = extra.get("pipeline") or {}
+    if pipeline.get("stage_states_of"):  # an asynchronous run's rollout ranks carried samples (train ranks saved)
+        in_flight, world = in_flight or "the", pipeline["world_size"]
     if not in_flight:
         return
     if world != world_size or not config.rollout.partial:

@@ -103,7 +103,7 @@ def _check_agent(config) -> None:
 
 
 def _check_partial(config) -> None:
-    """Partial rollouts (dag/partial_stage.py) carry samples between the synchronous steps of one rank."""
+    """Partial rollouts (dag/partial_stage.py) carry samples between the steps of one rollout rank."""
     from distflow.config.components import ROLLOUT_ENGINES
 
     rollout, placement = config.rollout, config.placement
@@ -111,11 +111,6 @@ def _check_partial(config) -> None:
     if not partial:
         return
     where = f"rollout.partial={partial}"
-    check(
-        not config.asynchronous.max_staleness,
-        f"{where} carries samples between synchronous steps; asynchronous.max_staleness > 0 is not supported "
-        "with it yet: set one of them to 0",
-    )
     check(
         rollout.agent is None and config.env.cls is None,
         f"{where} continues single-turn samples; rollout.agent and env.cls roll out episodes: set rollout.partial=0",
@@ -125,9 +120,11 @@ def _check_partial(config) -> None:
         f"{where} and algorithm.dynamic_sampling both decide which groups a step trains: set one of them off",
     )
     check(
-        placement.rollout == placement.train and placement.rollout.ranks_per_replica == 1,
-        f"{where} keeps each rank's samples in flight in its own checkpoint, which needs rollout and training "
-        "on the same ranks: leave placement.rollout and placement.train at their defaults",
+        placement.rollout.ranks_per_replica == 1
+        and (placement.rollout == placement.train or config.asynchronous.max_staleness > 0),
+        f"{where} keeps each rank's samples in flight in the checkpoint, which needs rollout and training on the "
+        "same ranks (leave placement.rollout and placement.train at their defaults) or an asynchronous run "
+        "(asynchronous.max_staleness > 0), each rollout rank with its own engine",
     )
     check(
         config.algorithm.off_policy_correction != "none",

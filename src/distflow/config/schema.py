@@ -46,6 +46,10 @@ class RolloutConfig:
     continues under the new weights; a prompt's group is trained in the step its last sample ends
     (docs/features/partial.md). Needs an off-policy correction (`algorithm.off_policy_correction`), which
     weighs each token by its own behaviour log-prob. 0: off (every sample decodes to its end in its step)."""
+    max_token_staleness: int | None = None
+    """With `partial`: the most updates a trained token may lag the training weights (its in-flight and
+    in-queue staleness together, `off_policy/staleness_inflight_*` and `_queue_*`). A group with a token past
+    it is dropped, never trained, and counted (`rollout/stale_groups_dropped`). None: no bound."""
     engine: str = "auto"
     """How completions are computed (distflow/rollout/; the same samples either way but vLLM's):
     `auto` is `graphed` on CUDA (unless the model has sliding-window layers) and `compact`
@@ -86,6 +90,11 @@ class RolloutConfig:
             self.partial == 0 or 0 < self.partial < self.max_new_tokens,
             f"rollout.partial must be in [0, rollout.max_new_tokens) (got {self.partial} with max_new_tokens="
             f"{self.max_new_tokens}): a cap at or past the longest sample carries nothing over; 0 turns it off",
+        )
+        check(
+            self.max_token_staleness is None or (self.partial and self.max_token_staleness >= 0),
+            f"rollout.max_token_staleness={self.max_token_staleness} bounds the staleness of samples carried by "
+            "partial rollouts: set it >= 0 with rollout.partial > 0, or leave it null",
         )
         check(
             self.agent is None or ":" in self.agent,

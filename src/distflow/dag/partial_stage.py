@@ -1,11 +1,14 @@
 """The rollout stage with partial rollouts (`rollout.partial` = P > 0): rollout/partial.py's carry, run.
 
-    every rank of the rollout group, step s (the weights hold version s - 1: a synchronous run)
+    every rank of the rollout group, step s (the weights hold version v: s - 1 in a synchronous run, the
+    schedule's max(0, s - 1 - k) on the rollout ranks of an asynchronous one, runtime/pipelined.py)
       open this step's prompts as groups (sample uid u·n + k, key (seed, "rollout", uid))
       all_reduce max: the widest running row (prompt + tokens so far) → one padded width for all ranks
       generate ≤ P tokens for every running sample (carried first, then new; Request.offsets_B)
-      the groups that ended → all_reduce max of their prompt widths → this step's batch
-      the others stay here, in order, for step s + 1 (and in this rank's checkpoint state)
+      the groups that ended, less those past rollout.max_token_staleness when trained with version s - 1
+          → all_reduce max of their prompt widths → this step's batch
+      the others (less those already past the bound for version s) stay here, in order, for step s + 1
+          (and in this rank's checkpoint state; in an asynchronous run, the first train rank's)
 
 Invariants: the samples' tokens and the groups each step trains do not depend on the world size or
 the layout (rollout/partial.py); a rank may train no group in a step (the update stages take unequal,
@@ -28,7 +31,17 @@ from distflow.data.fields import (
     UID,
 )
 from distflow.rollout.engine import resolved
-from distflow.rollout.partial import Group, Sample, absorb, assemble, running, take_ended, work_rows
+from distflow.rollout.partial import (
+    Group,
+    Sample,
+    absorb,
+    assemble,
+    running,
+    staleness_split,
+    take_ended,
+    within_bound,
+    work_rows,
+)
 from distflow.seeding import derive_seed
 
 if TYPE_CHECKING:
@@ -59,6 +72,7 @@ class PartialRollout:
         return {"carried": self.carried, "world_size": self.world_size}
 
     def load_rank_state_dict(self, state: dict, world_size: int) -> None:
+        """Take the groups in flight; `world_size`: the ranks that now run this stage (as many as saved them)."""
         from distflow.checkpoint import CheckpointError
 
         if state.get("carried") and state["world_size"] != world_size:
@@ -77,7 +91,7 @@ class PartialRollout:
         rollout = ctx.config.rollout
         self.world_size = ctx.comm.world_size
         sampling: SamplingSpec = ctx.engines.sampling
-        version = ctx.step - 1  # synchronous: the weights after step s - 1's update
+        version = ctx.step - 1 if ctx.policy_version is None else ctx.policy_version  # the weights' updates
         groups = self.carried + _opened(batch, rollout.num_samples, ctx.config.trainer.seed, ctx.step)
         rows, keys, offsets = work_rows(groups)
         width = _group_max(ctx, max((len(r) for r in rows), default=0))
@@ -100,9 +114,13 @@ class PartialRollout:
                 )
             stop_ids = stop_token_ids(ctx.tokenizer)
             num_decoded = absorb(groups, out, version=version, stop_ids=stop_ids, max_new_tokens=rollout.max_new_tokens)
-        ended, self.carried = take_ended(groups)
+        ended, carried = take_ended(groups)
+        bound = rollout.max_token_staleness  # step s trains with version s - 1, a carried group at best with s
+        ended, stale = within_bound(ended, trained_version=ctx.step - 1, bound=bound)
+        self.carried, stale_carried = within_bound(carried, trained_version=ctx.step, bound=bound)
         self.in_flight = _group_sum(ctx, len(running(self.carried)))
         _record(ctx, ended, self.carried, num_decoded, len(rows))
+        _record_dropped(ctx, stale + stale_carried)
         prompt_width = _group_max(ctx, max((len(g.prompt_ids) for g in ended), default=0))
         return _batch(ended, batch, ctx, prompt_width)
 
@@ -144,9 +162,11 @@ def _record(ctx: StageContext, ended: list[Group], carried: list[Group], num_dec
     metrics.total("rollout/partial_samples_carried", float(len(running(carried))))
     metrics.total("rollout/partial_groups_carried", float(len(carried)))
     metrics.total("rollout/partial_rows", float(num_rows))
-    lags = [step - 1 - v for s in samples for v in s.versions]
-    metrics.mean("off_policy/token_staleness_mean", float(sum(lags)), len(lags))
-    metrics.maximum("off_policy/token_staleness_max", float(max(lags, default=0)))
+    inflight, queue = staleness_split(ended, trained_version=step - 1)
+    total = [a + b for a, b in zip(inflight, queue, strict=True)]
+    for name, lags in (("token_staleness", total), ("staleness_inflight", inflight), ("staleness_queue", queue)):
+        metrics.mean(f"off_policy/{name}_mean", float(sum(lags)), len(lags))
+        metrics.maximum(f"off_policy/{name}_max", float(max(lags, default=0)))
     metrics.maximum("rollout/partial_steps_max", float(max((step - g.first_step + 1 for g in ended), default=0)))
     engine = resolved(ctx.engines.sampling.engine)
     for name, count in engine.counts().items():
@@ -154,6 +174,12 @@ def _record(ctx: StageContext, ended: list[Group], carried: list[Group], num_dec
     figures = engine.last_stats()
     if figures is not None and num_rows:  # this step's call's: a rank with no row made none
         engine_figures(metrics, figures, float(num_decoded), num_rows)
+
+
+def _record_dropped(ctx: StageContext, dropped: list[Group]) -> None:
+    """The groups dropped past rollout.max_token_staleness this step (never trained), every rank alike."""
+    ctx.metrics.total("rollout/stale_groups_dropped", float(len(dropped)))
+    ctx.metrics.total("rollout/stale_samples_dropped", float(sum(len(g.samples) for g in dropped)))
 
 
 def _batch(ended: list[Group], loader: Batch, ctx: StageContext, prompt_width: int) -> Batch:

@@ -128,7 +128,9 @@ def _gather_rows(
     """Phase 3: this rank's pickled metadata per item, and every rank's [uid, group, tokens,
     meta bytes] rows (padded to the longest rank's count)."""
     metas = (
-        [pickle.dumps({name: batch.meta[name][i] for name in meta_names}) for i in range(len(batch))] if holds else []
+        [pickle.dumps(_canonical({name: batch.meta[name][i] for name in meta_names}, {})) for i in range(len(batch))]
+        if holds
+        else []
     )
     rows = torch.zeros((max(counts), 4), dtype=torch.long)
     if holds and len(batch):
@@ -179,6 +181,27 @@ def _row_bytes(tensor_schema) -> int:
     return sum(
         torch.empty((), dtype=getattr(torch, dtype)).element_size() * _numel(shape) for _, dtype, shape in tensor_schema
     )
+
+
+def _canonical(value, strings: dict[str, str]):
+    """`value` with each of its equal strings (dict keys too) one object: pickle writes a string it has seen by
+    identity as a reference, so an item's bytes would otherwise depend on which equal strings happen to be one
+    object (an item restored from a checkpoint holds copies where the original shared an interned key).
+
+    >>> copied = {"prompt": "1+2=", "sample": {"".join(["pro", "mpt"]): "1+2="}}  # a copy of the key
+    >>> shared = {"prompt": "1+2=", "sample": {"prompt": "1+2="}}
+    >>> len(pickle.dumps(copied)) == len(pickle.dumps(shared))
+    False
+    >>> len(pickle.dumps(_canonical(copied, {}))) == len(pickle.dumps(_canonical(shared, {})))
+    True
+    """
+    if isinstance(value, str):
+        return strings.setdefault(value, value)
+    if isinstance(value, dict):
+        return {_canonical(k, strings): _canonical(v, strings) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_canonical(v, strings) for v in value)
+    return value
 
 
 def _pack(host: dict[str, torch.Tensor], tensor_schema, positions: list[int], metas: list[bytes]) -> torch.Tensor:

@@ -19,6 +19,11 @@ Invariants:
   which groups a step trains, do not depend on the world size or the layout.
 - A sample spans at most ceil(max_new_tokens / P) steps, and a group waits for its longest sample:
   no token is more than ceil(max_new_tokens / P) - 1 updates old when it is trained.
+- A token's staleness when trained (the training weights' version less its own) splits in two that add
+  up to it: in flight, the updates between it and its sample's last token (the sample continued under
+  newer weights), and in queue, those between that last token and the training weights (the sample
+  waited for its group, or for the train ranks of an asynchronous run). `rollout.max_token_staleness`
+  bounds the sum: a group with a token past it is dropped, never trained, and counted.
 - Nothing here reads a clock or another rank: the stage (dag/partial_stage.py) does the collectives.
 """
 
@@ -134,6 +139,42 @@ def absorb(
 def take_ended(groups: list[Group]) -> tuple[list[Group], list[Group]]:
     """(the groups all of whose samples ended, in order; the others, in order)."""
     return [g for g in groups if g.ended], [g for g in groups if not g.ended]
+
+
+def within_bound(groups: list[Group], *, trained_version: int, bound: int | None) -> tuple[list[Group], list[Group]]:
+    """(the groups none of whose tokens would be more than `bound` updates old when trained with the weights of
+    `trained_version`, in order; the others, in order). None: no bound. A carried group is judged by the
+    earliest weights it could be trained with, so one that can only get older is dropped at once.
+
+    >>> old = Group({}, [1], [Sample(0, 0, [5], [-1.0], [0])], first_step=1)
+    >>> new = Group({}, [1], [Sample(1, 1, [5], [-1.0], [2])], first_step=3)
+    >>> [[g.first_step for g in part] for part in within_bound([old, new], trained_version=3, bound=2)]
+    [[3], [1]]
+    """
+    if bound is None:
+        return list(groups), []
+    kept, dropped = [], []
+    for group in groups:
+        oldest = min((v for s in group.samples for v in s.versions), default=trained_version)
+        (kept if trained_version - oldest <= bound else dropped).append(group)
+    return kept, dropped
+
+
+def staleness_split(groups: list[Group], *, trained_version: int) -> tuple[list[int], list[int]]:
+    """(in flight, in queue): each token's two parts of its staleness when the samples of `groups` are trained
+    with the weights of `trained_version` (see the invariants); per token, they add up to its staleness.
+
+    >>> g = Group({}, [1], [Sample(0, 0, [5, 6, 7], [-1.0] * 3, [1, 1, 2])], 1)
+    >>> staleness_split([g], trained_version=4)
+    ([1, 1, 0], [2, 2, 2])
+    """
+    inflight, queue = [], []
+    for group in groups:
+        for sample in group.samples:
+            last = sample.versions[-1] if sample.versions else trained_version
+            inflight += [last - v for v in sample.versions]
+            queue += [trained_version - last] * len(sample.versions)
+    return inflight, queue
 
 
 @dataclass

@@ -135,21 +135,26 @@ def _stateful_parts(worker: Worker) -> dict:
 def rank_states(worker: Worker) -> dict | None:
     """This rank's own state of the stages that keep one per rank (`rank_state_dict`: the partial rollout's
     samples in flight), by stage name, for its `state-rank{R}.pt`; None where no stage keeps any."""
-    states = {name: fn.rank_state_dict() for name, fn in _rank_stateful(worker).items()}
+    states = {name: fn.rank_state_dict() for name, (fn, _) in _rank_stateful(worker).items()}
     return states or None
 
 
 def restore_rank_states(worker: Worker, saved: dict | None) -> None:
-    """Hand each stage that keeps a per-rank state what this rank's checkpoint holds of it (a stage it lacks
-    starts empty)."""
-    for name, fn in _rank_stateful(worker).items():
+    """Hand each stage that keeps a per-rank state what this rank's checkpoint holds of it, with the size of the
+    stage's group (a stage it lacks starts empty)."""
+    for name, (fn, group_size) in _rank_stateful(worker).items():
         if saved and name in saved:
-            fn.load_rank_state_dict(saved[name], worker.world.world_size)
+            fn.load_rank_state_dict(saved[name], group_size)
 
 
 def _rank_stateful(worker: Worker) -> dict:
-    stages = (item.stage for item in worker.plan.items if isinstance(item, PlannedStage))
-    return {stage.name: stage.fn for stage in stages if callable(getattr(stage.fn, "rank_state_dict", None))}
+    """Stage name → (its callable, the number of ranks that run it), for the stages that keep a per-rank state."""
+    items = (item for item in worker.plan.items if isinstance(item, PlannedStage))
+    return {
+        item.stage.name: (item.stage.fn, len(item.layout.ranks))
+        for item in items
+        if callable(getattr(item.stage.fn, "rank_state_dict", None))
+    }
 
 
 def _others(worker: Worker) -> dict:

@@ -25,7 +25,10 @@ Invariants:
 - A checkpoint after step c keeps the batches in flight (S_{c+1} .. S_{c+k}) in each train
   rank's `state-rank{R}.pt` and every rank's metrics recorded ahead of their step in
   meta.json, so `--resume` continues exactly; it needs the same k, world size and train ranks
-  (the CLI refuses another before any rank starts). A checkpoint with nothing in flight (the last
+  (the CLI refuses another before any rank starts). With partial rollouts (rollout.partial) the
+  rollout ranks carry unended samples from step to step; their stages' states (rank_state_dict)
+  are gathered into the first train rank's state and handed back on resume (one all_gather each
+  way), and also need the same run. A checkpoint with nothing in flight (the last
   one of a finished run) resumes with any: the steps it lacks are pre-rolled as a fresh run's,
   from the restored policy (a finished run extended by raising trainer.total_steps).
 """
@@ -40,6 +43,7 @@ from distflow.observability.derived import add_derived
 from distflow.observability.metrics import StepMetrics
 from distflow.planner.plan import PlannedStage, Transition
 from distflow.preflight import inflight_steps
+from distflow.runtime.checkpointing import rank_states, restore_rank_states
 from distflow.runtime.faults import RankStatus
 from distflow.runtime.stage_runner import Moved, record_step, run_stage, run_transition
 from distflow.runtime.worker import Worker
@@ -100,6 +104,7 @@ class Pipeline:
         everyone = self.worker.world.all_gather_object(mine)
         moved = {str(step): [m.sent, m.received, m.local] for step, m in self.moved.items()}
         moved_all = self.worker.world.all_gather_object(moved)
+        stage_states = self.worker.world.all_gather_object(rank_states(self.worker) if self.is_rollout else None)
         state = {
             "pipeline": {
                 "max_staleness": self.k,
@@ -108,9 +113,20 @@ class Pipeline:
                 "inflight_steps": sorted(self.moved),
                 "ahead": everyone,
                 "moved": moved_all,
+                "stage_states_of": [rank for rank, held in enumerate(stage_states) if held],
             }
         }
-        return state, (dict(self.inflight) if self.is_train else None)
+        if not self.is_train:
+            return state, None
+        own: dict = {"inflight": dict(self.inflight)}
+        if self.worker.world.rank == self._keeper:  # the rollout ranks hold no checkpoint of their own
+            own["rollout_ranks"] = {rank: held for rank, held in enumerate(stage_states) if held}
+        return state, own
+
+    @property
+    def _keeper(self) -> int:
+        """The train rank whose checkpoint state keeps the rollout ranks' stage states (partial rollouts')."""
+        return self.worker.plan.groups["train"].ranks[0]
 
     def _make(self, step: int, *, iteration: int) -> None:
         """Produce S_step on the rollout ranks and hand it to the train ranks (every rank joins)."""
@@ -149,27 +165,48 @@ class Pipeline:
 
     def _restore(self, first_step: int, saved: dict, rank_state) -> None:
         world = self.worker.world
-        train_ranks = list(self.worker.plan.groups["train"].ranks)
+        if rank_state is not None and "inflight" not in rank_state:  # written before the stage states: batches
+            rank_state = {"inflight": rank_state}
+        rank_state = rank_state or {}
         inflight = inflight_steps(saved)
-        if not inflight:  # a finished run's last checkpoint: nothing drawn ahead, any k and layout go on
+        if not inflight and not saved.get("stage_states_of"):  # a finished run's: any k and layout go on
             return
+        self._check_same_run(saved)
+        self._restore_stage_states(saved, rank_state)
+        if not inflight:
+            return
+        for step, state in saved["ahead"][world.rank].items():
+            self.ahead[int(step)] = StepMetrics.from_state(state)
+        for step, (sent, received, local) in saved["moved"][world.rank].items():
+            self.moved[int(step)] = Moved(sent, received, local)
+        if self.is_train:
+            self.inflight = dict(rank_state.get("inflight") or {})
+        if self.is_rollout:  # its loader was ahead of the checkpoint's (the train ranks') by the steps in flight
+            for _ in inflight:
+                self.worker.prefetcher.next()
+
+    def _check_same_run(self, saved: dict) -> None:
+        """What a checkpoint holds in flight (batches drawn ahead, samples carried) continues only as its run."""
+        world, train_ranks = self.worker.world, list(self.worker.plan.groups["train"].ranks)
         if (saved["max_staleness"], saved["world_size"], saved["train_ranks"]) != (
             self.k,
             world.world_size,
             train_ranks,
         ):
             raise CheckpointError(
-                f"this checkpoint holds the batches in flight of a run with asynchronous.max_staleness="
+                f"this checkpoint holds the batches or samples in flight of a run with asynchronous.max_staleness="
                 f"{saved['max_staleness']} on {saved['world_size']} ranks with train ranks "
                 f"{saved['train_ranks']}: resume it with the same "
                 "max_staleness, world size and placement"
             )
-        for step, state in saved["ahead"][world.rank].items():
-            self.ahead[int(step)] = StepMetrics.from_state(state)
-        for step, (sent, received, local) in saved["moved"][world.rank].items():
-            self.moved[int(step)] = Moved(sent, received, local)
-        if self.is_train:
-            self.inflight = dict(rank_state or {})
-        if self.is_rollout:  # its loader was ahead of the checkpoint's (the train ranks') by the steps in flight
-            for _ in inflight:
-                self.worker.prefetcher.next()
+
+    def _restore_stage_states(self, saved: dict, rank_state: dict) -> None:
+        """Hand each rollout rank its stages' states (the samples its partial rollout carried) from the keeping
+        train rank's checkpoint state; a collective over the world (every rank restores alike)."""
+        if not saved.get("stage_states_of"):
+            return
+        world = self.worker.world
+        mine = rank_state.get("rollout_ranks") if world.rank == self._keeper else None
+        kept = next((held for held in world.all_gather_object(mine) if held), {})
+        if self.is_rollout:
+            restore_rank_states(self.worker, kept.get(world.rank))
