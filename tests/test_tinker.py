@@ -118,10 +118,12 @@ def _rl_batch(server) -> list[types.Datum]:
     ]
 
 
-@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo"])
-def test_forward_backward_gradients_equal_a_direct_computation(server, service, loss_fn):
-    """Full-parameter training (LoRA rank 0): the gradient of every weight, float32, within 1e-6 relative."""
-    training = service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=0).result()
+@pytest.mark.parametrize(
+    ("loss_fn", "rank"), [("cross_entropy", 0), ("importance_sampling", 0), ("ppo", 0), ("importance_sampling", 4)]
+)
+def test_forward_backward_gradients_equal_a_direct_computation(server, service, loss_fn, rank):
+    """The gradient of every trained weight (rank 0: all of them; LoRA: the adapters'), float32, 1e-6 relative."""
+    training = service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=rank).result()
     served = server.state.models[training.model_id]
     before = copy.deepcopy(served.module)
     data = sft_batch(server) if loss_fn == "cross_entropy" else _rl_batch(server)
