@@ -53,3 +53,34 @@ def test_two_ranks_killed_with_samples_in_flight_resume_the_one_rank_run(tmp_pat
     for row in metrics[1:]:
         for key in EXACT:
             assert row[key] == ref_metrics[row["step"]][key], (row["step"], key)
+
+
+def test_a_group_past_the_staleness_bound_is_dropped_counted_and_never_trained(tmp_path, cache_dir):
+    """rollout.max_token_staleness=0 on a synchronous run: a group whose samples spanned steps would train tokens
+    drawn by older weights, so it is dropped; every token trained is the current policy's."""
+    from conftest import REPO, run_cli
+    from test_partial_async import RECORDER
+
+    (tmp_path / "user_code.py").write_text(RECORDER)
+    result = run_cli(
+        "train", str(REPO / "examples/arith_grpo.yaml"), *PARTIAL, "rollout.max_token_staleness=0",
+        "trainer.total_steps=4", "trainer.prompts_per_step=4", "rollout.num_samples=4", "trainer.eval_every=0",
+        "task.num_heldout=40", "trainer.progress_bar=false", "checkpoint.every=0", f"warmstart.cache_dir={cache_dir}",
+        f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
+        "pipeline.custom_stages=[{name: record, fn: 'user_code:record', after: [reward], before: [advantage], "
+        "reads: [uid, completion, token_version, response_mask]}]",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {r["step"]: r for r in read_metrics(tmp_path / "run")}
+    assert sum(rows[s]["rollout/stale_groups_dropped"] for s in (1, 2, 3, 4)) >= 1
+    for step in (1, 2, 3, 4):
+        assert rows[step]["rollout/stale_samples_dropped"] == 4 * rows[step]["rollout/stale_groups_dropped"]
+    trained = 0
+    for path in (tmp_path / "records").glob("step*.json"):
+        step = int(path.name[4:].split("-")[0])
+        for versions in json.loads(path.read_text())["versions"]:
+            assert set(versions) == {step - 1}, (step, versions)  # nothing past the bound is trained
+            trained += 1
+    assert trained == 4 * sum(rows[s]["rollout/partial_groups_ended"] for s in (1, 2, 3, 4))
+    assert all(rows[s]["off_policy/token_staleness_max"] == 0 for s in (1, 2, 3, 4))
