@@ -220,6 +220,9 @@ def test_a_pipelined_run_trains_on_the_scheduled_versions(k1_run):
     assert [(line["step"], line["policy_version"]) for line in lines] == [(1, 0)] * 4 + [(2, 0)] * 4 + [(3, 1)] * 4
     assert [m[t]["off_policy/staleness_mean"] for t in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert [m[t]["off_policy/staleness_max"] for t in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    # The ledger: one version per sample, so all of its staleness waited in the queue, none in flight.
+    assert [m[t]["off_policy/staleness_queue_mean"] for t in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert all(m[t]["off_policy/staleness_inflight_max"] == 0.0 for t in (1, 2, 3))
     assert all(len(row["uid"]) == 32 for row in got.values())
     # Step 1 is on-policy: the rollout's log-probs are the trainer's (up to float rounding).
     assert m[1]["off_policy/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
@@ -343,5 +346,8 @@ def test_every_builtin_algorithm_but_dapo_trains_pipelined(tmp_path, cache_dir, 
     got, m = records(tmp_path), metrics(tmp_path / "run")
     assert {step: set(row["version"]) for step, row in got.items()} == {1: {0}, 2: {0}, 3: {1}}
     assert [m[t]["off_policy/staleness_max"] for t in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    # The ledger: one version per sample, so all of its staleness waited in the queue, none in flight.
+    assert [m[t]["off_policy/staleness_queue_mean"] for t in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert all(m[t]["off_policy/staleness_inflight_max"] == 0.0 for t in (1, 2, 3))
     assert all(math.isfinite(m[t]["train/grad_norm"]) for t in (1, 2, 3) if "train/grad_norm" in m[t])
     assert any("off_policy/is_weight_max" in m[t] for t in (2, 3))  # a stale step updated the policy

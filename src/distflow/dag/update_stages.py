@@ -38,6 +38,7 @@ from distflow.data.fields import (
     RETURNS,
     ROLLOUT_LOGP,
     SAMPLE_MASK,
+    TOKEN_VERSION,
     VALUES,
 )
 from distflow.seeding import derive_seed
@@ -268,6 +269,12 @@ def _record_staleness(batch: Batch, ctx: StageContext) -> None:
         lag_B = staleness_B(ctx.step - 1, batch[POLICY_VERSION])
         ctx.metrics.mean("off_policy/staleness_mean", float(lag_B.sum()), len(batch))
         ctx.metrics.maximum("off_policy/staleness_max", float(lag_B.max()))
+        if TOKEN_VERSION not in batch.fields():  # one version per sample: all of it waited in the queue, per token
+            tokens_B = batch[RESPONSE_MASK].sum(-1)
+            ctx.metrics.mean("off_policy/staleness_queue_mean", float((lag_B * tokens_B).sum()), int(tokens_B.sum()))
+            ctx.metrics.maximum("off_policy/staleness_queue_max", float(lag_B.max()))
+            ctx.metrics.mean("off_policy/staleness_inflight_mean", 0.0, int(tokens_B.sum()))
+            ctx.metrics.maximum("off_policy/staleness_inflight_max", 0.0)
 
 
 def critic_update(batch: Batch, ctx: StageContext) -> Batch:
