@@ -242,7 +242,7 @@ LAYERS = (
     ("distflow.checkpoint", "distflow.tasks", "distflow.observability", "distflow.agents"),
     ("distflow.dag", "distflow.planner"),
     ("distflow.preflight", "distflow.inputs"),
-    ("distflow.runtime",),
+    ("distflow.runtime", "distflow.serve"),
     ("distflow.api", "distflow.cli", "distflow.cli_tools", "distflow.__main__", "distflow"),
 )
 """Floors from the ground up (docs/architecture.md, "Layers"): a module imports its own floor and
