@@ -19,21 +19,26 @@ A LoRA checkpoint (adapters only, with peft's `adapter_config.json`) exports its
 directory, or on request the merged model, over the base model it was trained from.
 The tokenizer comes from `tokenizer_dir`, else from the checkpoint's own copy (saved by
 `distflow train`), else it is left out.
+A write the filesystem refuses (a full disk) is one line naming `out_dir` and its free space, as for
+the model caches (`tasks/embedded.py`'s `cache_write_error`), and the half-written output is removed.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from distflow.checkpoint.contents import check_matches, checkpoint_dtype, model_tensor_entries, read_meta
 from distflow.checkpoint.directory import ADAPTER_CONFIG, MODEL_CONFIG, TOKENIZER_DIR, CheckpointError
 from distflow.checkpoint.store import load_model_weights, quiet_single_process
+from distflow.tasks.embedded import cache_write_error, os_error_of
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # what save_pretrained writes by default (5 GB files)
 
@@ -53,17 +58,39 @@ def export_hf(
     `merged` and `base_model` apply to those only)."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     read_meta(checkpoint)  # a clear error for a missing or incomplete checkpoint, before anything is built
-    if (checkpoint / ADAPTER_CONFIG).is_file():
-        _export_lora(checkpoint, out_dir, merged=merged, base_model=base_model)
-    else:
-        export_streamed(
-            checkpoint, out_dir, _model_config(checkpoint, model_dir_or_config), max_shard_bytes=max_shard_bytes
-        )
+    config = None if (checkpoint / ADAPTER_CONFIG).is_file() else _model_config(checkpoint, model_dir_or_config)
     if tokenizer_dir is None and (checkpoint / TOKENIZER_DIR).is_dir():
         tokenizer_dir = checkpoint / TOKENIZER_DIR
-    if tokenizer_dir is not None:
-        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
+    existed = out_dir.exists()
+    try:
+        if config is None:
+            _export_lora(checkpoint, out_dir, merged=merged, base_model=base_model)
+        else:
+            export_streamed(checkpoint, out_dir, config, max_shard_bytes=max_shard_bytes)
+        if tokenizer_dir is not None:
+            AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
+    except (OSError, SafetensorError) as err:
+        # A full disk (safetensors says so in a SafetensorError): one line, as for the model caches,
+        # its free space measured before the half-written output is removed.
+        cause = err if isinstance(err, OSError) else os_error_of(err)
+        if cause is None:
+            raise
+        error = cache_write_error(cause, "the exported model", out_dir, "give --out")
+        _remove_written(out_dir, existed)
+        raise error from None
     return out_dir
+
+
+def _remove_written(out_dir: Path, existed: bool) -> None:
+    """What a failed export wrote: `out_dir` itself, or only its contents where it was there (empty) before."""
+    if not existed:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        return
+    for path in out_dir.iterdir():
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def export_streamed(checkpoint: Path, out_dir: Path, config: PretrainedConfig, *, max_shard_bytes: int) -> None:
