@@ -1,8 +1,9 @@
 """The architecture matrix: every decoder family of tests/architectures.py, tiny and random, through the
 parts a run uses. In the default suite, in one process per family: the rollout engines (`compact`,
 `compact` with slots, `generate`) draw the same samples, their log-probs are the trainer's (padded,
-packed and shared-prefix passes) to 1e-5, LoRA adapts it starting at the base model's function, and a
-saved directory loads back with equal logits. In the slow tests, the real CLI trains one step of each on
+packed and shared-prefix passes) to 1e-5, LoRA adapts it starting at the base model's function, a
+saved directory loads back with equal logits, and a trained checkpoint's `distflow export` loads in
+transformers with the policy's logits. In the slow tests, the real CLI trains one step of each on
 2 ranks under ddp, fsdp2 and LoRA, with the rollout-to-trainer log-prob gap at most 1e-5.
 docs/features/architectures.md's table is rendered from this matrix (test_the_docs_table_is_this_matrix)."""
 
@@ -117,6 +118,44 @@ def test_each_family_takes_adapters_and_saves_back_to_equal_logits(saved, name, 
         torch.testing.assert_close(adapted(ids).logits, want, rtol=0, atol=1e-6)  # B = 0 at the start
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_family_s_trained_checkpoint_exports_to_equal_logits(saved, name, tmp_path):
+    """One optimizer step, a checkpoint as a run saves it, `distflow export` on it: transformers loads the
+    export with the checkpointed policy's logits, in float32, bit for bit."""
+    from distflow.checkpoint import save_checkpoint
+    from distflow.comm import Comm
+
+    model = _load(saved[name])
+    ids = tokenizer()(PROMPTS[0], return_tensors="pt").input_ids
+    with torch.no_grad():
+        before = model(ids).logits
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    scheduler.step()
+    model.eval()
+    single = Comm(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    checkpoint = save_checkpoint(
+        tmp_path / "checkpoints",
+        1,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        extra={},
+        comm=single,
+        keep_last=1,
+        tokenizer=tokenizer(),
+    )
+    result = run_cli("export", str(checkpoint), "--out", str(tmp_path / "hf"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with torch.no_grad():
+        want = model(ids).logits
+        assert not torch.equal(want, before)  # the step moved the policy: the export is the trained one
+        torch.testing.assert_close(_load(tmp_path / "hf")(ids).logits, want, rtol=0, atol=0)
+
+
 PARITY = "def parity(prompt, completion, sample):\n    return float(len(completion) % 2)\n"
 """A reward with variance on a random model (the task's answers never come): the update runs."""
 
@@ -165,14 +204,14 @@ def render_table() -> str:
 
     lines = [
         "| family | transformers config | rollout engines (log-probs = trainer's to 1e-5) | training passes "
-        "| LoRA | one CLI step |",
-        "|---|---|---|---|---|---|",
+        "| LoRA | `distflow export` (logits equal) | one CLI step |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in ARCHITECTURES:
         engines = "compact, generate" + (" (slots refused: sliding windows)" if name in SLIDING else ", slots")
         passes = "padded, shared-prefix" + (" (packed refused)" if name in UNPACKABLE else ", packed")
         modes = ", ".join(mode for run, mode in CLI_RUNS if run == name)
-        lines.append(f"| {name} | `{CONFIGS[name][0]}` | {engines} | {passes} | yes | {modes} |")
+        lines.append(f"| {name} | `{CONFIGS[name][0]}` | {engines} | {passes} | yes | yes | {modes} |")
     return "\n".join(lines)
 
 
