@@ -1,6 +1,7 @@
 """`distflow export` when the disk fills: one line naming the output directory and its free space, exit 2,
 and nothing half-written left, as for the model caches (tests/test_model_conversion_faults.py)."""
 
+import errno
 import os
 import subprocess
 import sys
@@ -55,3 +56,21 @@ def test_a_full_disk_is_one_line_naming_the_output_directory_and_its_free_space(
     assert " GiB free there)" in line and "--out" in line, line
     assert list(out.iterdir()) == [] if out_exists else not out.exists()  # the half-written output is removed
     read_meta(checkpoint)  # the checkpoint itself is untouched
+
+
+def test_a_checkpoint_that_cannot_be_read_is_not_called_a_full_disk(tmp_path, monkeypatch):
+    """Only a write the filesystem refused is the one line: a read of the checkpoint that fails stays its own
+    error."""
+    from distflow.checkpoint import export as export_module
+    from distflow.checkpoint import export_hf
+
+    engine = make_engine(SINGLE, seed=0)
+    checkpoint = save(tmp_path / "ckpt", 1, engine)
+    shard = str(checkpoint / "__0_0.distcp")
+
+    def unreadable(*args, **kwargs):
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", shard)
+
+    monkeypatch.setattr(export_module.dcp, "load", unreadable)
+    with pytest.raises(FileNotFoundError):
+        export_hf(checkpoint, tmp_path / "hf")

@@ -25,6 +25,7 @@ the model caches (`tasks/embedded.py`'s `cache_write_error`), and the half-writt
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from pathlib import Path
@@ -73,12 +74,19 @@ def export_hf(
         # A full disk (safetensors says so in a SafetensorError): one line, as for the model caches,
         # its free space measured before the half-written output is removed.
         cause = err if isinstance(err, OSError) else os_error_of(err)
-        if cause is None:
+        if cause is None or not _failed_writing(cause, out_dir):
             raise
         error = cache_write_error(cause, "the exported model", out_dir, "give --out")
         _remove_written(out_dir, existed)
         raise error from None
     return out_dir
+
+
+def _failed_writing(err: OSError, out_dir: Path) -> bool:
+    """A write the filesystem refused, rather than a checkpoint or base model that could not be read."""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+        return True
+    return err.filename is not None and Path(err.filename).resolve().is_relative_to(out_dir.resolve())
 
 
 def _remove_written(out_dir: Path, existed: bool) -> None:
