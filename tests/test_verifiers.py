@@ -113,7 +113,8 @@ def load_environment():
 
 
 def test_a_rubric_without_reward_functions_ends_the_run_at_load_in_one_line_with_exit_2(tmp_path):
-    """It used to load, then end the run at the first evaluation with verifiers' AssertionError."""
+    """It used to load, then end the run at the first evaluation with verifiers' AssertionError; then to be
+    refused only after the embedded model's warm-start (minutes). It is refused before anything is built."""
     (tmp_path / "vf_unscored.py").write_text(UNSCORED_ENV)
     result = run_cli(
         "train",
@@ -121,9 +122,11 @@ def test_a_rubric_without_reward_functions_ends_the_run_at_load_in_one_line_with
         "task.source=verifiers",
         "task.verifiers.env=vf-unscored",
         f"trainer.output_dir={tmp_path}",
+        f"warmstart.cache_dir={tmp_path / 'cache'}",
         cwd=tmp_path,  # distflow train puts the working directory on sys.path
     )
     assert result.returncode == 2, result.stderr[-2000:]
+    assert not (tmp_path / "cache").exists() and "plan:" not in result.stderr  # no warm-start, no rank
     assert "Traceback" not in result.stderr and "AssertionError" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "distflow: error: task.verifiers.env='vf-unscored': its rubric (Rubric) has no reward functions, so "

@@ -378,9 +378,15 @@ class Verifiers(TaskSource):
 
     @classmethod
     def preflight(cls, config: Config) -> list[str]:
-        """verifiers and the environment's module, importable here (nothing is loaded)."""
+        """verifiers and the environment's module, importable here; with the 0.2 line, the environment loaded
+        too (once per process, as the ranks load it), so that one that cannot score a rollout is refused before
+        the embedded model's warm-start rather than after it. (0.4's tasksets are checked where the ranks load
+        them: a forked process serves its environment anew.)"""
         try:
-            missing = missing_module(cls.options(config.task.options, "task.verifiers").env)
-        except ConfigError as err:  # a verifiers release neither line is
+            spec = cls.options(config.task.options, "task.verifiers")
+            missing = missing_module(spec.env)
+            if missing is None and api() == "v0":
+                environment(spec.env, json.dumps(spec.kwargs, sort_keys=True))
+        except ConfigError as err:  # a verifiers release neither line is, an environment that cannot serve
             return [str(err)]
         return [missing] if missing else []
