@@ -75,10 +75,11 @@ def test_loss_falls_under_lora(server, service):
     losses = []
     for _ in range(5):
         result = training.forward_backward(sft_batch(server), "cross_entropy")
-        training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+        training.optim_step(types.AdamParams(learning_rate=5e-3)).result()
         losses.append(result.result().metrics["loss:sum"])
-    assert losses[-1] < 0.9 * losses[0], losses
-    assert all(later < earlier for earlier, later in zip(losses, losses[1:], strict=False)), losses
+    # Adam on one batch need not fall at every step (at 2e-2 it once went 98, 74, 64, 76, 63 on another
+    # machine's warm-start): every step below the first, and the last well below it.
+    assert losses[-1] < 0.9 * losses[0] and all(later < losses[0] for later in losses[1:]), losses
 
 
 def _direct_grads(module, data, loss_fn: str, config: dict) -> tuple[float, dict]:
