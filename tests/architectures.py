@@ -111,3 +111,24 @@ def save_tiny(name: str, directory: Path, *, seed: int = 0) -> Path:
     model.save_pretrained(directory)
     tokenizer().save_pretrained(directory)
     return directory
+
+
+PARITY = "def parity(prompt, completion, sample):\n    return float(len(completion) % 2)\n"
+"""A reward with variance on a random model (the task's answers never come): the update runs."""
+
+
+def train_one_step(model_dir, tmp_path, *overrides: str):
+    """One `distflow train` step of `examples/math_verl.yaml` on the model in `model_dir` (4 prompts x 4
+    samples, <= 12 tokens, the parity reward), its run in `tmp_path/run`; `overrides` last: they win."""
+    from conftest import REPO, run_cli
+
+    (tmp_path / "parity_reward.py").write_text(PARITY)
+    rows = str(REPO / "examples/data/math_sample.jsonl")
+    return run_cli(
+        "train", str(REPO / "examples/math_verl.yaml"), f"model.path={model_dir}", f"task.train_file={rows}",
+        f"task.heldout_file={rows}", "task.num_heldout=2", "task.reward=parity_reward:parity",
+        "trainer.total_steps=1", "trainer.prompts_per_step=4", "trainer.eval_every=0", "rollout.num_samples=4",
+        "rollout.max_new_tokens=12", "checkpoint.at_end=false", "trainer.progress_bar=false",
+        f"trainer.output_dir={tmp_path}", "trainer.run_name=run", *overrides,
+        cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)},
+    )  # fmt: skip

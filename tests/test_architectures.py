@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 import transformers
-from architectures import available, save_tiny, tokenizer
+from architectures import available, save_tiny, tokenizer, train_one_step
 from conftest import REPO, run_cli
 
 from distflow.config import ConfigError, load_config
@@ -156,10 +156,6 @@ def test_each_family_s_trained_checkpoint_exports_to_equal_logits(saved, name, t
         torch.testing.assert_close(_load(tmp_path / "hf")(ids).logits, want, rtol=0, atol=0)
 
 
-PARITY = "def parity(prompt, completion, sample):\n    return float(len(completion) % 2)\n"
-"""A reward with variance on a random model (the task's answers never come): the update runs."""
-
-
 CLI_RUNS = [(name, mode) for name in ARCHITECTURES for mode in MODES if mode != "compiled" or name in DEFAULT_SUITE]
 """Each family under each mode; `compiled` (a torch.compile of ~40 s a run) for the default suite's four."""
 
@@ -167,29 +163,12 @@ CLI_RUNS = [(name, mode) for name in ARCHITECTURES for mode in MODES if mode != 
 @pytest.mark.slow  # ~43 runs of ~10-50 s each on 2 cores: CI runs it
 @pytest.mark.parametrize(("name", "mode"), CLI_RUNS)
 def test_each_family_trains_a_step_through_the_cli(saved, name, mode, tmp_path):
-    (tmp_path / "parity_reward.py").write_text(PARITY)
-    rows = str(REPO / "examples/data/math_sample.jsonl")
-    result = run_cli(
-        "train",
-        str(REPO / "examples/math_verl.yaml"),
-        f"model.path={saved[name]}",
-        f"task.train_file={rows}",
-        f"task.heldout_file={rows}",
-        "task.num_heldout=2",
-        "task.reward=parity_reward:parity",
-        "trainer.total_steps=1",
-        "trainer.prompts_per_step=4",
-        "trainer.eval_every=0",
-        "rollout.num_samples=4",
+    result = train_one_step(
+        saved[name],
+        tmp_path,
         f"rollout.max_new_tokens={MAX_NEW}",
         "algorithm.off_policy_correction=tis",  # records the rollout's log-probs: the gap is logged
-        "checkpoint.at_end=false",
-        "trainer.progress_bar=false",
-        f"trainer.output_dir={tmp_path}",
-        "trainer.run_name=run",
         *MODES[mode],
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(tmp_path)},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]

@@ -11,8 +11,7 @@ import json
 import pytest
 import torch
 import transformers
-from architectures import available, save_tiny, tiny_config
-from conftest import REPO, run_cli
+from architectures import available, save_tiny, tiny_config, train_one_step
 
 from distflow.config import ConfigError
 from distflow.config.model import ModelConfig, MoeConfig
@@ -172,38 +171,9 @@ def test_model_moe_checks():
         check_aux_loss(None, 0.01)
 
 
-PARITY = "def parity(prompt, completion, sample):\n    return float(len(completion) % 2)\n"
-
-
-def _train_step(model_dir, tmp_path, *overrides):
-    (tmp_path / "parity_reward.py").write_text(PARITY)
-    rows = str(REPO / "examples/data/math_sample.jsonl")
-    return run_cli(
-        "train",
-        str(REPO / "examples/math_verl.yaml"),
-        f"model.path={model_dir}",
-        f"task.train_file={rows}",
-        f"task.heldout_file={rows}",
-        "task.num_heldout=2",
-        "task.reward=parity_reward:parity",
-        "trainer.total_steps=1",
-        "trainer.prompts_per_step=4",
-        "trainer.eval_every=0",
-        "rollout.num_samples=4",
-        "rollout.max_new_tokens=12",
-        "checkpoint.at_end=false",
-        "trainer.progress_bar=false",
-        f"trainer.output_dir={tmp_path}",
-        "trainer.run_name=run",
-        *overrides,
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(tmp_path)},
-    )
-
-
 def test_a_dense_model_with_an_aux_loss_is_refused_before_any_rank_starts(tmp_path):
     tiny_config("llama").save_pretrained(tmp_path / "llama")  # the refusal reads its config.json alone
-    result = _train_step(tmp_path / "llama", tmp_path, "model.moe.aux_loss_coef=0.01")
+    result = train_one_step(tmp_path / "llama", tmp_path, "model.moe.aux_loss_coef=0.01")
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
     assert "model.moe.aux_loss_coef=0.01 needs a mixture-of-experts model" in lines[0]
@@ -222,7 +192,7 @@ def test_a_qwen3_moe_step_logs_its_routers_and_the_coefficient_moves_the_loss(tm
     for name, overrides in runs.items():
         run = tmp_path / name
         run.mkdir()
-        result = _train_step(model_dir, run, *overrides, "algorithm.off_policy_correction=tis")
+        result = train_one_step(model_dir, run, *overrides, "algorithm.off_policy_correction=tis")
         assert result.returncode == 0, result.stderr[-3000:]
         lines = (run / "run/metrics.jsonl").read_text().splitlines()
         (rows[name],) = [row for row in map(json.loads, lines) if row["step"] == 1]

@@ -9,6 +9,7 @@ import json
 
 import pytest
 from conftest import REPO, run_cli
+from test_async import metrics, records  # the records and metrics files, read as the async tests read them
 
 RECORDER = '''
 import json, os, signal
@@ -48,7 +49,6 @@ ARGS = [
     "pipeline.custom_stages=[{name: record, fn: 'user_code:record', after: [reward], before: [advantage], "
     "reads: [uid, completion, token_version, response_mask]}]",
 ]
-NOT_COMPARED = ("time/", "throughput/")
 
 
 def train(cwd, cache_dir, *extra, env=None):
@@ -56,15 +56,6 @@ def train(cwd, cache_dir, *extra, env=None):
     (cwd / "user_code.py").write_text(RECORDER)
     args = ["train", str(REPO / "examples/arith_grpo.yaml"), *ARGS, f"warmstart.cache_dir={cache_dir}"]
     return run_cli(*args, f"trainer.output_dir={cwd}", "trainer.run_name=run", *extra, cwd=cwd, env=env)
-
-
-def records(cwd) -> dict[int, dict]:
-    return {int(p.name[4:].split("-")[0]): json.loads(p.read_text()) for p in (cwd / "records").glob("step*.json")}
-
-
-def metrics(run_dir) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: {k: v for k, v in row.items() if not k.startswith(NOT_COMPARED)} for row in rows}
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,13 @@ real entry point, `distflow serve tinker CONFIG`, is tests/test_tinker_cli.py's.
 import copy
 import math
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 tinker = pytest.importorskip("tinker", reason="the Tinker SDK is not installed: pip install 'distflow[tinker]'")
+from conftest import REPO  # noqa: E402
+from test_e2e import TINY  # noqa: E402
 from tinker import types  # noqa: E402
 
 from distflow.algorithms.losses import ppo_clip_loss  # noqa: E402
@@ -21,19 +22,8 @@ from distflow.serve.tinker.command import checkpoint_dir  # noqa: E402
 from distflow.serve.tinker.server import TinkerServer  # noqa: E402
 from distflow.serve.tinker.state import EMBEDDED_NAME, build_state  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 # As test_e2e.py's runs (the same warm-start cache key, so one build serves both).
-OVERRIDES = [
-    "trainer.total_steps=3",
-    "trainer.prompts_per_step=4",
-    "rollout.num_samples=4",
-    "trainer.eval_every=2",
-    "trainer.eval_samples=2",
-    "task.num_heldout=40",
-    "trainer.progress_bar=false",
-    "warmstart.target_accuracy=0.02",
-    "warmstart.check_every=20",
-]
+OVERRIDES = [*TINY, "warmstart.target_accuracy=0.02", "warmstart.check_every=20"]
 MAX_REQUEST_BYTES = 256 << 10
 
 

@@ -379,14 +379,15 @@ def check_resume_partial(checkpoint: Path, extra: dict, config: Config, world_si
     them on the rank that started them) continues only on as many ranks, with rollout.partial on."""
     saved = (extra.get("parts") or {}).get("rollout") or {}
     in_flight, world = int(saved.get("samples_in_flight", 0)), saved.get("world_size")
+    held = f"{in_flight} samples" if in_flight else None
     pipeline = extra.get("pipeline") or {}
     if pipeline.get("stage_states_of"):  # an asynchronous run's rollout ranks carried samples (train ranks saved)
-        in_flight, world = in_flight or "the", pipeline["world_size"]
-    if not in_flight:
+        held, world = held or "the samples", pipeline["world_size"]
+    if held is None:
         return
     if world != world_size or not config.rollout.partial:
         raise ConfigError(
-            f"checkpoint {checkpoint} holds {in_flight} samples in flight of a run with rollout.partial on "
+            f"checkpoint {checkpoint} holds {held} in flight of a run with rollout.partial on "
             f"{world} ranks, each kept by the rank that started it: resume it on {world} ranks with "
             "rollout.partial > 0"
         )

@@ -20,7 +20,7 @@ directory, or on request the merged model, over the base model it was trained fr
 The tokenizer comes from `tokenizer_dir`, else from the checkpoint's own copy (saved by
 `distflow train`), else it is left out.
 A write the filesystem refuses (a full disk) is one line naming `out_dir` and its free space, as for
-the model caches (`tasks/embedded.py`'s `cache_write_error`), and the half-written output is removed.
+the model caches (write_failure.py's `cache_write_error`), and the half-written output is removed.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from distflow.checkpoint.contents import check_matches, checkpoint_dtype, model_tensor_entries, read_meta
 from distflow.checkpoint.directory import ADAPTER_CONFIG, MODEL_CONFIG, TOKENIZER_DIR, CheckpointError
 from distflow.checkpoint.store import load_model_weights, quiet_single_process
-from distflow.tasks.embedded import cache_write_error, os_error_of
+from distflow.checkpoint.write_failure import cache_write_error, os_error_of
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # what save_pretrained writes by default (5 GB files)
 

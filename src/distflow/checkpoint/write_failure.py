@@ -1,5 +1,9 @@
 """What a save that the filesystem refused (a full disk, a quota, permissions) tells the user.
 
+A checkpoint's (`write_failure`) names the step and the previous checkpoint kept; a model directory's
+(`cache_write_error`: the warm-started and converted model caches, `distflow export`) names the directory,
+its free space and where else to write it.
+
 One line: which path, what failed, the free space, and that the previous checkpoint is
 intact. Every rank of the save builds it alike (DCP gathers every rank's failure, and rank
 0's own failures are shared by an all-reduce in `store.save_checkpoint`), so every rank
@@ -9,12 +13,15 @@ exits with the same message.
 from __future__ import annotations
 
 import errno
+import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
 
 from distflow.checkpoint.directory import CheckpointError, latest_checkpoint
+from distflow.config import ConfigError
 
 
 def write_failure(err: BaseException, tmp: Path, root: Path, step: int, *, needed_bytes: int) -> CheckpointError:
@@ -75,3 +82,30 @@ def _os_error_in(err: BaseException | None) -> OSError | None:
 def _one_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
+
+
+def cache_write_error(err: OSError, what: str, directory: Path, elsewhere: str) -> ConfigError:
+    """One line for a model cache that refused a write: the directory, why, and its free space."""
+    try:
+        free = f"{shutil.disk_usage(directory).free / 2**30:.2f} GiB free there"
+    except OSError:
+        free = "its free space unknown"
+    return ConfigError(
+        f"writing {what} into {str(directory)!r} failed: {err.strerror or err} ({free}); "
+        f"free some space, or {elsewhere} to another disk"
+    )
+
+
+def os_error_of(err: Exception) -> OSError | None:
+    """safetensors reports a failed write (a full disk: "I/O error: No space left on device (os
+    error 28)") as a SafetensorError, not an OSError: the OSError it stands for, so that callers
+    handle it as any other failed write; None when it names no OS error.
+
+    >>> os_error_of(Exception("Error while serializing: I/O error: No space left on device (os error 28)"))
+    OSError(28, 'No space left on device')
+    """
+    found = re.search(r"\(os error (\d+)\)", str(err))
+    if found is None:
+        return None
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code))

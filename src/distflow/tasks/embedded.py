@@ -22,12 +22,12 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 import shutil
 import time
 from pathlib import Path
 
-from distflow.config import Config, ConfigError, to_dict
+from distflow.checkpoint.write_failure import cache_write_error, os_error_of
+from distflow.config import Config, to_dict
 
 FORMAT_VERSION = 3  # 3: keyed sampling in the validation check
 UNSHAPING = ("cache_dir", "tool_transcripts")
@@ -191,33 +191,6 @@ def save_model_dir(model, directory: Path) -> None:
         if cause is None:
             raise
         raise cause from err
-
-
-def cache_write_error(err: OSError, what: str, directory: Path, elsewhere: str) -> ConfigError:
-    """One line for a model cache that refused a write: the directory, why, and its free space."""
-    try:
-        free = f"{shutil.disk_usage(directory).free / 2**30:.2f} GiB free there"
-    except OSError:
-        free = "its free space unknown"
-    return ConfigError(
-        f"writing {what} into {str(directory)!r} failed: {err.strerror or err} ({free}); "
-        f"free some space, or {elsewhere} to another disk"
-    )
-
-
-def os_error_of(err: Exception) -> OSError | None:
-    """safetensors reports a failed write (a full disk: "I/O error: No space left on device (os
-    error 28)") as a SafetensorError, not an OSError: the OSError it stands for, so that callers
-    handle it as any other failed write; None when it names no OS error.
-
-    >>> os_error_of(Exception("Error while serializing: I/O error: No space left on device (os error 28)"))
-    OSError(28, 'No space left on device')
-    """
-    found = re.search(r"\(os error (\d+)\)", str(err))
-    if found is None:
-        return None
-    code = int(found.group(1))
-    return OSError(code, os.strerror(code))
 
 
 def ensure_embedded_model(config: Config, *, builder: bool, log=print) -> Path:

@@ -196,7 +196,8 @@ def take_special_tokens(model, tokenizer) -> None:
 def write_atomically(model, tokenizer, target: Path) -> None:
     """Write into a temporary directory beside `target`, renamed to it only once complete: a failed
     or interrupted write leaves nothing under the name that the next run takes for a model."""
-    from distflow.tasks.embedded import cache_write_error, save_model_dir
+    from distflow.checkpoint.write_failure import cache_write_error
+    from distflow.tasks.embedded import save_model_dir
 
     tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
