@@ -8,6 +8,9 @@ One line: which path, what failed, the free space, and that the previous checkpo
 intact. Every rank of the save builds it alike (DCP gathers every rank's failure, and rank
 0's own failures are shared by an all-reduce in `store.save_checkpoint`), so every rank
 exits with the same message.
+
+torch is imported only where a state's tensors are counted: a model cache's check (`tasks/embedded.py`,
+a cache hit) loads neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -17,8 +20,6 @@ import os
 import re
 import shutil
 from pathlib import Path
-
-import torch
 
 from distflow.checkpoint.directory import CheckpointError, latest_checkpoint
 from distflow.config import ConfigError
@@ -53,6 +54,8 @@ def write_failure(err: BaseException, tmp: Path, root: Path, step: int, *, neede
 
 def state_bytes(state: dict) -> int:
     """Bytes of the tensors in a (nested) state dict: what a checkpoint of it writes, roughly."""
+    import torch
+
     if isinstance(state, torch.Tensor):
         return state.numel() * state.element_size()
     if isinstance(state, dict):
