@@ -35,6 +35,7 @@ def check_sections(config) -> None:
     _check_rollout_engine(config)
     _check_agent(config)
     _check_partial(config)
+    _check_routing(config)
 
 
 def _check_task_source(config) -> None:
@@ -137,4 +138,41 @@ def _check_partial(config) -> None:
         getattr(engine, "continues", False),
         f"rollout.engine={rollout.engine} cannot continue a sample from its tokens so far (it does not declare "
         f"`continues`), which {where} needs: use compact, generate or auto, or rollout.partial=0",
+    )
+
+
+def _check_routing(config) -> None:
+    """Recording the rollout's experts (training/routing_replay.py) is a single-turn rollout's, in-process."""
+    from distflow.config.components import ROLLOUT_ENGINES
+
+    rollout = config.rollout
+    if not rollout.records_routing:
+        return
+    where = "rollout.routing_replay" if rollout.routing_replay else "rollout.record_routing"
+    engine, options = ROLLOUT_ENGINES.chosen(rollout, "engine")
+    check(
+        getattr(engine, "records_routing", False),
+        f"{where} records the experts the rollout's own forwards route each token to; rollout.engine="
+        f"{rollout.engine} does not (vllm routes inside its own process): use compact or auto",
+    )
+    check(
+        getattr(options, "slots", 0) == 0,
+        f"{where} records routing in the plain compact decoder: set rollout.compact.slots=0",
+    )
+    check(
+        config.model.path is not None,
+        f"{where} needs a mixture-of-experts model (model.path); the embedded one is dense",
+    )
+    check(
+        rollout.agent is None and config.env.cls is None and not rollout.partial,
+        f"{where} records single-turn rollouts; rollout.agent, env.cls and rollout.partial are not: turn them off",
+    )
+    check(
+        not config.algorithm.dynamic_sampling.enabled,
+        f"{where}: algorithm.dynamic_sampling's refills do not carry the rollout's experts: turn one off",
+    )
+    check(
+        not config.parallel.activation_checkpointing,
+        f"{where} replays routing in each forward call, which activation checkpointing's recomputation in the "
+        "backward would not see: set parallel.activation_checkpointing=false",
     )

@@ -79,6 +79,15 @@ class RolloutConfig:
     trajectory's response is `env.max_tokens` wide."""
     agent_timeout_s: float = 300.0
     """Longest an agent's episode may take (at most a week); past it the episode scores `env.default_reward`."""
+    routing_replay: bool = False
+    """A mixture-of-experts model: the rollout records the experts its forwards route each token to
+    (`routed_experts`, prompt and response), and the trainer's forwards (the policy's log-prob and update
+    passes) route each token to those, with the routing weights computed from the current router logits
+    at them (R3, training/routing_replay.py): a flipped top-k choice no longer shows in the log-prob gap
+    (`mismatch/*`). Logs `moe/routing_mismatch_frac`. On the `compact` engine (`auto` rolls out with it)."""
+    record_routing: bool = False
+    """Record the rollout's experts and log `moe/routing_mismatch_frac` (how many of the policy update's
+    routing decisions differ from the rollout's) without replaying them; `routing_replay` implies it."""
 
     def __post_init__(self) -> None:
         ROLLOUT_ENGINES.chosen(self, "engine")  # a known engine, with options it takes
@@ -102,6 +111,11 @@ class RolloutConfig:
         )
         check(self.agent_timeout_s > 0, f"rollout.agent_timeout_s must be > 0 (got {self.agent_timeout_s})")
         check_seconds("rollout.agent_timeout_s", self.agent_timeout_s)
+
+    @property
+    def records_routing(self) -> bool:
+        """The rollout records each token's experts (`routing_replay` or `record_routing`)."""
+        return self.routing_replay or self.record_routing
 
 
 @dataclass(kw_only=True)

@@ -29,6 +29,7 @@ from distflow.data.fields import (
     RESPONSE_MASK,
     REWARD,
     ROLLOUT_LOGP,
+    ROUTED_EXPERTS,
     SAMPLE,
     TURN_REWARD,
     UID,
@@ -45,7 +46,7 @@ def behaviour_fields(config) -> tuple[str, ...]:
     """What the rollout also records about the policy that sampled: `rollout_logp` (each sampled
     token's log-prob) where a component declares it (the off-policy correction, which weighs by it; an
     engine with a sampler of its own, whose gap to the trainer's is logged) or with stale samples, and
-    then `policy_version` too."""
+    then `policy_version` too; `routed_experts` (each token's experts) where the rollout records its routing."""
     from distflow.algorithms.off_policy import OffPolicyCorrection
     from distflow.config.components import ROLLOUT_ENGINES
 
@@ -55,7 +56,8 @@ def behaviour_fields(config) -> tuple[str, ...]:
         *ROLLOUT_ENGINES.get(config.rollout.engine).fields(config),
     )
     records = staleness > 0 or ROLLOUT_LOGP in declared
-    return ((ROLLOUT_LOGP,) if records else ()) + ((POLICY_VERSION,) if staleness > 0 else ())
+    routing = (ROUTED_EXPERTS,) if config.rollout.records_routing else ()
+    return ((ROLLOUT_LOGP,) if records else ()) + ((POLICY_VERSION,) if staleness > 0 else ()) + routing
 
 
 def sample_uids(prompt_uids: list[int], n: int) -> list[int]:
@@ -113,6 +115,7 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
             samples_per_prompt=n,
             engine=sampling.engine,
             logprobs=ROLLOUT_LOGP in behaviour_fields(ctx.config),
+            routing=ctx.config.rollout.records_routing,
         )
     for name, count in engine.counts().items():
         ctx.metrics.maximum(f"rollout/{name}", count)
@@ -123,9 +126,8 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
     stats = engine.last_stats()
     if stats is not None and stats is not before:  # the engine counted this rollout (else: nothing logged)
         engine_figures(ctx.metrics, stats, num_generated, len(expanded))
-    behaviour = {}
-    if out.logp_BR is not None:
-        behaviour[ROLLOUT_LOGP] = out.logp_BR.to(ctx.comm.device)
+    behaviour = {ROLLOUT_LOGP: out.logp_BR, ROUTED_EXPERTS: out.routed_experts_BTLK}  # those it recorded
+    behaviour = {name: tensor.to(ctx.comm.device) for name, tensor in behaviour.items() if tensor is not None}
     behaviour.update(policy_versions(ctx, len(expanded)))
     return expanded.updated(
         **behaviour,

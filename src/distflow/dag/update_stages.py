@@ -258,6 +258,8 @@ def policy_update(batch: Batch, ctx: StageContext) -> Batch:
         tally.record(ctx)
     if moe is not None:
         moe.record(ctx.metrics, ctx.comm)
+    if getattr(ctx.engines.policy, "replay", None) is not None:  # the rollout recorded its experts
+        ctx.engines.policy.replay.record(ctx.metrics)
     return batch
 
 

@@ -1,7 +1,8 @@
 """The batch fields, declared once: name, per-sample shape kind and element type.
 
     loader      LOADER_FIELDS                 uid, prompt, prompt_ids, sample
-    rollout     SEQUENCE + completion, group  (+ rollout_logp, policy_version, token_version, turn_reward)
+    rollout     SEQUENCE + completion, group  (+ rollout_logp, policy_version, token_version, turn_reward,
+                                               routed_experts)
     reward …    reward, baseline_reward, kl_penalty, old_logp, ref_logp, values
     advantage   advantage, returns, sample_mask
 
@@ -32,7 +33,7 @@ class Field:
     @property
     def itemsize(self) -> int:
         """Bytes per element (0 for meta fields)."""
-        return {"int64": 8, "float32": 4, None: 0}[self.dtype]
+        return {"int64": 8, "float32": 4, "int16": 2, None: 0}[self.dtype]
 
 
 UID, PROMPT, PROMPT_IDS, SAMPLE = "uid", "prompt", "prompt_ids", "sample"
@@ -40,6 +41,7 @@ INPUT_IDS, ATTENTION_MASK, RESPONSE_MASK = "input_ids", "attention_mask", "respo
 COMPLETION, GROUP = "completion", "group"
 ROLLOUT_LOGP, POLICY_VERSION, TURN_REWARD = "rollout_logp", "policy_version", "turn_reward"
 TOKEN_VERSION = "token_version"
+ROUTED_EXPERTS = "routed_experts"
 REWARD, BASELINE_REWARD, KL_PENALTY = "reward", "baseline_reward", "kl_penalty"
 OLD_LOGP, REF_LOGP, VALUES = "old_logp", "ref_logp", "values"
 ADVANTAGE, RETURNS, SAMPLE_MASK = "advantage", "returns", "sample_mask"
@@ -60,6 +62,8 @@ FIELDS: dict[str, Field] = {
         Field(POLICY_VERSION, "1", "int64"),
         Field(TOKEN_VERSION, "R", "int64"),
         Field(TURN_REWARD, "R", "float32"),
+        # [T, MoE layers, top-k] a sample (training/routing_replay.py); sized here as one value a token.
+        Field(ROUTED_EXPERTS, "T", "int16"),
         Field(REWARD, "1", "float32"),
         Field(BASELINE_REWARD, "1", "float32"),
         Field(KL_PENALTY, "R", "float32"),

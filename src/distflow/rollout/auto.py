@@ -25,6 +25,7 @@ from distflow.rollout.engine import Request, RolloutEngine
 class AutoEngine(RolloutEngine):
     name = "auto"
     continues = True
+    records_routing = True  # a rollout that records its routing runs on `compact`
 
     def __init__(self) -> None:
         from distflow.rollout.graphed import GraphedEngine  # torch: built on a rank, not where configs load
@@ -45,7 +46,7 @@ class AutoEngine(RolloutEngine):
     def responses(self, model, request: Request):
         from distflow.rollout.graphed import CaptureFailed
 
-        engine = self.engine_for(model)
+        engine = self.engine_for(model) if request.routing is None else self.compact
         try:
             out = engine.responses(model, request)
         except CaptureFailed as failed:  # said once; the keyed draws make compact's samples the same ones

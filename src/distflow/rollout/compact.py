@@ -37,6 +37,7 @@ class CompactOptions:
 class CompactEngine(RolloutEngine):
     name = "compact"
     continues = True
+    records_routing = True  # without slots (config/rules.py refuses them together)
     Config = CompactOptions
     settings: CompactOptions = CompactOptions()
     """The defaults until `build` (or the constructor) sets this rank's: a subclass that overrides
@@ -64,6 +65,10 @@ class CompactEngine(RolloutEngine):
         return history
 
     def responses(self, model, request: Request):
+        if self.settings.slots > 0 and request.routing is not None:
+            from distflow.config.errors import ConfigError
+
+            raise ConfigError("rollout.routing_replay records routing without rollout.compact.slots: set slots=0")
         if self.settings.slots > 0:
             from distflow.rollout.slots import decode_in_slots
 
@@ -79,21 +84,25 @@ class CompactEngine(RolloutEngine):
 
 
 def _decode(model, request: Request, tally=None):
+    import contextlib
+
     from distflow.rollout.decoding import decode
 
-    out = decode(
-        model,
-        request.prompt_ids_GP,
-        request.prompt_mask_GP,
-        samples_per_prompt=request.n,
-        max_new_tokens=request.max_new_tokens,
-        stop_ids=request.stop_ids,
-        pad_id=request.pad_id,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        keys_B=request.keys_B,
-        offsets_B=request.offsets_B,
-        logprobs=request.logprobs,
-        tally=tally,
-    )
+    with request.routing.hooked() if request.routing is not None else contextlib.nullcontext():
+        out = decode(
+            model,
+            request.prompt_ids_GP,
+            request.prompt_mask_GP,
+            samples_per_prompt=request.n,
+            max_new_tokens=request.max_new_tokens,
+            stop_ids=request.stop_ids,
+            pad_id=request.pad_id,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            keys_B=request.keys_B,
+            offsets_B=request.offsets_B,
+            logprobs=request.logprobs,
+            tally=tally,
+            routing=request.routing,
+        )
     return out if request.logprobs else (out, None)

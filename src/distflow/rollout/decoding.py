@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
@@ -34,6 +35,9 @@ from transformers import DynamicCache
 from distflow.rollout.engine import RolloutStats
 from distflow.rollout.sampling import keyed_uniforms, sampled_logprob_B1, token_logprob_B1
 from distflow.training.models import cache_kwargs
+
+if TYPE_CHECKING:
+    from distflow.training.routing_replay import RoutingRecord
 
 
 @torch.no_grad()
@@ -52,18 +56,19 @@ def decode(
     logprobs: bool = False,
     tally: Tally | None = None,
     offsets_B: torch.Tensor | None = None,
+    routing: RoutingRecord | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Response ids [G·n, max_new_tokens] (pad after a row's stop token) for left-padded prompts.
 
     Row g·n + k is sample k of prompt g, drawn with keys_B[g·n + k] (greedy if keys_B is None).
     `logprobs`: also each drawn token's log-prob under softmax(logits / T), [G·n, max_new_tokens]
     (0 after a row's end), recorded while sampling. `tally`: counts the forwards' rows and when rows
-    end (at the looks), for `RolloutStats`. `offsets_B`: continued rows' draw positions (`Request.offsets_B`).
-    """
+    end (at the looks), for `RolloutStats`. `offsets_B`: continued rows' draw positions (`Request.offsets_B`);
+    `routing` (`Request.routing`, hooked while this runs): told each forward's rows."""
     width, device = prompt_ids_GP.shape[1], prompt_ids_GP.device
     stop_S = torch.tensor(stop_ids, device=device)
     logits_AV, cache, rows = _prefill(
-        model, prompt_ids_GP, prompt_mask_GP, samples_per_prompt, keys_B, max_new_tokens, offsets_B
+        model, prompt_ids_GP, prompt_mask_GP, samples_per_prompt, keys_B, max_new_tokens, offsets_B, routing
     )
     drawn = _Drawn(rows.rows_A.shape[0], max_new_tokens, pad_id, logprobs, device)
     every = stop_check_interval(device)
@@ -89,6 +94,8 @@ def decode(
                 token_A1 = token_A1[keep_A]
                 cache.batch_select_indices(keep_A)
         logits_AV = _next_logits(model, token_A1, rows.mask_AT[:, : width + t + 1], rows.position_A1[t], cache)
+        if routing is not None:  # the forward fed each row's token t
+            routing.decoded(rows.rows_A, width + t)
         tally.forward(rows.rows_A.shape[0])
     else:
         tally.ended(rows.rows_A.shape[0])  # the rows still running at max_new_tokens
@@ -201,9 +208,9 @@ class _Drawn:
         return response_BR if logp_BR is None else (response_BR, logp_BR)
 
 
-def _prefill(model, prompt_ids_GP, prompt_mask_GP, n: int, keys_B, max_new_tokens: int, offsets_B=None):
+def _prefill(model, prompt_ids_GP, prompt_mask_GP, n: int, keys_B, max_new_tokens: int, offsets_B=None, routing=None):
     """(last-position logits [G·n, V], KV cache of G·n rows, the rows): each prompt computed once, then
-    repeated (a gather of the prompt's row for each sample: one op per tensor)."""
+    repeated (a gather of the prompt's row for each sample: one op per tensor); `routing` told of its rows."""
     cache = DynamicCache(config=model.config)  # sliding-window layers get their own cache kind, as in generate
     out = model(
         input_ids=prompt_ids_GP,
@@ -215,6 +222,8 @@ def _prefill(model, prompt_ids_GP, prompt_mask_GP, n: int, keys_B, max_new_token
     )
     device, num_rows = prompt_ids_GP.device, prompt_ids_GP.shape[0] * n
     prompt_B = torch.arange(num_rows, device=device) // n
+    if routing is not None:
+        routing.prompts(prompt_B, prompt_ids_GP.shape[1])
     cache.batch_select_indices(prompt_B)
     mask_BP = prompt_mask_GP[prompt_B]
     mask_BT = torch.cat([mask_BP, mask_BP.new_ones(num_rows, max_new_tokens)], dim=1)

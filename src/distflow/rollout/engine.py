@@ -23,6 +23,8 @@ from distflow.data.fields import ROLLOUT_LOGP
 if TYPE_CHECKING:
     import torch
 
+    from distflow.training.routing_replay import RoutingRecord
+
 
 @dataclass(frozen=True)
 class Request:
@@ -45,6 +47,9 @@ class Request:
     """Continued samples (`rollout.partial`): the response tokens each row already has, at the end of its
     prompt ids; its token t here is drawn from its key at position offsets_B[b] + t. None: every row
     starts its response. Only an engine that declares `continues` is given them."""
+    routing: RoutingRecord | None = None
+    """Where the engine records each token's experts as its forwards route them (`rollout.routing_replay`,
+    training/routing_replay.py). Only an engine that declares `records_routing` is given one."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,9 @@ class RolloutEngine(Component):
     rollout_ranks_only: ClassVar[bool] = False
     """Made only where rollouts run, since it costs a process and a copy of the weights (vLLM): the
     held-out evaluation runs on the rollout ranks too, not on train ranks of a disaggregated run."""
+    records_routing: ClassVar[bool] = False
+    """Whether `responses` fills `Request.routing` (each token's experts, as the model's routers chose them in
+    the engine's own forwards), which `rollout.routing_replay` needs."""
 
     @classmethod
     def fields(cls, config: Any) -> tuple[str, ...]:

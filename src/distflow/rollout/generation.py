@@ -30,6 +30,9 @@ class Generation:
     logp_BR: torch.Tensor | None = None
     """With `logprobs`: each sampled token's log-prob under the sampling policy (0 where the
     response mask is 0)."""
+    routed_experts_BTLK: torch.Tensor | None = None
+    """With `routing`: the experts each token was routed to in each MoE layer (training/routing_replay.py;
+    -1 where the attention mask is 0 or no forward routed the token)."""
 
 
 @torch.no_grad()
@@ -48,6 +51,7 @@ def generate(
     engine: RolloutEngine | str = "compact",
     logprobs: bool = False,
     offsets: list[int] | None = None,
+    routing: bool = False,
 ) -> Generation:
     """`samples_per_prompt` completions of each prompt, sample k of prompt g in row g·n + k.
 
@@ -56,7 +60,8 @@ def generate(
     `logprobs` keeps each sampled token's log-prob (`Generation.logp_BR`); `engine`: the run's (`SamplingSpec.engine`)
     or a built-in one's name; `offsets` (one per row): continued samples, each prompt ending with the response
     tokens its sample already has, which draw from their keys after those (`Request.offsets_B`; the engine
-    must declare `continues`)."""
+    must declare `continues`); `routing`: record each token's experts (`Generation.routed_experts_BTLK`; the
+    engine must declare `records_routing`)."""
     model = unsharded_view(model)  # fsdp2 (inside `gathered`): the whole model, without FSDP's hooks
     device, n = next(model.parameters()).device, samples_per_prompt
     rows = prompt_ids if prompt_ids is not None else encode_prompts(tokenizer, prompts)
@@ -64,13 +69,14 @@ def generate(
     width = prompt_ids_GP.shape[1]
     keys_B = _keys_tensor(sample_keys, len(rows), n, device)
     offsets_B = None if offsets is None else _offsets_tensor(resolved(engine), offsets, len(rows) * n, device)
+    record = _routing_record(resolved(engine), model, len(rows) * n, width + max_new_tokens) if routing else None
     was_training = model.training
     model.eval()
     try:
         request = Request(
             prompt_ids_GP, prompt_mask_GP, keys_B, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
             top_p=top_p, stop_ids=stop_token_ids(tokenizer), pad_id=tokenizer.pad_token_id,
-            bos_id=tokenizer.bos_token_id, logprobs=logprobs, offsets_B=offsets_B,
+            bos_id=tokenizer.bos_token_id, logprobs=logprobs, offsets_B=offsets_B, routing=record,
         )  # fmt: skip
         response_BR, logp_BR = checked_responses(resolved(engine), model, request)
     finally:
@@ -86,9 +92,9 @@ def generate(
         logp_BR = _recomputed_logp(model, input_ids_BT, attention_mask_BT, response_BR.shape[1], temperature)
     if logp_BR is not None:
         logp_BR = logp_BR.masked_fill(response_mask_BR == 0, 0.0)
-    return Generation(
-        input_ids_BT, attention_mask_BT, response_mask_BR, width, completions, logp_BR if logprobs else None
-    )
+    routed_BTLK = None if record is None else record.attended(attention_mask_BT)
+    logp_BR = logp_BR if logprobs else None
+    return Generation(input_ids_BT, attention_mask_BT, response_mask_BR, width, completions, logp_BR, routed_BTLK)
 
 
 def _keys_tensor(sample_keys: list[int] | None, num_prompts: int, n: int, device) -> torch.Tensor | None:
@@ -98,6 +104,20 @@ def _keys_tensor(sample_keys: list[int] | None, num_prompts: int, n: int, device
     if len(sample_keys) != num_prompts * n:
         raise ValueError(f"{len(sample_keys)} sample keys for {num_prompts} prompts × {n} samples")
     return torch.tensor(sample_keys, dtype=torch.long, device=device)
+
+
+def _routing_record(engine: RolloutEngine, model, num_rows: int, width: int):
+    """An empty record of each row's routing over `width` columns, for an engine that records it."""
+    from distflow.config.errors import ConfigError
+    from distflow.training.routing_replay import RoutingRecord, replayable_routers
+
+    if not engine.records_routing:
+        raise ConfigError(
+            f"rollout.engine {engine.name!r} does not record which experts its forwards route each token to (it does "
+            "not declare `records_routing`), which rollout.routing_replay needs: use compact or auto"
+        )
+    routers = replayable_routers(model, "rollout.routing_replay")
+    return RoutingRecord(routers, num_rows, width, next(model.parameters()).device)
 
 
 def _offsets_tensor(engine: RolloutEngine, offsets: list[int], num_rows: int, device) -> torch.Tensor:

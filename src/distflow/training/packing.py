@@ -39,6 +39,15 @@ Forward = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tens
 # (outputs [rows, columns, ...], the token ids they predict [rows, columns]) -> what is kept [rows, columns, ...]
 Reduce = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
+# Told before each forward call where its tokens [rows, columns] are in the batch: indices into the flattened
+# [B·T] input ids, -1 for a packed row's filler (training/routing_replay.py replays each token's experts).
+OnCall = Callable[[torch.Tensor], None]
+
+
+def places_BT(input_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Each token's place in the flattened [B·T] batch, [B, T]: a padded call's tokens."""
+    return torch.arange(input_ids_BT.numel(), device=input_ids_BT.device).view(input_ids_BT.shape)
+
 
 def keep_outputs(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The `Reduce` that keeps the outputs as they are (a value model's)."""
@@ -131,21 +140,26 @@ def response_outputs(
     padding_free: bool,
     model: torch.nn.Module | None = None,
     reduce: Reduce | None = None,
+    on_call: OnCall | None = None,
 ) -> torch.Tensor:
     """The outputs that predict the response tokens, [B, R, ...]: column t - 1 for token t, each with
     the token it predicts through `reduce` (default: kept as they are; zero where the response mask is 0).
 
-    `model` (what `forward` runs) is probed before its first packed pass.
+    `model` (what `forward` runs) is probed before its first packed pass. `on_call`: told each call's tokens.
     """
     reduce = reduce or keep_outputs
     targets_BR = input_ids_BT[:, input_ids_BT.shape[1] - response_width :]
     if not padding_free:  # the outputs of the last R + 1 columns only (`keep`: prefix_sharing.PrefixForward)
         keep = response_width + 1
+        if on_call is not None:
+            on_call(places_BT(input_ids_BT))
         out = forward(input_ids_BT, attention_mask_BT, position_ids_from_mask(attention_mask_BT), None, keep)
         return reduce(out[:, -keep:-1], targets_BR)
     if model is not None:
         probe_packing(model, forward, input_ids_BT.device)
     packing = pack(input_ids_BT, attention_mask_BT, response_width)
+    if on_call is not None:  # `pack` places each token's place as it places its id (the filler: 0, then -1)
+        on_call(pack(places_BT(input_ids_BT) + 1, attention_mask_BT, response_width).input_ids_KL - 1)
     out = forward(packing.input_ids_KL, None, packing.position_ids_KL)
     kept = reduce(out[packing.source_BR], targets_BR)
     valid = packing.valid_BR.view(*packing.valid_BR.shape, *([1] * (kept.dim() - 2)))

@@ -18,9 +18,10 @@ from distflow.config.model import MoeConfig
 from distflow.config.parallel import ParallelConfig, PassesConfig
 from distflow.config.schema import OptimConfig
 from distflow.data.batch import Batch
-from distflow.training.logprobs import batch_logprobs, response_logprobs
+from distflow.training.logprobs import batch_logprobs, response_logprobs, routed_experts
 from distflow.training.moe import RouterCapture, check_aux_loss
 from distflow.training.parallelize import gathered, is_sharded
+from distflow.training.routing_replay import RoutingReplay
 from distflow.training.trainable import TrainableEngine
 
 
@@ -35,22 +36,32 @@ class PolicyEngine(TrainableEngine):
         parallel: ParallelConfig | None = None,
         passes: PassesConfig | None = None,
         moe: MoeConfig | None = None,
+        record_routing: bool = False,
+        replay_routing: bool = False,
     ) -> None:
         self.temperature = temperature  # log-probs are taken under the sampling distribution
         self.moe = moe or MoeConfig()
         self.routers = RouterCapture.of(model)
         """A mixture of experts' routers, heard in the training forward (training/moe.py); None: a dense model."""
         check_aux_loss(self.routers.routers if self.routers else None, self.moe.aux_loss_coef)
+        self.replay = RoutingReplay.of(model, replace=replay_routing) if record_routing or replay_routing else None
+        """The rollout's experts compared with (and with `replay_routing` replayed in) the policy's forwards
+        (training/routing_replay.py); None: the rollout records none."""
         super().__init__(model, comm, optim, parallel=parallel, passes=passes)
 
     def logprobs(self, batch: Batch) -> torch.Tensor:
         """Response log-probs of this rank's share; every train rank calls it together (fsdp2 gathers)."""
-        return _gathered_logprobs(self.model, batch, self.temperature, self.passes)
+        return _gathered_logprobs(self.model, batch, self.temperature, self.passes, self.replay)
 
     def forward(self, micro: Batch, *, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(logp_BR, entropy_BR) of a micro-batch's response tokens through the data-parallel wrapper (with a
-        mixture of experts, its routers' logits kept for the loss: `routers.take()`)."""
-        with self.routers.recording() if self.routers else contextlib.nullcontext():
+        mixture of experts, its routers' logits kept for the loss: `routers.take()`; with the rollout's
+        experts, their routing compared and replayed: `replay`)."""
+        with contextlib.ExitStack() as inside:
+            if self.routers:
+                inside.enter_context(self.routers.recording())
+            if self.replay is not None:
+                inside.enter_context(self.replay.replaying(routed_experts(micro), count=True))
             return self._forward(micro, entropy_grad)
 
     def _forward(self, micro: Batch, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +77,7 @@ class PolicyEngine(TrainableEngine):
             shared_prefix=self.passes.shared_prefix,
             lockstep=is_sharded(self.wrapped),
             routers=self.routers,
+            replay=self.replay,
         )
 
 
@@ -83,7 +95,9 @@ class ReferenceEngine:
         return _gathered_logprobs(self.model, batch, self.temperature, self.passes)
 
 
-def _gathered_logprobs(model: torch.nn.Module, batch: Batch, temperature: float, passes: PassesConfig) -> torch.Tensor:
+def _gathered_logprobs(
+    model: torch.nn.Module, batch: Batch, temperature: float, passes: PassesConfig, replay: RoutingReplay | None = None
+) -> torch.Tensor:
     with gathered(model):
         return batch_logprobs(
             model,
@@ -92,4 +106,5 @@ def _gathered_logprobs(model: torch.nn.Module, batch: Batch, temperature: float,
             temperature=temperature,
             padding_free=passes.padding_free,
             shared_prefix=passes.shared_prefix,
+            replay=replay,
         )

@@ -46,7 +46,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from distflow.training.packing import Reduce, keep_outputs, response_outputs
+from distflow.training.packing import OnCall, Reduce, keep_outputs, places_BT, response_outputs
 from distflow.training.parallelize import is_sharded
 from distflow.training.sequences import position_ids_from_mask
 
@@ -112,13 +112,14 @@ def passes_outputs(
     model: torch.nn.Module,
     reduce: Reduce | None = None,
     embed: Embed | None = None,
+    on_call: OnCall | None = None,
 ) -> torch.Tensor:
     """The outputs that predict the response tokens, [B, R, ...], batched as `passes` asks: each distinct
     prompt once (`shared_prefix` true; None: where the device gains from it), else padded or packed
     (`padding_free`; `model` is what `forward` runs). The log-prob and value passes both call this.
     `reduce` maps each forward call's outputs, with the tokens they predict, to what is kept of them
     (a language model's logits to log-probs), so the [B, R, V] logits are never assembled. `embed`: as
-    `shared_prefix_outputs`'s."""
+    `shared_prefix_outputs`'s. `on_call` (packing.OnCall): told each forward call's tokens before it."""
     if shared_prefix is not False:
         return shared_prefix_outputs(
             forward,
@@ -130,9 +131,17 @@ def passes_outputs(
             follow_device=shared_prefix is None,
             reduce=reduce,
             embed=embed,
+            on_call=on_call,
         )
     return response_outputs(
-        forward, input_ids_BT, attention_mask_BT, response_width, padding_free=padding_free, model=model, reduce=reduce
+        forward,
+        input_ids_BT,
+        attention_mask_BT,
+        response_width,
+        padding_free=padding_free,
+        model=model,
+        reduce=reduce,
+        on_call=on_call,
     )
 
 
@@ -147,28 +156,30 @@ def shared_prefix_outputs(
     follow_device: bool = True,
     reduce: Reduce | None = None,
     embed: Embed | None = None,
+    on_call: OnCall | None = None,
 ) -> torch.Tensor:
     """The outputs that predict the response tokens, [B, R, ...], each distinct prompt computed once.
 
-    `model_config` (the model's) says which cache layers the model uses. With `lockstep` every
-    call makes the same two forward calls whatever its rows (the prompts, then every response
-    at full width): under fsdp2 training each forward is a collective, so the ranks' calls must
-    match, including a rank's zero-gradient pass (training/trainable.py). With `follow_device` (the
-    user left `passes.shared_prefix` unset) the device decides (`shares_prefixes`); otherwise prompts
-    are shared wherever it runs. `reduce`: as `passes_outputs`'s. `embed` (`input_embedding`'s): the
-    tokens are embedded once, and the forward calls get their embeddings instead of their ids (`_fed`).
-    """
+    `model_config` (the model's) says which cache layers the model uses. With `lockstep` every call makes the
+    same two forward calls whatever its rows (the prompts, then every response at full width): under fsdp2
+    training each forward is a collective, so the ranks' calls must match, including a rank's zero-gradient pass
+    (training/trainable.py). With `follow_device` (the user left `passes.shared_prefix` unset) the device decides
+    (`shares_prefixes`); otherwise prompts are shared wherever it runs. `reduce`, `on_call`: as `passes_outputs`'s.
+    `embed` (`input_embedding`'s): the tokens are embedded once, and the forward calls get their embeddings
+    instead of their ids (`_fed`)."""
     reduce = reduce or keep_outputs
     batch, total = input_ids_BT.shape
     width = total - response_width
     if follow_device and not shares_prefixes(input_ids_BT.device):
-        return _padded(forward, input_ids_BT, attention_mask_BT, width, reduce)
+        return _padded(forward, input_ids_BT, attention_mask_BT, width, reduce, on_call)
     prompt_ids_UW, prompt_mask_UW, index_B = distinct_prompts(input_ids_BT, attention_mask_BT, response_width)
     cache = _write_once_cache(model_config)
     unshared = prompt_ids_UW.shape[0] == batch and not lockstep
     if unshared or width == 0 or response_width == 0 or cache is None:  # nothing to share: the padded pass
-        return _padded(forward, input_ids_BT, attention_mask_BT, width, reduce)
+        return _padded(forward, input_ids_BT, attention_mask_BT, width, reduce, on_call)
     tokens_BT, prompts_UW = _fed(embed, input_ids_BT, prompt_ids_UW, index_B, width)
+    tell = _teller(on_call, input_ids_BT)
+    tell(first_rows(index_B, len(prompt_ids_UW)), slice(0, width))  # each prompt's first sample's row
     first_U = forward(prompts_UW, prompt_mask_UW, position_ids_from_mask(prompt_mask_UW), cache, 1)[:, -1:]
     first_B = reduce(prompt_rows(first_U, index_B), input_ids_BT[:, width : width + 1])
     positions_BT = position_ids_from_mask(attention_mask_BT)
@@ -187,15 +198,20 @@ def shared_prefix_outputs(
             continue  # nothing; an agent episode that never called the model has an empty response)
         end = width + columns
         gathered = _read_only_cache(model_config, cache, index_B[rows_N])  # the backward sums each prompt's rows
+        tell(rows_N, slice(width, end))
         out = forward(
-            tokens_BT[rows_N, width:end],
-            attention_mask_BT[rows_N, :end],
-            positions_BT[rows_N, width:end],
-            gathered,
-            0,
+            tokens_BT[rows_N, width:end], attention_mask_BT[rows_N, :end], positions_BT[rows_N, width:end], gathered, 0
         )
         rest[rows_N, : length - 1] = reduce(out[:, : length - 1], input_ids_BT[rows_N, width + 1 : width + length])
     return torch.cat([first_B, rest], dim=1)
+
+
+def _teller(on_call: OnCall | None, input_ids_BT: torch.Tensor) -> Callable[[torch.Tensor, slice], None]:
+    """`on_call` told of a call over rows and columns of the batch (nothing to tell: nothing done)."""
+    if on_call is None:
+        return lambda rows, columns: None
+    places = places_BT(input_ids_BT)
+    return lambda rows, columns: on_call(places[rows, columns])
 
 
 def _fed(embed: Embed | None, input_ids_BT, prompt_ids_UW, index_B, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,10 +223,14 @@ def _fed(embed: Embed | None, input_ids_BT, prompt_ids_UW, index_B, width: int) 
     return tokens_BTD, tokens_BTD[first_rows(index_B, len(prompt_ids_UW)), :width]
 
 
-def _padded(forward: PrefixForward, input_ids_BT, attention_mask_BT, width: int, reduce: Reduce) -> torch.Tensor:
+def _padded(
+    forward: PrefixForward, input_ids_BT, attention_mask_BT, width: int, reduce: Reduce, on_call: OnCall | None = None
+) -> torch.Tensor:
     """The padded pass's outputs that predict the response tokens (one forward call, keeping the outputs
     of the last R + 1 columns only: a language model's head skips the prompt's)."""
     keep = input_ids_BT.shape[1] - width + 1
+    if on_call is not None:
+        on_call(places_BT(input_ids_BT))
     out = forward(input_ids_BT, attention_mask_BT, position_ids_from_mask(attention_mask_BT), None, keep)
     return reduce(out[:, -keep:-1], input_ids_BT[:, width:])
 

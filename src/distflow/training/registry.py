@@ -211,6 +211,8 @@ class Policy(TrainedModel):
             parallel=config.parallel,
             passes=config.passes,
             moe=config.model.moe,
+            record_routing=config.rollout.records_routing,
+            replay_routing=config.rollout.routing_replay,
         )
 
     @classmethod

@@ -28,6 +28,7 @@ from distflow.config.parallel import ParallelConfig, PassesConfig
 from distflow.config.schema import OptimConfig
 from distflow.data.balance import token_budget_micro_batches
 from distflow.data.batch import Batch
+from distflow.data.fields import ROUTED_EXPERTS
 from distflow.training.lora import trainable_parameters
 from distflow.training.parallelize import autocast, clip_grad_norm, gradient_sync, is_sharded, parallelize
 
@@ -195,4 +196,5 @@ def _trim_left_padding(micro: Batch) -> Batch:
     first = int(micro["attention_mask"].any(dim=0).long().argmax())
     if first == 0:
         return micro
-    return micro.updated(input_ids=micro["input_ids"][:, first:], attention_mask=micro["attention_mask"][:, first:])
+    per_token = [name for name in ("input_ids", "attention_mask", ROUTED_EXPERTS) if name in micro.fields()]
+    return micro.updated(**{name: micro[name][:, first:] for name in per_token})
