@@ -65,7 +65,15 @@ def test_serve_tinker_trains_and_samples_then_ends_on_ctrl_c(tmp_path, cache_dir
         assert process.wait(timeout=1800) == 0
 
 
-def test_serve_refuses_a_bad_port_in_one_line(tmp_path):
-    done = run_cli("serve", "tinker", str(REPO / "examples/arith_grpo.yaml"), "--port", "70000", cwd=tmp_path)
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--port", "70000", "--port must be in [0, 65535]"),
+        ("--max-in-flight", "0", "--max-in-flight must be >= 1 (got 0)"),
+        ("--deadline-s", "-1", "--deadline-s must be > 0 (got -1.0)"),
+    ],
+)
+def test_serve_refuses_a_bad_option_in_one_line(tmp_path, option, value, message):
+    done = run_cli("serve", "tinker", str(REPO / "examples/arith_grpo.yaml"), option, value, cwd=tmp_path)
     assert done.returncode == 2
-    assert "--port must be in [0, 65535]" in done.stderr
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -51,6 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("overrides", nargs="*")
     serve.add_argument("--port", type=int, default=0, help="on 127.0.0.1 (default 0: a free port, printed)")
     serve.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body (default 64)")
+    serve.add_argument(
+        "--max-in-flight", type=int, default=256, help="requests queued or running before a 429 (default 256)"
+    )
+    serve.add_argument(
+        "--deadline-s", type=float, default=1800.0, help="a request queued longer fails unrun (default 1800)"
+    )
     return parser
 
 
@@ -162,7 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from distflow.serve.tinker.command import serve
 
-            return serve(config, port=args.port, max_request_mb=args.max_request_mb)
+            return serve(
+                config,
+                port=args.port,
+                max_request_mb=args.max_request_mb,
+                max_in_flight=args.max_in_flight,
+                deadline_s=args.deadline_s,
+            )
         from distflow.api import train  # the engine; the CLI only turns its outcome into an exit status
 
         for flag, value, least in (("--nproc", args.nproc, 1), ("--max-restarts", args.max_restarts, 0)):

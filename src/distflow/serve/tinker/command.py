@@ -23,7 +23,14 @@ def checkpoint_dir(config: Config) -> Path:
     return Path(config.trainer.output_dir).expanduser() / (config.trainer.run_name or "tinker") / "checkpoints"
 
 
-def serve(config: Config, *, port: int = 0, max_request_mb: float = 64.0) -> int:
+def serve(
+    config: Config,
+    *,
+    port: int = 0,
+    max_request_mb: float = 64.0,
+    max_in_flight: int = 256,
+    deadline_s: float = 1800.0,
+) -> int:
     try:
         import tinker.proto.tinker_public_pb2  # noqa: F401 (the wire types: fail here, with the fix)
     except ImportError:
@@ -32,12 +39,22 @@ def serve(config: Config, *, port: int = 0, max_request_mb: float = 64.0) -> int
         raise ConfigError(f"--port must be in [0, 65535] (got {port}; 0 picks a free one)")
     if max_request_mb <= 0:
         raise ConfigError(f"--max-request-mb must be > 0 (got {max_request_mb})")
+    if max_in_flight < 1:
+        raise ConfigError(f"--max-in-flight must be >= 1 (got {max_in_flight}): requests queued or running at once")
+    if not deadline_s > 0:
+        raise ConfigError(f"--deadline-s must be > 0 (got {deadline_s}): how long a request may wait in the queue")
     from distflow.serve.tinker.server import TinkerServer
     from distflow.serve.tinker.state import build_state
 
     state = build_state(config, checkpoint_dir(config), log=lambda line: print(line, file=sys.stderr, flush=True))
     try:
-        server = TinkerServer(state, port=port, max_request_bytes=int(max_request_mb * (1 << 20)))
+        server = TinkerServer(
+            state,
+            port=port,
+            max_request_bytes=int(max_request_mb * (1 << 20)),
+            max_in_flight=max_in_flight,
+            deadline_s=deadline_s,
+        )
     except OSError as err:
         raise ConfigError(f"cannot listen on 127.0.0.1:{port}: {err}") from None
     print(f"distflow: serving the Tinker API for {state.base_model!r} at {server.url}", flush=True)

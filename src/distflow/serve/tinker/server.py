@@ -2,11 +2,17 @@
 
     SDK ──HTTP──▶ handler thread: X-API-Key == the server's token? (else 401)
                                   Content-Length <= max_request_bytes? (else 413, body unread)
+                                  the whole body read? (else the client died mid-upload: nothing runs)
                                   route ─┬─ session/config/health: answered here (no model state)
                                          ├─ NOW routes (get_info, samplers): Futures.call → answered
                                          └─ FUTURE routes: Futures.submit → {"request_id"}; the SDK
                                             polls /api/v1/retrieve_future (long-polled here)
+                                            (max_in_flight queued or running: 429, which the SDK retries)
                   every model-state change runs on the one worker thread (futures.py)
+
+A client that disconnects loses nothing acknowledged: a request whose id it was given runs, and its result
+can be fetched again for a while (futures.KEEP_AFTER_FETCH_S) if the reply died with the connection; a
+reply written to a closed socket, or a socket silent for SOCKET_TIMEOUT_S, ends that connection only.
 
 Errors keep the SDK's shapes: a refused request is an HTTP status with `{"detail": message}` (the SDK
 raises AuthenticationError for 401, NotFoundError for 404, ...: never a 5xx or 429 for a client's
@@ -27,7 +33,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from distflow.serve.tinker import checkpoints, primitives, sampling
-from distflow.serve.tinker.futures import Futures, Outcome
+from distflow.serve.tinker.futures import DEFAULT_DEADLINE_S, DEFAULT_MAX_IN_FLIGHT, Busy, Futures, Outcome
 from distflow.serve.tinker.state import ServedState
 from distflow.serve.tinker.wire import (
     FwdBwdResult,
@@ -41,6 +47,8 @@ from distflow.serve.tinker.wire import (
 HOST = "127.0.0.1"
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
 RETRIEVE_WAIT_S = 20.0
+SOCKET_TIMEOUT_S = 120.0
+CLIENT_GONE = (BrokenPipeError, ConnectionResetError, TimeoutError)
 PROTOBUF = "application/x-protobuf"
 log = logging.getLogger("distflow.serve.tinker")
 
@@ -66,11 +74,20 @@ def new_token() -> str:
 
 
 class TinkerServer:
-    def __init__(self, state: ServedState, *, port: int = 0, token: str | None = None, max_request_bytes: int = 0):
+    def __init__(
+        self,
+        state: ServedState,
+        *,
+        port: int = 0,
+        token: str | None = None,
+        max_request_bytes: int = 0,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+    ):
         self.state = state
         self.token = token or new_token()
         self.max_request_bytes = max_request_bytes or DEFAULT_MAX_REQUEST_BYTES
-        self.futures = Futures()
+        self.futures = Futures(max_in_flight=max_in_flight, deadline_s=deadline_s)
         self.httpd = ThreadingHTTPServer((HOST, port), _handler_class(self))
         self.httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
@@ -161,6 +178,7 @@ def _handler_class(server: TinkerServer) -> type[BaseHTTPRequestHandler]:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: the SDK's httpx pools reuse connections
+    timeout = SOCKET_TIMEOUT_S  # a client that stops sending mid-request frees its thread
     tinker: TinkerServer
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 (BaseHTTPRequestHandler's name)
@@ -179,7 +197,15 @@ class _Handler(BaseHTTPRequestHandler):
                 413, f"request of {int(length)} bytes is over this server's limit of {self.tinker.max_request_bytes}"
             )
         else:
-            self._serve(self.rfile.read(int(length)))
+            try:
+                raw = self.rfile.read(int(length))
+            except CLIENT_GONE:
+                raw = b""
+            if len(raw) < int(length):  # the client went away mid-upload: nothing was acknowledged or run
+                log.info("a client closed the connection %d of %s bytes into a request", len(raw), length)
+                self.close_connection = True
+                return
+            self._serve(raw)
 
     def _serve(self, raw: bytes) -> None:
         if not hmac.compare_digest(self.headers.get("X-API-Key", ""), self.tinker.token):
@@ -187,6 +213,11 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             self._route(self.path.split("?")[0], raw)
+        except CLIENT_GONE:  # the reply had no one to go to; what it acknowledged stays (see the docstring)
+            log.info("%s went away before its reply to %s", self.address_string(), self.path)
+            self.close_connection = True
+        except Busy as err:
+            self._send(429, json.dumps({"detail": str(err)}).encode(), retry_after=True)
         except WireError as err:
             self._send_error(400, str(err))
         except Exception:  # never a traceback to the client
@@ -249,11 +280,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_error(self, status: int, message: str) -> None:
         self._send(status, json.dumps({"detail": message}).encode())
 
-    def _send(self, status: int, payload: bytes, content_type: str = "application/json") -> None:
+    def _send(self, status: int, payload: bytes, content_type: str = "application/json", *, retry_after=False) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(payload)))
-        if status >= 400:
+        if retry_after:  # the server is full, not the request wrong: the SDK retries after this long
+            self.send_header("Retry-After", "1")
+        elif status >= 400:
             self.send_header("x-should-retry", "false")  # a client's mistake: the SDK must not retry it
         self.end_headers()
         self.wfile.write(payload)
