@@ -80,6 +80,7 @@ def test_every_benchmark_has_a_quick_test():
         "data_plane.py",
         "weight_sync.py",
         "memory.py",
+        "memory_plan.py",  # its --quick test: tests/test_memory_plan_cli.py
         "lora.py",
         "async.py",
         "roofline.py",

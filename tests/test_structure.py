@@ -283,12 +283,13 @@ SECTION_READERS = {
         "distflow.rollout.graphed",
         "distflow.rollout.engine",  # below float32 a rollout records its log-probs (`fields`)
         "distflow.planner.plan",
+        "distflow.planner.memory_fit",  # the memory plan: strategy, dtypes, activation checkpointing
         "distflow.preflight",
         "distflow.runtime.executor",
         "distflow.runtime.worker",
         "distflow.runtime.start",
     ),
-    "passes": ("distflow.config", "distflow.training.registry"),
+    "passes": ("distflow.config", "distflow.training.registry", "distflow.planner.memory_fit"),
     "watchdog": ("distflow.config", "distflow.runtime.faults", "distflow.runtime.executor"),
     "asynchronous": (
         "distflow.config",

@@ -2,7 +2,7 @@
 
     distflow train CONFIG [key=value ...] [--nproc N] [--resume [CHECKPOINT]] [--max-restarts K]
     torchrun --nproc_per_node N -m distflow train CONFIG [key=value ...]
-    distflow plan CONFIG [key=value ...] --world-size N
+    distflow plan CONFIG [key=value ...] --world-size N [--memory]
     distflow export CHECKPOINT --out DIR
     distflow model SOURCE          (a .gguf file or package:NAME → a Hugging Face directory, printed)
     distflow report RUN_DIR ... [--out PICTURE]
@@ -94,6 +94,11 @@ def _add_tool_commands(sub) -> None:
     plan.add_argument("config")
     plan.add_argument("overrides", nargs="*")
     plan.add_argument("--world-size", type=int, required=True)
+    plan.add_argument(
+        "--memory",
+        action="store_true",
+        help="also each rank's expected peak memory by part, from the model's config.json (docs/features/memory.md)",
+    )
     export = sub.add_parser("export", help="write a Hugging Face model directory (safetensors) from a checkpoint")
     export.add_argument("checkpoint", help="a step-N checkpoint, a checkpoint directory or a run directory (latest)")
     export.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
@@ -164,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = _load_config(args.config, args.overrides)
         if args.command == "plan":
-            return _plan(config, args.world_size)
+            return _plan(config, args.world_size, memory=args.memory)
         if args.command == "serve":
             from distflow.serve.tinker.command import serve
 
@@ -239,7 +244,7 @@ def exit_process(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _plan(config: Config, world_size: int) -> int:
+def _plan(config: Config, world_size: int, *, memory: bool = False) -> int:
     from distflow.config.callables import reward_functions
     from distflow.dag.pipelines import LOADER_FIELDS, build_graph
     from distflow.planner.plan import make_plan
@@ -249,4 +254,12 @@ def _plan(config: Config, world_size: int) -> int:
     plan = make_plan(build_graph(config), config, world_size, LOADER_FIELDS)
     reward_functions(config.task)  # a reward that cannot be imported is an error here too
     print(plan.describe())
+    if memory:
+        from distflow.planner.memory import plan_memory
+        from distflow.planner.memory_fit import describe, plan_of
+
+        planned = plan_of(config, world_size)
+        if planned is None:
+            raise ConfigError(f"model.path={config.model.path!r}: no config.json yet (`distflow model` converts it)")
+        print(describe(plan_memory(*planned), planned[1]))
     return 0

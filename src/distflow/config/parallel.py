@@ -65,6 +65,11 @@ class ParallelConfig:
     log-prob passes, which keep no activations, run without it."""
     device: str = "auto"
     """auto (CUDA when present, else CPU), cpu or cuda."""
+    memory_check: bool = True
+    """Refuse before any rank starts a run whose memory plan (`distflow plan CONFIG --world-size N --memory`,
+    docs/features/memory.md) needs more than 1.2x the memory a rank has: on a CPU the host's available RAM
+    shared by its ranks, on CUDA the device's memory. false: warn in one line and start it anyway. A plan
+    within 0.8x of the limit warns either way."""
     collective_timeout_s: int = 1800
     """Collective timeout: a rank waiting longer than this on its peers fails the job."""
 

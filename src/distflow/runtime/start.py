@@ -234,6 +234,10 @@ def validate(config: Config, world_size: int, *, check_run_dir: bool, resuming: 
         preflight.check_model_dir(config)
         preflight.check_lora(config)
         preflight.check_cache_layout(config)
+    if not under_launcher():  # the process the user started (torchrun's ranks: `distflow plan --memory`)
+        from distflow.planner.memory_fit import check_before_launch
+
+        check_before_launch(config, world_size)
     if check_run_dir and not resuming and (run_dir_of(config) / "metrics.jsonl").exists():
         raise ConfigError(
             f"run directory {str(run_dir_of(config))!r} already holds a run; "
