@@ -7,6 +7,8 @@ Qwen3's."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -128,11 +130,12 @@ def test_the_batched_logprob_pass_replays_each_micro_batch():
     assert not torch.equal(moved, plain)
 
 
-@pytest.mark.parametrize("every", [1, 3])
-def test_the_compact_rollout_records_what_its_forwards_routed(monkeypatch, every):
+@pytest.mark.parametrize(("engine", "every"), [("compact", 1), ("compact", 3), ("generate", 1)])
+def test_the_rollout_records_what_its_forwards_routed(monkeypatch, engine, every):
     """Each recorded token's experts are those a padded forward of the finished samples routes it to (float32:
     the KV-cached steps and the padded pass agree to rounding, no near-tie here); the last token and padding -1.
-    `every` 3: ended rows stay in the batch between looks (a GPU's), their tokens after the end dropped."""
+    `every` 3: ended rows stay in the batch between looks (a GPU's), their tokens after the end dropped;
+    `generate`: every row to the end, each prompt prefilled for each of its samples."""
     from architectures import tokenizer
 
     from distflow.rollout import decoding
@@ -143,7 +146,7 @@ def test_the_compact_rollout_records_what_its_forwards_routed(monkeypatch, every
     model = _model()
     out = generate(
         model, tokenizer(), ["What is 12 + 30?", "Sum 7, 8 and 9."], max_new_tokens=6, temperature=1.0,
-        sample_keys=list(range(6)), samples_per_prompt=3, engine="compact", routing=True,
+        sample_keys=list(range(6)), samples_per_prompt=3, engine=engine, routing=True,
     )  # fmt: skip
     routed = out.routed_experts_BTLK
     ids, mask = out.input_ids_BT, out.attention_mask_BT
@@ -167,7 +170,8 @@ def test_dense_models_and_unknown_routers_are_refused():
 @pytest.mark.parametrize(
     ("overrides", "said"),
     [
-        (["rollout.engine=vllm"], "rollout.engine=vllm does not (vllm routes inside its own process)"),
+        (["rollout.engine=vllm"], "rollout.engine=vllm does not (vllm routes in its own process"),
+        (["rollout.engine=compiled"], "rollout.engine=compiled does not"),
         (["rollout.compact.slots=4"], "set rollout.compact.slots=0"),
         (["model.path=null"], "the embedded one is dense"),
         (["rollout.partial=2", "algorithm.off_policy_correction=tis"], "rollout.partial are not"),
@@ -180,7 +184,7 @@ def test_what_cannot_record_routing_is_refused_at_config_load(overrides, said):
     if overrides[0].startswith("rollout.compact"):
         overrides = ["rollout.engine=compact", *overrides]
     base = ["model.path=/models/qwen3_moe", "rollout.routing_replay=true"]
-    with pytest.raises(ConfigError, match=said.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=re.escape(said)):
         load_config(None, [*base, *overrides])
     record_only = [o.replace("routing_replay", "record_routing") for o in base]
     with pytest.raises(ConfigError, match="rollout.record_routing"):

@@ -152,8 +152,9 @@ def _check_routing(config) -> None:
     engine, options = ROLLOUT_ENGINES.chosen(rollout, "engine")
     check(
         getattr(engine, "records_routing", False),
-        f"{where} records the experts the rollout's own forwards route each token to; rollout.engine="
-        f"{rollout.engine} does not (vllm routes inside its own process): use compact or auto",
+        f"{where} records the experts the rollout's own forwards route each token to, which rollout.engine="
+        f"{rollout.engine} does not (vllm routes in its own process, compiled and graphed forwards take no hooks): "
+        "use compact, generate or auto",
     )
     check(
         getattr(options, "slots", 0) == 0,

@@ -84,7 +84,7 @@ class RolloutConfig:
     (`routed_experts`, prompt and response), and the trainer's forwards (the policy's log-prob and update
     passes) route each token to those, with the routing weights computed from the current router logits
     at them (R3, training/routing_replay.py): a flipped top-k choice no longer shows in the log-prob gap
-    (`mismatch/*`). Logs `moe/routing_mismatch_frac`. On the `compact` engine (`auto` rolls out with it)."""
+    (`mismatch/*`). Logs `moe/routing_mismatch_frac`. With `compact` (`auto` rolls out with it) or `generate`."""
     record_routing: bool = False
     """Record the rollout's experts and log `moe/routing_mismatch_frac` (how many of the policy update's
     routing decisions differ from the rollout's) without replaying them; `routing_replay` implies it."""

@@ -114,7 +114,7 @@ def _routing_record(engine: RolloutEngine, model, num_rows: int, width: int):
     if not engine.records_routing:
         raise ConfigError(
             f"rollout.engine {engine.name!r} does not record which experts its forwards route each token to (it does "
-            "not declare `records_routing`), which rollout.routing_replay needs: use compact or auto"
+            "not declare `records_routing`), which rollout.routing_replay needs: use compact, generate or auto"
         )
     routers = replayable_routers(model, "rollout.routing_replay")
     return RoutingRecord(routers, num_rows, width, next(model.parameters()).device)

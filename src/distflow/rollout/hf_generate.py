@@ -21,19 +21,44 @@ from distflow.rollout.engine import Request, RolloutEngine, RolloutStats
 class GenerateEngine(RolloutEngine):
     name = "generate"
     continues = True
+    records_routing = True
 
     def responses(self, model, request: Request):
-        n = request.n
+        import contextlib
+
+        n, width = request.n, request.prompt_ids_GP.shape[1]
         clock = _StepClock()
-        out = hf_generate(
-            model,
-            request.prompt_ids_GP.repeat_interleave(n, dim=0),
-            request.prompt_mask_GP.repeat_interleave(n, dim=0),
-            request,
-            watchers=[clock],
-        )
+        routing = [] if request.routing is None else [_RoutingSteps(request.routing, width)]
+        with request.routing.hooked() if request.routing is not None else contextlib.nullcontext():
+            out = hf_generate(
+                model,
+                request.prompt_ids_GP.repeat_interleave(n, dim=0),
+                request.prompt_mask_GP.repeat_interleave(n, dim=0),
+                request,
+                watchers=[clock, *routing],
+            )
         self.record_stats(clock.stats(out[0], request.stop_ids, end=time.perf_counter()))
         return out
+
+
+class _RoutingSteps:
+    """A logits processor that changes no score: after each forward, tells the rollout's `RoutingRecord`
+    (training/routing_replay.py) where its rows' tokens are: every row's prompt for the prefill, then at step t
+    each row's response token t - 1 (generate keeps every row to the end; an ended row's are padding)."""
+
+    def __init__(self, record, width: int) -> None:
+        self.record, self.width, self.calls = record, width, 0
+
+    def __call__(self, input_ids_BT, scores_BV):
+        import torch
+
+        rows_B = torch.arange(input_ids_BT.shape[0], device=input_ids_BT.device)
+        if self.calls == 0:
+            self.record.prompts(rows_B, self.width)
+        else:
+            self.record.decoded(rows_B, self.width + self.calls - 1)
+        self.calls += 1
+        return scores_BV
 
 
 class _StepClock:
