@@ -249,3 +249,25 @@ def test_replay_closes_the_stale_rollouts_routing_gap(tmp_path):
     # measured: dense 0.00535, MoE 0.00864 (1.6x), replayed 0.00483 (0.90x): the flipped experts' share gone
     assert gap["replayed"] <= gap["dense"] < gap["moe"], gap
     assert gap["moe"] > 1.5 * gap["replayed"], gap
+
+
+def test_a_replayed_cli_step_logs_no_routing_mismatch_and_a_dense_model_is_refused(tmp_path):
+    """One `distflow train` step of the tiny Qwen3-MoE with replay: the rollout's weights, so every routing
+    decision is the trainer's own and the gap float32 rounding; a dense Qwen3 stops in one line (exit 2)."""
+    import json
+
+    from architectures import save_tiny, train_one_step
+
+    moe = save_tiny("qwen3_moe", tmp_path / "qwen3_moe")
+    (tmp_path / "moe").mkdir()
+    result = train_one_step(moe, tmp_path / "moe", "rollout.routing_replay=true", "algorithm.off_policy_correction=tis")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = (tmp_path / "moe/run/metrics.jsonl").read_text().splitlines()
+    (row,) = [row for row in map(json.loads, lines) if row.get("step") == 1]
+    assert row["moe/routing_mismatch_frac"] == 0.0 and row["mismatch/logp_abs_diff_max"] <= 1e-5
+    dense = save_tiny("qwen3", tmp_path / "qwen3")
+    (tmp_path / "dense").mkdir()
+    result = train_one_step(dense, tmp_path / "dense", "rollout.routing_replay=true")
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "error" in line]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert "rollout.routing_replay needs a mixture-of-experts model" in errors[0]
