@@ -66,22 +66,47 @@ def test_own_experts_replayed_change_nothing(name, passes):
     assert float(replay._routed) > 0 and float(replay._differ) == 0  # every decision compared; all the same
 
 
-def test_other_experts_change_the_logprobs_and_are_counted():
+@pytest.mark.parametrize("passes", list(PASSES))
+def test_other_experts_change_the_logprobs_and_are_counted(passes):
     model = _model()
     ids, mask = _batch()
-    plain, _ = response_logprobs(model, ids, mask, 4)
+    plain, _ = response_logprobs(model, ids, mask, 4, **PASSES[passes])
     own = _own_experts(model, ids, mask)
     other = torch.where(own >= 0, (own + 1) % 4, own)  # every routed token to the next experts
+    # shared: each prompt once (4 and 6 tokens), and no response's last token (it predicts nothing)
+    tokens = int(mask.sum()) - (4 + 6 + 4 if passes == "shared" else 0)
     for replace in (False, True):
         replay = RoutingReplay.of(model, replace=replace)
         with replay.replaying(other, count=True):
-            out, _ = response_logprobs(model, ids, mask, 4, replay=replay)
+            out, _ = response_logprobs(model, ids, mask, 4, replay=replay, **PASSES[passes])
         assert torch.equal(out, plain) is not replace  # record-only changes nothing
         differ, routed = float(replay._differ), float(replay._routed)
-        assert routed == 2 * int(mask.sum()) and differ == routed  # two layers; the sets {e, e'} never repeat
+        assert routed == 2 * tokens and differ == routed  # two layers; the sets {e, e'} never repeat
         metrics = _Means()
         replay.record(metrics)
         assert metrics.values == {"moe/routing_mismatch_frac": (differ, routed)} and float(replay._routed) == 0
+
+
+def test_every_pass_replays_each_token_its_own_record():
+    """Other experts than the model's, a different one for each column and layer (the same for a group's samples,
+    as `compact` records a prompt once): the padded, packed and shared passes (each laying the tokens out its own
+    way) give the same log-probs to rounding."""
+    model = _model()
+    ids, mask = _batch()
+    own = _own_experts(model, ids, mask)
+    torch.manual_seed(3)
+    shift = torch.randint(1, 4, (1, *own.shape[1:3], 1)).to(own.dtype)
+    other = torch.where(own >= 0, (own + shift) % 4, own)
+    replay = RoutingReplay.of(model, replace=True)
+    response_mask = mask[:, -4:].float()
+    out = {}
+    for passes, kwargs in PASSES.items():
+        with replay.replaying(other):
+            out[passes] = response_logprobs(model, ids, mask, 4, replay=replay, **kwargs)[0] * response_mask
+    plain = response_logprobs(model, ids, mask, 4)[0] * response_mask
+    assert not torch.allclose(out["padded"], plain, atol=1e-4)
+    torch.testing.assert_close(out["packed"], out["padded"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out["shared"], out["padded"], atol=1e-5, rtol=1e-5)
 
 
 class _Means:
