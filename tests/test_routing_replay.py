@@ -296,3 +296,15 @@ def test_a_replayed_cli_step_logs_no_routing_mismatch_and_a_dense_model_is_refus
     errors = [line for line in (result.stdout + result.stderr).splitlines() if "error" in line]
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
     assert "rollout.routing_replay needs a mixture-of-experts model" in errors[0]
+
+
+def test_a_token_budget_micro_batch_trims_the_record_with_the_ids():
+    """`passes.micro_batch_tokens` drops columns that are padding in every row of a micro-batch: the record too."""
+    from distflow.training.trainable import _trim_left_padding
+
+    ids, mask = _batch()
+    rows = [0, 1]  # both left-padded by 2 columns
+    experts = torch.arange(ids.numel() * 4, dtype=torch.int16).view(*ids.shape, 2, 2)
+    batch = Batch({"input_ids": ids[rows], "attention_mask": mask[rows], "routed_experts": experts[rows]})
+    trimmed = _trim_left_padding(batch)
+    assert trimmed["input_ids"].shape == (2, 8) and torch.equal(trimmed["routed_experts"], experts[rows, 2:])
