@@ -278,7 +278,8 @@ def test_replay_closes_the_stale_rollouts_routing_gap(tmp_path):
 
 def test_a_replayed_cli_step_logs_no_routing_mismatch_and_a_dense_model_is_refused(tmp_path):
     """One `distflow train` step of the tiny Qwen3-MoE with replay: the rollout's weights, so every routing
-    decision is the trainer's own and the gap float32 rounding; a dense Qwen3 stops in one line (exit 2)."""
+    decision is the trainer's own and the gap float32 rounding; a dense Qwen3 stops in one line (exit 2) before
+    any rank starts, from its config.json."""
     import json
 
     from architectures import save_tiny, train_one_step
@@ -290,12 +291,12 @@ def test_a_replayed_cli_step_logs_no_routing_mismatch_and_a_dense_model_is_refus
     lines = (tmp_path / "moe/run/metrics.jsonl").read_text().splitlines()
     (row,) = [row for row in map(json.loads, lines) if row.get("step") == 1]
     assert row["moe/routing_mismatch_frac"] == 0.0 and row["mismatch/logp_abs_diff_max"] <= 1e-5
-    dense = save_tiny("qwen3", tmp_path / "qwen3")
+    tiny_config("qwen3").save_pretrained(tmp_path / "qwen3")  # the refusal reads its config.json alone
     (tmp_path / "dense").mkdir()
-    result = train_one_step(dense, tmp_path / "dense", "rollout.routing_replay=true")
-    errors = [line for line in (result.stdout + result.stderr).splitlines() if "error" in line]
-    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
-    assert "rollout.routing_replay needs a mixture-of-experts model" in errors[0]
+    result = train_one_step(tmp_path / "qwen3", tmp_path / "dense", "rollout.routing_replay=true")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert "rollout.routing_replay needs a mixture-of-experts model (routers with top-k experts); a qwen3" in lines[0]
 
 
 def test_a_token_budget_micro_batch_trims_the_record_with_the_ids():
