@@ -219,17 +219,15 @@ class Policy(TrainedModel):
     def preflight(cls, config: Config) -> list[str]:
         """A rollout that records its routing (`rollout.routing_replay`, `rollout.record_routing`) needs routers:
         a model directory whose config.json has none (no `output_router_logits`: dense) is refused before any rank
-        starts; a model no preflight reads (a GGUF not converted yet) is refused when the policy is built."""
+        starts; a model converted from a GGUF file or a package is refused when the policy is built."""
         rollout = config.rollout
         if not rollout.records_routing or config.model.path is None:
             return []
         import json
 
-        from distflow.tasks.model_source import resolve_model_dir
-
         try:
-            model_config = json.loads((resolve_model_dir(config.model.path, builder=False) / "config.json").read_text())
-        except (OSError, ValueError):  # none yet, or unreadable: the model directory's own check says so
+            model_config = json.loads((Path(config.model.path).expanduser() / "config.json").read_text())
+        except (OSError, ValueError):  # not a directory (a GGUF, a package's), or unreadable: its own check says so
             return []
         if not isinstance(model_config, dict) or "output_router_logits" in model_config:
             return []
