@@ -59,6 +59,7 @@ from distflow.comm import Comm, join_group_of_one
 from distflow.config import ConfigError
 from distflow.config.parallel import ParallelConfig, bf16_kernels
 from distflow.training import attention
+from distflow.training.heap import return_freed_memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MESHES: dict[tuple, DeviceMesh] = {}
@@ -293,6 +294,7 @@ def gathered(model: torch.nn.Module | None) -> Iterator[None]:
             yield
         return
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    return_freed_memory()  # what the update freed, before the whole copy is gathered (training/heap.py)
     model.set_reshard_after_forward(False)
     for module in modules:
         module.unshard()
@@ -302,6 +304,7 @@ def gathered(model: torch.nn.Module | None) -> Iterator[None]:
     finally:
         for module in modules:
             module.reshard()
+        return_freed_memory()  # the gathered copy, which glibc would keep resident
         model.set_reshard_after_forward(_reshard_after_forward(model))
 
 
