@@ -127,16 +127,15 @@ def planned(case: dict) -> dict:
             "update_gib": plan.update / GiB, "persistent_gib": plan.persistent / GiB}  # fmt: skip
 
 
-def train(case: dict, work: Path) -> dict:
+def train(case: dict, work: Path, environ: dict[str, str]) -> dict:
     """Run the case; the peak resident set of each rank (GiB), the largest first."""
     out = work / f"rss-{case['name']}"
     out.mkdir()
     cmd = [sys.executable, "-m", "distflow", "train", str(ROOT / case["config"]), "--nproc", str(case["nproc"])]
     cmd += case["extra"] + TWO_STEPS + case["overrides"] + [f"trainer.output_dir={work / 'runs'}"]
     cmd += [f"trainer.run_name={case['name']}"]
-    env = dict(
-        os.environ, MEMORY_PLAN_RSS_DIR=str(out), PYTHONPATH=f"{work}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    )
+    path = f"{work}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    env = dict(os.environ, **environ, MEMORY_PLAN_RSS_DIR=str(out), PYTHONPATH=path)
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         sys.exit(f"[bench] {case['name']}: {' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
@@ -161,21 +160,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", nargs="*", help="case names (default: all)")
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        metavar="BYTES",
+        help="run the ranks with glibc's MALLOC_MMAP_THRESHOLD_=BYTES (a fixed threshold: freed blocks at least "
+        "this large leave the resident set at once)",
+    )
     args = parser.parse_args()
+    environ = {"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {}
     with tempfile.TemporaryDirectory(prefix="memory-plan-") as tmp:
         work = Path(tmp)
         (work / "sitecustomize.py").write_text(SITECUSTOMIZE)
         (work / "parity_reward.py").write_text(PARITY)
         chosen = [c for c in cases(work, args.quick) if not args.only or c["name"] in args.only]
         prepare(work, chosen)
-        results = {"baseline_mib": round(baseline_mib(), 1)}
+        results = {"baseline_mib": round(baseline_mib(), 1), "mmap_threshold": args.mmap_threshold}
         print(
             f"{'case':<22} {'ranks':>5} {'params':>8} {'plan GiB':>9} {'measured GiB (per rank)':>26} {'plan/meas':>9}"
         )
         for case in chosen:
             row = {"nproc": case["nproc"], **planned(case)}
             if case["run"]:
-                row.update(train(case, work))
+                row.update(train(case, work, environ))
                 row["ratio"] = row["plan_gib"] / row["measured_gib"][0]
             measured = " ".join(f"{g:.2f}" for g in row.get("measured_gib", [])) or "(planned only)"
             ratio = f"{row['ratio']:.2f}" if "ratio" in row else "-"
