@@ -187,3 +187,48 @@ def test_cheapest_fix_goes_in_order_of_cost():
     ddp_peak, fsdp2 = plan_memory(SHAPE, base).peak, memory_fit._fsdp2(base)
     assert "parallel.strategy=fsdp2" in memory_fit.cheapest_fix(SHAPE, base, plan_memory(SHAPE, fsdp2).peak)
     assert "no single fix suffices" in memory_fit.cheapest_fix(SHAPE, base, ddp_peak // 100)
+
+
+HEAD_GRADIENTS = """
+import re, torch, transformers
+def status(key):
+    return int(re.search(key + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
+config = transformers.Qwen2Config(vocab_size=65536, hidden_size=512, intermediate_size=256, num_hidden_layers=1,
+    num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)
+model = transformers.AutoModelForCausalLM.from_config(config)
+ids = torch.randint(0, 65536, (4, 32))
+for _ in range(2):  # the second backward accumulates into the first's gradient
+    loss = model(input_ids=ids, logits_to_keep=8).logits.logsumexp(-1).mean()
+    before = status("VmRSS")
+    open("/proc/self/clear_refs", "w").write("5")  # VmHWM from here
+    loss.backward()
+print(status("VmHWM") - before)
+"""
+
+
+def test_head_gradients_are_what_an_accumulating_backward_adds():
+    # glibc's mmap threshold fixed at 1 MiB: a freed block leaves the resident set at once, so the peak is what lives.
+    import subprocess
+    import sys
+
+    env = {"MALLOC_MMAP_THRESHOLD_": str(2**20), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, "-c", HEAD_GRADIENTS], capture_output=True, text=True, timeout=1800, env=env, check=True
+    )
+    shape = ModelShape(vocab_size=65536, hidden_size=512, intermediate_size=256, num_layers=1, num_heads=8,
+                       num_kv_heads=2, head_dim=64, tied_embeddings=True)  # fmt: skip
+    planned = plan_memory(shape, SETTINGS).head_gradients
+    assert planned == 3 * 65536 * 512 * 4
+    assert int(done.stdout.split()[-1]) == pytest.approx(planned, rel=0.1)
+    assert plan_memory(shape, dataclasses.replace(SETTINGS, lora_rank=8)).head_gradients == 0
+
+
+def test_fsdp2_accumulating_micro_batches_holds_unsharded_gradients():
+    fsdp2 = dataclasses.replace(SETTINGS, strategy="fsdp2", num_shards=2, data_parallel=False)
+    one = plan_memory(SHAPE, fsdp2)
+    several = plan_memory(SHAPE, dataclasses.replace(fsdp2, micro_batches=4))
+    assert several.gradients - one.gradients == 4 * num_parameters(SHAPE)  # the reduce-scatter waits for the last
+    ddp = plan_memory(SHAPE, dataclasses.replace(SETTINGS, micro_batches=4))
+    assert ddp.gradients == plan_memory(SHAPE, SETTINGS).gradients  # DDP accumulates into its one full copy
+    config = load_config("examples/arith_grpo.yaml", ["passes.micro_batch_size=64", "algorithm.num_mini_batches=2"])
+    assert settings_of(config, 2, EMBEDDED_MODEL).micro_batches == 32 * 16 // 2 // 2 // 64

@@ -9,7 +9,8 @@ A step on a rank has two phases that do not overlap in time:
                 parallelize.gathered), the rollout's KV cache or a log-prob pass's logits
     update      forward + backward of one micro-batch: gradients, the activations autograd keeps
                 (all of each block's, or only each block's input with activation checkpointing, plus
-                one block recomputed), the logits block and its gradient
+                one block recomputed), the logits block and its gradient, the output head's and the
+                embeddings' dense gradients while they accumulate
 
 What lives throughout is the same in both: the parameters (fsdp2: this rank's shard), AdamW's two
 float32 moments of the trained parameters (fsdp2: sharded; LoRA: the adapters only), DDP's gradient
@@ -166,6 +167,9 @@ class MemorySettings:
     """Bytes per element that forwards compute in (parallel.param_dtype resolved)."""
     micro_batch_size: int
     """Sequences per training and log-prob pass on a rank (passes.micro_batch_size, at most its rows)."""
+    micro_batches: int = 1
+    """Micro-batches per optimizer step on a rank: past one, fsdp2 accumulates unsharded gradients (its
+    reduce-scatter waits for the last micro-batch: `parallelize.gradient_sync`)."""
     prompt_tokens: int
     response_tokens: int
     rollout_rows: int
@@ -202,6 +206,9 @@ class MemoryPlan:
     activations_without_checkpointing: int
     activations_with_checkpointing: int
     kv_cache: int
+    head_gradients: int
+    """During the backward: the dense vocabulary x hidden gradients of the output head and of the embedding
+    lookup, and (tied) their sum, beside the accumulated one (none with LoRA: the embeddings are frozen)."""
     logits: int
     """The larger of a log-prob pass's logits and an update's logits with their gradient."""
     inference: int
@@ -236,6 +243,8 @@ def plan_memory(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     parameters = 4 * math.ceil((total + (trained if s.lora_rank else 0)) / shards)
     parameters += 4 * math.ceil(total / shards) if s.reference else 0
     update_gradients = 4 * math.ceil(trained / shards)
+    if s.strategy == "fsdp2" and s.micro_batches > 1:
+        update_gradients += 4 * trained  # accumulated unsharded until the last micro-batch's reduce-scatter
     buckets = 4 * trained if s.data_parallel else 0
     optimizer = ADAM_MOMENTS * 4 * math.ceil(trained / shards)
     sharded = s.strategy == "fsdp2" and (shards > 1 or c < 4)
@@ -258,6 +267,12 @@ def plan_memory(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     logits_update = 2 * c * rows * s.response_tokens * shape.vocab_size  # saved for backward, and its gradient
     logits_inference = max(c * rows * s.response_tokens * shape.vocab_size, 2 * 4 * s.rollout_rows * shape.vocab_size)
     kv_cache = 2 * shape.num_layers * shape.kv_dim * c * s.rollout_rows * attended
+    # Whatever the batch, the head's weight gradient and the embedding lookup's are dense [vocab, hidden] float32;
+    # tied, autograd sums the two into a third before adding it to the accumulated one (measured: a backward
+    # peaks 3 x vocab x hidden x 4 bytes above its start once a gradient has accumulated).
+    head_gradients = (
+        0 if s.lora_rank else (3 if shape.tied_embeddings else 2) * 4 * shape.vocab_size * shape.hidden_size
+    )
     return MemoryPlan(
         num_parameters=total,
         num_trained=trained,
@@ -271,7 +286,8 @@ def plan_memory(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
         activations_without_checkpointing=without,
         activations_with_checkpointing=with_ckpt,
         kv_cache=kv_cache,
+        head_gradients=head_gradients,
         logits=max(logits_update, logits_inference),
         inference=whole_copy + all_gather_buffer + max(kv_cache, logits_inference),
-        update=update_gradients + update_gathered + activations + logits_update,
+        update=update_gradients + update_gathered + activations + head_gradients + logits_update,
     )

@@ -69,6 +69,7 @@ def settings_of(config: Config, world_size: int, model_config: dict, *, cuda: bo
     rows_per_pass = passes.micro_batch_size
     if passes.micro_batch_tokens:
         rows_per_pass = max(1, passes.micro_batch_tokens // (prompt + response))
+    rows_per_step = -(-samples // train_ranks // config.algorithm.num_mini_batches)  # per optimizer step, a rank
     compute = parallel.param_dtype if parallel.param_dtype != "auto" else ("bfloat16" if cuda else "float32")
     lora = config.model.lora
     return MemorySettings(
@@ -77,7 +78,8 @@ def settings_of(config: Config, world_size: int, model_config: dict, *, cuda: bo
         num_shards=(parallel.fsdp.shard_size or train_ranks) if parallel.strategy == "fsdp2" else 1,
         data_parallel=parallel.strategy == "ddp" and train_ranks > 1,
         compute_bytes=DTYPE_BYTES[compute],
-        micro_batch_size=max(1, min(rows_per_pass, -(-samples // train_ranks))),
+        micro_batch_size=max(1, min(rows_per_pass, rows_per_step)),
+        micro_batches=-(-rows_per_step // max(1, rows_per_pass)),
         prompt_tokens=prompt,
         response_tokens=response,
         rollout_rows=-(-samples // rollout_replicas),
@@ -106,6 +108,7 @@ def describe(plan: MemoryPlan, settings: MemorySettings) -> str:
         ("  without activation checkpointing", plan.activations_without_checkpointing),
         ("  with activation checkpointing", plan.activations_with_checkpointing),
         ("rollout KV cache", plan.kv_cache),
+        ("head and embedding gradients while they accumulate", plan.head_gradients),
         ("logits blocks", plan.logits),
         ("phase: inference (rollout, log-probs)", plan.inference),
         ("phase: update (forward + backward of a micro-batch)", plan.update),
