@@ -262,4 +262,7 @@ def _plan(config: Config, world_size: int, *, memory: bool = False) -> int:
         if planned is None:
             raise ConfigError(f"model.path={config.model.path!r}: no config.json yet (`distflow model` converts it)")
         print(describe(plan_memory(*planned), planned[1]))
+        if not config.data.max_prompt_tokens:
+            tokens = planned[1].prompt_tokens
+            print(f"  (prompts planned at {tokens} tokens: data.max_prompt_tokens plans their real limit)")
     return 0
