@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup bench-setup agents tinker verifiers verifiers-v1 test-verifiers smollm2 vllm test-vllm run test docs clean
+.PHONY: setup bench-setup agents tinker verifiers verifiers-v1 cookbook test-verifiers smollm2 vllm test-vllm run test docs clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -67,6 +67,21 @@ $(VF_STAMP): pyproject.toml constraints.txt
 	touch $(VF_STAMP)
 
 verifiers-v1: $(VF_STAMP)
+
+# tinker-cookbook, the Tinker SDK's recipes, as the client of `distflow serve tinker` in its own virtualenv
+# (.venv-cookbook, rebuilt when tests/requirements-cookbook.txt changes): 0.5.8 pins transformers below
+# what .venv gets, and 0.6 needs tml-renderers >= 0.4.1, which the package index here lacks. CI runs the
+# recipes against the server (tests/test_tinker_cookbook.py, slow); the server itself needs only .venv.
+COOKBOOK_VENV := .venv-cookbook
+COOKBOOK_STAMP := $(COOKBOOK_VENV)/.installed
+$(COOKBOOK_STAMP): tests/requirements-cookbook.txt
+	test -x $(COOKBOOK_VENV)/bin/python || $(PYTHON) -m venv $(COOKBOOK_VENV)
+	$(COOKBOOK_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(COOKBOOK_VENV)/bin/python -m pip install --quiet $(TORCH_SPEC)
+	$(COOKBOOK_VENV)/bin/python -m pip install --quiet -r tests/requirements-cookbook.txt
+	touch $(COOKBOOK_STAMP)
+
+cookbook: $(COOKBOOK_STAMP)
 
 test-verifiers: verifiers-v1
 	$(VF_BIN)/python -m pytest -q tests/test_verifiers_v1.py $(PYTEST_DURATIONS) $(PYTEST_ARGS)
@@ -136,7 +151,7 @@ PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist 
 # CI prints its slowest tests, so that a run near CI's time limit says where the time went.
 PYTEST_DURATIONS ?= $(if $(CI),--durations=30)
 
-test: setup bench-setup agents tinker verifiers test-verifiers $(if $(CI),smollm2 test-vllm)
+test: setup bench-setup agents tinker verifiers test-verifiers $(if $(CI),smollm2 cookbook test-vllm)
 	$(BIN)/python -m pytest -q src tests $(PYTEST_MARKS) $(PYTEST_XDIST) $(PYTEST_DURATIONS) $(PYTEST_ARGS)
 
 # The documentation site into site/ (mkdocs.yml); --strict fails on a link to a missing page or anchor.
@@ -144,4 +159,4 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) .venv-bench $(VLLM_VENV) $(VF_VENV) runs site
+	rm -rf $(VENV) .venv-bench $(VLLM_VENV) $(VF_VENV) $(COOKBOOK_VENV) runs site

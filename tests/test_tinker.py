@@ -302,3 +302,22 @@ def test_a_lora_rank_above_the_models_dimensions_is_refused_by_name(service):
         tinker.RequestFailedError, match="LoRA rank 100000 is refused: .*exceeds the smallest dimension"
     ):
         service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=100000).result()
+
+
+def test_a_stop_string_ends_a_sample_at_the_token_that_completes_it(server, service):
+    """Greedy, so every call draws the same tokens: a stop string cuts them where its text first appears."""
+    sampler = service.create_sampling_client(base_model=EMBEDDED_NAME).result()
+    prompt = types.ModelInput.from_ints(server.state.tokenizer.encode("12+34="))
+
+    def draw(stop) -> types.SampledSequence:
+        params = types.SamplingParams(max_tokens=6, temperature=0.0, stop=stop)
+        return sampler.sample(prompt, num_samples=2, sampling_params=params).result().sequences[0]
+
+    free = draw([])
+    assert len(free.tokens) == 6 and free.stop_reason == "length"
+    second = server.state.tokenizer.decode(free.tokens[1:2])
+    cut = draw(second)  # a string: the first token whose completion text holds it ends the sample
+    end = next(k for k in range(1, 7) if second in server.state.tokenizer.decode(free.tokens[:k]))
+    assert (cut.tokens, cut.stop_reason) == (free.tokens[:end], "stop")
+    assert cut.logprobs == pytest.approx(free.logprobs[:end], abs=1e-6)
+    assert draw(["no such text"]).tokens == free.tokens

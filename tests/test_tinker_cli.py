@@ -17,9 +17,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _start(tmp_path: Path, cache_dir: Path) -> tuple[subprocess.Popen, str, str]:
-    """The server process, its URL and its API key (read from what it prints)."""
-    command = [sys.executable, "-m", "distflow", "serve", "tinker", str(REPO / "examples/arith_grpo.yaml"), *OVERRIDES]
-    command += [f"warmstart.cache_dir={cache_dir}", f"trainer.output_dir={tmp_path}", "--port", "0"]
+    overrides = [*OVERRIDES, f"warmstart.cache_dir={cache_dir}"]
+    return start_server(tmp_path, [str(REPO / "examples/arith_grpo.yaml"), *overrides])
+
+
+def start_server(tmp_path: Path, args: list[str]) -> tuple[subprocess.Popen, str, str]:
+    """`distflow serve tinker ARGS` (a config and its overrides) in tmp_path: its process, URL and API key (read
+    from what it prints)."""
+    command = [sys.executable, "-m", "distflow", "serve", "tinker", *args, f"trainer.output_dir={tmp_path}"]
+    command += ["--port", "0"]
     process = subprocess.Popen(
         command, cwd=tmp_path, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
     )

@@ -6,13 +6,16 @@
                                                          each token's log-prob under softmax(logits / T)
 
 A sequence ends at a stop token (kept, as the last token: stop reason "stop") or after `max_tokens`
-("length"). `stop=None` stops at the tokenizer's EOS, `stop=[]` never, a list of ids at those;
-stop strings are not served yet (a clear error). With `seed` the draws are reproducible.
+("length"). `stop=None` stops at the tokenizer's EOS, `stop=[]` never, a list of ids at those, and a
+string or a list of strings at the first token whose completion text so far contains one of them (that
+token kept, as a stop token is; the strings are looked for in the completion only, never across the
+prompt's end). With `seed` the draws are reproducible.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from distflow.serve.tinker.checkpoints import sampler_snapshot
 from distflow.serve.tinker.state import Sampler, ServedState, ServeError, new_sampler
@@ -28,6 +31,8 @@ UNSERVED = (
 )
 """SampleRequest fields refused rather than ignored (a client would get an answer without what it asked for)."""
 DEFAULT_MAX_TOKENS = 16
+NO_TOKEN = 2**62
+"""A stop id no model samples: `generate` stops at none (stop=[], or stop strings only)."""
 
 
 def create_sampling_session(state: ServedState, body: dict) -> dict:
@@ -54,12 +59,36 @@ def _sampler(state: ServedState, sampling_id: object) -> Sampler:
     return state.samplers[sampling_id]
 
 
-def _stop_ids(state: ServedState, stop: object) -> list[int]:
+def _stops(state: ServedState, stop: object) -> tuple[list[int], list[str]]:
+    """(stop token ids, stop strings) of SamplingParams.stop: null, a string, or a list of ids or of strings."""
     if stop is None:
-        return [state.tokenizer.eos_token_id]
-    if isinstance(stop, list) and all(isinstance(s, int) for s in stop):
-        return stop
-    raise WireError("stop strings are not served yet: pass stop token ids (a list of ints), [] or null")
+        return [state.tokenizer.eos_token_id], []
+    if isinstance(stop, str):
+        stop = [stop]
+    if isinstance(stop, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
+        return stop, []
+    if isinstance(stop, list) and all(isinstance(s, str) and s for s in stop):
+        return [], stop
+    raise WireError("stop must be null, a string, or a list of token ids or of non-empty strings (not both)")
+
+
+class _StopStrings(StoppingCriteria):
+    """A `generate` stopping criterion: each row is done once its completion's text holds a stop string."""
+
+    def __init__(self, tokenizer, strings: list[str], num_prompt: int):
+        self.tokenizer, self.strings, self.num_prompt = tokenizer, strings, num_prompt
+
+    def ended(self, tokens: list[int]) -> bool:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+        return any(s in text for s in self.strings)
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        rows = input_ids[:, self.num_prompt :].tolist()
+        return torch.tensor([self.ended(row) for row in rows], dtype=torch.bool, device=input_ids.device)
+
+    def end(self, tokens: list[int]) -> int | None:
+        """1 + the index of the token that completes the first stop string, or None."""
+        return next((k for k in range(1, len(tokens) + 1) if self.ended(tokens[:k])), None)
 
 
 def _generation_kwargs(params: dict, state: ServedState, num_prompt: int) -> dict:
@@ -92,29 +121,33 @@ def sample(state: ServedState, body: dict) -> SampleResult:
         raise WireError(f"sample: {', '.join(unserved)} not served yet (only prompt_logprobs over the whole prompt)")
     params = body.get("sampling_params") or {}
     kwargs = _generation_kwargs(params, state, len(prompt))
-    stop_ids = _stop_ids(state, params.get("stop"))
+    stop_ids, stop_strings = _stops(state, params.get("stop"))
+    strings = _StopStrings(state.tokenizer, stop_strings, len(prompt)) if stop_strings else None
     with torch.random.fork_rng():
         if params.get("seed") is not None:
             torch.manual_seed(int(params["seed"]))
-        sequences = _generate(sampler.module, state, prompt, num, kwargs, stop_ids)
+        sequences = _generate(sampler.module, state, prompt, num, kwargs, stop_ids, strings)
     prompt_logprobs = _prompt_logprobs(sampler.module, prompt) if body.get("prompt_logprobs") else None
     return SampleResult(sequences=sequences, prompt_logprobs=prompt_logprobs)
 
 
 @torch.no_grad()
-def _generate(module, state: ServedState, prompt: list[int], num: int, kwargs: dict, stop_ids: list[int]):
-    from transformers import GenerationConfig
-
+def _generate(
+    module, state: ServedState, prompt: list[int], num: int, kwargs: dict, stop_ids: list[int], strings
+) -> list[SampledSequence]:
     ids = torch.tensor([prompt] * num, dtype=torch.long)
     pad = state.tokenizer.pad_token_id
     config = GenerationConfig(
         **kwargs,
-        eos_token_id=stop_ids or None,
+        eos_token_id=stop_ids or [NO_TOKEN],  # None would be the model's own EOS (its generation_config)
         pad_token_id=pad if pad is not None else 0,
         return_dict_in_generate=True,
         output_logits=True,
     )
-    out = module.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    criteria = StoppingCriteriaList([strings] if strings is not None else [])
+    out = module.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config, stopping_criteria=criteria
+    )
     new_NL = out.sequences[:, len(prompt) :]
     temperature = kwargs["temperature"] or 1.0
     logits_NLV = torch.stack(out.logits, dim=1).float() / temperature
@@ -122,6 +155,8 @@ def _generate(module, state: ServedState, prompt: list[int], num: int, kwargs: d
     sequences = []
     for tokens, logps in zip(new_NL.tolist(), logp_NL.tolist(), strict=True):
         end = next((i + 1 for i, t in enumerate(tokens) if t in stop_ids), None)
+        if strings is not None:
+            end = strings.end(tokens)
         stop_reason = "stop" if end is not None else "length"
         end = end or len(tokens)
         sequences.append(SampledSequence(tokens=tokens[:end], logprobs=logps[:end], stop_reason=stop_reason))

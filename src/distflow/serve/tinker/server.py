@@ -46,7 +46,7 @@ from distflow.serve.tinker.wire import (
 
 HOST = "127.0.0.1"
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
-RETRIEVE_WAIT_S = 20.0
+RETRIEVE_WAIT_S = 40.0  # the SDK waits 45 s for a retrieve, and logs a warning at each try_again
 SOCKET_TIMEOUT_S = 120.0
 CLIENT_GONE = (BrokenPipeError, ConnectionResetError, TimeoutError)
 PROTOBUF = "application/x-protobuf"
