@@ -42,6 +42,7 @@ from distflow.data.fields import (
     RESPONSE_MASK,
     RETURNS,
     REWARD,
+    ROUTED_EXPERTS,
     SAMPLE,
     SAMPLE_MASK,
     SEQUENCE,
@@ -158,7 +159,8 @@ def add_logprobs(chain: Chain) -> None:
     """The behaviour policy's log-probs (when `needs_old_logprob`) and the reference's (with a KL term);
     each once: after `add_kl_reward` (which adds them for the KL in the reward) this adds nothing."""
     if needs_old_logprob(chain.config) and not chain.has("old_logprob"):
-        chain.add("old_logprob", stages.old_logprob, "logprob", SEQUENCE, (OLD_LOGP,), uses=("policy",))
+        routing = (ROUTED_EXPERTS,) if chain.config.rollout.records_routing else ()  # replayed in its forwards
+        chain.add("old_logprob", stages.old_logprob, "logprob", (*SEQUENCE, *routing), (OLD_LOGP,), uses=("policy",))
     if chain.config.algorithm.kl.coef > 0 and not chain.has("reference_logprob"):
         chain.add("reference_logprob", stages.reference_logprob, "logprob", SEQUENCE, (REF_LOGP,), uses=("reference",))
 
