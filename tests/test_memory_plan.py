@@ -232,3 +232,11 @@ def test_fsdp2_accumulating_micro_batches_holds_unsharded_gradients():
     assert ddp.gradients == plan_memory(SHAPE, SETTINGS).gradients  # DDP accumulates into its one full copy
     config = load_config("examples/arith_grpo.yaml", ["passes.micro_batch_size=64", "algorithm.num_mini_batches=2"])
     assert settings_of(config, 2, EMBEDDED_MODEL).micro_batches == 32 * 16 // 2 // 2 // 64
+
+
+def test_a_config_the_plan_cannot_read_is_not_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2}))
+    config = load_config("examples/arith_grpo.yaml", [f"model.path={tmp_path}"])
+    assert "not checked against this machine's memory" in check_fits(config, 2, 2, cuda=False)
+    with pytest.raises(memory_fit.ConfigError, match="config.json lacks what the plan reads"):
+        memory_fit.plan_of(config, 2)
