@@ -223,20 +223,22 @@ class MemoryPlan:
         return self.baseline + self.persistent + max(self.inference, self.update)
 
 
-def plan_memory(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
-    """A rank's memory for `shape` under `s` (all of it arithmetic: nothing is allocated).
+def activation_bytes(shape: ModelShape, s: MemorySettings) -> tuple[int, int]:
+    """What autograd keeps for one micro-batch: (without, with activation checkpointing). Its tokens are the
+    responses and, with shared prefixes, each group's prompt once; the embeddings, final norm and head's input
+    add 4 hidden widths a token."""
+    rows = s.micro_batch_size
+    prompts = math.ceil(rows / s.num_samples) if s.shared_prefix else rows
+    tokens = prompts * s.prompt_tokens + rows * s.response_tokens
+    per_token = activation_elements_per_token(shape, s.prompt_tokens + s.response_tokens)
+    without = s.compute_bytes * tokens * (shape.num_layers * per_token + 4 * shape.hidden_size)
+    with_ckpt = s.compute_bytes * tokens * (shape.num_layers * shape.hidden_size + per_token + 4 * shape.hidden_size)
+    return without, with_ckpt
 
-    >>> shape = ModelShape(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_layers=8, num_heads=16,
-    ...     num_kv_heads=4, head_dim=64, tied_embeddings=False)
-    >>> ddp = MemorySettings(strategy="ddp", train_ranks=2, num_shards=1, data_parallel=True, compute_bytes=4,
-    ...     micro_batch_size=8, prompt_tokens=128, response_tokens=128, rollout_rows=32, num_samples=8,
-    ...     activation_checkpointing=False, shared_prefix=False, baseline_bytes=0)
-    >>> import dataclasses
-    >>> fsdp = plan_memory(shape, dataclasses.replace(ddp, strategy="fsdp2", num_shards=2, data_parallel=False))
-    >>> plain = plan_memory(shape, ddp)
-    >>> plain.parameters == 2 * fsdp.parameters and plain.optimizer == 2 * fsdp.optimizer
-    True
-    """
+
+def plan_memory(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
+    """A rank's memory for `shape` under `s` (all of it arithmetic: nothing is allocated); what each setting
+    changes in it: tests/test_memory_plan.py."""
     total, block, outer = num_parameters(shape), block_parameters(shape), outer_parameters(shape)
     trained = lora_parameters(shape, s.lora_rank, s.lora_targets) if s.lora_rank else total
     shards, c = s.num_shards, s.compute_bytes
@@ -256,13 +258,8 @@ def plan_memory(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     # (the root: embeddings and head) lives beside the gathered copy while it is made.
     all_gather_buffer = c * outer if sharded else 0
 
-    attended = s.prompt_tokens + s.response_tokens
-    rows = s.micro_batch_size
-    prompts = math.ceil(rows / s.num_samples) if s.shared_prefix else rows
-    tokens = prompts * s.prompt_tokens + rows * s.response_tokens
-    per_token = activation_elements_per_token(shape, attended)
-    without = c * tokens * (shape.num_layers * per_token + 4 * shape.hidden_size)
-    with_ckpt = c * tokens * (shape.num_layers * shape.hidden_size + per_token + 4 * shape.hidden_size)
+    attended, rows = s.prompt_tokens + s.response_tokens, s.micro_batch_size
+    without, with_ckpt = activation_bytes(shape, s)
     activations = with_ckpt if s.activation_checkpointing else without
     logits_update = 2 * c * rows * s.response_tokens * shape.vocab_size  # saved for backward, and its gradient
     logits_inference = max(c * rows * s.response_tokens * shape.vocab_size, 2 * 4 * s.rollout_rows * shape.vocab_size)
