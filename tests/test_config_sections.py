@@ -193,6 +193,7 @@ def old_layout(config: dict) -> dict:
     for old, new in MOVED.items():
         section, key = new.split(".", 1)
         saved["trainer"][old.split(".", 1)[1]] = saved[section].pop(key)
+    saved["parallel"].pop("memory_check")  # added after that release
     for section in ("parallel", "passes", "watchdog", "asynchronous"):
         assert saved.pop(section) == {}
     return saved

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from architectures import PARITY
 from test_e2e import read_metrics, train
 from test_fsdp2 import LR, NUM_STEPS, pg_loss, step_batch
 
@@ -129,14 +130,17 @@ def test_the_compute_dtype_its_checks_and_what_the_rollout_records():
 
 
 def test_cli_trains_in_bfloat16_with_ddp_and_logs_the_rollout_gap(tmp_path, cache_dir):
-    # The warm start of test_e2e's first test (shared cache): its samples score unlike each other,
-    # so the updates run.
+    # The warm start of test_e2e's first test (shared cache). The parity of a completion's length scores
+    # the samples unlike each other whatever they answer, so the updates run: on an AVX2 CPU the bf16
+    # model answered every sample wrong, and no update ran.
+    (tmp_path / "parity_reward.py").write_text(PARITY)
     _, run_dir = train(
         tmp_path,
         cache_dir,
         "warmstart.target_accuracy=0.02",
         "warmstart.check_every=20",
         "parallel.param_dtype=bfloat16",
+        "task.reward=parity_reward:parity",
     )
     steps = [row for row in read_metrics(run_dir) if "mismatch/logp_abs_diff_max" in row]
     assert steps  # the rollout recorded its log-probs; their gap to the trainer's is logged

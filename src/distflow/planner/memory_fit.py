@@ -65,7 +65,10 @@ def settings_of(config: Config, world_size: int, model_config: dict, *, cuda: bo
     train_ranks, rollout_replicas = len(groups["train"].ranks), groups["rollout"].dp_size
     parallel, passes, rollout = config.parallel, config.passes, config.rollout
     samples = config.trainer.prompts_per_step * rollout.num_samples
-    prompt, response = prompt_tokens_of(config, model_config), rollout.max_new_tokens
+    # No sequence outgrows the model's positions: a run whose prompts and responses would is refused on its
+    # ranks with its own line, so a response limit past them is planned at what the model can attend to.
+    positions = int(model_config.get("max_position_embeddings") or 2**31)
+    prompt, response = prompt_tokens_of(config, model_config), max(1, min(rollout.max_new_tokens, positions - 1))
     rows_per_pass = passes.micro_batch_size
     if passes.micro_batch_tokens:
         rows_per_pass = max(1, passes.micro_batch_tokens // (prompt + response))

@@ -54,6 +54,7 @@ FREE_TO_CHANGE = (
     "trainer.profile_steps",
     "parallel.device",
     "parallel.collective_timeout_s",
+    "parallel.memory_check",  # a check before launch: a resume may skip it, or a checkpoint predate it
     "watchdog.stage_timeout_",
     "data.prefetch",
     "passes.",
