@@ -103,6 +103,7 @@ def hostile(client: openai.OpenAI, sample: dict):
 '''
 
 
+@pytest.mark.slow  # about 50-100 s on 2 cores: CI runs it, the default suite keeps to its budget
 def test_hostile_agents_are_counted_and_nothing_hangs(tmp_path, cache_dir):
     (tmp_path / "hostile.py").write_text(HOSTILE)
     records, stderr = _train(

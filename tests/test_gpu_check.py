@@ -10,6 +10,7 @@ import pytest
 from conftest import BENCHMARKS, REPO, benchmark_module, run_quick
 
 
+@pytest.mark.slow  # about 50-100 s on 2 cores: CI runs it, the default suite keeps to its budget
 def test_gpu_quick():
     """The GPU check's CPU path: every engine's rollout on the tiny model, the embedded default, a profiled
     step, learning.py's quick run with the faster step's settings; its files in --out."""

@@ -55,6 +55,7 @@ def test_two_ranks_killed_with_samples_in_flight_resume_the_one_rank_run(tmp_pat
             assert row[key] == ref_metrics[row["step"]][key], (row["step"], key)
 
 
+@pytest.mark.slow  # about 50-100 s on 2 cores: CI runs it, the default suite keeps to its budget
 def test_a_group_past_the_staleness_bound_is_dropped_counted_and_never_trained(tmp_path, cache_dir):
     """rollout.max_token_staleness=0 on a synchronous run: a group whose samples spanned steps would train tokens
     drawn by older weights, so it is dropped; every token trained is the current policy's."""
