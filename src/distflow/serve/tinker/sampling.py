@@ -73,22 +73,24 @@ def _stops(state: ServedState, stop: object) -> tuple[list[int], list[str]]:
 
 
 class _StopStrings(StoppingCriteria):
-    """A `generate` stopping criterion: each row is done once its completion's text holds a stop string."""
+    """A `generate` stopping criterion: each row is done once its completion's text holds a stop string.
+    `generate` asks after every token, so the length at which a row first holds one is where it ends."""
 
     def __init__(self, tokenizer, strings: list[str], num_prompt: int):
         self.tokenizer, self.strings, self.num_prompt = tokenizer, strings, num_prompt
-
-    def ended(self, tokens: list[int]) -> bool:
-        text = self.tokenizer.decode(tokens, skip_special_tokens=False)
-        return any(s in text for s in self.strings)
+        self.ends: dict[int, int] = {}  # row -> its completion's length when a stop string first appeared
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        rows = input_ids[:, self.num_prompt :].tolist()
-        return torch.tensor([self.ended(row) for row in rows], dtype=torch.bool, device=input_ids.device)
+        for row, tokens in enumerate(input_ids[:, self.num_prompt :].tolist()):
+            if row not in self.ends:  # an ended row is not decoded again
+                text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+                if any(s in text for s in self.strings):
+                    self.ends[row] = len(tokens)
+        return torch.tensor([row in self.ends for row in range(len(input_ids))], device=input_ids.device)
 
-    def end(self, tokens: list[int]) -> int | None:
-        """1 + the index of the token that completes the first stop string, or None."""
-        return next((k for k in range(1, len(tokens) + 1) if self.ended(tokens[:k])), None)
+    def end(self, row: int) -> int | None:
+        """1 + the index of the token of `row` that completed the first stop string, or None."""
+        return self.ends.get(row)
 
 
 def _generation_kwargs(params: dict, state: ServedState, num_prompt: int) -> dict:
@@ -153,10 +155,10 @@ def _generate(
     logits_NLV = torch.stack(out.logits, dim=1).float() / temperature
     logp_NL = torch.log_softmax(logits_NLV, -1).gather(-1, new_NL.unsqueeze(-1)).squeeze(-1)
     sequences = []
-    for tokens, logps in zip(new_NL.tolist(), logp_NL.tolist(), strict=True):
+    for row, (tokens, logps) in enumerate(zip(new_NL.tolist(), logp_NL.tolist(), strict=True)):
         end = next((i + 1 for i, t in enumerate(tokens) if t in stop_ids), None)
         if strings is not None:
-            end = strings.end(tokens)
+            end = strings.end(row)
         stop_reason = "stop" if end is not None else "length"
         end = end or len(tokens)
         sequences.append(SampledSequence(tokens=tokens[:end], logprobs=logps[:end], stop_reason=stop_reason))
