@@ -76,6 +76,30 @@ def test_loss_falls_under_lora(server, service):
     assert losses[-1] < 0.9 * losses[0] and all(later < losses[0] for later in losses[1:]), losses
 
 
+def test_lora_models_share_the_one_frozen_base_and_train_only_their_own_adapters(server, service):
+    """N adapters cost one base: every LoRA model's base weights are the base's own tensors, which a
+    model's training leaves as they were, and one model's steps change no other's outputs."""
+    base = server.state.base
+    before = {name: p.detach().clone() for name, p in base.named_parameters()}
+    first, second = (service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=4).result() for _ in "ab")
+    modules = [server.state.models[client.model_id].module for client in (first, second)]
+    base_tensors = {p.data_ptr() for p in base.parameters()}
+    for module in modules:
+        frozen = [p for p in module.parameters() if not p.requires_grad]
+        assert frozen and all(p.data_ptr() in base_tensors for p in frozen)
+        assert all(p.data_ptr() not in base_tensors for p in module.parameters() if p.requires_grad)
+    ids = torch.tensor([server.state.tokenizer.encode("12+34=46")])
+    with torch.no_grad():
+        second_before = modules[1](input_ids=ids).logits
+    for _ in range(2):
+        first.forward_backward(sft_batch(server), "cross_entropy").result()
+        first.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    assert all(torch.equal(p, before[name]) for name, p in base.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(modules[1](input_ids=ids).logits, second_before)
+        assert not torch.equal(modules[0](input_ids=ids).logits, second_before)
+
+
 def _direct_grads(module, data, loss_fn: str, config: dict) -> tuple[float, dict]:
     """The batch's summed loss and its gradient, computed here: log_softmax of the logits, then
     distflow's own loss (ppo_clip_loss; cross-entropy -Σ w·logp)."""

@@ -1,8 +1,9 @@
 """What a Tinker server holds: the base model, the training models made from it, the sampling sessions.
 
     ServedState ─ base (the config's model, float32, frozen: what every training model starts from)
-                ├ models:   model_id → TrainingModel (a copy of base, LoRA adapters or every weight
-                │           trained, its AdamW, the gradients accumulated since the last optim_step)
+                ├ models:   model_id → TrainingModel (LoRA adapters on the one frozen base, whose weights
+                │           every adapter shares; or rank 0, a copy of base with every weight trained),
+                │           its AdamW, the gradients accumulated since the last optim_step
                 ├ samplers: sampling_session_id → Sampler (base, or a snapshot of a training model)
                 └ snapshots: tinker://…/sampler_weights/NAME → trainable weights (in memory)
 
@@ -27,8 +28,8 @@ from distflow.config.schema import LoraConfig
 
 MAX_TRAINING_MODELS = 32
 MAX_SAMPLERS = 64
-"""Each holds a copy of the base model: a client asking for more is refused, not served out of memory
-(ServiceClient.close frees a session's)."""
+"""A LoRA model holds its adapters and shares the base's weights; a full one holds a copy of them. A client
+asking for more is refused, not served out of memory (ServiceClient.close frees a session's)."""
 
 EMBEDDED_NAME = "distflow/embedded"
 """The base model's name when `model.path` is unset (what clients pass as `base_model`)."""
@@ -120,11 +121,13 @@ def build_state(config: Config, checkpoint_dir: Path, log=print) -> ServedState:
 
 
 def new_module(state: ServedState, lora_rank: int, seed: int) -> torch.nn.Module:
-    """A trainable copy of the base model: LoRA adapters of `lora_rank` (distflow's `apply_lora`), or
-    with rank 0 every weight trained."""
+    """A trainable model made from the base: LoRA adapters of `lora_rank` (distflow's `apply_lora`) around
+    the base's own frozen weights and buffers (the modules are new, the tensors shared: N adapters hold one
+    base), or with rank 0 a copy of the base with every weight trained."""
     from distflow.training.lora import apply_lora
 
-    module = copy.deepcopy(state.base)
+    shared = {id(t): t for t in itertools.chain(state.base.parameters(), state.base.buffers())} if lora_rank > 0 else {}
+    module = copy.deepcopy(state.base, memo=shared)
     if lora_rank > 0:
         _check_rank_fits(state.base, lora_rank)
         spec = dataclasses.replace(state.lora, rank=lora_rank)
