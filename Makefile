@@ -144,9 +144,10 @@ run: setup
 # `make test PYTEST_MARKS=` runs everything.
 PYTEST_MARKS ?= $(if $(CI),,-m "not slow")
 # Two pytest workers (pytest-xdist), each taking whole test files (a file's module fixtures are built
-# once): most tests wait on a subprocess's start-up with one core idle. PYTEST_WORKERS=0 runs in one process.
+# once): most tests wait on a subprocess's start-up with one core idle. The files go out in tests/conftest.py's
+# order (most slow tests first), not xdist's by test count. PYTEST_WORKERS=0 runs in one process.
 PYTEST_WORKERS ?= 2
-PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # CI prints its slowest tests, so that a run near CI's time limit says where the time went.
 PYTEST_DURATIONS ?= $(if $(CI),--durations=30)

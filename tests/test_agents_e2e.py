@@ -153,6 +153,7 @@ def nothing(prompt, completion, sample):
 '''
 
 
+@pytest.mark.slow  # ~40 s on 2 cores: CI runs it, the default suite keeps to its budget
 def test_held_out_episodes_are_scored_by_the_agent_and_evaluation_turns_off(tmp_path, cache_dir):
     """An agent run's evaluation is its episodes' reward (the agent's score plus the task's rewards, here
     0), its agent/* numbers under eval/; `trainer.evaluate=false` evaluates at no step."""
@@ -185,6 +186,7 @@ def test_held_out_episodes_are_scored_by_the_agent_and_evaluation_turns_off(tmp_
     assert summary["final_accuracy"] is None and summary["steps"] == 2
 
 
+@pytest.mark.slow  # two example runs, ~100 s on 2 cores: CI runs it, the default suite keeps to its budget
 def test_the_calculator_agent_examples_train_and_make_the_same_episodes(tmp_path, cache_dir):
     """examples/agents: the plain `openai` client and the Agents SDK offer the `calculator` tool; the
     model's calls of it (the embedded model's "=" convention) are run, and the tool-call turns train with

@@ -177,9 +177,11 @@ def test_export_loads_in_transformers_and_answers_as_the_policy_did(tmp_path, on
     assert text == records[0]["greedy_after_update"]
 
 
-def test_roofline_times_the_recipe_step_and_one_evaluation_beside_their_floors(model_dir):
+def test_roofline_times_the_recipe_step_beside_its_floors(model_dir):
+    """The recipe's step, stage by stage (its held-out evaluation, `--eval-repeats 1`, took 7-10 of this
+    test's 13 minutes on 2 cores: run by hand, as the docs' figures are)."""
     result = subprocess.run(
-        [sys.executable, "benchmarks/roofline.py", "--settings", "smollm2", "--repeats", "1", "--eval-repeats", "1"],
+        [sys.executable, "benchmarks/roofline.py", "--settings", "smollm2", "--repeats", "1", "--eval-repeats", "0"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -192,21 +194,15 @@ def test_roofline_times_the_recipe_step_and_one_evaluation_beside_their_floors(m
     # bf16 floors only where the CPU multiplies in bf16 (--bf16-floors auto): converted, they took hours
     timed = out["settings"]["cpu_bf16"] != "none"
     assert out["settings"]["bf16_floors"] == ("timed" if timed else "not timed")
-    assert all((row[f"{stage}_floor_s_bf16"] is not None) == timed for stage in ("rollout", "update", "step", "eval"))
+    assert all((row[f"{stage}_floor_s_bf16"] is not None) == timed for stage in ("rollout", "update", "step"))
     # There, the stages are timed computing in bf16 too (not the evaluation), the same work as float32's.
     assert all((row[f"{stage}_s_bf16"] is not None) == timed for stage in ("rollout", "logprob_pass", "update", "step"))
-    assert row["eval_s_bf16"] is None
     if timed:
         assert row["step_float32_over_bf16"] == pytest.approx(row["step_s"] / row["step_s_bf16"], abs=0.01)
         assert row["samples_identical_bf16"]
-    # The recipe's 200 held-out problems, one sampled and one greedy completion each, 1 to 32 tokens.
-    assert (row["eval_prompts"], row["eval_samples"]) == (200, 1)
-    assert 2 * 200 <= row["eval_response_tokens"] <= 2 * 200 * 32
-    # Of the model as loaded, as a run's evaluation before training gives it (57 of 200, on an AMD EPYC
-    # and an Intel Xeon): the timed updates, which change the weights, come after it.
-    assert row["eval_greedy_accuracy"] * 200 == pytest.approx(57, abs=2)
+    assert "eval_s" not in row
     # Each stage is timed beside its floor. Their ratio is the benchmark's to report, not this test's to
     # bound: both are wall-clock times, and on a loaded machine the floor's matrix products, timed apart,
     # once came out slower than the rollout that contains them (8.67 s against 8.17 s).
-    for stage in ("rollout", "update", "eval"):
+    for stage in ("rollout", "update"):
         assert row[f"{stage}_floor_s"] > 0 and row[f"{stage}_s"] > 0, stage

@@ -132,7 +132,7 @@ def test_the_cookbooks_multi_turn_guess_number_recipe_plays_its_games(served, tm
         f"model_name={served[2]}",
         "renderer_name=role_colon",
         "group_size=2",
-        "batch_size=2",
+        "batch_size=1",  # one group of 2 games: up to 20 sample calls (each ~2 s on 2 cores)
         "max_tokens=8",
         "learning_rate=1e-4",
         "eval_every=0",
