@@ -127,7 +127,10 @@ def smollm2():
 def pytest_collection_modifyitems(items):
     """The files with the most slow tests first, then by number of tests (pytest-xdist's own order, which
     the Makefile's --no-loadscope-reorder hands to this hook): the two workers take whole files, and a file
-    of a few long runs taken last (the real-model and tinker-cookbook files) ran alone at CI's end."""
+    of a few long runs taken last (the real-model and tinker-cookbook files) ran alone at CI's end. Only in
+    xdist's workers, whose collections its scheduler reads: a run in one process keeps pytest's order."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
     slow, count = {}, {}
     for item in items:
         path = item.nodeid.split("::")[0]
