@@ -165,8 +165,9 @@ CLI_RUNS = [
     for mode in MODES
     if (mode != "compiled" or name in COMPILED) and (mode != "ddp" or name in DEFAULT_SUITE)
 ]
-"""Each family under fsdp2 and LoRA (2 ranks of ddp: a full ddp run adds no code of the family's own), full ddp
-for the default suite's four, and `compiled` for COMPILED."""
+"""Each family under fsdp2 and LoRA (2 ranks of ddp: the forward and backward run through every module of the
+family as a full ddp run's do; what differs is which weights are trained), full ddp for the default suite's
+four, and `compiled` for COMPILED."""
 
 
 @pytest.mark.slow  # 32 runs of ~25 s each on 2 cores (compiled: 80-240 s): CI runs it
