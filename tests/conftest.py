@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import forked_cli
@@ -131,10 +132,8 @@ def pytest_collection_modifyitems(items):
     xdist's workers, whose collections its scheduler reads: a run in one process keeps pytest's order."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return
-    slow, count = {}, {}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        count[path] = count.get(path, 0) + 1
-        slow[path] = slow.get(path, 0) + (item.get_closest_marker("slow") is not None)
-    rank = {path: i for i, path in enumerate(sorted(count, key=lambda p: (-slow[p], -count[p])))}
-    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # stable: a file's own order is kept
+    files = {id(item): item.nodeid.split("::")[0] for item in items}
+    count = Counter(files.values())
+    slow = Counter(files[id(item)] for item in items if item.get_closest_marker("slow"))
+    # stable: a file's items are contiguous in collection and keep their own order
+    items.sort(key=lambda item: (-slow[files[id(item)]], -count[files[id(item)]]))

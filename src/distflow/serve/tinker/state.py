@@ -126,17 +126,16 @@ def new_module(state: ServedState, lora_rank: int, seed: int) -> torch.nn.Module
     base), or with rank 0 a copy of the base with every weight trained."""
     from distflow.training.lora import apply_lora
 
-    shared = {id(t): t for t in itertools.chain(state.base.parameters(), state.base.buffers())} if lora_rank > 0 else {}
-    module = copy.deepcopy(state.base, memo=shared)
-    if lora_rank > 0:
+    if lora_rank == 0:  # every weight trained: a copy of its own
+        module = copy.deepcopy(state.base).requires_grad_(True)
+    else:  # new modules around the base's own frozen tensors
         _check_rank_fits(state.base, lora_rank)
+        shared = {id(t): t for t in itertools.chain(state.base.parameters(), state.base.buffers())}
         spec = dataclasses.replace(state.lora, rank=lora_rank)
         try:
-            module = apply_lora(module, spec, seed=seed)
+            module = apply_lora(copy.deepcopy(state.base, memo=shared), spec, seed=seed)
         except ConfigError as err:  # its words are the config's: say which request it was
             raise ServeError(f"LoRA rank {lora_rank} is refused: {err}") from None
-    else:
-        module.requires_grad_(True)
     module.eval()  # no dropout: the log-probs of one set of weights are the same in every pass
     return module
 
