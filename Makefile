@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup bench-setup agents tinker verifiers verifiers-v1 cookbook test-verifiers smollm2 vllm test-vllm run test docs clean
+.PHONY: setup bench-setup agents tinker verifiers verifiers-v1 cookbook test-verifiers smollm2 vllm test-vllm run test test-heavy docs clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -134,15 +134,16 @@ VLLM_TESTS ?= tests/test_vllm_engine.py tests/test_vllm_child_engine.py tests/te
 # A new interpreter for each run (tests/forked_cli.py): vLLM's engine sets TORCH_CPP_LOG_LEVEL before
 # torch loads, which a run forked from a process that has loaded torch cannot do.
 test-vllm: vllm smollm2
-	DISTFLOW_TESTS_FRESH_INTERPRETERS=1 $(VLLM_BIN)/python -m pytest -q $(VLLM_TESTS) $(PYTEST_DURATIONS) $(PYTEST_ARGS)
+	DISTFLOW_TESTS_FRESH_INTERPRETERS=1 $(VLLM_BIN)/python -m pytest -q $(VLLM_TESTS) -m "not heavy" $(PYTEST_DURATIONS) $(PYTEST_ARGS)
 
 run: setup
 	$(BIN)/distflow train examples/arith_grpo.yaml $(ARGS)
 
-# Tests marked `slow` do not fit the default suite's ~15-minute budget on 2 cores: `make test`
-# skips them, CI (CI=true, 90 minutes) runs them too, with the real model (`make smollm2`) they need;
-# `make test PYTEST_MARKS=` runs everything.
-PYTEST_MARKS ?= $(if $(CI),,-m "not slow")
+# Three tiers. Tests marked `slow` do not fit the default suite's ~15-minute budget on 2 cores: `make test`
+# skips them, CI (CI=true, 90 minutes) runs them too, with the real model (`make smollm2`) they need.
+# Tests marked `heavy` (the rest of a matrix, a second layout of a path a CI test already takes) do not
+# fit CI's 90 minutes either: `make test-heavy` runs them, in both virtualenvs (~75 minutes on 2 cores).
+PYTEST_MARKS ?= $(if $(CI),-m "not heavy",-m "not slow and not heavy")
 # Two pytest workers (pytest-xdist), each taking whole test files (a file's module fixtures are built
 # once): most tests wait on a subprocess's start-up with one core idle. The files go out in tests/conftest.py's
 # order (most slow tests first), not xdist's by test count. PYTEST_WORKERS=0 runs in one process.
@@ -154,6 +155,10 @@ PYTEST_DURATIONS ?= $(if $(CI),--durations=30)
 
 test: setup bench-setup agents tinker verifiers test-verifiers $(if $(CI),smollm2 cookbook test-vllm)
 	$(BIN)/python -m pytest -q src tests $(PYTEST_MARKS) $(PYTEST_XDIST) $(PYTEST_DURATIONS) $(PYTEST_ARGS)
+
+test-heavy: setup bench-setup agents tinker verifiers smollm2 cookbook vllm
+	DISTFLOW_TESTS_FRESH_INTERPRETERS=1 $(VLLM_BIN)/python -m pytest -q $(VLLM_TESTS) -m heavy --durations=30 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q src tests -m heavy $(PYTEST_XDIST) --durations=30 $(PYTEST_ARGS)
 
 # The documentation site into site/ (mkdocs.yml); --strict fails on a link to a missing page or anchor.
 docs: setup

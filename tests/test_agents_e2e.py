@@ -153,7 +153,7 @@ def nothing(prompt, completion, sample):
 '''
 
 
-@pytest.mark.slow  # ~40 s on 2 cores: CI runs it, the default suite keeps to its budget
+@pytest.mark.heavy  # ~40 s on 2 cores: `make test-heavy` (held-out evaluation: tests/test_evaluation_groups.py)
 def test_held_out_episodes_are_scored_by_the_agent_and_evaluation_turns_off(tmp_path, cache_dir):
     """An agent run's evaluation is its episodes' reward (the agent's score plus the task's rewards, here
     0), its agent/* numbers under eval/; `trainer.evaluate=false` evaluates at no step."""
@@ -223,7 +223,7 @@ def test_the_calculator_agent_examples_train_and_make_the_same_episodes(tmp_path
             assert one[key] == pytest.approx(sdk[key], rel=1e-4, abs=1e-6), key
 
 
-@pytest.mark.slow  # three launches, ~2 min each under load: CI runs it
+@pytest.mark.heavy  # three launches, ~90 s: `make test-heavy` (CI resumes async runs after kill -9: test_async.py)
 def test_kill_9_then_resume_reproduces_an_agent_run(tmp_path, cache_dir):
     """An agent run killed at step 3 on one of 2 ranks and resumed on 1 rank samples what the
     uninterrupted run sampled, step for step (the episodes' keys derive from the samples' uids)."""

@@ -146,7 +146,7 @@ def test_compiled_engine_draws_the_compact_samples_and_follows_weight_updates(mo
     )
 
 
-@pytest.mark.slow  # two 2-rank CLI runs, one compiling: CI runs it
+@pytest.mark.heavy  # two 2-rank CLI runs, one compiling (~8 min): `make test-heavy`; CI compiles in the test above
 def test_a_compiled_run_on_two_fsdp2_ranks_logs_what_the_compact_run_logs(tmp_path, cache_dir):
     """Under fsdp2 both decode the gathered model's view, whose parameters are new at each rollout (under
     ddp `compiled` compiles the plain model, as the test above does in one process)."""

@@ -65,14 +65,22 @@ def run(tmp_path_factory, cache_dir, name: str, nproc: int) -> list[dict]:
     return [json.loads(line) for line in (cwd / "run/metrics.jsonl").read_text().splitlines()]
 
 
-# The default suite runs a group baseline and the critic; CI runs all (DAPO's dynamic sampling keeps the
-# same groups at any world size in test_dynamic_sampling.py's 2-rank tests).
+# The default suite runs a group baseline and the critic; CI adds a leave-one-out baseline and ReMax's greedy
+# baseline rollout, `make test-heavy` the rest (each estimator's own numbers are checked in tests/test_algorithms*.py;
+# DAPO's dynamic sampling keeps the same groups at any world size in test_dynamic_sampling.py's 2-rank tests).
 DEFAULT_SUITE = ("grpo", "ppo")
+CI = ("rloo", "remax")
 
 
-@pytest.mark.parametrize(
-    "name", [n if n in DEFAULT_SUITE else pytest.param(n, marks=pytest.mark.slow) for n in ALGORITHMS]
-)
+def _tier(name: str):
+    return (
+        name
+        if name in DEFAULT_SUITE
+        else pytest.param(name, marks=pytest.mark.slow if name in CI else pytest.mark.heavy)
+    )
+
+
+@pytest.mark.parametrize("name", [_tier(n) for n in ALGORITHMS])
 def test_pipeline_runs_on_one_and_two_processes(tmp_path_factory, cache_dir, name):
     one = run(tmp_path_factory, cache_dir, name, 1)
     two = run(tmp_path_factory, cache_dir, name, 2)

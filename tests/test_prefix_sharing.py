@@ -318,7 +318,7 @@ def test_auto_shares_prefixes_unless_the_passes_are_packed():
         load_config(None, ["passes.shared_prefix=true", "passes.padding_free=true"])
 
 
-@pytest.mark.slow  # two 2-rank CLI runs (~75 s); tests/test_fsdp2.py trains 2 ranks with it in the default suite
+@pytest.mark.heavy  # two 2-rank CLI runs (~150 s); tests/test_fsdp2.py trains 2 ranks with it in the default suite
 def test_a_cli_run_with_shared_prefix_logs_what_the_padded_run_logs(tmp_path, cache_dir):
     """The real CLI on 2 ranks, 3 steps: the same rewards, and training metrics equal to float rounding."""
     rows = {}

