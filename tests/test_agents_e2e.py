@@ -127,6 +127,7 @@ def huge(client, sample):
 '''
 
 
+@pytest.mark.slow  # ~30 s: CI runs it (the default suite trains an agent above)
 def test_numbers_no_float_holds_score_the_default_and_are_counted(tmp_path, cache_dir):
     """10**400 as the score or as another number of the agent's dict: `env.default_reward`, counted in
     `agent/bad_rewards`, at the evaluations and in training; the run does not end in an OverflowError."""
@@ -251,6 +252,7 @@ def test_kill_9_then_resume_reproduces_an_agent_run(tmp_path, cache_dir):
     assert_same_run(got, read_metrics(tmp_path / "out/run"), whole, steps=(1, 2, 3, 4))
 
 
+@pytest.mark.slow  # ~40 s: CI runs it (the default suite trains an agent above)
 def test_the_tool_warm_start_shows_a_bar_and_the_held_out_count_does_not_key_it(tmp_path):
     """The calculator agent's warm-start (tool transcripts) shows a bar with its steps and an estimate; held-out
     counts up to 500 share one warm-start, none of whose training problems is held out."""

@@ -259,6 +259,7 @@ def test_a_rollout_rank_killed_with_batches_in_flight_ends_the_job_naming_it(tmp
     assert "rank 0 was killed by SIGKILL in stage 'chaos' at step 1" in result.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow  # ~40 s: CI runs it (the default suite resumes pipelined runs above)
 def test_a_finished_pipelined_run_extended_with_resume_generates_the_missing_batch(tmp_path, cache_dir):
     """A finished k = 1 run holds no batch in flight: raising trainer.total_steps and resuming
     pre-rolls step 3 from the restored policy (2 updates). A checkpoint with a batch in flight

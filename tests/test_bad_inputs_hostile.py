@@ -303,6 +303,7 @@ def test_a_disk_that_fills_while_metrics_are_appended_is_one_line_without_a_torn
     assert [r["step"] for r in read_metrics(run)] == [0, 1]
 
 
+@pytest.mark.slow  # ~29 s: CI runs it (the default suite restarts 2-rank runs: tests/test_resume.py)
 def test_max_restarts_with_one_process_restarts_it(tmp_path, cache_dir):
     """--max-restarts without --nproc was ignored: the one rank is killed at step 3, restarts from the
     step-2 checkpoint, and the run finishes."""

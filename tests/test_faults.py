@@ -184,6 +184,7 @@ def test_a_stalled_stage_is_reported_with_stacks(tmp_path, cache_dir):
     assert_no_orphans(tmp_path)
 
 
+@pytest.mark.slow  # ~22 s: CI runs it (the default suite names a stalled stage above)
 def test_a_frozen_rank_is_named_unresponsive_by_its_peer(tmp_path, cache_dir):
     """Rank 1 stops itself (SIGSTOP) in its chaos stage: rank 0 names it, in that stage, once the
     stage's limit has passed (not its own stage's limit plus a wait for the frozen peer), and

@@ -27,7 +27,7 @@ def train(cwd, cache, *extra):
     return [{k: v for k, v in row.items() if not k.startswith(NOT_COMPARED)} for row in rows]
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2 ranks (~33 s): CI
 def test_the_one_file_grpo_logs_the_builtin_metrics_bit_for_bit(tmp_path, cache_dir, ranks):
     nproc = ("--nproc", "2") if ranks == 2 else ()
     builtin = train(tmp_path / "builtin", cache_dir, *nproc)

@@ -95,6 +95,7 @@ def test_wrong_split_or_column_names_the_fix(saved, fields, needle):
         dataset_sources(config.task.dataset)
 
 
+@pytest.mark.slow  # ~28 s: CI runs it (the saved dataset's rows: the unit tests above)
 def test_a_run_on_a_saved_dataset(tmp_path, tokenizer, saved):
     model = build_tiny_model(tokenizer, seed=0, max_positions=128)
     model.save_pretrained(tmp_path / "model")

@@ -119,7 +119,7 @@ def test_kill_9_of_a_rank_with_a_daemon_ends_its_processes_at_once(tmp_path, cac
     assert_no_orphans(tmp_path)
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2 ranks (~23 s): CI
 def test_a_daemon_left_by_a_good_run_ends_quietly(tmp_path, cache_dir, nproc):
     try:
         stdout, stderr = _train(tmp_path, cache_dir, nproc, "none").communicate(timeout=1800)

@@ -95,6 +95,7 @@ def test_a_notebook_trains_twice_in_one_interpreter_and_cannot_launch_its_own_fu
     )
 
 
+@pytest.mark.slow  # ~37 s: CI runs it (the default suite starts a script on two ranks below)
 def test_the_script_under_torchrun_matches_the_cli_with_two_processes(tmp_path, cache_dir):
     common = TINY + [f"warmstart.cache_dir={cache_dir}", f"trainer.output_dir={tmp_path}"]
     script = subprocess.run(

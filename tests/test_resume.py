@@ -107,6 +107,7 @@ def test_resume_after_kill_across_strategies(tmp_path, cache_dir, uninterrupted,
     print(f"resume {first}(2) -> {second}(1) after kill: max relative metric difference {worst:.2e}")
 
 
+@pytest.mark.slow  # ~20 s: CI runs it (the default suite resumes on fewer ranks above)
 def test_disaggregated_resume_gives_rollout_ranks_the_restored_weights(tmp_path, cache_dir, uninterrupted):
     checkpoint = uninterrupted["run"] / "checkpoints/step-000002"
     result = train(

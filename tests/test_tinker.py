@@ -63,6 +63,7 @@ def sft_batch(server) -> list[types.Datum]:
     return [datum(server, text, weights=lambda n: [1.0] * n) for text in ("12+34=46", "7+8=15", "50+25=75")]
 
 
+@pytest.mark.slow  # ~50 s: CI runs it (the default suite trains full-parameter and LoRA calls below)
 def test_loss_falls_under_lora(server, service):
     training = service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=4).result()
     assert training.get_info().is_lora and training.get_info().lora_rank == 4
