@@ -238,3 +238,23 @@ def test_report_leaves_out_a_torn_last_record(tmp_path, capsys):
         f.write('{"step": 3, "reward/me')
     assert main(["report", str(run), "--out", str(tmp_path / "r.png")]) == 0
     assert capsys.readouterr().out.splitlines()[1].split()[:2] == ["a", "2"]
+
+
+def test_report_shows_the_mismatch_ledger_as_means_that_still_add_up(tmp_path, capsys):
+    run = _fake_run(tmp_path, "ledger", [0.5] * 3, (0.2, 0.3))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for record, staleness in zip(records[1:], (0.0, 0.25, 0.5), strict=True):
+        terms = {"engine": 1e-7, "sampler": 0.0, "precision": 0.0, "routing": 0.0, "staleness": staleness}
+        record.update({f"mismatch/ledger_{name}": value for name, value in terms.items()})
+        record["mismatch/ledger_total"] = sum(terms.values())
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["report", str(run), "--out", str(tmp_path / "r.png")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index("mismatch ledger (trainer minus rollout log-prob per token), mean over the steps:")
+    assert lines[at + 1].split() == ["run", "engine", "sampler", "precision", "routing", "staleness", "total"]
+    assert lines[at + 2].split() == ["ledger", "1e-07", "0", "0", "0", "0.25", "0.25"]  # means: 0.25 + 1e-7
+
+
+def test_report_of_a_run_without_the_ledger_prints_no_ledger(tmp_path, capsys):
+    assert main(["report", str(_fake_run(tmp_path, "plain", [0.5] * 3, (0.2, 0.3))), "--out", str(tmp_path / "r")]) == 0
+    assert "mismatch ledger" not in capsys.readouterr().out

@@ -11,6 +11,7 @@ Each returns the process's exit code; a user error prints one line and returns 2
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -74,9 +75,11 @@ def model(source: str) -> int:
 
 def report(run_dirs: list[str], out: str) -> int:
     """The runs' summary table; their rollout figures (median over the steps) where they log them; the
-    longest and a typical sample of each run's last step in samples.jsonl (`trainer.log_samples`); the
+    longest and a typical sample of each run's last step in samples.jsonl (`trainer.log_samples`); the mismatch
+    ledger's terms (`rollout.mismatch_ledger`); the
     curves drawn to `out`."""
     from distflow.observability.curves import (
+        LEDGER_COLUMNS,
         ROLLOUT_COLUMNS,
         draw,
         format_table,
@@ -102,6 +105,9 @@ def report(run_dirs: list[str], out: str) -> int:
     if rows := rollout_rows(runs):
         print("\nrollout, median over the steps:")
         print(format_table(rows, ["run", *(column for column, _ in ROLLOUT_COLUMNS)]))
+    if rows := rollout_rows(runs, LEDGER_COLUMNS, statistics.fmean):
+        print("\nmismatch ledger (trainer minus rollout log-prob per token), mean over the steps:")
+        print(format_table(rows, ["run", *(column for column, _ in LEDGER_COLUMNS)]))
     for label, directory in directories.items():
         if samples := read_samples(directory):
             print("\n" + format_samples(label, samples))

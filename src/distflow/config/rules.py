@@ -36,6 +36,7 @@ def check_sections(config) -> None:
     _check_agent(config)
     _check_partial(config)
     _check_routing(config)
+    _check_ledger(config)
 
 
 def _check_task_source(config) -> None:
@@ -176,4 +177,21 @@ def _check_routing(config) -> None:
         not config.parallel.activation_checkpointing,
         f"{where} replays routing in each forward call, which activation checkpointing's recomputation in the "
         "backward would not see: set parallel.activation_checkpointing=false",
+    )
+
+
+def _check_ledger(config) -> None:
+    """The mismatch ledger recomputes single-turn samples, in float32 among its passes."""
+    rollout, parallel = config.rollout, config.parallel
+    if not rollout.mismatch_ledger:
+        return
+    where = f"rollout.mismatch_ledger={rollout.mismatch_ledger}"
+    check(
+        rollout.agent is None and config.env.cls is None and not rollout.partial,
+        f"{where} recomputes single-turn samples; rollout.agent, env.cls and rollout.partial are not: set it to 0",
+    )
+    check(
+        parallel.strategy != "fsdp2" or parallel.param_dtype in ("float32", "auto"),
+        f"{where} recomputes in float32, which fsdp2's gathered {parallel.param_dtype} weights are not: "
+        "set parallel.param_dtype=float32, parallel.strategy=ddp, or rollout.mismatch_ledger=0",
     )

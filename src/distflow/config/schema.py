@@ -88,6 +88,12 @@ class RolloutConfig:
     record_routing: bool = False
     """Record the rollout's experts and log `moe/routing_mismatch_frac` (how many of the policy update's
     routing decisions differ from the rollout's) without replaying them; `routing_replay` implies it."""
+    mismatch_ledger: int = 0
+    """Split the gap between the rollout's log-probs and the trainer's into its sources on 1 in N samples
+    (chosen by a hash of the sample's uid: the same ones on any layout): `mismatch/ledger_engine`, `_sampler`,
+    `_precision`, `_routing` and `_staleness`, which add up to `mismatch/ledger_total` (rollout/mismatch_ledger.py,
+    docs/features/mismatch-ledger.md). Each chosen sample costs up to 3 one-row forwards on the rollout's rank
+    and 2 on the train rank. It records the rollout's log-probs. Single-turn rollouts. 0: off."""
 
     def __post_init__(self) -> None:
         ROLLOUT_ENGINES.chosen(self, "engine")  # a known engine, with options it takes
@@ -95,6 +101,10 @@ class RolloutConfig:
         check(self.temperature > 0, f"rollout.temperature must be > 0 (got {self.temperature})")
         check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1] (got {self.top_p})")
         check(self.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        check(
+            self.mismatch_ledger >= 0,
+            f"rollout.mismatch_ledger is 1 in N samples: N >= 1, or 0 for off (got {self.mismatch_ledger})",
+        )
         check(
             self.partial == 0 or 0 < self.partial < self.max_new_tokens,
             f"rollout.partial must be in [0, rollout.max_new_tokens) (got {self.partial} with max_new_tokens="

@@ -11,6 +11,7 @@ out, or adds stages of its own between them:
     add_values(chain)                        the critic's values (PPO)
     add_advantage(chain, estimator)
     add_logprobs(chain)                      [old_logprob] → [reference_logprob] (several updates / KL loss)
+    add_mismatch_ledger(chain)               [mismatch_ledger]                  (rollout.mismatch_ledger)
     add_policy_update(chain); add_critic_update(chain)
     add_weight_sync(chain)
     chain.graph
@@ -25,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from distflow.config.schema import Config
-from distflow.dag import agent_stage, multiturn_stage, partial_stage, stages, update_stages
+from distflow.dag import agent_stage, ledger_stage, multiturn_stage, partial_stage, stages, update_stages
 from distflow.dag.dynamic_sampling import DynamicSampling
 from distflow.dag.graph import Graph, Stage, StageFn
 from distflow.data.fields import (
@@ -35,6 +36,7 @@ from distflow.data.fields import (
     GROUP,
     KL_PENALTY,
     LOADER_FIELDS,
+    MISMATCH_LEDGER,
     OLD_LOGP,
     PROMPT,
     PROMPT_IDS,
@@ -163,6 +165,17 @@ def add_logprobs(chain: Chain) -> None:
         chain.add("old_logprob", stages.old_logprob, "logprob", (*SEQUENCE, *routing), (OLD_LOGP,), uses=("policy",))
     if chain.config.algorithm.kl.coef > 0 and not chain.has("reference_logprob"):
         chain.add("reference_logprob", stages.reference_logprob, "logprob", SEQUENCE, (REF_LOGP,), uses=("reference",))
+
+
+def add_mismatch_ledger(chain: Chain) -> None:
+    """The mismatch ledger's train-side recomputes (`rollout.mismatch_ledger`), with the weights the update
+    starts from: after the log-prob passes, before the update (dag/ledger_stage.py)."""
+    if chain.config.rollout.mismatch_ledger:
+        routing = (ROUTED_EXPERTS,) if chain.config.rollout.records_routing else ()
+        reads = (*SEQUENCE, MISMATCH_LEDGER, *routing)
+        chain.add(
+            "mismatch_ledger", ledger_stage.mismatch_ledger, "logprob", reads, (MISMATCH_LEDGER,), uses=("policy",)
+        )
 
 
 def add_kl_reward(chain: Chain) -> None:

@@ -43,6 +43,7 @@ from distflow.dag.pieces import (
     add_advantage,
     add_kl_reward,
     add_logprobs,
+    add_mismatch_ledger,
     add_policy_update,
     add_rewards,
     add_rollout,
@@ -68,6 +69,7 @@ def policy_gradient(config: Config, estimator: Estimator) -> Graph:
         piece(chain)
     add_advantage(chain, estimator)
     add_logprobs(chain)  # those the KL in the reward added are not added again
+    add_mismatch_ledger(chain)
     add_policy_update(chain)
     for piece in estimator.after_update:
         piece(chain)

@@ -21,6 +21,7 @@ from distflow.dag.graph import every_rank
 from distflow.data.fields import (
     COMPLETION,
     GROUP,
+    MISMATCH_LEDGER,
     OLD_LOGP,
     POLICY_VERSION,
     PROMPT,
@@ -45,8 +46,9 @@ if TYPE_CHECKING:
 def behaviour_fields(config) -> tuple[str, ...]:
     """What the rollout also records about the policy that sampled: `rollout_logp` (each sampled
     token's log-prob) where a component declares it (the off-policy correction, which weighs by it; an
-    engine with a sampler of its own, whose gap to the trainer's is logged) or with stale samples, and
-    then `policy_version` too; `routed_experts` (each token's experts) where the rollout records its routing."""
+    engine with a sampler of its own, whose gap to the trainer's is logged; the mismatch ledger) or with stale
+    samples, and then `policy_version` too; `routed_experts` (each token's experts) where the rollout records its
+    routing; `mismatch_ledger` (its rollout-side recomputes, dag/ledger_stage.py) with `rollout.mismatch_ledger`."""
     from distflow.algorithms.off_policy import OffPolicyCorrection
     from distflow.config.components import ROLLOUT_ENGINES
 
@@ -55,9 +57,10 @@ def behaviour_fields(config) -> tuple[str, ...]:
         *OffPolicyCorrection.named(config.algorithm.off_policy_correction).fields(config),
         *ROLLOUT_ENGINES.get(config.rollout.engine).fields(config),
     )
-    records = staleness > 0 or ROLLOUT_LOGP in declared
+    ledger = (MISMATCH_LEDGER,) if config.rollout.mismatch_ledger else ()
+    records = staleness > 0 or ROLLOUT_LOGP in declared or bool(ledger)
     routing = (ROUTED_EXPERTS,) if config.rollout.records_routing else ()
-    return ((ROLLOUT_LOGP,) if records else ()) + ((POLICY_VERSION,) if staleness > 0 else ()) + routing
+    return ((ROLLOUT_LOGP,) if records else ()) + ((POLICY_VERSION,) if staleness > 0 else ()) + routing + ledger
 
 
 def sample_uids(prompt_uids: list[int], n: int) -> list[int]:
@@ -117,18 +120,16 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
             logprobs=ROLLOUT_LOGP in behaviour_fields(ctx.config),
             routing=ctx.config.rollout.records_routing,
         )
-    for name, count in engine.counts().items():
-        ctx.metrics.maximum(f"rollout/{name}", count)
-    num_generated = float(out.response_mask_BR.sum())
-    ctx.metrics.mean("response/length", num_generated, len(expanded))
-    ctx.metrics.quantiles("response/length", out.response_mask_BR.sum(-1).tolist(), size=sampling.max_new_tokens + 1)
-    ctx.metrics.total("tokens/generated", num_generated)
-    stats = engine.last_stats()
-    if stats is not None and stats is not before:  # the engine counted this rollout (else: nothing logged)
-        engine_figures(ctx.metrics, stats, num_generated, len(expanded))
+        if ctx.config.rollout.mismatch_ledger:  # with the weights that sampled (dag/ledger_stage.py)
+            from distflow.dag.ledger_stage import rollout_ledger
+
+            ledger = rollout_ledger(ctx, out, uids, getattr(engine, "processed_logprobs", False))
+    rollout_figures(ctx.metrics, engine, before, out.response_mask_BR, sampling.max_new_tokens)
     behaviour = {ROLLOUT_LOGP: out.logp_BR, ROUTED_EXPERTS: out.routed_experts_BTLK}  # those it recorded
     behaviour = {name: tensor.to(ctx.comm.device) for name, tensor in behaviour.items() if tensor is not None}
     behaviour.update(policy_versions(ctx, len(expanded)))
+    if ctx.config.rollout.mismatch_ledger:
+        behaviour[MISMATCH_LEDGER] = ledger
     return expanded.updated(
         **behaviour,
         uid=uids,
@@ -138,6 +139,20 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
         response_mask=out.response_mask_BR.to(ctx.comm.device),
         completion=out.completions,
     )
+
+
+def rollout_figures(metrics, engine, before: RolloutStats | None, response_mask_BR, max_new_tokens: int) -> None:
+    """A rollout's lengths (mean and quantiles), its tokens, the engine's counts, and what it paid where the
+    engine counted this rollout (`engine.last_stats()` is not `before`: else nothing of it is logged)."""
+    for name, count in engine.counts().items():
+        metrics.maximum(f"rollout/{name}", count)
+    num_samples, num_generated = len(response_mask_BR), float(response_mask_BR.sum())
+    metrics.mean("response/length", num_generated, num_samples)
+    metrics.quantiles("response/length", response_mask_BR.sum(-1).tolist(), size=max_new_tokens + 1)
+    metrics.total("tokens/generated", num_generated)
+    stats = engine.last_stats()
+    if stats is not None and stats is not before:
+        engine_figures(metrics, stats, num_generated, num_samples)
 
 
 def engine_figures(metrics, stats: RolloutStats, num_tokens: float, num_samples: int) -> None:

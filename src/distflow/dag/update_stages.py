@@ -31,6 +31,7 @@ from distflow.config.errors import ConfigError
 from distflow.data.fields import (
     ADVANTAGE,
     ATTENTION_MASK,
+    MISMATCH_LEDGER,
     OLD_LOGP,
     POLICY_VERSION,
     REF_LOGP,
@@ -121,6 +122,8 @@ class OffPolicyTally:
     num_over_threshold: float = 0.0
     num_under_floor: float | None = None
     """A mask's tokens below `algorithm.off_policy_floor` (None: the correction has no floor)."""
+    ledger: object | None = None
+    """The mismatch ledger's terms (rollout/mismatch_ledger.LedgerTally), with `rollout.mismatch_ledger`."""
 
     def add(self, ratio_BR, mask_BR, cap: float, prox_BR=None, behav_BR=None) -> None:
         if prox_BR is not None:
@@ -136,6 +139,13 @@ class OffPolicyTally:
         self.num_over_cap += float(((ratio_BR > cap).float() * mask_BR).sum())
         self.num_tokens += float(mask_BR.sum())
 
+    def add_ledger(self, ledger_BRC, prox_BR, behav_BR, mask_BR) -> None:
+        from distflow.rollout.mismatch_ledger import LedgerTally
+
+        if self.ledger is None:
+            self.ledger = LedgerTally()
+        self.ledger.add(ledger_BRC, prox_BR, behav_BR, mask_BR)
+
     def add_masked(self, ratio_BR, mask_BR, floor: float) -> None:
         """A mask's share of dropped tokens: those below the floor (those above the cap are counted by `add`)."""
         self.num_under_floor = (self.num_under_floor or 0.0) + float(((ratio_BR < floor).float() * mask_BR).sum())
@@ -149,6 +159,8 @@ class OffPolicyTally:
         ctx.metrics.mean("mismatch/logp_abs_diff_mean", self.abs_diff_sum, self.num_tokens)
         ctx.metrics.maximum("mismatch/logp_abs_diff_max", self.abs_diff_max)
         ctx.metrics.mean("mismatch/over_threshold_fraction", self.num_over_threshold, self.num_tokens)
+        if self.ledger is not None:
+            self.ledger.record(ctx.metrics)
 
 
 @dataclass(frozen=True)
@@ -190,6 +202,8 @@ class PolicyObjective:
             correction = OffPolicyCorrection.named(algo.off_policy_correction)
             ratio_BR = correction.ratio_BR(old_BR, micro[ROLLOUT_LOGP], mask_BR)  # at its level
             self.tally.add(ratio_BR, mask_BR, algo.off_policy_cap, old_BR, micro[ROLLOUT_LOGP])
+            if MISMATCH_LEDGER in micro.fields():
+                self.tally.add_ledger(micro[MISMATCH_LEDGER], old_BR, micro[ROLLOUT_LOGP], mask_BR)
             if correction.takes_floor:
                 self.tally.add_masked(ratio_BR, mask_BR, algo.off_policy_floor)
             loss_BR = correction.apply(loss_BR, ratio_BR, algo)

@@ -2,7 +2,7 @@
 
     loader      LOADER_FIELDS                 uid, prompt, prompt_ids, sample
     rollout     SEQUENCE + completion, group  (+ rollout_logp, policy_version, token_version, turn_reward,
-                                               routed_experts)
+                                               routed_experts, mismatch_ledger)
     reward …    reward, baseline_reward, kl_penalty, old_logp, ref_logp, values
     advantage   advantage, returns, sample_mask
 
@@ -42,6 +42,7 @@ COMPLETION, GROUP = "completion", "group"
 ROLLOUT_LOGP, POLICY_VERSION, TURN_REWARD = "rollout_logp", "policy_version", "turn_reward"
 TOKEN_VERSION = "token_version"
 ROUTED_EXPERTS = "routed_experts"
+MISMATCH_LEDGER = "mismatch_ledger"
 REWARD, BASELINE_REWARD, KL_PENALTY = "reward", "baseline_reward", "kl_penalty"
 OLD_LOGP, REF_LOGP, VALUES = "old_logp", "ref_logp", "values"
 ADVANTAGE, RETURNS, SAMPLE_MASK = "advantage", "returns", "sample_mask"
@@ -64,6 +65,8 @@ FIELDS: dict[str, Field] = {
         Field(TURN_REWARD, "R", "float32"),
         # [T, MoE layers, top-k] a sample (training/routing_replay.py); sized here as one value a token.
         Field(ROUTED_EXPERTS, "T", "int16"),
+        # [R, 6] a sample, NaN outside the ledger's samples (rollout/mismatch_ledger.py); sized as one value a token.
+        Field(MISMATCH_LEDGER, "R", "float32"),
         Field(REWARD, "1", "float32"),
         Field(BASELINE_REWARD, "1", "float32"),
         Field(KL_PENALTY, "R", "float32"),

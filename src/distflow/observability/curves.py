@@ -44,6 +44,11 @@ ROLLOUT_COLUMNS = (
     ("tokens_per_fwd", "rollout/tokens_per_forward"),
 )
 """`distflow report`'s rollout table: its columns and the metric each is the median of, over the steps."""
+LEDGER_COLUMNS = tuple(
+    (name, f"mismatch/ledger_{name}") for name in ("engine", "sampler", "precision", "routing", "staleness", "total")
+)
+"""`distflow report`'s mismatch ledger (`rollout.mismatch_ledger`): each term's mean over the steps (a mean, so
+that the five still add up to the total)."""
 # Wall-clock totals, not stages of a step's split (every wall-clock metric is under time/).
 TOTAL_TIMES = ("time/step_s", "time/loader_wait_s", "time/train_total_s", "time/eval_s")
 
@@ -211,15 +216,15 @@ def summary_rows(runs: dict[str, list[dict]]) -> list[dict]:
     return rows
 
 
-def rollout_rows(runs: dict[str, list[dict]]) -> list[dict]:
-    """Per run, the median over its steps of each of `ROLLOUT_COLUMNS`' metrics (None: not logged); no rows
-    where no run logged any (a run before these metrics existed)."""
+def rollout_rows(runs: dict[str, list[dict]], columns=ROLLOUT_COLUMNS, over=statistics.median) -> list[dict]:
+    """Per run, `over` (the median) its steps of each of `columns`' metrics (None: not logged); no rows where
+    no run logged any (a run before these metrics existed, or without the ledger)."""
     rows = []
     for label, records in runs.items():
         row = {"run": label}
-        for column, key in ROLLOUT_COLUMNS:
+        for column, key in columns:
             values = [r[key] for r in records if r.get("step", 0) >= 1 and r.get(key) is not None]
-            row[column] = statistics.median(values) if values else None
+            row[column] = over(values) if values else None
         rows.append(row)
     return rows if any(v is not None for row in rows for k, v in row.items() if k != "run") else []
 

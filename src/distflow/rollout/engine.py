@@ -88,6 +88,10 @@ class RolloutEngine(Component):
     records_routing: ClassVar[bool] = False
     """Whether `responses` fills `Request.routing` (each token's experts, as the model's routers chose them in
     the engine's own forwards), which `rollout.routing_replay` needs."""
+    processed_logprobs: ClassVar[bool] = False
+    """Whether the log-probs `responses` records are renormalised over the top-p nucleus (vLLM's processed
+    ones) rather than taken under softmax(logits / T), as the trainer takes them: the mismatch ledger's
+    `sampler` term (rollout/mismatch_ledger.py)."""
 
     @classmethod
     def fields(cls, config: Any) -> tuple[str, ...]:

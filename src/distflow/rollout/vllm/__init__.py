@@ -34,6 +34,7 @@ class VllmRollout(RolloutEngine):
     name = "vllm"
     Config = VllmOptions
     rollout_ranks_only = True
+    processed_logprobs = True  # logprobs_mode="processed_logprobs" (engine.py): over the top-p nucleus
 
     def __init__(self, *, in_child: bool = False, log: bool = False) -> None:
         self.in_child, self.log = in_child, log
