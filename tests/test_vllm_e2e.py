@@ -37,6 +37,8 @@ TINY = [
     "rollout.engine=vllm",
     "trainer.run_name=run",
 ]
+LEDGER_TERMS = ("engine", "sampler", "precision", "routing", "staleness")
+"""The mismatch ledger's terms (rollout/mismatch_ledger.py), which add up to `mismatch/ledger_total`."""
 KILLER = '''
 import os, signal
 
@@ -148,6 +150,19 @@ def _trained(done, run_dir, *, child: bool, vllm_log: bool = False) -> list[dict
 def test_trains_on_one_process_with_the_mismatch_logged(tmp_path):
     records = _trained(_train(tmp_path), tmp_path / "run", child=False)
     print(f"vllm, 1 process: max |dlogp| {_check_mismatch(records):.2e}")
+
+
+def test_the_mismatch_ledger_finds_vllms_top_p_log_probs_in_its_sampler_term(tmp_path):
+    """vLLM records log-probs renormalised over the top-p nucleus (processed_logprobs); the trainer takes them under
+    softmax(logits / T): the mismatch ledger puts that share of the gap in its sampler term, and vLLM's kernels'
+    share in its engine term; the run is float32, dense and synchronous, so the other three are 0."""
+    done = _train(tmp_path, "rollout.top_p=0.9", "rollout.mismatch_ledger=2", "checkpoint.every=0")
+    for record in _trained(done, tmp_path / "run", child=False)[1:]:
+        terms = {name: record[f"mismatch/ledger_{name}"] for name in LEDGER_TERMS}
+        assert abs(sum(terms.values()) - record["mismatch/ledger_total"]) < 1e-12, record
+        assert terms["precision"] == terms["routing"] == terms["staleness"] == 0.0, record
+        assert terms["sampler"] < 0 and abs(terms["engine"]) < abs(terms["sampler"]), record
+        print(f"vllm, top_p=0.9, step {record['step']}: " + ", ".join(f"{k} {v:.2e}" for k, v in terms.items()))
 
 
 @pytest.mark.heavy  # `make test-heavy`: ~220 s on CI (CI resumes compact runs after kill -9)
