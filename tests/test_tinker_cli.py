@@ -21,13 +21,13 @@ def _start(tmp_path: Path, cache_dir: Path) -> tuple[subprocess.Popen, str, str]
     return start_server(tmp_path, [str(REPO / "examples/arith_grpo.yaml"), *overrides])
 
 
-def start_server(tmp_path: Path, args: list[str]) -> tuple[subprocess.Popen, str, str]:
+def start_server(tmp_path: Path, args: list[str], **popen) -> tuple[subprocess.Popen, str, str]:
     """`distflow serve tinker ARGS` (a config and its overrides) in tmp_path: its process, URL and API key (read
     from what it prints)."""
     command = [sys.executable, "-m", "distflow", "serve", "tinker", *args, f"trainer.output_dir={tmp_path}"]
     command += ["--port", "0"]
     process = subprocess.Popen(
-        command, cwd=tmp_path, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
+        command, cwd=tmp_path, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"), **popen
     )
     url = key = None
     while key is None:
@@ -69,6 +69,22 @@ def test_serve_tinker_trains_and_samples_then_ends_on_ctrl_c(tmp_path, cache_dir
     finally:
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=1800) == 0
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_the_server_closes_on_sigint_even_inherited_ignored_and_on_sigterm(tmp_path, cache_dir, signum):
+    """Started as a shell's background job is (SIGINT ignored, which Python keeps), and stopped as a user or a
+    process manager stops it: the server still closes and exits 0."""
+    overrides = [*OVERRIDES, f"warmstart.cache_dir={cache_dir}"]
+    process, _, _ = start_server(
+        tmp_path, [str(REPO / "examples/arith_grpo.yaml"), *overrides], preexec_fn=_ignore_sigint
+    )
+    process.send_signal(signum)
+    assert process.wait(timeout=1800) == 0
 
 
 @pytest.mark.parametrize(

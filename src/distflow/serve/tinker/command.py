@@ -1,7 +1,8 @@
 """`distflow serve tinker CONFIG [key=value ...] [--port N]`: the Tinker API on 127.0.0.1.
 
 Builds the config's model as `distflow train` would (the embedded tiny model when `model.path` is
-unset), prints the URL and a fresh API key, and serves until interrupted:
+unset), prints the URL and a fresh API key, and serves until interrupted (Ctrl-C, SIGINT or SIGTERM: the
+server closes and exits 0, even where SIGINT came ignored from the parent, as a shell's background job gets it):
 
     import tinker
     client = tinker.ServiceClient(base_url=URL, api_key=KEY)
@@ -10,7 +11,9 @@ unset), prints the URL and a fresh API key, and serves until interrupted:
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from distflow.config import Config, ConfigError
@@ -61,9 +64,23 @@ def serve(
     print(f"distflow: api key {server.token}", flush=True)
     print(f"distflow: TINKER_BASE_URL={server.url} TINKER_API_KEY={server.token}", flush=True)
     try:
+        _stop_on_signals()
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         server.close()
     return 0
+
+
+def _interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop_on_signals() -> None:
+    """SIGINT and SIGTERM end `serve_forever` in the main thread: a process started with SIGINT ignored (a
+    shell's background job) would otherwise keep serving through Ctrl-C, and SIGTERM (a process manager's stop)
+    would kill it without closing the server."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, _interrupted)
