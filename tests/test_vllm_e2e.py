@@ -157,7 +157,10 @@ def test_the_mismatch_ledger_finds_vllms_top_p_log_probs_in_its_sampler_term(tmp
     softmax(logits / T): the mismatch ledger puts that share of the gap in its sampler term, and vLLM's kernels'
     share in its engine term; the run is float32, dense and synchronous, so the other three are 0."""
     done = _train(tmp_path, "rollout.top_p=0.9", "rollout.mismatch_ledger=2", "checkpoint.every=0")
-    for record in _trained(done, tmp_path / "run", child=False)[1:]:
+    records = _trained(done, tmp_path / "run", child=False)[1:]
+    ledgers = [record for record in records if "mismatch/ledger_total" in record]  # a step without signal: no update
+    assert ledgers and all(record["mismatch/ledger_tokens"] > 0 for record in records), records
+    for record in ledgers:
         terms = {name: record[f"mismatch/ledger_{name}"] for name in LEDGER_TERMS}
         assert abs(sum(terms.values()) - record["mismatch/ledger_total"]) < 1e-12, record
         assert terms["precision"] == terms["routing"] == terms["staleness"] == 0.0, record
