@@ -253,6 +253,31 @@ def test_optim_step_before_any_forward_backward_says_so(service):
         training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
 
 
+def test_a_resent_step_runs_once_and_gets_the_first_ones_request_id(server, service):
+    """The SDK resends a request whose reply a reset connection lost, with the same seq_id: the server queues it
+    once (a second optim_step would step twice), and a new seq_id is a new request."""
+    import json
+    import urllib.request
+
+    training = service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=4).result()
+    training.forward_backward(sft_batch(server), "cross_entropy").result()
+
+    def post(seq_id: int) -> str:
+        body = {"model_id": training.model_id, "seq_id": seq_id, "adam_params": {"learning_rate": 1e-3}}
+        request = urllib.request.Request(
+            server.url + "/api/v1/optim_step", data=json.dumps(body).encode(), method="POST",
+            headers={"X-API-Key": server.token, "Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=1800) as reply:
+            return json.loads(reply.read())["request_id"]
+
+    first = post(1000)
+    assert post(1000) == first
+    assert server.futures.retrieve(first, wait=1800).error is None  # the one step, on forward_backward's gradients
+    second = server.futures.retrieve(post(1001), wait=1800)  # a new step: no gradients left to step on
+    assert "before any forward_backward" in second.error
+
+
 def test_an_oversize_request_is_refused_before_it_is_read(server, service):
     training = service.create_lora_training_client(base_model=EMBEDDED_NAME, rank=4).result()
     num = MAX_REQUEST_BYTES // 8  # 16 bytes a position on the wire (int32 token, int64 target, float32 weight)

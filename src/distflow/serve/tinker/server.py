@@ -22,6 +22,7 @@ future `{"error": message, "category": "user"}` (the SDK raises RequestFailedErr
 
 from __future__ import annotations
 
+import collections
 import hmac
 import json
 import logging
@@ -46,6 +47,8 @@ from distflow.serve.tinker.wire import (
 
 HOST = "127.0.0.1"
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
+SEEN_KEPT = 4096
+"""Request keys (route, model, seq_id) remembered for `submit_once`: the newest this many."""
 RETRIEVE_WAIT_S = 40.0  # the SDK waits 45 s for a retrieve, and logs a warning at each try_again
 SOCKET_TIMEOUT_S = 120.0
 CLIENT_GONE = (BrokenPipeError, ConnectionResetError, TimeoutError)
@@ -91,6 +94,25 @@ class TinkerServer:
         self.httpd = ThreadingHTTPServer((HOST, port), _handler_class(self))
         self.httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
+        self._seen: collections.OrderedDict[tuple, str] = collections.OrderedDict()
+        self._seen_lock = threading.Lock()
+
+    def submit_once(self, path: str, body: Any, fn) -> str:
+        """`fn` queued once per (route, model, seq_id): the SDK resends a request whose reply it lost (a reset
+        connection), and a training step run twice would step twice (a second optim_step found its gradients
+        spent). The resend gets the first one's request id. A request without a seq_id is queued each time."""
+        get = body.get if isinstance(body, dict) else lambda key: getattr(body, key, None)
+        model_id, seq_id = get("model_id"), get("seq_id")
+        if not isinstance(seq_id, int) or not isinstance(model_id, str):
+            return self.futures.submit(fn)
+        key = (path, model_id, seq_id)
+        with self._seen_lock:
+            if key in self._seen:
+                return self._seen[key]
+            request_id = self._seen[key] = self.futures.submit(fn)
+            while len(self._seen) > SEEN_KEPT:
+                self._seen.popitem(last=False)
+            return request_id
 
     @property
     def url(self) -> str:
@@ -237,7 +259,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif path in FUTURE_ROUTES:
             body = decode_forward_backward(raw) if path == "/api/v1/forward_backward" else _json_body(raw)
             route = FUTURE_ROUTES[path]
-            request_id = server.futures.submit(lambda: route(state, body))
+            request_id = server.submit_once(path, body, lambda: route(state, body))
             self._send(200, json.dumps({"request_id": request_id, **self._extra(path, body)}).encode())
         elif path in NOW_ROUTES:
             body, route = _json_body(raw), NOW_ROUTES[path]
