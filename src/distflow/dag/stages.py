@@ -120,16 +120,15 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
             logprobs=ROLLOUT_LOGP in behaviour_fields(ctx.config),
             routing=ctx.config.rollout.records_routing,
         )
+        ledger = None
         if ctx.config.rollout.mismatch_ledger:  # with the weights that sampled (dag/ledger_stage.py)
             from distflow.dag.ledger_stage import rollout_ledger
 
             ledger = rollout_ledger(ctx, out, uids, getattr(engine, "processed_logprobs", False))
     rollout_figures(ctx.metrics, engine, before, out.response_mask_BR, sampling.max_new_tokens)
-    behaviour = {ROLLOUT_LOGP: out.logp_BR, ROUTED_EXPERTS: out.routed_experts_BTLK}  # those it recorded
-    behaviour = {name: tensor.to(ctx.comm.device) for name, tensor in behaviour.items() if tensor is not None}
+    recorded = {ROLLOUT_LOGP: out.logp_BR, ROUTED_EXPERTS: out.routed_experts_BTLK, MISMATCH_LEDGER: ledger}
+    behaviour = {name: tensor.to(ctx.comm.device) for name, tensor in recorded.items() if tensor is not None}
     behaviour.update(policy_versions(ctx, len(expanded)))
-    if ctx.config.rollout.mismatch_ledger:
-        behaviour[MISMATCH_LEDGER] = ledger
     return expanded.updated(
         **behaviour,
         uid=uids,

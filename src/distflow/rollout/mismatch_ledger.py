@@ -88,6 +88,12 @@ def _logp(model, ids_T, experts_TLK, replay, length: int, temperature: float, to
     return raw_L - nucleus_BV(probs_LV, top_p).sum(-1).log(), raw_L
 
 
+def _float32_logp(args: tuple) -> torch.Tensor:
+    """`_logp(*args)`'s raw log-probs from a float32 forward (args[0]: the model)."""
+    with _float32(args[0]):
+        return _logp(*args)[1]
+
+
 @dataclass
 class RowPasses:
     """One side's passes over the chosen rows: the model, its rows' tokens and experts, and how it routes."""
@@ -123,11 +129,7 @@ def rollout_anchors(passes: RowPasses, chosen: list[int], *, top_p: float, proce
             rep = replay if experts is not None else None
             args = (passes.model, ids, experts, rep, length, passes.temperature)
             proc, raw = _logp(*args, top_p if processed else None)
-            if in_float32:
-                fp32 = raw
-            else:
-                with _float32(passes.model):
-                    fp32 = _logp(*args)[1]
+            fp32 = raw if in_float32 else _float32_logp(args)
             if rep is None or trainer_replays:
                 routed = fp32
             else:
@@ -142,7 +144,7 @@ def trainer_anchors(passes: RowPasses, ledger_BRC: torch.Tensor, *, replay) -> t
     """`ledger_BRC` with columns 4-5 filled by the current weights (`replay`: the trainer's RoutingReplay when it
     replays the rollout's experts, else None), and the number of tokens the ledger covers on this rank."""
     ledger = ledger_BRC.clone()
-    chosen = [row for row in range(ledger.shape[0]) if not torch.isnan(ledger[row, 0, PROC])]
+    chosen = (~torch.isnan(ledger[:, 0, PROC])).nonzero().flatten().tolist()
     in_float32 = compute_dtype(passes.model) == torch.float32
     tokens = 0
     with torch.no_grad():
@@ -150,11 +152,7 @@ def trainer_anchors(passes: RowPasses, ledger_BRC: torch.Tensor, *, replay) -> t
             rep = replay if experts is not None else None
             args = (passes.model, ids, experts, rep, length, passes.temperature)
             t_dtype = _logp(*args)[1]
-            if in_float32:
-                t_fp32 = t_dtype
-            else:
-                with _float32(passes.model):
-                    t_fp32 = _logp(*args)[1]
+            t_fp32 = t_dtype if in_float32 else _float32_logp(args)
             ledger[row, :length, T_FP32], ledger[row, :length, T_DTYPE] = t_fp32, t_dtype
             tokens += length
     return ledger, tokens
