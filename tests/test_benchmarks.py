@@ -90,6 +90,7 @@ def test_every_benchmark_has_a_quick_test():
         "host_costs.py",
         "agent_endpoint.py",
         "precision.py",
+        "fp32_head.py",
         "graphed_casts.py",
         "sampling.py",
         "long_tail.py",
@@ -385,6 +386,20 @@ def test_async_quick():
     assert timing["k1"]["sync_bytes_per_rank"] == timing["k0"]["sync_bytes_per_rank"] > 0
     assert timing["k1"]["samples_bytes_sent"] == timing["k2"]["samples_bytes_sent"] > timing["k0"]["samples_bytes_sent"]
     assert timing["k1/k0"] > 0 and "learning" not in out
+
+
+def test_fp32_head_quick():
+    """float32, bf16 and bf16 with a float32 head score the same 8 float32-sampled completions of a tiny model."""
+    out = run_quick("fp32_head.py", timeout=1800)
+    assert out["settings"]["quick"] and out["settings"]["completions"] == 8 and out["settings"]["tokens"] > 0
+    assert out["settings"]["cpu_bf16"] and out["settings"]["torch"] == torch.__version__
+    assert out["float32"]["abs_dlogp_max"] == 0.0  # the reference against itself
+    for mode in ("bf16", "bf16+head"):
+        row = out[mode]
+        assert 0 < row["abs_dlogp_mean"] <= row["abs_dlogp_p99"] <= row["abs_dlogp_max"], row
+        assert row["pass_s"] > 0, row
+    assert out["error_ratio"] == round(out["bf16"]["abs_dlogp_mean"] / out["bf16+head"]["abs_dlogp_mean"], 3)
+    assert out["pass_ratio"] > 0
 
 
 def test_precision_quick():

@@ -59,6 +59,13 @@ class ParallelConfig:
     instructions (`cpu_bf16_instructions`) runs, emulated and slow, and the run says so in one line."""
     reduce_dtype: str = "auto"
     """fsdp2: the dtype gradients are reduced in across ranks (auto: float32)."""
+    fp32_lm_head: bool = False
+    """The policy's output head computes in float32 (its float32 weights, its input cast up, logits in
+    float32) whatever `param_dtype` is: in training, log-prob and rollout passes alike, so the rollout
+    samples from float32 logits and the trainer scores the same ones (training/float32_head.py). Below
+    float32 it brings the log-probs nearer float32's, for one matrix product in float32. Under fsdp2 the
+    head, and an input embedding tied to it, are gathered in float32. Not with rollout.engine=vllm
+    (vLLM computes its own head)."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in the backward pass instead of keeping them
     (less memory, about one more forward of compute); any strategy. Training passes only: rollouts and

@@ -37,6 +37,7 @@ def check_sections(config) -> None:
     _check_partial(config)
     _check_routing(config)
     _check_ledger(config)
+    _check_float32_head(config)
 
 
 def _check_task_source(config) -> None:
@@ -194,4 +195,19 @@ def _check_ledger(config) -> None:
         parallel.strategy != "fsdp2" or parallel.param_dtype in ("float32", "auto"),
         f"{where} recomputes in float32, which fsdp2's gathered {parallel.param_dtype} weights are not: "
         "set parallel.param_dtype=float32, parallel.strategy=ddp, or rollout.mismatch_ledger=0",
+    )
+
+
+def _check_float32_head(config) -> None:
+    """A float32 head changes the trained module's forward, which an engine with its own model does not run."""
+    from distflow.config.components import ROLLOUT_ENGINES
+
+    if not config.parallel.fp32_lm_head:
+        return
+    engine, _ = ROLLOUT_ENGINES.chosen(config.rollout, "engine")
+    check(
+        not getattr(engine, "own_forward", False),
+        f"parallel.fp32_lm_head widens the head of the trained model's forward; rollout.engine="
+        f"{config.rollout.engine} decodes with a model of its own, in its own dtype: set parallel.fp32_lm_head=false "
+        "or use another rollout.engine",
     )

@@ -182,6 +182,9 @@ class MemorySettings:
     lora_targets: tuple[str, ...] = ("all-linear",)
     reference: bool = False
     """A frozen full copy for the KL term (kl.coef > 0 without LoRA, whose reference is the base model)."""
+    float32_head: bool = False
+    """The output head computes in float32 (parallel.fp32_lm_head): its logits, and its weight wherever it is
+    gathered or cast, 4 bytes an element at any compute dtype."""
     baseline_bytes: int = PROCESS_BASELINE_BYTES
 
 
@@ -250,19 +253,25 @@ def plan_memory(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     buckets = 4 * trained if s.data_parallel else 0
     optimizer = ADAM_MOMENTS * 4 * math.ceil(trained / shards)
     sharded = s.strategy == "fsdp2" and (shards > 1 or c < 4)
-    whole_copy = c * total if sharded or c < 4 else 0  # fsdp2's gathered parameters, or bf16 ddp's autocast cache
+    # A float32 head's weight (with the embedding it is tied to: one tensor) is gathered in float32 under fsdp2,
+    # its own group, and never cast by bf16 ddp's autocast; `head` is that weight where it differs from c bytes.
+    head = shape.vocab_size * shape.hidden_size if s.float32_head and c < 4 else 0
+    whole_copy = c * (total - head) if sharded or c < 4 else 0  # fsdp2's gathered parameters, or autocast's cache
+    whole_copy += 4 * head if sharded else 0
     # fsdp2 updating: the root (embeddings, head) gathered all along with its unsharded gradient, and two blocks
     # at a time (the one computing, the next prefetched), each with its unsharded gradient before reduce-scatter.
-    update_gathered = (c + 4) * (outer + 2 * block) if sharded else whole_copy
+    update_gathered = (c + 4) * (outer - head + 2 * block) + 8 * head if sharded else whole_copy
     # FSDP2 all-gathers a group into one flat buffer and copies the parameters out of it: the largest group's
-    # (the root: embeddings and head) lives beside the gathered copy while it is made.
-    all_gather_buffer = c * outer if sharded else 0
+    # (the root: embeddings and head; or a float32 head's own) lives beside the gathered copy while it is made.
+    all_gather_buffer = max(c * (outer - head), 4 * head) if sharded else 0
+    logit = 4 if s.float32_head else c  # bytes of a logit
 
     attended, rows = s.prompt_tokens + s.response_tokens, s.micro_batch_size
     without, with_ckpt = activation_bytes(shape, s)
     activations = with_ckpt if s.activation_checkpointing else without
-    logits_update = 2 * c * rows * s.response_tokens * shape.vocab_size  # saved for backward, and its gradient
-    logits_inference = max(c * rows * s.response_tokens * shape.vocab_size, 2 * 4 * s.rollout_rows * shape.vocab_size)
+    logits_update = 2 * logit * rows * s.response_tokens * shape.vocab_size  # saved for backward, and its gradient
+    sampled = 2 * 4 * s.rollout_rows * shape.vocab_size  # a decode step's last logits, upcast for sampling
+    logits_inference = max(logit * rows * s.response_tokens * shape.vocab_size, sampled)
     kv_cache = 2 * shape.num_layers * shape.kv_dim * c * s.rollout_rows * attended
     # Whatever the batch, the head's weight gradient and the embedding lookup's are dense [vocab, hidden] float32;
     # tied, autograd sums the two into a third before adding it to the accumulated one (measured: a backward

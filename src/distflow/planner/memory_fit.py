@@ -92,6 +92,7 @@ def settings_of(config: Config, world_size: int, model_config: dict, *, cuda: bo
         lora_rank=lora.rank,
         lora_targets=tuple(lora.target_modules),
         reference=config.algorithm.kl.coef > 0 and not lora.enabled,
+        float32_head=parallel.fp32_lm_head,
         baseline_bytes=0 if cuda else MemorySettings.baseline_bytes,
     )
 

@@ -88,6 +88,9 @@ class RolloutEngine(Component):
     records_routing: ClassVar[bool] = False
     """Whether `responses` fills `Request.routing` (each token's experts, as the model's routers chose them in
     the engine's own forwards), which `rollout.routing_replay` needs."""
+    own_forward: ClassVar[bool] = False
+    """Whether `responses` decodes through a model of its own (vLLM's), not the trained module's forward, so
+    that what changes that forward (`parallel.fp32_lm_head`) does not reach it."""
     processed_logprobs: ClassVar[bool] = False
     """Whether the log-probs `responses` records are renormalised over the top-p nucleus (vLLM's processed
     ones) rather than taken under softmax(logits / T), as the trainer takes them: the mismatch ledger's

@@ -37,6 +37,7 @@ from distflow.rollout.sampling import SamplingSpec
 from distflow.sync.weight_sync import WeightSync
 from distflow.tasks.build import Task, build_task
 from distflow.tasks.model_source import model_dirs, prepared_per_node
+from distflow.training.float32_head import use_float32_head
 from distflow.training.models import load_model_and_tokenizer
 from distflow.training.parallelize import compute_in, resolve_dtypes
 from distflow.training.registry import EngineBuild, build_order
@@ -113,6 +114,8 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
     uses = plan.engines_for(rank)
     sharded = _loads_sharded(config, uses, comms["train"], log)
     model, tokenizer = load_model_and_tokenizer(model_dir, tokenizer_dir, world.device, on_meta=sharded)
+    if config.parallel.fp32_lm_head:
+        use_float32_head(model)  # before the engines copy it (the reference) or shard it
     compute_in(model, resolve_dtypes(config.parallel, world.device)[0])  # a rollout-only copy too
     sampling = SamplingSpec.of(config.rollout, engine=build_engine(config))
     model, built = _build_engines(

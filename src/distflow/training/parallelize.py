@@ -59,6 +59,7 @@ from distflow.comm import Comm, join_group_of_one
 from distflow.config import ConfigError
 from distflow.config.parallel import ParallelConfig, bf16_kernels
 from distflow.training import attention
+from distflow.training.float32_head import Float32Head, float32_head_group
 from distflow.training.heap import return_freed_memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -105,18 +106,17 @@ def frozen_copy(model: torch.nn.Module, comm: Comm, parallel: ParallelConfig) ->
 
 
 def shard(model: torch.nn.Module, comm: Comm, parallel: ParallelConfig) -> torch.nn.Module:
-    """`fully_shard` each decoder block, then the root (which takes the rest: embeddings, head)."""
-    mesh = device_mesh(comm, parallel.fsdp.shard_size)
+    """`fully_shard` each decoder block, a float32 head's group (`parallel.fp32_lm_head`), then the root (the rest)."""
     param_dtype, reduce_dtype = resolve_dtypes(parallel, comm.device)
-    options = dict(
-        mesh=mesh,
-        reshard_after_forward=parallel.fsdp.reshard_after_forward,
-        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-    )
+    reshard = parallel.fsdp.reshard_after_forward
+    options = dict(mesh=device_mesh(comm, parallel.fsdp.shard_size), reshard_after_forward=reshard)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in decoder_blocks(model):
-        fully_shard(block, **options)
-    fully_shard(model, **options)
-    model._distflow_reshard_after_forward = parallel.fsdp.reshard_after_forward  # restored after `gathered`
+        fully_shard(block, **options, mp_policy=policy)
+    if head := float32_head_group(model, param_dtype):  # gathered in float32 (training/float32_head.py)
+        fully_shard(head, **options, mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype))
+    fully_shard(model, **options, mp_policy=policy)
+    model._distflow_reshard_after_forward = reshard  # restored after `gathered`
     return model
 
 
@@ -188,12 +188,12 @@ def _frozen_linears_in(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[N
     """Within it, `model`'s Linear layers hold their float32 weights (and biases) that require no gradient
     (LoRA's base) cast to `dtype`: what autocast would cast them to at every use, cast once. The Linear
     gets a cast copy and the parameter stays as it is, so a module that shares it (a tied embedding,
-    which computes in its parameter's dtype) still reads float32. The Linears hold their own again when
-    it exits."""
+    which computes in its parameter's dtype) still reads float32, as does a float32 head
+    (`parallel.fp32_lm_head`). The Linears hold their own again when it exits."""
     held = [
         (module, name, param)
         for module in model.modules()
-        if isinstance(module, torch.nn.Linear)
+        if isinstance(module, torch.nn.Linear) and not isinstance(module, Float32Head)
         for name, param in module.named_parameters(recurse=False)
         if not param.requires_grad and param.dtype == torch.float32
     ]

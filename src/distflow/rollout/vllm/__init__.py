@@ -34,6 +34,7 @@ class VllmRollout(RolloutEngine):
     name = "vllm"
     Config = VllmOptions
     rollout_ranks_only = True
+    own_forward = True  # vLLM's model, not the trained module
     processed_logprobs = True  # logprobs_mode="processed_logprobs" (engine.py): over the top-p nucleus
 
     def __init__(self, *, in_child: bool = False, log: bool = False) -> None:
