@@ -99,6 +99,13 @@ def _add_tool_commands(sub) -> None:
         action="store_true",
         help="also each rank's expected peak memory by part, from the model's config.json (docs/features/memory.md)",
     )
+    plan.add_argument(
+        "--expert-parallel",
+        type=int,
+        default=0,
+        metavar="E",
+        help="with --memory, a mixture's experts split over E ranks, planned on paper (EP is not built)",
+    )
     export = sub.add_parser("export", help="write a Hugging Face model directory (safetensors) from a checkpoint")
     export.add_argument("checkpoint", help="a step-N checkpoint, a checkpoint directory or a run directory (latest)")
     export.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
@@ -169,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = _load_config(args.config, args.overrides)
         if args.command == "plan":
-            return _plan(config, args.world_size, memory=args.memory)
+            return _plan(config, args.world_size, memory=args.memory, expert_parallel=args.expert_parallel)
         if args.command == "serve":
             from distflow.serve.tinker.command import serve
 
@@ -244,13 +251,15 @@ def exit_process(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _plan(config: Config, world_size: int, *, memory: bool = False) -> int:
+def _plan(config: Config, world_size: int, *, memory: bool = False, expert_parallel: int = 0) -> int:
     from distflow.config.callables import reward_functions
     from distflow.dag.pipelines import LOADER_FIELDS, build_graph
     from distflow.planner.plan import make_plan
 
     if world_size < 1:
         raise ConfigError(f"--world-size must be >= 1 (got {world_size})")
+    if expert_parallel and not memory:
+        raise ConfigError("--expert-parallel plans memory and traffic: add --memory")
     plan = make_plan(build_graph(config), config, world_size, LOADER_FIELDS)
     reward_functions(config.task)  # a reward that cannot be imported is an error here too
     print(plan.describe())
@@ -262,6 +271,10 @@ def _plan(config: Config, world_size: int, *, memory: bool = False) -> int:
         if planned is None:
             raise ConfigError(f"model.path={config.model.path!r}: no config.json yet (`distflow model` converts it)")
         print(describe(plan_memory(*planned), planned[1]))
+        if expert_parallel:
+            from distflow.planner.expert_parallel import describe_expert_parallel, plan_expert_parallel
+
+            print(describe_expert_parallel(plan_expert_parallel(*planned, expert_parallel)))
         if not config.data.max_prompt_tokens:
             tokens = planned[1].prompt_tokens
             print(f"  (prompts planned at {tokens} tokens: data.max_prompt_tokens plans their real limit)")
