@@ -194,6 +194,7 @@ def old_layout(config: dict) -> dict:
         section, key = new.split(".", 1)
         saved["trainer"][old.split(".", 1)[1]] = saved[section].pop(key)
     saved["parallel"].pop("memory_check")  # added after that release
+    saved["parallel"].pop("fp32_lm_head")  # added after that release
     for section in ("parallel", "passes", "watchdog", "asynchronous"):
         assert saved.pop(section) == {}
     return saved
@@ -213,6 +214,17 @@ def test_a_checkpoint_saved_with_the_old_keys_resumes_without_changes_and_names_
         "parallel.fsdp.shard_size: 2 -> 0",
         "parallel.strategy: 'ddp' -> 'fsdp2'",
     ]
+
+
+def test_a_key_the_checkpoint_predates_is_a_change_only_off_its_default():
+    from distflow.runtime.checkpointing import config_changes
+
+    current = to_dict(load_config(None, ["parallel.fp32_lm_head=true"]))
+    saved = copy.deepcopy(current)
+    saved["parallel"].pop("fp32_lm_head")  # a checkpoint from before the key: the run computed its head as before
+    assert config_changes(saved, current) == ["parallel.fp32_lm_head: '<unset>' -> True"]
+    current["parallel"]["fp32_lm_head"] = False  # the default: what the checkpointed run did
+    assert config_changes(saved, current) == []
 
 
 @pytest.mark.parametrize(

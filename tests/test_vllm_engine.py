@@ -100,10 +100,10 @@ def test_vllm_rollout_records_its_log_probs_for_the_mismatch():
 
 @pytest.mark.skipif(HAS_VLLM, reason="checks the message shown where vLLM is missing")
 def test_preflight_names_make_vllm_when_vllm_does_not_import():
-    from distflow.preflight import check_rollout_engine
+    from distflow.preflight import check_parts
 
     with pytest.raises(ConfigError, match="make vllm"):
-        check_rollout_engine(load_config(None, ["rollout.engine=vllm"]))
+        check_parts(load_config(None, ["rollout.engine=vllm"]), ())
 
 
 def test_request_seeds_are_the_sample_keys_and_outputs_pad_like_the_other_engines():

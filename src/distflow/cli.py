@@ -253,16 +253,20 @@ def exit_process(code: int) -> NoReturn:
 
 def _plan(config: Config, world_size: int, *, memory: bool = False, expert_parallel: int = 0) -> int:
     from distflow.config.callables import reward_functions
+    from distflow.config.parts import describe_parts
     from distflow.dag.pipelines import LOADER_FIELDS, build_graph
     from distflow.planner.plan import make_plan
+    from distflow.preflight import run_parts
 
     if world_size < 1:
         raise ConfigError(f"--world-size must be >= 1 (got {world_size})")
     if expert_parallel and not memory:
         raise ConfigError("--expert-parallel plans memory and traffic: add --memory")
-    plan = make_plan(build_graph(config), config, world_size, LOADER_FIELDS)
+    graph = build_graph(config)
+    plan = make_plan(graph, config, world_size, LOADER_FIELDS)
     reward_functions(config.task)  # a reward that cannot be imported is an error here too
     print(plan.describe())
+    print(describe_parts(run_parts(config, (name for stage in graph.stages.values() for name in stage.uses))))
     if memory:
         from distflow.planner.memory import plan_memory
         from distflow.planner.memory_fit import describe, plan_of

@@ -12,7 +12,8 @@ and the fix. What is checked:
                   weight files that are complete (safetensors headers against file sizes), and a
                   tokenizer whose ids all fit in the model's embeddings; task.reward_models[].path: a one-label
                   sequence classifier with complete weight files
-    rollout       what the chosen rollout engine needs (its `preflight`: for vllm, that vLLM imports)
+    parts         what each part of the run needs (its `preflight`: for vllm, that vLLM imports), and the
+                  trained models' rules (config/parts.py)
     strategy      parallel.param_dtype / reduce_dtype that the device can use; decoder blocks
                   to checkpoint (parallel.activation_checkpointing, built on the meta device);
                   model.lora's adapters (built on the meta device), their rank within the
@@ -277,34 +278,38 @@ def check_loggers(config: Config) -> None:
         )
 
 
-def check_rollout_engine(config: Config) -> None:
-    """What the chosen rollout engine needs of this machine (its component's `preflight`: vLLM must import)."""
-    from distflow.config.components import ROLLOUT_ENGINES
+def run_parts(config: Config, uses: Iterable[str]) -> tuple:
+    """The run's parts (config/parts.py): `parts(config)`, then the agent or environment (when set) and the
+    trained models the stages `uses`, each imported now."""
+    from distflow.config.callables import agent_function
+    from distflow.config.components import TRAINED_MODELS
+    from distflow.config.parts import Part, parts
 
-    problems = ROLLOUT_ENGINES.get(config.rollout.engine).preflight(config)
-    if problems:
-        raise ConfigError(problems[0])
+    found = list(parts(config))
+    if config.rollout.agent is not None:
+        agent = agent_function(config.rollout.agent)
+        found.append(Part("rollout.agent", config.rollout.agent, "agent", agent, origin=config.rollout.agent))
+    if config.env.cls is not None:
+        from distflow.envs import environment_class
 
-
-def check_trained_models(config: Config, uses: Iterable[str]) -> None:
-    """The rules and machine needs of each trained model the run's stages use (`uses`): its component's
-    `check`, then its `preflight`, as for the rollout engine; a user's own `TrainedModel` declares its own."""
-    from distflow.training.registry import trained_model
-
+        env = environment_class(config.env.cls, kwargs=config.env.kwargs)
+        found.append(Part("env.cls", config.env.cls, "environment", env, origin=config.env.cls))
     for name in dict.fromkeys(uses):
-        trained = trained_model(name)
-        trained.check(config)
-        problems = trained.preflight(config)
-        if problems:
-            raise ConfigError(problems[0])
+        origin = TRAINED_MODELS.builtins().get(name, name)
+        found.append(Part("uses", name, TRAINED_MODELS.kind, TRAINED_MODELS.get(name), origin=origin))
+    return tuple(found)
 
 
-def check_task_source(config: Config) -> None:
-    """What the chosen task source needs of this machine (its component's `preflight`: a library, an
-    installed environment), before any rank starts."""
-    from distflow.config.components import TASK_SOURCES
+def check_parts(config: Config, uses: Iterable[str]) -> None:
+    """The trained models' rules (`check`: the other parts' ran at config load), then what this machine lacks
+    for each part of the run (its `preflight`: vLLM must import, a task source's library, an installed
+    environment), over the parts list (`run_parts`: the agent or environment and the trained
+    models the stages `uses` are imported here). The first problem is the one line."""
+    from distflow.config.parts import check_all, preflight_problems
 
-    problems = TASK_SOURCES.get(config.task.source).preflight(config)
+    found = run_parts(config, uses)
+    check_all([part for part in found if part.key == "uses"], config)
+    problems = preflight_problems(found, config)
     if problems:
         raise ConfigError(problems[0])
 

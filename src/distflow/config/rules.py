@@ -28,11 +28,10 @@ from distflow.config.errors import check
 
 def check_sections(config) -> None:
     """Every cross-section rule of `config` (a `Config`), in this order (the first that fails is reported)."""
-    _check_task_source(config)
+    _check_parts(config)
     _check_staleness(config)
     _check_dynamic_sampling(config)
     _check_overlong(config)
-    _check_rollout_engine(config)
     _check_agent(config)
     _check_partial(config)
     _check_routing(config)
@@ -40,11 +39,12 @@ def check_sections(config) -> None:
     _check_float32_head(config)
 
 
-def _check_task_source(config) -> None:
-    """What the chosen task source needs of the other sections, and its own keys only (its `check`)."""
-    from distflow.config.components import TASK_SOURCES
+def _check_parts(config) -> None:
+    """Each chosen part's rules of the other sections (its `check`: a task source's own keys only, an
+    engine's needs), over the parts list (config/parts.py), and no hook declared where its kind has no place."""
+    from distflow.config.parts import check_all, parts
 
-    TASK_SOURCES.get(config.task.source).check(config)
+    check_all(parts(config), config)
 
 
 def _check_staleness(config) -> None:
@@ -82,13 +82,6 @@ def _check_overlong(config) -> None:
         buffer < config.rollout.max_new_tokens,
         f"algorithm.overlong.buffer={buffer} must be below rollout.max_new_tokens={config.rollout.max_new_tokens}",
     )
-
-
-def _check_rollout_engine(config) -> None:
-    """What the chosen rollout engine needs of the other sections (its component's `check`)."""
-    from distflow.config.components import ROLLOUT_ENGINES
-
-    ROLLOUT_ENGINES.get(config.rollout.engine).check(config)
 
 
 def _check_agent(config) -> None:

@@ -49,14 +49,13 @@ def behaviour_fields(config) -> tuple[str, ...]:
     engine with a sampler of its own, whose gap to the trainer's is logged; the mismatch ledger) or with stale
     samples, and then `policy_version` too; `routed_experts` (each token's experts) where the rollout records its
     routing; `mismatch_ledger` (its rollout-side recomputes, dag/ledger_stage.py) with `rollout.mismatch_ledger`."""
-    from distflow.algorithms.off_policy import OffPolicyCorrection
-    from distflow.config.components import ROLLOUT_ENGINES
+    from distflow.config.parts import parts, rollout_fields
 
     staleness = config.asynchronous.max_staleness
-    declared = (
-        *OffPolicyCorrection.named(config.algorithm.off_policy_correction).fields(config),
-        *ROLLOUT_ENGINES.get(config.rollout.engine).fields(config),
-    )
+    found = parts(config)
+    declared = rollout_fields(found, config)
+    if not next(part for part in found if part.key == "algorithm.off_policy_correction").component:
+        declared += (ROLLOUT_LOGP,)  # your plain function weighs by the behaviour log-probs (OffPolicyCorrection.named)
     ledger = (MISMATCH_LEDGER,) if config.rollout.mismatch_ledger else ()
     records = staleness > 0 or ROLLOUT_LOGP in declared or bool(ledger)
     routing = (ROUTED_EXPERTS,) if config.rollout.records_routing else ()

@@ -34,7 +34,7 @@ from distflow.checkpoint import (
 )
 from distflow.checkpoint.contents import read_meta
 from distflow.checkpoint.parts import has_state, part_states, restore_part_states, saved_part_states
-from distflow.config import to_dict
+from distflow.config import load_config, to_dict
 from distflow.config.deprecated import DeprecatedKeyWarning, upgrade_old_keys
 from distflow.planner.plan import PlannedStage
 from distflow.runtime.worker import Worker
@@ -68,18 +68,22 @@ FREE_TO_CHANGE = (
 def config_changes(saved: dict, current: dict) -> list[str]:
     """`key: old -> new` for every setting that differs and is not free to change, named by the
     current keys: a config saved with the previous release's keys (`algorithm.kl_coef`, the
-    `trainer` keys that moved to other sections) is read with the new ones (config/deprecated.py)."""
+    `trainer` keys that moved to other sections) is read with the new ones (config/deprecated.py). A key the
+    checkpoint predates is no change where the run leaves it at its default (null, or the default config's)."""
     saved = copy.deepcopy(saved)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecatedKeyWarning)
         upgrade_old_keys(saved)
     flat_saved, flat_current = _flatten(saved), _flatten(current)
+    defaults = _flatten(to_dict(load_config(None, [])))
     changes = []
     for key in sorted(flat_saved.keys() | flat_current.keys()):
         if key.startswith(FREE_TO_CHANGE) or key in FREE_TO_CHANGE:
             continue
         old, new = flat_saved.get(key, "<unset>"), flat_current.get(key, "<unset>")
-        if old != new and not (old == "<unset>" and new is None):  # a key added since, left at null
+        if old == "<unset>" and (new is None or (key in defaults and new == defaults[key])):
+            continue  # a key added since the checkpoint, left at its default: what the run did without it
+        if old != new:
             changes.append(f"{key}: {old!r} -> {new!r}")
     return changes
 

@@ -28,7 +28,7 @@ import yaml
 
 from distflow import preflight
 from distflow.config import Config, ConfigError, to_dict
-from distflow.config.components import ROLLOUT_ENGINES
+from distflow.config.parts import parts, process_environment
 from distflow.console import say
 from distflow.envvars import LAUNCHED_ENV, RESUME_ENV, RUN_DIR_ENV, RUN_NAME_ENV, STARTED_ENV
 from distflow.errors import RunFailed
@@ -64,7 +64,7 @@ def start(
         )
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if launcher else nproc
     os.environ.setdefault(STARTED_ENV, str(time.time()))
-    for name, value in ROLLOUT_ENGINES.get(config.rollout.engine).process_environment(config).items():
+    for name, value in process_environment(parts(config), config).items():
         os.environ.setdefault(name, value)  # before torch loads here, and inherited by the ranks
     checkpoint, fresh_restart = None, False
     if launcher and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
@@ -204,19 +204,14 @@ def validate(config: Config, world_size: int, *, check_run_dir: bool, resuming: 
     """Everything that can be checked before a rank starts: layout arithmetic, graph, paths, imports:
     steps 3 (graph, plan) then 4 (preflight) of the validation order in config/rules.py. (Without
     importing torch, which alone takes seconds: a config error shows up at once.)"""
-    from distflow.config.callables import agent_function, reward_functions
+    from distflow.config.callables import reward_functions
     from distflow.dag.pipelines import LOADER_FIELDS, build_graph
     from distflow.planner.plan import make_plan
 
     graph = build_graph(config)
     make_plan(graph, config, world_size, LOADER_FIELDS)
     reward_functions(config.task)
-    if config.rollout.agent is not None:
-        agent_function(config.rollout.agent)
-    if config.env.cls is not None:
-        from distflow.envs import environment_class
-
-        environment_class(config.env.cls, kwargs=config.env.kwargs)
+    preflight.check_parts(config, (name for stage in graph.stages.values() for name in stage.uses))
     if config.parallel.device == "cuda":
         import torch
 
@@ -224,9 +219,6 @@ def validate(config: Config, world_size: int, *, check_run_dir: bool, resuming: 
             raise ConfigError("parallel.device=cuda but no CUDA device is visible; use parallel.device=auto or cpu")
     preflight.check_strategy(config)
     preflight.check_loggers(config)
-    preflight.check_rollout_engine(config)
-    preflight.check_trained_models(config, (name for stage in graph.stages.values() for name in stage.uses))
-    preflight.check_task_source(config)
     preflight.check_reward_models(config)
     preflight.check_data_files(config)
     preflight.check_directories(config, run_dir_of(config))

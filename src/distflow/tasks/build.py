@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from distflow.config.components import TASK_SOURCES, Component
 from distflow.config.errors import ConfigError, check
+from distflow.config.parts import INSTANCE_HOOKS, declares
 
 if TYPE_CHECKING:
     from distflow.config.schema import Config
@@ -95,6 +96,13 @@ def build_task(config: Config, tokenizer: Any, *, name: str | None = None) -> Ta
         not missing,
         f"{where} returned {type(task).__name__}, which has no {', '.join(missing)}: a task source returns a Task "
         f"({', '.join(TASK_FIELDS)})",
+    )
+    source = TASK_SOURCES.get(name)
+    unheld = [hook for hook in INSTANCE_HOOKS if isinstance(source, type) and declares(source, hook)]
+    check(
+        not unheld or isinstance(task, source),
+        f"{where} declares {', '.join(unheld)}, but its build returns {type(task).__name__}, which is what a rank "
+        "holds, checkpoints and closes: declare them on that class",
     )
     return task
 
