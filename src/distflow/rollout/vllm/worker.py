@@ -145,8 +145,11 @@ class PolicyWeights:
 def retie_lm_head(vllm_model: torch.nn.Module) -> None:
     """Point a tied LM head at the reloaded embedding again and redo its post-load processing:
     vLLM's layerwise reload gets no `lm_head` tensor for a tied model and puts back the head's old
-    weight (its documented limit on tied parameters), which would leave the head at the first weights."""
-    head = vllm_model.lm_head
+    weight (its documented limit on tied parameters), which would leave the head at the first weights. A
+    model whose logits vLLM takes from the embedding itself (its Gemma 2 has no `lm_head`) has none to retie."""
+    head = getattr(vllm_model, "lm_head", None)
+    if head is None:
+        return
     head.weight = vllm_model.model.embed_tokens.weight
     head.quant_method.process_weights_after_loading(head)
 
