@@ -38,7 +38,8 @@ def rollout_rank():
     from distflow.rollout.generation import generate
     from distflow.training.logprobs import response_logprobs
     from distflow.training.models import load_model_and_tokenizer
-    from distflow.rollout.vllm.engine import engine_for, hf_named_weights
+    from distflow.rollout.vllm.engine import engine_for
+    from distflow.rollout.vllm.weights import hf_named_weights
     from distflow.rollout.vllm import VllmRollout
     from distflow.tasks.model_source import resolve_model_dir
 

@@ -259,7 +259,7 @@ def test_a_batch_past_one_engine_steps_token_budget_samples_as_its_keys_say(smol
 def test_the_engine_gets_the_merged_lora_weights_under_hugging_face_names():
     """Under LoRA the engine is loaded with W + scale·B·A (no adapters): the weights of peft's own merge."""
     from distflow.config.schema import LoraConfig
-    from distflow.rollout.vllm.engine import hf_named_weights
+    from distflow.rollout.vllm.weights import hf_named_weights
     from distflow.tasks.tiny_model import build_tiny_model
     from distflow.tasks.tokenizer import build_char_tokenizer
     from distflow.training.lora import apply_lora
@@ -289,7 +289,7 @@ def test_a_mixtures_fused_experts_go_to_vllm_as_per_expert_tensors(family):
     import transformers
     from architectures import ARCHITECTURES, tiny_config
 
-    from distflow.rollout.vllm.engine import hf_named_weights
+    from distflow.rollout.vllm.weights import hf_named_weights
 
     if family not in ARCHITECTURES:
         pytest.skip(f"this transformers has no {family}")
