@@ -16,7 +16,7 @@ from distflow.config import ConfigError, load_config
 
 PARTS = """
 from distflow.algorithms.aggregation import TokenMean
-from distflow.dag.estimators import ppo_policy_loss
+from distflow.algorithms.policy_losses import ppo_policy_loss
 from distflow.rollout.compact import CompactEngine
 
 

@@ -196,7 +196,7 @@ class AlgorithmConfig:
     null: the algorithm's."""
     policy_loss: str | None = None
     """ppo (token ratio) or gspo (sequence ratio), or your own 'package.module:function' (the signature of
-    dag/estimators.py's ppo_policy_loss); null: the algorithm's."""
+    algorithms/policy_losses.py's ppo_policy_loss); null: the algorithm's."""
     clip: ClipConfig = field(default_factory=ClipConfig)
     """The policy ratio's clip range."""
     loss_agg: str | None = None

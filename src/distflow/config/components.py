@@ -319,14 +319,17 @@ a `distflow.dag.pieces.Estimator` that may declare stages of its own."""
 POLICY_LOSSES = FunctionRegistry(
     "policy loss",
     "algorithm.policy_loss",
-    {"ppo": "distflow.dag.estimators:ppo_policy_loss", "gspo": "distflow.dag.estimators:gspo_policy_loss"},
+    {
+        "ppo": "distflow.algorithms.policy_losses:ppo_policy_loss",
+        "gspo": "distflow.algorithms.policy_losses:gspo_policy_loss",
+    },
     Contract(
         "fn(logp_BR, old_logp_BR, advantage, mask_BR, algo) -> (loss_BR, clipped_BR), both [B, R] as logp_BR",
         params=("logp_BR", "old_logp_BR", "advantage", "mask_BR", "algo"),
         returns=2,
     ),
 )
-"""The policy losses (dag/estimators.py, over algorithms/losses.py); your own is `algorithm.policy_loss:
+"""The policy losses (algorithms/policy_losses.py, over algorithms/losses.py); your own is `algorithm.policy_loss:
 'package.module:function'`: an unreduced per-token loss and the tokens it clipped, `advantage` per sequence
 `[B]` or per token `[B, R]`, `algo` the `algorithm` section."""
 

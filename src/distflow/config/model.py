@@ -81,8 +81,19 @@ class ModelConfig:
     """LoRA adapters instead of full fine-tuning (off by default)."""
     moe: MoeConfig = field(default_factory=MoeConfig)
     """A mixture of experts' routers: their load-balancing loss in the policy loss (off by default; logged)."""
+    chat_template: str | None = None
+    """The chat template every prompt, agent request and evaluation is rendered with, instead of the tokenizer's
+    own: `chatml-tools` (distflow's: ChatML that renders an agent's tools and tool calls in the hermes convention,
+    `<tool_call>{"name": ..., "arguments": ...}</tool_call>`; training/chat_templates.py), or a path to a Jinja
+    file. None: the tokenizer's. For a model whose template drops tools (SmolLM2-135M-Instruct's); not for the
+    embedded model, whose convention is its own."""
 
     def __post_init__(self) -> None:
+        check(
+            self.chat_template is None or self.path is not None,
+            "model.chat_template renders a model's prompts; the embedded model has a convention of its own: "
+            "set model.path, or remove model.chat_template",
+        )
         check(
             self.path is not None or self.moe.aux_loss_coef == 0,
             f"model.moe.aux_loss_coef={self.moe.aux_loss_coef:g} needs a mixture-of-experts model (model.path); "

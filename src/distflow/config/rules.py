@@ -10,7 +10,7 @@ reported by the first step that can see it, as one `ConfigError` line naming the
     3. graph / plan  `dag.pipelines.build_graph` (dispatch-table names, the stages' fields and
                      engines) and `planner.plan.make_plan` (what needs the world size: divisibility,
                      disjoint groups for `asynchronous.max_staleness`, `parallel.fsdp.shard_size`)
-    4. preflight     `preflight.py`, before launch: files, directories, models, the device's dtypes
+    4. preflight     `preflight/`, before launch: files, directories, models, the device's dtypes
 
 Steps 1 and 2 are pure (no torch, no filesystem): `Config(...)` in code and `load_config` both
 run them, so a config object that exists is valid as far as they go. Steps 3 and 4 run, in this

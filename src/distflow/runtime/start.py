@@ -218,6 +218,7 @@ def validate(config: Config, world_size: int, *, check_run_dir: bool, resuming: 
         if not torch.cuda.is_available():
             raise ConfigError("parallel.device=cuda but no CUDA device is visible; use parallel.device=auto or cpu")
     preflight.check_strategy(config)
+    preflight.check_chat_template(config)
     preflight.check_loggers(config)
     preflight.check_reward_models(config)
     preflight.check_data_files(config)

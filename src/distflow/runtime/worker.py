@@ -37,6 +37,7 @@ from distflow.rollout.sampling import SamplingSpec
 from distflow.sync.weight_sync import WeightSync
 from distflow.tasks.build import Task, build_task
 from distflow.tasks.model_source import model_dirs, prepared_per_node
+from distflow.training.chat_templates import chat_template_text
 from distflow.training.float32_head import use_float32_head
 from distflow.training.models import load_model_and_tokenizer
 from distflow.training.parallelize import compute_in, resolve_dtypes
@@ -116,6 +117,8 @@ def build_worker(config: Config, world: Comm, log) -> Worker:
     model, tokenizer = load_model_and_tokenizer(model_dir, tokenizer_dir, world.device, on_meta=sharded)
     if config.parallel.fp32_lm_head:
         use_float32_head(model)  # before the engines copy it (the reference) or shard it
+    if config.model.chat_template is not None:  # every prompt, agent request and evaluation renders with it
+        tokenizer.chat_template = chat_template_text(config.model.chat_template)
     compute_in(model, resolve_dtypes(config.parallel, world.device)[0])  # a rollout-only copy too
     sampling = SamplingSpec.of(config.rollout, engine=build_engine(config))
     model, built = _build_engines(

@@ -104,6 +104,10 @@ def build_state(config: Config, checkpoint_dir: Path, log=print) -> ServedState:
 
     model_dir, tokenizer_dir = model_dirs(config, builder=True, log=log)
     base, tokenizer = load_model_and_tokenizer(model_dir, tokenizer_dir, torch.device("cpu"))
+    if config.model.chat_template is not None:  # as `distflow train` renders (a client's renderer is its own)
+        from distflow.training.chat_templates import chat_template_text
+
+        tokenizer.chat_template = chat_template_text(config.model.chat_template)
     base.requires_grad_(False)
     base.eval()
     name = config.model.path or EMBEDDED_NAME

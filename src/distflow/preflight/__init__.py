@@ -28,11 +28,11 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Iterable
 from pathlib import Path
 
 from distflow.config.parallel import ParallelConfig
 from distflow.config.schema import Config, ConfigError
+from distflow.preflight.parts import check_parts, run_parts  # noqa: F401 (preflight.check_parts, as the others)
 from distflow.tasks.model_source import is_converted
 
 SAFETENSORS_HEADER_LIMIT = 100 * 2**20
@@ -278,40 +278,19 @@ def check_loggers(config: Config) -> None:
         )
 
 
-def run_parts(config: Config, uses: Iterable[str]) -> tuple:
-    """The run's parts (config/parts.py): `parts(config)`, then the agent or environment (when set) and the
-    trained models the stages `uses`, each imported now."""
-    from distflow.config.callables import agent_function
-    from distflow.config.components import TRAINED_MODELS
-    from distflow.config.parts import Part, parts
+def check_chat_template(config: Config) -> None:
+    """`model.chat_template`: one of distflow's templates, or a readable file."""
+    from distflow.training.chat_templates import CHAT_TEMPLATES
 
-    found = list(parts(config))
-    if config.rollout.agent is not None:
-        agent = agent_function(config.rollout.agent)
-        found.append(Part("rollout.agent", config.rollout.agent, "agent", agent, origin=config.rollout.agent))
-    if config.env.cls is not None:
-        from distflow.envs import environment_class
-
-        env = environment_class(config.env.cls, kwargs=config.env.kwargs)
-        found.append(Part("env.cls", config.env.cls, "environment", env, origin=config.env.cls))
-    for name in dict.fromkeys(uses):
-        origin = TRAINED_MODELS.builtins().get(name, name)
-        found.append(Part("uses", name, TRAINED_MODELS.kind, TRAINED_MODELS.get(name), origin=origin))
-    return tuple(found)
-
-
-def check_parts(config: Config, uses: Iterable[str]) -> None:
-    """The trained models' rules (`check`: the other parts' ran at config load), then what this machine lacks
-    for each part of the run (its `preflight`: vLLM must import, a task source's library, an installed
-    environment), over the parts list (`run_parts`: the agent or environment and the trained
-    models the stages `uses` are imported here). The first problem is the one line."""
-    from distflow.config.parts import check_all, preflight_problems
-
-    found = run_parts(config, uses)
-    check_all([part for part in found if part.key == "uses"], config)
-    problems = preflight_problems(found, config)
-    if problems:
-        raise ConfigError(problems[0])
+    choice = config.model.chat_template
+    if choice is None or choice in CHAT_TEMPLATES:
+        return
+    path = Path(choice).expanduser()
+    if not path.is_file() or not os.access(path, os.R_OK):
+        raise ConfigError(
+            f"model.chat_template={choice!r} is neither one of distflow's ({', '.join(CHAT_TEMPLATES)}) nor a "
+            "readable Jinja file: name one, or give the file's path"
+        )
 
 
 def check_strategy(config: Config) -> None:
