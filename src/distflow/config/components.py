@@ -54,6 +54,11 @@ class Component:
         return build(cls.Config, raw, where)
 
     @classmethod
+    def implied(cls) -> dict[str, Any]:
+        """Settings it implies where the config leaves them unset, by dotted key (set by config/loader.py)."""
+        return {}
+
+    @classmethod
     def check(cls, config: Any) -> None:
         """The rules it needs of the other sections of the run's `config`; a `ConfigError` each."""
 
@@ -69,13 +74,11 @@ class Component:
 
     @classmethod
     def process_environment(cls, config: Any) -> dict[str, str]:
-        """Variables it needs set in each rank's process before torch loads (a library reads them once,
-        at import): `distflow train` sets them, unless the user set them, before any rank starts."""
+        """Variables it needs set in each rank's process before torch loads (unless the user set them)."""
         return {}
 
     def state_dict(self) -> dict:
-        """What the instance keeps across a resume: JSON values, the same on every rank (a checkpoint keeps the
-        train group's first rank's copy; checkpoint/parts.py); {}: nothing."""
+        """What the instance keeps across a resume: JSON values, the same on every rank (checkpoint/parts.py)."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:

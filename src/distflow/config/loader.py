@@ -27,7 +27,33 @@ def config_of(data: dict[str, Any], overrides: list[str] = ()) -> Config:
     for item in upgrade_old_overrides(list(overrides)):
         apply_override(data, item)
     upgrade_old_keys(data)  # old keys inside a section given whole: `algorithm={kl_coef: 0.1}`
+    apply_implied(data)
     return build(Config, data, "")
+
+
+def apply_implied(data: dict[str, Any]) -> None:
+    """The settings the chosen rollout engine and task source imply (their `implied`), in `data` where it leaves
+    them unset: a verifiers task's `rollout.agent`, a reasoning-gym task's `task.reward`."""
+    from distflow.config.components import ROLLOUT_ENGINES, TASK_SOURCES
+    from distflow.config.schema import RolloutConfig
+    from distflow.config.task import TaskConfig
+
+    for section, selector, registry, default in (
+        ("rollout", "engine", ROLLOUT_ENGINES, RolloutConfig.engine),
+        ("task", "source", TASK_SOURCES, TaskConfig.source),
+    ):
+        chosen = data.get(section, {}).get(selector, default) if isinstance(data.get(section), dict) else default
+        if not isinstance(chosen, str):
+            continue  # a wrong value: its section says so, in one line, when it is built
+        for key, value in registry.get(chosen).implied().items():
+            owner, _, leaf = key.rpartition(".")
+            node = data
+            for part in owner.split("."):
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    break
+            else:
+                node.setdefault(leaf, value)
 
 
 def _read_file(path: str | Path) -> dict[str, Any]:

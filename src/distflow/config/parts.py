@@ -13,6 +13,7 @@
 
 Every hook a component declares (config/components.py: `Component`) is called over this list, not per kind:
 
+    implied              before the sections are built (config/loader.py): the engine's and the task source's
     check                config load (rules.check_sections); the trained models' where the graph is (`run_parts`)
     preflight            before any rank starts (runtime/start.py's `validate`)
     process_environment  each rank's variables, before torch loads (runtime/start.py): the parts of `parts(config)`
@@ -22,10 +23,11 @@ Every hook a component declares (config/components.py: `Component`) is called ov
     state_dict, close    the instances a rank holds (runtime/checkpointing.py, runtime/worker.py): the engine's
                          and the task's
 
-A part whose kind has no place to run a hook it declares is refused at load, in one line (`refuse_unrun`): a
-task source's batch fields (its rows reach the batch through the loader), the state or close of a correction
-(a weight function, never an instance a rank keeps), of a trained model (checkpoints keep `trained_state`),
-and a trained model's process environment (its class is imported with the graph, after the variables are set).
+A part whose kind has no place to run a hook it declares is refused at load, in one line (`refuse_unrun`): the
+implied settings of a correction or a trained model, a task source's batch fields (its rows reach the batch
+through the loader), the state or close of a correction (a weight function, never an instance a rank keeps),
+of a trained model (checkpoints keep `trained_state`), and a trained model's process environment (its class is
+imported with the graph, after the variables are set).
 Parts that are not components (functions, estimators, aggregations, agents, environments) declare no hooks.
 `distflow plan` prints the list (`describe_parts`). Nothing here imports torch.
 """
@@ -50,6 +52,8 @@ from distflow.config.errors import ConfigError
 
 ROLLOUT_KINDS = ("rollout engine", "off-policy correction")
 """The kinds whose batch fields (`fields`) the rollout stage records."""
+IMPLYING = ("rollout engine", "task source")
+"""The kinds whose implied settings (`implied`) the loader sets (config/loader.py's `apply_implied`)."""
 INSTANCE_HOOKS = ("state_dict", "load_state_dict", "close")
 HELD = ("rollout engine", "task source")
 """The kinds whose instances a rank holds, checkpoints (`state_dict`) and closes."""
@@ -124,6 +128,11 @@ def refuse_unrun(found: Iterable[Part]) -> None:
             raise ConfigError(
                 f"{where} declares batch fields (`fields`), which only the rollout's parts (its engine, the "
                 f"off-policy correction) add: a {part.kind}'s reach the batch otherwise; remove its `fields`"
+            )
+        if part.kind not in IMPLYING and part.declares("implied"):
+            raise ConfigError(
+                f"{where} declares implied settings, which only a rollout engine and a task source give (the "
+                "loader reads those two before the sections are built); set those settings in the config"
             )
         if part.key == "uses" and part.declares("process_environment"):
             raise ConfigError(

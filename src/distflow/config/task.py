@@ -191,8 +191,6 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         TASK_SOURCES.chosen(self, "source")  # a known source, with options it takes
-        if self.source == "reasoning_gym" and self.reward == TaskConfig.reward:
-            self.reward = GYM_REWARD
         check(1 <= self.num_digits <= 3, f"task.num_digits must be in 1..3 (got {self.num_digits})")
         check(2 <= self.num_operands <= 4, f"task.num_operands must be in 2..4 (got {self.num_operands})")
         check(self.num_heldout >= 1, f"task.num_heldout must be >= 1 (got {self.num_heldout})")

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from distflow.config.errors import ConfigError, check
+from distflow.config.task import GYM_REWARD
 from distflow.seeding import derive_seed
 from distflow.tasks.build import SOURCE_KEYS, TaskSource
 from distflow.tasks.math_answers import ChatRows
@@ -209,6 +210,11 @@ class ReasoningGym(TaskSource):
 
     name = "reasoning_gym"
     keys = SOURCE_KEYS["reasoning_gym"]
+
+    @classmethod
+    def implied(cls) -> dict[str, Any]:
+        """The datasets' own scorer, where `task.reward` is unset."""
+        return {"task.reward": GYM_REWARD}
 
     @classmethod
     def build(cls, config: Config, tokenizer: Any) -> GymTask:

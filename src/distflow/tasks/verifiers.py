@@ -357,11 +357,14 @@ class Verifiers(TaskSource):
         return VerifiersTask.build(spec, num_heldout=config.task.num_heldout, tokenizer=tokenizer)
 
     @classmethod
-    def check(cls, config: Config) -> None:
-        """Its rollout and reward are the environment's: `rollout.agent` and `task.reward` left at their
-        defaults become the environment's rollout and none; another agent or `env.cls` is refused."""
-        from distflow.config.task import TaskConfig
+    def implied(cls) -> dict[str, Any]:
+        """Its rollout and reward are the environment's: `rollout.agent` and `task.reward`, where unset, are the
+        environment's rollout and none."""
+        return {"rollout.agent": AGENT, "task.reward": NO_REWARD}
 
+    @classmethod
+    def check(cls, config: Config) -> None:
+        """Another agent than the environment's rollout, or `env.cls`, is refused."""
         super().check(config)
         check(
             config.rollout.agent in (None, AGENT),
@@ -372,9 +375,6 @@ class Verifiers(TaskSource):
             config.env.cls is None,
             "env.cls: a verifiers task rolls out with its environment's own rollout; remove env.cls",
         )
-        config.rollout.agent = AGENT
-        if config.task.reward == TaskConfig.reward:
-            config.task.reward = NO_REWARD
 
     @classmethod
     def preflight(cls, config: Config) -> list[str]:
