@@ -28,9 +28,11 @@ BACKEND_PROBE = (
     "import sys\n"
     "from vllm import ModelRegistry\n"
     "models = getattr(ModelRegistry, 'models', {})\n"
-    "print(' '.join(a for a in sys.argv[1:] if getattr(models.get(a), 'module_name', '').endswith('.transformers')))"
+    "backed = [a for a in sys.argv[1:] if getattr(models.get(a), 'module_name', '').endswith('.transformers')]\n"
+    "print('distflow-transformers-backend:', *backed)"
 )
-"""Imports vLLM, and prints those of its arguments (architectures) vLLM serves through its Transformers backend."""
+"""Imports vLLM, and prints, on a line of its own after whatever vLLM prints, those of its arguments
+(architectures) vLLM serves through its Transformers backend."""
 TRANSFORMERS_BACKEND = (
     "rollout.engine=vllm serves {architecture} through vLLM's Transformers backend, which rewrites transformers' "
     "own classes of that model in the process the engine runs in, and there the trainer's next forward of them "
@@ -122,7 +124,8 @@ class VllmRollout(RolloutEngine):
                 "environment with `make vllm` and run .venv-vllm/bin/distflow (CPU), or pip install "
                 "'distflow[vllm]' (CUDA), or choose another rollout.engine"
             ]
-        backed = (probe.stdout.strip().splitlines() or [""])[-1].split()
+        lines = [line for line in probe.stdout.splitlines() if line.startswith("distflow-transformers-backend:")]
+        backed = lines[-1].split()[1:] if lines else []
         return [TRANSFORMERS_BACKEND.format(architecture=backed[0])] if backed else []
 
     def update_weights(self, model, version: int) -> None:
