@@ -371,3 +371,17 @@ def test_a_stop_string_ends_a_sample_at_the_token_that_completes_it(server, serv
     assert (cut.tokens, cut.stop_reason) == (free.tokens[:end], "stop")
     assert cut.logprobs == pytest.approx(free.logprobs[:end], abs=1e-6)
     assert draw(["no such text"]).tokens == free.tokens
+
+
+def test_the_server_names_the_settings_it_does_not_use():
+    """A setting of distflow train given to `serve tinker` is said, in one line, not ignored silently: the
+    client sends its own losses, AdamParams and SamplingParams, and the server computes in float32."""
+    from distflow.serve.tinker.command import UNREAD, unread_settings
+
+    assert unread_settings(load_config(None, [])) == []
+    given = load_config(None, ["parallel.param_dtype=bfloat16", "optim.lr=0.1", "rollout.temperature=0.5"])
+    assert unread_settings(given) == ["optim.lr", "parallel.param_dtype"]  # the embedded warm-start reads the rest
+    real = load_config(None, ["model.path=/models/x", "rollout.temperature=0.5", "model.lora.rank=8"])
+    assert unread_settings(real) == ["rollout.temperature"]  # model.* is the server's; no warm-start to key
+    line = UNREAD.format(keys=", ".join(unread_settings(given)))
+    assert "\n" not in line and line.startswith("distflow serve tinker: not used here") and "optim.lr" in line

@@ -101,3 +101,18 @@ def to_dict(config: Config) -> dict[str, Any]:
         return value
 
     return plain(dataclasses.asdict(config))
+
+
+def flat_settings(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """`to_dict`'s tree as dotted key -> value (`parallel.fsdp.shard_size`); a list is one value."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flat_settings(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}"))
+    return out
+
+
+def default_settings() -> dict[str, Any]:
+    """Every setting at its default, as `flat_settings` gives them."""
+    return flat_settings(to_dict(load_config(None, [])))

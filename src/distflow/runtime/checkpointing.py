@@ -34,8 +34,9 @@ from distflow.checkpoint import (
 )
 from distflow.checkpoint.contents import read_meta
 from distflow.checkpoint.parts import has_state, part_states, restore_part_states, saved_part_states
-from distflow.config import load_config, to_dict
+from distflow.config import to_dict
 from distflow.config.deprecated import DeprecatedKeyWarning, upgrade_old_keys
+from distflow.config.loader import default_settings, flat_settings
 from distflow.planner.plan import PlannedStage
 from distflow.runtime.worker import Worker
 from distflow.training.registry import checkpointed
@@ -74,8 +75,8 @@ def config_changes(saved: dict, current: dict) -> list[str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecatedKeyWarning)
         upgrade_old_keys(saved)
-    flat_saved, flat_current = _flatten(saved), _flatten(current)
-    defaults = _flatten(to_dict(load_config(None, [])))
+    flat_saved, flat_current = flat_settings(saved), flat_settings(current)
+    defaults = default_settings()
     changes = []
     for key in sorted(flat_saved.keys() | flat_current.keys()):
         if key.startswith(FREE_TO_CHANGE) or key in FREE_TO_CHANGE:
@@ -86,15 +87,6 @@ def config_changes(saved: dict, current: dict) -> list[str]:
         if old != new:
             changes.append(f"{key}: {old!r} -> {new!r}")
     return changes
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(_flatten(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}"))
-    return out
 
 
 def save(worker: Worker, root: Path, step: int, state: dict, rank_state=None) -> Path | None:

@@ -26,6 +26,27 @@ def checkpoint_dir(config: Config) -> Path:
     return Path(config.trainer.output_dir).expanduser() / (config.trainer.run_name or "tinker") / "checkpoints"
 
 
+READ = ("model.", "trainer.seed", "trainer.output_dir", "trainer.run_name")
+"""The settings the server reads: the base model (LoRA's default rank and targets), the seed, where it saves."""
+READ_EMBEDDED = ("warmstart.", "task.", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens")
+"""...and, for the embedded model, what its warm-start is keyed by (tasks/embedded.py's `cache_key`)."""
+UNREAD = (
+    "distflow serve tinker: not used here, set otherwise than their defaults: {keys} (settings of distflow train; "
+    "a Tinker client sends its own losses, AdamParams and SamplingParams, and the server computes in float32)"
+)
+
+
+def unread_settings(config: Config) -> list[str]:
+    """The settings of `config` that differ from their defaults and that the server does not read."""
+    from distflow.config import to_dict
+    from distflow.config.loader import default_settings, flat_settings
+
+    read = READ + (READ_EMBEDDED if config.model.path is None else ())
+    defaults = default_settings()
+    given = flat_settings(to_dict(config))
+    return sorted(key for key, value in given.items() if not key.startswith(read) and value != defaults.get(key))
+
+
 def serve(
     config: Config,
     *,
@@ -49,6 +70,9 @@ def serve(
     from distflow.serve.tinker.server import TinkerServer
     from distflow.serve.tinker.state import build_state
 
+    unread = unread_settings(config)
+    if unread:
+        print(UNREAD.format(keys=", ".join(unread)), file=sys.stderr, flush=True)
     state = build_state(config, checkpoint_dir(config), log=lambda line: print(line, file=sys.stderr, flush=True))
     try:
         server = TinkerServer(
