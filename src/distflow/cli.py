@@ -266,7 +266,7 @@ def _plan(config: Config, world_size: int, *, memory: bool = False, expert_paral
     plan = make_plan(graph, config, world_size, LOADER_FIELDS)
     reward_functions(config.task)  # a reward that cannot be imported is an error here too
     print(plan.describe())
-    print(describe_parts(run_parts(config, (name for stage in graph.stages.values() for name in stage.uses))))
+    print(describe_parts(run_parts(config, graph.uses())))
     if memory:
         from distflow.planner.memory import plan_memory
         from distflow.planner.memory_fit import describe, plan_of

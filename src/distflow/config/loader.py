@@ -42,18 +42,23 @@ def apply_implied(data: dict[str, Any]) -> None:
         ("rollout", "engine", ROLLOUT_ENGINES, RolloutConfig.engine),
         ("task", "source", TASK_SOURCES, TaskConfig.source),
     ):
-        chosen = data.get(section, {}).get(selector, default) if isinstance(data.get(section), dict) else default
-        if not isinstance(chosen, str):
-            continue  # a wrong value: its section says so, in one line, when it is built
-        for key, value in registry.get(chosen).implied().items():
-            owner, _, leaf = key.rpartition(".")
-            node = data
-            for part in owner.split("."):
-                node = node.setdefault(part, {})
-                if not isinstance(node, dict):
-                    break
-            else:
-                node.setdefault(leaf, value)
+        given = data.get(section)
+        chosen = given.get(selector, default) if isinstance(given, dict) else default
+        if isinstance(chosen, str):  # else a wrong value: its section says so, in one line, when it is built
+            for key, value in registry.get(chosen).implied().items():
+                _set_unset(data, key, value)
+
+
+def _set_unset(data: dict[str, Any], key: str, value: Any) -> None:
+    """`data`'s dotted `key` set to `value` where it is absent (a section given as something else than a
+    mapping is left to be refused when it is built)."""
+    *sections, leaf = key.split(".")
+    node = data
+    for name in sections:
+        node = node.setdefault(name, {})
+        if not isinstance(node, dict):
+            return
+    node.setdefault(leaf, value)
 
 
 def _read_file(path: str | Path) -> dict[str, Any]:

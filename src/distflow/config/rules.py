@@ -197,9 +197,8 @@ def _check_float32_head(config) -> None:
 
     if not config.parallel.fp32_lm_head:
         return
-    engine, _ = ROLLOUT_ENGINES.chosen(config.rollout, "engine")
     check(
-        not getattr(engine, "own_forward", False),
+        not getattr(ROLLOUT_ENGINES.get(config.rollout.engine), "own_forward", False),
         f"parallel.fp32_lm_head widens the head of the trained model's forward; rollout.engine="
         f"{config.rollout.engine} decodes with a model of its own, in its own dtype: set parallel.fp32_lm_head=false "
         "or use another rollout.engine",

@@ -66,6 +66,10 @@ class Graph:
         self.stages[stage.name] = stage
         return self
 
+    def uses(self) -> list[str]:
+        """The trained models its stages use (`Stage.uses`), each once, in stage order."""
+        return list(dict.fromkeys(name for stage in self.stages.values() for name in stage.uses))
+
     def add_dependency(self, stage: str, depends_on: str) -> None:
         """Make `stage` run after `depends_on` (both must exist)."""
         for name in (stage, depends_on):

@@ -211,7 +211,7 @@ def validate(config: Config, world_size: int, *, check_run_dir: bool, resuming: 
     graph = build_graph(config)
     make_plan(graph, config, world_size, LOADER_FIELDS)
     reward_functions(config.task)
-    preflight.check_parts(config, (name for stage in graph.stages.values() for name in stage.uses))
+    preflight.check_parts(config, graph.uses())
     if config.parallel.device == "cuda":
         import torch
 
