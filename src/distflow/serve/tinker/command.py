@@ -84,11 +84,11 @@ def serve(
         )
     except OSError as err:
         raise ConfigError(f"cannot listen on 127.0.0.1:{port}: {err}") from None
-    print(f"distflow: serving the Tinker API for {state.base_model!r} at {server.url}", flush=True)
-    print(f"distflow: api key {server.token}", flush=True)
-    print(f"distflow: TINKER_BASE_URL={server.url} TINKER_API_KEY={server.token}", flush=True)
     try:
-        _stop_on_signals()
+        _stop_on_signals()  # before the server is announced: a client (a test) may signal as soon as it reads the key
+        print(f"distflow: serving the Tinker API for {state.base_model!r} at {server.url}", flush=True)
+        print(f"distflow: api key {server.token}", flush=True)
+        print(f"distflow: TINKER_BASE_URL={server.url} TINKER_API_KEY={server.token}", flush=True)
         server.serve_forever()
     except KeyboardInterrupt:
         pass
