@@ -128,7 +128,10 @@ class TinkerServer:
         return self
 
     def close(self) -> None:
-        self.httpd.shutdown()
+        """Stop serving and free the socket. Only a background thread's loop is asked to stop: `shutdown` waits
+        for a `serve_forever` to end, and hangs where none ran (a signal before it started, in this thread)."""
+        if self._thread is not None:
+            self.httpd.shutdown()
         self.httpd.server_close()
         self.futures.close()
 
