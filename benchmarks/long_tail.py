@@ -31,6 +31,11 @@ the same keys:
   slots       `CompactEngine(CompactOptions(slots=S))`: ended rows refilled with waiting samples (rollout/slots.py)
   slots+spec  `CompactEngine(CompactOptions(slots=S, draft_tokens=K))`: slots, each row verifying K draft tokens
 
+--batch-invariant decodes every mode with batch-invariant kernels (rollout/invariant.py): the compact modes
+through `CompactOptions(batch_invariant=True)`, trl and graphed under the same `BatchInvariant` mode. Then every
+mode's tokens must equal compact's and the held log-probs must be compact's bits (tolerance 0). The floor and
+the decode-step curve stay plain forwards.
+
 A mode whose engine is not there (ImportError, NotImplementedError at its first call) is listed as skipped,
 with the reason. Each mode's first call (at <= 4 tokens) is untimed; then `--rounds` rounds, each running
 every mode once in turn, the order rotated each round; a mode's seconds are its fastest round's.
@@ -64,6 +69,7 @@ every figure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -77,13 +83,15 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agent_endpoint import machine  # noqa: E402
 from bench_setup import log  # noqa: E402
-from long_tail_steps import curve, forward_s, prefilled, print_curve  # noqa: E402
+from long_tail_report import report  # noqa: E402
+from long_tail_steps import curve, forward_s, prefilled  # noqa: E402
 from long_tail_workloads import TEMPERATURE, Workload, controlled, smollm2, smollm2_missing  # noqa: E402
 
 from distflow.config.parallel import cpu_bf16_instructions  # noqa: E402
 from distflow.rollout.compact import CompactEngine, CompactOptions  # noqa: E402
 from distflow.rollout.engine import RolloutEngine, engine_named  # noqa: E402
 from distflow.rollout.generation import Generation, generate  # noqa: E402
+from distflow.rollout.invariant import BatchInvariant  # noqa: E402
 from distflow.seeding import derive_seed  # noqa: E402
 from distflow.training.sequences import stop_token_ids  # noqa: E402
 
@@ -105,27 +113,35 @@ def engine_for(mode: str, args) -> RolloutEngine:
         return engine_named("generate")
     if mode == "graphed":
         return engine_named("graphed")
+    invariant = dict(batch_invariant=args.batch_invariant, invariant_rows=args.invariant_rows)
     if mode == "slots":
-        return CompactEngine(CompactOptions(slots=slots))
+        return CompactEngine(CompactOptions(slots=slots, **invariant))
     if mode == "slots+spec":
-        return CompactEngine(CompactOptions(slots=slots, draft_tokens=args.draft_tokens))
-    return CompactEngine()
+        return CompactEngine(CompactOptions(slots=slots, draft_tokens=args.draft_tokens, **invariant))
+    return CompactEngine(CompactOptions(**invariant))
 
 
-def rollout(workload: Workload, engine: RolloutEngine, max_new_tokens: int) -> tuple[Generation, float]:
+def invariance(mode: str, args):
+    """With --batch-invariant, the mode a to-the-end engine runs under (the compact modes set their option)."""
+    rows = args.invariant_rows
+    return BatchInvariant(rows) if args.batch_invariant and mode in TO_THE_END else contextlib.nullcontext()
+
+
+def rollout(workload: Workload, engine: RolloutEngine, max_new_tokens: int, invariant=None) -> tuple[Generation, float]:
     keys = [derive_seed(0, "long_tail", u) for u in range(workload.rows)]
     start = time.perf_counter()
-    out = generate(
-        workload.model,
-        workload.tokenizer,
-        workload.prompts,
-        max_new_tokens=max_new_tokens,
-        temperature=TEMPERATURE,
-        sample_keys=keys,
-        samples_per_prompt=workload.samples,
-        engine=engine,
-        logprobs=True,
-    )
+    with invariant or contextlib.nullcontext():
+        out = generate(
+            workload.model,
+            workload.tokenizer,
+            workload.prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=TEMPERATURE,
+            sample_keys=keys,
+            samples_per_prompt=workload.samples,
+            engine=engine,
+            logprobs=True,
+        )
     return out, time.perf_counter() - start
 
 
@@ -150,16 +166,16 @@ def lengths(out: Generation, stop_ids: tuple[int, ...], cap: int) -> dict:
     }
 
 
-def compared(mode: str, out: Generation, reference: Generation) -> dict:
+def compared(mode: str, out: Generation, reference: Generation, tolerance: float = LOGP_TOLERANCE) -> dict:
     """Whether `out` has `reference`'s tokens (torch.equal) and, for LOGP_HELD's modes, its log-probs within
-    LOGP_TOLERANCE."""
+    `tolerance` (0 with --batch-invariant: the same bits)."""
     tokens = out.input_ids_BT.shape == reference.input_ids_BT.shape and torch.equal(
         out.input_ids_BT, reference.input_ids_BT
     )
     tokens = tokens and torch.equal(out.response_mask_BR, reference.response_mask_BR)
     logp = (out.logp_BR - reference.logp_BR).abs().max().item() if tokens else None  # None: other tokens
     held = mode in LOGP_HELD
-    same = tokens and (logp <= LOGP_TOLERANCE or not held)
+    same = tokens and (logp <= tolerance or not held)
     return {"tokens_equal": tokens, "logp_max_diff": logp, "logp_held": held, "same": same}
 
 
@@ -184,7 +200,7 @@ def run_workload(workload: Workload, args) -> dict:
     for mode in args.modes:  # the untimed first call, which also finds the engines not there yet
         engine = engine_for(mode, args)
         try:
-            rollout(workload, engine, min(4, cap))
+            rollout(workload, engine, min(4, cap), invariance(mode, args))
         except (ImportError, NotImplementedError) as err:
             skipped[mode] = {"skipped": f"not available yet ({type(err).__name__}: {err})"}
             log(f"{workload.name} {mode}: skipped, {skipped[mode]['skipped']}")
@@ -195,7 +211,8 @@ def run_workload(workload: Workload, args) -> dict:
     result["lengths"] = lengths(reference, stop_ids, cap)
     result["floor"] = floor | {"seconds": round(floor["step_s"] * result["lengths"]["tokens"] / workload.rows, 4)}
     seconds = {mode: min(took for took, _, _ in timed) for mode, timed in runs.items()}
-    modes = {mode: mode_figures(mode, runs[mode], seconds, reference, result["floor"]["seconds"]) for mode in engines}
+    tolerance = 0.0 if args.batch_invariant else LOGP_TOLERANCE
+    modes = {m: mode_figures(m, runs[m], seconds, reference, result["floor"]["seconds"], tolerance) for m in engines}
     result["modes"] = {mode: modes.get(mode) or skipped[mode] for mode in args.modes}
     result["same"] = all(row.get("same", True) for row in result["modes"].values())
     return result
@@ -209,7 +226,7 @@ def timed_rounds(workload: Workload, engines: dict[str, RolloutEngine], args) ->
     order, floor_step, one = list(engines), math.inf, None
     for index in range(args.rounds):
         for mode in order[index % len(order) :] + order[: index % len(order)]:
-            out, took = rollout(workload, engines[mode], workload.max_new_tokens)
+            out, took = rollout(workload, engines[mode], workload.max_new_tokens, invariance(mode, args))
             runs[mode].append((took, out, engines[mode].last_stats()))
             log(f"{workload.name} round {index + 1} {mode}: {took:.3f} s, {int(out.response_mask_BR.sum())} tokens")
         if one is None:
@@ -225,12 +242,14 @@ def badness(check: dict) -> tuple[bool, float]:
     return not check["same"], math.inf if check["logp_max_diff"] is None else check["logp_max_diff"]
 
 
-def mode_figures(mode: str, timed: list, seconds: dict[str, float], reference: Generation, floor_s: float) -> dict:
+def mode_figures(
+    mode: str, timed: list, seconds: dict, reference: Generation, floor_s: float, tolerance: float
+) -> dict:
     """One mode's row: its fastest round's seconds, the figures of its samples and its engine's counts, and
     its worst round's comparison with compact's samples."""
     _, out, stats = timed[0]
     tokens = int(out.response_mask_BR.sum())
-    worst = max((compared(mode, o, reference) for _, o, _ in timed), key=badness)
+    worst = max((compared(mode, o, reference, tolerance) for _, o, _ in timed), key=badness)
     fill, computed = occupancy(mode, out, stats)
     row = {
         "seconds": round(seconds[mode], 4),
@@ -251,48 +270,6 @@ def mode_figures(mode: str, timed: list, seconds: dict[str, float], reference: G
     return row
 
 
-def print_workload(name: str, result: dict) -> None:
-    if "skipped" in result:
-        print(f"\n{name}: skipped, {result['skipped']}")
-        return
-    lens, floor = result["lengths"], result["floor"]
-    print(
-        f"\n{name}: {result['model']}; {result['prompts']} prompts x {result['samples']} samples, "
-        f"<= {result['max_new_tokens']} tokens, T = {result['temperature']}"
-    )
-    print(
-        f"  lengths (tokens, stop included): p10 {lens['p10']}  p50 {lens['p50']}  p90 {lens['p90']}  "
-        f"p99 {lens['p99']}  max {lens['max']}  mean {lens['mean']}  at the cap {lens['at_cap']} of {lens['rows']}"
-    )
-    print(
-        f"  full-occupancy floor: a decode forward of {result['rows']} rows at context {floor['context']} "
-        f"(prompt width {floor['prompt_width']} + median) {1e3 * floor['step_s']:.2f} ms, "
-        f"x tokens / rows = {floor['seconds']:.3f} s"
-    )
-    print(
-        f"  {'mode':<12}{'wall s':>9}{'tokens':>8}{'tokens/s':>10}{'occupancy':>12}{'x floor':>9}{'vs compact':>12}"
-        f"{'vs trl':>8}  {'same as compact (max |logp diff|)':<36}engine's tokens/row-forward, acceptance, tail s"
-    )
-    for mode, row in result["modes"].items():
-        print(f"  {mode:<12}" + (f"skipped: {row['skipped']}" if "skipped" in row else mode_cells(row)))
-
-
-def mode_cells(row: dict) -> str:
-    fill = "" if row["occupancy"] is None else f"{row['occupancy']:.3f}"
-    fill += " (c)" if row["occupancy_computed"] else ""
-    vs_trl = "" if row["vs_trl"] is None else f"{row['vs_trl']:.2f}x"
-    diff = "other tokens" if row["logp_max_diff"] is None else f"{row['logp_max_diff']:.1e}"
-    same = f"{'yes' if row['same'] else 'NO'} ({diff}{'' if row['logp_held'] else ', not held'})"
-    counts = ""
-    if "tokens_per_row_forward" in row:
-        acceptance = "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
-        counts = f"{row['tokens_per_row_forward']:.2f}, {acceptance}, {row['tail_s']:.3f}"
-    return (
-        f"{row['seconds']:>9.3f}{row['tokens']:>8}{row['tokens_per_s']:>10.1f}{fill:>12}{row['over_floor']:>9.2f}"
-        f"{row['vs_compact']:>11.2f}x{vs_trl:>8}  {same:<36}{counts}"
-    )
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=("controlled", "smollm2", "both"), help="both (--quick: controlled)")
@@ -305,12 +282,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds; each mode's fastest is kept")
     parser.add_argument("--repeats", type=int, default=3, help="timed forwards per cell and round (floor, curve)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument(
+        "--batch-invariant", action="store_true", help="every mode decodes batch-invariantly (rollout/invariant.py)"
+    )
+    parser.add_argument("--invariant-rows", type=int, default=64, help="rows of a linear layer's product with it")
     args = parser.parse_args(argv)
     args.workload = args.workload or ("controlled" if args.quick else "both")
     if "compact" not in args.modes:
         parser.error("--modes must include compact: every mode's samples are checked against compact's")
-    if min(args.prompts, args.samples, args.rounds, args.repeats, args.draft_tokens) < 1 or args.slots < 0:
-        parser.error("--prompts, --samples, --rounds, --repeats and --draft-tokens must be >= 1, --slots >= 0")
+    if min(args.prompts, args.samples, args.rounds, args.repeats, args.draft_tokens, args.invariant_rows) < 1:
+        parser.error("--prompts, --samples, --rounds, --repeats, --draft-tokens and --invariant-rows must be >= 1")
+    if args.slots < 0:
+        parser.error("--slots must be >= 0")
     return args
 
 
@@ -374,21 +357,6 @@ def decode_steps(workload: Workload, args: argparse.Namespace) -> dict:
         repeats=repeats,
     )
     return {"model": workload.model_name, "tokens": tokens, "rounds": rounds, "repeats": repeats, "table": table}
-
-
-def report(out: dict, workloads: tuple[str, ...]) -> None:
-    for name in workloads:
-        print_workload(name, out[name])
-    steps, settings = out["decode_steps"], out["settings"]
-    print_curve(steps["table"], steps["model"], steps["rounds"], steps["repeats"], steps["tokens"])
-    print(
-        f"\nmachine: {settings['cpu']} ({settings['cores']} cores, torch threads {settings['torch_threads']}), "
-        f"bf16 instructions: {settings['cpu_bf16']}, flags {' '.join(settings['cpu_flags'])}; torch "
-        f"{settings['torch']}, transformers {settings['transformers']}; "
-        f"load {settings['load_avg_1min_at_start']} -> {settings['load_avg_1min_at_end']}"
-    )
-    if not out["same_as_compact"]:
-        print("FAILED: a mode's samples differ from compact's (see 'same as compact')")
 
 
 def workload_args(args: argparse.Namespace, name: str) -> argparse.Namespace:

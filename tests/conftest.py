@@ -66,11 +66,11 @@ def run_cli(*args: str, cwd: Path, timeout: float = 1800, env: dict | None = Non
 BENCHMARKS = REPO / "benchmarks"
 
 
-def run_quick(script: str, timeout: float) -> dict:
-    """Run `benchmarks/<script> --quick`; return its last stdout line, parsed."""
+def run_quick(script: str, timeout: float, *flags: str) -> dict:
+    """Run `benchmarks/<script> --quick [flags]`; return its last stdout line, parsed."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--quick"],
+        [sys.executable, str(BENCHMARKS / script), "--quick", *flags],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -70,10 +70,10 @@ def test_every_benchmark_has_a_quick_test():
     # host_costs_rollout.py and trl_count_worker.py are host_costs.py's counter, its rollout part and its
     # TRL side (tests/test_host_costs.py); gpu_rollout.py and gpu_tables.py are gpu.py's rollout section and
     # tables (tests/test_gpu_check.py); throughput_floor.py is throughput.py's --roofline part; long_tail_steps.py
-    # and long_tail_workloads.py are long_tail.py's decode-step curve and workloads.
+    # long_tail_workloads.py and long_tail_report.py are long_tail.py's decode-step curve, workloads and tables.
     helpers = {"trl_worker.py", "roofline_recipe.py", "bench_setup.py", "dispatch_counter.py", "trl_count_worker.py"}
     helpers |= {"host_costs_rollout.py", "gpu_rollout.py", "gpu_tables.py", "throughput_floor.py"}
-    helpers |= {"long_tail_steps.py", "long_tail_workloads.py"}
+    helpers |= {"long_tail_steps.py", "long_tail_workloads.py", "long_tail_report.py"}
     scripts = {p.name for p in BENCHMARKS.glob("*.py")} - helpers
     assert scripts == {
         "throughput.py",
@@ -289,6 +289,16 @@ def test_long_tail_quick():
         assert ("compact_step_ms" in row) == (row["rows"] in (1, 16, 64)), row
         assert ("compaction_ms" in row) == (row["rows"] > 1), row
     assert out["settings"]["cpu_bf16"] and out["settings"]["cores"] >= 1 and out["settings"]["torch_threads"] == 1
+
+
+def test_long_tail_quick_batch_invariant():
+    """With --batch-invariant every mode, trl and graphed included, draws compact's tokens, and compact, slots
+    and slots+spec its log-probs to the bit."""
+    out = run_quick("long_tail.py", 1800, "--batch-invariant")
+    assert out["same_as_compact"] and out["settings"]["flags"]["batch_invariant"]
+    for mode, row in out["controlled"]["modes"].items():
+        assert row["same"] and row["tokens_equal"], (mode, row)
+        assert not row["logp_held"] or row["logp_max_diff"] == 0.0, (mode, row)
 
 
 def test_long_tail_stop_law_gives_lengths_their_heavy_tail():

@@ -2,7 +2,8 @@
 step on 1 rank, 2 ranks, rollout replicas of 2 (rollout DP 1 ≠ train DP 2), rollout and
 training on different ranks (1 + 1, and 2 rollout + 2 train ranks, whose weight sync comes
 from both train ranks), with the prefetch thread off, and rolled out through slots with speculation
-(rollout/slots.py) on 1 and 2 ranks."""
+(rollout/slots.py) on 1 and 2 ranks; and with batch-invariant decoding (rollout/invariant.py), slots with
+speculation on 2 ranks against plain `compact` on 1."""
 
 import json
 
@@ -48,7 +49,18 @@ LAYOUTS = {
         "rollout.compact.slots=5",
         "rollout.compact.draft_tokens=3",
     ],
+    # rollout/invariant.py: numerics of their own, so compared with each other
+    "batch-invariant, 1 rank": ["rollout.engine=compact", "rollout.compact.batch_invariant=true"],
+    "batch-invariant slots and speculation, 2 ranks": [
+        "--nproc",
+        "2",
+        "rollout.engine=compact",
+        "rollout.compact.batch_invariant=true",
+        "rollout.compact.slots=5",
+        "rollout.compact.draft_tokens=3",
+    ],
 }
+BATCH_INVARIANT = ("batch-invariant, 1 rank", "batch-invariant slots and speculation, 2 ranks")
 
 
 SLOW_LAYOUTS = {"disaggregated 2 rollout, 2 train"}  # 4 ranks on 2 cores: CI runs it (slow)
@@ -96,10 +108,22 @@ def runs(tmp_path_factory, cache_dir):
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n for n in LAYOUTS if n != "1 rank"]
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n
+        for n in LAYOUTS
+        if n != "1 rank" and n not in BATCH_INVARIANT
+    ],
 )
 def test_same_samples_and_first_step_as_one_rank(runs, name):
-    ref, other = runs["1 rank"], runs[name]
+    same_samples_and_first_step(runs["1 rank"], runs[name])
+
+
+def test_batch_invariant_slots_on_two_ranks_give_compact_s_samples(runs):
+    same_samples_and_first_step(runs[BATCH_INVARIANT[0]], runs[BATCH_INVARIANT[1]])
+
+
+def same_samples_and_first_step(ref: dict, other: dict) -> None:
     for step in (1, 2):
         assert len(ref["samples"][step]) == 64
         # Every sample exactly once across the train ranks, with the same prompt and completion.
