@@ -267,7 +267,30 @@ def mode_figures(
         row |= {"tokens_per_row_forward": round(tokens / stats.row_forwards, 3), "forwards": stats.forwards}
         row |= {"tail_s": round(stats.tail_seconds, 4), "drafted": stats.drafted, "accepted": stats.accepted}
         row["acceptance"] = round(stats.accepted / stats.drafted, 4) if stats.drafted else None
+        row["phases"] = phases(stats, seconds[mode], tokens - out.response_mask_BR.shape[0])
     return row
+
+
+def phases(stats, seconds: float, decoded: int) -> dict:
+    """The rollout split at the drain (`RolloutStats.drain_*`: forwards over fewer rows than the engine holds):
+    each phase's seconds (the full phase's include the prefill), decoded tokens (`decoded`: all but each row's
+    first, which the prefill draws; the drain's are its row-forwards plus accepted drafts, as an engine that
+    drops a row at its end pays them on a CPU, and the full phase has the rest), tokens per row-forward and
+    draft acceptance."""
+    drain = (stats.drain_seconds, stats.drain_row_forwards, stats.drain_drafted, stats.drain_accepted)
+    full = (seconds - drain[0], stats.row_forwards - drain[1], stats.drafted - drain[2], stats.accepted - drain[3])
+    drained = drain[1] + drain[3]
+    out = {}
+    for name, (took, row_forwards, drafted, accepted) in (("full", full), ("drain", drain)):
+        tokens = drained if name == "drain" else decoded - drained
+        out[name] = {
+            "seconds": round(took, 4),
+            "tokens": tokens,
+            "tokens_per_s": round(tokens / took, 1) if took > 0 else None,
+            "tokens_per_row_forward": round(tokens / row_forwards, 3) if row_forwards else None,
+            "acceptance": round(accepted / drafted, 4) if drafted else None,
+        }
+    return out
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -44,6 +44,24 @@ def print_workload(name: str, result: dict) -> None:
     )
     for mode, row in result["modes"].items():
         print(f"  {mode:<12}" + (f"skipped: {row['skipped']}" if "skipped" in row else mode_cells(row)))
+    print_phases(result["modes"])
+
+
+def print_phases(modes: dict) -> None:
+    """The engines' own split: full (every row the engine holds decoding; prefill included), then the drain."""
+    split = {mode: row["phases"] for mode, row in modes.items() if "phases" in row}
+    if not split:
+        return
+    print("  by phase (full: all the engine's rows decoding, prefill included; drain: fewer rows):")
+    print(
+        f"  {'mode':<12}{'phase':<7}{'s':>9}{'tokens':>8}{'tokens/s':>10}{'tokens/row-forward':>20}{'acceptance':>12}"
+    )
+    for mode, both in split.items():
+        for phase, cell in both.items():
+            rate = "-" if cell["tokens_per_s"] is None else f"{cell['tokens_per_s']:.1f}"
+            per = "-" if cell["tokens_per_row_forward"] is None else f"{cell['tokens_per_row_forward']:.2f}"
+            accepted = "-" if cell["acceptance"] is None else f"{cell['acceptance']:.2f}"
+            print(f"  {mode:<12}{phase:<7}{cell['seconds']:>9.3f}{cell['tokens']:>8}{rate:>10}{per:>20}{accepted:>12}")
 
 
 def mode_cells(row: dict) -> str:

@@ -278,6 +278,15 @@ def test_long_tail_quick():
         assert row["rounds"] == 2 and row["seconds"] > 0 and row["over_floor"] > 0 and 0 < row["occupancy"], mode
     assert modes["compact"]["vs_compact"] == 1.0 and modes["trl"]["vs_trl"] == 1.0
     assert modes["trl"]["occupancy"] < modes["compact"]["occupancy"]  # trl decodes every row to the longest's end
+    for mode, row in modes.items():  # the engines' phases (full, then the drain: fewer rows than they hold)
+        split = row["phases"]
+        assert split["full"]["tokens"] + split["drain"]["tokens"] == lengths["tokens"] - 16, (mode, split)
+        assert (split["drain"]["tokens"] == 0) == (mode in ("trl", "graphed")), (mode, split)  # to the end: no drain
+        if mode in ("compact", "slots"):  # a row-forward of an engine that drops ended rows keeps one token
+            assert split["full"]["tokens_per_row_forward"] == split["drain"]["tokens_per_row_forward"] == 1.0, split
+    spec = modes["slots+spec"]["phases"]
+    assert spec["full"]["acceptance"] is None and spec["full"]["tokens_per_row_forward"] == 1.0  # no drafts when full
+    assert spec["drain"]["tokens_per_row_forward"] >= 1.0
     assert 1 <= lengths["p10"] <= lengths["p50"] <= lengths["p90"] <= lengths["p99"] <= lengths["max"] <= 128
     assert lengths["rows"] == 16 and 0 <= lengths["at_cap"] <= 16
     floor = run["floor"]

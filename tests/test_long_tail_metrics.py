@@ -165,9 +165,10 @@ def test_the_rollout_stage_logs_occupancy_and_the_tail_where_the_engine_counts(t
     lengths = out["response_mask"].sum(-1).tolist()
     assert figures["rollout/occupancy"] == pytest.approx((sum(lengths) - 16) / (16 * (max(lengths) - 1)))
     assert figures["time/rollout_tail_s"] >= 0 and "rollout/spec_acceptance" not in figures
+    assert figures["time/rollout_drain_s"] == 0.0  # generate decodes every row to the end: no drain
     assert figures["response/length_max"] == max(lengths) and figures["response/length_p50"] == sorted_quantile(
         lengths, 50
     )
     figures, _ = logged(Counting())
-    assert not any(k in figures for k in ("rollout/occupancy", "time/rollout_tail_s"))
+    assert not any(k in figures for k in ("rollout/occupancy", "time/rollout_tail_s", "time/rollout_drain_s"))
     assert figures["response/length_max"] == max(lengths)

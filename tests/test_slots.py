@@ -103,10 +103,15 @@ def test_rows_stay_full_while_samples_wait_and_each_prompt_is_prefilled_once(mod
     rows = [r for r, _ in decodes]
     first_short = next(i for i, r in enumerate(rows) if r < 8)
     assert all(r < 8 for r in rows[first_short:]) and rows[first_short:] == sorted(rows[first_short:], reverse=True)
+    # The drain (fewer rows than the slots) is counted apart: exactly those forwards and their rows.
+    assert stats.drain_forwards == len(rows) - first_short and stats.drain_row_forwards == sum(rows[first_short:])
+    assert stats.drain_drafted == stats.drain_accepted == 0 and stats.drain_seconds >= 0
     # compact pays the same tokens in more row-steps per token of a short batch: it starts all 32 at once.
     compact = CompactEngine()
     _rollout(model, tokenizer, compact)
     assert compact.last_stats().slot_steps == stats.slot_steps and compact.last_stats().forwards < stats.forwards
+    # compact's drain starts when its first row leaves: every forward after that one is over fewer rows.
+    assert 0 < compact.last_stats().drain_forwards < compact.last_stats().forwards
 
 
 def test_speculation_verifies_drafts_from_the_group_within_the_slots(model_and_tokenizer):
@@ -131,6 +136,9 @@ def test_speculation_verifies_drafts_from_the_group_within_the_slots(model_and_t
     for stats in (first_stats, second_stats):
         assert 0 < stats.accepted <= stats.drafted
         assert stats.slot_steps == stats.row_forwards + stats.drafted
+        # A full batch verifies no drafts (draft_lengths): all of them are the drain's.
+        assert (stats.drain_drafted, stats.drain_accepted) == (stats.drafted, stats.accepted)
+        assert 0 < stats.drain_row_forwards < stats.row_forwards
     tokens = int(reference.response_mask_BR.sum()) - len(PROMPTS) * N
     assert second_stats.row_forwards < first_stats.row_forwards <= tokens - first_stats.accepted
     assert second_stats.accepted > first_stats.accepted  # the earlier rollout's completions draft too

@@ -157,12 +157,14 @@ def engine_figures(metrics, stats: RolloutStats, num_tokens: float, num_samples:
     """What the engine paid for a rollout of `num_samples` samples, `num_tokens` tokens kept (`RolloutStats`),
     as ratios of totals over ranks. A sample's first token comes from its prompt's prefill, which no engine
     counts among the slot-steps; the decode forwards kept the others. `rollout/occupancy`: those over the
-    slot-steps paid (1: no row computed for nothing); the slowest rank's `time/rollout_tail_s`; with
+    slot-steps paid (1: no row computed for nothing); the slowest rank's `time/rollout_tail_s` and
+    `time/rollout_drain_s` (its forwards over fewer rows than the engine holds, `RolloutStats`); with
     speculation (draft tokens verified), `rollout/spec_acceptance`, the draft tokens accepted over those
     verified, and `rollout/tokens_per_forward`, the decoded tokens over the rows of the forwards summed."""
     num_decoded = num_tokens - num_samples
     metrics.mean("rollout/occupancy", num_decoded, stats.slot_steps)
     metrics.maximum("time/rollout_tail_s", stats.tail_seconds)
+    metrics.maximum("time/rollout_drain_s", stats.drain_seconds)
     if stats.drafted > 0:
         metrics.mean("rollout/spec_acceptance", stats.accepted, stats.drafted)
         metrics.mean("rollout/tokens_per_forward", num_decoded, stats.row_forwards)

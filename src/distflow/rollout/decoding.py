@@ -104,24 +104,44 @@ def decode(
 
 
 class Tally:
-    """What a decode loop paid for and when its rows ended (`RolloutStats`'s counts)."""
+    """What a decode loop paid for and when its rows ended (`RolloutStats`'s counts), the drain's apart: the
+    forwards over fewer rows than the engine holds (`capacity`: its slots, else its first forward's rows). A
+    forward's seconds are the time since the previous one's count (the first's since the tally began)."""
 
-    def __init__(self) -> None:
-        self.started = time.perf_counter()
+    def __init__(self, capacity: int | None = None) -> None:
+        self.started = self.counted = time.perf_counter()
+        self.capacity = capacity
         self.slot_steps = self.row_forwards = self.forwards = self.drafted = self.accepted = 0
+        self.drain = {"forwards": 0, "row_forwards": 0, "drafted": 0, "accepted": 0, "seconds": 0.0}
+        self.draining = False
         self.ended_at: list[float] = []
 
     def forward(self, rows: int, drafts: int = 0) -> None:
+        now = time.perf_counter()
+        self.capacity = rows if self.capacity is None else self.capacity
+        self.draining = rows < self.capacity
         self.forwards += 1
         self.row_forwards += rows
         self.slot_steps += rows + drafts
         self.drafted += drafts
+        if self.draining:
+            for key, value in (("forwards", 1), ("row_forwards", rows), ("drafted", drafts)):
+                self.drain[key] += value
+            self.drain["seconds"] += now - self.counted
+        self.counted = now
+
+    def accept(self, tokens: int) -> None:
+        """Draft tokens the last forward's draws accepted."""
+        self.accepted += tokens
+        if self.draining:
+            self.drain["accepted"] += tokens
 
     def ended(self, rows: int) -> None:
         if rows:
             self.ended_at.extend([time.perf_counter()] * rows)
 
     def stats(self) -> RolloutStats:
+        drain = self.drain
         return RolloutStats(
             slot_steps=self.slot_steps,
             row_forwards=self.row_forwards,
@@ -129,6 +149,11 @@ class Tally:
             tail_seconds=tail_seconds(self.ended_at, self.started),
             drafted=self.drafted,
             accepted=self.accepted,
+            drain_forwards=drain["forwards"],
+            drain_row_forwards=drain["row_forwards"],
+            drain_drafted=drain["drafted"],
+            drain_accepted=drain["accepted"],
+            drain_seconds=drain["seconds"],
         )
 
 

@@ -74,6 +74,17 @@ class RolloutStats:
     """Speculation: draft tokens proposed and verified."""
     accepted: int = 0
     """Speculation: draft tokens the keyed draw accepted."""
+    drain_forwards: int = 0
+    """Of `forwards`, those of the drain: over fewer rows than the engine holds (slots: fewer than S, none
+    waiting; `compact`: after its first row left). An engine that decodes every row to the end has none."""
+    drain_row_forwards: int = 0
+    """Of `row_forwards`, the drain's: its tokens are these plus `drain_accepted`."""
+    drain_drafted: int = 0
+    """Of `drafted`, the drain's."""
+    drain_accepted: int = 0
+    """Of `accepted`, the drain's."""
+    drain_seconds: float = 0.0
+    """Wall time of the drain's forwards, each counted from the previous forward's end."""
 
 
 class RolloutEngine(Component):

@@ -14,10 +14,11 @@ is compared with come from kernels whose rounding moves with the shape of the pr
 `BatchInvariant` (a `TorchFunctionMode`) makes both shape-free for the row:
 - `F.linear` runs over blocks of exactly `rows` rows (the last one zero-padded), so every GEMM has
   the same M whatever the batch;
-- `F.scaled_dot_product_attention` puts each query and head in the batch dimension (every product
-  has one row) and reduces over the keys in fixed chunks of `KEY_CHUNK` columns counted
-  from column 0 (the last chunk zero-padded), summing the chunks' partial products in order. A
-  masked column's probability is exactly 0, so trailing masked columns add exact zeros.
+- `F.scaled_dot_product_attention` forms every score and every output element as its own
+  elementwise product and sum (no matrix kernel, whose blocking follows the shapes), reducing over
+  the keys in fixed chunks of `KEY_CHUNK` columns counted from column 0 (the last chunk
+  zero-padded) and adding the chunks' partial sums in order. A masked column's probability is
+  exactly 0, so trailing masked columns add exact zeros.
 Everything else in a decoder (norms, rotary, softmax, activations) works row by row already.
 
 It covers models whose matmuls are linear layers and sdpa attention; a model that calls another

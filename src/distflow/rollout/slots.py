@@ -182,6 +182,7 @@ class _Rollout:
         self.cache = _SlotCache(prefill, self.num_slots, self.width + self.R + self.draft_tokens)
         self.prefill = prefill
         waiting = [b for b in range(self.num_rows) if not self._ended(b)]
+        self.tally.capacity = min(self.num_slots, len(waiting))  # full: every slot a sample can take, running
         self.rows: list[int] = []  # row a holds sample rows[a]
         self.next_t: list[int] = []  # and has drawn its first next_t[a] tokens
         self._fill(waiting)
@@ -312,7 +313,7 @@ class _Rollout:
                 places_N.append(a * token_Aq.shape[1] + i)
                 if self._ended(b) or i >= len(d) or token != d[i]:
                     break
-            self.tally.accepted += len(tokens) - start - 1
+            self.tally.accept(len(tokens) - start - 1)
             self.next_t[a] = len(tokens)
             self.drafters[b // self.n].grown(b, start)
             if self._ended(b):
