@@ -130,6 +130,8 @@ def test_with_more_than_a_tenth_of_the_rows_at_the_cap_there_is_no_tail(tokenize
     _, graphed = _rollout(tokenizer, "graphed", 25)
     assert generated.tail_seconds == graphed.tail_seconds == 0.0
     assert generated.slot_steps == graphed.slot_steps == 16 * 24
+    _, compact = _rollout(tokenizer, "compact", 25)  # its rows at the cap end there too (they were not counted)
+    assert compact.tail_seconds == 0.0
 
 
 def test_the_rollout_stage_logs_occupancy_and_the_tail_where_the_engine_counts(tokenizer):

@@ -81,6 +81,7 @@ def decode(
             token_A1, logp_A1 = sampled_logprob_B1(logits_AV, rows.uniform_A1[t], temperature=temperature, top_p=top_p)
         drawn.add(token_A1, logp_A1 if logprobs else None)
         if t == max_new_tokens - 1:
+            tally.ended(rows.rows_A.shape[0])  # the rows still running end at max_new_tokens
             break
         if (t + 1) % every == 0:  # the only look at the values on the host
             # A row that ended between two looks stayed in the batch; what it drew after its end is padded.
@@ -97,8 +98,6 @@ def decode(
         if routing is not None:  # the forward fed each row's token t
             routing.decoded(rows.rows_A, width + t)
         tally.forward(rows.rows_A.shape[0])
-    else:
-        tally.ended(rows.rows_A.shape[0])  # the rows still running at max_new_tokens
     drawn.write(rows.rows_A)
     return drawn.result(stop_S, padded=every > 1)
 
