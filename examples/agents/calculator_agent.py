@@ -13,23 +13,10 @@ import json
 
 import openai
 
-from distflow.envs.calculator import CalculatorError, calculate
+from distflow.envs.calculator import CALCULATOR_TOOL, CalculatorError, calculate
 
 MAX_TURNS = 4
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Exact integer arithmetic: + - * // % and parentheses.",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string"}},
-                "required": ["expression"],
-            },
-        },
-    }
-]
+TOOLS = [CALCULATOR_TOOL]  # {"type": "function", "function": {"name": "calculator", "parameters": ...}}
 
 
 def calculator(expression: str) -> str:

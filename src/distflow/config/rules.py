@@ -96,6 +96,11 @@ def _check_agent(config) -> None:
         "warmstart.tool_transcripts=true teaches the calculator's convention on sums of more than two operands:"
         " use it with task.num_operands >= 3 and no env.cls other than distflow.envs.tools:CalculatorEnv",
     )
+    check(
+        not (config.warmstart.tool_transcripts and config.model.path is not None and config.rollout.agent is None),
+        "warmstart.tool_transcripts=true with model.path teaches a chat model the calls of a calculator agent: "
+        "set rollout.agent (examples/agents/calculator_agent.py's solve offers that tool)",
+    )
 
 
 def _check_partial(config) -> None:

@@ -58,3 +58,19 @@ def _eval(node: ast.AST) -> int:
     if abs(value) > MAX_ABS:
         raise CalculatorError(f"|value| above {MAX_ABS}")
     return value
+
+
+CALCULATOR_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Exact integer arithmetic: + - * // % and parentheses.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
+"""The calculator as an OpenAI tool, as `examples/agents/calculator_agent.py` offers it: a real model's
+tool warm-start (`tasks/chat_transcripts.py`) renders exactly this signature into its prompts."""

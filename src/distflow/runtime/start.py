@@ -129,6 +129,8 @@ def _prepare_model(config: Config) -> None:
         what = (
             "the warm-start of the embedded model"
             if config.model.path is None
+            else f"the tool warm-start of {config.model.path}"
+            if config.warmstart.tool_transcripts
             else f"the conversion of {config.model.path}"
         )
         line = (

@@ -109,7 +109,7 @@ class Arithmetic(TaskSource):
         task = config.task
         num_problems = 10 ** (task.num_operands * task.num_digits)
         held_back = task.num_heldout
-        if config.model.path is None and config.warmstart.target_accuracy > 0:
+        if (config.model.path is None or config.warmstart.tool_transcripts) and config.warmstart.target_accuracy > 0:
             held_back += config.warmstart.num_validation
         check(
             held_back < num_problems,

@@ -141,6 +141,16 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
         progress_bar=config.trainer.progress_bar,
     )
     info["seconds"] = round(time.time() - start, 1)
+    save_warmstarted(model, tokenizer, target, info)
+    log(
+        f"warm-start done: {info['steps']} steps, {info['seconds']:.0f}s, validation accuracy "
+        f"{info['validation_accuracy']:.3f} → {target}"
+    )
+    return info
+
+
+def save_warmstarted(model, tokenizer, target: Path, info: dict) -> None:
+    """A warm-started model, its tokenizer and `info` into a temporary directory renamed to `target`."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -158,11 +168,6 @@ def build_embedded_model(config: Config, target: Path, log=print) -> dict:
         tmp.rename(target)
     except OSError:  # another process finished the same (deterministic) checkpoint first
         shutil.rmtree(tmp, ignore_errors=True)
-    log(
-        f"warm-start done: {info['steps']} steps, {info['seconds']:.0f}s, validation accuracy "
-        f"{info['validation_accuracy']:.3f} → {target}"
-    )
-    return info
 
 
 def save_model_dir(model, directory: Path) -> None:

@@ -47,13 +47,20 @@ def model_dirs(config: Config, *, builder: bool, log: Callable[[str], None]) -> 
         model_dir = ensure_embedded_model(config, builder=builder, log=log)
         return model_dir, model_dir
     model_dir = resolve_model_dir(config.model.path, builder=builder, log=log)
-    return model_dir, Path(config.model.tokenizer_path or model_dir).expanduser()
+    tokenizer_dir = Path(config.model.tokenizer_path or model_dir).expanduser()
+    if config.warmstart.tool_transcripts:  # a chat model taught the calculator's calls first: its own directory
+        from distflow.tasks.tool_warmstart import ensure_tool_warmstart
+
+        model_dir = ensure_tool_warmstart(config, model_dir, tokenizer_dir, builder=builder, log=log)
+        return model_dir, model_dir
+    return model_dir, tokenizer_dir
 
 
 def prepared_per_node(config: Config) -> bool:
     """Whether the model directory is made by distflow (the embedded model's warm-start, a GGUF
-    conversion): by the launching process, or under a bare torchrun by each node's local rank 0."""
-    return config.model.path is None or is_converted(config.model.path)
+    conversion, a chat model's tool warm-start): by the launching process, or under a bare torchrun by each
+    node's local rank 0."""
+    return config.model.path is None or is_converted(config.model.path) or bool(config.warmstart.tool_transcripts)
 
 
 def is_converted(path: str | None) -> bool:
