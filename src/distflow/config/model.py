@@ -105,7 +105,9 @@ class ModelConfig:
 class WarmstartConfig:
     target_accuracy: float = 0.25
     """Stop the supervised warm-start once validation accuracy at the rollout temperature
-    reaches this (embedded model only; 0 skips the warm-start)."""
+    reaches this (0 skips the warm-start). For a chat model's tool warm-start (`tool_transcripts`
+    with `model.path`): the share of validation tool transcripts whose every reply token is the
+    model's most likely one."""
     max_steps: int = 2000
     """Give up (and fail) if the target is not reached within this many steps."""
     check_every: int = 10
@@ -122,7 +124,10 @@ class WarmstartConfig:
     """Warm-start on a mix of calculator transcripts ("(12+34)=" ends a call, its value comes back)
     and direct answers, so the model starts out knowing the tool (embedded model, sums of more than
     two operands). null: when `env.cls` is the calculator. True for an agent (`rollout.agent`) that
-    offers a `calculator` tool: the episodes it makes are then those transcripts, token for token."""
+    offers a `calculator` tool: the episodes it makes are then those transcripts, token for token.
+    With `model.path` (a chat model): true warm-starts it on the calculator agent's episodes as
+    the run's chat template renders them (hermes calls; `model.chat_template=chatml-tools` for a
+    template that drops tools), cached by the model's files, template, task and these settings."""
 
     def __post_init__(self) -> None:
         check(

@@ -13,8 +13,11 @@ reply:
     ids        P0 + S0 + N1 + S1      (P_i: render(messages up to reply i, generation prompt), S_i: reply i's
                                        text and the template's end-of-turn token; loss on S only)
 
-A direct transcript answers at once (`TOOL_FRACTION` of them call the tool, as for the embedded
-model's warm-start), so the policy starts out knowing both ways and RL can learn that the tool pays.
+A direct transcript answers at once. Training transcripts call the tool with probability `TOOL_FRACTION`,
+as for the embedded model's warm-start: a chat model's direct answers to three 2-digit sums are mostly
+wrong, so the policy starts out knowing both ways and RL can learn that the tool pays. The stop rule's validation
+transcripts all call it (`tool_fraction=1`): their replies copy the expression and the tool's answer, the
+convention being taught, where a direct reply's exactness would measure the model's arithmetic.
 The tools are rendered as `CALCULATOR_TOOL`, the signature the example agent offers. Each reply is
 tokenized on its own, as a sampled reply's tokens come; a template under which the next prompt does
 not extend them (so that the endpoint would start a new sample there) is refused.
@@ -76,11 +79,11 @@ def transcript(tokenizer, chat_template: str | None, messages: list[dict]) -> tu
     return ids, loss
 
 
-def transcript_batch(tokenizer, chat_template, rows: list[dict], seed: int):
+def transcript_batch(tokenizer, chat_template, rows: list[dict], seed: int, *, tool_fraction: float = TOOL_FRACTION):
     """(ids_BT, mask_BT, loss_mask_BT) of a mixed batch, left-padded; row i calls the tool with probability
-    TOOL_FRACTION, drawn from (seed, i)."""
+    `tool_fraction`, drawn from (seed, i)."""
     rng = random.Random(seed)
-    pairs = [transcript(tokenizer, chat_template, episode(row, use_tool=rng.random() < TOOL_FRACTION)) for row in rows]
+    pairs = [transcript(tokenizer, chat_template, episode(row, use_tool=rng.random() < tool_fraction)) for row in rows]
     ids_BT, mask_BT = left_pad([ids for ids, _ in pairs], tokenizer.pad_token_id)
     loss_BT, _ = left_pad([loss for _, loss in pairs], 0, width=ids_BT.shape[1])
     return ids_BT, mask_BT, loss_BT

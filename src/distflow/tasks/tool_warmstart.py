@@ -11,9 +11,9 @@ The embedded model's warm-start (tasks/embedded.py) teaches its `equals` convent
 a chat model the hermes calls `examples/agents/calculator_agent.py` makes, so that the agent calls the
 tool from the first step of RL. The key covers everything that shapes the result: the base model's
 files (names, sizes, modification times), the chat template, the task, the warm-start settings and
-the seed. The stop rule is the warm-start's target: the share of validation transcripts whose every
-reply token is the model's most likely one (teacher-forced), checked every `warmstart.check_every`
-steps, must reach `warmstart.target_accuracy` within `warmstart.max_steps`.
+the seed. The stop rule is the warm-start's target: the share of validation tool transcripts (every one
+calls the tool) whose every reply token is the model's most likely one (teacher-forced), checked every
+`warmstart.check_every` steps, must reach `warmstart.target_accuracy` within `warmstart.max_steps`.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ from pathlib import Path
 
 from distflow.config import Config, ConfigError, to_dict
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the stop rule's validation transcripts all call the tool
 UNSHAPING = ("cache_dir", "tool_transcripts")
 
 
 def cache_key(config: Config, base_dir: Path, tokenizer_dir: Path) -> str:
     from distflow.tasks.embedded import reserved_problems
+    from distflow.tasks.tool_transcripts import TOOL_FRACTION
 
     files = []
     for directory in dict.fromkeys((base_dir, tokenizer_dir)):
@@ -44,6 +45,7 @@ def cache_key(config: Config, base_dir: Path, tokenizer_dir: Path) -> str:
         "task": [config.task.num_digits, config.task.num_operands, reserved_problems(config)],
         "warmstart": {k: v for k, v in to_dict(config)["warmstart"].items() if k not in UNSHAPING},
         "seed": config.trainer.seed,
+        "tool_fraction": TOOL_FRACTION,
     }
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -77,14 +79,16 @@ def build(config: Config, base_dir: Path, tokenizer_dir: Path, target: Path, log
     task = warmstart_task(config, tokenizer)
     validation, train = list(task.train[-ws.num_validation :]), task.train[: -ws.num_validation]
     held = [
-        transcript_batch(tokenizer, template, validation[s : s + ws.batch_size], derive_seed(seed, "tool-val", s))
+        transcript_batch(
+            tokenizer, template, validation[s : s + ws.batch_size], derive_seed(seed, "tool-val", s), tool_fraction=1.0
+        )
         for s in range(0, len(validation), ws.batch_size)
     ]
     accuracy = [0.0]
 
     def reached(step: int) -> bool:
         accuracy[0] = float(torch.cat([exact_replies(model, batch) for batch in held]).float().mean())
-        bar.set_postfix_str(f"validation replies exact {accuracy[0]:.3f} of {ws.target_accuracy}")
+        bar.set_postfix_str(f"validation tool transcripts exact {accuracy[0]:.3f} of {ws.target_accuracy}")
         return accuracy[0] >= ws.target_accuracy
 
     def batch_of(indices: list[int], step: int):
@@ -93,7 +97,7 @@ def build(config: Config, base_dir: Path, tokenizer_dir: Path, target: Path, log
 
     log(
         f"warm-start: {base_dir.name} on calculator transcripts ({len(train)} problems) until "
-        f"{ws.target_accuracy} of {len(validation)} validation replies are exact, at most warmstart.max_steps="
+        f"{ws.target_accuracy} of {len(validation)} validation tool transcripts are exact, at most warmstart.max_steps="
         f"{ws.max_steps} steps (cached afterwards)"
     )
     bar = _bar(ws.max_steps, enabled=config.trainer.progress_bar)
