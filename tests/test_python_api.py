@@ -243,11 +243,12 @@ def test_arguments_of_the_wrong_kind_are_one_line_naming_them(arguments, message
 
 def test_config_objects_mappings_and_files_give_the_same_config(tmp_path):
     from distflow.api import _config
+    from distflow.config.loader import config_of
 
     path = tmp_path / "c.yaml"
     path.write_text("trainer: {total_steps: 7}\n")
     made = [
-        _config(config, {"rollout.num_samples": 8}, Inputs(launched=False, nproc=1))
+        config_of(_config(config, {"rollout.num_samples": 8}, Inputs(launched=False, nproc=1)))
         for config in (path, {"trainer": {"total_steps": 7}}, Config(trainer=TrainerConfig(total_steps=7)))
     ]
     assert made[0] == made[1] == made[2]

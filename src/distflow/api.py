@@ -70,6 +70,10 @@ def train(
     dataset: Any = None,
     heldout: Any = None,
     env: type | str | None = None,
+    engine: type | str | None = None,
+    estimator: Any = None,
+    policy_loss: Callable | str | None = None,
+    agent: Callable | str | None = None,
     nproc: int = 1,
     resume: bool | str = False,
     max_restarts: int = 0,
@@ -88,13 +92,16 @@ def train(
     heldout: the rows evaluated (same forms); None: the last `task.num_heldout` rows of `dataset`,
         at most a tenth of them, are held out of training.
     env: an environment class (reset(sample), step(action)) or its import string: `env.cls`.
+    engine, estimator, policy_loss, agent: a part of yours itself where `rollout.engine`, `algorithm.estimator`,
+        `algorithm.policy_loss`, `rollout.agent` would name it, checked against its kind's contract as a named one.
     nproc: ranks to start on this machine (ignored under torchrun, where each call is one rank).
     resume: True: the latest checkpoint of trainer.run_name's run; a path: that checkpoint or run.
     max_restarts: restart the ranks up to this many times after a failure, each time from the latest
         checkpoint (the ranks are then launched processes, also with nproc=1).
 
     Raises `ConfigError` for a user error (the CLI's message) and `RunFailed` for a run that
-    started and failed (its line names the rank and the stage).
+    started and failed (its line names the rank and the stage). Long because this docstring documents
+    every argument; the body is about 20 lines.
     """
     from distflow.config.callables import provided
     from distflow.runtime.start import LATEST, launches, start
@@ -108,12 +115,13 @@ def train(
         )
     saved, inputs = _SavedState.take(), Inputs(launched=launches(nproc, max_restarts), nproc=nproc)
     try:
-        resolved = _config(config, overrides, inputs, rewards=rewards, dataset=dataset, heldout=heldout, env=env)
-        if inputs.import_paths:  # launched ranks import the script's own functions by its name
-            os.environ["PYTHONPATH"] = os.pathsep.join(
-                inputs.import_paths + [p for p in [os.environ.get("PYTHONPATH")] if p]
-            )
-        with provided(inputs.objects):
+        parts = {"engine": engine, "estimator": estimator, "policy_loss": policy_loss, "agent": agent}
+        data = _config(
+            config, overrides, inputs, rewards=rewards, dataset=dataset, heldout=heldout, env=env, parts=parts
+        )
+        _import_paths(inputs)
+        with provided(inputs.objects):  # the config's checks resolve the parts given by their names
+            resolved = config_of(data)
             summary, final = start(
                 resolved, nproc=nproc, resume=_resume_value(resume, LATEST), max_restarts=max_restarts
             )
@@ -124,8 +132,9 @@ def train(
     return RunResult(Path(summary["run_dir"]), summary, {k: v for k, v in final.items() if k.startswith("eval/")})
 
 
-def _config(config: Any, overrides: Sequence[str] | Mapping[str, Any], inputs: Inputs, **given: Any) -> Config:
-    """The typed config of `config` with the overrides, then the Python objects and rows `given`."""
+def _config(config: Any, overrides: Sequence[str] | Mapping[str, Any], inputs: Inputs, **given: Any) -> dict:
+    """The config mapping of `config` with the overrides, then the Python objects and rows `given` (typed by
+    `config_of` where the objects are provided)."""
     overrides = _override_lines(overrides)
     if config is None or isinstance(config, (str, Path)):
         base = load_config(config, list(overrides))
@@ -139,7 +148,15 @@ def _config(config: Any, overrides: Sequence[str] | Mapping[str, Any], inputs: I
         )
     data = to_dict(base)
     inputs.apply(data, num_heldout=base.task.num_heldout, **given)
-    return config_of(data)
+    return data
+
+
+def _import_paths(inputs: Inputs) -> None:
+    """Launched ranks import the script's own functions by its name: its folder goes on their path."""
+    if inputs.import_paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            inputs.import_paths + [p for p in [os.environ.get("PYTHONPATH")] if p]
+        )
 
 
 def _count(name: str, value: Any, *, at_least: int) -> int:

@@ -1,6 +1,8 @@
 """What `distflow.train` is given as Python values, turned into config entries every rank can read.
 
-a callable (reward, environment class) ──► its name in the config, `module:qualname`
+a callable (reward, environment class, engine class, policy loss, agent) ──► its name in the config,
+    `module:qualname`; a part that is a value (an Estimator) ──► the same, named by the top-level
+    variable holding it where launched ranks import it
     run in this process ──► the object itself, provided under that name (config/callables.py)
     launched ranks      ──► imported there by that name: a module's top-level function or class
                             (a script's own: the script imported by its file name); one that
@@ -21,6 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from distflow.config.errors import ConfigError
+
+PARTS = {
+    "engine": "rollout.engine",
+    "estimator": "algorithm.estimator",
+    "policy_loss": "algorithm.policy_loss",
+    "agent": "rollout.agent",
+}
+"""`distflow.train`'s arguments that give a part itself (a class, a function, an instance) → the key that names it."""
+INSTANCES = ("estimator",)
+"""The arguments whose parts are values, not classes or functions."""
 
 
 class Inputs:
@@ -43,9 +55,15 @@ class Inputs:
         dataset: Any = None,
         heldout: Any = None,
         env: Any = None,
+        parts: Mapping[str, Any] | None = None,
     ) -> None:
-        """Set the config entries (`data`, a plain config mapping) of what was given."""
+        """Set the config entries (`data`, a plain config mapping) of what was given; `parts`: argument name →
+        the part given for it (`PARTS`)."""
         task = data["task"]
+        for argument, part in (parts or {}).items():
+            if part is not None:
+                section, key = PARTS[argument].split(".")
+                data.setdefault(section, {})[key] = self.reference(part, argument, instance=argument in INSTANCES)
         if rewards is not None:
             items = list(rewards) if isinstance(rewards, (list, tuple)) else [rewards]
             if not items:
@@ -65,16 +83,19 @@ class Inputs:
         elif heldout is not None:
             raise ConfigError("heldout rows were given without dataset: give the training rows as dataset too")
 
-    def reference(self, obj: Callable | str, key: str) -> str:
-        """The config's name for `obj` (an import string is used as it is)."""
+    def reference(self, obj: Callable | str, key: str, *, instance: bool = False) -> str:
+        """The config's name for `obj` (an import string is used as it is); `instance`: the kind's parts are
+        values (an `Estimator`), named by the module attribute that holds them where ranks import them."""
         if isinstance(obj, str):
             return obj
-        if not callable(obj):
+        if not callable(obj) and not instance:
             raise ConfigError(
                 f"{key} must be a function, a class or a 'package.module:name' string (got {type(obj).__name__})"
             )
         module = getattr(obj, "__module__", None) or type(obj).__module__
         qualname = getattr(obj, "__qualname__", None) or f"{type(obj).__qualname__}()"
+        if self.launched and instance and not hasattr(obj, "__qualname__"):
+            module, qualname = _holder(obj, key, self.nproc)
         if self.launched:
             return self._importable(obj, key, module, qualname)
         spec, n = f"{module}:{qualname}", 1
@@ -88,7 +109,7 @@ class Inputs:
         """`module:qualname` as a launched rank imports it; a ConfigError when it cannot."""
         what = f"{key} ({getattr(obj, '__name__', type(obj).__name__)!r})"
         ranks = f"the {self.nproc} ranks that nproc={self.nproc} starts"
-        if "<" in qualname or "." in qualname or not hasattr(obj, "__qualname__"):
+        if "<" in qualname or "." in qualname or not (hasattr(obj, "__qualname__") or qualname.isidentifier()):
             raise ConfigError(
                 f"{what} is not a top-level function or class of a module, so {ranks} cannot import "
                 "it; define it with def/class at the top level of a module, or train with nproc=1"
@@ -145,6 +166,24 @@ class Inputs:
     def close(self) -> None:
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def _holder(obj: object, key: str, nproc: int) -> tuple[str, str]:
+    """(module, attribute) of the top-level variable holding `obj` that launched ranks import: the script's own
+    (__main__) first, then the module of a function it holds (an Estimator's stage), then any imported module
+    by name; a ConfigError when there is none."""
+    fns = [value for value in vars(obj).values() if callable(value)] if hasattr(obj, "__dict__") else []
+    modules = ["__main__", *(getattr(fn, "__module__", None) for fn in fns), *sorted(sys.modules)]
+    for module_name in dict.fromkeys(modules):
+        module = sys.modules.get(module_name or "")
+        held = getattr(module, "__dict__", None) or {}  # a sys.modules entry may be None or a module-like object
+        found = next((name for name, value in list(held.items()) if value is obj), None)
+        if found is not None:
+            return module_name, found
+    raise ConfigError(
+        f"{key} ({type(obj).__name__}) is held by no top-level variable of a module, so the {nproc} ranks that "
+        f"nproc={nproc} starts cannot import it; assign it at the top level of a module, or train with nproc=1"
+    )
 
 
 def _rows(rows: Any, key: str) -> list[dict]:

@@ -44,6 +44,24 @@ def provided(objects: Mapping[str, object]) -> Iterator[None]:
             _PROVIDED.pop(name, None)
 
 
+def given(spec: str) -> tuple[bool, object]:
+    """(whether `spec` names an object `distflow.train` provides for this process's run, that object)."""
+    return spec in _PROVIDED, _PROVIDED.get(spec)
+
+
+def import_part(path: str, where: str) -> tuple[bool, Any]:
+    """(whether `distflow.train` gives it for this run, the object `module:attr` names): given, or imported now."""
+    is_given, found = given(path)
+    if is_given:
+        return True, found
+    module, _, attr = path.partition(":")
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except Exception as err:  # ImportError, AttributeError, but also a SyntaxError or a crash in the user's module
+        raise ConfigError(f"{where}: cannot import {path!r} ({type(err).__name__}: {err})".replace("\n", " ")) from None
+    return False, found
+
+
 def import_callable(spec: str, *, key: str) -> Callable:
     """The function `spec` names; a ConfigError naming the config `key` otherwise."""
     if spec in _PROVIDED:

@@ -27,11 +27,10 @@ functions: checking a config and `distflow plan` must not pay for it.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any, ClassVar
 
-from distflow.config.callables import Contract
+from distflow.config.callables import Contract, import_part
 from distflow.config.errors import ConfigError
 from distflow.config.parse import build
 
@@ -130,12 +129,12 @@ class Registry:
                 f"{self.key}={name!r} is not a {self.kind}; choose one of {', '.join(self.names())}, "
                 f"or name your own as 'package.module:name'"
             )
-        found = _imported(path, f"{self.key}={name!r}")
+        is_given, found = import_part(path, f"{self.key}={name!r}")
         if self.contract is not None and name not in self._paths:  # yours: checked once, when first imported
             self.contract.check_part(found, f"{self.key}={name!r}", self.kind)
         if inspect.isfunction(found):
             found = function_component(found, name)
-        self._classes[name] = found
+        self._classes.update({} if is_given else {name: found})  # a given object is its run's: not kept
         return found
 
     def __getitem__(self, name: str) -> Any:
@@ -213,15 +212,6 @@ def _label(name: str) -> str:
 
 def _origin(cls: type) -> tuple[str, str]:
     return getattr(cls, "__module__", ""), getattr(cls, "__qualname__", repr(cls))
-
-
-def _imported(path: str, where: str) -> Any:
-    module, _, attr = path.partition(":")
-    try:
-        found = getattr(importlib.import_module(module), attr)
-    except Exception as err:  # ImportError, AttributeError, but also a SyntaxError or a crash in the user's module
-        raise ConfigError(f"{where}: cannot import {path!r} ({type(err).__name__}: {err})".replace("\n", " ")) from None
-    return found
 
 
 ALGORITHMS = Registry(
