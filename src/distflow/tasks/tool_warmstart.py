@@ -30,8 +30,8 @@ UNSHAPING = ("cache_dir", "tool_transcripts")
 
 
 def cache_key(config: Config, base_dir: Path, tokenizer_dir: Path) -> str:
+    from distflow.tasks.chat_transcripts import TOOL_FRACTION
     from distflow.tasks.embedded import reserved_problems
-    from distflow.tasks.tool_transcripts import TOOL_FRACTION
 
     files = []
     for directory in dict.fromkeys((base_dir, tokenizer_dir)):
