@@ -5,6 +5,7 @@ request field served or refused in OpenAI's error shape, forced tool calls, the 
 import json
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -380,6 +381,8 @@ def test_a_template_that_drops_tools_is_said_once_at_the_first_request_offering_
     lines = [line for line in capfd.readouterr().err.splitlines() if "chat template" in line]
     assert lines == [server.tools_warning]
     assert "renders neither the tools offered (`tools=`) nor the assistant's tool calls" in lines[0]
+    named = tokenizer.name_or_path and Path(tokenizer.name_or_path).name  # the model's directory, else the served name
+    assert lines[0].startswith(f"distflow: warning: {named or 'SmolLM2-135M-Instruct'}'s chat template")
     # the test template renders both: no line
     with AgentServer(ServerConfig(), tokenizer, ScriptedBackend(tokenizer, reluctant_script)) as server:
         server.open_session("s", uid=0)

@@ -328,5 +328,5 @@ def test_a_template_that_drops_tools_or_calls_is_said_in_one_line():
     line = tools_warning(tokenizer, SMOLLM2_TEMPLATE, model="SmolLM2-135M-Instruct")
     assert line.count("\n") == 0 and line.startswith("distflow: warning: SmolLM2-135M-Instruct's chat template")
     assert "renders neither the tools offered (`tools=`) nor the assistant's tool calls" in line
-    assert "never sees the tools" in line and "chat_template.jinja" in line
+    assert "never sees the tools" in line and "set model.chat_template=chatml-tools" in line
     assert dropped_by_template(tokenizer, EMBEDDED_CHAT_TEMPLATE) == ["the tools offered (`tools=`)"]

@@ -315,7 +315,10 @@ class AgentServer:
         self._tools_seen = True
         if self.config.tool_call_format == "equals":
             return
-        self.tools_warning = tools_warning(self._tokenizer, self.config.chat_template, model=self.config.model_name)
+        from pathlib import Path
+
+        model = Path(getattr(self._tokenizer, "name_or_path", "") or "").name or self.config.model_name
+        self.tools_warning = tools_warning(self._tokenizer, self.config.chat_template, model=model)  # the model's own
         if self.tools_warning is not None:
             print(self.tools_warning, file=sys.stderr, flush=True)
 

@@ -66,6 +66,6 @@ def tools_warning(tokenizer, chat_template: str | None = None, *, model: str = "
     what = f"renders neither {dropped[0]} nor {dropped[1]}" if len(dropped) == 2 else f"does not render {dropped[0]}"
     return (
         f"distflow: warning: {model}'s chat template {what}: {' and '.join(CONSEQUENCES[d] for d in dropped)}; "
-        "use a model whose template renders them (Qwen2.5's, Hermes'), or write one into the model directory's "
-        "chat_template.jinja"
+        "set model.chat_template=chatml-tools (distflow's, hermes calls) or a Jinja file of your own, or use a model "
+        "whose template renders them (Qwen2.5's, Hermes')"
     )
