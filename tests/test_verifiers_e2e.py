@@ -46,6 +46,7 @@ def _rubric_score_is_the_reward(steps, score):
         expected = (score * (EPISODES - failed) - 1.0 * failed) / EPISODES
         assert abs(r["reward/mean"] - expected) < 1e-6 and abs(r["agent/score"] - expected) < 1e-6
         assert r["reward/no_reward"] == 0.0  # the task's own reward functions add nothing
+        assert "reward/env" not in r  # an agent's score is agent/score; reward/env is an environment's (env.cls)
         assert r["agent/model_calls"] >= 1.0 and r["response/length"] > 0
     assert any(r["agent/agent_errors"] < EPISODES for r in steps)
 
