@@ -136,7 +136,7 @@ def rollout(workload: Workload, engine: RolloutEngine, max_new_tokens: int, inva
             workload.tokenizer,
             workload.prompts,
             max_new_tokens=max_new_tokens,
-            temperature=TEMPERATURE,
+            temperature=workload.temperature,
             sample_keys=keys,
             samples_per_prompt=workload.samples,
             engine=engine,
@@ -195,7 +195,7 @@ def run_workload(workload: Workload, args) -> dict:
     stop_ids, cap = stop_token_ids(workload.tokenizer), workload.max_new_tokens
     log(f"{workload.name}: {workload.model_name}, {len(workload.prompts)} x {workload.samples}, <= {cap} tokens")
     result: dict = {"model": workload.model_name, "prompts": len(workload.prompts), "samples": workload.samples}
-    result |= {"rows": workload.rows, "max_new_tokens": cap, "temperature": TEMPERATURE}
+    result |= {"rows": workload.rows, "max_new_tokens": cap, "temperature": workload.temperature}
     skipped, engines = {}, {}
     for mode in args.modes:  # the untimed first call, which also finds the engines not there yet
         engine = engine_for(mode, args)
@@ -302,6 +302,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, help="default: 256 (controlled), 512 (smollm2)")
     parser.add_argument("--slots", type=int, default=0, help="rows of the slotted modes (default: prompts x samples)")
     parser.add_argument("--draft-tokens", type=int, default=4, help="draft tokens of slots+spec")
+    parser.add_argument("--temperature", type=float, default=TEMPERATURE, help="the rollout's sampling temperature")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds; each mode's fastest is kept")
     parser.add_argument("--repeats", type=int, default=3, help="timed forwards per cell and round (floor, curve)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))

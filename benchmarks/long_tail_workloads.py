@@ -73,6 +73,8 @@ class Workload:
     max_new_tokens: int
     law: StopLaw | None
     """The controlled workload's stop law (None: the model's own stops)."""
+    temperature: float = TEMPERATURE
+    """The rollout's sampling temperature (`--temperature`)."""
 
     @property
     def rows(self) -> int:
@@ -81,7 +83,7 @@ class Workload:
     def never_stops(self):
         """A context in which this workload's model never samples a stop token (the decode-step curve)."""
         if self.law is None:
-            return hooked(self.model, StopLaw(stop_token_ids(self.tokenizer), 0, TEMPERATURE, hazard=False))
+            return hooked(self.model, StopLaw(stop_token_ids(self.tokenizer), 0, self.temperature, hazard=False))
         return _without_hazard(self.law)
 
 
@@ -107,10 +109,12 @@ def controlled(args) -> Workload:
     model.eval()
     prompts = [f"{10 + 37 * i % 90}+{10 + 59 * i % 90}=" for i in range(args.prompts)]
     (prompt_tokens,) = {len(ids) for ids in encode_prompts(tokenizer, prompts)}  # the law counts from one length
-    law = StopLaw(stop_token_ids(tokenizer), prompt_tokens, TEMPERATURE, hazard=True)
+    law = StopLaw(stop_token_ids(tokenizer), prompt_tokens, _temperature(args), hazard=True)
     model.register_forward_hook(law, with_kwargs=True)
     name = f"embedded tiny Llama (untrained, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)"
-    return Workload("controlled", name, model, tokenizer, prompts, args.samples, args.max_new_tokens, law)
+    return Workload(
+        "controlled", name, model, tokenizer, prompts, args.samples, args.max_new_tokens, law, _temperature(args)
+    )
 
 
 def smollm2_missing(quick: bool) -> str | None:
@@ -142,4 +146,11 @@ def smollm2(args) -> Workload:
     rows = GymRows(spec, args.prompts, 0, "train")
     prompts = [chat_prompt(tokenizer, rows[i]["prompt"]) for i in range(len(rows))]
     name = "SmolLM2-135M-Instruct (float32), reasoning-gym chain_sum, step by step"
-    return Workload("smollm2", name, model, tokenizer, prompts, args.samples, args.max_new_tokens, None)
+    return Workload(
+        "smollm2", name, model, tokenizer, prompts, args.samples, args.max_new_tokens, None, _temperature(args)
+    )
+
+
+def _temperature(args) -> float:
+    """The rollout's temperature: long_tail.py's `--temperature`, TEMPERATURE for a caller without it."""
+    return getattr(args, "temperature", TEMPERATURE)
