@@ -73,11 +73,39 @@ def test_the_reference_lists_every_key_with_its_type_default_and_doc():
         "pipeline.custom_stages[].fn",
     } <= keys
     assert sorted(keys - set(rows)) == [], "config keys missing from the generated reference"
-    assert sorted(set(rows) - keys) == [], "reference rows that are no config key"
+    assert sorted(set(rows) - keys - part_keys()) == [], "reference rows that are no config key"
     undocumented = sorted(key for key, (type_, default, doc) in rows.items() if not (type_ and default and doc))
     assert undocumented == [], (
         "config keys without an attribute docstring (the string right below the field, which the reference prints)"
     )
+
+
+def part_keys() -> set[str]:
+    """The keys of every built-in part's own options, under its name in its section (`rollout.vllm.log`), found
+    from the registries independently of the generator."""
+    from distflow.config import components
+
+    keys = set()
+    for registry in (components.ROLLOUT_ENGINES, components.TASK_SOURCES, components.TRAINED_MODELS):
+        for name in registry.builtins():
+            options = getattr(registry.get(name), "Config", None)
+            if options is not None:
+                prefix = f"{registry.key.split('.')[0]}.{name}"
+                keys |= {prefix} | every_key(options, prefix + ".")
+    return keys
+
+
+def test_the_reference_lists_every_parts_own_options_under_its_name():
+    """The parts' options are keys too (`rollout: {engine: vllm, vllm: {log: true}}`): each is in the reference
+    with its type, default and docstring, and the config reads it where the reference says."""
+    from distflow.config import load_config
+
+    rows, keys = reference_rows(), part_keys()
+    assert {"rollout.compact.slots", "rollout.vllm.log", "task.verifiers.env", "task.verifiers.harness"} <= keys
+    assert sorted(keys - set(rows)) == [], "part options missing from the generated reference"
+    assert all(rows[key][2] for key in keys), "part options without a docstring"
+    assert rows["rollout.compact.slots"][:2] == ["`int`", "`0`"]
+    assert load_config(None, ["rollout.compact.slots=4"]).rollout.options["slots"] == 4
 
 
 def test_the_reference_shows_defaults_as_yaml_and_sections_with_their_docs():

@@ -9,7 +9,10 @@ house convention of this package). Optional sub-sections (`task.dataset`) and li
 dataclass is on the site without anyone editing a table; tests/test_config_reference.py fails
 when a key has no docstring.
 
-Only the standard library reads the sources (`ast`, `inspect`): no torch, no distflow runtime.
+A built-in part that owns options (a `Component` whose `Config` is a dataclass: `rollout.compact`,
+`rollout.vllm`, `task.verifiers`) is listed in its section under its name, then walked, as the section
+reads it (`rollout: {engine: vllm, vllm: {log: true}}`). Finding them imports each part's module (torch
+among them); the rest reads the sources (`ast`, `inspect`).
 """
 
 from __future__ import annotations
@@ -136,12 +139,40 @@ def entries(cls: type = Config, prefix: str = "") -> list[Entry]:
     return rows
 
 
+def part_entries() -> dict[str, list[Entry]]:
+    """Section name → the rows of its built-in parts' own options (`rollout.vllm`, `rollout.vllm.log`), each
+    registry's parts in its order."""
+    from distflow.config import components
+
+    rows: dict[str, list[Entry]] = {}
+    registries = [r for r in vars(components).values() if type(r) is components.Registry]  # classes, not functions
+    for registry in registries:
+        section = registry.key.split(".")[0]
+        for name in registry.builtins():
+            part = registry.get(name)
+            options = getattr(part, "Config", None) if isinstance(part, type) else None
+            if options is None or not dataclasses.is_dataclass(options):
+                continue
+            key, doc = (
+                f"{section}.{name}",
+                f"The options of `{registry.key}: {name}` ({registry.kind}); also `{section}.options`.",
+            )
+            rows.setdefault(section, []).append(Entry(key=key, type=options.__name__, default="(section)", doc=doc))
+            rows[section] += entries(options, key + ".")
+    return rows
+
+
 def sections() -> list[Section]:
-    """`Config`'s top-level sections, each with its docstring and its rows."""
+    """`Config`'s top-level sections, each with its docstring and its rows, its parts' options last."""
     docs = attribute_docs(Config)
     hints = typing.get_type_hints(Config)
+    parts = part_entries()
     return [
-        Section(name=field.name, doc=docs.get(field.name, ""), entries=entries(hints[field.name], field.name + "."))
+        Section(
+            name=field.name,
+            doc=docs.get(field.name, ""),
+            entries=entries(hints[field.name], field.name + ".") + parts.get(field.name, []),
+        )
         for field in dataclasses.fields(Config)
     ]
 
