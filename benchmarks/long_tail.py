@@ -28,7 +28,7 @@ the same keys:
               compact's and can be checked. TRL itself (.venv-bench) would draw other samples, of other lengths.
   compact     `CompactEngine()`: one prefill per prompt, ended rows dropped, never refilled
   graphed     `engine_named("graphed")`: on a CPU it runs eagerly, every row decoded to the end
-  slots       `CompactEngine(CompactOptions(slots=S))`: ended rows refilled with waiting samples (rollout/slots.py)
+  slots       `CompactEngine(CompactOptions(slots=S, draft_tokens=0))`: ended rows refilled with waiting samples
   slots+spec  `CompactEngine(CompactOptions(slots=S, draft_tokens=K))`: slots, each row verifying K draft tokens
 
 --batch-invariant decodes every mode with batch-invariant kernels (rollout/invariant.py): the compact modes
@@ -115,7 +115,7 @@ def engine_for(mode: str, args) -> RolloutEngine:
         return engine_named("graphed")
     invariant = dict(batch_invariant=args.batch_invariant, invariant_rows=args.invariant_rows)
     if mode == "slots":
-        return CompactEngine(CompactOptions(slots=slots, **invariant))
+        return CompactEngine(CompactOptions(slots=slots, draft_tokens=0, **invariant))
     if mode == "slots+spec":
         return CompactEngine(CompactOptions(slots=slots, draft_tokens=args.draft_tokens, **invariant))
     return CompactEngine(CompactOptions(**invariant))

@@ -91,7 +91,7 @@ def _uids(step: int, group: int, workload) -> range:
 
 def run(workload, args) -> dict:
     slots = workload.rows
-    engines = {"compact": CompactEngine(), "slots": CompactEngine(CompactOptions(slots=slots))}
+    engines = {"compact": CompactEngine(), "slots": CompactEngine(CompactOptions(slots=slots, draft_tokens=0))}
     for engine in engines.values():  # untimed first calls
         generate(workload.model, workload.tokenizer, workload.prompts[:1], max_new_tokens=2, temperature=1.0,
                  sample_keys=[1], engine=engine)  # fmt: skip

@@ -147,6 +147,32 @@ def test_speculation_verifies_drafts_from_the_group_within_the_slots(model_and_t
     assert all(rows * width <= 8 for rows, width in decodes)  # within the slots' row-positions
 
 
+@pytest.mark.parametrize("temperature,speculates", [(1.0, False), (0.7, False), (0.5, True)])
+def test_by_default_slots_speculate_where_the_rollout_samples_cold(model_and_tokenizer, temperature, speculates):
+    """`draft_tokens` unset: 4 drafts at a temperature of at most 0.5, where speculation pays; none above
+    it. The samples are compact's either way."""
+    model, tokenizer = model_and_tokenizer
+    reference = _rollout(model, tokenizer, CompactEngine(), temperature=temperature)
+    engine = CompactEngine(CompactOptions(slots=8))
+    _assert_same_samples(_rollout(model, tokenizer, engine, temperature=temperature), reference)
+    stats = engine.last_stats()
+    assert stats.drain_row_forwards > 0  # a tail where drafts could run
+    assert (stats.drafted > 0) is speculates
+    assert stats.slot_steps == stats.row_forwards + stats.drafted
+
+
+def test_by_default_a_greedy_slotted_rollout_verifies_four_drafts(model_and_tokenizer, monkeypatch):
+    import distflow.rollout.slots as slots
+
+    asked = []
+    decode = slots.decode_in_slots
+    monkeypatch.setattr(slots, "decode_in_slots", lambda *args: asked.append(args[3]) or decode(*args))
+    model, tokenizer = model_and_tokenizer
+    for options in (CompactOptions(slots=8), CompactOptions(slots=8, draft_tokens=0)):
+        _rollout(model, tokenizer, CompactEngine(options), keys=False, max_new_tokens=8, temperature=1.0)
+    assert asked == [4, 0]
+
+
 def test_draft_lengths_spend_only_the_rows_the_tail_leaves_idle():
     assert [draft_lengths(a, 8, 4) for a in (8, 5, 4, 3, 2, 1)] == [0, 0, 1, 1, 3, 4]
     assert draft_lengths(1, 8, 0) == 0
