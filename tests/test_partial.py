@@ -9,7 +9,7 @@ from distflow.config import Config, ConfigError, load_config
 from distflow.rollout.compact import CompactEngine, CompactOptions
 from distflow.rollout.generation import generate
 from distflow.rollout.hf_generate import GenerateEngine
-from distflow.rollout.partial import Group, Sample, absorb, assemble, take_ended, work_rows
+from distflow.rollout.partial import Group, Sample, absorb, assemble, given_caches, take_ended, work_rows
 from distflow.tasks.tiny_model import build_tiny_model
 from distflow.tasks.tokenizer import build_char_tokenizer
 from distflow.training.sequences import encode_prompts, stop_token_ids
@@ -35,36 +35,47 @@ def _one_go(model, tokenizer, engine):
     )  # fmt: skip
 
 
-def _in_chunks(model, tokenizer, engine):
-    """Each sample decoded CHUNK tokens at a time through rollout/partial.py's bookkeeping, as the stage does."""
+def _in_chunks(model, tokenizer, engine, keep=False):
+    """Each sample decoded CHUNK tokens at a time through rollout/partial.py's bookkeeping, as the stage does
+    (`keep`: each continued from the KV cache its last chunk left)."""
     prompt_ids = encode_prompts(tokenizer, PROMPTS)
     keys = _keys()
     groups = [
         Group({}, ids, [Sample(uid=g * N + k, key=keys[g * N + k]) for k in range(N)], first_step=1)
         for g, ids in enumerate(prompt_ids)
     ]
-    calls = 0
+    calls = kept_rows = 0
     while any(not g.ended for g in groups):
         rows, row_keys, offsets = work_rows(groups)
+        caches = given_caches(groups) if keep else None
+        kept_rows += 0 if caches is None else sum(cache is not None for cache in caches.given)
         out = generate(
             model, tokenizer, [""] * len(rows), max_new_tokens=CHUNK, temperature=1.0, top_p=0.95,
             sample_keys=row_keys, prompt_ids=rows, engine=engine, logprobs=True, offsets=offsets,
-            prompt_width=14 + R,
+            prompt_width=14 + R, caches=caches,
         )  # fmt: skip
-        absorb(groups, out, version=calls, stop_ids=stop_token_ids(tokenizer), max_new_tokens=R)
+        absorb(groups, out, version=calls, stop_ids=stop_token_ids(tokenizer), max_new_tokens=R, caches=caches)
         calls += 1
-    return groups, calls
+    return groups, calls, kept_rows
 
 
 @pytest.mark.parametrize(
-    "engine",
-    [CompactEngine(), CompactEngine(CompactOptions(slots=5)), GenerateEngine()],
-    ids=["compact", "slots", "generate"],
+    "engine,keep",
+    [
+        (CompactEngine(), False),
+        (CompactEngine(CompactOptions(slots=5)), False),
+        (GenerateEngine(), False),
+        (CompactEngine(CompactOptions(slots=5)), True),
+        (CompactEngine(CompactOptions(slots=5, draft_tokens=3)), True),
+    ],
+    ids=["compact", "slots", "generate", "slots-kept-cache", "speculation-kept-cache"],
 )
-def test_a_sample_continued_in_chunks_draws_the_tokens_of_one_go(model_and_tokenizer, engine):
+def test_a_sample_continued_in_chunks_draws_the_tokens_of_one_go(model_and_tokenizer, engine, keep):
+    """With the weights fixed, a kept cache holds what a re-prefill would compute (to rounding)."""
     model, tokenizer = model_and_tokenizer
     reference = _one_go(model, tokenizer, CompactEngine())
-    groups, calls = _in_chunks(model, tokenizer, engine)
+    groups, calls, kept_rows = _in_chunks(model, tokenizer, engine, keep)
+    assert (kept_rows > 0) is keep  # rows continued from their caches, not prefilled again
     lengths = reference.response_mask_BR.sum(-1).tolist()
     assert calls > 2 and max(lengths) > 2 * CHUNK and min(lengths) < CHUNK  # some end early, some span chunks
     response = reference.input_ids_BT[:, reference.prompt_width :]

@@ -9,15 +9,19 @@ from resume_common import assert_same_run, samples, train
 from test_e2e import read_metrics
 
 PARTIAL = ("rollout.partial=3", "algorithm.off_policy_correction=tis", "rollout.max_new_tokens=8")
+KEPT = ("rollout.partial_cache=keep", "rollout.engine=compact", "rollout.compact.slots=8")
+"""Each continued sample starts from the KV cache its last step left (rollout/kept_cache.py): the caches travel
+in the checkpoint."""
 EXACT = ("rollout/partial_groups_ended", "rollout/partial_samples_carried", "tokens/generated", "response/length")
 
 
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory, cache_dir):
+@pytest.fixture(scope="module", params=["recompute", "keep"])
+def one_rank(request, tmp_path_factory, cache_dir):
     root = tmp_path_factory.mktemp("partial-one-rank")
-    result = train(root / "cwd", root, cache_dir, "trainer.run_name=run", *PARTIAL)
+    settings = PARTIAL + (KEPT if request.param == "keep" else ())
+    result = train(root / "cwd", root, cache_dir, "trainer.run_name=run", *settings)
     assert result.returncode == 0, result.stderr[-3000:]
-    return {"metrics": read_metrics(root / "run"), "samples": samples(root / "cwd")}
+    return {"metrics": read_metrics(root / "run"), "samples": samples(root / "cwd"), "settings": settings}
 
 
 def test_two_ranks_killed_with_samples_in_flight_resume_the_one_rank_run(tmp_path, cache_dir, one_rank):
@@ -27,10 +31,10 @@ def test_two_ranks_killed_with_samples_in_flight_resume_the_one_rank_run(tmp_pat
     assert ref_metrics[4]["off_policy/token_staleness_max"] >= 1
     out = tmp_path / "out"
     killed = train(
-        tmp_path / "first", out, cache_dir, "trainer.run_name=run", *PARTIAL, "--nproc", "2",
+        tmp_path / "first", out, cache_dir, "trainer.run_name=run", *one_rank["settings"], "--nproc", "2",
         env={"KILL_AT_STEP": "3", "KILL_RANK": "1"},
     )  # fmt: skip
-    assert killed.returncode != 0
+    assert killed.returncode != 0, killed.stderr[-3000:]
     assert sorted(p.name for p in (out / "run/checkpoints").iterdir()) == ["step-000002"]
     meta = json.loads((out / "run/checkpoints/step-000002/meta.json").read_text())
     assert meta["extra"]["parts"]["rollout"] == {
@@ -38,12 +42,16 @@ def test_two_ranks_killed_with_samples_in_flight_resume_the_one_rank_run(tmp_pat
         "world_size": 2,
     }
 
-    refused = train(tmp_path / "refused", out, cache_dir, "trainer.run_name=run", *PARTIAL, "--resume")  # 1 rank
+    refused = train(
+        tmp_path / "refused", out, cache_dir, "trainer.run_name=run", *one_rank["settings"], "--resume"
+    )  # 1 rank
     assert refused.returncode == 2
     last = refused.stderr.strip().splitlines()[-1]
     assert "samples in flight of a run with rollout.partial on 2 ranks" in last and "resume it on 2 ranks" in last
 
-    resumed = train(tmp_path / "second", out, cache_dir, "trainer.run_name=run", *PARTIAL, "--nproc", "2", "--resume")
+    resumed = train(
+        tmp_path / "second", out, cache_dir, "trainer.run_name=run", *one_rank["settings"], "--nproc", "2", "--resume"
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     metrics = read_metrics(out / "run")
     assert [r["step"] for r in metrics] == [0, 1, 2, 3, 4]

@@ -133,7 +133,13 @@ def _check_partial(config) -> None:
         "algorithm.off_policy_correction (tis, mask, seq_tis, geo_mask, ...) to weigh each token by its own "
         "behaviour log-prob",
     )
-    engine = ROLLOUT_ENGINES.get(rollout.engine)
+    engine, options = ROLLOUT_ENGINES.chosen(rollout, "engine")
+    check(
+        rollout.partial_cache == "recompute"
+        or (getattr(engine, "keeps_cache", False) and getattr(options, "slots", 1)),
+        f"rollout.partial_cache=keep continues each sample from its KV cache, which rollout.engine={rollout.engine} "
+        "does not keep: use rollout.engine=compact with rollout.compact.slots > 0, or rollout.partial_cache=recompute",
+    )
     check(
         getattr(engine, "continues", False),
         f"rollout.engine={rollout.engine} cannot continue a sample from its tokens so far (it does not declare "

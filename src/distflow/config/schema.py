@@ -46,6 +46,13 @@ class RolloutConfig:
     continues under the new weights; a prompt's group is trained in the step its last sample ends
     (docs/features/partial.md). Needs an off-policy correction (`algorithm.off_policy_correction`), which
     weighs each token by its own behaviour log-prob. 0: off (every sample decodes to its end in its step)."""
+    partial_cache: str = "recompute"
+    """With `partial`: what a continued sample starts its step from. `recompute`: its prompt and tokens so far
+    prefilled again under the new weights, so each token is drawn by one policy version throughout. `keep`:
+    the KV cache its last step left (rollout/kept_cache.py), so its earlier positions keep the keys and values
+    of the weights that computed them; it saves the re-prefill and mixes versions inside a token's forward,
+    which the off-policy correction weighs (`mismatch/logp_abs_diff_*`). `keep` needs
+    `rollout.engine=compact` with `rollout.compact.slots`."""
     max_token_staleness: int | None = None
     """With `partial`: the most updates a trained token may lag the training weights (its in-flight and
     in-queue staleness together, `off_policy/staleness_inflight_*` and `_queue_*`). A group with a token past
@@ -109,6 +116,10 @@ class RolloutConfig:
             self.partial == 0 or 0 < self.partial < self.max_new_tokens,
             f"rollout.partial must be in [0, rollout.max_new_tokens) (got {self.partial} with max_new_tokens="
             f"{self.max_new_tokens}): a cap at or past the longest sample carries nothing over; 0 turns it off",
+        )
+        check(
+            self.partial_cache in ("recompute", "keep"),
+            f"rollout.partial_cache must be recompute or keep (got {self.partial_cache!r})",
         )
         check(
             self.max_token_staleness is None or (self.partial and self.max_token_staleness >= 0),

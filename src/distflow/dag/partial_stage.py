@@ -36,6 +36,7 @@ from distflow.rollout.partial import (
     Sample,
     absorb,
     assemble,
+    given_caches,
     running,
     staleness_split,
     take_ended,
@@ -96,6 +97,7 @@ class PartialRollout:
         rows, keys, offsets = work_rows(groups)
         width = _group_max(ctx, max((len(r) for r in rows), default=0))
         num_decoded = 0
+        caches = given_caches(groups) if rollout.partial_cache == "keep" else None
         if rows:
             with gathered(ctx.engines.rollout_model):
                 out = generate(
@@ -111,9 +113,12 @@ class PartialRollout:
                     engine=sampling.engine,
                     logprobs=True,
                     offsets=offsets,
+                    caches=caches,
                 )
             stop_ids = stop_token_ids(ctx.tokenizer)
-            num_decoded = absorb(groups, out, version=version, stop_ids=stop_ids, max_new_tokens=rollout.max_new_tokens)
+            num_decoded = absorb(
+                groups, out, version=version, stop_ids=stop_ids, max_new_tokens=rollout.max_new_tokens, caches=caches
+            )
         ended, carried = take_ended(groups)
         bound = rollout.max_token_staleness  # step s trains with version s - 1, a carried group at best with s
         ended, stale = within_bound(ended, trained_version=ctx.step - 1, bound=bound)

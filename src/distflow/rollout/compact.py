@@ -73,6 +73,7 @@ AUTO_DRAFT_TEMPERATURE = 0.5
 class CompactEngine(RolloutEngine):
     name = "compact"
     continues = True
+    keeps_cache = True  # with slots (config/rules.py refuses rollout.partial_cache=keep without them)
     records_routing = True  # without slots (config/rules.py refuses them together)
     Config = CompactOptions
     settings: CompactOptions = CompactOptions()
@@ -113,6 +114,12 @@ class CompactEngine(RolloutEngine):
             from distflow.config.errors import ConfigError
 
             raise ConfigError("rollout.routing_replay records routing without rollout.compact.slots: set slots=0")
+        if request.caches is not None and self.settings.slots == 0:
+            from distflow.config.errors import ConfigError
+
+            raise ConfigError(
+                "rollout.partial_cache=keep keeps caches in the slotted decoder: set rollout.compact.slots"
+            )
         if self.settings.slots > 0:
             from distflow.rollout.slots import decode_in_slots
 

@@ -23,6 +23,7 @@ from distflow.data.fields import ROLLOUT_LOGP
 if TYPE_CHECKING:
     import torch
 
+    from distflow.rollout.kept_cache import KeptCaches
     from distflow.training.routing_replay import RoutingRecord
 
 
@@ -50,6 +51,10 @@ class Request:
     routing: RoutingRecord | None = None
     """Where the engine records each token's experts as its forwards route them (`rollout.routing_replay`,
     training/routing_replay.py). Only an engine that declares `records_routing` is given one."""
+    caches: KeptCaches | None = None
+    """Kept KV caches (`rollout.partial_cache=keep`, rollout/kept_cache.py): each prompt's cache to start from,
+    and where the engine leaves the cache of each row that stops at `max_new_tokens`. Only an engine that
+    declares `keeps_cache` is given them."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,9 @@ class RolloutEngine(Component):
     records_routing: ClassVar[bool] = False
     """Whether `responses` fills `Request.routing` (each token's experts, as the model's routers chose them in
     the engine's own forwards), which `rollout.routing_replay` needs."""
+    keeps_cache: ClassVar[bool] = False
+    """Whether `responses` honours `Request.caches` (starting kept rows from their caches and leaving each
+    capped row's), which `rollout.partial_cache=keep` needs."""
     own_forward: ClassVar[bool] = False
     """Whether `responses` decodes through a model of its own (vLLM's), not the trained module's forward, so
     that what changes that forward (`parallel.fp32_lm_head`) does not reach it."""

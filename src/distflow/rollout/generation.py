@@ -52,6 +52,7 @@ def generate(
     logprobs: bool = False,
     offsets: list[int] | None = None,
     routing: bool = False,
+    caches=None,
 ) -> Generation:
     """`samples_per_prompt` completions of each prompt, sample k of prompt g in row g·n + k.
 
@@ -61,7 +62,8 @@ def generate(
     or a built-in one's name; `offsets` (one per row): continued samples, each prompt ending with the response
     tokens its sample already has, which draw from their keys after those (`Request.offsets_B`; the engine
     must declare `continues`); `routing`: record each token's experts (`Generation.routed_experts_BTLK`; the
-    engine must declare `records_routing`)."""
+    engine must declare `records_routing`); `caches`: a `rollout.kept_cache.KeptCaches`, one a prompt, read and
+    filled by the engine (it must declare `keeps_cache`)."""
     model = unsharded_view(model)  # fsdp2 (inside `gathered`): the whole model, without FSDP's hooks
     device, n = next(model.parameters()).device, samples_per_prompt
     rows = prompt_ids if prompt_ids is not None else encode_prompts(tokenizer, prompts)
@@ -77,6 +79,7 @@ def generate(
             prompt_ids_GP, prompt_mask_GP, keys_B, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
             top_p=top_p, stop_ids=stop_token_ids(tokenizer), pad_id=tokenizer.pad_token_id,
             bos_id=tokenizer.bos_token_id, logprobs=logprobs, offsets_B=offsets_B, routing=record,
+            caches=_checked_caches(resolved(engine), caches),
         )  # fmt: skip
         response_BR, logp_BR = checked_responses(resolved(engine), model, request)
     finally:
@@ -118,6 +121,18 @@ def _routing_record(engine: RolloutEngine, model, num_rows: int, width: int):
         )
     routers = replayable_routers(model, "rollout.routing_replay")
     return RoutingRecord(routers, num_rows, width, next(model.parameters()).device)
+
+
+def _checked_caches(engine: RolloutEngine, caches):
+    """`caches`, for an engine that keeps them (a ConfigError names one that does not)."""
+    from distflow.config.errors import ConfigError
+
+    if caches is not None and not engine.keeps_cache:
+        raise ConfigError(
+            f"rollout.engine {engine.name!r} cannot start a row from a kept KV cache (it does not declare "
+            "`keeps_cache`), which rollout.partial_cache=keep needs: use compact with slots, or partial_cache=recompute"
+        )
+    return caches
 
 
 def _offsets_tensor(engine: RolloutEngine, offsets: list[int], num_rows: int, device) -> torch.Tensor:

@@ -49,6 +49,9 @@ class Sample:
     versions: list[int] = field(default_factory=list)
     """Each token's policy version: the updates of the weights that drew it."""
     ended: bool = False
+    cache: Any = field(default=None, repr=False, compare=False)
+    """With `rollout.partial_cache=keep`: its KV cache over its prompt and tokens but the last, as its last
+    step left it (rollout/kept_cache.py); None: the next step prefills them."""
 
 
 @dataclass
@@ -120,20 +123,44 @@ def advance(
     return len(kept)
 
 
+def given_caches(groups: list[Group]):
+    """The kept caches of `work_rows(groups)`'s rows, in that order (rollout/kept_cache.KeptCaches)."""
+    from distflow.rollout.kept_cache import KeptCaches
+
+    return KeptCaches([sample.cache for sample in running(groups)])
+
+
 def absorb(
-    groups: list[Group], generation: Any, *, version: int, stop_ids: tuple[int, ...], max_new_tokens: int
+    groups: list[Group],
+    generation: Any,
+    *,
+    version: int,
+    stop_ids: tuple[int, ...],
+    max_new_tokens: int,
+    caches: Any = None,
 ) -> int:
     """`advance` each running sample of `groups` by its row of `generation` (the `rollout.generation.Generation`
-    of `work_rows(groups)`, in that order); the tokens kept, summed."""
+    of `work_rows(groups)`, in that order); the tokens kept, summed. `caches`: the call's `given_caches`, which
+    the engine filled: each sample still running keeps the cache its row left."""
     samples = running(groups)  # before any advances: an ended sample leaves the running ones
     lengths = generation.response_mask_BR.sum(-1).tolist()
     response_BR = generation.input_ids_BT[:, generation.prompt_width :].tolist()
     logp_BR = generation.logp_BR.tolist()
-    return sum(
+    kept = sum(
         advance(sample, response_BR[b][: lengths[b]], logp_BR[b][: lengths[b]], version=version, stop_ids=stop_ids,
                 max_new_tokens=max_new_tokens)
         for b, sample in enumerate(samples)
     )  # fmt: skip
+    if caches is not None:
+        prompt_of = {id(s): g.prompt_ids for g in groups for s in g.samples}
+        for b, sample in enumerate(samples):
+            sample.cache = None if sample.ended else caches.left[b]
+            if sample.cache is None:
+                if not sample.ended:
+                    raise ValueError(f"the engine left no kept cache for row {b}, which stopped at the chunk's cap")
+            elif sample.cache[0][0].shape[1] != len(prompt_of[id(sample)]) + len(sample.tokens) - 1:
+                raise ValueError(f"row {b}'s kept cache does not cover its prompt and tokens but the last")
+    return kept
 
 
 def take_ended(groups: list[Group]) -> tuple[list[Group], list[Group]]:

@@ -179,6 +179,9 @@ class _Rollout:
             raise ConfigError(SLIDING_REFUSAL)
         self._first_tokens(logits_GV)
         del logits_GV
+        if self.request.caches is not None:  # a sample capped at its first token leaves its prompt's cache
+            for b in range(self.num_rows):
+                self._leave_cache(b, prefill.layers, b // self.n, self.width)
         self.cache = _SlotCache(prefill, self.num_slots, self.width + self.R + self.draft_tokens)
         self.prefill = prefill
         waiting = [b for b in range(self.num_rows) if not self._ended(b)]
@@ -193,6 +196,10 @@ class _Rollout:
 
     def _prefill(self):
         request = self.request
+        if request.caches is not None:
+            from distflow.rollout.kept_cache import prefill_kept
+
+            return prefill_kept(self.model, request, request.caches)
         cache = DynamicCache(config=self.model.config)
         out = self.model(
             input_ids=request.prompt_ids_GP,
@@ -330,6 +337,8 @@ class _Rollout:
     def _leave(self, done: list[int], waiting: list[int]) -> None:
         """Ended rows take waiting samples; with none waiting, the last running rows move into them."""
         for a in sorted(done, reverse=True):
+            if self.request.caches is not None:
+                self._leave_cache(self.rows[a], self.cache.layers, a, self.width + self.next_t[a] - 1)
             last = len(self.rows) - 1
             if a != last:
                 self.cache.move(last, a, self.width + self.next_t[last])
@@ -337,6 +346,16 @@ class _Rollout:
             self.rows.pop()
             self.next_t.pop()
         self._fill(waiting)
+
+    def _leave_cache(self, b: int, layers, row: int, end: int) -> None:
+        """Sample b stopped at max_new_tokens without a stop token: its cache row over its prompt and tokens
+        but the last (columns up to `end`) left in `request.caches` (rollout/kept_cache.py)."""
+        from distflow.rollout.kept_cache import row_cache
+
+        tokens = self.tokens[b]
+        if len(tokens) >= self.R and tokens[-1] not in self.stop:
+            start = self.width - int(self.prompt_len_G[b // self.n])
+            self.request.caches.left[b] = row_cache(layers, row, start, end)
 
 
 def _sliding(prefill: DynamicCache) -> bool:
