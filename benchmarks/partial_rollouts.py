@@ -13,7 +13,9 @@ per step, <= R tokens). Each step opens the workload's prompts as new groups (ne
   partial       `--steps` steps of dag/partial_stage.py's bookkeeping (rollout/partial.py) through `slots`:
                 every running sample, carried ones first, decodes at most `--partial` tokens; the table
                 shows each step, and the steady state is the steps after ceil(R / partial), by which time
-                the carry has filled
+                the carry has filled. `--cache` (default both): a continued sample's prompt and tokens so
+                far prefilled again (`recompute`) or its kept KV cache (`keep`, rollout.partial_cache=keep);
+                with both, whether they drew the same tokens (the weights are fixed here, so they should)
 
 x floor: the seconds over the full-occupancy floor of the tokens the step decoded, tokens / S x one decode
 forward of S = P x G rows (the forward alone over a static KV cache at context prompt width + the
@@ -41,7 +43,15 @@ from long_tail_workloads import TEMPERATURE, controlled, smollm2, smollm2_missin
 
 from distflow.rollout.compact import CompactEngine, CompactOptions  # noqa: E402
 from distflow.rollout.generation import generate  # noqa: E402
-from distflow.rollout.partial import Group, Sample, absorb, running, take_ended, work_rows  # noqa: E402
+from distflow.rollout.partial import (  # noqa: E402
+    Group,
+    Sample,
+    absorb,
+    given_caches,
+    running,
+    take_ended,
+    work_rows,
+)
 from distflow.seeding import derive_seed  # noqa: E402
 from distflow.training.sequences import encode_prompts, stop_token_ids  # noqa: E402
 
@@ -59,10 +69,11 @@ def synchronous(workload, engine, step: int) -> tuple[float, int, list[int]]:
     return took, sum(lengths), lengths
 
 
-def partial_steps(workload, engine, partial: int, steps: int) -> list[dict]:
-    """`steps` steps of partial rollouts: each step's rows, tokens decoded, seconds and groups ended."""
+def partial_steps(workload, engine, partial: int, steps: int, keep: bool) -> tuple[list[dict], list[list[int]]]:
+    """`steps` steps of partial rollouts (`keep`: from kept caches): each step's rows, tokens decoded, seconds
+    and groups ended; and every ended sample's tokens, in order."""
     prompt_ids = encode_prompts(workload.tokenizer, workload.prompts)
-    stop_ids, carried, rows_out = tuple(stop_token_ids(workload.tokenizer)), [], []
+    stop_ids, carried, rows_out, drawn = tuple(stop_token_ids(workload.tokenizer)), [], [], []
     for step in range(1, steps + 1):
         new = [
             Group({}, ids, [Sample(u, derive_seed(0, "partial", u)) for u in _uids(step, g, workload)], step)
@@ -70,18 +81,22 @@ def partial_steps(workload, engine, partial: int, steps: int) -> list[dict]:
         ]
         groups = carried + new
         rows, keys, offsets = work_rows(groups)
+        caches = given_caches(groups) if keep else None
         start = time.perf_counter()
         out = generate(
             workload.model, workload.tokenizer, [""] * len(rows), max_new_tokens=partial, temperature=TEMPERATURE,
-            sample_keys=keys, prompt_ids=rows, engine=engine, logprobs=True, offsets=offsets,
+            sample_keys=keys, prompt_ids=rows, engine=engine, logprobs=True, offsets=offsets, caches=caches,
         )  # fmt: skip
         took = time.perf_counter() - start
-        decoded = absorb(groups, out, version=step - 1, stop_ids=stop_ids, max_new_tokens=workload.max_new_tokens)
+        decoded = absorb(groups, out, version=step - 1, stop_ids=stop_ids, max_new_tokens=workload.max_new_tokens,
+                         caches=caches)  # fmt: skip
         ended, carried = take_ended(groups)
+        drawn += [sample.tokens for group in ended for sample in group.samples]
         rows_out.append({"step": step, "rows": len(rows), "tokens": decoded, "seconds": round(took, 4),
                          "groups_ended": len(ended), "samples_carried": len(running(carried))})  # fmt: skip
-        log(f"{workload.name} partial step {step}: {len(rows)} rows, {decoded} tokens, {took:.3f} s")
-    return rows_out
+        log(f"{workload.name} partial step {step} ({'keep' if keep else 'recompute'}): {len(rows)} rows, "
+            f"{decoded} tokens, {took:.3f} s")  # fmt: skip
+    return rows_out, drawn
 
 
 def _uids(step: int, group: int, workload) -> range:
@@ -100,14 +115,19 @@ def run(workload, args) -> dict:
     context = len(encode_prompts(workload.tokenizer, workload.prompts[:1])[0]) + lengths[len(lengths) // 2]
     step_s = forward_s(workload.model, prefilled(workload.model, workload.tokenizer, context), slots,
                        growing=False, repeats=args.repeats)  # fmt: skip
-    table = partial_steps(workload, engines["slots"], args.partial, args.steps)
+    tables = {mode: partial_steps(workload, engines["slots"], args.partial, args.steps, mode == "keep")
+              for mode in args.caches}  # fmt: skip
     step_s = min(step_s, forward_s(workload.model, prefilled(workload.model, workload.tokenizer, context), slots,
                                    growing=False, repeats=args.repeats))  # fmt: skip
-    for row in table:
-        row["over_floor"] = round(row["seconds"] / (row["tokens"] / slots * step_s), 3)
     warm = math.ceil(workload.max_new_tokens / args.partial)
-    steady = [row for row in table if row["step"] > warm] or table[-1:]
-    floor_s = sum(r["tokens"] / slots * step_s for r in steady)
+    partial = {}
+    for mode, (table, _) in tables.items():
+        for row in table:
+            row["over_floor"] = round(row["seconds"] / (row["tokens"] / slots * step_s), 3)
+        steady = [row for row in table if row["step"] > warm] or table[-1:]
+        floor_s = sum(r["tokens"] / slots * step_s for r in steady)
+        partial[mode] = {"steps": table, "over_floor": round(sum(r["seconds"] for r in steady) / floor_s, 3)}
+    drawn = [tokens for _, tokens in tables.values()]
     synchronous_rows = {}
     for name, runs in sync.items():
         seconds, tokens = min(r[0] for r in runs), runs[0][1]
@@ -119,8 +139,8 @@ def run(workload, args) -> dict:
         "floor": {"context": context, "step_s": round(step_s, 6)},
         "lengths": {"p50": lengths[len(lengths) // 2], "p90": lengths[math.ceil(0.9 * len(lengths)) - 1],
                     "max": lengths[-1], "mean": round(sum(lengths) / len(lengths), 1)},
-        "synchronous": synchronous_rows, "partial_steps": table, "steady_from_step": warm + 1,
-        "partial_over_floor": round(sum(r["seconds"] for r in steady) / floor_s, 3),
+        "synchronous": synchronous_rows, "partial_modes": partial, "steady_from_step": warm + 1,
+        "partial_same_tokens": all(tokens == drawn[0] for tokens in drawn),
     }  # fmt: skip
 
 
@@ -137,14 +157,16 @@ def report(name: str, result: dict) -> None:
     print(f"  {'rollout':<24}{'wall s':>9}{'tokens':>8}{'x floor':>9}")
     for mode, row in result["synchronous"].items():
         print(f"  {'synchronous ' + mode:<24}{row['seconds']:>9.3f}{row['tokens']:>8}{row['over_floor']:>9.2f}")
-    for row in result["partial_steps"]:
-        label = f"partial step {row['step']} ({row['rows']} rows)"
-        print(f"  {label:<24}{row['seconds']:>9.3f}{row['tokens']:>8}{row['over_floor']:>9.2f}"
-              f"   groups ended {row['groups_ended']}, samples carried {row['samples_carried']}")  # fmt: skip
-    print(f"  partial, steady state (steps >= {result['steady_from_step']}): "
-          f"{result['partial_over_floor']:.2f}x floor; "
+    for mode, part in result["partial_modes"].items():
+        for row in part["steps"]:
+            label = f"{mode} step {row['step']} ({row['rows']} rows)"
+            print(f"  {label:<24}{row['seconds']:>9.3f}{row['tokens']:>8}{row['over_floor']:>9.2f}"
+                  f"   groups ended {row['groups_ended']}, samples carried {row['samples_carried']}")  # fmt: skip
+    steady = ", ".join(f"{mode} {part['over_floor']:.2f}x" for mode, part in result["partial_modes"].items())
+    print(f"  partial, steady state (steps >= {result['steady_from_step']}): {steady} floor; "
           f"synchronous slots {result['synchronous']['slots']['over_floor']:.2f}x, "
-          f"compact {result['synchronous']['compact']['over_floor']:.2f}x")  # fmt: skip
+          f"compact {result['synchronous']['compact']['over_floor']:.2f}x; the partial modes drew the same "
+          f"tokens: {result['partial_same_tokens']}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,9 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, help="default: 256 (controlled), 512 (smollm2)")
     parser.add_argument("--partial", type=int, default=32, help="rollout.partial: tokens per sample per step")
     parser.add_argument("--steps", type=int, help="partial steps (default: ceil(R / partial) + 3)")
+    parser.add_argument(
+        "--cache",
+        choices=("recompute", "keep", "both"),
+        default="both",
+        help="a continued sample's start: prefilled again, its kept KV cache, or each in turn",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
+    args.caches = ("recompute", "keep") if args.cache == "both" else (args.cache,)
     workloads = {"controlled": ("controlled",), "smollm2": ("smollm2",), "both": ("controlled", "smollm2")}[
         args.workload or ("controlled" if args.quick else "both")
     ]

@@ -253,11 +253,16 @@ def test_partial_rollouts_quick():
     )
     assert set(run["synchronous"]) == {"compact", "slots"}
     assert run["synchronous"]["compact"]["tokens"] == run["synchronous"]["slots"]["tokens"]  # the same samples
-    steps = run["partial_steps"]
+    assert set(run["partial_modes"]) == {"recompute", "keep"} and run["partial_same_tokens"]
+    steps = run["partial_modes"]["keep"]["steps"]
     assert [row["step"] for row in steps] == list(range(1, 8)) and run["steady_from_step"] == 5
     assert steps[0]["rows"] == 16 and all(row["tokens"] <= row["rows"] * 16 for row in steps)
     assert any(row["samples_carried"] for row in steps) and sum(row["groups_ended"] for row in steps) > 0
-    assert all(row["over_floor"] > 0 for row in steps) and run["partial_over_floor"] > 0 and run["floor"]["step_s"] > 0
+    assert (
+        all(row["over_floor"] > 0 for row in steps)
+        and run["partial_modes"]["keep"]["over_floor"] > 0
+        and run["floor"]["step_s"] > 0
+    )
 
 
 def test_long_tail_quick():

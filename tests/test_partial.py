@@ -153,12 +153,29 @@ def test_partial_on_the_embedded_default_loads():
          "cannot continue a sample"),
         (["rollout.partial=3", "algorithm.off_policy_correction=tis", "env.cls=distflow.envs.tools:CalculatorEnv"],
          "continues single-turn samples"),
+        (["rollout.partial=3", "algorithm.off_policy_correction=tis", "rollout.partial_cache=keep"],
+         "rollout.engine=auto does not keep"),
+        (["rollout.partial=3", "algorithm.off_policy_correction=tis", "rollout.partial_cache=keep",
+          "rollout.engine=compact"], "with rollout.compact.slots > 0"),
+        (["rollout.partial=3", "algorithm.off_policy_correction=tis", "rollout.partial_cache=kept"],
+         "rollout.partial_cache must be recompute or keep"),
     ],
 )  # fmt: skip
 def test_what_partial_rollouts_cannot_run_is_refused_in_one_line(overrides, match):
     with pytest.raises(ConfigError, match=match) as caught:
         load_config(None, overrides)
     assert "\n" not in str(caught.value)
+
+
+def test_kept_caches_need_an_engine_that_keeps_them(model_and_tokenizer):
+    from distflow.rollout.kept_cache import KeptCaches
+
+    model, tokenizer = model_and_tokenizer
+    settings = dict(max_new_tokens=2, temperature=1.0, sample_keys=[1], prompt_ids=[[5]], offsets=[0])
+    with pytest.raises(ConfigError, match="cannot start a row from a kept KV cache"):
+        generate(model, tokenizer, [""], engine=GenerateEngine(), caches=KeptCaches([None]), **settings)
+    with pytest.raises(ConfigError, match="keeps caches in the slotted decoder"):
+        generate(model, tokenizer, [""], engine=CompactEngine(), caches=KeptCaches([None]), **settings)
 
 
 def test_a_config_built_in_code_is_checked_too():
