@@ -139,7 +139,8 @@ def run(workload, args) -> dict:
         "floor": {"context": context, "step_s": round(step_s, 6)},
         "lengths": {"p50": lengths[len(lengths) // 2], "p90": lengths[math.ceil(0.9 * len(lengths)) - 1],
                     "max": lengths[-1], "mean": round(sum(lengths) / len(lengths), 1)},
-        "synchronous": synchronous_rows, "partial_modes": partial, "steady_from_step": warm + 1,
+        "synchronous": synchronous_rows, "partial_modes": partial, "steady_from_step": min(warm + 1, args.steps),
+        "steady": args.steps > warm,
         "partial_same_tokens": all(tokens == drawn[0] for tokens in drawn),
     }  # fmt: skip
 
@@ -163,7 +164,9 @@ def report(name: str, result: dict) -> None:
             print(f"  {label:<24}{row['seconds']:>9.3f}{row['tokens']:>8}{row['over_floor']:>9.2f}"
                   f"   groups ended {row['groups_ended']}, samples carried {row['samples_carried']}")  # fmt: skip
     steady = ", ".join(f"{mode} {part['over_floor']:.2f}x" for mode, part in result["partial_modes"].items())
-    print(f"  partial, steady state (steps >= {result['steady_from_step']}): {steady} floor; "
+    first = result["steady_from_step"]
+    when = f"steady state (steps >= {first})" if result["steady"] else f"step {first} only (the carry is still filling)"
+    print(f"  partial, {when}: {steady} floor; "
           f"synchronous slots {result['synchronous']['slots']['over_floor']:.2f}x, "
           f"compact {result['synchronous']['compact']['over_floor']:.2f}x; the partial modes drew the same "
           f"tokens: {result['partial_same_tokens']}")  # fmt: skip

@@ -190,4 +190,5 @@ def test_the_long_recipe_loads_with_partial_rollouts_through_slots():
 
     config = load_config(REPO / "examples/smollm2_chain_sum_long.yaml")
     assert (config.rollout.partial, config.rollout.max_new_tokens, config.rollout.engine) == (64, 512, "compact")
+    assert config.rollout.partial_cache == "keep"
     assert config.algorithm.off_policy_correction == "tis"

@@ -52,7 +52,7 @@ def generate(
     logprobs: bool = False,
     offsets: list[int] | None = None,
     routing: bool = False,
-    caches=None,
+    caches=None,  # rollout.kept_cache.KeptCaches
 ) -> Generation:
     """`samples_per_prompt` completions of each prompt, sample k of prompt g in row g·n + k.
 
@@ -62,13 +62,12 @@ def generate(
     or a built-in one's name; `offsets` (one per row): continued samples, each prompt ending with the response
     tokens its sample already has, which draw from their keys after those (`Request.offsets_B`; the engine
     must declare `continues`); `routing`: record each token's experts (`Generation.routed_experts_BTLK`; the
-    engine must declare `records_routing`); `caches`: a `rollout.kept_cache.KeptCaches`, one a prompt, read and
-    filled by the engine (it must declare `keeps_cache`)."""
+    engine must declare `records_routing`); `caches`: `Request.caches` (the engine must declare `keeps_cache`)."""
     model = unsharded_view(model)  # fsdp2 (inside `gathered`): the whole model, without FSDP's hooks
     device, n = next(model.parameters()).device, samples_per_prompt
     rows = prompt_ids if prompt_ids is not None else encode_prompts(tokenizer, prompts)
     prompt_ids_GP, prompt_mask_GP = (x.to(device) for x in left_pad(rows, tokenizer.pad_token_id, width=prompt_width))
-    width = prompt_ids_GP.shape[1]
+    width, caches = prompt_ids_GP.shape[1], _checked_caches(resolved(engine), caches)
     keys_B = _keys_tensor(sample_keys, len(rows), n, device)
     offsets_B = None if offsets is None else _offsets_tensor(resolved(engine), offsets, len(rows) * n, device)
     record = _routing_record(resolved(engine), model, len(rows) * n, width + max_new_tokens) if routing else None
@@ -77,9 +76,8 @@ def generate(
     try:
         request = Request(
             prompt_ids_GP, prompt_mask_GP, keys_B, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_p=top_p, stop_ids=stop_token_ids(tokenizer), pad_id=tokenizer.pad_token_id,
+            top_p=top_p, stop_ids=stop_token_ids(tokenizer), pad_id=tokenizer.pad_token_id, caches=caches,
             bos_id=tokenizer.bos_token_id, logprobs=logprobs, offsets_B=offsets_B, routing=record,
-            caches=_checked_caches(resolved(engine), caches),
         )  # fmt: skip
         response_BR, logp_BR = checked_responses(resolved(engine), model, request)
     finally:
