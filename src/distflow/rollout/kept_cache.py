@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from distflow.rollout.prefill import prefill_prompts
 from distflow.training.models import cache_kwargs
 
 RowCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]
@@ -100,17 +101,7 @@ def _empty(like: torch.Tensor, G: int, P: int) -> torch.Tensor:
 def _prefill_fresh(model, ids_NP: torch.Tensor, mask_NP: torch.Tensor):
     """The fresh prompts prefilled over their own widest's columns (the padding left of it computes nothing)."""
     width = int(mask_NP.sum(-1).max())
-    ids_NP, mask_NP = ids_NP[:, -width:], mask_NP[:, -width:]
-    cache = DynamicCache(config=model.config)
-    out = model(
-        input_ids=ids_NP,
-        attention_mask=mask_NP,
-        position_ids=(mask_NP.cumsum(-1) - 1).clamp(min=0),
-        **cache_kwargs(cache),
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    return cache, out.logits[:, -1, :].float()
+    return prefill_prompts(model, ids_NP[:, -width:], mask_NP[:, -width:])
 
 
 def _last_token(model, ids_NP: torch.Tensor, mask_NP: torch.Tensor, given: list[RowCache]):

@@ -143,6 +143,7 @@ def absorb(
     of `work_rows(groups)`, in that order); the tokens kept, summed. `caches`: the call's `given_caches`, which
     the engine filled: each sample still running keeps the cache its row left."""
     samples = running(groups)  # before any advances: an ended sample leaves the running ones
+    prompts = [group.prompt_ids for group in groups for sample in group.samples if not sample.ended]
     lengths = generation.response_mask_BR.sum(-1).tolist()
     response_BR = generation.input_ids_BT[:, generation.prompt_width :].tolist()
     logp_BR = generation.logp_BR.tolist()
@@ -152,13 +153,12 @@ def absorb(
         for b, sample in enumerate(samples)
     )  # fmt: skip
     if caches is not None:
-        prompt_of = {id(s): g.prompt_ids for g in groups for s in g.samples}
-        for b, sample in enumerate(samples):
+        for b, (sample, prompt_ids) in enumerate(zip(samples, prompts, strict=True)):
             sample.cache = None if sample.ended else caches.left[b]
             if sample.cache is None:
                 if not sample.ended:
                     raise ValueError(f"the engine left no kept cache for row {b}, which stopped at the chunk's cap")
-            elif sample.cache[0][0].shape[1] != len(prompt_of[id(sample)]) + len(sample.tokens) - 1:
+            elif sample.cache[0][0].shape[1] != len(prompt_ids) + len(sample.tokens) - 1:
                 raise ValueError(f"row {b}'s kept cache does not cover its prompt and tokens but the last")
     return kept
 

@@ -44,6 +44,8 @@ from distflow.config.errors import ConfigError
 from distflow.rollout.decoding import Tally
 from distflow.rollout.drafts import Drafter, DraftHistory
 from distflow.rollout.engine import Request
+from distflow.rollout.kept_cache import prefill_kept, row_cache
+from distflow.rollout.prefill import prefill_prompts
 from distflow.rollout.sampling import keyed_uniforms, sampled_logprob_B1, token_logprob_B1
 from distflow.training.models import cache_kwargs
 
@@ -197,19 +199,8 @@ class _Rollout:
     def _prefill(self):
         request = self.request
         if request.caches is not None:
-            from distflow.rollout.kept_cache import prefill_kept
-
             return prefill_kept(self.model, request, request.caches)
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(
-            input_ids=request.prompt_ids_GP,
-            attention_mask=request.prompt_mask_GP,
-            position_ids=(request.prompt_mask_GP.cumsum(-1) - 1).clamp(min=0),
-            **cache_kwargs(cache),
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return cache, out.logits[:, -1, :].float()
+        return prefill_prompts(self.model, request.prompt_ids_GP, request.prompt_mask_GP)
 
     def _first_tokens(self, logits_GV: torch.Tensor) -> None:
         """Every sample's token 0, from its prompt's last logits (one draw for all rows, as `decode`'s)."""
@@ -350,8 +341,6 @@ class _Rollout:
     def _leave_cache(self, b: int, layers, row: int, end: int) -> None:
         """Sample b stopped at max_new_tokens without a stop token: its cache row over its prompt and tokens
         but the last (columns up to `end`) left in `request.caches` (rollout/kept_cache.py)."""
-        from distflow.rollout.kept_cache import row_cache
-
         tokens = self.tokens[b]
         if len(tokens) >= self.R and tokens[-1] not in self.stop:
             start = self.width - int(self.prompt_len_G[b // self.n])
