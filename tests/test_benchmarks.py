@@ -152,7 +152,10 @@ def test_learning_variants_train_once_a_seed_with_their_own_settings():
     for system in systems:
         assert out[system]["steps"] >= 1 and out[system]["train_s"] >= out["settings"]["budget_min"] * 60, system
         assert out[system]["seed"] == int(system[-1])
-    assert out["cold_1proc_seed1"]["settings"] == ["rollout.temperature=0.5"] and out["plain_1proc_seed0"]["settings"] == []
+    assert (
+        out["cold_1proc_seed1"]["settings"] == ["rollout.temperature=0.5"]
+        and out["plain_1proc_seed0"]["settings"] == []
+    )
 
 
 def test_throughput_models():

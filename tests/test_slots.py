@@ -114,6 +114,29 @@ def test_rows_stay_full_while_samples_wait_and_each_prompt_is_prefilled_once(mod
     assert 0 < compact.last_stats().drain_forwards < compact.last_stats().forwards
 
 
+def test_one_row_a_sample_is_prefilled_once_a_prompt_and_draws_the_grouped_samples(model_and_tokenizer):
+    """Partial rollouts send one row a sample (n = 1): a fresh group's samples arrive as copies of its prompt.
+    The prefill runs over the distinct prompts only, and the samples are those of one call with n = N."""
+    model, tokenizer = model_and_tokenizer
+    reference = _rollout(model, tokenizer, CompactEngine())
+    shapes = []
+    hook = model.model.register_forward_pre_hook(
+        lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        out = generate(
+            model, tokenizer, [p for p in PROMPTS for _ in range(N)], samples_per_prompt=1, max_new_tokens=48,
+            temperature=1.0, top_p=1.0, prompt_width=14, logprobs=True,
+            sample_keys=[1000 + 7 * row for row in range(len(PROMPTS) * N)],
+            engine=CompactEngine(CompactOptions(slots=8)),
+        )  # fmt: skip
+    finally:
+        hook.remove()
+    assert shapes[0] == (len(PROMPTS), 14)  # one prefill row per distinct prompt, not per row
+    assert out.completions == reference.completions
+    torch.testing.assert_close(out.logp_BR, reference.logp_BR, rtol=2e-6, atol=1e-6)
+
+
 def test_speculation_verifies_drafts_from_the_group_within_the_slots(model_and_tokenizer):
     """At a low temperature a group's samples repeat one another: drafts from siblings (and, the second
     time, from the prompt's earlier rollout) are mostly accepted, and the samples are still compact's."""

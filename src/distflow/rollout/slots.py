@@ -6,7 +6,8 @@
                   and positions ▸ each fed token's logits give the token after it, drawn from the
                   row's key at that position ▸ the drafts kept up to the first that differs from
                   what was drawn; the draw at the first difference is kept too
-      an ended row  takes the next waiting sample (its prompt's KV copied in: one prefill a prompt),
+      an ended row  takes the next waiting sample (its prompt's KV copied in: one prefill a distinct prompt;
+                  a kept row, rollout/kept_cache.py, takes its kept KV and its first forward feeds its last token),
                   or, with none waiting, the last running row moves into it (running rows stay
                   rows 0..A-1, so a forward reads a view of the cache, never a copy of it)
 
@@ -44,7 +45,7 @@ from distflow.config.errors import ConfigError
 from distflow.rollout.decoding import Tally
 from distflow.rollout.drafts import Drafter, DraftHistory
 from distflow.rollout.engine import Request
-from distflow.rollout.kept_cache import prefill_kept, row_cache
+from distflow.rollout.kept_cache import kept_rows, row_cache
 from distflow.rollout.prefill import prefill_prompts
 from distflow.rollout.sampling import keyed_uniforms, sampled_logprob_B1, token_logprob_B1
 from distflow.training.models import cache_kwargs
@@ -117,15 +118,14 @@ class _SlotLayer(CacheLayerMixin):
 
 
 class _SlotCache(Cache):
-    """The rows' KV cache: a `_SlotLayer` a model layer, laid out from the prefill's (its dtypes, heads, head
-    size), `columns` wide."""
+    """The rows' KV cache: a `_SlotLayer` a model layer, laid out like `like`'s (each layer's keys and values,
+    [..., heads, positions, head size]: their dtypes, heads, head size), `columns` wide."""
 
-    def __init__(self, prefill: DynamicCache, num_slots: int, columns: int) -> None:
+    def __init__(self, like, num_slots: int, columns: int) -> None:
         layers = []
-        for layer in prefill.layers:
-            heads, dim = layer.keys.shape[1], layer.keys.shape[3]
-            keys = layer.keys.new_zeros(num_slots, heads, columns, dim)
-            values = layer.values.new_zeros(num_slots, layer.values.shape[1], columns, layer.values.shape[3])
+        for keys_like, values_like in like:
+            keys = keys_like.new_zeros(num_slots, keys_like.shape[-3], columns, keys_like.shape[-1])
+            values = values_like.new_zeros(num_slots, values_like.shape[-3], columns, values_like.shape[-1])
             layers.append(_SlotLayer(self, keys, values))
         super().__init__(layers=layers)
         self.where: tuple = ()
@@ -135,11 +135,12 @@ class _SlotCache(Cache):
         A rows' first `num_columns` columns."""
         self.where = (rows_Aq, columns_Aq, rows_Aq.shape[0], num_columns)
 
-    def enter(self, row: int, prompt: int, prefill: DynamicCache, width: int) -> None:
-        """Row `row` starts prompt `prompt`'s sample: its prompt's keys and values in its first columns."""
-        for mine, theirs in zip(self.layers, prefill.layers, strict=True):
-            mine.keys[row, :, :width] = theirs.keys[prompt]
-            mine.values[row, :, :width] = theirs.values[prompt]
+    def enter(self, row: int, sources, end: int) -> None:
+        """Row `row` starts a sample: `sources`' keys and values (each layer's, [heads, L, head size]) in the L
+        columns before `end` (the columns left of them are masked)."""
+        for mine, (keys, values) in zip(self.layers, sources, strict=True):
+            mine.keys[row, :, end - keys.shape[1] : end] = keys
+            mine.values[row, :, end - values.shape[1] : end] = values
 
     def move(self, source: int, target: int, columns: int) -> None:
         for layer in self.layers:
@@ -159,6 +160,7 @@ class _Rollout:
         self.num_slots, self.draft_tokens = max(1, min(num_slots, self.num_rows)), draft_tokens
         self.stop = set(request.stop_ids)
         self.prompt_len_G = mask_GP.sum(-1)
+        self.last_prompt_G = ids_GP[:, -1].tolist()  # a kept row's first forward feeds its prompt's last token
         self.prompt_mask_GP = mask_GP.bool()
         self.prompt_keys = [tuple(ids[m.bool()].tolist()) for ids, m in zip(ids_GP, mask_GP, strict=True)]
         earlier = [history.completions(p) if history is not None else [] for p in self.prompt_keys]
@@ -176,16 +178,7 @@ class _Rollout:
         self.tally = Tally()
 
     def decode(self) -> None:
-        prefill, logits_GV = self._prefill()
-        if _sliding(prefill):
-            raise ConfigError(SLIDING_REFUSAL)
-        self._first_tokens(logits_GV)
-        del logits_GV
-        if self.request.caches is not None:  # a sample capped at its first token leaves its prompt's cache
-            for b in range(self.num_rows):
-                self._leave_cache(b, prefill.layers, b // self.n, self.width)
-        self.cache = _SlotCache(prefill, self.num_slots, self.width + self.R + self.draft_tokens)
-        self.prefill = prefill
+        self._start()
         waiting = [b for b in range(self.num_rows) if not self._ended(b)]
         self.tally.capacity = min(self.num_slots, len(waiting))  # full: every slot a sample can take, running
         self.rows: list[int] = []  # row a holds sample rows[a]
@@ -196,22 +189,43 @@ class _Rollout:
             self._leave(done, waiting)
         del self.cache, self.prefill
 
-    def _prefill(self):
-        request = self.request
-        if request.caches is not None:
-            return prefill_kept(self.model, request, request.caches)
-        return prefill_prompts(self.model, request.prompt_ids_GP, request.prompt_mask_GP)
+    def _start(self) -> None:
+        """The fresh prompts prefilled (the distinct ones, once) and their samples' token 0 drawn; a kept row
+        (`request.caches`) draws its next token in its first forward, fed its prompt's last token. The slots
+        are laid out like the prefill's cache, or with every prompt kept, like a kept one."""
+        request, caches = self.request, self.request.caches
+        kept = set(kept_rows(request, caches)) if caches is not None else set()
+        fresh = [g for g in range(len(self.prompt_keys)) if g not in kept]
+        self.fresh_of = {g: u for u, g in enumerate(fresh)}
+        self.prefill = None
+        if fresh:
+            ids_FP, mask_FP = request.prompt_ids_GP[fresh], request.prompt_mask_GP[fresh]
+            # Beside kept rows (whose rows are long) the fresh prompts are prefilled at their own widest width.
+            width = int(mask_FP.sum(-1).max()) if caches is not None else self.width
+            self.prefill, logits_FV = prefill_prompts(self.model, ids_FP[:, -width:], mask_FP[:, -width:])
+            if _sliding(self.prefill):
+                raise ConfigError(SLIDING_REFUSAL)
+            self._first_tokens(fresh, logits_FV)
+            del logits_FV
+            if caches is not None:  # a sample capped at its first token leaves its prompt's cache (n = 1)
+                for g in fresh:
+                    self._leave_cache(g, self.prefill.layers, self.fresh_of[g], width, width)
+        like = [(layer.keys, layer.values) for layer in self.prefill.layers] if fresh else caches.given[min(kept)]
+        self.cache = _SlotCache(like, self.num_slots, self.width + self.R + self.draft_tokens)
 
-    def _first_tokens(self, logits_GV: torch.Tensor) -> None:
-        """Every sample's token 0, from its prompt's last logits (one draw for all rows, as `decode`'s)."""
-        prompt_B = torch.arange(self.num_rows, device=self.device) // self.n
-        token_B1, logp_B1 = self._draw(
-            logits_GV[prompt_B], None if self.uniforms_BR is None else self.uniforms_BR[:, :1]
+    def _first_tokens(self, fresh: list[int], logits_FV: torch.Tensor) -> None:
+        """The fresh prompts' samples' token 0, from their prompt's last logits (one draw for all those rows, as
+        `decode`'s)."""
+        rows = [b for g in fresh for b in range(g * self.n, (g + 1) * self.n)]
+        rows_N = torch.tensor(rows, device=self.device)
+        source_N = torch.tensor([self.fresh_of[b // self.n] for b in rows], device=self.device)
+        token_N1, logp_N1 = self._draw(
+            logits_FV[source_N], None if self.uniforms_BR is None else self.uniforms_BR[rows_N, :1]
         )
-        self.response_BR[:, 0] = token_B1[:, 0]
+        self.response_BR[rows_N, 0] = token_N1[:, 0]
         if self.logp_BR is not None:
-            self.logp_BR[:, 0] = logp_B1[:, 0]
-        for b, token in enumerate(token_B1[:, 0].tolist()):
+            self.logp_BR[rows_N, 0] = logp_N1[:, 0]
+        for b, token in zip(rows, token_N1[:, 0].tolist(), strict=True):
             self.tokens[b].append(token)
             self.drafters[b // self.n].grown(b, 0)
             if self._ended(b):
@@ -248,9 +262,19 @@ class _Rollout:
             waiting.sort(key=self._priority, reverse=True)  # the first to enter last: popped from the end
         while waiting and len(self.rows) < self.num_slots:
             b = waiting.pop()
-            self.cache.enter(len(self.rows), b // self.n, self.prefill, self.width)
+            self._enter(len(self.rows), b)
             self.rows.append(b)
             self.next_t.append(len(self.tokens[b]))
+
+    def _enter(self, a: int, b: int) -> None:
+        """Row a takes sample b: its prompt's prefill in the columns before `width`, or its kept cache in those
+        before `width - 1` (its prompt's last token, which its first forward feeds, takes column width - 1)."""
+        g = b // self.n
+        if g in self.fresh_of:
+            u = self.fresh_of[g]
+            self.cache.enter(a, [(layer.keys[u], layer.values[u]) for layer in self.prefill.layers], self.width)
+        else:
+            self.cache.enter(a, self.request.caches.given[g], self.width - 1)
 
     def _forward(self) -> list[int]:
         """One forward of the running rows, each with its drafts; the rows whose sample ended."""
@@ -258,7 +282,7 @@ class _Rollout:
         k = draft_lengths(A, self.num_slots, self.draft_tokens)
         drafts = [self._drafts(a, k) for a in range(A)] if k else [[] for _ in range(A)]
         q = 1 + max(map(len, drafts))
-        last = [self.tokens[b][-1] for b in self.rows]
+        last = [self.tokens[b][-1] if self.tokens[b] else self.last_prompt_G[b // self.n] for b in self.rows]
         inputs = [[last[a], *d] + [last[a]] * (q - 1 - len(d)) for a, d in enumerate(drafts)]
         offsets_q = torch.arange(q, device=self.device)
         next_A = torch.tensor(self.next_t, device=self.device)
@@ -329,7 +353,7 @@ class _Rollout:
         """Ended rows take waiting samples; with none waiting, the last running rows move into them."""
         for a in sorted(done, reverse=True):
             if self.request.caches is not None:
-                self._leave_cache(self.rows[a], self.cache.layers, a, self.width + self.next_t[a] - 1)
+                self._leave_cache(self.rows[a], self.cache.layers, a, self.width, self.width + self.next_t[a] - 1)
             last = len(self.rows) - 1
             if a != last:
                 self.cache.move(last, a, self.width + self.next_t[last])
@@ -338,12 +362,13 @@ class _Rollout:
             self.next_t.pop()
         self._fill(waiting)
 
-    def _leave_cache(self, b: int, layers, row: int, end: int) -> None:
-        """Sample b stopped at max_new_tokens without a stop token: its cache row over its prompt and tokens
-        but the last (columns up to `end`) left in `request.caches` (rollout/kept_cache.py)."""
+    def _leave_cache(self, b: int, layers, row: int, width: int, end: int) -> None:
+        """Sample b stopped at max_new_tokens without a stop token: its cache row over its prompt (its last
+        column width - 1) and tokens but the last (columns up to `end`) left in `request.caches`
+        (rollout/kept_cache.py)."""
         tokens = self.tokens[b]
         if len(tokens) >= self.R and tokens[-1] not in self.stop:
-            start = self.width - int(self.prompt_len_G[b // self.n])
+            start = width - int(self.prompt_len_G[b // self.n])
             self.request.caches.left[b] = row_cache(layers, row, start, end)
 
 
