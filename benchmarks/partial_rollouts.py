@@ -19,7 +19,11 @@ per step, <= R tokens). Each step opens the workload's prompts as new groups (ne
 
 x floor: the seconds over the full-occupancy floor of the tokens the step decoded, tokens / S x one decode
 forward of S = P x G rows (the forward alone over a static KV cache at context prompt width + the
-synchronous median length, long_tail.py's floor), timed in the same run. The machine is named; the last
+synchronous median length, long_tail.py's floor), timed in the same run. x ctx floor: the same with each
+token priced at its own context (its prompt and the tokens before it): the forward is timed at that
+context and at prompt width + R, and priced in between on the line through the two (a forward's cost
+grows about linearly with its context), so a step of long carried samples is compared with what full
+batches at those contexts would cost. The machine is named; the last
 stdout line is one JSON object with every figure.
 """
 
@@ -56,6 +60,15 @@ from distflow.seeding import derive_seed  # noqa: E402
 from distflow.training.sequences import encode_prompts, stop_token_ids  # noqa: E402
 
 
+def context_sum(start: int, tokens: int) -> int:
+    """The contexts summed over `tokens` tokens decoded after a context of `start` (prompt and tokens so far).
+
+    >>> context_sum(10, 3)  # 10 + 11 + 12
+    33
+    """
+    return tokens * start + tokens * (tokens - 1) // 2
+
+
 def synchronous(workload, engine, step: int) -> tuple[float, int, list[int]]:
     """(seconds, tokens, lengths) of one step's rollout with every sample decoded to its end."""
     keys = [derive_seed(0, "partial", step * workload.rows + b) for b in range(workload.rows)]
@@ -82,6 +95,7 @@ def partial_steps(workload, engine, partial: int, steps: int, keep: bool) -> tup
         groups = carried + new
         rows, keys, offsets = work_rows(groups)
         caches = given_caches(groups) if keep else None
+        before = [(sample, len(sample.tokens)) for sample in running(groups)]  # work_rows' order
         start = time.perf_counter()
         out = generate(
             workload.model, workload.tokenizer, [""] * len(rows), max_new_tokens=partial, temperature=TEMPERATURE,
@@ -90,9 +104,11 @@ def partial_steps(workload, engine, partial: int, steps: int, keep: bool) -> tup
         took = time.perf_counter() - start
         decoded = absorb(groups, out, version=step - 1, stop_ids=stop_ids, max_new_tokens=workload.max_new_tokens,
                          caches=caches)  # fmt: skip
+        contexts = sum(context_sum(len(row), len(s.tokens) - n) for row, (s, n) in zip(rows, before, strict=True))
         ended, carried = take_ended(groups)
         drawn += [sample.tokens for group in ended for sample in group.samples]
-        rows_out.append({"step": step, "rows": len(rows), "tokens": decoded, "seconds": round(took, 4),
+        rows_out.append({"step": step, "rows": len(rows), "tokens": decoded, "contexts": contexts,
+                         "seconds": round(took, 4),
                          "groups_ended": len(ended), "samples_carried": len(running(carried))})  # fmt: skip
         log(f"{workload.name} partial step {step} ({'keep' if keep else 'recompute'}): {len(rows)} rows, "
             f"{decoded} tokens, {took:.3f} s")  # fmt: skip
@@ -112,31 +128,48 @@ def run(workload, args) -> dict:
                  sample_keys=[1], engine=engine)  # fmt: skip
     sync = {name: [synchronous(workload, engine, 0) for _ in range(args.rounds)] for name, engine in engines.items()}
     lengths = sorted(sync["compact"][0][2])
-    context = len(encode_prompts(workload.tokenizer, workload.prompts[:1])[0]) + lengths[len(lengths) // 2]
-    step_s = forward_s(workload.model, prefilled(workload.model, workload.tokenizer, context), slots,
-                       growing=False, repeats=args.repeats)  # fmt: skip
+    prompt_lens = [len(ids) for ids in encode_prompts(workload.tokenizer, workload.prompts)]
+    context, long_context = prompt_lens[0] + lengths[len(lengths) // 2], max(prompt_lens) + workload.max_new_tokens
+
+    def floors() -> tuple[float, float]:
+        return tuple(forward_s(workload.model, prefilled(workload.model, workload.tokenizer, c), slots,
+                               growing=False, repeats=args.repeats) for c in (context, long_context))  # fmt: skip
+
+    step_s, long_s = floors()
     tables = {mode: partial_steps(workload, engines["slots"], args.partial, args.steps, mode == "keep")
               for mode in args.caches}  # fmt: skip
-    step_s = min(step_s, forward_s(workload.model, prefilled(workload.model, workload.tokenizer, context), slots,
-                                   growing=False, repeats=args.repeats))  # fmt: skip
+    step_s, long_s = (min(a, b) for a, b in zip((step_s, long_s), floors(), strict=True))
+    per_column = (long_s - step_s) / (long_context - context)  # the line through the two forwards
+
+    def context_floor_s(tokens: int, contexts: int) -> float:
+        return (tokens * (step_s - per_column * context) + per_column * contexts) / slots
+
     warm = math.ceil(workload.max_new_tokens / args.partial)
     partial = {}
     for mode, (table, _) in tables.items():
         for row in table:
             row["over_floor"] = round(row["seconds"] / (row["tokens"] / slots * step_s), 3)
+            row["over_context_floor"] = round(row["seconds"] / context_floor_s(row["tokens"], row["contexts"]), 3)
         steady = [row for row in table if row["step"] > warm] or table[-1:]
-        floor_s = sum(r["tokens"] / slots * step_s for r in steady)
-        partial[mode] = {"steps": table, "over_floor": round(sum(r["seconds"] for r in steady) / floor_s, 3)}
+        seconds = sum(r["seconds"] for r in steady)
+        partial[mode] = {
+            "steps": table, "over_floor": round(seconds / sum(r["tokens"] / slots * step_s for r in steady), 3),
+            "over_context_floor": round(seconds / sum(context_floor_s(r["tokens"], r["contexts"]) for r in steady), 3),
+        }  # fmt: skip
     drawn = [tokens for _, tokens in tables.values()]
     synchronous_rows = {}
     for name, runs in sync.items():
         seconds, tokens = min(r[0] for r in runs), runs[0][1]
+        contexts = sum(context_sum(prompt_lens[b // workload.samples], n) for b, n in enumerate(runs[0][2]))
         synchronous_rows[name] = {"seconds": round(seconds, 4), "tokens": tokens,
-                                  "over_floor": round(seconds / (tokens / slots * step_s), 3)}  # fmt: skip
+                                  "over_floor": round(seconds / (tokens / slots * step_s), 3),
+                                  "over_context_floor": round(seconds / context_floor_s(tokens, contexts), 3),
+                                  }  # fmt: skip
     return {
         "model": workload.model_name, "prompts": len(workload.prompts), "samples": workload.samples,
         "max_new_tokens": workload.max_new_tokens, "partial": args.partial, "slots": slots,
-        "floor": {"context": context, "step_s": round(step_s, 6)},
+        "floor": {"context": context, "step_s": round(step_s, 6), "long_context": long_context,
+                  "long_step_s": round(long_s, 6)},
         "lengths": {"p50": lengths[len(lengths) // 2], "p90": lengths[math.ceil(0.9 * len(lengths)) - 1],
                     "max": lengths[-1], "mean": round(sum(lengths) / len(lengths), 1)},
         "synchronous": synchronous_rows, "partial_modes": partial, "steady_from_step": min(warm + 1, args.steps),
@@ -153,17 +186,24 @@ def report(name: str, result: dict) -> None:
     print(f"\n{name}: {result['model']}; {result['prompts']} x {result['samples']} per step, <= "
           f"{result['max_new_tokens']} tokens, rollout.partial={result['partial']}, {result['slots']} slots; lengths "
           f"p50 {lens['p50']} p90 {lens['p90']} max {lens['max']} mean {lens['mean']}")  # fmt: skip
-    print(f"  floor: a forward of {result['slots']} rows at context {result['floor']['context']}: "
-          f"{1e3 * result['floor']['step_s']:.2f} ms")  # fmt: skip
-    print(f"  {'rollout':<24}{'wall s':>9}{'tokens':>8}{'x floor':>9}")
+    floor = result["floor"]
+    print(f"  floor: a forward of {result['slots']} rows at context {floor['context']}: "
+          f"{1e3 * floor['step_s']:.2f} ms; at {floor['long_context']}: "
+          f"{1e3 * floor['long_step_s']:.2f} ms")  # fmt: skip
+    print(f"  {'rollout':<24}{'wall s':>9}{'tokens':>8}{'x floor':>9}{'x ctx floor':>13}")
     for mode, row in result["synchronous"].items():
-        print(f"  {'synchronous ' + mode:<24}{row['seconds']:>9.3f}{row['tokens']:>8}{row['over_floor']:>9.2f}")
+        print(f"  {'synchronous ' + mode:<24}{row['seconds']:>9.3f}{row['tokens']:>8}{row['over_floor']:>9.2f}"
+              f"{row['over_context_floor']:>13.2f}")  # fmt: skip
     for mode, part in result["partial_modes"].items():
         for row in part["steps"]:
             label = f"{mode} step {row['step']} ({row['rows']} rows)"
             print(f"  {label:<24}{row['seconds']:>9.3f}{row['tokens']:>8}{row['over_floor']:>9.2f}"
+                  f"{row['over_context_floor']:>13.2f}"
                   f"   groups ended {row['groups_ended']}, samples carried {row['samples_carried']}")  # fmt: skip
-    steady = ", ".join(f"{mode} {part['over_floor']:.2f}x" for mode, part in result["partial_modes"].items())
+    steady = ", ".join(
+        f"{mode} {part['over_floor']:.2f}x ({part['over_context_floor']:.2f}x at the tokens' contexts)"
+        for mode, part in result["partial_modes"].items()
+    )
     first = result["steady_from_step"]
     when = f"steady state (steps >= {first})" if result["steady"] else f"step {first} only (the carry is still filling)"
     print(f"  partial, {when}: {steady} floor; "

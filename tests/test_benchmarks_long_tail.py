@@ -31,6 +31,10 @@ def test_partial_rollouts_quick():
         and run["partial_modes"]["keep"]["over_floor"] > 0
         and run["floor"]["step_s"] > 0
     )
+    # Priced at each token's own context: the contexts summed are at least the prompt's for every token.
+    assert run["floor"]["long_context"] > run["floor"]["context"] and run["floor"]["long_step_s"] > 0
+    assert all(row["contexts"] >= row["tokens"] * 4 and row["over_context_floor"] > 0 for row in steps)
+    assert all(r["over_context_floor"] > 0 for r in run["synchronous"].values())
 
 
 def test_long_tail_quick():

@@ -65,19 +65,20 @@ def test_greedy_slots_draw_the_compact_samples(model_and_tokenizer):
 
 
 def test_under_bf16_autocast_slots_draw_the_compact_samples_up_to_bf16_rounding(model_and_tokenizer):
-    """bf16 rounds a matrix product's output to 8 bits, so a row's place in the batch moves a logit by a
-    bf16 step now and then, which flips a draw whose uniform lies that close to a bin edge: here one
-    sample of 32 in the refilled batch (none when every sample starts at once, as in `compact`)."""
+    """bf16 rounds a matrix product's output to 8 bits, so a row's place in the batch, or a forward over fewer
+    masked columns than `compact`'s (slots attend from the longest running prompt's first column), moves a
+    logit by a bf16 step now and then, which flips a draw whose uniform lies that close to a bin edge: a
+    sample or two of 32, whether every sample starts at once or the batch is refilled."""
     model, tokenizer = model_and_tokenizer
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         reference = _rollout(model, tokenizer, CompactEngine(), max_new_tokens=24)
         at_once = _rollout(model, tokenizer, CompactEngine(CompactOptions(slots=32)), max_new_tokens=24)
         refilled = _rollout(model, tokenizer, CompactEngine(CompactOptions(slots=6, draft_tokens=2)), max_new_tokens=24)
-    assert at_once.completions == reference.completions
-    same = [a == b for a, b in zip(refilled.completions, reference.completions, strict=True)]
-    assert sum(same) >= len(same) - 2
-    keep = torch.tensor(same)
-    torch.testing.assert_close(refilled.logp_BR[keep], reference.logp_BR[keep], rtol=0, atol=2e-2)
+    for out in (at_once, refilled):
+        same = [a == b for a, b in zip(out.completions, reference.completions, strict=True)]
+        assert sum(same) >= len(same) - 2
+        keep = torch.tensor(same)
+        torch.testing.assert_close(out.logp_BR[keep], reference.logp_BR[keep], rtol=0, atol=2e-2)
 
 
 def test_rows_stay_full_while_samples_wait_and_each_prompt_is_prefilled_once(model_and_tokenizer):

@@ -89,7 +89,7 @@ def draft_lengths(num_running: int, num_slots: int, draft_tokens: int) -> int:
 
 class _SlotLayer(CacheLayerMixin):
     """One layer's keys and values for S rows, each written at its own columns (`_SlotCache.at`); a forward
-    attends over a view of the running rows' first `columns`."""
+    attends over a view of the running rows' columns [first, end)."""
 
     is_sliding = False
     is_compileable = False
@@ -102,16 +102,16 @@ class _SlotLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        rows_Aq, columns_Aq, num_rows, num_columns = self.slots.where
+        rows_Aq, columns_Aq, num_rows, first, end = self.slots.where
         self.keys[rows_Aq, :, columns_Aq] = key_states.transpose(1, 2).to(self.keys.dtype)
         self.values[rows_Aq, :, columns_Aq] = value_states.transpose(1, 2).to(self.values.dtype)
-        return self.keys[:num_rows, :, :num_columns], self.values[:num_rows, :, :num_columns]
+        return self.keys[:num_rows, :, first:end], self.values[:num_rows, :, first:end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.slots.where[3], 0
+        return self.slots.where[4] - self.slots.where[3], 0
 
     def get_seq_length(self) -> int:
-        return self.slots.where[3] - self.slots.where[0].shape[1]
+        return self.slots.where[4] - self.slots.where[3] - self.slots.where[0].shape[1]
 
     def get_max_length(self) -> int:
         return self.keys.shape[2]
@@ -130,10 +130,10 @@ class _SlotCache(Cache):
         super().__init__(layers=layers)
         self.where: tuple = ()
 
-    def at(self, rows_Aq: torch.Tensor, columns_Aq: torch.Tensor, num_columns: int) -> None:
+    def at(self, rows_Aq: torch.Tensor, columns_Aq: torch.Tensor, first: int, end: int) -> None:
         """The next forward writes its [A, q] positions at these rows and columns, and attends over the first
-        A rows' first `num_columns` columns."""
-        self.where = (rows_Aq, columns_Aq, rows_Aq.shape[0], num_columns)
+        A rows' columns [first, end)."""
+        self.where = (rows_Aq, columns_Aq, rows_Aq.shape[0], first, end)
 
     def enter(self, row: int, sources, end: int) -> None:
         """Row `row` starts a sample: `sources`' keys and values (each layer's, [heads, L, head size]) in the L
@@ -289,11 +289,14 @@ class _Rollout:
         columns_Aq = self.width + next_A.unsqueeze(1) - 1 + offsets_q  # token next_t - 1 + i at its own column
         prompts_A = torch.tensor([b // self.n for b in self.rows], device=self.device)
         positions_Aq = self.prompt_len_G[prompts_A].unsqueeze(1) + columns_Aq - self.width
-        num_columns = int(columns_Aq[:, -1].max()) + 1
-        self.cache.at(torch.arange(A, device=self.device).unsqueeze(1).expand(A, q), columns_Aq, num_columns)
+        end = int(columns_Aq[:, -1].max()) + 1
+        # Prompts are left-padded to `width`: no running row attends left of the longest running one's first
+        # column (the widest rows may have ended or not entered yet), so the forward's columns start there.
+        first = self.width - int(self.prompt_len_G[prompts_A].max())
+        self.cache.at(torch.arange(A, device=self.device).unsqueeze(1).expand(A, q), columns_Aq, first, end)
         out = self.model(
             input_ids=torch.tensor(inputs, device=self.device),
-            attention_mask=self._mask(prompts_A, columns_Aq, num_columns),
+            attention_mask=self._mask(prompts_A, columns_Aq, first, end),
             position_ids=positions_Aq,
             **cache_kwargs(self.cache),
             use_cache=True,
@@ -313,12 +316,13 @@ class _Rollout:
         room = self.R - 1 - self.next_t[a]  # tokens drawn this forward stay below max_new_tokens
         return self.drafters[b // self.n].propose(b, min(k, room)) if room > 0 else []
 
-    def _mask(self, prompts_A: torch.Tensor, columns_Aq: torch.Tensor, num_columns: int) -> torch.Tensor:
-        """[A, 1, q, L]: a row's query i sees its prompt's real columns and its own columns up to its own."""
-        columns_L = torch.arange(num_columns, device=self.device)
+    def _mask(self, prompts_A: torch.Tensor, columns_Aq: torch.Tensor, first: int, end: int) -> torch.Tensor:
+        """[A, 1, q, L] over columns [first, end): a row's query i sees its prompt's real columns and its own
+        columns up to its own."""
+        columns_L = torch.arange(first, end, device=self.device)
         mask_AqL = columns_L <= columns_Aq.unsqueeze(-1)
-        prompt_AL = torch.ones(len(self.rows), num_columns, dtype=torch.bool, device=self.device)
-        prompt_AL[:, : self.width] = self.prompt_mask_GP[prompts_A]
+        prompt_AL = torch.ones(len(self.rows), end - first, dtype=torch.bool, device=self.device)
+        prompt_AL[:, : self.width - first] = self.prompt_mask_GP[prompts_A, first:]
         return (mask_AqL & prompt_AL.unsqueeze(1)).unsqueeze(1)
 
     def _keep(self, drafts: list[list[int]], token_Aq: torch.Tensor, logp_Aq: torch.Tensor | None) -> list[int]:
