@@ -45,6 +45,7 @@ from distflow.config.errors import ConfigError
 from distflow.rollout.decoding import Tally
 from distflow.rollout.drafts import Drafter, DraftHistory
 from distflow.rollout.engine import Request
+from distflow.rollout.invariant import KEY_CHUNK
 from distflow.rollout.kept_cache import kept_rows, row_cache
 from distflow.rollout.prefill import prefill_prompts
 from distflow.rollout.sampling import keyed_uniforms, sampled_logprob_B1, token_logprob_B1
@@ -291,8 +292,10 @@ class _Rollout:
         positions_Aq = self.prompt_len_G[prompts_A].unsqueeze(1) + columns_Aq - self.width
         end = int(columns_Aq[:, -1].max()) + 1
         # Prompts are left-padded to `width`: no running row attends left of the longest running one's first
-        # column (the widest rows may have ended or not entered yet), so the forward's columns start there.
-        first = self.width - int(self.prompt_len_G[prompts_A].max())
+        # column (the widest rows may have ended or not entered yet), so the forward's columns start there,
+        # rounded down to whole KEY_CHUNKs: batch-invariant attention sums chunks counted from column 0, and
+        # whole chunks of masked columns add exact zeros, so its bits stay those of a forward from column 0.
+        first = (self.width - int(self.prompt_len_G[prompts_A].max())) // KEY_CHUNK * KEY_CHUNK
         self.cache.at(torch.arange(A, device=self.device).unsqueeze(1).expand(A, q), columns_Aq, first, end)
         out = self.model(
             input_ids=torch.tensor(inputs, device=self.device),
