@@ -197,10 +197,10 @@ class _Rollout:
         request, caches = self.request, self.request.caches
         kept = set(kept_rows(request, caches)) if caches is not None else set()
         fresh = [g for g in range(len(self.prompt_keys)) if g not in kept]
-        self.fresh_of = {g: u for u, g in enumerate(fresh)}
+        distinct = self._map_distinct(fresh)
         self.prefill = None
         if fresh:
-            ids_FP, mask_FP = request.prompt_ids_GP[fresh], request.prompt_mask_GP[fresh]
+            ids_FP, mask_FP = request.prompt_ids_GP[distinct], request.prompt_mask_GP[distinct]
             # Beside kept rows (whose rows are long) the fresh prompts are prefilled at their own widest width.
             width = int(mask_FP.sum(-1).max()) if caches is not None else self.width
             self.prefill, logits_FV = prefill_prompts(self.model, ids_FP[:, -width:], mask_FP[:, -width:])
@@ -213,6 +213,20 @@ class _Rollout:
                     self._leave_cache(g, self.prefill.layers, self.fresh_of[g], width, width)
         like = [(layer.keys, layer.values) for layer in self.prefill.layers] if fresh else caches.given[min(kept)]
         self.cache = _SlotCache(like, self.num_slots, self.width + self.R + self.draft_tokens)
+
+    def _map_distinct(self, fresh: list[int]) -> list[int]:
+        """Each fresh prompt's row in the prefill (`fresh_of`): a prompt that comes several times is prefilled
+        once (partial rollouts send a fresh group's samples as copies of its prompt); the first prompt of each
+        distinct one, in order."""
+        self.fresh_of: dict[int, int] = {}
+        row_of: dict[tuple, int] = {}
+        firsts = []
+        for g in fresh:
+            if self.prompt_keys[g] not in row_of:
+                row_of[self.prompt_keys[g]] = len(firsts)
+                firsts.append(g)
+            self.fresh_of[g] = row_of[self.prompt_keys[g]]
+        return firsts
 
     def _first_tokens(self, fresh: list[int], logits_FV: torch.Tensor) -> None:
         """The fresh prompts' samples' token 0, from their prompt's last logits (one draw for all those rows, as
